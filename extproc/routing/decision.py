@@ -1,0 +1,100 @@
+"""What a policy is given and what it returns: the pick, why, and the numbers that led there, as data.
+
+Text is made from these fields only at the edge (``render.render_trace``); logs and
+the simulator store ``Trace.as_dict()`` so every decision can be queried later.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+# reason code -> meaning (documented in the README's table)
+REASONS: dict[str, str] = {
+    "rotate": "round-robin: the next replica in turn",
+    "hash": "mod-n: hash(conversation) mod the number of replicas",
+    "home": "the conversation's ring home (or, without a cap, the ring's pick)",
+    "sticky": "llm-aware: where placement memory says the conversation's cache is, not its ring home",
+    "home-long": "llm-aware: ring home above the normal cap but within the long-conversation cap",
+    "sticky-long": "llm-aware: remembered replica above the normal cap but within the long cap",
+    "overflow": "the preferred replica was over its cap; the next one clockwise with room",
+    "least-loaded": "no replica fitted under the cap; the one least loaded after this request",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class RouteRequest:
+    """One request as the router sees it."""
+
+    request_id: str
+    conversation: str
+    prompt_tokens: int  # estimated from the body's text
+    max_tokens: int  # the output the client asked for
+
+
+@dataclass(frozen=True, slots=True)
+class Check:
+    """One candidate the bounded walk looked at."""
+
+    replica: str
+    load: int
+    cost: int
+    limit: float
+    accepted: bool
+    long_limit: bool = False  # ``limit`` is the long-conversation cap
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "replica": self.replica,
+            "load": self.load,
+            "cost": self.cost,
+            "limit": self.limit,
+            "accepted": self.accepted,
+            "long_limit": self.long_limit,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Trace:
+    policy: str
+    prompt_tokens: int
+    max_tokens: int
+    unit: str | None = None  # "requests" or "tokens" for load-aware policies
+    home: str | None = None  # ring home (or mod-n pick)
+    preferred: str | None = None
+    preferred_by: str | None = None  # "ring" | "memory"
+    remembered: str | None = None  # placement memory: last replica
+    remembered_tokens: int | None = None  # ... and the prompt size served there
+    cached_tokens: int = 0  # predicted cached prefix on the preferred replica
+    preferred_cost: int | None = None
+    loads: tuple[tuple[str, int], ...] = ()
+    total: int | None = None
+    average: float | None = None
+    cap: float | None = None
+    long_cap: float | None = None
+    long_threshold: int | None = None  # prompt tokens from which a conversation counts as long
+    checks: tuple[Check, ...] = field(default=())
+
+    def as_dict(self) -> dict[str, Any]:
+        data: dict[str, Any] = {"policy": self.policy, "prompt_tokens": self.prompt_tokens,
+                                "max_tokens": self.max_tokens, "cached_tokens": self.cached_tokens}
+        for name in ("unit", "home", "preferred", "preferred_by", "remembered", "remembered_tokens",
+                     "preferred_cost", "total", "average", "cap", "long_cap", "long_threshold"):
+            value = getattr(self, name)
+            if value is not None:
+                data[name] = value
+        if self.loads:
+            data["loads"] = dict(self.loads)
+        if self.checks:
+            data["checks"] = [check.as_dict() for check in self.checks]
+        return data
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    replica: str
+    reason: str
+    cost: int  # charged in the policy's load unit (1 in requests mode)
+    charged_tokens: int  # charged to the token ledger (the work this request brings)
+    predicted_cached_tokens: int  # prefix the router expects the replica to have cached
+    trace: Trace

@@ -1,0 +1,16 @@
+"""Stable hashing: the same key lands on the same point in every process.
+
+Python's built-in ``hash()`` is salted per process (PYTHONHASHSEED), so two routers
+would disagree; xxhash64 with an explicit seed does not.
+"""
+
+from __future__ import annotations
+
+import xxhash
+
+_xxh64 = xxhash.xxh64_intdigest
+
+
+def stable_hash(key: str, seed: int = 0) -> int:
+    """64-bit hash of ``key``, identical across processes, machines and runs."""
+    return _xxh64(key.encode(), seed)

@@ -1,0 +1,93 @@
+"""In-flight load per replica, in requests and in tokens.
+
+Charged when a request is routed, released when its stream ends. Releasing is
+idempotent: a second release, or the release of an unknown request, changes nothing,
+so an error path that releases "just in case" can never drive a counter negative.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Literal
+
+LoadUnit = Literal["requests", "tokens"]
+
+
+class LoadLedger:
+    __slots__ = ("_requests", "_tokens", "_charges", "_total_requests", "_total_tokens")
+
+    def __init__(self, replicas: Iterable[str] = ()) -> None:
+        self._requests: dict[str, int] = {}
+        self._tokens: dict[str, int] = {}
+        self._charges: dict[str, tuple[str, int]] = {}
+        self._total_requests = 0
+        self._total_tokens = 0
+        self.set_replicas(replicas)
+
+    def set_replicas(self, replicas: Iterable[str]) -> None:
+        """Track exactly ``replicas``. New ones start empty.
+
+        A removed replica's in-flight requests are forgotten: its counters go, and
+        completing those requests later releases nothing. If the replica comes back
+        it starts from zero, which is true: a re-added replica has a fresh server.
+        """
+        wanted = set(replicas)
+        for gone in [name for name in self._requests if name not in wanted]:
+            self._total_requests -= self._requests.pop(gone)
+            self._total_tokens -= self._tokens.pop(gone)
+            for request_id in [rid for rid, (name, _) in self._charges.items() if name == gone]:
+                del self._charges[request_id]
+        for name in sorted(wanted - self._requests.keys()):
+            self._requests[name] = 0
+            self._tokens[name] = 0
+
+    def charge(self, request_id: str, replica: str, tokens: int) -> None:
+        if request_id in self._charges:
+            raise ValueError(f"request {request_id!r} is already charged")
+        if replica not in self._requests:
+            raise KeyError(f"unknown replica {replica!r}")
+        self._charges[request_id] = (replica, tokens)
+        self._requests[replica] += 1
+        self._tokens[replica] += tokens
+        self._total_requests += 1
+        self._total_tokens += tokens
+
+    def release(self, request_id: str) -> tuple[str, int] | None:
+        """Release a request's load; returns (replica, tokens), or None if nothing was held."""
+        charge = self._charges.pop(request_id, None)
+        if charge is not None:
+            replica, tokens = charge
+            self._requests[replica] -= 1
+            self._tokens[replica] -= tokens
+            self._total_requests -= 1
+            self._total_tokens -= tokens
+        return charge
+
+    def clear(self) -> None:
+        self._charges.clear()
+        self._total_requests = self._total_tokens = 0
+        for name in self._requests:
+            self._requests[name] = 0
+            self._tokens[name] = 0
+
+    def loads(self, unit: LoadUnit) -> Mapping[str, int]:
+        """Live read-only view of the per-replica load in ``unit``."""
+        return self._requests if unit == "requests" else self._tokens
+
+    def total(self, unit: LoadUnit) -> int:
+        return self._total_requests if unit == "requests" else self._total_tokens
+
+    def requests(self, replica: str) -> int:
+        return self._requests.get(replica, 0)
+
+    def tokens(self, replica: str) -> int:
+        return self._tokens.get(replica, 0)
+
+    def total_requests(self) -> int:
+        return self._total_requests
+
+    def total_tokens(self) -> int:
+        return self._total_tokens
+
+    def in_flight(self) -> int:
+        return len(self._charges)

@@ -1,0 +1,72 @@
+"""Placement memory: where each conversation was last served, and how long it was.
+
+Bounded so memory stays flat with millions of conversations. An exact LRU needs a
+linked list per entry (OrderedDict costs ~230 bytes an entry); instead two plain
+dicts act as generations: entries go into the young one; when it holds half the
+capacity it becomes the old one and the previous old one is dropped. A lookup that
+hits the old generation moves the entry back to the young one. So at most
+``capacity`` entries are kept, and what is forgotten is what went unused longest
+(to within one generation). Keys are 64-bit hashes and values one packed int.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from extproc.routing.hashing import stable_hash
+
+_REPLICA_BITS = 20  # up to ~1 M distinct replica names over a router's lifetime
+_REPLICA_MASK = (1 << _REPLICA_BITS) - 1
+_MEMORY_SEED = 0x6C6C6D2D72696E67  # any fixed seed; independent of the ring's
+
+
+class Placement(NamedTuple):
+    replica: str
+    prompt_tokens: int
+
+
+class PlacementMemory:
+    __slots__ = ("capacity", "_young", "_old", "_generation_size", "_names", "_ids")
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 2:
+            raise ValueError("placement memory capacity must be at least 2")
+        self.capacity = capacity
+        self._generation_size = capacity // 2
+        self._young: dict[int, int] = {}
+        self._old: dict[int, int] = {}
+        self._names: list[str] = []
+        self._ids: dict[str, int] = {}
+
+    def __len__(self) -> int:
+        return len(self._young) + len(self._old)
+
+    def get(self, conversation: str) -> Placement | None:
+        key = stable_hash(conversation, _MEMORY_SEED)
+        packed = self._young.get(key)
+        if packed is None:
+            packed = self._old.pop(key, None)
+            if packed is None:
+                return None
+            self._store(key, packed)
+        return Placement(self._names[packed & _REPLICA_MASK], packed >> _REPLICA_BITS)
+
+    def remember(self, conversation: str, replica: str, prompt_tokens: int) -> None:
+        key = stable_hash(conversation, _MEMORY_SEED)
+        replica_id = self._ids.get(replica)
+        if replica_id is None:
+            replica_id = self._ids[replica] = len(self._names)
+            self._names.append(replica)
+        self._old.pop(key, None)
+        self._store(key, (prompt_tokens << _REPLICA_BITS) | replica_id)
+
+    def clear(self) -> None:
+        self._young.clear()
+        self._old.clear()
+
+    def _store(self, key: int, packed: int) -> None:
+        young = self._young
+        young[key] = packed
+        if len(young) >= self._generation_size:
+            self._old = young
+            self._young = {}

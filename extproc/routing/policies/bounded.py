@@ -1,0 +1,43 @@
+"""bounded: consistent hashing with bounded loads (Mirrokni, Thorup, Zadimoghaddam 2016).
+
+A request goes to the first replica clockwise from its ring position whose load, with
+the request added, stays within cap = (1 + ε) × average, where the average counts
+this request too. Load is counted in requests (each costs 1) or in tokens (each
+costs its whole prompt + max_tokens, wherever it goes: the cache is ignored).
+"""
+
+from __future__ import annotations
+
+from extproc.routing.decision import Decision, Trace
+from extproc.routing.policies.situation import Situation, average_and_cap, first_fit, least_loaded
+from extproc.settings import RoutingSettings
+
+
+class Bounded:
+    name = "bounded"
+
+    def __init__(self, settings: RoutingSettings) -> None:
+        self.epsilon = settings.epsilon
+        self.unit = settings.load_unit
+
+    def decide(self, situation: Situation) -> Decision | None:
+        eligible = situation.eligible
+        if not eligible:
+            return None
+        request = situation.request
+        work = request.prompt_tokens + request.max_tokens
+        cost = 1 if self.unit == "requests" else work
+        loads = situation.ledger.loads(self.unit)
+        total = situation.total(self.unit) + cost
+        average, cap = average_and_cap(total, len(eligible), self.epsilon, self.unit)
+        home = situation.home()
+        chosen, checks = first_fit(situation.walk(), loads, lambda _: cost, cap)
+        if chosen is None:
+            chosen, reason = least_loaded(eligible, loads, lambda _: cost), "least-loaded"
+        else:
+            reason = "home" if chosen == home else "overflow"
+        trace = Trace(
+            self.name, request.prompt_tokens, request.max_tokens, unit=self.unit, home=home,
+            loads=situation.load_items(self.unit), total=total, average=average, cap=cap, checks=checks,
+        )
+        return Decision(chosen, reason, cost, work, situation.cached_tokens_on(chosen), trace)

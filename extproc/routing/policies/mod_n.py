@@ -1,0 +1,22 @@
+"""mod-n: hash(conversation) mod N over the sorted replicas. Sticky until N changes,
+then most conversations move (3 → 4 replicas moves about 3/4 of them)."""
+
+from __future__ import annotations
+
+from extproc.routing.decision import Decision
+from extproc.routing.policies.situation import Situation, unbounded_decision
+from extproc.settings import RoutingSettings
+
+
+class ModN:
+    name = "mod-n"
+
+    def __init__(self, settings: RoutingSettings) -> None:
+        pass
+
+    def decide(self, situation: Situation) -> Decision | None:
+        eligible = situation.eligible
+        if not eligible:
+            return None
+        replica = eligible[situation.key_hash % len(eligible)]
+        return unbounded_decision(self.name, situation, replica, "hash", home=replica)

@@ -1,0 +1,22 @@
+"""round-robin: each request to the next replica in turn. Blind to conversations."""
+
+from __future__ import annotations
+
+from extproc.routing.decision import Decision
+from extproc.routing.policies.situation import Situation, unbounded_decision
+from extproc.settings import RoutingSettings
+
+
+class RoundRobin:
+    name = "round-robin"
+
+    def __init__(self, settings: RoutingSettings) -> None:
+        self._turn = 0
+
+    def decide(self, situation: Situation) -> Decision | None:
+        eligible = situation.eligible
+        if not eligible:
+            return None
+        replica = eligible[self._turn % len(eligible)]
+        self._turn += 1
+        return unbounded_decision(self.name, situation, replica, "rotate")

@@ -1,0 +1,81 @@
+"""Decision traces as text, the way an operator reads them (the edge of the core)."""
+
+from __future__ import annotations
+
+from extproc.routing.decision import Check, Decision, Trace
+
+
+def render_trace(decision: Decision) -> str:
+    trace = decision.trace
+    lines = [f"{_title(trace)} → {decision.replica} ({decision.reason})"]
+    if trace.preferred_by is not None:
+        lines.append(_preference_line(trace))
+    if trace.preferred_by is not None and trace.preferred_cost is not None and trace.preferred:
+        lines.append(_cost_line(trace))
+    if trace.total is not None and trace.cap is not None:
+        lines.append(_load_line(trace))
+    if trace.long_cap is not None:
+        lines.append(
+            f"  long stickiness: prompt_tokens={trace.prompt_tokens} ≥ {trace.long_threshold} and "
+            f"cache_likely=True → long_cap={_num(trace.long_cap)}"
+        )
+    lines.extend(_check_line(check, trace, decision.reason) for check in trace.checks)
+    return "\n".join(lines)
+
+
+def _title(trace: Trace) -> str:
+    if trace.policy == "bounded":
+        return f"bounded ({trace.unit.removesuffix('s') if trace.unit else '?'} mode)"
+    return trace.policy
+
+
+def _preference_line(trace: Trace) -> str:
+    if trace.remembered is not None:
+        memory = f"last served on {trace.remembered} with {trace.remembered_tokens} prompt tokens"
+    else:
+        memory = "nothing remembered"
+    if trace.preferred_by == "memory":
+        return f"  placement memory: {memory} → preferred={trace.preferred}"
+    return f"  ring home: {trace.home} ({memory}) → preferred={trace.preferred}"
+
+
+def _cost_line(trace: Trace) -> str:
+    new = trace.prompt_tokens - trace.cached_tokens
+    if trace.cached_tokens:
+        return (
+            f"  cost on {trace.preferred}: max(1, {trace.prompt_tokens}-{trace.cached_tokens})="
+            f"{max(1, new)} + {trace.max_tokens} = {trace.preferred_cost} (new tokens only, cache hit)"
+        )
+    return (
+        f"  cost on {trace.preferred}: {trace.prompt_tokens} + {trace.max_tokens} = "
+        f"{trace.preferred_cost} (whole history, no cache)"
+    )
+
+
+def _load_line(trace: Trace) -> str:
+    loads = " ".join(f"{name}={load}" for name, load in trace.loads)
+    if trace.preferred_by is not None:  # llm-aware: cost depends on the replica
+        return (
+            f"  load ({trace.unit}): {loads}; +{trace.preferred_cost} → total={trace.total}, "
+            f"avg={_num(trace.average)}, cap={_num(trace.cap)}"
+        )
+    return f"  load ({trace.unit}): {loads}; with this request total={trace.total}, cap={_num(trace.cap)}"
+
+
+def _check_line(check: Check, trace: Trace, reason: str) -> str:
+    after = check.load + check.cost
+    head = f"  {check.replica}: {check.load}+{check.cost}={after}"
+    limit = f"long_cap={_num(check.limit)}" if check.long_limit else _num(check.limit)
+    if not check.accepted:
+        return f"{head} > {limit} → skip"
+    if after > check.limit:
+        return f"{head} > {limit} but idle → {reason}"
+    if check.long_limit and trace.cap is not None and after > trace.cap:
+        return f"{head} ≤ {limit} (> normal cap={_num(trace.cap)}) → {reason}"
+    return f"{head} ≤ {limit} → {reason}"
+
+
+def _num(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return str(int(value)) if float(value).is_integer() else f"{value:.1f}"

@@ -1,0 +1,97 @@
+"""The router: a policy, the ring, the load ledger and placement memory, wired together.
+
+Pure and synchronous: the gRPC service, the simulator and the tests all drive this
+same object. One request = ``route`` (charges load) then exactly one ``complete``
+(releases it), whatever happened in between.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable
+
+from extproc.routing.decision import Decision, RouteRequest
+from extproc.routing.hashing import stable_hash
+from extproc.routing.ledger import LoadLedger
+from extproc.routing.placement import PlacementMemory
+from extproc.routing.policies import Policy, make_policy
+from extproc.routing.policies.situation import Situation
+from extproc.routing.ring import HashRing
+from extproc.settings import RoutingSettings
+
+
+class Router:
+    def __init__(self, settings: RoutingSettings, replicas: Iterable[str] = ()) -> None:
+        self.settings = settings
+        self.ledger = LoadLedger()
+        self.memory = PlacementMemory(settings.memory_capacity)
+        self.policy: Policy = make_policy(settings)
+        self._ring = HashRing((), settings.virtual_nodes, settings.hash_seed)
+        self._in_flight: dict[str, tuple[RouteRequest, Decision]] = {}
+        self.set_replicas(replicas)
+
+    @property
+    def replicas(self) -> tuple[str, ...]:
+        return self._ring.replicas
+
+    @property
+    def ring(self) -> HashRing:
+        return self._ring
+
+    def set_replicas(self, replicas: Iterable[str]) -> None:
+        names = tuple(sorted(set(replicas)))
+        if names == self._ring.replicas:
+            return
+        self._ring = HashRing(names, self.settings.virtual_nodes, self.settings.hash_seed)
+        self.ledger.set_replicas(names)
+        gone = [rid for rid, (_, decision) in self._in_flight.items() if decision.replica not in names]
+        for request_id in gone:  # their load went with the replica; completing them is a no-op
+            del self._in_flight[request_id]
+
+    def route(self, request: RouteRequest, avoid: Collection[str] = ()) -> Decision | None:
+        """Pick a replica for ``request`` and charge it; None when no replica is eligible."""
+        if request.request_id in self._in_flight:
+            raise ValueError(f"request {request.request_id!r} is already in flight")
+        avoided = frozenset(avoid)
+        placement = self.memory.get(request.conversation)
+        if placement is not None and (placement.replica not in self.ledger.loads("requests")
+                                      or placement.replica in avoided):
+            placement = None  # that cache is gone or unreachable
+        situation = Situation(
+            request, stable_hash(request.conversation, self.settings.hash_seed), self._ring,
+            self.ledger, placement, avoided,
+        )
+        decision = self.policy.decide(situation)
+        if decision is not None:
+            self.ledger.charge(request.request_id, decision.replica, decision.charged_tokens)
+            self._in_flight[request.request_id] = (request, decision)
+        return decision
+
+    def complete(self, request_id: str, ok: bool = True) -> Decision | None:
+        """Release the request's load (once). On success remember where its cache now is."""
+        entry = self._in_flight.pop(request_id, None)
+        if entry is None:
+            return None
+        request, decision = entry
+        self.ledger.release(request_id)
+        if ok:
+            self.memory.remember(request.conversation, decision.replica, request.prompt_tokens)
+        return decision
+
+    def reconfigure(self, settings: RoutingSettings) -> None:
+        """Switch policy or knobs at run time; in-flight load is kept."""
+        old, self.settings = self.settings, settings
+        self.policy = make_policy(settings)
+        if (old.virtual_nodes, old.hash_seed) != (settings.virtual_nodes, settings.hash_seed):
+            self._ring = HashRing(self._ring.replicas, settings.virtual_nodes, settings.hash_seed)
+        if old.memory_capacity != settings.memory_capacity:
+            self.memory = PlacementMemory(settings.memory_capacity)
+
+    def reset(self) -> None:
+        """Forget in-flight load, placement memory and policy state (between experiment runs)."""
+        self.ledger.clear()
+        self.memory.clear()
+        self._in_flight.clear()
+        self.policy = make_policy(self.settings)
+
+    def in_flight(self) -> int:
+        return len(self._in_flight)

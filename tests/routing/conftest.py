@@ -1,0 +1,43 @@
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from extproc.routing import Router
+from extproc.settings import RoutingSettings, parse_routing
+
+BASE: dict[str, Any] = {
+    "policy": "llm-aware",
+    "virtual_nodes": 100,
+    "hash_seed": 0,
+    "epsilon": 0.25,
+    "load_unit": "requests",
+    "cache_aware": True,
+    "placement_memory": True,
+    "long_stickiness": True,
+    "long_prompt_tokens": 800,
+    "long_load_factor": 2.0,
+    "memory_capacity": 10_000,
+}
+
+
+def routing(**overrides: Any) -> RoutingSettings:
+    return parse_routing({**BASE, **overrides})
+
+
+def key_with_walk(router: Router, *prefix: str) -> str:
+    """A conversation id whose ring walk starts with ``prefix`` (found by search: deterministic)."""
+    from extproc.routing import stable_hash
+
+    for index in range(100_000):
+        key = f"conv-{index}"
+        walk = list(router.ring.walk(stable_hash(key, router.settings.hash_seed)))
+        if tuple(walk[: len(prefix)]) == prefix:
+            return key
+    raise AssertionError(f"no key walks {prefix}")
+
+
+@pytest.fixture
+def three() -> tuple[str, str, str]:
+    return ("llm-0", "llm-1", "llm-2")

@@ -1,0 +1,80 @@
+from __future__ import annotations
+
+import pytest
+
+from extproc.routing import Router, RouteRequest
+from tests.routing.conftest import routing
+
+REPLICAS = ["llm-0", "llm-1", "llm-2"]
+
+
+@pytest.mark.parametrize("policy", ["round-robin", "mod-n", "consistent", "bounded", "llm-aware"])
+def test_route_then_complete_returns_every_counter_to_zero(policy: str) -> None:
+    router = Router(routing(policy=policy), REPLICAS)
+    for index in range(50):
+        assert router.route(RouteRequest(str(index), f"c{index % 7}", 100 + index, 32)) is not None
+    assert router.ledger.total_requests() == 50
+    for index in range(50):
+        assert router.complete(str(index)) is not None
+        assert router.complete(str(index)) is None  # exactly once
+    assert router.ledger.total_requests() == router.ledger.total_tokens() == router.in_flight() == 0
+
+
+def test_no_replicas_means_no_decision() -> None:
+    router = Router(routing(), [])
+    assert router.route(RouteRequest("r", "c", 10, 10)) is None
+    router.set_replicas(["llm-0"])
+    assert router.route(RouteRequest("r", "c", 10, 10), avoid={"llm-0"}) is None
+
+
+def test_round_robin_rotates_and_mod_n_hashes() -> None:
+    rr = Router(routing(policy="round-robin"), REPLICAS)
+    picks = [rr.route(RouteRequest(str(i), "same", 10, 1)).replica for i in range(6)]  # type: ignore[union-attr]
+    assert picks == REPLICAS * 2
+    mod = Router(routing(policy="mod-n"), REPLICAS)
+    assert len({mod.route(RouteRequest(str(i), "same", 10, 1)).replica for i in range(6)}) == 1  # type: ignore[union-attr]
+
+
+def test_avoided_replicas_are_never_picked() -> None:
+    for policy in ["round-robin", "mod-n", "consistent", "bounded", "llm-aware"]:
+        router = Router(routing(policy=policy), REPLICAS)
+        for index in range(30):
+            decision = router.route(RouteRequest(f"{policy}{index}", f"c{index}", 50, 5), avoid={"llm-1"})
+            assert decision is not None and decision.replica != "llm-1"
+
+
+def test_a_duplicate_request_id_is_refused() -> None:
+    router = Router(routing(), REPLICAS)
+    router.route(RouteRequest("r", "c", 10, 1))
+    with pytest.raises(ValueError, match="already in flight"):
+        router.route(RouteRequest("r", "c", 10, 1))
+
+
+def test_removing_a_replica_drops_its_load_and_its_requests_complete_harmlessly() -> None:
+    router = Router(routing(policy="consistent"), REPLICAS)
+    decisions = [router.route(RouteRequest(str(i), f"c{i}", 10, 1)) for i in range(30)]
+    router.set_replicas(["llm-0", "llm-2"])
+    for index, decision in enumerate(decisions):
+        assert decision is not None
+        completed = router.complete(str(index))
+        assert (completed is None) == (decision.replica == "llm-1")
+    assert router.ledger.total_requests() == 0
+
+
+def test_failed_requests_are_not_remembered() -> None:
+    router = Router(routing(), REPLICAS)
+    router.route(RouteRequest("r", "c", 10, 1))
+    router.complete("r", ok=False)
+    assert router.memory.get("c") is None
+
+
+def test_reconfigure_switches_policy_and_keeps_load_reset_forgets() -> None:
+    router = Router(routing(policy="bounded"), REPLICAS)
+    router.route(RouteRequest("r", "c", 10, 1))
+    router.complete("r")
+    router.route(RouteRequest("r2", "c", 10, 1))
+    router.reconfigure(routing(policy="round-robin", virtual_nodes=7))
+    assert router.policy.name == "round-robin" and router.ledger.total_requests() == 1
+    router.reset()
+    assert router.ledger.total_requests() == 0 and router.memory.get("c") is None
+    assert router.complete("r2") is None
