@@ -1,0 +1,143 @@
+"""`llm-ring sim`: run the real policies on simulated replicas, over many seeds and fleet sizes.
+
+Writes the same experiment folders as `llm-ring run` (one per fleet size when several
+are given), then prints per fleet size the per-policy summary as mean ± 95 % CI
+across seeds (the shared analysis in extproc/analysis computes every number).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from extproc.analysis.metrics import METRICS, connect, summary
+from extproc.analysis.report import SUMMARY_FILE, build_report, format_value, render_markdown
+from extproc.settings import SettingsError
+from extproc.sim.costmodel import CostModelError, load_cost_model
+from extproc.sim.engine import Fleet
+from extproc.sim.mooncake import TraceError
+from extproc.sim.runs import (
+    SIM_CONFIG,
+    cache_tokens,
+    load_sim_config,
+    parse_policy,
+    profile_source,
+    run_experiment,
+    trace_source,
+)
+from extproc.traffic import ProfileError
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--profile", help="traffic profile name or JSON path (same conversations as Locust)")
+    source.add_argument("--trace", type=Path, help="Mooncake-format JSONL trace")
+    parser.add_argument("--policies", nargs="+", required=True, metavar="POLICY",
+                        help="policy names, optionally with knobs: bounded:load_unit=tokens,epsilon=0.5")
+    parser.add_argument("--seeds", nargs="+", required=True, metavar="SEED",
+                        help="seeds: integers or ranges like 1-20")
+    parser.add_argument("--replicas", nargs="+", type=int, default=[3], metavar="N",
+                        help="fleet sizes to simulate (default 3)")
+    parser.add_argument("--scale-at", type=float, metavar="S",
+                        help="add one replica S simulated seconds after the start")
+    parser.add_argument("--scale", nargs="+", default=[], metavar="T:N",
+                        help="set the fleet to N replicas at T seconds (scale up or down)")
+    parser.add_argument("--out-dir", type=Path, required=True)
+    parser.add_argument("--config", type=Path, default=SIM_CONFIG, help=f"simulator settings (default {SIM_CONFIG})")
+    parser.add_argument("--cost-model", help="cost model name or path (default: [replica] cost_model)")
+    parser.add_argument("--slots", type=int, help="slots per replica (default: [replica] slots)")
+    parser.add_argument("--cache-ram-mib", type=float, help="host-RAM prompt cache per replica")
+    parser.add_argument("--time-scale", type=float, help="traces: multiply arrival times (default: [trace])")
+    parser.add_argument("--limit", type=int, help="traces: only the first N requests")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        config = load_sim_config(args.config)
+        config = type(config)(
+            routing=config.routing,
+            slots=args.slots or config.slots,
+            cache_ram_mib=config.cache_ram_mib if args.cache_ram_mib is None else args.cache_ram_mib,
+            cost_model=args.cost_model or config.cost_model,
+            time_scale=args.time_scale or config.time_scale,
+        )
+        seeds = parse_seeds(args.seeds)
+        for spec in args.policies:
+            parse_policy(spec, config.routing)  # fail before any run
+        cost = load_cost_model(config.cost_model)
+        source = profile_source(args.profile) if args.profile else trace_source(
+            args.trace, config.time_scale, args.limit)
+        scale = parse_scale(args.scale)
+    except (SettingsError, CostModelError, ProfileError, TraceError, ValueError) as exc:
+        print(f"llm-ring sim: {exc}", file=sys.stderr)
+        return 2
+    results: dict[str, Any] = {}
+    started = time.perf_counter()
+    for replicas in args.replicas:
+        events = scale + ([(args.scale_at, replicas + 1)] if args.scale_at is not None else [])
+        fleet = Fleet(replicas, config.slots, cache_tokens(config.cache_ram_mib, cost), tuple(sorted(events)))
+        out_dir = args.out_dir / f"replicas-{replicas}" if len(args.replicas) > 1 else args.out_dir
+        run_experiment(source, args.policies, seeds, config, fleet, out_dir,
+                       progress=lambda line: print(line, file=sys.stderr))
+        report = build_report(out_dir)
+        (out_dir / SUMMARY_FILE).write_text(render_markdown(report, with_runs=True))
+        results[str(replicas)] = summary(connect(out_dir))
+        if not args.json:
+            print(f"\n{source.label}: {replicas} replicas, {len(seeds)} seeds ({out_dir})")
+            print(render_ci_table(results[str(replicas)]))
+    print(f"simulated in {time.perf_counter() - started:.1f} s", file=sys.stderr)
+    if args.json:
+        print(json.dumps({"source": source.label, "seeds": seeds, "replicas": results}))
+    return 0
+
+
+def parse_seeds(items: list[str]) -> list[int]:
+    seeds: list[int] = []
+    for item in items:
+        low, sep, high = item.partition("-")
+        try:
+            seeds += list(range(int(low), int(high) + 1)) if sep else [int(item)]
+        except ValueError:
+            raise ValueError(f"--seeds: {item!r} is not an integer or a range like 1-20") from None
+    return seeds
+
+
+def parse_scale(items: list[str]) -> list[tuple[float, int]]:
+    events = []
+    for item in items:
+        at, sep, count = item.partition(":")
+        try:
+            events.append((float(at), int(count)))
+        except ValueError:
+            raise ValueError(f"--scale: {item!r} is not T:N (seconds:replicas)") from None
+        if not sep or events[-1][1] < 0:
+            raise ValueError(f"--scale: {item!r} is not T:N (seconds:replicas)")
+    return events
+
+
+def render_ci_table(stats: dict[str, dict[str, dict[str, Any]]]) -> str:
+    """Metric rows, policy columns: mean over runs ± 95 % t-interval (one run: the value)."""
+    policies = list(stats)
+    rows = [["metric (mean ± 95% CI over seeds)", *policies]]
+    for metric in METRICS:
+        cells = []
+        for policy in policies:
+            s = stats[policy][metric.name]
+            if s["mean"] is None:
+                cells.append("-")
+            elif s["ci95"] is None:
+                cells.append(format_value(metric, s["mean"]))
+            else:
+                cells.append(f"{format_value(metric, s['mean'])} ± {format_value(metric, s['ci95'])}")
+        if any(cell != "-" for cell in cells):
+            rows.append([metric.label, *cells])
+    rows.append(["runs (seeds)", *(str(stats[p]["requests"]["n_runs"]) for p in policies)])
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)

@@ -1,0 +1,146 @@
+"""What a llama.cpp replica's work costs in seconds: the calibrated cost model.
+
+A cost model is a JSON file (``extproc/sim/costmodels/<name>.json``, written by
+``llm-ring calibrate``). Every field must be present; a missing or wrong one is
+reported by its dotted name. Times are "solo" seconds: the time a request takes when
+it is the only busy slot. With k busy slots on the shared CPU each request runs
+``slowdown[k]`` times slower (separate tables for prefill and decode, since llama.cpp
+batches decode steps of several slots far better than it batches prompt chunks).
+
+    prefill(new, cached) = overhead_s + new * per_token_s + new * (cached + new / 2) * per_token_ctx_s
+    decode(out, context) = out * (per_token_s + (context + out / 2) * per_token_ctx_s)
+
+``new`` is at least 1: llama.cpp re-evaluates one token even on a full cache hit.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+COSTMODELS_DIR = Path(__file__).parent / "costmodels"
+
+
+class CostModelError(ValueError):
+    """A cost-model file is missing or invalid; the message names the field."""
+
+
+@dataclass(frozen=True, slots=True)
+class CostModel:
+    name: str
+    kv_bytes_per_token: int  # host-RAM prompt cache entry size per token (12 KiB for 0.5B shapes)
+    prefill_overhead_s: float
+    prefill_per_token_s: float
+    prefill_per_token_ctx_s: float
+    decode_per_token_s: float
+    decode_per_token_ctx_s: float
+    prefill_slowdown: tuple[float, ...]  # index k-1: slowdown with k busy slots
+    decode_slowdown: tuple[float, ...]
+    measured: dict[str, Any]  # how, where and when it was measured (free-form, kept for the record)
+
+    def prefill_s(self, new_tokens: int, cached_tokens: int) -> float:
+        return (
+            self.prefill_overhead_s
+            + new_tokens * self.prefill_per_token_s
+            + new_tokens * (cached_tokens + new_tokens / 2) * self.prefill_per_token_ctx_s
+        )
+
+    def decode_s(self, output_tokens: int, context_tokens: int) -> float:
+        return output_tokens * (
+            self.decode_per_token_s + (context_tokens + output_tokens / 2) * self.decode_per_token_ctx_s
+        )
+
+    def slowdowns(self, slots: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
+        """(prefill, decode) slowdown tables indexed by busy-slot count 0..slots (index 0 unused)."""
+        return (0.0, *_extend(self.prefill_slowdown, slots)), (0.0, *_extend(self.decode_slowdown, slots))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "kv_bytes_per_token": self.kv_bytes_per_token,
+            "prefill": {
+                "overhead_s": self.prefill_overhead_s,
+                "per_token_s": self.prefill_per_token_s,
+                "per_token_ctx_s": self.prefill_per_token_ctx_s,
+            },
+            "decode": {"per_token_s": self.decode_per_token_s, "per_token_ctx_s": self.decode_per_token_ctx_s},
+            "concurrency": {
+                "prefill_slowdown": list(self.prefill_slowdown),
+                "decode_slowdown": list(self.decode_slowdown),
+            },
+            "measured": self.measured,
+        }
+
+
+def _extend(table: tuple[float, ...], slots: int) -> tuple[float, ...]:
+    """The table for 1..slots busy slots; beyond the measured ones, continue the last step linearly."""
+    values = list(table[:slots])
+    step = table[-1] - table[-2] if len(table) > 1 else 0.0
+    while len(values) < slots:
+        values.append(values[-1] + step)
+    return tuple(values)
+
+
+def available_cost_models() -> list[str]:
+    return sorted(p.stem for p in COSTMODELS_DIR.glob("*.json"))
+
+
+def load_cost_model(name_or_path: str | Path) -> CostModel:
+    """Read a cost model by name (``qwen05b-shape``) or by path to a JSON file."""
+    text = str(name_or_path)
+    path = Path(text) if text.endswith(".json") or "/" in text else COSTMODELS_DIR / f"{text}.json"
+    if not path.is_file():
+        known = ", ".join(available_cost_models())
+        raise CostModelError(f"cost model not found: {text} (known: {known}; or give a path to a .json file)")
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise CostModelError(f"cost model {path}: not valid JSON: {exc}") from None
+    return parse_cost_model(raw, source=str(path))
+
+
+def parse_cost_model(raw: Any, source: str = "cost model") -> CostModel:
+    def get(*keys: str) -> Any:
+        node = raw
+        for depth, key in enumerate(keys):
+            if not isinstance(node, dict) or key not in node:
+                raise CostModelError(f"{source}: {'.'.join(keys[: depth + 1])}: missing")
+            node = node[key]
+        return node
+
+    def number(*keys: str) -> float:
+        value = get(*keys)
+        if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+            raise CostModelError(f"{source}: {'.'.join(keys)}: must be a number >= 0 (got {value!r})")
+        return float(value)
+
+    def table(*keys: str) -> tuple[float, ...]:
+        value = get(*keys)
+        ok = isinstance(value, list) and value and all(
+            isinstance(v, int | float) and not isinstance(v, bool) and v >= 1 for v in value
+        )
+        if not ok:
+            raise CostModelError(f"{source}: {'.'.join(keys)}: must be a non-empty list of numbers >= 1 "
+                                 f"(slowdown with 1, 2, ... busy slots; got {value!r})")
+        return tuple(float(v) for v in value)
+
+    measured = get("measured")
+    if not isinstance(measured, dict):
+        raise CostModelError(f"{source}: measured: must be an object describing the measurement")
+    kv = get("kv_bytes_per_token")
+    if isinstance(kv, bool) or not isinstance(kv, int) or kv <= 0:
+        raise CostModelError(f"{source}: kv_bytes_per_token: must be an integer > 0 (got {kv!r})")
+    return CostModel(
+        name=str(get("name")),
+        kv_bytes_per_token=kv,
+        prefill_overhead_s=number("prefill", "overhead_s"),
+        prefill_per_token_s=number("prefill", "per_token_s"),
+        prefill_per_token_ctx_s=number("prefill", "per_token_ctx_s"),
+        decode_per_token_s=number("decode", "per_token_s"),
+        decode_per_token_ctx_s=number("decode", "per_token_ctx_s"),
+        prefill_slowdown=table("concurrency", "prefill_slowdown"),
+        decode_slowdown=table("concurrency", "decode_slowdown"),
+        measured=measured,
+    )

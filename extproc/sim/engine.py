@@ -1,0 +1,171 @@
+"""The discrete-event loop: requests arrive, the real Router picks, replicas serve.
+
+The router is the service's own ``extproc.routing.Router``: ``route()`` when a request
+arrives, ``complete()`` when its answer is done, ``set_replicas()`` at scale events.
+The loop keeps a heap of (time, sequence, kind, payload); ties are broken by the
+sequence number, so a run is fully deterministic.
+
+Workloads come in two shapes:
+- closed loop (profiles, like the Locust users): ``users`` users start
+  ``1/spawn_rate`` s apart; each takes the next conversation, sends a turn after its
+  think time, waits for the answer, and so on; no new turn starts after ``max_duration_s``;
+- open loop (traces): every request arrives at its own ``arrival_s``.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+from extproc.routing import Router, RouteRequest
+from extproc.sim.costmodel import CostModel
+from extproc.sim.replica import Replica, Request
+
+_WAKE, _SEND, _SCALE, _USER = 0, 1, 2, 3
+
+
+@dataclass(frozen=True)
+class Fleet:
+    replicas: int  # at the start
+    slots: int  # llama.cpp --parallel
+    cache_tokens: int  # host-RAM prompt cache per replica, in tokens (0 = --cache-ram 0)
+    scale: tuple[tuple[float, int], ...] = ()  # (at seconds, replica count) events
+
+    def names(self, count: int) -> list[str]:
+        return [f"llm-{i}" for i in range(count)]
+
+
+@dataclass
+class ClosedLoop:
+    conversations: Sequence[Request]  # first turns, in the order users take them (linked by .next)
+    users: int
+    spawn_rate: float
+    max_duration_s: float
+
+
+@dataclass
+class OpenLoop:
+    requests: Sequence[Request]  # each with arrival_s
+
+
+@dataclass
+class Outcome:
+    requests: list[Request] = field(default_factory=list)  # in completion order
+    end_s: float = 0.0
+    events: int = 0
+    scale_times: list[tuple[float, int]] = field(default_factory=list)
+
+
+def simulate(
+    workload: ClosedLoop | OpenLoop, router: Router, cost: CostModel, fleet: Fleet
+) -> Outcome:
+    sim = _Simulation(router, cost, fleet)
+    return sim.run(workload)
+
+
+class _Simulation:
+    def __init__(self, router: Router, cost: CostModel, fleet: Fleet) -> None:
+        self.router = router
+        self.cost = cost
+        self.fleet = fleet
+        self.replicas: dict[str, Replica] = {}
+        self.heap: list[tuple] = []
+        self.seq = 0
+        self.outcome = Outcome()
+        self.pending: Iterator[Request] = iter(())
+        self.deadline = float("inf")
+        self._set_fleet(fleet.replicas, 0.0)
+
+    def push(self, at: float, kind: int, payload: object) -> None:
+        self.seq += 1
+        heapq.heappush(self.heap, (at, self.seq, kind, payload))
+
+    def run(self, workload: ClosedLoop | OpenLoop) -> Outcome:
+        if isinstance(workload, ClosedLoop):
+            self.pending = iter(workload.conversations)
+            self.deadline = workload.max_duration_s
+            for user in range(workload.users):
+                self.push(user / workload.spawn_rate, _USER, None)
+        else:
+            for request in workload.requests:
+                self.push(request.arrival_s, _SEND, request)
+        for at, count in self.fleet.scale:
+            self.push(at, _SCALE, count)
+        heap, pop, events = self.heap, heapq.heappop, 0
+        now = 0.0
+        while heap:
+            now, _, kind, payload = pop(heap)
+            events += 1
+            if kind == _WAKE:
+                replica, version = payload
+                if version == replica.version:
+                    self._wake(replica, now)
+            elif kind == _SEND:
+                self._send(payload, now)
+            elif kind == _USER:
+                self._next_conversation(now)
+            else:
+                self._set_fleet(payload, now)
+        self.outcome.end_s = now
+        self.outcome.events = events
+        return self.outcome
+
+    def _next_conversation(self, now: float) -> None:
+        first = next(self.pending, None)
+        if first is not None and now + first.think_s <= self.deadline:
+            self.push(now + first.think_s, _SEND, first)
+
+    def _send(self, request: Request, now: float) -> None:
+        request.arrived_at = now
+        decision = self.router.route(
+            RouteRequest(request.request_id, request.conversation, request.prompt_tokens, request.max_tokens)
+        )
+        if decision is None:  # no replica at all: answered at once with 503, like the gateway
+            request.status, request.error = 503, "no replica"
+            request.started_at = request.first_token_at = request.finished_at = now
+            self._done(request, now)
+            return
+        request.replica = decision.replica
+        request.reason = decision.reason
+        request.predicted_cached = decision.predicted_cached_tokens
+        replica = self.replicas[decision.replica]
+        replica.advance(now)
+        replica.offer(request, now)
+        self._reschedule(replica, now)
+
+    def _wake(self, replica: Replica, now: float) -> None:
+        replica.advance(now)
+        finished = replica.finish_phases(now)
+        self._reschedule(replica, now)
+        complete = self.router.complete
+        for request in finished:
+            request.status = 200
+            complete(request.request_id, True)
+            self._done(request, now)
+
+    def _done(self, request: Request, now: float) -> None:
+        self.outcome.requests.append(request)
+        follow = request.next
+        if follow is not None:
+            if now + follow.think_s <= self.deadline:
+                self.push(now + follow.think_s, _SEND, follow)
+        elif request.arrival_s is None:  # closed loop: the user takes the next conversation
+            self._next_conversation(now)
+
+    def _reschedule(self, replica: Replica, now: float) -> None:
+        replica.version += 1
+        wait = replica.next_change()
+        if wait is not None:
+            self.push(now + wait, _WAKE, (replica, replica.version))
+
+    def _set_fleet(self, count: int, now: float) -> None:
+        names = self.fleet.names(count)
+        for name in names:
+            replica = self.replicas.get(name)
+            if replica is None or replica.draining:  # a returning replica is a fresh server
+                self.replicas[name] = Replica(name, self.cost, self.fleet.slots, self.fleet.cache_tokens)
+        for name, replica in self.replicas.items():
+            replica.draining = name not in names
+        self.router.set_replicas(names)
+        self.outcome.scale_times.append((now, count))

@@ -1,0 +1,181 @@
+"""One simulated llama.cpp replica: slots that keep a prefix, a FIFO queue, a host-RAM cache.
+
+Requests run in two phases, prefill then decode, each a fixed amount of "solo" work
+from the cost model. The slots share one CPU: with k busy slots every request runs
+``slowdown[phase][k]`` times slower than alone (processor sharing). The replica only
+advances its jobs when something changes (a start, a phase end, a finish), so the
+engine needs one pending wake-up per replica, not one event per token.
+
+Slot choice follows llama.cpp's server: the idle slot whose content covers the largest
+share of the prompt (more than 10 %), else the least recently used idle slot; then the
+host-RAM cache is consulted (see ``prompts``).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Hashable
+
+from extproc.sim.costmodel import CostModel
+from extproc.sim.prompts import HostCache, common_prefix
+
+SLOT_SIMILARITY = 0.1  # llama.cpp --slot-prompt-similarity default
+SAVE_BELOW_KEEP = 0.5  # a slot's content is saved to host RAM when a prompt keeps less than this share
+DONE_EPSILON = 1e-9  # solo seconds below which a phase counts as finished (float rounding)
+
+
+class Request:
+    """One request through the whole simulation: its input, then what happened to it."""
+
+    __slots__ = (
+        "request_id", "conversation", "turn", "key", "blocks", "prompt_tokens", "max_tokens", "arrival_s",
+        "think_s", "next", "replica", "reason", "predicted_cached", "cache_n", "prompt_n", "arrived_at",
+        "started_at", "first_token_at", "finished_at", "status", "error", "phase", "remaining", "slot",
+    )
+
+    def __init__(
+        self, request_id: str, conversation: str, turn: int, key: Hashable, blocks: tuple[int, ...] | None,
+        prompt_tokens: int, max_tokens: int, arrival_s: float | None = None, think_s: float = 0.0,
+    ) -> None:
+        self.request_id = request_id
+        self.conversation = conversation
+        self.turn = turn  # 1-based
+        self.key = key
+        self.blocks = blocks
+        self.prompt_tokens = prompt_tokens
+        self.max_tokens = max_tokens
+        self.arrival_s = arrival_s  # open loop (traces): fixed arrival time
+        self.think_s = think_s  # closed loop (profiles): pause after the previous turn's answer
+        self.next: Request | None = None  # closed loop: the conversation's next turn
+        self.replica: str | None = None
+        self.reason: str | None = None
+        self.predicted_cached: int | None = None
+        self.cache_n = 0
+        self.prompt_n = 0
+        self.arrived_at = 0.0
+        self.started_at = 0.0
+        self.first_token_at = 0.0
+        self.finished_at = 0.0
+        self.status = 0
+        self.error: str | None = None
+        self.phase = 0  # 0 prefill, 1 decode
+        self.remaining = 0.0  # solo seconds left in the current phase
+        self.slot: Slot | None = None
+
+
+class Slot:
+    __slots__ = ("key", "blocks", "tokens", "last_used", "busy")
+
+    def __init__(self) -> None:
+        self.key: Hashable = None
+        self.blocks: tuple[int, ...] | None = None
+        self.tokens = 0
+        self.last_used = -1.0
+        self.busy = False
+
+
+class Replica:
+    __slots__ = ("name", "cost", "slots", "queue", "active", "updated_at", "version", "cache",
+                 "prefill_slowdown", "decode_slowdown", "draining")
+
+    def __init__(self, name: str, cost: CostModel, slots: int, cache_tokens: int) -> None:
+        self.name = name
+        self.cost = cost
+        self.slots = [Slot() for _ in range(slots)]
+        self.queue: deque[Request] = deque()
+        self.active: list[Request] = []
+        self.updated_at = 0.0
+        self.version = 0  # bumped at every reschedule: older wake-ups are stale
+        self.cache = HostCache(cache_tokens)
+        self.prefill_slowdown, self.decode_slowdown = cost.slowdowns(slots)
+        self.draining = False  # removed from the router; finishes what it holds
+
+    def advance(self, now: float) -> None:
+        """Progress every running request up to ``now`` at the current sharing rate."""
+        active = self.active
+        if active and now > self.updated_at:
+            k = len(active)
+            done_prefill = (now - self.updated_at) / self.prefill_slowdown[k]
+            done_decode = (now - self.updated_at) / self.decode_slowdown[k]
+            for request in active:
+                request.remaining -= done_decode if request.phase else done_prefill
+        self.updated_at = now
+
+    def next_change(self) -> float | None:
+        """Seconds from ``updated_at`` until the next request ends a phase (None when idle)."""
+        active = self.active
+        if not active:
+            return None
+        k = len(active)
+        prefill, decode = self.prefill_slowdown[k], self.decode_slowdown[k]
+        return min(r.remaining * (decode if r.phase else prefill) for r in active)
+
+    def offer(self, request: Request, now: float) -> None:
+        """A routed request arrives: start it on an idle slot or queue it (FIFO)."""
+        if len(self.active) < len(self.slots):
+            self._start(request, now)
+        else:
+            self.queue.append(request)
+
+    def finish_phases(self, now: float) -> list[Request]:
+        """Move requests whose phase ran out on; return those that finished (slots freed, queue served)."""
+        finished = []
+        for request in self.active:
+            if request.remaining > DONE_EPSILON:
+                continue
+            if request.phase == 0:
+                request.phase = 1
+                request.first_token_at = now
+                request.remaining = self.cost.decode_s(request.max_tokens, request.prompt_tokens)
+                if request.remaining > DONE_EPSILON:
+                    continue
+            finished.append(request)
+        for request in finished:
+            self.active.remove(request)
+            request.finished_at = now
+            slot = request.slot
+            slot.busy = False
+            slot.tokens = request.prompt_tokens + request.max_tokens
+            slot.last_used = now
+            request.slot = None
+        while self.queue and len(self.active) < len(self.slots):
+            self._start(self.queue.popleft(), now)
+        return finished
+
+    def _start(self, request: Request, now: float) -> None:
+        slot = self._pick_slot(request)
+        key, blocks, prompt = request.key, request.blocks, request.prompt_tokens
+        shared = common_prefix(slot.key, slot.blocks, slot.tokens, key, blocks, prompt)
+        cache = self.cache
+        if cache.capacity_tokens > 0:
+            if slot.tokens and shared < SAVE_BELOW_KEEP * slot.tokens:
+                cache.save(slot.key, slot.blocks, slot.tokens)
+            keep = shared / slot.tokens if slot.tokens else -1.0
+            entry = cache.take_best(key, blocks, prompt, keep, shared / prompt)
+            if entry is not None:
+                slot.key, slot.blocks, slot.tokens = entry
+                shared = common_prefix(slot.key, slot.blocks, slot.tokens, key, blocks, prompt)
+        cached = min(shared, prompt - 1)
+        request.cache_n = cached
+        request.prompt_n = prompt - cached
+        request.started_at = now
+        request.phase = 0
+        request.remaining = self.cost.prefill_s(prompt - cached, cached)
+        request.slot = slot
+        slot.busy = True
+        slot.key, slot.blocks, slot.tokens = key, blocks, prompt
+        self.active.append(request)
+
+    def _pick_slot(self, request: Request) -> Slot:
+        best, best_sim, lru = None, SLOT_SIMILARITY, None
+        key, blocks, prompt = request.key, request.blocks, request.prompt_tokens
+        for slot in self.slots:
+            if slot.busy:
+                continue
+            if slot.key == key:
+                sim = common_prefix(slot.key, slot.blocks, slot.tokens, key, blocks, prompt) / prompt
+                if sim > best_sim:
+                    best, best_sim = slot, sim
+            if lru is None or slot.last_used < lru.last_used:
+                lru = slot
+        return best or lru  # type: ignore[return-value]  # a free slot exists when called

@@ -1,0 +1,136 @@
+"""Simulated runs: settings, policy specs, one run, one experiment folder (the same layout as live runs)."""
+
+from __future__ import annotations
+
+import tomllib
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from extproc.experiments.records import REQUESTS_FILE, RunMeta, write_records, write_run_metadata
+from extproc.routing import Router
+from extproc.settings import RoutingSettings, SettingsError, parse_routing
+from extproc.sim.costmodel import CostModel, load_cost_model
+from extproc.sim.engine import ClosedLoop, Fleet, OpenLoop, Outcome, simulate
+from extproc.sim.mooncake import TraceRequest, read_trace
+from extproc.sim.records import SIM_EPOCH_S, request_rows
+from extproc.sim.workload import profile_workload, requests_from_trace
+from extproc.traffic import Profile, load_profile
+
+SIM_CONFIG = Path(__file__).parent / "sim.toml"
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    routing: dict[str, Any]  # base knobs (no policy)
+    slots: int
+    cache_ram_mib: float
+    cost_model: str
+    time_scale: float
+
+
+def load_sim_config(path: str | Path = SIM_CONFIG) -> SimConfig:
+    path = Path(path)
+    try:
+        raw = tomllib.loads(path.read_text())
+        return SimConfig(
+            routing=dict(raw["routing"]),
+            slots=int(raw["replica"]["slots"]),
+            cache_ram_mib=float(raw["replica"]["cache_ram_mib"]),
+            cost_model=str(raw["replica"]["cost_model"]),
+            time_scale=float(raw["trace"]["time_scale"]),
+        )
+    except KeyError as exc:
+        raise SettingsError(f"{path}: missing setting {exc.args[0]!r}") from None
+    except (OSError, tomllib.TOMLDecodeError, ValueError) as exc:
+        raise SettingsError(f"{path}: {exc}") from None
+
+
+def parse_policy(spec: str, base: dict[str, Any]) -> RoutingSettings:
+    """``name`` or ``name:key=value,key=value`` (values as TOML scalars) over the base knobs."""
+    name, _, overrides = spec.partition(":")
+    knobs = {**base, "policy": name}
+    for item in filter(None, overrides.split(",")):
+        key, sep, text = item.partition("=")
+        if not sep:
+            raise SettingsError(f"policy {spec!r}: expected key=value, got {item!r}")
+        try:
+            knobs[key.strip()] = tomllib.loads(f"v = {text.strip()}")["v"]
+        except tomllib.TOMLDecodeError:
+            knobs[key.strip()] = text.strip()
+    return parse_routing(knobs, source=f"policy {spec!r}")
+
+
+def cache_tokens(cache_ram_mib: float, cost: CostModel) -> int:
+    """--cache-ram in MiB as a token capacity (KV bytes per token from the cost model)."""
+    return int(cache_ram_mib * 2**20 // cost.kv_bytes_per_token)
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where requests come from: a traffic profile (closed loop) or a trace (open loop)."""
+
+    label: str
+    make: Callable[[int], ClosedLoop | OpenLoop]  # seed -> a fresh workload
+    seeds_hash: bool  # traces: the seed varies the ring's hash_seed (the trace itself is fixed)
+    profile: Profile | None = None
+
+
+def profile_source(name_or_path: str) -> Source:
+    profile = load_profile(name_or_path)
+    return Source(profile.name, lambda seed: profile_workload(profile, seed), False, profile)
+
+
+def trace_source(path: str | Path, time_scale: float, limit: int | None = None) -> Source:
+    trace: list[TraceRequest] = read_trace(path, limit)
+    return Source(Path(path).stem, lambda seed: requests_from_trace(trace, time_scale), True)
+
+
+def run_once(workload: ClosedLoop | OpenLoop, settings: RoutingSettings, cost: CostModel, fleet: Fleet) -> Outcome:
+    router = Router(settings)
+    outcome = simulate(workload, router, cost, fleet)
+    if router.in_flight() or router.ledger.total_requests() or router.ledger.total_tokens():
+        raise RuntimeError(f"simulation left load in the ledger: {router.in_flight()} requests in flight")
+    return outcome
+
+
+def run_experiment(
+    source: Source, policies: Iterable[str], seeds: Iterable[int], config: SimConfig, fleet: Fleet,
+    out_dir: Path, progress: Callable[[str], None] = lambda _: None,
+) -> int:
+    """Every policy x seed into ``out_dir/<run_id>/`` (requests.parquet + run.json). Returns rows."""
+    cost = load_cost_model(config.cost_model)
+    total = 0
+    for seed in seeds:
+        for spec in policies:
+            base = {**config.routing, "hash_seed": seed} if source.seeds_hash else config.routing
+            settings = parse_policy(spec, base)
+            outcome = run_once(source.make(seed), settings, cost, fleet)
+            run_id = f"sim-{source.label}-r{fleet.replicas}-{spec.replace(':', '_').replace(',', '_')}-s{seed}"
+            rows = request_rows(outcome.requests, run_id, spec, seed)
+            write_records(rows, out_dir / run_id / REQUESTS_FILE)
+            write_run_metadata(_meta(run_id, spec, seed, source, settings, config, fleet, outcome, len(rows)),
+                               out_dir / run_id)
+            total += len(rows)
+            progress(f"{run_id}: {len(rows)} requests, {outcome.end_s:.0f} simulated s")
+    return total
+
+
+def _meta(run_id: str, spec: str, seed: int, source: Source, settings: RoutingSettings, config: SimConfig,
+          fleet: Fleet, outcome: Outcome, rows: int) -> RunMeta:
+    def iso(at_s: float) -> str:
+        return datetime.fromtimestamp(SIM_EPOCH_S + at_s, UTC).isoformat()
+
+    scale_up = next(((at, n) for at, n in fleet.scale if n > fleet.replicas), None)
+    profile = dict(vars(source.profile)) if source.profile else {"trace": source.label}
+    return RunMeta(
+        run_id=run_id, policy=spec, seed=seed, simulated=True, profile=profile,
+        routing=settings.model_dump(), replicas_start=fleet.replicas, started_at=iso(0.0),
+        finished_at=iso(outcome.end_s), scale_at_s=scale_up[0] if scale_up else None,
+        scaled_to=scale_up[1] if scale_up else None, scale_ready_at=iso(scale_up[0]) if scale_up else None,
+        status="finished", rows=rows,
+        extra={"cost_model": config.cost_model, "slots": fleet.slots, "cache_tokens": fleet.cache_tokens,
+               "scale": [list(event) for event in fleet.scale], "events": outcome.events},
+    )

@@ -1,0 +1,51 @@
+"""Simulator inputs: the profile's conversations (same as the Locust users') and Mooncake traces."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from extproc.sim.engine import ClosedLoop, OpenLoop
+from extproc.sim.mooncake import TraceRequest, infer_conversations, read_trace
+from extproc.sim.replica import Request
+from extproc.traffic import Profile, generate_conversations
+
+
+def profile_workload(profile: Profile, seed: int) -> ClosedLoop:
+    """The seed's conversations, each turn's prompt = whole history with answers at max_tokens.
+
+    The prompt size is the generator's estimate (characters / chars_per_token plus
+    chat-template tokens), used both as what the router sees and as what the replica
+    processes; answers are exactly max_tokens long (the live runs send ignore_eos).
+    """
+    firsts = []
+    for number, conversation in enumerate(generate_conversations(profile, seed)):
+        previous = None
+        for turn_number, turn in enumerate(conversation.turns, start=1):
+            request = Request(
+                f"{conversation.id}-t{turn_number}", conversation.id, turn_number, number, None,
+                turn.est_prompt_tokens, turn.max_tokens, think_s=turn.think_time_s,
+            )
+            if previous is None:
+                firsts.append(request)
+            else:
+                previous.next = request
+            previous = request
+    return ClosedLoop(firsts, profile.concurrency, profile.spawn_rate, profile.max_duration_s)
+
+
+def trace_workload(path: str | Path, time_scale: float = 1.0, limit: int | None = None) -> OpenLoop:
+    """A Mooncake-format trace, open loop: each request at ``timestamp * time_scale``."""
+    return requests_from_trace(read_trace(path, limit), time_scale)
+
+
+def requests_from_trace(trace: list[TraceRequest], time_scale: float = 1.0) -> OpenLoop:
+    conversations = infer_conversations(trace)
+    turns: dict[int, int] = {}
+    requests = []
+    for number, (item, conversation) in enumerate(zip(trace, conversations, strict=True)):
+        turns[conversation] = turns.get(conversation, 0) + 1
+        requests.append(Request(
+            f"r{number:06d}", f"m{conversation:05d}", turns[conversation], item.hash_ids[0], item.hash_ids,
+            item.input_length, item.output_length, arrival_s=item.timestamp_s * time_scale,
+        ))
+    return OpenLoop(requests)
