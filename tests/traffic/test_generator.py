@@ -19,15 +19,8 @@ def test_same_seed_gives_identical_conversations_in_another_process():
         "print(json.dumps([[c.id, [[t.text, t.think_time_s, t.max_tokens] for t in c.turns]] "
         "for c in cs]))"
     )
-    other = json.loads(
-        subprocess.run(
-            [sys.executable, "-c", code], capture_output=True, check=True, text=True
-        ).stdout
-    )
-    here = [
-        [c.id, [[t.text, t.think_time_s, t.max_tokens] for t in c.turns]]
-        for c in generate_conversations(QUICK, 7)
-    ]
+    other = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, check=True, text=True).stdout)
+    here = [[c.id, [[t.text, t.think_time_s, t.max_tokens] for t in c.turns]] for c in generate_conversations(QUICK, 7)]
     assert other == here
 
 
@@ -51,9 +44,7 @@ def test_standard_profile_matches_the_seed_description():
     assert 0.15 <= share <= 0.45  # 30% nominal
     first_doc = next(c for c in conversations if c.has_document).turns[0].text
     assert 550 <= len(first_doc.split()) <= 700
-    assert all(
-        5 <= len(c.turns) <= 10 for c in conversations if c.turns[-1].est_prompt_tokens < 3000
-    )
+    assert all(5 <= len(c.turns) <= 10 for c in conversations if c.turns[-1].est_prompt_tokens < 3000)
 
 
 @settings(max_examples=25, deadline=None)
@@ -68,7 +59,4 @@ def test_turns_respect_the_profile(seed):
             assert turn.est_prompt_tokens + turn.max_tokens <= QUICK.max_context_tokens
             history += len(turn.text)
             # the estimate grows with the history and counts earlier answers at max_tokens
-            assert (
-                turn.est_prompt_tokens
-                >= estimate_tokens(history, QUICK.chars_per_token) + (number - 1) * 16
-            )
+            assert turn.est_prompt_tokens >= estimate_tokens(history, QUICK.chars_per_token) + (number - 1) * 16

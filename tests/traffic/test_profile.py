@@ -75,7 +75,5 @@ def test_first_turn_longer_than_the_context_is_refused(tmp_path):
 def test_context_check_against_the_replicas_slot():
     quick = load_profile("quick")  # max_context_tokens = 1536
     check_context(quick, slot_context_tokens=2048)
-    with pytest.raises(
-        ProfileError, match=r"max_context_tokens=1536 exceeds the replicas' per-slot context 1024"
-    ):
+    with pytest.raises(ProfileError, match=r"max_context_tokens=1536 exceeds the replicas' per-slot context 1024"):
         check_context(quick, slot_context_tokens=1024)
