@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from extproc.routing.decision import Check, Decision, RouteRequest, Trace
 from extproc.routing.ledger import LoadLedger, LoadUnit
@@ -12,8 +12,9 @@ from extproc.routing.placement import Placement
 from extproc.routing.ring import HashRing
 
 
-@dataclass(frozen=True, slots=True)
-class Situation:
+class Situation(NamedTuple):
+    """Everything a policy may look at for one request (read-only)."""
+
     request: RouteRequest
     key_hash: int  # stable hash of the conversation (ring position)
     ring: HashRing
@@ -30,9 +31,13 @@ class Situation:
     def walk(self) -> Iterator[str]:
         """Eligible replicas clockwise from the conversation's ring position."""
         avoid = self.avoid
+        if not avoid:
+            return self.ring.walk(self.key_hash)
         return (name for name in self.ring.walk(self.key_hash) if name not in avoid)
 
     def home(self) -> str | None:
+        if not self.avoid:
+            return self.ring.home(self.key_hash)
         return next(self.walk(), None)
 
     def total(self, unit: LoadUnit) -> int:
