@@ -13,7 +13,7 @@ import statistics
 import time
 import tracemalloc
 
-from extproc.routing import POLICIES, PlacementMemory, RouteRequest, Router
+from extproc.routing import POLICIES, PlacementMemory, Router, RouteRequest
 from extproc.settings import parse_routing
 
 FLEETS = (3, 16, 64, 1000)
