@@ -33,12 +33,13 @@ class RoutingSettings(_Strict):
     hash_seed: int = Field(ge=0, lt=2**64, description="seed of the xxhash64 ring hash")
     epsilon: float = Field(gt=0, le=10, description="bounded loads: cap = (1 + epsilon) x average")
     load_unit: LoadUnit = Field(description="what `bounded` counts: requests or prompt+max tokens")
-    cache_aware: bool = Field(description="llm-aware: a cached replica is charged only new tokens")
-    placement_memory: bool = Field(description="llm-aware: prefer where the conversation was last served")
-    long_stickiness: bool = Field(description="llm-aware: long cached conversations tolerate long_load_factor")
-    long_prompt_tokens: int = Field(gt=0, description="llm-aware: a conversation is long from this many prompt tokens")
-    long_load_factor: float = Field(gt=1, le=100, description="llm-aware: long cap = factor x average")
-    memory_capacity: int = Field(gt=0, description="conversations remembered (least recently used forgotten)")
+    # llm-aware's three switchable additions and their knobs
+    cache_aware: bool = Field(description="a cached replica is charged only the new tokens")
+    placement_memory: bool = Field(description="prefer where the conversation was last served")
+    long_stickiness: bool = Field(description="long cached conversations tolerate long_load_factor")
+    long_prompt_tokens: int = Field(gt=0, description="a conversation is long from this many prompt tokens")
+    long_load_factor: float = Field(gt=1, le=100, description="long cap = factor x average")
+    memory_capacity: int = Field(ge=2, description="conversations remembered (least recently used forgotten)")
 
 
 class ServiceSettings(_Strict):
@@ -50,6 +51,11 @@ class ServiceSettings(_Strict):
     max_body_bytes: int = Field(gt=0, description="larger request bodies are refused with 413")
     default_max_tokens: int = Field(gt=0, description="output tokens charged when a request names none")
     log_level: Literal["debug", "info", "warning", "error"]
+    fallbacks: int = Field(ge=0, le=8, description="extra endpoints after the pick, tried by Envoy on connect failure")
+    health_probe_seconds: float = Field(gt=0, description="a replica that failed a request is probed (GET /health) this often until healthy")
+    observe_grace_ms: int = Field(ge=0, le=10_000, description="after a request ends, wait this long for its last response bytes (timings)")
+    envoy_endpoints_file: str = Field(description="EDS file written for Envoy on each replica change; empty: Envoy finds replicas itself (DNS)")
+    fail_open: bool = Field(description="Envoy config: serve round robin when this service is down (true) or 500 (false)")
 
 
 class DiscoverySettings(_Strict):

@@ -1,0 +1,60 @@
+"""Where the replica list comes from: a static list, a watched JSON file, or Kubernetes.
+
+Every source speaks one protocol: ``snapshots()`` is an async iterator yielding the full
+current set {replica name: "ip:port"} each time it changes (the first yield is the initial
+set, possibly empty). The service feeds each snapshot to ``Router.set_replicas``.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import AsyncIterator, Mapping
+from typing import Any, Protocol
+
+from extproc.settings import DiscoverySettings
+
+
+class Discovery(Protocol):
+    def snapshots(self) -> AsyncIterator[dict[str, str]]: ...
+
+
+def make_discovery(settings: DiscoverySettings) -> Discovery:
+    """The source named by ``discovery.source``; imports only what that source needs."""
+    if settings.source == "static":
+        from extproc.discovery.static import StaticDiscovery
+
+        return StaticDiscovery(settings.static)
+    if settings.source == "file":
+        from extproc.discovery.file import FileDiscovery
+
+        return FileDiscovery(settings.file, settings.file_poll_seconds)
+    from extproc.discovery.kubernetes import KubernetesDiscovery
+
+    return KubernetesDiscovery(settings)
+
+class ReplicaListError(ValueError):
+    """A replica list is malformed; the message names the source and the entry."""
+
+
+def checked_replicas(raw: Any, source: str) -> dict[str, str]:
+    if not isinstance(raw, Mapping):
+        raise ReplicaListError(f"{source}: expected an object {{name: \"ip:port\"}}, got {type(raw).__name__}")
+    replicas: dict[str, str] = {}
+    for name, address in raw.items():
+        if not isinstance(name, str) or not name:
+            raise ReplicaListError(f"{source}: replica names must be non-empty strings, got {name!r}")
+        if not isinstance(address, str) or not _is_ip_port(address):
+            raise ReplicaListError(f"{source}: {name}: expected \"ip:port\", got {address!r}")
+        replicas[name] = address
+    return replicas
+
+
+def _is_ip_port(address: str) -> bool:
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+        return False
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return False
+    return True

@@ -1,0 +1,52 @@
+"""The Admin gRPC service (proto/admin.proto): switch policy/knobs, reset state, read state."""
+
+from __future__ import annotations
+
+import grpc
+
+from extproc.service import admin_pb2, admin_pb2_grpc
+from extproc.service.gateway import Gateway
+from extproc.settings import RoutingSettings, SettingsError, parse_routing
+
+ROUTING_FIELDS = tuple(RoutingSettings.model_fields)
+
+
+class AdminService(admin_pb2_grpc.AdminServicer):
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+
+    async def SetRouting(self, request: admin_pb2.SetRoutingRequest, context: grpc.aio.ServicerContext) -> admin_pb2.State:
+        changes = {name: getattr(request.routing, name) for name in ROUTING_FIELDS if request.routing.HasField(name)}
+        try:
+            settings = parse_routing(self.gateway.router.settings.model_dump() | changes, source="SetRouting")
+        except SettingsError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        self.gateway.router.reconfigure(settings)
+        return self.state()
+
+    async def Reset(self, request: admin_pb2.ResetRequest, context: grpc.aio.ServicerContext) -> admin_pb2.State:
+        self.gateway.router.reset()
+        return self.state()
+
+    async def GetState(self, request: admin_pb2.StateRequest, context: grpc.aio.ServicerContext) -> admin_pb2.State:
+        return self.state()
+
+    def state(self) -> admin_pb2.State:
+        gateway = self.gateway
+        ledger = gateway.router.ledger
+        return admin_pb2.State(
+            routing=admin_pb2.RoutingSettings(**gateway.router.settings.model_dump()),
+            replicas=[
+                admin_pb2.ReplicaState(
+                    name=name,
+                    address=gateway.endpoints.get(name, ""),
+                    healthy=name not in gateway.unhealthy,
+                    in_flight_requests=ledger.requests(name),
+                    in_flight_tokens=ledger.tokens(name),
+                )
+                for name in gateway.router.replicas
+            ],
+            in_flight_requests=ledger.total_requests(),
+            in_flight_tokens=ledger.total_tokens(),
+            decisions=gateway.decisions,
+        )

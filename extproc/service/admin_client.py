@@ -1,0 +1,84 @@
+"""A thin synchronous client of the Admin service, for experiments and tools.
+
+    with AdminClient("127.0.0.1:9002") as admin:
+        admin.set_routing({"policy": "bounded", "epsilon": 0.5})
+        admin.reset()
+        print(admin.state()["replicas"])
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+
+from extproc.service import admin_pb2, admin_pb2_grpc
+
+ROUTING_KEYS = frozenset(admin_pb2.RoutingSettings.DESCRIPTOR.fields_by_name)
+
+
+class AdminClient:
+    def __init__(self, address: str, timeout: float = 5.0) -> None:
+        self.address = address
+        self.timeout = timeout
+        self._channel = grpc.insecure_channel(address)
+        self._stub = admin_pb2_grpc.AdminStub(self._channel)
+
+    def set_routing(self, routing: dict[str, Any]) -> dict[str, Any]:
+        """Change some [routing] settings (the others keep their values); returns the new state."""
+        unknown = sorted(set(routing) - ROUTING_KEYS)
+        if unknown:
+            raise ValueError(f"unknown routing setting(s): {', '.join(unknown)}; known: {', '.join(sorted(ROUTING_KEYS))}")
+        try:
+            message = admin_pb2.RoutingSettings(**routing)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"invalid routing settings {routing!r}: {exc}") from None
+        return self._call(self._stub.SetRouting, admin_pb2.SetRoutingRequest(routing=message))
+
+    def reset(self) -> dict[str, Any]:
+        """Forget in-flight load, placement memory and policy state; returns the new state."""
+        return self._call(self._stub.Reset, admin_pb2.ResetRequest())
+
+    def state(self) -> dict[str, Any]:
+        """{"routing": {...}, "replicas": [{name, address, healthy, in_flight_requests, in_flight_tokens}],
+        "in_flight_requests", "in_flight_tokens", "decisions"}"""
+        return self._call(self._stub.GetState, admin_pb2.StateRequest())
+
+    def _call(self, method: Any, request: Any) -> dict[str, Any]:
+        try:
+            reply = method(request, timeout=self.timeout)
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                raise ValueError(exc.details()) from None
+            raise
+        return state_dict(reply)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> AdminClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def state_dict(state: admin_pb2.State) -> dict[str, Any]:
+    """Plain Python values (MessageToDict would turn int64 into strings)."""
+    routing = state.routing
+    return {
+        "routing": {name: getattr(routing, name) for name in sorted(ROUTING_KEYS) if routing.HasField(name)},
+        "replicas": [
+            {
+                "name": replica.name,
+                "address": replica.address,
+                "healthy": replica.healthy,
+                "in_flight_requests": replica.in_flight_requests,
+                "in_flight_tokens": replica.in_flight_tokens,
+            }
+            for replica in state.replicas
+        ],
+        "in_flight_requests": state.in_flight_requests,
+        "in_flight_tokens": state.in_flight_tokens,
+        "decisions": state.decisions,
+    }

@@ -1,0 +1,75 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class RoutingSettings(_message.Message):
+    __slots__ = ("policy", "virtual_nodes", "hash_seed", "epsilon", "load_unit", "cache_aware", "placement_memory", "long_stickiness", "long_prompt_tokens", "long_load_factor", "memory_capacity")
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    VIRTUAL_NODES_FIELD_NUMBER: _ClassVar[int]
+    HASH_SEED_FIELD_NUMBER: _ClassVar[int]
+    EPSILON_FIELD_NUMBER: _ClassVar[int]
+    LOAD_UNIT_FIELD_NUMBER: _ClassVar[int]
+    CACHE_AWARE_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENT_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    LONG_STICKINESS_FIELD_NUMBER: _ClassVar[int]
+    LONG_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LONG_LOAD_FACTOR_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    policy: str
+    virtual_nodes: int
+    hash_seed: int
+    epsilon: float
+    load_unit: str
+    cache_aware: bool
+    placement_memory: bool
+    long_stickiness: bool
+    long_prompt_tokens: int
+    long_load_factor: float
+    memory_capacity: int
+    def __init__(self, policy: _Optional[str] = ..., virtual_nodes: _Optional[int] = ..., hash_seed: _Optional[int] = ..., epsilon: _Optional[float] = ..., load_unit: _Optional[str] = ..., cache_aware: _Optional[bool] = ..., placement_memory: _Optional[bool] = ..., long_stickiness: _Optional[bool] = ..., long_prompt_tokens: _Optional[int] = ..., long_load_factor: _Optional[float] = ..., memory_capacity: _Optional[int] = ...) -> None: ...
+
+class SetRoutingRequest(_message.Message):
+    __slots__ = ("routing",)
+    ROUTING_FIELD_NUMBER: _ClassVar[int]
+    routing: RoutingSettings
+    def __init__(self, routing: _Optional[_Union[RoutingSettings, _Mapping]] = ...) -> None: ...
+
+class ResetRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StateRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ReplicaState(_message.Message):
+    __slots__ = ("name", "address", "healthy", "in_flight_requests", "in_flight_tokens")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    HEALTHY_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    address: str
+    healthy: bool
+    in_flight_requests: int
+    in_flight_tokens: int
+    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., healthy: _Optional[bool] = ..., in_flight_requests: _Optional[int] = ..., in_flight_tokens: _Optional[int] = ...) -> None: ...
+
+class State(_message.Message):
+    __slots__ = ("routing", "replicas", "in_flight_requests", "in_flight_tokens", "decisions")
+    ROUTING_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DECISIONS_FIELD_NUMBER: _ClassVar[int]
+    routing: RoutingSettings
+    replicas: _containers.RepeatedCompositeFieldContainer[ReplicaState]
+    in_flight_requests: int
+    in_flight_tokens: int
+    decisions: int
+    def __init__(self, routing: _Optional[_Union[RoutingSettings, _Mapping]] = ..., replicas: _Optional[_Iterable[_Union[ReplicaState, _Mapping]]] = ..., in_flight_requests: _Optional[int] = ..., in_flight_tokens: _Optional[int] = ..., decisions: _Optional[int] = ...) -> None: ...

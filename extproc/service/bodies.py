@@ -1,0 +1,178 @@
+"""What the gateway reads from HTTP bodies: pure functions, no I/O.
+
+Requests: an OpenAI chat body (``messages``, ``max_tokens``/``max_completion_tokens``) or a
+llama.cpp/OpenAI completion body (``prompt``, ``n_predict``/``max_tokens``) becomes the
+conversation key, the prompt's character count and the requested output size.
+
+Conversation key without an ``x-conversation-id`` header: a hash of the conversation's
+*opening*, which every later turn resends unchanged:
+  - chat: every message up to and including the first ``user`` message (system prompt +
+    first question), role and text;
+  - completion: the first OPENING_CHARS characters of the prompt (token-id prompts: the
+    first OPENING_CHARS ids).
+Two conversations with the same opening share a key (and so a replica): usually right for
+the cache, and the bounded-load cap keeps it from overloading one replica.
+
+Responses: llama.cpp's ``timings`` (cache_n, prompt_n, prompt_ms, predicted_n, predicted_ms)
+or OpenAI's ``usage.prompt_tokens_details.cached_tokens``, from a JSON body or from the last
+event of a ``text/event-stream`` body that carries them.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import xxhash
+
+OPENING_CHARS = 512
+CHAT_PATHS = frozenset({"/v1/chat/completions"})
+COMPLETION_PATHS = frozenset({"/completion", "/v1/completions"})
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedRequest:
+    opening_key: str  # conversation key derived from the body (used without x-conversation-id)
+    prompt_chars: int
+    prompt_token_ids: int  # > 0 when the prompt was given as token ids (no estimate needed)
+    max_tokens: int | None  # None: the client did not say
+    stream: bool
+
+
+class BadRequest(ValueError):
+    """The body cannot be routed; ``status`` is the HTTP status the client gets."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+@dataclass(frozen=True, slots=True)
+class Timings:
+    cache_n: int | None = None
+    prompt_n: int | None = None
+    prompt_ms: float | None = None
+    predicted_n: int | None = None
+    predicted_ms: float | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self.__slots__ if getattr(self, name) is not None}
+
+
+def parse_request(path: str, content_type: str, body: bytes) -> ParsedRequest:
+    """Read a request body, or raise BadRequest(status, message) saying what is wrong."""
+    if not body:
+        raise BadRequest(400, "empty body: expected a JSON object")
+    media = content_type.partition(";")[0].strip().lower()
+    if media and media != "application/json":
+        raise BadRequest(415, f"content-type {media!r} is not supported: send application/json")
+    try:
+        data = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise BadRequest(400, f"body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise BadRequest(400, f"body must be a JSON object, got {type(data).__name__}")
+    stream = data.get("stream") is True
+    if path in CHAT_PATHS:
+        key, chars = _chat(data.get("messages"))
+        return ParsedRequest(key, chars, 0, _max_tokens(data, "max_tokens", "max_completion_tokens"), stream)
+    if path in COMPLETION_PATHS:
+        key, chars, ids = _completion(data.get("prompt"))
+        return ParsedRequest(key, chars, ids, _max_tokens(data, "n_predict", "max_tokens"), stream)
+    raise BadRequest(404, f"unknown path {path!r}")
+
+
+def _chat(messages: Any) -> tuple[str, int]:
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest(400, "'messages' must be a non-empty list")
+    hasher = xxhash.xxh64()
+    chars = 0
+    opening = True
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise BadRequest(400, f"messages[{index}] must be an object")
+        role = message.get("role")
+        text = _text(message.get("content"), f"messages[{index}].content")
+        chars += len(text)
+        if opening:
+            hasher.update(f"{role}\x00{text}\x00".encode())
+            opening = role != "user"
+    return "h:" + hasher.hexdigest(), chars
+
+
+def _text(content: Any, where: str) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # OpenAI content parts: only text counts
+        return "".join(part.get("text", "") for part in content if isinstance(part, dict))
+    raise BadRequest(400, f"{where} must be a string or a list of parts")
+
+
+def _completion(prompt: Any) -> tuple[str, int, int]:
+    if isinstance(prompt, str) and prompt:
+        return "h:" + xxhash.xxh64_hexdigest(prompt[:OPENING_CHARS]), len(prompt), 0
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        return "h:" + xxhash.xxh64_hexdigest(repr(prompt[:OPENING_CHARS])), 0, len(prompt)
+    raise BadRequest(400, "'prompt' must be a non-empty string or a list of token ids")
+
+
+def _max_tokens(data: dict[str, Any], *names: str) -> int | None:
+    for name in names:
+        value = data.get(name)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise BadRequest(400, f"'{name}' must be an integer")
+        return value if value > 0 else None  # n_predict = -1 means "until done"
+    return None
+
+
+def parse_timings(body: bytes, event_stream: bool) -> Timings | None:
+    """Timings from a JSON body, or from the last event of an SSE body (or its tail) that has them."""
+    if event_stream:
+        for line in reversed(body.split(b"\n")):
+            if line.startswith(b"data:") and (b'"timings"' in line or b'"usage"' in line):
+                found = _timings_from_json(line[5:])
+                if found is not None:
+                    return found
+        return None
+    return _timings_from_json(body)
+
+
+def _timings_from_json(text: bytes) -> Timings | None:
+    try:
+        data = json.loads(text)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    if not isinstance(data, dict):
+        return None
+    timings = data.get("timings")
+    if isinstance(timings, dict):
+        return Timings(
+            cache_n=_int(timings.get("cache_n")),
+            prompt_n=_int(timings.get("prompt_n")),
+            prompt_ms=_float(timings.get("prompt_ms")),
+            predicted_n=_int(timings.get("predicted_n")),
+            predicted_ms=_float(timings.get("predicted_ms")),
+        )
+    usage = data.get("usage")
+    if isinstance(usage, dict):
+        details = usage.get("prompt_tokens_details")
+        cached = _int(details.get("cached_tokens")) if isinstance(details, dict) else None
+        prompt = _int(usage.get("prompt_tokens"))
+        if cached is not None or prompt is not None:
+            new = prompt - cached if prompt is not None and cached is not None else None
+            return Timings(cache_n=cached, prompt_n=new, predicted_n=_int(usage.get("completion_tokens")))
+    return None
+
+
+def _int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _float(value: Any) -> float | None:
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None

@@ -1,0 +1,326 @@
+"""The one Envoy configuration, rendered for the local stack and for Kubernetes.
+
+Request path, in filter order:
+  1. header_mutation strips client-sent routing headers (a client must never pick the upstream);
+  2. ext_proc "route" (blocking): request headers + the buffered body -> the service picks a
+     replica, sets ``x-gateway-destination-endpoint`` (ordered fallbacks, comma-separated) and
+     ``envoy.lb`` metadata, clears the route cache; nothing of the response is sent to it;
+  3. ext_proc "observe" (``observability_mode``: Envoy never waits for it): response headers +
+     streamed body, from which the service reads llama.cpp's timings;
+  4. router -> cluster ``replicas`` with the Override Host load-balancing policy: the first
+     endpoint of the header, the next ones on retries, round robin when the header is absent
+     (fail-open, ext_proc down).
+The route adds ``x-routed-to``/``x-route-reason`` to the response from the request headers the
+service set (``%REQ(..)%``), so the response needs no round trip to the service at all.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+DESTINATION = "x-gateway-destination-endpoint"
+SERVED = "x-gateway-destination-endpoint-served"
+ROUTED_TO = "x-routed-to"
+ROUTE_REASON = "x-route-reason"
+REQUEST_ID = "x-request-id"
+ROUTED_PATHS = ("/v1/chat/completions", "/v1/completions", "/completion")
+CLUSTER = "replicas"
+EXT_PROC_CLUSTER = "ext_proc"
+_T = "type.googleapis.com/"
+
+
+@dataclass(frozen=True)
+class EndpointsFile:
+    """Replica endpoints from a file Envoy watches (local stack); see write_endpoints_file."""
+
+    path: str
+
+
+@dataclass(frozen=True)
+class DnsEndpoints:
+    """Replica endpoints from DNS, e.g. a headless Service "llm.llm-ring.svc.cluster.local:8080"."""
+
+    address: str
+
+
+Endpoints = EndpointsFile | DnsEndpoints
+
+
+def render_envoy_config(
+    *,
+    listen: str,
+    admin: str,
+    ext_proc: str,
+    endpoints: Endpoints,
+    fail_open: bool,
+    max_request_bytes: int,
+    ext_proc_timeout_ms: int = 2000,
+    connect_timeout_ms: int = 1000,
+    retries: int = 2,
+) -> str:
+    """Envoy bootstrap as JSON text (JSON is YAML: save it as envoy.yaml or envoy.json).
+
+    listen/admin/ext_proc are "host:port"; ext_proc may be a DNS name (a Kubernetes Service).
+    fail_open: when the routing service is unreachable, serve round robin (True) or 500 (False).
+    max_request_bytes: larger request bodies get 413 from Envoy before the service sees them.
+    """
+    listen_host, listen_port = split_host_port(listen)
+    admin_host, admin_port = split_host_port(admin)
+    config = {
+        # File-based EDS needs a node identity.
+        "node": {"id": "llm-ring-gateway", "cluster": "llm-ring"},
+        "admin": {"address": _socket(admin_host, admin_port)},
+        "static_resources": {
+            "listeners": [
+                {
+                    "name": "gateway",
+                    "address": _socket(listen_host, listen_port),
+                    "per_connection_buffer_limit_bytes": max_request_bytes,
+                    "filter_chains": [{"filters": [_http_connection_manager(fail_open, ext_proc_timeout_ms, retries)]}],
+                }
+            ],
+            "clusters": [
+                _replicas_cluster(endpoints, connect_timeout_ms, max_request_bytes),
+                _ext_proc_cluster(ext_proc, connect_timeout_ms),
+            ],
+        },
+    }
+    return json.dumps(config, indent=2) + "\n"
+
+
+def write_endpoints_file(path: str | Path, replicas: Mapping[str, str]) -> None:
+    """Write the replica set as an EDS file Envoy picks up (atomically: tmp + rename)."""
+    path = Path(path)
+    lb_endpoints = []
+    for name in sorted(replicas):
+        host, port = split_host_port(replicas[name])
+        lb_endpoints.append(
+            {
+                "endpoint": {"address": _socket(host, port), "hostname": name},
+                "metadata": {"filter_metadata": {"llm-ring": {"replica": name}}},
+            }
+        )
+    document = {
+        "version_info": str(len(lb_endpoints)),
+        "resources": [
+            {
+                "@type": _T + "envoy.config.endpoint.v3.ClusterLoadAssignment",
+                "cluster_name": CLUSTER,
+                "endpoints": [{"lb_endpoints": lb_endpoints}],
+            }
+        ],
+    }
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".eds-", suffix=".json")
+    with os.fdopen(fd, "w") as out:
+        json.dump(document, out)
+    os.replace(tmp, path)
+
+
+def split_host_port(address: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"expected host:port, got {address!r}")
+    return host.strip("[]"), int(port)
+
+
+def _socket(host: str, port: int) -> dict[str, Any]:
+    return {"socket_address": {"address": host, "port_value": port}}
+
+
+def _http_connection_manager(fail_open: bool, timeout_ms: int, retries: int) -> dict[str, Any]:
+    return {
+        "name": "envoy.filters.network.http_connection_manager",
+        "typed_config": {
+            "@type": _T + "envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+            "stat_prefix": "gateway",
+            "codec_type": "AUTO",
+            "generate_request_id": True,
+            # Long generations: no overall deadline; idle streams end after 5 min of silence.
+            "request_timeout": "0s",
+            "stream_idle_timeout": "300s",
+            "route_config": _route_config(retries),
+            "http_filters": [
+                _strip_client_routing_headers(),
+                _ext_proc_filter("route", fail_open, timeout_ms, observe=False),
+                _ext_proc_filter("observe", True, timeout_ms, observe=True),
+                {"name": "envoy.filters.http.router", "typed_config": {"@type": _T + "envoy.extensions.filters.http.router.v3.Router"}},
+            ],
+        },
+    }
+
+
+def _strip_client_routing_headers() -> dict[str, Any]:
+    return {
+        "name": "strip-client-routing-headers",
+        "typed_config": {
+            "@type": _T + "envoy.extensions.filters.http.header_mutation.v3.HeaderMutation",
+            "mutations": {
+                "request_mutations": [{"remove": name} for name in (DESTINATION, ROUTED_TO, ROUTE_REASON)]
+            },
+        },
+    }
+
+
+def _ext_proc_filter(name: str, fail_open: bool, timeout_ms: int, observe: bool) -> dict[str, Any]:
+    if observe:
+        mode = {
+            "request_header_mode": "SKIP",
+            "response_header_mode": "SEND",
+            "request_body_mode": "NONE",
+            "response_body_mode": "STREAMED",
+        }
+    else:
+        mode = {
+            "request_header_mode": "SEND",
+            "response_header_mode": "SKIP",
+            "request_body_mode": "BUFFERED",
+            "response_body_mode": "NONE",
+        }
+    mode |= {"request_trailer_mode": "SKIP", "response_trailer_mode": "SKIP"}
+    config: dict[str, Any] = {
+        "@type": _T + "envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
+        "grpc_service": {
+            "envoy_grpc": {"cluster_name": EXT_PROC_CLUSTER},
+            "timeout": f"{timeout_ms / 1000:g}s",
+        },
+        "failure_mode_allow": fail_open,
+        "message_timeout": f"{timeout_ms / 1000:g}s",
+        "processing_mode": mode,
+        "stat_prefix": name,
+    }
+    if observe:
+        config["observability_mode"] = True
+    return {"name": f"ext_proc.{name}", "typed_config": config}
+
+
+def _route_config(retries: int) -> dict[str, Any]:
+    routes: list[dict[str, Any]] = []
+    for path in ROUTED_PATHS:
+        routes.append(
+            {
+                "match": {"path": path, "headers": [{"name": ":method", "string_match": {"exact": "POST"}}]},
+                "route": _to_replicas(retries),
+                "response_headers_to_add": _response_headers(),
+            }
+        )
+        routes.append(_local_reply({"path": path}, 405, f"method not allowed: {path} takes POST"))
+    routes.append(_local_reply({"prefix": "/"}, 404, "unknown path: the gateway routes " + ", ".join(ROUTED_PATHS)))
+    return {"name": "llm", "virtual_hosts": [{"name": "llm", "domains": ["*"], "routes": routes}]}
+
+
+def _to_replicas(retries: int) -> dict[str, Any]:
+    return {
+        "cluster": CLUSTER,
+        "timeout": "0s",
+        "retry_policy": {
+            # Only failures before the replica saw the request: a generation is never run twice.
+            "retry_on": "connect-failure,refused-stream,reset-before-request,retriable-status-codes",
+            "retriable_status_codes": [503],
+            "num_retries": retries,
+            "per_try_timeout": "0s",
+        },
+    }
+
+
+def _response_headers() -> list[dict[str, Any]]:
+    def add(name: str, value: str) -> dict[str, Any]:
+        return {"header": {"key": name, "value": value}, "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}
+
+    return [
+        add(ROUTED_TO, f"%REQ({ROUTED_TO})%"),
+        add(ROUTE_REASON, f"%REQ({ROUTE_REASON})%"),
+        add(SERVED, "%UPSTREAM_HOST%"),
+        add(REQUEST_ID, f"%REQ({REQUEST_ID})%"),
+    ]
+
+
+def _local_reply(match: dict[str, Any], status: int, message: str) -> dict[str, Any]:
+    disabled = {"@type": _T + "envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute", "disabled": True}
+    return {
+        "match": match,
+        "direct_response": {"status": status, "body": {"inline_string": json.dumps({"error": message})}},
+        "response_headers_to_add": [{"header": {"key": "content-type", "value": "application/json"}}],
+        "typed_per_filter_config": {"ext_proc.route": disabled, "ext_proc.observe": disabled},
+    }
+
+
+def _replicas_cluster(endpoints: Endpoints, connect_timeout_ms: int, max_request_bytes: int) -> dict[str, Any]:
+    cluster: dict[str, Any] = {
+        "name": CLUSTER,
+        "connect_timeout": f"{connect_timeout_ms / 1000:g}s",
+        "per_connection_buffer_limit_bytes": max_request_bytes,
+        "load_balancing_policy": {
+            "policies": [
+                {
+                    "typed_extension_config": {
+                        "name": "envoy.load_balancing_policies.override_host",
+                        "typed_config": {
+                            "@type": _T + "envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost",
+                            "override_host_sources": [
+                                {"header": DESTINATION},
+                                {"metadata": {"key": "envoy.lb", "path": [{"key": DESTINATION}]}},
+                            ],
+                            "fallback_policy": {
+                                "policies": [
+                                    {
+                                        "typed_extension_config": {
+                                            "name": "envoy.load_balancing_policies.round_robin",
+                                            "typed_config": {
+                                                "@type": _T
+                                                + "envoy.extensions.load_balancing_policies.round_robin.v3.RoundRobin"
+                                            },
+                                        }
+                                    }
+                                ]
+                            },
+                        },
+                    }
+                }
+            ]
+        },
+        # Don't let one slow generation hold back others on a shared connection.
+        "circuit_breakers": {"thresholds": [{"max_connections": 100000, "max_pending_requests": 100000, "max_requests": 100000, "max_retries": 1000}]},
+    }
+    if isinstance(endpoints, EndpointsFile):
+        directory = str(Path(endpoints.path).parent)
+        cluster["type"] = "EDS"
+        cluster["eds_cluster_config"] = {
+            "eds_config": {
+                "resource_api_version": "V3",
+                "path_config_source": {"path": endpoints.path, "watched_directory": {"path": directory}},
+            }
+        }
+    else:
+        host, port = split_host_port(endpoints.address)
+        cluster["type"] = "STRICT_DNS"
+        cluster["dns_refresh_rate"] = "2s"
+        cluster["load_assignment"] = {
+            "cluster_name": CLUSTER,
+            "endpoints": [{"lb_endpoints": [{"endpoint": {"address": _socket(host, port)}}]}],
+        }
+    return cluster
+
+
+def _ext_proc_cluster(address: str, connect_timeout_ms: int) -> dict[str, Any]:
+    host, port = split_host_port(address)
+    return {
+        "name": EXT_PROC_CLUSTER,
+        "type": "STRICT_DNS",
+        "connect_timeout": f"{connect_timeout_ms / 1000:g}s",
+        "typed_extension_protocol_options": {
+            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                "@type": _T + "envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+                "explicit_http_config": {"http2_protocol_options": {}},
+            }
+        },
+        "load_assignment": {
+            "cluster_name": EXT_PROC_CLUSTER,
+            "endpoints": [{"lb_endpoints": [{"endpoint": {"address": _socket(host, port)}}]}],
+        },
+    }

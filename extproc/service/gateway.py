@@ -1,0 +1,300 @@
+"""The gateway's state and per-request logic, between the gRPC streams and the routing core.
+
+One HTTP request meets the service twice, on two ext_proc streams (see envoy.py):
+  - the *route* stream: request headers, then the buffered body -> ``decide`` -> Envoy's
+    answer, pre-serialized and cached per (replica, reason) so the hot path builds no protobuf;
+    Envoy ends this stream when the HTTP request ends (done, failed or abandoned);
+  - the *observe* stream: response headers and body chunks, never answered -> ``observe_*``.
+They meet in ``pending`` by request id. The load is released exactly once, in ``_finish``,
+when the route stream has ended and the observer has seen the end of the response, or
+``observe_grace`` after the route stream ended (abandoned requests never show an end).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.type.v3 import http_status_pb2
+from google.protobuf import struct_pb2
+
+from extproc.routing import Decision, RouteRequest, Router, estimate_tokens
+from extproc.service.bodies import BadRequest, Timings, parse_request, parse_timings
+from extproc.service.envoy import DESTINATION, ROUTE_REASON, ROUTED_TO
+from extproc.service.metrics import Metrics
+from extproc.settings import ServiceSettings
+
+log = structlog.get_logger("extproc.service")
+
+CONTINUE_HEADERS = pb.ProcessingResponse(request_headers=pb.HeadersResponse()).SerializeToString()
+MAX_JSON_RESPONSE_BYTES = 1 << 20  # larger JSON answers are passed on unread (no timings)
+SSE_TAIL_BYTES = 64 << 10  # the last events of a stream are all we read
+
+
+@dataclass(slots=True)
+class Pending:
+    """A routed request between its decision and the release of its load."""
+
+    request: RouteRequest
+    decision: Decision
+    endpoint: str
+    path: str
+    turn: str
+    stream: bool
+    started: float
+    route_done: bool = False
+    status: int = 0
+    served: str = ""
+    event_stream: bool = False
+    response_done: bool = False
+    chunks: deque[bytes] = field(default_factory=deque)
+    size: int = 0
+    timer: asyncio.TimerHandle | None = None
+
+
+class Gateway:
+    def __init__(
+        self,
+        router: Router,
+        settings: ServiceSettings,
+        metrics: Metrics,
+        on_replica_failed: Callable[[str], None] = lambda name: None,
+    ) -> None:
+        self.router = router
+        self.settings = settings
+        self.metrics = metrics
+        self.on_replica_failed = on_replica_failed
+        self.endpoints: dict[str, str] = {}
+        self.unhealthy: set[str] = set()
+        self.pending: dict[str, Pending] = {}
+        self.decisions = 0
+        self._answers: dict[tuple[str, str], bytes] = {}
+        self._sequence = 0
+
+    # ------------------------------------------------------------------ replicas
+
+    def set_replicas(self, replicas: Mapping[str, str]) -> None:
+        self.endpoints = dict(replicas)
+        self.router.set_replicas(self.endpoints)
+        self.unhealthy &= set(self.endpoints)
+        self._answers.clear()
+
+    def mark_unhealthy(self, name: str) -> None:
+        if name in self.endpoints and name not in self.unhealthy:
+            self.unhealthy.add(name)
+            self._answers.clear()
+            self.on_replica_failed(name)
+
+    def mark_healthy(self, name: str) -> None:
+        if name in self.unhealthy:
+            self.unhealthy.discard(name)
+            self._answers.clear()
+
+    # ------------------------------------------------------------------ route stream
+
+    def decide(self, headers: Mapping[str, str], body: bytes) -> tuple[str | None, bytes]:
+        """(request id or None, serialized ProcessingResponse) for a request's buffered body."""
+        started = time.perf_counter()
+        path = headers.get(":path", "").partition("?")[0]
+        try:
+            parsed = parse_request(path, headers.get("content-type", ""), body)
+        except BadRequest as exc:
+            self.metrics.errors.labels("bad_request").inc()
+            return None, immediate(exc.status, exc.message)
+        request_id = self._request_id(headers.get("x-request-id", ""))
+        conversation = headers.get("x-conversation-id") or parsed.opening_key
+        prompt_tokens = parsed.prompt_token_ids or estimate_tokens(parsed.prompt_chars, self.settings.chars_per_token)
+        request = RouteRequest(request_id, conversation, prompt_tokens, parsed.max_tokens or self.settings.default_max_tokens)
+        avoid = self.unhealthy if len(self.unhealthy) < len(self.endpoints) else ()
+        decision = self.router.route(request, avoid=avoid)
+        if decision is None:
+            self.metrics.errors.labels("no_replica").inc()
+            return None, immediate(503, "no replica available", replicas=len(self.endpoints), unhealthy=sorted(self.unhealthy))
+        self.decisions += 1
+        self.metrics.decision(decision.trace.policy, decision.reason)
+        self.pending[request_id] = Pending(
+            request, decision, self.endpoints[decision.replica], path, headers.get("x-turn", ""), parsed.stream, started
+        )
+        self.metrics.decision_seconds.observe(time.perf_counter() - started)
+        answer = self._answers.get((decision.replica, decision.reason))
+        if answer is None:
+            answer = self._answers[(decision.replica, decision.reason)] = self._route_answer(decision.replica, decision.reason)
+        if request_id != headers.get("x-request-id"):
+            answer += _set_request_id(request_id)
+        return request_id, answer
+
+    def route_ended(self, request_id: str) -> None:
+        """The HTTP request is over (Envoy closed the route stream)."""
+        pending = self.pending.get(request_id)
+        if pending is None:
+            return
+        pending.route_done = True
+        if pending.response_done:
+            self._finish(request_id)
+        else:  # the observer's last message may still be on its way
+            grace = self.settings.observe_grace_ms / 1000
+            pending.timer = asyncio.get_running_loop().call_later(grace, self._finish, request_id)
+
+    # ------------------------------------------------------------------ observe stream
+
+    def observe_headers(self, headers: Mapping[str, str], end_of_stream: bool) -> str | None:
+        request_id = headers.get("x-request-id", "")
+        pending = self.pending.get(request_id)
+        if pending is None:
+            return None
+        pending.status = int(headers.get(":status", "0") or 0)
+        pending.served = headers.get("x-gateway-destination-endpoint-served", "")
+        pending.event_stream = headers.get("content-type", "").startswith("text/event-stream")
+        if end_of_stream:
+            self._response_done(request_id, pending)
+        return request_id
+
+    def observe_body(self, request_id: str, chunk: bytes, end_of_stream: bool) -> None:
+        pending = self.pending.get(request_id)
+        if pending is None:
+            return
+        if chunk:
+            pending.chunks.append(chunk)
+            pending.size += len(chunk)
+            if pending.event_stream:
+                while pending.size - len(pending.chunks[0]) >= SSE_TAIL_BYTES:
+                    pending.size -= len(pending.chunks.popleft())
+            elif pending.size > MAX_JSON_RESPONSE_BYTES:
+                pending.chunks.clear()
+        if end_of_stream:
+            self._response_done(request_id, pending)
+
+    def _response_done(self, request_id: str, pending: Pending) -> None:
+        pending.response_done = True
+        if pending.route_done:
+            if pending.timer is not None:
+                pending.timer.cancel()
+            self._finish(request_id)
+
+    # ------------------------------------------------------------------ the end
+
+    def _finish(self, request_id: str) -> None:
+        pending = self.pending.pop(request_id, None)
+        if pending is None:
+            return
+        decision = pending.decision
+        failed_over = bool(pending.served) and pending.served != pending.endpoint
+        if pending.response_done and 200 <= pending.status < 300 and not failed_over:
+            outcome = "ok"
+        elif pending.response_done or pending.status:
+            outcome = "failed"
+        else:
+            outcome = "abandoned"
+        self.router.complete(request_id, ok=outcome == "ok")
+        self.metrics.completed_children[outcome].inc()
+        if failed_over or (pending.response_done and pending.status in (502, 503) and not pending.served):
+            self.metrics.errors.labels("replica_failed").inc()
+            self.mark_unhealthy(decision.replica)
+        timings = None
+        if pending.response_done and pending.chunks:
+            timings = parse_timings(b"".join(pending.chunks), pending.event_stream)
+        if timings is not None and timings.cache_n is not None:
+            replica = self._served_replica(pending)
+            self.metrics.predicted_cached.labels(replica).inc(decision.predicted_cached_tokens)
+            self.metrics.actual_cached.labels(replica).inc(timings.cache_n)
+            self.metrics.actual_prompt.labels(replica).inc(timings.cache_n + (timings.prompt_n or 0))
+            self.metrics.prediction_error.observe(timings.cache_n - decision.predicted_cached_tokens)
+        self._log(request_id, pending, outcome, timings)
+
+    def _served_replica(self, pending: Pending) -> str:
+        if not pending.served or pending.served == pending.endpoint:
+            return pending.decision.replica
+        for name, endpoint in self.endpoints.items():
+            if endpoint == pending.served:
+                return name
+        return pending.served
+
+    def _log(self, request_id: str, pending: Pending, outcome: str, timings: Timings | None) -> None:
+        decision = pending.decision
+        fields: dict[str, Any] = {
+            "request_id": request_id,
+            "conversation": pending.request.conversation,
+            "turn": pending.turn,
+            "path": pending.path,
+            "stream": pending.stream,
+            "replica": decision.replica,
+            "endpoint": pending.endpoint,
+            "reason": decision.reason,
+            "policy": decision.trace.policy,
+            "prompt_tokens": pending.request.prompt_tokens,
+            "max_tokens": pending.request.max_tokens,
+            "cost": decision.cost,
+            "charged_tokens": decision.charged_tokens,
+            "predicted_cached_tokens": decision.predicted_cached_tokens,
+            "trace": decision.trace.as_dict(),
+            "outcome": outcome,
+            "status": pending.status,
+            "served": pending.served,
+            "served_replica": self._served_replica(pending) if pending.served else "",
+            "duration_ms": round((time.perf_counter() - pending.started) * 1000, 3),
+        }
+        if timings is not None:
+            fields.update(timings.as_dict())
+        log.info("route_decision", **fields)
+
+    # ------------------------------------------------------------------ helpers
+
+    def _request_id(self, from_envoy: str) -> str:
+        if from_envoy and from_envoy not in self.pending:
+            return from_envoy
+        self._sequence += 1  # absent or reused by a client: make it unique
+        return f"{from_envoy or 'llm-ring'}-{self._sequence}"
+
+    def _route_answer(self, replica: str, reason: str) -> bytes:
+        """Envoy's answer for a pick: destination (+ fallbacks) in header and metadata."""
+        names = sorted(self.endpoints)
+        start = names.index(replica)
+        fallbacks = [n for n in names[start + 1 :] + names[:start] if n not in self.unhealthy]
+        endpoints = ",".join([self.endpoints[replica]] + [self.endpoints[n] for n in fallbacks[: self.settings.fallbacks]])
+        mutation = pb.HeaderMutation(
+            set_headers=[_header(DESTINATION, endpoints), _header(ROUTED_TO, replica), _header(ROUTE_REASON, reason)]
+        )
+        metadata = struct_pb2.Struct()
+        metadata.get_or_create_struct("envoy.lb")[DESTINATION] = endpoints
+        return pb.ProcessingResponse(
+            request_body=pb.BodyResponse(response=pb.CommonResponse(header_mutation=mutation, clear_route_cache=True)),
+            dynamic_metadata=metadata,
+        ).SerializeToString()
+
+
+def _header(name: str, value: str) -> base_pb2.HeaderValueOption:
+    return base_pb2.HeaderValueOption(
+        header=base_pb2.HeaderValue(key=name, raw_value=value.encode()),
+        append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
+    )
+
+
+def _set_request_id(request_id: str) -> bytes:
+    """A serialized ProcessingResponse that only adds one header; protobuf merges repeated
+    fields of concatenated messages, so answer + this = answer with the header added."""
+    return pb.ProcessingResponse(
+        request_body=pb.BodyResponse(
+            response=pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=[_header("x-request-id", request_id)]))
+        )
+    ).SerializeToString()
+
+
+def immediate(status: int, message: str, **details: Any) -> bytes:
+    """Envoy answers the client itself with this status and a JSON error body."""
+    body = json.dumps({"error": message, **details}).encode()
+    return pb.ProcessingResponse(
+        immediate_response=pb.ImmediateResponse(
+            status=http_status_pb2.HttpStatus(code=status),
+            headers=pb.HeaderMutation(set_headers=[_header("content-type", "application/json")]),
+            body=body,
+            details=f"llm_ring_{status}",
+        )
+    ).SerializeToString()

@@ -1,0 +1,141 @@
+"""`llm-ring serve --config FILE`: the ext_proc routing service.
+
+One grpc.aio server on service.listen carries the ExternalProcessor (Envoy), the Admin
+service (proto/admin.proto) and gRPC health; Prometheus metrics are on
+service.metrics_listen. Discovery snapshots update the router (and, when
+service.envoy_endpoints_file is set, the endpoint file Envoy watches).
+
+Health: service "" is SERVING as soon as the server runs (liveness); service
+"envoy.service.ext_proc.v3.ExternalProcessor" is SERVING while at least one replica is
+known (readiness), NOT_SERVING otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+from pathlib import Path
+
+import grpc
+import structlog
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from prometheus_client import start_http_server
+
+from extproc.discovery import make_discovery
+from extproc.routing import Router
+from extproc.service import admin_pb2_grpc
+from extproc.service.admin import AdminService
+from extproc.service.envoy import split_host_port, write_endpoints_file
+from extproc.service.gateway import Gateway
+from extproc.service.metrics import Metrics
+from extproc.service.processor import SERVICE, handler
+from extproc.service.replica_health import ReplicaHealth
+from extproc.settings import Settings, SettingsError, load_settings
+
+log = structlog.get_logger("extproc.service")
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", required=True, metavar="FILE", help="settings TOML (see extproc/service/router.toml)")
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        settings = load_settings(args.config)
+    except SettingsError as exc:
+        print(f"llm-ring serve: {exc}", file=sys.stderr)
+        return 2
+    configure_logging(settings.service.log_level)
+    try:
+        asyncio.run(serve(settings))
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+def configure_logging(level: str) -> None:
+    """structlog JSON lines on stdout, one object per event."""
+    structlog.configure(
+        processors=[
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.JSONRenderer(),
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level.upper())),
+        logger_factory=structlog.PrintLoggerFactory(sys.stdout),
+        cache_logger_on_first_use=True,
+    )
+
+
+async def serve(settings: Settings) -> None:
+    service = settings.service
+    metrics = Metrics()
+    gateway = Gateway(Router(settings.routing), service, metrics)
+    health = ReplicaHealth(gateway, service.health_probe_seconds)
+    gateway.on_replica_failed = health.replica_failed
+    metrics.watch(gateway)
+
+    metrics_host, metrics_port = split_host_port(service.metrics_listen)
+    metrics_server, _ = start_http_server(metrics_port, metrics_host, registry=metrics.registry)
+
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    server.add_generic_rpc_handlers((handler(gateway),))
+    admin_pb2_grpc.add_AdminServicer_to_server(AdminService(gateway), server)
+    health_service = health_aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_service, server)
+    port = server.add_insecure_port(service.listen)
+    if port == 0:
+        raise SystemExit(f"llm-ring serve: cannot listen on service.listen={service.listen!r}")
+    await server.start()
+    await health_service.set("", health_pb2.HealthCheckResponse.SERVING)
+    await health_service.set(SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
+    host = split_host_port(service.listen)[0]
+    log.info(
+        "service_started",
+        listen=f"{host}:{port}",
+        metrics=f"{metrics_host}:{metrics_server.server_port}",
+        policy=settings.routing.policy,
+        discovery=settings.discovery.source,
+    )
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    watcher = loop.create_task(_follow_discovery(settings, gateway, health_service))
+    watcher.add_done_callback(lambda task: _discovery_ended(task, stop))
+    try:
+        await stop.wait()
+    finally:
+        log.info("service_stopping", in_flight=gateway.router.ledger.total_requests())
+        watcher.cancel()
+        health.close()
+        await server.stop(grace=2)
+        metrics_server.shutdown()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watcher
+
+
+async def _follow_discovery(settings: Settings, gateway: Gateway, health: health_aio.HealthServicer) -> None:
+    endpoints_file = settings.service.envoy_endpoints_file
+    if endpoints_file:
+        Path(endpoints_file).parent.mkdir(parents=True, exist_ok=True)
+    async for replicas in make_discovery(settings.discovery).snapshots():
+        gateway.set_replicas(replicas)
+        if endpoints_file:
+            write_endpoints_file(endpoints_file, replicas)
+        status = health_pb2.HealthCheckResponse.SERVING if replicas else health_pb2.HealthCheckResponse.NOT_SERVING
+        await health.set(SERVICE, status)
+        log.info("replicas_changed", replicas=replicas)
+
+
+def _discovery_ended(task: asyncio.Task[None], stop: asyncio.Event) -> None:
+    """Discovery never ends on its own: if it failed, say why and stop the service."""
+    if not task.cancelled() and task.exception() is not None:
+        log.error("discovery_failed", error=str(task.exception()))
+        stop.set()
