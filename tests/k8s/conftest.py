@@ -1,0 +1,85 @@
+"""Fixtures for the Kubernetes tests: the manifests, the router settings, a fake API server."""
+
+from __future__ import annotations
+
+import tomllib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from fake_apiserver import ADMIN, FakeApiServer, identity_from_manifests
+
+from extproc.settings import Settings, parse_settings
+
+REPO = Path(__file__).resolve().parents[2]
+K8S = REPO / "k8s"
+NAMESPACE = "llm-ring"
+ROUTER_TOKEN = "router-sa-token"
+UNBOUND_TOKEN = "unbound-sa-token"  # a ServiceAccount no RoleBinding names
+
+
+def manifest_files() -> list[Path]:
+    return sorted(K8S.glob("*.yaml"))
+
+
+def load_docs(path: Path) -> list[dict[str, Any]]:
+    return [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
+
+
+def all_docs() -> list[dict[str, Any]]:
+    return [doc for path in manifest_files() for doc in load_docs(path)]
+
+
+def find(kind: str, name: str) -> dict[str, Any]:
+    matches = [d for d in all_docs() if d["kind"] == kind and d["metadata"]["name"] == name]
+    assert len(matches) == 1, f"expected one {kind}/{name} in k8s/, found {len(matches)}"
+    return matches[0]
+
+
+def router_settings_raw() -> dict[str, Any]:
+    return tomllib.loads(find("ConfigMap", "router-config")["data"]["router.toml"])
+
+
+def router_settings() -> Settings:
+    return parse_settings(router_settings_raw(), source="k8s/41-router-config.yaml")
+
+
+@pytest.fixture
+def apiserver() -> Iterator[FakeApiServer]:
+    identities = {
+        ROUTER_TOKEN: identity_from_manifests(all_docs(), NAMESPACE, "router"),
+        UNBOUND_TOKEN: identity_from_manifests([], NAMESPACE, "unbound"),
+        ADMIN: identity_from_manifests([], "kube-system", "admin"),
+    }
+    server = FakeApiServer(identities).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def kubeconfig(tmp_path: Path, apiserver: FakeApiServer, monkeypatch: pytest.MonkeyPatch):
+    """Point KUBECONFIG at the fake server, as a user's kubeconfig would point at kind."""
+
+    def write(token: str) -> Path:
+        path = tmp_path / f"kubeconfig-{token}"
+        path.write_text(
+            yaml.safe_dump(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Config",
+                    "current-context": "fake",
+                    "clusters": [{"name": "fake", "cluster": {"server": apiserver.url}}],
+                    "users": [{"name": "router", "user": {"token": token}}],
+                    "contexts": [
+                        {"name": "fake", "context": {"cluster": "fake", "user": "router", "namespace": NAMESPACE}}
+                    ],
+                }
+            )
+        )
+        monkeypatch.setenv("KUBECONFIG", str(path))
+        monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+        return path
+
+    return write

@@ -1,0 +1,251 @@
+"""EndpointSlice discovery driven by the official `kubernetes` client against the fake API
+server of fake_apiserver.py (see its docstring for what the fake does not model).
+
+No real API server can run on these machines (no Docker, no registry ships one); the
+`cluster`-marked tests in test_k8s_cluster.py run the same discovery against a real
+cluster when KUBECONFIG is set.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from conftest import NAMESPACE, ROUTER_TOKEN, UNBOUND_TOKEN, all_docs, router_settings
+from fake_apiserver import Endpoint, FakeApiServer, endpoint_slice, identity_from_manifests
+from structlog.testing import capture_logs
+
+from extproc.discovery.kubernetes import KubernetesDiscovery
+
+FAST = {"watch_timeout_seconds": 30, "max_backoff_seconds": 0.2}
+
+
+def discovery_settings():
+    # The committed router ConfigMap's [discovery], with a test-sized first backoff.
+    return router_settings().discovery.model_copy(update={"kubernetes_backoff_seconds": 0.05})
+
+
+def slice_of(name: str, *endpoints: Endpoint, service: str = "llm") -> dict[str, Any]:
+    return endpoint_slice(name, service, endpoints, namespace=NAMESPACE)
+
+
+class Reader:
+    """Consumes discovery.snapshots() in a task; also measures the loop's worst stall."""
+
+    def __init__(self, discovery: KubernetesDiscovery) -> None:
+        self.snapshots: list[dict[str, str]] = []
+        self.max_stall = 0.0
+        self._task = asyncio.create_task(self._read(discovery))
+        self._ticker = asyncio.create_task(self._tick())
+
+    async def _read(self, discovery: KubernetesDiscovery) -> None:
+        async for snapshot in discovery.snapshots():
+            self.snapshots.append(snapshot)
+
+    async def _tick(self) -> None:
+        while True:
+            start = time.monotonic()
+            await asyncio.sleep(0.01)
+            self.max_stall = max(self.max_stall, time.monotonic() - start - 0.01)
+
+    async def until(self, expected: dict[str, str], timeout: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not self.snapshots or self.snapshots[-1] != expected:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"waited {timeout}s for {expected}; got {self.snapshots}")
+            await asyncio.sleep(0.01)
+
+    async def close(self) -> None:
+        for task in (self._task, self._ticker):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+
+async def wait(condition: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+def requests_of(server: FakeApiServer, verb: str, status: int | None = None) -> list[Any]:
+    return [r for r in server.requests if r.verb == verb and (status is None or r.status == status)]
+
+
+def test_replicas_join_when_ready_and_leave_when_not_ready_or_terminating(apiserver, kubeconfig):
+    kubeconfig(ROUTER_TOKEN)  # the real path: credentials from KUBECONFIG
+    apiserver.apply(slice_of("llm-a", Endpoint("llm-0", "10.0.0.10"), Endpoint("llm-1", "10.0.0.11", ready=False)))
+    apiserver.apply(slice_of("other-a", Endpoint("other-0", "10.0.9.9"), service="other"))
+
+    async def scenario() -> None:
+        reader = Reader(KubernetesDiscovery(discovery_settings(), **FAST))
+        try:
+            await reader.until({"llm-0": "10.0.0.10:8080"})  # llm-1 still loading its model
+            apiserver.apply(slice_of("llm-a", Endpoint("llm-0", "10.0.0.10"), Endpoint("llm-1", "10.0.0.11")))
+            await reader.until({"llm-0": "10.0.0.10:8080", "llm-1": "10.0.0.11:8080"})
+            apiserver.apply(slice_of("llm-b", Endpoint("llm-2", "10.0.0.12")))  # a second slice
+            await reader.until({"llm-0": "10.0.0.10:8080", "llm-1": "10.0.0.11:8080", "llm-2": "10.0.0.12:8080"})
+            # llm-0 is being deleted: terminating, still serving its in-flight requests
+            apiserver.apply(
+                slice_of(
+                    "llm-a",
+                    Endpoint("llm-0", "10.0.0.10", ready=False, terminating=True),
+                    Endpoint("llm-1", "10.0.0.11"),
+                )
+            )
+            await reader.until({"llm-1": "10.0.0.11:8080", "llm-2": "10.0.0.12:8080"})
+            # restarted llm-1 comes back with a new IP under the same name
+            apiserver.apply(slice_of("llm-a", Endpoint("llm-1", "10.0.0.21")))
+            await reader.until({"llm-1": "10.0.0.21:8080", "llm-2": "10.0.0.12:8080"})
+            apiserver.delete(NAMESPACE, "llm-b")
+            await reader.until({"llm-1": "10.0.0.21:8080"})
+            stall = reader.max_stall
+        finally:
+            await reader.close()
+        assert [sorted(s) for s in reader.snapshots] == [
+            ["llm-0"],
+            ["llm-0", "llm-1"],
+            ["llm-0", "llm-1", "llm-2"],
+            ["llm-1", "llm-2"],
+            ["llm-1", "llm-2"],
+            ["llm-1"],
+        ]
+        assert stall < 0.25, f"the event loop stalled {stall:.3f}s: discovery must not block it"
+
+    with capture_logs() as logs:
+        asyncio.run(scenario())
+    changes = [e for e in logs if e["event"] == "replicas_changed"]
+    assert [c["replicas"] for c in changes][:2] == [["llm-0"], ["llm-0", "llm-1"]]
+    assert changes[3]["removed"] == ["llm-0"] and changes[3]["endpoints"]["llm-1"] == "10.0.0.11:8080"
+    assert len(requests_of(apiserver, "list")) == 1, "one list, then one uninterrupted watch"
+    watches = requests_of(apiserver, "watch")
+    assert watches[0].query["labelSelector"] == "kubernetes.io/service-name=llm"
+    assert watches[0].query["allowWatchBookmarks"] == "true"
+
+
+def test_watch_resumes_from_a_bookmark_without_relisting(apiserver, kubeconfig):
+    kubeconfig(ROUTER_TOKEN)
+    apiserver.apply(slice_of("llm-a", Endpoint("llm-0", "10.0.0.10")))
+
+    async def scenario() -> None:
+        reader = Reader(KubernetesDiscovery(discovery_settings(), **FAST))
+        try:
+            await reader.until({"llm-0": "10.0.0.10:8080"})
+            await wait(lambda: apiserver.watch_count() == 1)
+            apiserver.apply(slice_of("x", Endpoint("x-0", "10.0.9.9"), service="other"))  # not ours
+            bookmark = apiserver.bookmark()
+            await asyncio.sleep(0.2)
+            apiserver.compact()  # versions before the bookmark are gone
+            apiserver.end_watches()  # as when timeoutSeconds runs out
+            await wait(lambda: len(requests_of(apiserver, "watch")) == 2)
+            assert requests_of(apiserver, "watch")[1].query["resourceVersion"] == str(bookmark)
+            apiserver.apply(slice_of("llm-a", Endpoint("llm-0", "10.0.0.10"), Endpoint("llm-1", "10.0.0.11")))
+            await reader.until({"llm-0": "10.0.0.10:8080", "llm-1": "10.0.0.11:8080"})
+        finally:
+            await reader.close()
+
+    asyncio.run(scenario())
+    assert len(requests_of(apiserver, "list")) == 1, "a bookmark's version must spare the relist"
+
+
+def test_relists_after_410_gone_and_catches_up(apiserver, kubeconfig):
+    kubeconfig(ROUTER_TOKEN)
+    apiserver.apply(slice_of("llm-a", Endpoint("llm-0", "10.0.0.10")))
+
+    async def scenario() -> None:
+        reader = Reader(KubernetesDiscovery(discovery_settings(), **FAST))
+        try:
+            await reader.until({"llm-0": "10.0.0.10:8080"})
+            await wait(lambda: apiserver.watch_count() == 1)
+            apiserver.hold_watches()
+            apiserver.end_watches()
+            await wait(lambda: apiserver.watch_count() == 0)
+            # while the client has no watch open: a change, then the history is compacted
+            apiserver.apply(slice_of("llm-a", Endpoint("llm-0", "10.0.0.10"), Endpoint("llm-1", "10.0.0.11")))
+            apiserver.compact()
+            apiserver.release_watches()
+            await reader.until({"llm-0": "10.0.0.10:8080", "llm-1": "10.0.0.11:8080"})
+        finally:
+            await reader.close()
+
+    with capture_logs() as logs:
+        asyncio.run(scenario())
+    assert len(requests_of(apiserver, "list")) == 2, "410 Gone must trigger exactly one relist"
+    assert any(e["event"] == "endpointslice_watch_expired" for e in logs)
+
+
+def test_keeps_the_last_set_while_the_api_is_away_and_recovers(apiserver, kubeconfig):
+    kubeconfig(ROUTER_TOKEN)
+    apiserver.apply(slice_of("llm-a", Endpoint("llm-0", "10.0.0.10"), Endpoint("llm-1", "10.0.0.11")))
+    both = {"llm-0": "10.0.0.10:8080", "llm-1": "10.0.0.11:8080"}
+
+    async def scenario() -> None:
+        reader = Reader(KubernetesDiscovery(discovery_settings(), **FAST))
+        try:
+            await reader.until(both)
+            apiserver.stop()  # connections cut, then connection refused
+            apiserver.apply(slice_of("llm-b", Endpoint("llm-2", "10.0.0.12")))  # changes while away
+            await asyncio.sleep(1.0)
+            assert reader.snapshots == [both], "the last known set stays in service"
+            apiserver.start()  # same port, same state
+            await reader.until(both | {"llm-2": "10.0.0.12:8080"})
+        finally:
+            await reader.close()
+
+    with capture_logs() as logs:
+        asyncio.run(scenario())
+    outages = [e for e in logs if e["event"] == "kubernetes_api_unreachable"]
+    assert 2 <= len(outages) <= 12, f"backoff between retries: {len(outages)} retries in ~1 s"
+    assert outages[0]["serving"] == ["llm-0", "llm-1"]
+    assert [e["retry_in_s"] for e in outages[:4]] == [0.05, 0.1, 0.2, 0.2]
+
+
+@pytest.mark.parametrize("token, status", [("no-such-token", 401), (UNBOUND_TOKEN, 403)])
+def test_refused_credentials_back_off_then_recover_when_granted(apiserver, kubeconfig, token, status):
+    kubeconfig(token)
+    apiserver.apply(slice_of("llm-a", Endpoint("llm-0", "10.0.0.10")))
+
+    async def scenario() -> None:
+        reader = Reader(KubernetesDiscovery(discovery_settings(), **FAST))
+        try:
+            await asyncio.sleep(0.8)
+            assert reader.snapshots == []
+            refused = requests_of(apiserver, "list", status)
+            assert 2 <= len(refused) <= 10, f"{len(refused)} refused lists in 0.8 s: no backoff?"
+            # the RoleBinding gets applied (or the token fixed): discovery recovers alone
+            apiserver.identities[token] = identity_from_manifests(all_docs(), NAMESPACE, "router")
+            await reader.until({"llm-0": "10.0.0.10:8080"})
+        finally:
+            await reader.close()
+
+    with capture_logs() as logs:
+        asyncio.run(scenario())
+    errors = [e for e in logs if e["event"] == "kubernetes_api_error"]
+    assert errors and all(e["status"] == status for e in errors)
+
+
+def test_stopping_the_iteration_ends_the_watch_thread(apiserver, kubeconfig):
+    kubeconfig(ROUTER_TOKEN)
+    apiserver.apply(slice_of("llm-a", Endpoint("llm-0", "10.0.0.10")))
+
+    async def scenario() -> float:
+        snapshots = KubernetesDiscovery(discovery_settings(), **FAST).snapshots()
+        assert await anext(snapshots) == {"llm-0": "10.0.0.10:8080"}
+        await wait(lambda: apiserver.watch_count() == 1)
+        start = time.monotonic()
+        await snapshots.aclose()
+        return time.monotonic() - start
+
+    took = asyncio.run(scenario())
+    assert took < 2.0, f"closing took {took:.2f}s"
+    assert not [t for t in threading.enumerate() if t.name == "k8s-discovery"]
+    deadline = time.monotonic() + 2
+    while apiserver.watch_count() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert apiserver.watch_count() == 0, "the watch connection must be closed"
