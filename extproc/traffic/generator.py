@@ -61,11 +61,7 @@ def generate_conversation(profile: Profile, seed: int, index: int) -> Conversati
                     f"max_context_tokens={profile.max_context_tokens}; lower doc_words/user_words"
                 )
             break
-        turns.append(
-            Turn(
-                text=text, think_time_s=think, max_tokens=profile.max_tokens, est_prompt_tokens=est
-            )
-        )
+        turns.append(Turn(text=text, think_time_s=think, max_tokens=profile.max_tokens, est_prompt_tokens=est))
     return Conversation(
         id=f"s{seed}-c{index:05d}",
         index=index,

@@ -85,9 +85,7 @@ def _resolve(name_or_path: str | Path) -> Path:
     path = Path(text) if is_path else PROFILES_DIR / f"{text}.json"
     if not path.is_file():
         known = ", ".join(available_profiles())
-        raise ProfileError(
-            f"profile not found: {text} (known profiles: {known}; or give a path to a .json file)"
-        )
+        raise ProfileError(f"profile not found: {text} (known profiles: {known}; or give a path to a .json file)")
     return path
 
 
@@ -139,15 +137,12 @@ def _range(value: Any, kind: type) -> tuple[Any, Any]:
 
 def _check_consistency(profile: Profile, source: str) -> None:
     if profile.turns[0] < 1:
-        raise ProfileError(
-            f"{source}: turns: a conversation needs at least 1 turn (got {list(profile.turns)})"
-        )
+        raise ProfileError(f"{source}: turns: a conversation needs at least 1 turn (got {list(profile.turns)})")
     if profile.user_words[0] < 1:
         raise ProfileError(f"{source}: user_words: a message needs at least 1 word")
     if profile.conversations < profile.concurrency:
         raise ProfileError(
-            f"{source}: conversations ({profile.conversations}) must be >= "
-            f"concurrency ({profile.concurrency})"
+            f"{source}: conversations ({profile.conversations}) must be >= concurrency ({profile.concurrency})"
         )
 
 

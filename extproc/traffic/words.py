@@ -50,9 +50,7 @@ def sentence(rng: random.Random, words: int) -> str:
     return " ".join(picked).capitalize() + "."
 
 
-def paragraphs(
-    rng: random.Random, words: int, per_sentence: int = 14, per_paragraph: int = 6
-) -> str:
+def paragraphs(rng: random.Random, words: int, per_sentence: int = 14, per_paragraph: int = 6) -> str:
     """About ``words`` words as sentences grouped in paragraphs (a pasted document)."""
     sentences = []
     left = words
