@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.util
 import tomllib
 from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -44,6 +46,15 @@ def router_settings_raw() -> dict[str, Any]:
 
 def router_settings() -> Settings:
     return parse_settings(router_settings_raw(), source="k8s/41-router-config.yaml")
+
+
+def envoy_configmap() -> ModuleType:
+    """k8s/envoy_configmap.py, the generator of the Envoy ConfigMap (a script, not a package)."""
+    spec = importlib.util.spec_from_file_location("envoy_configmap", K8S / "envoy_configmap.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.fixture

@@ -1,0 +1,364 @@
+"""The manifests in k8s/, kind/kind-config.yaml and the Dockerfile, checked without a cluster.
+
+- every manifest against the OpenAPI schemas of kind's Kubernetes version with
+  `kubernetes-validate --strict` (types, required fields, unknown fields; not admission
+  or semantic rules: those need `kubectl apply --dry-run=server`, see test_k8s_cluster.py);
+- the Pod Security "restricted" rules the namespace enforces, requests/limits, pinned images;
+- the router ConfigMap against the router's settings schema; the Envoy ConfigMap equals
+  the rendering of extproc.service.envoy and passes `envoy --mode validate`;
+- the names that must agree across files (Service, port name, ConfigMaps, ports);
+- the router's ServiceAccount is refused everything but reading EndpointSlices
+  (enforced by the fake API server from the committed Role/RoleBinding);
+- the Dockerfile installs every distribution the service imports.
+"""
+
+from __future__ import annotations
+
+import ast
+import copy
+import importlib.metadata
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+from conftest import (
+    K8S,
+    NAMESPACE,
+    REPO,
+    ROUTER_TOKEN,
+    all_docs,
+    envoy_configmap,
+    find,
+    load_docs,
+    manifest_files,
+    router_settings_raw,
+)
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
+from extproc.settings import SettingsError, parse_settings
+from extproc.traffic.profile import available_profiles, check_context, load_profile
+
+KIND_CONFIG = REPO / "kind" / "kind-config.yaml"
+
+
+def kind_kubernetes_version() -> str:
+    nodes = load_docs(KIND_CONFIG)[0]["nodes"]
+    images = {node["image"] for node in nodes}
+    assert len(images) == 1, f"all kind nodes must run one image, got {images}"
+    match = re.fullmatch(r"kindest/node:v(\d+\.\d+\.\d+)@sha256:[0-9a-f]{64}", images.pop())
+    assert match, "pin the kind node image by tag and digest, as kind's release notes ask"
+    return match.group(1)
+
+
+def schema_version() -> str:
+    """kubernetes-validate ships schemas per minor version (x.y.0)."""
+    major, minor, _ = kind_kubernetes_version().split(".")
+    return f"{major}.{minor}.0"
+
+
+def pod_specs() -> list[tuple[str, dict[str, Any]]]:
+    return [
+        (f"{d['kind']}/{d['metadata']['name']}", d["spec"]["template"]["spec"])
+        for d in all_docs()
+        if d["kind"] in ("Deployment", "StatefulSet", "DaemonSet", "Job")
+    ]
+
+
+def containers(spec: dict[str, Any]) -> list[dict[str, Any]]:
+    return spec.get("initContainers", []) + spec["containers"]
+
+
+# ----------------------------------------------------------------------------- kind + schemas
+
+
+def test_kind_cluster_is_one_control_plane_and_three_workers():
+    roles = [node["role"] for node in load_docs(KIND_CONFIG)[0]["nodes"]]
+    assert roles == ["control-plane", "worker", "worker", "worker"]
+    assert load_docs(KIND_CONFIG)[0]["name"] == "llm-ring"
+
+
+@pytest.mark.parametrize("path", manifest_files(), ids=lambda p: p.name)
+def test_manifest_is_valid_for_kinds_kubernetes_version(path: Path):
+    docs = load_docs(path)
+    assert docs, f"{path.name} holds no object"
+    for doc in docs:
+        kubernetes_validate.validate(doc, schema_version(), strict=True)
+
+
+def test_strict_validation_catches_a_misspelled_field():
+    statefulset = copy.deepcopy(find("StatefulSet", "llm"))
+    container = statefulset["spec"]["template"]["spec"]["containers"][0]
+    container["readinesProbe"] = container.pop("readinessProbe")
+    with pytest.raises(kubernetes_validate.ValidationError, match="readinesProbe"):
+        kubernetes_validate.validate(statefulset, schema_version(), strict=True)
+
+
+def test_files_are_numbered_in_apply_order():
+    names = [p.name for p in manifest_files()]
+    assert all(re.fullmatch(r"\d\d-[a-z0-9-]+\.yaml", n) for n in names), names
+    kinds_by_file = {p.name: [d["kind"] for d in load_docs(p)] for p in manifest_files()}
+    assert kinds_by_file[names[0]] == ["Namespace"]
+    # everything a workload refers to (ConfigMaps, ServiceAccount) is applied before it
+    position = {(d["kind"], d["metadata"]["name"]): i for i, p in enumerate(manifest_files()) for d in load_docs(p)}
+    for i, path in enumerate(manifest_files()):
+        for doc in load_docs(path):
+            if doc["kind"] not in ("Deployment", "StatefulSet"):
+                continue
+            spec = doc["spec"]["template"]["spec"]
+            refs = [("ConfigMap", v["configMap"]["name"]) for v in spec.get("volumes", []) if "configMap" in v]
+            refs += [("ConfigMap", e["configMapRef"]["name"]) for c in containers(spec) for e in c.get("envFrom", [])]
+            if "serviceAccountName" in spec:
+                refs.append(("ServiceAccount", spec["serviceAccountName"]))
+            for ref in refs:
+                assert ref in position, f"{doc['metadata']['name']} refers to missing {ref}"
+                assert position[ref] <= i, f"{ref} must be applied before {path.name}"
+
+
+def test_every_object_is_in_the_namespace():
+    for doc in all_docs():
+        if doc["kind"] != "Namespace":
+            assert doc["metadata"].get("namespace") == NAMESPACE, f"{doc['kind']}/{doc['metadata']['name']}"
+        assert not doc["kind"].startswith("Cluster"), "no cluster-wide objects"
+
+
+# ----------------------------------------------------------------------------- pod security
+
+
+def test_namespace_enforces_pod_security_restricted():
+    labels = find("Namespace", NAMESPACE)["metadata"]["labels"]
+    assert labels["pod-security.kubernetes.io/enforce"] == "restricted"
+
+
+@pytest.mark.parametrize("name, spec", pod_specs(), ids=[n for n, _ in pod_specs()])
+def test_pods_meet_restricted_and_set_requests_and_limits(name: str, spec: dict[str, Any]):
+    pod = spec.get("securityContext", {})
+    assert pod.get("seccompProfile", {}).get("type") == "RuntimeDefault", name
+    for c in containers(spec):
+        ctx = c.get("securityContext", {})
+        assert pod.get("runAsNonRoot") is True or ctx.get("runAsNonRoot") is True, (name, c["name"])
+        assert ctx.get("runAsUser", pod.get("runAsUser", 1)) != 0, (name, c["name"])
+        assert ctx.get("allowPrivilegeEscalation") is False, (name, c["name"])
+        assert ctx.get("capabilities", {}).get("drop") == ["ALL"], (name, c["name"])
+        assert ctx.get("readOnlyRootFilesystem") is True, (name, c["name"])
+        for kind in ("requests", "limits"):
+            assert set(c.get("resources", {}).get(kind, {})) >= {"cpu", "memory"}, (name, c["name"], kind)
+        image = c["image"]
+        assert ":" in image.rsplit("/", 1)[-1] and not image.endswith(":latest"), f"pin a tag: {image}"
+    for volume in spec.get("volumes", []):
+        assert set(volume) & {"configMap", "emptyDir", "persistentVolumeClaim", "secret", "projected"}, volume
+
+
+# ----------------------------------------------------------------------------- names that agree
+
+
+def test_replicas_service_statefulset_and_router_settings_agree():
+    discovery = parse_settings(router_settings_raw()).discovery
+    service = find("Service", discovery.kubernetes_service)
+    statefulset = find("StatefulSet", "llm")
+    template = statefulset["spec"]["template"]
+    assert discovery.source == "kubernetes"
+    assert discovery.kubernetes_namespace == NAMESPACE
+    assert service["spec"]["clusterIP"] == "None", "headless: the router picks the replica"
+    assert statefulset["spec"]["serviceName"] == service["metadata"]["name"]
+    selector = service["spec"]["selector"]
+    assert selector.items() <= template["metadata"]["labels"].items()
+    assert selector == statefulset["spec"]["selector"]["matchLabels"]
+    (port,) = service["spec"]["ports"]
+    assert port["name"] == discovery.kubernetes_port_name
+    llama = template["spec"]["containers"][0]
+    named = {p["name"]: p["containerPort"] for p in llama["ports"]}
+    assert named[port["targetPort"]] == port["port"] == int(find("ConfigMap", "llm-config")["data"]["LLAMA_ARG_PORT"])
+    assert llama["readinessProbe"]["httpGet"] == {"path": "/health", "port": port["targetPort"]}
+    spread = template["spec"]["topologySpreadConstraints"][0]
+    assert spread["topologyKey"] == "kubernetes.io/hostname" and spread["nodeTaintsPolicy"] == "Honor"
+    claims = [t["metadata"]["name"] for t in statefulset["spec"]["volumeClaimTemplates"]]
+    for c in containers(template["spec"]):
+        assert "models" in [m["name"] for m in c["volumeMounts"]], c["name"]
+    assert claims == ["models"]
+
+
+def test_replica_settings_hold_every_knob_and_fit_the_traffic_profiles():
+    data = find("ConfigMap", "llm-config")["data"]
+    knobs = {"MODEL_URL", "MODEL_FILE", "LLAMA_ARG_CTX_SIZE", "LLAMA_ARG_N_PARALLEL", "LLAMA_ARG_THREADS"}
+    assert knobs | {"LLAMA_ARG_CACHE_RAM"} <= set(data)
+    assert data["MODEL_URL"].endswith("/" + data["MODEL_FILE"])
+    slot_context = int(data["LLAMA_ARG_CTX_SIZE"]) // int(data["LLAMA_ARG_N_PARALLEL"])
+    for name in available_profiles():  # the seed's "one manual link to keep", checked
+        check_context(load_profile(name), slot_context)
+
+
+def test_gateway_pod_wires_envoy_router_and_their_configs():
+    settings = parse_settings(router_settings_raw())
+    deployment = find("Deployment", "gateway")
+    spec = deployment["spec"]["template"]["spec"]
+    by_name = {c["name"]: c for c in spec["containers"]}
+    assert set(by_name) == {"envoy", "router"}
+    assert deployment["spec"]["replicas"] == 1, "one router: its state is in memory"
+    assert spec["serviceAccountName"] == "router" and spec["automountServiceAccountToken"] is True
+    volumes = {v["name"]: v["configMap"]["name"] for v in spec["volumes"] if "configMap" in v}
+    # the router reads router.toml from its ConfigMap and serves on the settings' ports
+    router = by_name["router"]
+    config_path = Path(router["args"][router["args"].index("--config") + 1])
+    (mount,) = [m for m in router["volumeMounts"] if m["mountPath"] == str(config_path.parent)]
+    assert volumes[mount["name"]] == "router-config"
+    assert config_path.name in find("ConfigMap", "router-config")["data"]
+    ports = {p["name"]: p["containerPort"] for p in router["ports"]}
+    assert ports["grpc"] == int(settings.service.listen.rpartition(":")[2])
+    assert ports["metrics"] == int(settings.service.metrics_listen.rpartition(":")[2])
+    assert router["readinessProbe"]["grpc"]["port"] == ports["grpc"]
+    # Envoy reads envoy.yaml from the generated ConfigMap and listens where the Service sends
+    envoy = by_name["envoy"]
+    envoy_path = Path(envoy["args"][envoy["args"].index("--config-path") + 1])
+    (mount,) = [m for m in envoy["volumeMounts"] if m["mountPath"] == str(envoy_path.parent)]
+    assert volumes[mount["name"]] == "gateway-envoy"
+    assert envoy_path.name in find("ConfigMap", "gateway-envoy")["data"]
+    service = find("Service", "gateway")
+    assert service["spec"]["selector"].items() <= deployment["spec"]["template"]["metadata"]["labels"].items()
+    envoy_port = {p["name"]: p["containerPort"] for p in envoy["ports"]}[service["spec"]["ports"][0]["targetPort"]]
+    generator = envoy_configmap()
+    assert f"0.0.0.0:{envoy_port}" == generator.LISTEN
+    assert generator.EXT_PROC.rpartition(":")[2] == str(ports["grpc"])
+    # only Envoy's and the metrics port are open to other pods (the admin API is not)
+    policy = find("NetworkPolicy", "gateway")
+    allowed = {p["port"] for rule in policy["spec"]["ingress"] for p in rule["ports"]}
+    assert allowed == {"http", "metrics"} and policy["spec"]["policyTypes"] == ["Ingress"]
+
+
+# ----------------------------------------------------------------------------- router settings
+
+
+def test_router_configmap_parses_with_the_router_settings_schema():
+    settings = parse_settings(router_settings_raw(), source="k8s/41-router-config.yaml")
+    assert settings.service.envoy_endpoints_file == "", "in Kubernetes, Envoy resolves replicas by DNS"
+
+
+def test_router_configmap_has_the_same_keys_as_the_reference_settings():
+    reference = tomllib.loads((REPO / "extproc" / "service" / "router.toml").read_text())
+    ours = router_settings_raw()
+    assert {s: sorted(v) for s, v in ours.items()} == {s: sorted(v) for s, v in reference.items()}
+
+
+@pytest.mark.parametrize("section, key", [("routing", "epsilon"), ("service", "fail_open"), ("discovery", "source")])
+def test_a_missing_or_misspelled_router_key_is_refused_by_name(section: str, key: str):
+    raw = router_settings_raw()
+    raw[section][key + "s"] = raw[section].pop(key)
+    with pytest.raises(SettingsError) as refused:
+        parse_settings(raw)
+    assert f"{section}.{key}: missing" in str(refused.value)
+    assert f"{section}.{key}s: unknown setting" in str(refused.value)
+
+
+# ----------------------------------------------------------------------------- envoy
+
+
+def test_envoy_configmap_is_the_rendering_of_the_single_source():
+    assert (K8S / "42-gateway-envoy.yaml").read_text() == envoy_configmap().render(), (
+        "k8s/42-gateway-envoy.yaml is stale: run .venv/bin/python k8s/envoy_configmap.py"
+    )
+
+
+@pytest.mark.live
+def test_envoy_accepts_the_kubernetes_config(tmp_path: Path):
+    from extproc.service.processes import envoy_binary
+
+    config = tmp_path / "envoy.yaml"
+    config.write_text(find("ConfigMap", "gateway-envoy")["data"]["envoy.yaml"])
+    result = subprocess.run(
+        [envoy_binary(), "--mode", "validate", "-c", str(config), "--disable-hot-restart", "-l", "error"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "OK" in result.stdout
+
+
+# ----------------------------------------------------------------------------- RBAC
+
+
+def test_router_role_grants_only_reading_endpointslices():
+    bindings = [d for d in all_docs() if d["kind"] == "RoleBinding"]
+    bound = [b for b in bindings if any(s["name"] == "router" for s in b["subjects"])]
+    assert len(bound) == 1 and bound[0]["roleRef"]["kind"] == "Role"
+    role = find("Role", bound[0]["roleRef"]["name"])
+    assert role["rules"] == [
+        {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["get", "list", "watch"]}
+    ]
+    assert find("ServiceAccount", "router")["automountServiceAccountToken"] is False
+
+
+def test_router_token_is_refused_everything_but_reading_endpointslices(apiserver):
+    configuration = client.Configuration(host=apiserver.url)
+    configuration.api_key = {"authorization": ROUTER_TOKEN}
+    configuration.api_key_prefix = {"authorization": "Bearer"}
+    with client.ApiClient(configuration) as api_client:
+        core, discovery = client.CoreV1Api(api_client), client.DiscoveryV1Api(api_client)
+        discovery.list_namespaced_endpoint_slice(NAMESPACE)  # allowed
+        with pytest.raises(ApiException) as missing:
+            discovery.read_namespaced_endpoint_slice("llm-a", NAMESPACE)
+        assert missing.value.status == 404  # allowed to ask, the slice just isn't there
+        refused = {
+            "list pods": lambda: core.list_namespaced_pod(NAMESPACE),
+            "get pod": lambda: core.read_namespaced_pod("llm-0", NAMESPACE),
+            "list secrets": lambda: core.list_namespaced_secret(NAMESPACE),
+            "list services": lambda: core.list_namespaced_service(NAMESPACE),
+            "slices elsewhere": lambda: discovery.list_namespaced_endpoint_slice("default"),
+            "slices cluster-wide": lambda: discovery.list_endpoint_slice_for_all_namespaces(),
+            "create slice": lambda: discovery.create_namespaced_endpoint_slice(
+                NAMESPACE, client.V1EndpointSlice(address_type="IPv4", endpoints=[], metadata={"name": "x"})
+            ),
+            "delete slice": lambda: discovery.delete_namespaced_endpoint_slice("llm-a", NAMESPACE),
+        }
+        for what, call in refused.items():
+            with pytest.raises(ApiException) as denied:
+                call()
+            assert denied.value.status == 403, what
+            assert "system:serviceaccount:llm-ring:router" in denied.value.body, what
+    configuration.api_key = {"authorization": "stolen-or-expired"}
+    with client.ApiClient(configuration) as api_client, pytest.raises(ApiException) as unknown:
+        client.DiscoveryV1Api(api_client).list_namespaced_endpoint_slice(NAMESPACE)
+    assert unknown.value.status == 401
+
+
+# ----------------------------------------------------------------------------- Dockerfile
+
+
+def dockerfile_distributions() -> set[str]:
+    text = (REPO / "Dockerfile").read_text().replace("\\\n", " ")
+    (install,) = [line for line in text.splitlines() if "pip install" in line and "-c constraints.txt" in line]
+    words = install.split("-c constraints.txt", 1)[1].split()
+    return {importlib.metadata.distribution(w).metadata["Name"].lower() for w in words if not w.startswith("-")}
+
+
+def imported_top_level_modules() -> set[str]:
+    """Third-party modules that the extproc modules loaded by `llm-ring serve` import by name."""
+    code = (
+        "import sys, extproc.cli, extproc.service.main, extproc.discovery.kubernetes, "
+        "extproc.discovery.file, extproc.discovery.static\n"
+        "print([m.__file__ for n, m in sys.modules.items() if n.startswith('extproc')])"
+    )
+    loaded = ast.literal_eval(subprocess.check_output([sys.executable, "-c", code], text=True, cwd=REPO))
+    named: set[str] = set()
+    for path in loaded:
+        for node in ast.walk(ast.parse(Path(path).read_text())):
+            if isinstance(node, ast.Import):
+                named |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                named.add(node.module.split(".")[0])
+    return named - set(sys.stdlib_module_names) - {"extproc"}
+
+
+def test_dockerfile_installs_what_the_service_imports():
+    providers = importlib.metadata.packages_distributions()
+    installed = dockerfile_distributions()
+    modules = imported_top_level_modules()
+    assert {"grpc", "kubernetes", "pydantic", "structlog"} <= modules  # the scan sees the service
+    missing = {m: providers.get(m) for m in modules if not {d.lower() for d in providers.get(m, [])} & installed}
+    assert not missing, f"add to the Dockerfile's pip install: {missing}"
+    assert "USER 65532" in (REPO / "Dockerfile").read_text(), "the image runs as non-root"
