@@ -34,6 +34,8 @@ from extproc.traffic.chat import (
     read_sse_line,
     request_body,
     request_headers,
+    session_message,
+    session_tag,
     timing_fields,
 )
 
@@ -47,6 +49,7 @@ def _options(parser: Any) -> None:
     group.add_argument("--run-id", default="", help="run id in the records (default <policy>-s<seed>)")
     group.add_argument("--records-dir", default="", help="run folder (default locust-records/<run-id>)")
     group.add_argument("--model", default="llm-ring", help="model field sent in requests")
+    group.add_argument("--session", default="", help="session tag starting every conversation")
 
 
 class Plan:
@@ -60,6 +63,7 @@ class Plan:
         self.policy: str = options.policy_label
         self.run_id: str = options.run_id or f"{self.policy}-s{self.seed}"
         self.model: str = options.model
+        self.session: str = options.session or session_tag(self.run_id, time.time())
         self.run_dir = Path(options.records_dir or Path("locust-records") / self.run_id)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.conversations: list[Conversation] = generate_conversations(self.profile, self.seed)
@@ -115,10 +119,10 @@ class ChatUser(User):
     wait_time = constant(0)  # pacing comes from each turn's think time
 
     def on_start(self) -> None:
-        self.session = requests.Session()
+        self.http = requests.Session()
 
     def on_stop(self) -> None:
-        self.session.close()
+        self.http.close()
 
     @task
     def converse(self) -> None:
@@ -126,7 +130,7 @@ class ChatUser(User):
         conversation = plan.take() if plan else None
         if plan is None or conversation is None:
             raise StopUser()
-        history: list[dict[str, str]] = []
+        history = [session_message(plan.session)]
         for number, turn in enumerate(conversation.turns, start=1):
             time.sleep(turn.think_time_s)
             messages = [*history, {"role": "user", "content": turn.text}]
@@ -141,7 +145,7 @@ class ChatUser(User):
         answer, status, error, ttft, headers = Answer(), 0, None, None, {}
         started = time.time()
         try:
-            with self.session.post(
+            with self.http.post(
                 self.host.rstrip("/") + CHAT_PATH,
                 json=body,
                 headers=request_headers(conversation.id, number),

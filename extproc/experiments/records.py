@@ -80,9 +80,7 @@ def records_table(rows: Iterable[Mapping[str, Any]]) -> pa.Table:
     try:
         return pa.Table.from_pylist(normalised, schema=REQUEST_SCHEMA)
     except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
-        raise RecordError(
-            _name_bad_column(normalised) or f"rows do not match REQUEST_SCHEMA: {exc}"
-        ) from None
+        raise RecordError(_name_bad_column(normalised) or f"rows do not match REQUEST_SCHEMA: {exc}") from None
 
 
 def _name_bad_column(rows: list[dict[str, Any]]) -> str | None:
@@ -122,9 +120,7 @@ def _normalise(row: Mapping[str, Any], number: int) -> dict[str, Any]:
 
 def journal_row(row: Mapping[str, Any]) -> str:
     """A row as one JSON line (timestamps as epoch seconds)."""
-    return json.dumps(
-        {k: (v.timestamp() if isinstance(v, datetime) else v) for k, v in row.items()}
-    )
+    return json.dumps({k: (v.timestamp() if isinstance(v, datetime) else v) for k, v in row.items()})
 
 
 def read_journal(path: str | Path) -> list[dict[str, Any]]:

@@ -8,6 +8,7 @@ answer lengths fixed whatever the (tiny or random-weight) model emits.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,6 +25,17 @@ def request_headers(conversation_id: str, turn_number: int) -> dict[str, str]:
         "x-conversation-id": conversation_id,
         "x-turn": str(turn_number),
     }
+
+
+def session_message(session: str) -> dict[str, str]:
+    """A first line unique to the run: no run ever finds another run's conversations cached,
+    even on replicas whose caches cannot be emptied. The user messages stay identical."""
+    return {"role": "system", "content": f"Session {session}."}
+
+
+def session_tag(run_id: str, started: float) -> str:
+    """Eight hex digits naming one run (fixed length: every run's prompts have the same size)."""
+    return hashlib.blake2b(f"{run_id}@{started}".encode(), digest_size=4).hexdigest()
 
 
 def request_body(messages: list[dict[str, str]], max_tokens: int, stream: bool, model: str) -> dict:

@@ -1,0 +1,363 @@
+"""`llm-ring run`: the same traffic under each policy, several seeds, one folder.
+
+For every seed, every policy runs once (order alternated between seeds, so no
+policy always runs first on a cold or last on a hot machine). Before each run the
+lab is scaled back, reset (fresh caches, fresh router state) and set to the policy;
+every replica answers one short warm-up request directly so that first-inference
+costs stay out of the measurements. Locust runs as a subprocess (its gevent
+monkey-patching stays out of this process) and journals each request; the rows
+already recorded survive an interrupted run. Layout:
+
+    OUT_DIR/experiment.json, profile.json, summary.md
+    OUT_DIR/<policy>-s<seed>/requests.parquet, run.json, locust.log
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.metadata
+import json
+import platform
+import signal
+import subprocess
+import sys
+import threading
+import time
+import tomllib
+from collections.abc import Callable, Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, get_args
+
+import httpx
+
+from extproc.experiments.lab import Lab, LabError, RemoteLab
+from extproc.experiments.records import (
+    JOURNAL_FILE,
+    RunMeta,
+    finalise_run_records,
+    utc_now,
+    write_run_metadata,
+)
+from extproc.settings import PolicyName, RoutingSettings
+from extproc.traffic import Profile, ProfileError, check_context, generate_conversations
+from extproc.traffic import load_profile as load_traffic_profile
+from extproc.traffic.chat import session_tag
+
+LOCUSTFILE = Path(__file__).resolve().parents[2] / "locustfiles" / "chat.py"
+POLICIES = get_args(PolicyName)
+PROGRESS_EVERY_S = 5.0
+
+
+class ExperimentError(ValueError):
+    """Bad input for an experiment (policy, seeds, out-dir, gateway); the message says which."""
+
+
+class ExperimentInterrupted(RuntimeError):
+    def __init__(self, run_dir: Path) -> None:
+        super().__init__(f"interrupted during {run_dir.name}; rows recorded so far are in {run_dir}")
+        self.run_dir = run_dir
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicySpec:
+    """``name`` or ``name:key=value,key=value`` (routing knobs for ablations)."""
+
+    label: str
+    routing: dict[str, Any]
+
+
+def parse_policy(spec: str) -> PolicySpec:
+    name, _, knobs = spec.partition(":")
+    if name not in POLICIES:
+        raise ExperimentError(f"unknown policy {name!r} in {spec!r}; known: {', '.join(POLICIES)}")
+    routing: dict[str, Any] = {"policy": name}
+    for item in filter(None, knobs.split(",")):
+        key, eq, text = item.partition("=")
+        if not eq or key not in RoutingSettings.model_fields or key == "policy":
+            raise ExperimentError(f"policy {spec!r}: {item!r} is not <routing setting>=<value>")
+        try:
+            routing[key] = tomllib.loads(f"v = {text}")["v"]
+        except tomllib.TOMLDecodeError:
+            routing[key] = text
+    return PolicySpec(label=spec, routing=routing)
+
+
+def run_order(policies: Sequence[str], seeds: Sequence[int]) -> list[tuple[str, int]]:
+    """Policies x seeds, the policy order reversed on every other seed."""
+    order = []
+    for number, seed in enumerate(seeds):
+        ordered = list(policies) if number % 2 == 0 else list(reversed(policies))
+        order += [(policy, seed) for policy in ordered]
+    return order
+
+
+def run_experiment(
+    lab: Lab,
+    profile: Profile,
+    policies: Sequence[str],
+    seeds: Sequence[int],
+    out_dir: str | Path,
+    scale_at: float | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> Path:
+    """Run every policy x seed against ``lab``; returns the experiment folder."""
+    say = progress or (lambda text: print(text, file=sys.stderr, flush=True))
+    out = Path(out_dir)
+    specs = _check_inputs(lab, profile, policies, seeds, out, scale_at)
+    expected = {seed: sum(len(c.turns) for c in generate_conversations(profile, seed)) for seed in seeds}
+    start_replicas = len(lab.replicas())
+    out.mkdir(parents=True)
+    profile_path = out / "profile.json"
+    profile_path.write_text(json.dumps(dataclasses.asdict(profile), indent=2) + "\n")
+    plan = run_order([s.label for s in specs], seeds)
+    (out / "experiment.json").write_text(
+        json.dumps(
+            {
+                "gateway": lab.gateway_url,
+                "profile": profile.name,
+                "policies": list(policies),
+                "seeds": list(seeds),
+                "order": [f"{p}-s{s}" for p, s in plan],
+                "scale_at_s": scale_at,
+                "replicas": start_replicas,
+                "started_at": utc_now(),
+                "versions": versions(),
+            },
+            indent=2,
+        )
+        + "\n"
+    )
+    by_label = {s.label: s for s in specs}
+    for number, (label, seed) in enumerate(plan, start=1):
+        say(f"[{number}/{len(plan)}] {label} seed {seed}: preparing")
+        _run_one(lab, profile, profile_path, by_label[label], seed, out, scale_at, start_replicas,
+                 expected[seed], lambda text, n=number: say(f"[{n}/{len(plan)}] {text}"))  # fmt: skip
+    if len(lab.replicas()) != start_replicas:
+        lab.scale(start_replicas)
+    return out
+
+
+def _check_inputs(lab, profile, policies, seeds, out, scale_at) -> list[PolicySpec]:
+    if out.exists():
+        raise ExperimentError(f"out-dir {out} already exists; choose a new folder per experiment")
+    if not policies:
+        raise ExperimentError("no policies given")
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise ExperimentError(f"seeds must be distinct and at least one (got {list(seeds)})")
+    if scale_at is not None and scale_at <= 0:
+        raise ExperimentError(f"--scale-at must be > 0 seconds (got {scale_at})")
+    specs = [parse_policy(p) for p in policies]
+    if len({s.label for s in specs}) != len(specs):
+        raise ExperimentError(f"a policy is listed twice: {list(policies)}")
+    for seed in seeds:
+        generate_conversations(profile, seed)  # a first turn too long for the context fails here
+    check_gateway(lab.gateway_url)
+    for name, address in lab.replicas().items():
+        slot = slot_context(address)
+        if slot is not None:
+            try:
+                check_context(profile, slot)
+            except ProfileError as exc:
+                raise ExperimentError(f"replica {name}: {exc}") from None
+    return specs
+
+
+def check_gateway(url: str, timeout: float = 3.0) -> None:
+    """Any HTTP answer means the gateway is up; no answer is a clear error."""
+    try:
+        httpx.get(url, timeout=timeout)
+    except httpx.HTTPError as exc:
+        raise ExperimentError(
+            f"gateway {url} is not reachable ({type(exc).__name__}: {exc}); is the stack up? (llm-ring status)"
+        ) from None
+
+
+def slot_context(address: str, timeout: float = 5.0) -> int | None:
+    """A llama.cpp replica's per-slot context (GET /props), or None if it does not say."""
+    try:
+        props = httpx.get(f"http://{address}/props", timeout=timeout).json()
+        return int(props["default_generation_settings"]["n_ctx"])
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        return None
+
+
+def warm_up(replicas: dict[str, str], timeout: float = 300.0) -> None:
+    """One tiny request per replica, straight to it (the router never sees it)."""
+    body = {"messages": [{"role": "user", "content": "warm-up"}], "max_tokens": 2, "ignore_eos": True}
+    for name, address in replicas.items():
+        try:
+            httpx.post(f"http://{address}/v1/chat/completions", json=body, timeout=timeout)
+        except httpx.HTTPError as exc:
+            raise LabError(f"warm-up of replica {name} ({address}) failed: {exc}") from None
+
+
+def _run_one(lab, profile, profile_path, spec, seed, out, scale_at, start_replicas, expected, say):
+    run_id = f"{spec.label}-s{seed}"
+    run_dir = out / run_id.replace(":", "_").replace(",", "_").replace("=", "-")
+    if len(lab.replicas()) != start_replicas:
+        lab.scale(start_replicas)
+    lab.reset()
+    lab.set_policy(spec.routing)
+    warm_up(lab.replicas())
+    meta = RunMeta(
+        run_id=run_id, policy=spec.label, seed=seed, simulated=False,
+        profile=dataclasses.asdict(profile), routing=spec.routing,
+        replicas_start=start_replicas, started_at=utc_now(), scale_at_s=scale_at,
+        versions=versions(), extra={"gateway": lab.gateway_url},
+    )  # fmt: skip
+    write_run_metadata(meta, run_dir)
+    command = [
+        sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless",
+        "-u", str(profile.concurrency), "-r", str(profile.spawn_rate),
+        "--host", lab.gateway_url, "-t", f"{int(profile.max_duration_s)}s",
+        "--exit-code-on-error", "0", "--only-summary", "--loglevel", "WARNING",
+        "--traffic-profile", str(profile_path), "--conversation-seed", str(seed),
+        "--policy-label", spec.label, "--run-id", run_id, "--records-dir", str(run_dir),
+        "--session", session_tag(run_id, time.time()),
+    ]  # fmt: skip
+    scaler = _Scaler(lab, start_replicas + 1, scale_at) if scale_at else None
+    started = time.monotonic()
+    with (run_dir / "locust.log").open("w") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            if scaler:
+                scaler.start()
+            while not _finished(process, PROGRESS_EVERY_S):
+                say(f"{run_id}: {_journal_rows(run_dir)}/{expected} requests, "
+                    f"{time.monotonic() - started:.0f} s")  # fmt: skip
+        except KeyboardInterrupt:
+            _stop(process)
+            meta.status = "interrupted"
+            _close(meta, run_dir, scaler)
+            raise ExperimentInterrupted(run_dir) from None
+    meta.status = "finished" if process.returncode == 0 else "failed"
+    _close(meta, run_dir, scaler)
+    say(f"{run_id}: {meta.rows}/{expected} requests recorded in {time.monotonic() - started:.0f} s")
+    if meta.rows == 0:
+        raise LabError(f"{run_id}: Locust recorded no request; see {run_dir / 'locust.log'}")
+
+
+def _finished(process: subprocess.Popen, wait_s: float) -> bool:
+    try:
+        process.wait(timeout=wait_s)
+    except subprocess.TimeoutExpired:
+        return False
+    return True
+
+
+def _journal_rows(run_dir: Path) -> int:
+    journal = run_dir / JOURNAL_FILE
+    return sum(1 for _ in journal.open()) if journal.exists() else 0
+
+
+def _stop(process: subprocess.Popen) -> None:
+    # SIGTERM lets Locust stop its users and write the parquet; kill only if it hangs.
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+def _close(meta: RunMeta, run_dir: Path, scaler: _Scaler | None) -> None:
+    if scaler:
+        scaler.join()
+        meta.scaled_to, meta.scale_ready_at = scaler.target, scaler.ready_at
+        if scaler.error:
+            meta.extra["scale_error"] = scaler.error
+    meta.rows = finalise_run_records(run_dir)
+    meta.finished_at = utc_now()
+    write_run_metadata(meta, run_dir)
+
+
+class _Scaler(threading.Thread):
+    """Adds a replica ``delay_s`` into the run and notes when it was ready."""
+
+    def __init__(self, lab: Lab, target: int, delay_s: float) -> None:
+        super().__init__(daemon=True)
+        self.lab, self.target, self.delay_s = lab, target, delay_s
+        self.cancelled = threading.Event()
+        self.ready_at: str | None = None
+        self.error: str | None = None
+
+    def run(self) -> None:
+        if self.cancelled.wait(self.delay_s):
+            return
+        try:
+            self.lab.scale(self.target)
+            self.ready_at = datetime.now(UTC).isoformat()
+        except Exception as exc:  # recorded in run.json; the run itself goes on
+            self.error = f"{type(exc).__name__}: {exc}"
+
+    def join(self, timeout: float | None = None) -> None:
+        self.cancelled.set()
+        super().join(timeout)
+
+
+def versions() -> dict[str, str]:
+    found = {"python": platform.python_version()}
+    for package in ("llm-ring", "locust", "xllamacpp", "duckdb", "pyarrow"):
+        try:
+            found[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=LOCUSTFILE.parent,
+                                capture_output=True, text=True, timeout=5)  # fmt: skip
+        if commit.returncode == 0:
+            found["git"] = commit.stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    return found
+
+
+# --- the command -------------------------------------------------------------------------------
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--profile", required=True, help="traffic profile: name (quick, standard) or JSON path")
+    parser.add_argument("--policies", nargs="+", required=True, metavar="POLICY",
+                        help=f"{', '.join(POLICIES)}; knobs as name:key=value,key=value")  # fmt: skip
+    parser.add_argument("--seeds", nargs="+", type=int, required=True, metavar="SEED")
+    parser.add_argument("--scale-at", type=float, default=None, metavar="S",
+                        help="add one replica S seconds into every run (default: no scale-up)")  # fmt: skip
+    parser.add_argument("--out-dir", type=Path, required=True, help="new folder for this experiment")
+    parser.add_argument("--gateway", default=None, metavar="URL",
+                        help="a gateway elsewhere (needs --admin); default: the local stack")  # fmt: skip
+    parser.add_argument("--admin", default=None, metavar="HOST:PORT",
+                        help="admin gRPC address of that gateway's routing service")  # fmt: skip
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        profile = load_traffic_profile(args.profile)
+        lab = connect_lab(args.gateway, args.admin)
+        out = run_experiment(lab, profile, args.policies, args.seeds, args.out_dir, args.scale_at)
+    except (ProfileError, ExperimentError, LabError) as exc:
+        print(f"llm-ring run: {exc}", file=sys.stderr)
+        return 2
+    except ExperimentInterrupted as exc:
+        print(f"llm-ring run: {exc}", file=sys.stderr)
+        return 130
+    from extproc.analysis.report import SUMMARY_FILE, build_report, render_markdown, render_table
+
+    report = build_report(out)
+    (out / SUMMARY_FILE).write_text(render_markdown(report, with_runs=True))
+    print(render_table(report), end="")
+    return 0
+
+
+def connect_lab(gateway: str | None, admin: str | None) -> Lab:
+    if gateway is not None:
+        if admin is None:
+            raise ExperimentError("--gateway needs --admin (to switch policies and reset the router)")
+        return RemoteLab(gateway, admin)
+    try:
+        from extproc.stack.lab import LocalLab
+    except ImportError as exc:
+        raise LabError(f"the local stack is not available ({exc}); give --gateway and --admin") from None
+    return LocalLab.attach()
