@@ -1,0 +1,75 @@
+"""The event loop against numbers worked out by hand."""
+
+from __future__ import annotations
+
+import pytest
+
+from extproc.routing import Router
+from extproc.sim.engine import Fleet, OpenLoop, simulate
+from tests.sim.helpers import request, settings, simple_cost
+
+
+def run(requests, replicas=2, slots=2, cache_tokens=0, policy="round-robin", scale=()):
+    router = Router(settings(policy))
+    outcome = simulate(OpenLoop(requests), router, simple_cost(), Fleet(replicas, slots, cache_tokens, scale))
+    assert router.in_flight() == 0 and router.ledger.total_tokens() == 0
+    return {r.request_id: r for r in outcome.requests}, outcome
+
+
+def test_two_replicas_shared_cpu_and_slot_cache():
+    # round-robin: r1, r3, r5 -> llm-0; r2, r4 -> llm-1.
+    done, outcome = run([
+        request("r1", "a", 1, 100, 10, 0.0),   # llm-0 alone: prefill 1.0 s, decode 1.0 s
+        request("r2", "b", 1, 50, 5, 0.0),     # llm-1 alone: prefill 0.5 s, decode 0.5 s
+        request("r3", "c", 1, 50, 5, 0.5),     # llm-0 beside r1: both at half speed
+        request("r4", "a", 2, 120, 10, 3.5),   # llm-1: a's history is on llm-0 -> miss
+        request("r5", "a", 3, 140, 10, 6.0),   # llm-0: slot still holds a's 100 + 10 tokens
+    ])
+    r1, r2, r3, r4, r5 = (done[f"r{i}"] for i in range(1, 6))
+    assert [r.replica for r in (r1, r2, r3, r4, r5)] == ["llm-0", "llm-1", "llm-0", "llm-1", "llm-0"]
+    assert (r2.first_token_at, r2.finished_at) == pytest.approx((0.5, 1.0))
+    # 0.5 s alone, then r1 and r3 share: both prefills (0.5 s solo each) end at 1.5;
+    # r3's decode (0.5 s solo) at half speed ends at 2.5; r1 then finishes its last 0.5 s alone.
+    assert (r1.first_token_at, r1.finished_at) == pytest.approx((1.5, 3.0))
+    assert (r3.first_token_at, r3.finished_at) == pytest.approx((1.5, 2.5))
+    assert (r4.cache_n, r4.prompt_n) == (0, 120)
+    assert (r4.first_token_at, r4.finished_at) == pytest.approx((4.7, 5.7))
+    assert (r5.cache_n, r5.prompt_n) == (110, 30)
+    assert (r5.first_token_at, r5.finished_at) == pytest.approx((6.3, 7.3))
+    assert outcome.end_s == pytest.approx(7.3)
+
+
+def test_fifo_queue_when_slots_are_busy():
+    done, _ = run([request("x", "a", 1, 100, 10, 0.0), request("y", "b", 1, 100, 10, 0.1)], replicas=1, slots=1)
+    assert done["x"].finished_at == pytest.approx(2.0)
+    assert (done["y"].started_at, done["y"].finished_at) == pytest.approx((2.0, 4.0))
+
+
+@pytest.mark.parametrize(("capacity", "cached"), [(0, 0), (1000, 110), (150, 0)])
+def test_host_ram_cache_restores_a_swapped_out_conversation(capacity, cached):
+    # One slot: b evicts a's prefix from the slot into host RAM; a's next turn restores it,
+    # unless the cache is off (--cache-ram 0) or too small to keep a once b is saved too.
+    done, _ = run([
+        request("a1", "a", 1, 100, 10, 0.0),
+        request("b1", "b", 1, 100, 10, 10.0),
+        request("c1", "c", 1, 100, 10, 20.0),
+        request("a2", "a", 2, 150, 10, 30.0),
+    ], replicas=1, slots=1, cache_tokens=capacity)
+    assert done["a2"].cache_n == cached
+    assert done["a2"].prompt_n == 150 - cached
+
+
+def test_scale_up_adds_a_replica_and_scale_down_drains():
+    requests = [request(f"q{i}", f"k{i}", 1, 10, 1, float(i)) for i in range(8)]
+    done, outcome = run(requests, replicas=1, slots=1, scale=((2.5, 2), (5.5, 1)))
+    used = {r.request_id: r.replica for r in done.values()}
+    assert {used[f"q{i}"] for i in range(3)} == {"llm-0"}
+    assert {used["q3"], used["q4"], used["q5"]} == {"llm-0", "llm-1"}
+    assert {used[f"q{i}"] for i in range(6, 8)} == {"llm-0"}
+    assert outcome.scale_times == [(0.0, 1), (2.5, 2), (5.5, 1)]
+    assert len(done) == 8 and all(r.status == 200 for r in done.values())
+
+
+def test_no_replica_gives_503_rows():
+    done, _ = run([request("z", "a", 1, 10, 1, 1.0)], replicas=0)
+    assert (done["z"].status, done["z"].error, done["z"].replica) == (503, "no replica", None)
