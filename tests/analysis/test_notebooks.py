@@ -1,0 +1,37 @@
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jupytext
+import pytest
+
+from analysis.fixtures import make_experiment
+
+NOTEBOOKS = sorted((Path(__file__).parents[2] / "notebooks").glob("*.ipynb"))
+
+
+@pytest.mark.parametrize("notebook", NOTEBOOKS, ids=lambda p: p.name)
+def test_notebook_runs_on_a_fixture(notebook, tmp_path):
+    experiment = make_experiment(tmp_path / "experiment")
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--nbmake", str(notebook)],
+        env={**os.environ, "LLM_RING_EXPERIMENT_DIR": str(experiment)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-3000:]
+
+
+@pytest.mark.parametrize("notebook", NOTEBOOKS, ids=lambda p: p.name)
+def test_committed_without_outputs_and_paired(notebook):
+    cells = json.loads(notebook.read_text())["cells"]
+    assert all(not c.get("outputs") and not c.get("execution_count") for c in cells if c["cell_type"] == "code")
+    paired = jupytext.read(notebook.with_suffix(".py"))
+    assert [c.source for c in paired.cells] == [c.source for c in jupytext.read(notebook).cells]
+
+
+def test_there_are_notebooks():
+    assert NOTEBOOKS
