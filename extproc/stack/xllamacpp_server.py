@@ -1,0 +1,54 @@
+"""One llama.cpp server replica in its own process, from the xllamacpp wheel.
+
+Run as ``python -m extproc.stack.xllamacpp_server --model M --port P ...``. The flags are
+named as llama-server's, so the launcher builds one command line for both backends.
+xllamacpp serves llama.cpp's own HTTP API (/health, /v1/chat/completions, /slots,
+/metrics, timings) from a thread of this process; the main thread only waits. SIGTERM
+ends the process at once (Python's default action): a replica has no state worth saving.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("-m", "--model", required=True, help="GGUF file")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("-c", "--ctx-size", type=int, required=True, help="total context, shared by the slots")
+    parser.add_argument("-np", "--parallel", type=int, required=True, help="slots (concurrent sequences)")
+    parser.add_argument("-t", "--threads", type=int, required=True)
+    parser.add_argument("--cache-ram", type=int, required=True, help="host-RAM prompt cache, MiB (0 = off)")
+    parser.add_argument("--slot-save-path", default="", help="enables /slots actions (erase) when set")
+    parser.add_argument("--metrics", action="store_true", help="serve Prometheus /metrics")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    import xllamacpp
+
+    params = xllamacpp.CommonParams()
+    params.model.path = args.model
+    params.hostnames = [args.host]
+    params.port = args.port
+    params.n_ctx = args.ctx_size
+    params.n_parallel = args.parallel
+    params.cpuparams.n_threads = args.threads
+    params.cpuparams_batch.n_threads = args.threads
+    params.cache_ram_mib = args.cache_ram
+    params.slot_save_path = args.slot_save_path
+    params.endpoint_slots = True
+    params.endpoint_metrics = args.metrics
+    server = xllamacpp.Server(params)  # returns once the model is loaded and the port listens
+    print(f"llm-ring replica listening on {server.listening_address}", flush=True)
+    while True:
+        signal.pause()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
