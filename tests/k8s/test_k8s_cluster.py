@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import K8S, NAMESPACE, router_settings
+from k8s_support import K8S, NAMESPACE, router_settings
 
 from extproc.discovery.kubernetes import KubernetesDiscovery, default_api_client
 

@@ -16,8 +16,8 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from conftest import NAMESPACE, ROUTER_TOKEN, UNBOUND_TOKEN, all_docs, router_settings
 from fake_apiserver import Endpoint, FakeApiServer, endpoint_slice, identity_from_manifests
+from k8s_support import NAMESPACE, ROUTER_TOKEN, UNBOUND_TOKEN, all_docs, router_settings
 from structlog.testing import capture_logs
 
 from extproc.discovery.kubernetes import KubernetesDiscovery

@@ -26,7 +26,7 @@ from typing import Any
 
 import kubernetes_validate
 import pytest
-from conftest import (
+from k8s_support import (
     K8S,
     NAMESPACE,
     REPO,

@@ -11,8 +11,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from conftest import NAMESPACE, ROUTER_TOKEN, find
 from fake_apiserver import Endpoint, endpoint_slice
+from k8s_support import NAMESPACE, ROUTER_TOKEN, find
 
 from extproc.service.admin_client import AdminClient
 from extproc.service.processes import free_port, grpc_serving, start_service
