@@ -12,6 +12,7 @@ from analysis.fixtures import make_experiment
 NOTEBOOKS = sorted((Path(__file__).parents[2] / "notebooks").glob("*.ipynb"))
 
 
+@pytest.mark.live  # starts a Jupyter kernel
 @pytest.mark.parametrize("notebook", NOTEBOOKS, ids=lambda p: p.name)
 def test_notebook_runs_on_a_fixture(notebook, tmp_path):
     experiment = make_experiment(tmp_path / "experiment")
