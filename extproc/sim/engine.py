@@ -18,7 +18,7 @@ import heapq
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-from extproc.routing import Router, RouteRequest
+from extproc.routing import Router
 from extproc.sim.costmodel import CostModel
 from extproc.sim.replica import Replica, Request
 
@@ -118,9 +118,7 @@ class _Simulation:
 
     def _send(self, request: Request, now: float) -> None:
         request.arrived_at = now
-        decision = self.router.route(
-            RouteRequest(request.request_id, request.conversation, request.prompt_tokens, request.max_tokens)
-        )
+        decision = self.router.route(request.route)
         if decision is None:  # no replica at all: answered at once with 503, like the gateway
             request.status, request.error = 503, "no replica"
             request.started_at = request.first_token_at = request.finished_at = now
@@ -157,7 +155,8 @@ class _Simulation:
         replica.version += 1
         wait = replica.next_change()
         if wait is not None:
-            self.push(now + wait, _WAKE, (replica, replica.version))
+            self.seq += 1
+            heapq.heappush(self.heap, (now + wait, self.seq, _WAKE, (replica, replica.version)))
 
     def _set_fleet(self, count: int, now: float) -> None:
         names = self.fleet.names(count)

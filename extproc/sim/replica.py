@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Hashable
 
+from extproc.routing import RouteRequest
 from extproc.sim.costmodel import CostModel
 from extproc.sim.prompts import HostCache, common_prefix
 
@@ -28,7 +29,7 @@ class Request:
     """One request through the whole simulation: its input, then what happened to it."""
 
     __slots__ = (
-        "request_id", "conversation", "turn", "key", "blocks", "prompt_tokens", "max_tokens", "arrival_s",
+        "route", "request_id", "conversation", "turn", "key", "blocks", "prompt_tokens", "max_tokens", "arrival_s",
         "think_s", "next", "replica", "reason", "predicted_cached", "cache_n", "prompt_n", "arrived_at",
         "started_at", "first_token_at", "finished_at", "status", "error", "phase", "remaining", "slot",
     )
@@ -37,6 +38,7 @@ class Request:
         self, request_id: str, conversation: str, turn: int, key: Hashable, blocks: tuple[int, ...] | None,
         prompt_tokens: int, max_tokens: int, arrival_s: float | None = None, think_s: float = 0.0,
     ) -> None:
+        self.route = RouteRequest(request_id, conversation, prompt_tokens, max_tokens)  # built once, up front
         self.request_id = request_id
         self.conversation = conversation
         self.turn = turn  # 1-based
@@ -108,7 +110,12 @@ class Replica:
             return None
         k = len(active)
         prefill, decode = self.prefill_slowdown[k], self.decode_slowdown[k]
-        return min(r.remaining * (decode if r.phase else prefill) for r in active)
+        best = float("inf")
+        for r in active:
+            wait = r.remaining * (decode if r.phase else prefill)
+            if wait < best:
+                best = wait
+        return best
 
     def offer(self, request: Request, now: float) -> None:
         """A routed request arrives: start it on an idle slot or queue it (FIFO)."""
