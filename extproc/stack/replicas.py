@@ -1,0 +1,139 @@
+"""llama.cpp server replicas on loopback ports: command lines, health, start, stop.
+
+Two backends share one command line (the flag names are llama-server's):
+- ``xllamacpp``: ``python -m extproc.stack.xllamacpp_server`` (PyPI wheel, no compiler);
+- ``llama-server``: llama.cpp's own binary, given by path (see llama_build.py).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Literal
+
+from extproc.stack.daemons import Daemon, check_ports_free, spawn, stop
+
+Backend = Literal["xllamacpp", "llama-server"]
+HOST = "127.0.0.1"
+
+
+class ReplicaError(RuntimeError):
+    """A replica did not become healthy; the message names it and carries its log's end."""
+
+
+@dataclass(frozen=True)
+class ReplicaSettings:
+    backend: Backend
+    model: str  # path of the GGUF file
+    ctx_size: int  # total context of a replica, shared by its slots
+    parallel: int  # slots
+    threads: int
+    cache_ram_mib: int  # host-RAM prompt cache (0 = off)
+    llama_server: str = ""  # backend llama-server: the binary
+
+    @property
+    def slot_context(self) -> int:
+        return self.ctx_size // self.parallel
+
+
+@dataclass(frozen=True)
+class Replica:
+    name: str
+    port: int
+    process: Daemon
+
+    @property
+    def address(self) -> str:
+        return f"{HOST}:{self.port}"
+
+    def as_dict(self) -> dict[str, object]:
+        return {"name": self.name, "port": self.port, **asdict(self.process)}
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, object]) -> Replica:
+        process = Daemon(int(raw["pid"]), float(raw["started"]), str(raw["log"]))  # type: ignore[arg-type]
+        return cls(str(raw["name"]), int(raw["port"]), process)  # type: ignore[call-overload]
+
+
+def replica_name(index: int) -> str:
+    return f"llm-{index}"
+
+
+def command(settings: ReplicaSettings, port: int, slot_dir: Path) -> list[str]:
+    if settings.backend == "xllamacpp":
+        program = [sys.executable, "-m", "extproc.stack.xllamacpp_server"]
+    elif settings.llama_server and Path(settings.llama_server).is_file():
+        program = [settings.llama_server]
+    else:
+        raise ReplicaError(f"backend llama-server: no binary at {settings.llama_server!r} "
+                           f"(build one: llm-ring models build-llama-server)")
+    return [
+        *program,
+        "--model", settings.model,
+        "--host", HOST,
+        "--port", str(port),
+        "--ctx-size", str(settings.ctx_size),
+        "--parallel", str(settings.parallel),
+        "--threads", str(settings.threads),
+        "--cache-ram", str(settings.cache_ram_mib),
+        "--slot-save-path", str(slot_dir),  # enables the /slots actions
+        "--metrics",
+    ]
+
+
+def start(names_ports: Mapping[str, int], settings: ReplicaSettings, run_dir: Path,
+          die_with_parent: bool = False) -> list[Replica]:
+    """Spawn the replicas (not waiting): PortInUse first if any port is taken."""
+    check_ports_free({port: f"replica {name}" for name, port in names_ports.items()})
+    started = []
+    for name, port in names_ports.items():
+        slot_dir = run_dir / "slots" / name
+        slot_dir.mkdir(parents=True, exist_ok=True)
+        process = spawn(command(settings, port, slot_dir), run_dir / "logs" / f"{name}.log",
+                        die_with_parent=die_with_parent)
+        started.append(Replica(name, port, process))
+    return started
+
+
+def wait_healthy(replicas: Sequence[Replica], timeout: float, progress: Callable[[str], None] = print) -> float:
+    """Block until every replica answers /health 200; ReplicaError (after stopping them) if not."""
+    began = time.monotonic()
+    waiting = list(replicas)
+    while waiting:
+        for replica in list(waiting):
+            if healthy(replica.address):
+                waiting.remove(replica)
+                progress(f"{replica.name} healthy on {replica.address} after {time.monotonic() - began:.1f}s")
+            elif not replica.process.alive():
+                stop([r.process for r in replicas])
+                raise ReplicaError(f"replica {replica.name} (port {replica.port}) exited during start-up; "
+                                   f"log {replica.process.log}:\n{replica.process.log_tail()}")
+        if waiting and time.monotonic() - began > timeout:
+            stop([r.process for r in replicas])
+            late = waiting[0]
+            raise ReplicaError(f"replica {late.name} not healthy after {timeout:g}s; log {late.process.log}:\n"
+                               f"{late.process.log_tail()}")
+        if waiting:
+            time.sleep(0.1)
+    return time.monotonic() - began
+
+
+def healthy(address: str, timeout: float = 1.0) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://{address}/health", timeout=timeout) as reply:
+            return reply.status == 200
+    except OSError:
+        return False
+
+
+def erase_slots(address: str, parallel: int) -> None:
+    """Empty each slot's KV cache. NOT a full reset: the host-RAM prompt cache (--cache-ram)
+    survives and restores saved prefixes (measured), hence reset = restart (stack.reset)."""
+    for slot in range(parallel):
+        request = urllib.request.Request(f"http://{address}/slots/{slot}?action=erase", method="POST")
+        with urllib.request.urlopen(request, timeout=5.0) as reply:
+            reply.read()

