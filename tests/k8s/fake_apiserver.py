@@ -14,10 +14,11 @@ official ``kubernetes`` client talks to it unmodified:
   an "admin" token may do everything;
 - a few other paths (core pods, services, secrets, cluster-wide endpointslices) only
   so that authorisation can be checked on them;
+- HTTPS when started with a TLS context (the in-cluster path: CA file + token file);
 - ``stop()``/``start()``: the API vanishes (listener closed, open streams cut) and
   comes back on the same port with the same state, like an apiserver restart over etcd.
 
-What it does NOT model: TLS, client certificates, authentication webhooks, the real
+What it does NOT model: client certificates, authentication webhooks, the real
 authoriser (ClusterRoles, aggregation, resourceNames, impersonation), admission, the
 watch cache's periodic bookmarks (bookmarks are sent only when a test asks), object
 labels changing out of a selector during a watch (no synthetic DELETED), set-based
@@ -37,6 +38,7 @@ import queue
 import re
 import select
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Iterable, Mapping
@@ -194,12 +196,17 @@ class FakeApiServer:
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
         self.port = 0
+        self.scheme = "http"
 
     # ------------------------------------------------------------------ lifecycle
-    def start(self) -> FakeApiServer:
+    def start(self, tls: ssl.SSLContext | None = None) -> FakeApiServer:
+        """Serve plain HTTP, or HTTPS with ``tls`` (a server-side context), on 127.0.0.1."""
         handler = type("Handler", (_Handler,), {"api": self})
         self._server = ThreadingHTTPServer(("127.0.0.1", self.port), handler)
         self._server.daemon_threads = True
+        if tls is not None:
+            self._server.socket = tls.wrap_socket(self._server.socket, server_side=True)
+        self.scheme = "https" if tls is not None else "http"
         self.port = self._server.server_address[1]
         self._thread = threading.Thread(
             target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, name="fake-apiserver", daemon=True
@@ -225,7 +232,7 @@ class FakeApiServer:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{self.scheme}://127.0.0.1:{self.port}"
 
     # ------------------------------------------------------------------ state changes
     def apply(self, obj: Mapping[str, Any]) -> int:
@@ -367,6 +374,8 @@ def _matches(obj: Mapping[str, Any], namespace: str | None, selector: Mapping[st
 
 def _peer_closed(conn: socket.socket) -> bool:
     """True once the client has closed its end (the real server notices too)."""
+    if isinstance(conn, ssl.SSLSocket):  # no MSG_PEEK over TLS: noticed at the next write
+        return False
     readable, _, _ = select.select([conn], [], [], 0)
     if not readable:
         return False
@@ -444,7 +453,8 @@ class _Handler(BaseHTTPRequestHandler):
             "get" if name else "watch" if watching else "list"
         )
         auth = self.headers.get("Authorization", "")
-        token = auth[len("Bearer ") :] if auth.startswith("Bearer ") else None
+        scheme, _, credentials = auth.partition(" ")
+        token = credentials.strip() if scheme.lower() == "bearer" else None  # the scheme is case-insensitive
         code, denial = self.api.authorize(token, namespace, group, resource, verb)
         if denial is not None:
             return self._reply(method, url.path, query, verb, code, denial)

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import tomllib
 from pathlib import Path
@@ -30,7 +31,9 @@ def load_docs(path: Path) -> list[dict[str, Any]]:
     return [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
 
 
+@functools.cache
 def all_docs() -> list[dict[str, Any]]:
+    """Every object in k8s/, parsed once (callers copy before changing one)."""
     return [doc for path in manifest_files() for doc in load_docs(path)]
 
 

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import shutil
+import ssl
+import subprocess
 import threading
 import time
 from collections.abc import Callable
@@ -18,6 +21,7 @@ from typing import Any
 import pytest
 from fake_apiserver import Endpoint, FakeApiServer, endpoint_slice, identity_from_manifests
 from k8s_support import NAMESPACE, ROUTER_TOKEN, UNBOUND_TOKEN, all_docs, router_settings
+from kubernetes.config import incluster_config
 from structlog.testing import capture_logs
 
 from extproc.discovery.kubernetes import KubernetesDiscovery
@@ -249,3 +253,37 @@ def test_stopping_the_iteration_ends_the_watch_thread(apiserver, kubeconfig):
     while apiserver.watch_count() and time.monotonic() < deadline:
         time.sleep(0.01)
     assert apiserver.watch_count() == 0, "the watch connection must be closed"
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make a test certificate")
+def test_in_a_pod_discovery_uses_the_service_account_token_and_ca(apiserver, tmp_path, monkeypatch):
+    """The in-cluster path: KUBERNETES_SERVICE_HOST/PORT, the mounted token and ca.crt, HTTPS."""
+    cert, key = tmp_path / "ca.crt", tmp_path / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=kube-apiserver",
+         "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True, timeout=60,
+    )  # fmt: skip
+    tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    tls.load_cert_chain(cert, key)
+    apiserver.stop()
+    apiserver.start(tls=tls)
+    token = tmp_path / "token"
+    token.write_text(ROUTER_TOKEN)
+    monkeypatch.setattr(incluster_config, "SERVICE_TOKEN_FILENAME", str(token))
+    monkeypatch.setattr(incluster_config, "SERVICE_CERT_FILENAME", str(cert))
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "127.0.0.1")
+    monkeypatch.setenv("KUBERNETES_SERVICE_PORT", str(apiserver.port))
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "must-not-be-read"))
+    apiserver.apply(slice_of("llm-a", Endpoint("llm-0", "10.0.0.10")))
+
+    async def scenario() -> None:
+        reader = Reader(KubernetesDiscovery(discovery_settings(), **FAST))
+        try:
+            await reader.until({"llm-0": "10.0.0.10:8080"})
+        finally:
+            await reader.close()
+
+    asyncio.run(scenario())
+    assert apiserver.url.startswith("https://")
+    assert requests_of(apiserver, "list", 200), "listed with the ServiceAccount's token"

