@@ -20,10 +20,10 @@ event of a ``text/event-stream`` body that carries them.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
 import xxhash
 
 OPENING_CHARS = 512
@@ -69,8 +69,8 @@ def parse_request(path: str, content_type: str, body: bytes) -> ParsedRequest:
     if media and media != "application/json":
         raise BadRequest(415, f"content-type {media!r} is not supported: send application/json")
     try:
-        data = json.loads(body)
-    except (ValueError, UnicodeDecodeError) as exc:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
         raise BadRequest(400, f"body is not valid JSON: {exc}") from None
     if not isinstance(data, dict):
         raise BadRequest(400, f"body must be a JSON object, got {type(data).__name__}")
@@ -145,8 +145,8 @@ def parse_timings(body: bytes, event_stream: bool) -> Timings | None:
 
 def _timings_from_json(text: bytes) -> Timings | None:
     try:
-        data = json.loads(text)
-    except (ValueError, UnicodeDecodeError):
+        data = orjson.loads(text)
+    except orjson.JSONDecodeError:
         return None
     if not isinstance(data, dict):
         return None

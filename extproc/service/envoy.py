@@ -2,11 +2,12 @@
 
 Request path, in filter order:
   1. header_mutation strips client-sent routing headers (a client must never pick the upstream);
-  2. ext_proc "route" (blocking): request headers + the buffered body -> the service picks a
-     replica, sets ``x-gateway-destination-endpoint`` (ordered fallbacks, comma-separated) and
-     ``envoy.lb`` metadata, clears the route cache; nothing of the response is sent to it;
-  3. ext_proc "observe" (``observability_mode``: Envoy never waits for it): response headers +
-     streamed body, from which the service reads llama.cpp's timings;
+  2. ext_proc "route" (blocking, one round trip): request headers (with CEL attributes) and
+     the body, sent together -> the service picks a replica and answers the headers: sets
+     ``x-gateway-destination-endpoint`` (ordered fallbacks, comma-separated) and ``envoy.lb``
+     metadata, clears the route cache; nothing of the response is sent to it;
+  3. ext_proc "observe" (``observability_mode``: Envoy never waits for it): the streamed
+     response body, from which the service reads llama.cpp's timings;
   4. router -> cluster ``replicas`` with the Override Host load-balancing policy: the first
      endpoint of the header, the next ones on retries, round robin when the header is absent
      (fail-open, ext_proc down).
@@ -31,6 +32,7 @@ ROUTE_REASON = "x-route-reason"
 REQUEST_ID = "x-request-id"
 ROUTED_PATHS = ("/v1/chat/completions", "/v1/completions", "/completion")
 CLUSTER = "replicas"
+BUFFER_HEADROOM = 1 << 20
 EXT_PROC_CLUSTER = "ext_proc"
 _T = "type.googleapis.com/"
 
@@ -56,19 +58,23 @@ def render_envoy_config(
     *,
     listen: str,
     admin: str,
-    ext_proc: str,
+    ext_proc: str | None,
     endpoints: Endpoints,
     fail_open: bool,
     max_request_bytes: int,
     ext_proc_timeout_ms: int = 2000,
     connect_timeout_ms: int = 1000,
     retries: int = 2,
+    request_body_mode: str = "STREAMED",
 ) -> str:
     """Envoy bootstrap as JSON text (JSON is YAML: save it as envoy.yaml or envoy.json).
 
-    listen/admin/ext_proc are "host:port"; ext_proc may be a DNS name (a Kubernetes Service).
+    listen/admin/ext_proc are "host:port"; ext_proc may be a DNS name (a Kubernetes Service);
+    ext_proc=None renders the same proxy without the routing service (the benchmark's baseline).
     fail_open: when the routing service is unreachable, serve round robin (True) or 500 (False).
-    max_request_bytes: larger request bodies get 413 from Envoy before the service sees them.
+    max_request_bytes: the service's service.max_body_bytes (it answers 413 above it); Envoy
+    buffers up to this plus BUFFER_HEADROOM per connection.
+    request_body_mode: "STREAMED" (one round trip, the default) or "BUFFERED" (two).
     """
     listen_host, listen_port = split_host_port(listen)
     admin_host, admin_port = split_host_port(admin)
@@ -81,14 +87,17 @@ def render_envoy_config(
                 {
                     "name": "gateway",
                     "address": _socket(listen_host, listen_port),
-                    "per_connection_buffer_limit_bytes": max_request_bytes,
-                    "filter_chains": [{"filters": [_http_connection_manager(fail_open, ext_proc_timeout_ms, retries)]}],
+                    # Headroom over the service's limit: the route filter holds the streamed body
+                    # until the service answers, so Envoy must be able to hold more than the
+                    # service accepts (it then answers 413) or both would wait for each other.
+                    "per_connection_buffer_limit_bytes": max_request_bytes + BUFFER_HEADROOM,
+                    "filter_chains": [
+                        {"filters": [_http_connection_manager(ext_proc is not None, fail_open, ext_proc_timeout_ms, retries, request_body_mode)]}
+                    ],
                 }
             ],
-            "clusters": [
-                _replicas_cluster(endpoints, connect_timeout_ms, max_request_bytes),
-                _ext_proc_cluster(ext_proc, connect_timeout_ms),
-            ],
+            "clusters": [_replicas_cluster(endpoints, connect_timeout_ms, max_request_bytes)]
+            + ([_ext_proc_cluster(ext_proc, connect_timeout_ms)] if ext_proc is not None else []),
         },
     }
     return json.dumps(config, indent=2) + "\n"
@@ -133,7 +142,13 @@ def _socket(host: str, port: int) -> dict[str, Any]:
     return {"socket_address": {"address": host, "port_value": port}}
 
 
-def _http_connection_manager(fail_open: bool, timeout_ms: int, retries: int) -> dict[str, Any]:
+def _http_connection_manager(
+    with_ext_proc: bool, fail_open: bool, timeout_ms: int, retries: int, body_mode: str
+) -> dict[str, Any]:
+    ext_proc = [
+        _ext_proc_filter("route", fail_open, timeout_ms, observe=False, body_mode=body_mode),
+        _ext_proc_filter("observe", True, timeout_ms, observe=True, body_mode="NONE"),
+    ]
     return {
         "name": "envoy.filters.network.http_connection_manager",
         "typed_config": {
@@ -147,8 +162,7 @@ def _http_connection_manager(fail_open: bool, timeout_ms: int, retries: int) -> 
             "route_config": _route_config(retries),
             "http_filters": [
                 _strip_client_routing_headers(),
-                _ext_proc_filter("route", fail_open, timeout_ms, observe=False),
-                _ext_proc_filter("observe", True, timeout_ms, observe=True),
+                *(ext_proc if with_ext_proc else []),
                 {"name": "envoy.filters.http.router", "typed_config": {"@type": _T + "envoy.extensions.filters.http.router.v3.Router"}},
             ],
         },
@@ -167,22 +181,29 @@ def _strip_client_routing_headers() -> dict[str, Any]:
     }
 
 
-def _ext_proc_filter(name: str, fail_open: bool, timeout_ms: int, observe: bool) -> dict[str, Any]:
-    if observe:
-        mode = {
-            "request_header_mode": "SKIP",
-            "response_header_mode": "SEND",
-            "request_body_mode": "NONE",
-            "response_body_mode": "STREAMED",
-        }
-    else:
-        mode = {
-            "request_header_mode": "SEND",
-            "response_header_mode": "SKIP",
-            "request_body_mode": "BUFFERED",
-            "response_body_mode": "NONE",
-        }
-    mode |= {"request_trailer_mode": "SKIP", "response_trailer_mode": "SKIP"}
+# What the service reads, sent as CEL attributes with the first message of each side.
+REQUEST_ATTRIBUTES = (
+    "request.url_path",
+    "request.id",
+    "request.headers['content-type']",
+    "request.headers['x-conversation-id']",
+    "request.headers['x-turn']",
+)
+RESPONSE_ATTRIBUTES = ("request.id", "response.code", "upstream.address")
+
+
+def _ext_proc_filter(name: str, fail_open: bool, timeout_ms: int, observe: bool, body_mode: str) -> dict[str, Any]:
+    """route: headers + STREAMED body sent without waiting for the headers answer, so Envoy
+    delivers the whole request at once and the service answers the headers (the pick) once it
+    has read the body: one round trip. observe: response body only, never waited for."""
+    mode = {
+        "request_header_mode": "SKIP" if observe else "SEND",
+        "response_header_mode": "SKIP",
+        "request_body_mode": body_mode,
+        "response_body_mode": "STREAMED" if observe else "NONE",
+        "request_trailer_mode": "SKIP",
+        "response_trailer_mode": "SKIP",
+    }
     config: dict[str, Any] = {
         "@type": _T + "envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
         "grpc_service": {
@@ -196,19 +217,20 @@ def _ext_proc_filter(name: str, fail_open: bool, timeout_ms: int, observe: bool)
     }
     if observe:
         config["observability_mode"] = True
+        config["response_attributes"] = list(RESPONSE_ATTRIBUTES)
+    else:
+        config["send_body_without_waiting_for_header_response"] = True
+        config["request_attributes"] = list(REQUEST_ATTRIBUTES)
     return {"name": f"ext_proc.{name}", "typed_config": config}
 
 
 def _route_config(retries: int) -> dict[str, Any]:
+    """POST on a routed path -> the replicas (the service's pick; round robin when the service
+    is down and fail_open is set); another method -> 405; another path -> 404."""
+    post = {"name": ":method", "string_match": {"exact": "POST"}}
     routes: list[dict[str, Any]] = []
     for path in ROUTED_PATHS:
-        routes.append(
-            {
-                "match": {"path": path, "headers": [{"name": ":method", "string_match": {"exact": "POST"}}]},
-                "route": _to_replicas(retries),
-                "response_headers_to_add": _response_headers(),
-            }
-        )
+        routes.append({"match": {"path": path, "headers": [post]}, "route": _to_replicas(retries), "response_headers_to_add": _response_headers()})
         routes.append(_local_reply({"path": path}, 405, f"method not allowed: {path} takes POST"))
     routes.append(_local_reply({"prefix": "/"}, 404, "unknown path: the gateway routes " + ", ".join(ROUTED_PATHS)))
     return {"name": "llm", "virtual_hosts": [{"name": "llm", "domains": ["*"], "routes": routes}]}

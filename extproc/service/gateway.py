@@ -1,10 +1,12 @@
 """The gateway's state and per-request logic, between the gRPC streams and the routing core.
 
 One HTTP request meets the service twice, on two ext_proc streams (see envoy.py):
-  - the *route* stream: request headers, then the buffered body -> ``decide`` -> Envoy's
-    answer, pre-serialized and cached per (replica, reason) so the hot path builds no protobuf;
-    Envoy ends this stream when the HTTP request ends (done, failed or abandoned);
-  - the *observe* stream: response headers and body chunks, never answered -> ``observe_*``.
+  - the *route* stream: the request headers with attributes (path, id, content type,
+    x-conversation-id, x-turn) and the body chunks, all sent at once -> ``decide`` -> the
+    headers answer, pre-serialized and cached per (replica, reason) so the hot path builds no
+    protobuf; Envoy ends this stream when the HTTP request ends (done, failed or abandoned);
+  - the *observe* stream: the response body chunks (the first with status and the upstream
+    that served), never answered -> ``observe_*``.
 They meet in ``pending`` by request id. The load is released exactly once, in ``_finish``,
 when the route stream has ended and the observer has seen the end of the response, or
 ``observe_grace`` after the route stream ended (abandoned requests never show an end).
@@ -13,13 +15,13 @@ when the route stream has ended and the observer has seen the end of the respons
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import orjson
 import structlog
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
@@ -34,7 +36,6 @@ from extproc.settings import ServiceSettings
 
 log = structlog.get_logger("extproc.service")
 
-CONTINUE_HEADERS = pb.ProcessingResponse(request_headers=pb.HeadersResponse()).SerializeToString()
 MAX_JSON_RESPONSE_BYTES = 1 << 20  # larger JSON answers are passed on unread (no timings)
 SSE_TAIL_BYTES = 64 << 10  # the last events of a stream are all we read
 
@@ -76,7 +77,7 @@ class Gateway:
         self.unhealthy: set[str] = set()
         self.pending: dict[str, Pending] = {}
         self.decisions = 0
-        self._answers: dict[tuple[str, str], bytes] = {}
+        self._answers: dict[tuple[str, str, bool], bytes] = {}
         self._sequence = 0
 
     # ------------------------------------------------------------------ replicas
@@ -100,19 +101,24 @@ class Gateway:
 
     # ------------------------------------------------------------------ route stream
 
-    def decide(self, headers: Mapping[str, str], body: bytes) -> tuple[str | None, bytes]:
-        """(request id or None, serialized ProcessingResponse) for a request's buffered body."""
+    def decide(
+        self, *, path: str, content_type: str, conversation_id: str, turn: str, request_id: str, body: bytes,
+        answer_body: bool = False,
+    ) -> tuple[str | None, bytes]:
+        """(request id or None, serialized ProcessingResponse) for a request's whole body.
+
+        The pick answers the request headers (streamed body, sent without waiting) or, with
+        ``answer_body``, the body (BUFFERED mode: the headers were already answered)."""
         started = time.perf_counter()
-        path = headers.get(":path", "").partition("?")[0]
         try:
-            parsed = parse_request(path, headers.get("content-type", ""), body)
+            parsed = parse_request(path, content_type, body)
         except BadRequest as exc:
             self.metrics.errors.labels("bad_request").inc()
             return None, immediate(exc.status, exc.message)
-        request_id = self._request_id(headers.get("x-request-id", ""))
-        conversation = headers.get("x-conversation-id") or parsed.opening_key
+        unique_id = self._request_id(request_id)
+        conversation = conversation_id or parsed.opening_key
         prompt_tokens = parsed.prompt_token_ids or estimate_tokens(parsed.prompt_chars, self.settings.chars_per_token)
-        request = RouteRequest(request_id, conversation, prompt_tokens, parsed.max_tokens or self.settings.default_max_tokens)
+        request = RouteRequest(unique_id, conversation, prompt_tokens, parsed.max_tokens or self.settings.default_max_tokens)
         avoid = self.unhealthy if len(self.unhealthy) < len(self.endpoints) else ()
         decision = self.router.route(request, avoid=avoid)
         if decision is None:
@@ -120,16 +126,17 @@ class Gateway:
             return None, immediate(503, "no replica available", replicas=len(self.endpoints), unhealthy=sorted(self.unhealthy))
         self.decisions += 1
         self.metrics.decision(decision.trace.policy, decision.reason)
-        self.pending[request_id] = Pending(
-            request, decision, self.endpoints[decision.replica], path, headers.get("x-turn", ""), parsed.stream, started
+        self.pending[unique_id] = Pending(
+            request, decision, self.endpoints[decision.replica], path, turn, parsed.stream, started
         )
         self.metrics.decision_seconds.observe(time.perf_counter() - started)
-        answer = self._answers.get((decision.replica, decision.reason))
+        key = (decision.replica, decision.reason, answer_body)
+        answer = self._answers.get(key)
         if answer is None:
-            answer = self._answers[(decision.replica, decision.reason)] = self._route_answer(decision.replica, decision.reason)
-        if request_id != headers.get("x-request-id"):
-            answer += _set_request_id(request_id)
-        return request_id, answer
+            answer = self._answers[key] = self._route_answer(decision.replica, decision.reason, answer_body)
+        if unique_id != request_id:
+            answer += _more_headers([_header("x-request-id", unique_id)], answer_body)
+        return unique_id, answer
 
     def route_ended(self, request_id: str) -> None:
         """The HTTP request is over (Envoy closed the route stream)."""
@@ -145,16 +152,13 @@ class Gateway:
 
     # ------------------------------------------------------------------ observe stream
 
-    def observe_headers(self, headers: Mapping[str, str], end_of_stream: bool) -> str | None:
-        request_id = headers.get("x-request-id", "")
+    def observe_start(self, request_id: str, status: int, served: str) -> str | None:
+        """The response begins (first body chunk): None when the request is not ours to track."""
         pending = self.pending.get(request_id)
         if pending is None:
             return None
-        pending.status = int(headers.get(":status", "0") or 0)
-        pending.served = headers.get("x-gateway-destination-endpoint-served", "")
-        pending.event_stream = headers.get("content-type", "").startswith("text/event-stream")
-        if end_of_stream:
-            self._response_done(request_id, pending)
+        pending.status = status
+        pending.served = served
         return request_id
 
     def observe_body(self, request_id: str, chunk: bytes, end_of_stream: bool) -> None:
@@ -162,6 +166,8 @@ class Gateway:
         if pending is None:
             return
         if chunk:
+            if not pending.chunks:  # SSE starts with "data:", "event:" or ":"; JSON with "{"
+                pending.event_stream = not chunk.lstrip().startswith(b"{")
             pending.chunks.append(chunk)
             pending.size += len(chunk)
             if pending.event_stream:
@@ -202,11 +208,12 @@ class Gateway:
         if pending.response_done and pending.chunks:
             timings = parse_timings(b"".join(pending.chunks), pending.event_stream)
         if timings is not None and timings.cache_n is not None:
-            replica = self._served_replica(pending)
-            self.metrics.predicted_cached.labels(replica).inc(decision.predicted_cached_tokens)
-            self.metrics.actual_cached.labels(replica).inc(timings.cache_n)
-            self.metrics.actual_prompt.labels(replica).inc(timings.cache_n + (timings.prompt_n or 0))
-            self.metrics.prediction_error.observe(timings.cache_n - decision.predicted_cached_tokens)
+            self.metrics.cache_tokens(
+                self._served_replica(pending),
+                decision.predicted_cached_tokens,
+                timings.cache_n,
+                timings.cache_n + (timings.prompt_n or 0),
+            )
         self._log(request_id, pending, outcome, timings)
 
     def _served_replica(self, pending: Pending) -> str:
@@ -253,7 +260,7 @@ class Gateway:
         self._sequence += 1  # absent or reused by a client: make it unique
         return f"{from_envoy or 'llm-ring'}-{self._sequence}"
 
-    def _route_answer(self, replica: str, reason: str) -> bytes:
+    def _route_answer(self, replica: str, reason: str, answer_body: bool) -> bytes:
         """Envoy's answer for a pick: destination (+ fallbacks) in header and metadata."""
         names = sorted(self.endpoints)
         start = names.index(replica)
@@ -264,10 +271,11 @@ class Gateway:
         )
         metadata = struct_pb2.Struct()
         metadata.get_or_create_struct("envoy.lb")[DESTINATION] = endpoints
-        return pb.ProcessingResponse(
-            request_body=pb.BodyResponse(response=pb.CommonResponse(header_mutation=mutation, clear_route_cache=True)),
-            dynamic_metadata=metadata,
-        ).SerializeToString()
+        response = pb.ProcessingResponse(dynamic_metadata=metadata)
+        common = response.request_body.response if answer_body else response.request_headers.response
+        common.header_mutation.CopyFrom(mutation)
+        common.clear_route_cache = True
+        return response.SerializeToString()
 
 
 def _header(name: str, value: str) -> base_pb2.HeaderValueOption:
@@ -277,19 +285,18 @@ def _header(name: str, value: str) -> base_pb2.HeaderValueOption:
     )
 
 
-def _set_request_id(request_id: str) -> bytes:
-    """A serialized ProcessingResponse that only adds one header; protobuf merges repeated
-    fields of concatenated messages, so answer + this = answer with the header added."""
-    return pb.ProcessingResponse(
-        request_body=pb.BodyResponse(
-            response=pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=[_header("x-request-id", request_id)]))
-        )
-    ).SerializeToString()
+def _more_headers(headers: list[base_pb2.HeaderValueOption], answer_body: bool) -> bytes:
+    """A serialized ProcessingResponse that only sets headers; protobuf merges repeated fields
+    of concatenated messages, so cached answer + this = the answer with these headers added."""
+    response = pb.ProcessingResponse()
+    common = response.request_body.response if answer_body else response.request_headers.response
+    common.header_mutation.set_headers.extend(headers)
+    return response.SerializeToString()
 
 
 def immediate(status: int, message: str, **details: Any) -> bytes:
     """Envoy answers the client itself with this status and a JSON error body."""
-    body = json.dumps({"error": message, **details}).encode()
+    body = orjson.dumps({"error": message, **details})
     return pb.ProcessingResponse(
         immediate_response=pb.ImmediateResponse(
             status=http_status_pb2.HttpStatus(code=status),

@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 import grpc
+import orjson
 import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
@@ -30,7 +31,7 @@ from extproc.discovery import make_discovery
 from extproc.routing import Router
 from extproc.service import admin_pb2_grpc
 from extproc.service.admin import AdminService
-from extproc.service.envoy import split_host_port, write_endpoints_file
+from extproc.service.envoy import BUFFER_HEADROOM, split_host_port, write_endpoints_file
 from extproc.service.gateway import Gateway
 from extproc.service.metrics import Metrics
 from extproc.service.processor import SERVICE, handler
@@ -59,15 +60,16 @@ def main(args: argparse.Namespace) -> int:
 
 
 def configure_logging(level: str) -> None:
-    """structlog JSON lines on stdout, one object per event."""
+    """structlog JSON lines on stdout, one object per event (orjson: a route_decision line with
+    its whole trace is rendered on every request, so the serializer's speed matters)."""
     structlog.configure(
         processors=[
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
-            structlog.processors.JSONRenderer(),
+            structlog.processors.JSONRenderer(serializer=orjson.dumps),
         ],
         wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level.upper())),
-        logger_factory=structlog.PrintLoggerFactory(sys.stdout),
+        logger_factory=structlog.BytesLoggerFactory(sys.stdout.buffer),
         cache_logger_on_first_use=True,
     )
 
@@ -83,7 +85,12 @@ async def serve(settings: Settings) -> None:
     metrics_host, metrics_port = split_host_port(service.metrics_listen)
     metrics_server, _ = start_http_server(metrics_port, metrics_host, registry=metrics.registry)
 
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    # A streamed body chunk can hold all Envoy buffers (max_body_bytes + headroom): accept it,
+    # so that an oversized body gets our 413 instead of a gRPC error.
+    max_message = service.max_body_bytes + 2 * BUFFER_HEADROOM
+    server = grpc.aio.server(
+        options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", max_message)]
+    )
     server.add_generic_rpc_handlers((handler(gateway),))
     admin_pb2_grpc.add_AdminServicer_to_server(AdminService(gateway), server)
     health_service = health_aio.HealthServicer()

@@ -48,6 +48,7 @@ class Metrics:
             registry=r,
         )
         self._decision_children: dict[tuple[str, str], Counter] = {}
+        self._cache_children: dict[str, tuple[Counter, Counter, Counter]] = {}
         self.completed_children = {outcome: self.completed.labels(outcome) for outcome in OUTCOMES}
 
     def decision(self, policy: str, reason: str) -> None:
@@ -55,6 +56,20 @@ class Metrics:
         if child is None:
             child = self._decision_children[(policy, reason)] = self.decisions.labels(policy, reason)
         child.inc()
+
+    def cache_tokens(self, replica: str, predicted: int, cached: int, prompt: int) -> None:
+        """One request's predicted vs reported cached tokens (replica = where it was served)."""
+        children = self._cache_children.get(replica)
+        if children is None:
+            children = self._cache_children[replica] = (
+                self.predicted_cached.labels(replica),
+                self.actual_cached.labels(replica),
+                self.actual_prompt.labels(replica),
+            )
+        children[0].inc(predicted)
+        children[1].inc(cached)
+        children[2].inc(prompt)
+        self.prediction_error.observe(cached - predicted)
 
     def watch(self, gateway: Gateway) -> None:
         """Expose the gateway's live state (in-flight load, health) at scrape time."""

@@ -11,15 +11,17 @@ import asyncio
 from typing import Any
 
 import grpc
+from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-from extproc.service.envoy import REQUEST_ID, SERVED
-from extproc.service.gateway import CONTINUE_HEADERS, Gateway, immediate
+from extproc.service.gateway import Gateway, immediate
 
 SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
-ROUTE_HEADERS = frozenset({":path", ":method", "content-type", "x-conversation-id", "x-turn", REQUEST_ID})
-RESPONSE_HEADERS = frozenset({":status", "content-type", REQUEST_ID, SERVED})
+ATTRIBUTES = "envoy.filters.http.ext_proc"  # the key Envoy files CEL attributes under
 EMPTY_BODY = immediate(400, "empty body: expected a JSON object")
+BODY_CONTINUE = pb.ProcessingResponse(request_body=pb.BodyResponse()).SerializeToString()
+HEADERS_CONTINUE = pb.ProcessingResponse(request_headers=pb.HeadersResponse()).SerializeToString()
+BUFFERED = ProcessingMode.BUFFERED
 
 
 def handler(gateway: Gateway) -> grpc.GenericRpcHandler:
@@ -50,27 +52,52 @@ class Processor:
             return
         if message.observability_mode:
             await self._observe(message, context)
-            return
-        await self._route(message, context)
+        elif message.WhichOneof("request") == "request_headers":
+            await self._route(message, context)
 
     async def _route(self, message: pb.ProcessingRequest, context: grpc.aio.ServicerContext) -> None:
-        if message.WhichOneof("request") != "request_headers":
-            return  # not a configuration of ours: nothing to do
-        request_headers = message.request_headers
-        if request_headers.end_of_stream:  # a POST without a body
+        """Headers (with attributes), then the body. STREAMED + send-without-waiting (envoy.py's
+        choice): all of it arrives at once, the pick answers the headers, then each chunk gets
+        a continue. BUFFERED: the headers get a continue first, the pick answers the body."""
+        attributes = message.attributes[ATTRIBUTES].fields
+        if message.request_headers.end_of_stream:  # a POST without a body
             await context.write(EMPTY_BODY)
             return
-        headers = _pick(request_headers.headers.headers, ROUTE_HEADERS)
-        await context.write(CONTINUE_HEADERS)
-        message = await context.read()
-        if message is grpc.aio.EOF or message.WhichOneof("request") != "request_body":
-            return
-        request_id, answer = self.gateway.decide(headers, message.request_body.body)
+        buffered = message.protocol_config.request_body_mode == BUFFERED
+        if buffered:
+            await context.write(HEADERS_CONTINUE)
+        chunks: list[bytes] = []
+        size = 0
+        limit = self.gateway.settings.max_body_bytes
+        while True:
+            message = await context.read()
+            if message is grpc.aio.EOF:
+                return
+            body = message.request_body
+            chunks.append(body.body)
+            size += len(body.body)
+            if size > limit:
+                await context.write(immediate(413, f"request body over {limit} bytes (service.max_body_bytes)"))
+                return
+            if body.end_of_stream:
+                break
+        request_id, answer = self.gateway.decide(
+            path=_text(attributes, "request.url_path"),
+            content_type=_text(attributes, "request.headers['content-type']"),
+            conversation_id=_text(attributes, "request.headers['x-conversation-id']"),
+            turn=_text(attributes, "request.headers['x-turn']"),
+            request_id=_text(attributes, "request.id"),
+            body=chunks[0] if len(chunks) == 1 else b"".join(chunks),
+            answer_body=buffered,
+        )
         if request_id is None:
             await context.write(answer)
             return
         try:
             await context.write(answer)
+            if not buffered:
+                for _ in chunks:
+                    await context.write(BODY_CONTINUE)
             await context.read()  # Envoy ends the stream when the HTTP request is over
         except (grpc.aio.AioRpcError, asyncio.CancelledError):
             pass  # Envoy often ends by cancelling: the request is over all the same
@@ -78,24 +105,29 @@ class Processor:
             self.gateway.route_ended(request_id)
 
     async def _observe(self, message: Any, context: grpc.aio.ServicerContext) -> None:
+        """Response body chunks, never answered; the first one carries the attributes."""
+        if message.WhichOneof("request") != "response_body":
+            return
         gateway = self.gateway
-        request_id = None
-        while message is not grpc.aio.EOF:
-            kind = message.WhichOneof("request")
-            if kind == "response_body":
-                if request_id is not None:
-                    body = message.response_body
-                    gateway.observe_body(request_id, body.body, body.end_of_stream)
-                    if body.end_of_stream:
-                        return
-            elif kind == "response_headers":
-                response_headers = message.response_headers
-                headers = _pick(response_headers.headers.headers, RESPONSE_HEADERS)
-                request_id = gateway.observe_headers(headers, response_headers.end_of_stream)
-                if request_id is None or response_headers.end_of_stream:
-                    return
+        attributes = message.attributes[ATTRIBUTES].fields
+        code = attributes.get("response.code")
+        request_id = gateway.observe_start(
+            _text(attributes, "request.id"),
+            int(code.number_value) if code is not None else 0,
+            _text(attributes, "upstream.address"),
+        )
+        if request_id is None:
+            return
+        while True:
+            body = message.response_body
+            gateway.observe_body(request_id, body.body, body.end_of_stream)
+            if body.end_of_stream:
+                return
             message = await context.read()
+            if message is grpc.aio.EOF:
+                return
 
 
-def _pick(headers: Any, wanted: frozenset[str]) -> dict[str, str]:
-    return {h.key: h.raw_value.decode("latin-1") for h in headers if h.key in wanted}
+def _text(attributes: Any, name: str) -> str:
+    value = attributes.get(name)
+    return value.string_value if value is not None else ""

@@ -3,7 +3,7 @@
 It answers every request at once with a small fixed JSON body carrying llama.cpp-style
 `timings`, so what a benchmark measures is the gateway, not a model. Raw asyncio (no web
 framework): on 2 shared cores the stub must cost far less than what it measures.
-Run: python -m extproc.service.stub_upstream PORT
+Run: python -m extproc.service.stub_upstream PORT [PORT ...]
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ RESPONSE = (
 
 
 class _Stub(asyncio.Protocol):
-    """Answers each complete request (headers + content-length body) with RESPONSE."""
+    """Answers each complete request (content-length or chunked body) with RESPONSE."""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -35,24 +35,32 @@ class _Stub(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.buffer += data
-        while True:
-            head_end = self.buffer.find(b"\r\n\r\n")
-            if head_end < 0:
-                return
-            length = _content_length(self.buffer[:head_end])
-            end = head_end + 4 + length
-            if len(self.buffer) < end:
-                return
+        while (end := request_end(self.buffer)) is not None:
             self.buffer = self.buffer[end:]
             self.transport.write(RESPONSE)  # type: ignore[attr-defined]
 
 
-def _content_length(head: bytes) -> int:
-    for line in head.split(b"\r\n")[1:]:
-        name, _, value = line.partition(b":")
-        if name.strip().lower() == b"content-length":
-            return int(value.strip())
-    return 0
+def request_end(buffer: bytes) -> int | None:
+    """Where the first complete HTTP/1.1 message in ``buffer`` ends, None if incomplete."""
+    head_end = buffer.find(b"\r\n\r\n")
+    if head_end < 0:
+        return None
+    head = buffer[:head_end].lower()
+    position = head_end + 4
+    if b"transfer-encoding: chunked" not in head:
+        index = head.find(b"content-length:")
+        length = int(head[index + 15 : head.find(b"\r\n", index) if head.find(b"\r\n", index) > 0 else None]) if index >= 0 else 0
+        return position + length if len(buffer) >= position + length else None
+    while True:  # chunks: size line, data, CRLF; a 0-size chunk then CRLF ends the body
+        line_end = buffer.find(b"\r\n", position)
+        if line_end < 0:
+            return None
+        size = int(buffer[position:line_end].split(b";")[0], 16)
+        position = line_end + 2 + size + 2
+        if len(buffer) < position:
+            return None
+        if size == 0:
+            return position
 
 
 async def serve(port: int, host: str = "127.0.0.1") -> asyncio.base_events.Server:
@@ -60,11 +68,12 @@ async def serve(port: int, host: str = "127.0.0.1") -> asyncio.base_events.Serve
     return await loop.create_server(_Stub, host, port)
 
 
-async def _main(port: int) -> None:
-    server = await serve(port)
-    print(f"stub upstream on 127.0.0.1:{server.sockets[0].getsockname()[1]}", flush=True)
-    await server.serve_forever()
+async def _main(ports: list[int]) -> None:
+    servers = [await serve(port) for port in ports]
+    for server in servers:
+        print(f"stub upstream on 127.0.0.1:{server.sockets[0].getsockname()[1]}", flush=True)
+    await asyncio.Event().wait()
 
 
 if __name__ == "__main__":
-    asyncio.run(_main(int(sys.argv[1]) if len(sys.argv) > 1 else 0))
+    asyncio.run(_main([int(port) for port in sys.argv[1:]] or [0]))

@@ -1,0 +1,243 @@
+"""`llm-ring bench gateway`: what Envoy and the routing service add to each request.
+
+Side by side in one run, against the same trivial upstream (extproc.service.stub_upstream,
+3 ports = 3 "replicas"): direct, Envoy alone (the same rendered config without ext_proc),
+Envoy + ext_proc (`llm-ring serve`, llm-aware policy, route_decision logs to a file). At each
+concurrency, closed-loop keep-alive clients send chat requests for a fixed time; the table
+shows p50/p99 latency, req/s, and the latency ext_proc adds over Envoy alone.
+Everything shares this machine's cores: the client's own cost is in every column alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from extproc.service.envoy import EndpointsFile, render_envoy_config, write_endpoints_file
+from extproc.service.processes import Running, free_port, start_envoy, start_service, start_stub_upstream
+
+TARGET_ADDED_P50_MS = 1.0
+TARGET_ADDED_P99_MS = 5.0
+TARGET_RPS = 1500.0
+MODES = ("direct", "envoy", "envoy+ext_proc")
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32], help="client connections per cell")
+    parser.add_argument("--seconds", type=float, default=3.0, help="measured time per cell (after 0.5 s warm-up)")
+    parser.add_argument("--conversations", type=int, default=200, help="distinct x-conversation-id values")
+    parser.add_argument("--envoy-concurrency", type=int, default=2, help="Envoy worker threads")
+    parser.add_argument("--keep", action="store_true", help="keep the work directory (logs, configs)")
+
+
+def main(args: argparse.Namespace) -> int:
+    result = run(args)
+    if getattr(args, "json", False):
+        print(json.dumps(result))
+    else:
+        print(render_table(result))
+    return 0
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    concurrency = list(getattr(args, "concurrency", [1, 8, 32]))
+    seconds = float(getattr(args, "seconds", 3.0))
+    conversations = int(getattr(args, "conversations", 200))
+    workdir = Path(tempfile.mkdtemp(prefix="llm-ring-bench-gateway-"))
+    started: list[Running] = []
+    try:
+        ports = [free_port() for _ in range(3)]
+        started.append(start_stub_upstream(ports, workdir))
+        replicas = {f"stub-{i}": f"127.0.0.1:{port}" for i, port in enumerate(ports)}
+        endpoints = workdir / "eds" / "replicas.json"
+        endpoints.parent.mkdir()
+        write_endpoints_file(endpoints, replicas)
+
+        service_listen = f"127.0.0.1:{free_port()}"
+        started.append(
+            start_service(
+                workdir / "service",
+                {
+                    "LLM_RING__SERVICE__LISTEN": f'"{service_listen}"',
+                    "LLM_RING__SERVICE__METRICS_LISTEN": f'"127.0.0.1:{free_port()}"',
+                    "LLM_RING__SERVICE__ENVOY_ENDPOINTS_FILE": f'"{endpoints}"',
+                    "LLM_RING__DISCOVERY__SOURCE": '"static"',
+                    "LLM_RING__DISCOVERY__STATIC": "{" + ", ".join(f'{k} = "{v}"' for k, v in replicas.items()) + "}",
+                },
+            )
+        )
+        targets = {"direct": ports}
+        for mode, ext_proc in (("envoy", None), ("envoy+ext_proc", service_listen)):
+            listen, admin = free_port(), free_port()
+            config = render_envoy_config(
+                listen=f"127.0.0.1:{listen}",
+                admin=f"127.0.0.1:{admin}",
+                ext_proc=ext_proc,
+                endpoints=EndpointsFile(str(endpoints)),
+                fail_open=False,
+                max_request_bytes=4 << 20,
+            )
+            started.append(start_envoy(config, workdir / mode, f"127.0.0.1:{admin}", args_envoy_concurrency(args)))
+            targets[mode] = [listen]
+        cells = []
+        for level in concurrency:
+            for mode in MODES:
+                cell = asyncio.run(load(targets[mode], level, seconds, conversations))
+                cells.append({"mode": mode, "concurrency": level, **cell})
+                _progress(f"{mode:>15} c={level:<3} p50={cell['p50_ms']:.3f} ms p99={cell['p99_ms']:.3f} ms {cell['rps']:.0f} req/s")
+        return summarize(cells, seconds, str(workdir) if getattr(args, "keep", False) else None)
+    finally:
+        for running in reversed(started):
+            running.stop()
+        if not getattr(args, "keep", False):
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+def args_envoy_concurrency(args: argparse.Namespace) -> int:
+    return int(getattr(args, "envoy_concurrency", 2))
+
+
+def summarize(cells: list[dict[str, Any]], seconds: float, workdir: str | None) -> dict[str, Any]:
+    by = {(cell["mode"], cell["concurrency"]): cell for cell in cells}
+    added = []
+    for level in sorted({cell["concurrency"] for cell in cells}):
+        direct, envoy, full = (by[(mode, level)] for mode in MODES)
+        added.append(
+            {
+                "concurrency": level,
+                "envoy_over_direct_p50_ms": round(envoy["p50_ms"] - direct["p50_ms"], 3),
+                "ext_proc_over_envoy_p50_ms": round(full["p50_ms"] - envoy["p50_ms"], 3),
+                "ext_proc_over_envoy_p99_ms": round(full["p99_ms"] - envoy["p99_ms"], 3),
+                "ext_proc_rps": full["rps"],
+            }
+        )
+    low = added[0]
+    best_rps = max(row["ext_proc_rps"] for row in added)
+    return {
+        "benchmark": "gateway",
+        "seconds_per_cell": seconds,
+        "cells": cells,
+        "added": added,
+        "targets": {
+            "added_p50_ms": TARGET_ADDED_P50_MS,
+            "added_p99_ms": TARGET_ADDED_P99_MS,
+            "ext_proc_rps": TARGET_RPS,
+            # latency targets judged at the lowest concurrency (no queueing), throughput at the best
+            "met": {
+                "added_p50": low["ext_proc_over_envoy_p50_ms"] <= TARGET_ADDED_P50_MS,
+                "added_p99": low["ext_proc_over_envoy_p99_ms"] <= TARGET_ADDED_P99_MS,
+                "rps": best_rps >= TARGET_RPS,
+            },
+        },
+        "workdir": workdir,
+    }
+
+
+def render_table(result: dict[str, Any]) -> str:
+    levels = sorted({cell["concurrency"] for cell in result["cells"]})
+    by = {(cell["mode"], cell["concurrency"]): cell for cell in result["cells"]}
+    lines = [
+        f"{'conc':>4} | " + " | ".join(f"{mode:^26}" for mode in MODES) + " | ext_proc adds (p50 / p99)",
+        f"{'':>4} | " + " | ".join(f"{'p50 ms':>8} {'p99 ms':>8} {'req/s':>8}" for _ in MODES) + " |",
+    ]
+    added = {row["concurrency"]: row for row in result["added"]}
+    for level in levels:
+        cells = " | ".join(
+            f"{by[(m, level)]['p50_ms']:8.3f} {by[(m, level)]['p99_ms']:8.3f} {by[(m, level)]['rps']:8.0f}" for m in MODES
+        )
+        row = added[level]
+        lines.append(f"{level:>4} | {cells} | {row['ext_proc_over_envoy_p50_ms']:+.3f} / {row['ext_proc_over_envoy_p99_ms']:+.3f} ms")
+    targets = result["targets"]
+    met = targets["met"]
+    lines.append(
+        f"targets: added p50 <= {targets['added_p50_ms']} ms ({'met' if met['added_p50'] else 'MISSED'}), "
+        f"added p99 <= {targets['added_p99_ms']} ms ({'met' if met['added_p99'] else 'MISSED'}) at c={levels[0]}; "
+        f">= {targets['ext_proc_rps']:.0f} req/s through ext_proc ({'met' if met['rps'] else 'MISSED'})"
+    )
+    errors = sum(cell["errors"] for cell in result["cells"])
+    if errors:
+        lines.append(f"errors: {errors} non-200 answers (see --json cells)")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- the client
+
+
+def _requests(conversations: int) -> list[bytes]:
+    out = []
+    for i in range(conversations):
+        body = json.dumps(
+            {"messages": [{"role": "system", "content": "You are terse."}, {"role": "user", "content": f"Question {i}: hello?"}], "max_tokens": 16}
+        ).encode()
+        out.append(
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: bench\r\ncontent-type: application/json\r\n"
+            + f"x-conversation-id: bench-{i}\r\nx-turn: 1\r\ncontent-length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+    return out
+
+
+async def load(ports: list[int], connections: int, seconds: float, conversations: int) -> dict[str, Any]:
+    """Closed loop: each connection sends its next request as soon as the previous answer is read."""
+    requests = _requests(conversations)
+    warmup_end = time.perf_counter() + 0.5
+    end = warmup_end + seconds
+    latencies: list[int] = []
+    errors = [0]
+
+    async def client(index: int) -> None:
+        reader, writer = await asyncio.open_connection("127.0.0.1", ports[index % len(ports)])
+        i = index
+        try:
+            while True:
+                request = requests[i % len(requests)]
+                i += connections
+                started = time.perf_counter_ns()
+                writer.write(request)
+                head = await reader.readuntil(b"\r\n\r\n")
+                await _read_body(reader, head)
+                now = time.perf_counter()
+                if now > end:
+                    return
+                if now > warmup_end:
+                    latencies.append(time.perf_counter_ns() - started)
+                    if not head.startswith(b"HTTP/1.1 200"):
+                        errors[0] += 1
+        finally:
+            writer.close()
+
+    await asyncio.gather(*(client(i) for i in range(connections)))
+    latencies.sort()
+    count = len(latencies)
+    return {
+        "requests": count,
+        "errors": errors[0],
+        "rps": round(count / seconds, 1),
+        "p50_ms": round(latencies[count // 2] / 1e6, 3) if count else float("nan"),
+        "p99_ms": round(latencies[min(count - 1, int(count * 0.99))] / 1e6, 3) if count else float("nan"),
+    }
+
+
+async def _read_body(reader: asyncio.StreamReader, head: bytes) -> None:
+    lower = head.lower()
+    if b"transfer-encoding: chunked" in lower:
+        while True:
+            size = int((await reader.readuntil(b"\r\n")).split(b";")[0], 16)
+            await reader.readexactly(size + 2)
+            if size == 0:
+                return
+    index = lower.find(b"content-length:")
+    if index >= 0:
+        await reader.readexactly(int(lower[index + 15 : lower.find(b"\r\n", index)].strip()))
+
+
+def _progress(text: str) -> None:
+    import sys
+
+    print(text, file=sys.stderr, flush=True)

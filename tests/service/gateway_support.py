@@ -1,0 +1,120 @@
+"""Live harness of the gateway tests: real Envoy, real `llm-ring serve`, stub or llama.cpp upstreams."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from extproc.service.admin_client import AdminClient
+from extproc.service.envoy import EndpointsFile, render_envoy_config
+from extproc.service.processes import Running, free_port, start_envoy, start_service
+
+
+@dataclass
+class Gateway:
+    url: str
+    admin: str  # the service's gRPC address (Admin, health)
+    log: Path  # the service's stdout: structlog JSON lines
+    endpoints_file: Path
+    running: list[Running] = field(default_factory=list)
+
+    def decisions(self) -> list[dict[str, Any]]:
+        return [
+            record
+            for line in self.log.read_text().splitlines()
+            if line.startswith("{") and (record := json.loads(line)).get("event") == "route_decision"
+        ]
+
+    def state(self) -> dict[str, Any]:
+        with AdminClient(self.admin) as admin:
+            return admin.state()
+
+    def wait_idle(self, timeout: float = 5.0) -> dict[str, Any]:
+        """The state once nothing is in flight (or the last state seen at the timeout)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            state = self.state()
+            if state["in_flight_requests"] == 0 or time.monotonic() > deadline:
+                return state
+            time.sleep(0.05)
+
+
+def service_env(listen: str, discovery: Mapping[str, str], endpoints_file: Path, **service: str) -> dict[str, str]:
+    env = {
+        "LLM_RING__SERVICE__LISTEN": f'"{listen}"',
+        "LLM_RING__SERVICE__METRICS_LISTEN": f'"127.0.0.1:{free_port()}"',
+        "LLM_RING__SERVICE__ENVOY_ENDPOINTS_FILE": f'"{endpoints_file}"',
+        "LLM_RING__SERVICE__HEALTH_PROBE_SECONDS": "0.2",
+    }
+    env.update({f"LLM_RING__SERVICE__{key.upper()}": value for key, value in service.items()})
+    env.update({f"LLM_RING__DISCOVERY__{key.upper()}": value for key, value in discovery.items()})
+    return env
+
+
+def static_discovery(replicas: Mapping[str, str]) -> dict[str, str]:
+    return {"SOURCE": '"static"', "STATIC": "{" + ", ".join(f'{k} = "{v}"' for k, v in replicas.items()) + "}"}
+
+
+@contextmanager
+def gateway(workdir: Path, discovery: Mapping[str, str], fail_open: bool = True, **service: str) -> Iterator[Gateway]:
+    """`llm-ring serve` + Envoy rendered by render_envoy_config; everything stopped on exit."""
+    endpoints_file = workdir / "eds" / "replicas.json"
+    listen = f"127.0.0.1:{free_port()}"
+    started: list[Running] = []
+    try:
+        started.append(start_service(workdir / "service", service_env(listen, discovery, endpoints_file, **service)))
+        _wait_for(endpoints_file.exists, 5.0)
+        port, admin = free_port(), free_port()
+        config = render_envoy_config(
+            listen=f"127.0.0.1:{port}",
+            admin=f"127.0.0.1:{admin}",
+            ext_proc=listen,
+            endpoints=EndpointsFile(str(endpoints_file)),
+            fail_open=fail_open,
+            max_request_bytes=4 << 20,
+        )
+        started.append(start_envoy(config, workdir / "envoy", f"127.0.0.1:{admin}", concurrency=1))
+        gw = Gateway(f"http://127.0.0.1:{port}", listen, started[0].log_path, endpoints_file, started)
+        _wait_for(lambda: _has_endpoints(f"127.0.0.1:{admin}"), 5.0)
+        yield gw
+    finally:
+        for running in reversed(started):
+            running.stop()
+
+
+def chat(content: str, **extra: Any) -> dict[str, Any]:
+    return {"messages": [{"role": "user", "content": content}], "max_tokens": 4, **extra}
+
+
+def post(url: str, body: Any, headers: Mapping[str, str] | None = None, timeout: float = 30.0) -> httpx.Response:
+    return httpx.post(url, json=body, headers=dict(headers or {}), timeout=timeout)
+
+
+def accepts(port: int) -> bool:
+    with socket.socket() as sock:
+        sock.settimeout(0.2)
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+def _has_endpoints(admin: str) -> bool:
+    try:
+        text = httpx.get(f"http://{admin}/clusters", timeout=1.0).text
+    except httpx.HTTPError:
+        return False
+    return "replicas::" in text and "::cx_active::" in text
+
+
+def _wait_for(condition: Any, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"condition not met after {timeout}s")
+        time.sleep(0.05)

@@ -1,0 +1,193 @@
+"""The gateway through real Envoy and the real service, in front of stub upstreams (fast):
+bad input, forged headers, Endpoint Picker headers, fail-open, a dead replica."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from extproc.routing import REASONS
+from extproc.service.envoy import EndpointsFile, render_envoy_config
+from extproc.service.processes import Running, free_port, start_envoy, start_stub_upstream
+from tests.service.gateway_support import Gateway, chat, gateway, post, static_discovery
+
+pytestmark = pytest.mark.live
+URL = "/v1/chat/completions"
+
+
+@pytest.fixture(scope="module")
+def stubs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[list[int], Running]]:
+    ports = [free_port() for _ in range(4)]  # 3 replicas + 1 outsider no request may reach
+    running = start_stub_upstream(ports, tmp_path_factory.mktemp("stubs"))
+    yield ports, running
+    running.stop()
+
+
+@pytest.fixture(scope="module")
+def gw(stubs: tuple[list[int], Running], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    ports, _ = stubs
+    replicas = {f"llm-{i}": f"127.0.0.1:{port}" for i, port in enumerate(ports[:3])}
+    with gateway(tmp_path_factory.mktemp("gw"), static_discovery(replicas)) as running:
+        yield running
+
+
+def test_routes_and_answers_with_endpoint_picker_headers(gw: Gateway, stubs: tuple[list[int], Running]) -> None:
+    ports, _ = stubs
+    reply = post(gw.url + URL, chat("hello"), {"x-conversation-id": "c-1", "x-turn": "1"})
+    assert reply.status_code == 200
+    assert reply.headers["x-routed-to"] in {"llm-0", "llm-1", "llm-2"}
+    assert reply.headers["x-route-reason"] in REASONS
+    served = reply.headers["x-gateway-destination-endpoint-served"]
+    assert served == f"127.0.0.1:{ports[int(reply.headers['x-routed-to'][-1])]}"
+    again = post(gw.url + URL, chat("hello"), {"x-conversation-id": "c-1", "x-turn": "2"})
+    assert again.headers["x-routed-to"] == reply.headers["x-routed-to"]
+    record = _decision(gw, reply.headers["x-request-id"])
+    assert record["conversation"] == "c-1" and record["turn"] == "1" and record["outcome"] == "ok"
+    assert record["trace"]["policy"] == "llm-aware" and "predicted_cached_tokens" in record
+    assert record["cache_n"] == 3 and record["prompt_n"] == 5  # the stub's timings, read from the body
+
+
+@pytest.mark.parametrize(
+    ("send", "status", "says"),
+    [
+        (lambda url: httpx.post(url + URL, content=b'{"messages": [', headers={"content-type": "application/json"}), 400, "not valid JSON"),
+        (lambda url: httpx.post(url + URL, content=b"hello", headers={"content-type": "text/plain"}), 415, "text/plain"),
+        (lambda url: httpx.post(url + URL, content=b"", headers={"content-type": "application/json"}), 400, "empty body"),
+        (lambda url: httpx.post(url + URL, json={"messages": []}), 400, "'messages'"),
+        (lambda url: httpx.post(url + URL, json=[1, 2]), 400, "JSON object"),
+        (lambda url: httpx.post(url + "/completion", json={"prompt": 3}), 400, "'prompt'"),
+        (lambda url: httpx.post(url + URL, json={**chat("x"), "max_tokens": "many"}), 400, "'max_tokens'"),
+        (lambda url: httpx.get(url + URL), 405, "takes POST"),
+        (lambda url: httpx.post(url + "/v1/embeddings", json={"input": "x"}), 404, "unknown path"),
+        (lambda url: httpx.post(url + URL, content=b"{" + b" " * (10 << 20) + b"}", headers={"content-type": "application/json"}, timeout=30), 413, "bytes"),
+    ],
+    ids=["malformed-json", "text-plain", "empty", "no-messages", "not-object", "bad-prompt", "bad-max-tokens", "get", "unknown-path", "10MB"],
+)
+def test_bad_input_gets_a_clear_json_error_and_the_service_keeps_serving(gw: Gateway, send, status: int, says: str) -> None:
+    before = gw.state()["decisions"]
+    reply = send(gw.url)
+    assert reply.status_code == status, reply.text
+    assert says in reply.json()["error"]
+    assert gw.state()["decisions"] == before  # refused before routing: nothing charged
+    assert post(gw.url + URL, chat("still there?")).status_code == 200
+
+
+def test_missing_headers_route_on_the_conversation_opening(gw: Gateway) -> None:
+    """No x-conversation-id, no x-turn, no content-type: the key is a hash of the opening."""
+    opening = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "tell me about ducks"}]
+    turn1 = httpx.post(gw.url + URL, content=httpx.Request("POST", "/", json={"messages": opening}).content)
+    turn2 = post(gw.url + URL, {"messages": [*opening, {"role": "assistant", "content": "quack"}, {"role": "user", "content": "more"}]})
+    assert turn1.status_code == turn2.status_code == 200
+    assert turn1.headers["x-routed-to"] == turn2.headers["x-routed-to"]
+    first, second = _decision(gw, turn1.headers["x-request-id"]), _decision(gw, turn2.headers["x-request-id"])
+    assert first["conversation"] == second["conversation"] and first["conversation"].startswith("h:")
+
+
+def test_forged_destination_and_routing_headers_are_ignored(gw: Gateway, stubs: tuple[list[int], Running]) -> None:
+    ports, _ = stubs
+    outsider = f"127.0.0.1:{ports[3]}"
+    forged = {"x-gateway-destination-endpoint": outsider, "x-routed-to": "evil", "x-route-reason": "forged"}
+    for i in range(6):
+        reply = post(gw.url + URL, chat(f"forged {i}"), forged)
+        assert reply.status_code == 200
+        assert reply.headers["x-gateway-destination-endpoint-served"] != outsider
+        assert reply.headers["x-routed-to"] != "evil" and reply.headers["x-route-reason"] in REASONS
+
+
+def test_policy_switch_and_reset_through_the_admin_client(gw: Gateway) -> None:
+    from extproc.service.admin_client import AdminClient
+
+    with AdminClient(gw.admin) as admin:
+        state = admin.set_routing({"policy": "round-robin"})
+        assert state["routing"]["policy"] == "round-robin" and state["routing"]["epsilon"] == 0.25
+        reasons = {post(gw.url + URL, chat(f"rr {i}")).headers["x-route-reason"] for i in range(3)}
+        assert reasons == {"rotate"}
+        admin.set_routing({"policy": "mod-n"})
+        assert post(gw.url + URL, chat("m")).headers["x-route-reason"] == "hash"
+        with pytest.raises(ValueError, match="epsilon"):
+            admin.set_routing({"epsilon": -1.0})
+        with pytest.raises(ValueError, match="unknown routing setting"):
+            admin.set_routing({"polcy": "mod-n"})
+        state = admin.set_routing({"policy": "llm-aware"})
+        assert state["routing"]["policy"] == "llm-aware"
+        assert {r["name"] for r in admin.reset()["replicas"]} == {"llm-0", "llm-1", "llm-2"}
+
+
+def test_no_replica_gives_503_json(tmp_path: Path) -> None:
+    with gateway(tmp_path, static_discovery({})) as gw:
+        reply = post(gw.url + URL, chat("anyone?"))
+        assert reply.status_code == 503
+        assert reply.json()["error"] == "no replica available"
+
+
+@pytest.mark.parametrize(("fail_open", "status"), [(True, 200), (False, 500)])
+def test_ext_proc_down(stubs: tuple[list[int], Running], tmp_path: Path, fail_open: bool, status: int) -> None:
+    """Nothing listens on the routing service's port: round robin (fail_open) or 500."""
+    ports, _ = stubs
+    endpoints = tmp_path / "eds" / "replicas.json"
+    endpoints.parent.mkdir()
+    from extproc.service.envoy import write_endpoints_file
+
+    write_endpoints_file(endpoints, {"llm-0": f"127.0.0.1:{ports[0]}", "llm-1": f"127.0.0.1:{ports[1]}"})
+    port, admin = free_port(), free_port()
+    config = render_envoy_config(
+        listen=f"127.0.0.1:{port}", admin=f"127.0.0.1:{admin}", ext_proc=f"127.0.0.1:{free_port()}",
+        endpoints=EndpointsFile(str(endpoints)), fail_open=fail_open, max_request_bytes=1 << 20,
+    )
+    envoy = start_envoy(config, tmp_path / "envoy", f"127.0.0.1:{admin}", concurrency=1)
+    try:
+        time.sleep(0.3)  # EDS file loaded
+        served = set()
+        for i in range(4):
+            reply = post(f"http://127.0.0.1:{port}{URL}", chat(f"down {i}"))
+            assert reply.status_code == status
+            served.add(reply.headers.get("x-gateway-destination-endpoint-served"))
+        if fail_open:
+            assert served == {f"127.0.0.1:{ports[0]}", f"127.0.0.1:{ports[1]}"}  # round robin
+    finally:
+        envoy.stop()
+
+
+def test_dead_replica_fails_over_and_is_avoided_until_healthy(stubs: tuple[list[int], Running], tmp_path: Path) -> None:
+    ports, _ = stubs
+    dead = free_port()
+    replicas = {"llm-0": f"127.0.0.1:{ports[0]}", "llm-1": f"127.0.0.1:{dead}"}
+    with gateway(tmp_path, static_discovery(replicas)) as gw:
+        picked_dead = None
+        for i in range(40):  # until the policy picks the dead one
+            reply = post(gw.url + URL, chat(f"conv {i}"), {"x-conversation-id": f"conv-{i}"})
+            assert reply.status_code == 200  # served either way
+            if reply.headers["x-routed-to"] == "llm-1":
+                picked_dead = reply
+                break
+        assert picked_dead is not None, "the policy never picked llm-1"
+        assert picked_dead.headers["x-gateway-destination-endpoint-served"] == replicas["llm-0"]  # the fallback
+        record = _decision(gw, picked_dead.headers["x-request-id"])
+        assert record["outcome"] == "failed" and record["served_replica"] == "llm-0"
+        health = {r["name"]: r["healthy"] for r in gw.state()["replicas"]}
+        assert health == {"llm-0": True, "llm-1": False}
+        for i in range(10):
+            assert post(gw.url + URL, chat(f"after {i}"), {"x-conversation-id": f"conv-{i}"}).headers["x-routed-to"] == "llm-0"
+        revived = start_stub_upstream([dead], tmp_path / "revived")
+        try:
+            deadline = time.monotonic() + 5
+            while not all(r["healthy"] for r in gw.state()["replicas"]):
+                assert time.monotonic() < deadline, "llm-1 never came back"
+                time.sleep(0.1)
+        finally:
+            revived.stop()
+        assert gw.wait_idle()["in_flight_requests"] == 0
+
+
+def _decision(gw: Gateway, request_id: str, timeout: float = 3.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        found = [r for r in gw.decisions() if r["request_id"] == request_id]
+        if found:
+            return found[0]
+        assert time.monotonic() < deadline, f"no route_decision for {request_id}"
+        time.sleep(0.05)
