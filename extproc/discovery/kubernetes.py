@@ -107,6 +107,20 @@ def _replica_name(endpoint: Any) -> str:
 # ----------------------------------------------------------------------------- shell
 
 
+class KubernetesCredentialsError(RuntimeError):
+    """No usable credentials: nothing to retry, the service should stop and say why."""
+
+
+def credentials() -> client.ApiClient:
+    try:
+        return default_api_client()
+    except Exception as exc:
+        raise KubernetesCredentialsError(
+            f'discovery.source = "kubernetes" but no usable credentials ({type(exc).__name__}: {exc}); '
+            "in a pod the ServiceAccount token is used, elsewhere KUBECONFIG or ~/.kube/config"
+        ) from exc
+
+
 def default_api_client() -> client.ApiClient:
     """In-cluster credentials in a pod; elsewhere the kubeconfig (KUBECONFIG, ~/.kube/config)."""
     configuration = client.Configuration()
@@ -170,7 +184,8 @@ class KubernetesDiscovery:
             with contextlib.suppress(RuntimeError):  # the loop closed as the thread finished
                 loop.call_soon_threadsafe(deliver, snapshot)
 
-        worker = _WatchLoop(self.config, self._api_client, publish)
+        api_client = self._api_client or await asyncio.to_thread(credentials)
+        worker = _WatchLoop(self.config, api_client, publish)
         thread = threading.Thread(target=worker.run, name="k8s-discovery", daemon=True)
         thread.start()
         last: dict[str, str] | None = None
@@ -183,19 +198,18 @@ class KubernetesDiscovery:
                     yield dict(last)
         finally:
             await asyncio.to_thread(worker.stop_and_join, thread, CONNECT_TIMEOUT_SECONDS)
+            if self._api_client is None:
+                api_client.close()
 
 
 class _WatchLoop:
-    """The blocking list/watch loop; runs in its own thread and owns the ApiClient."""
+    """The blocking list/watch loop; runs in its own thread, the only user of the ApiClient."""
 
     def __init__(
-        self,
-        cfg: WatchConfig,
-        api_client: client.ApiClient | None,
-        publish: Callable[[dict[str, str]], None],
+        self, cfg: WatchConfig, api_client: client.ApiClient, publish: Callable[[dict[str, str]], None]
     ) -> None:
         self._cfg = cfg
-        self._given_client = api_client
+        self._api = client.DiscoveryV1Api(api_client)
         self._publish = publish
         self._stopped = threading.Event()
         self._watch: watch.Watch | None = None
@@ -214,18 +228,7 @@ class _WatchLoop:
             thread.join(0.05)
 
     def run(self) -> None:
-        try:
-            api_client = self._given_client or default_api_client()
-        except Exception as exc:  # no usable kubeconfig / service account: nothing to retry
-            log.error("kubernetes_config_error", error=f"{type(exc).__name__}: {exc}")
-            return
-        try:
-            self._loop(client.DiscoveryV1Api(api_client))
-        finally:
-            if self._given_client is None:
-                api_client.close()
-
-    def _loop(self, api: client.DiscoveryV1Api) -> None:
+        api = self._api
         backoff = self._cfg.backoff_seconds
         while not self._stopped.is_set():
             try:

@@ -24,7 +24,7 @@ from k8s_support import NAMESPACE, ROUTER_TOKEN, UNBOUND_TOKEN, all_docs, router
 from kubernetes.config import incluster_config
 from structlog.testing import capture_logs
 
-from extproc.discovery.kubernetes import KubernetesDiscovery
+from extproc.discovery.kubernetes import KubernetesCredentialsError, KubernetesDiscovery
 
 FAST = {"watch_timeout_seconds": 30, "max_backoff_seconds": 0.2}
 
@@ -287,3 +287,14 @@ def test_in_a_pod_discovery_uses_the_service_account_token_and_ca(apiserver, tmp
     asyncio.run(scenario())
     assert apiserver.url.startswith("https://")
     assert requests_of(apiserver, "list", 200), "listed with the ServiceAccount's token"
+
+
+def test_without_credentials_discovery_fails_at_once_naming_the_cause(tmp_path, monkeypatch):
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "no-such-kubeconfig"))
+
+    async def scenario() -> None:
+        await anext(KubernetesDiscovery(discovery_settings(), **FAST).snapshots())
+
+    with pytest.raises(KubernetesCredentialsError, match="no usable credentials.*KUBECONFIG"):
+        asyncio.run(asyncio.wait_for(scenario(), 10))

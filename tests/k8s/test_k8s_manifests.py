@@ -266,17 +266,20 @@ def test_envoy_configmap_is_the_rendering_of_the_single_source():
 
 
 @pytest.mark.live
-def test_envoy_accepts_the_kubernetes_config(tmp_path: Path):
+def test_envoy_accepts_the_kubernetes_config_with_the_pods_arguments(tmp_path: Path):
+    """The local Envoy (same 1.40 release as the pod's image) validates the config, started
+    with the envoy container's own arguments (only the config's directory is moved)."""
     from extproc.service.processes import envoy_binary
 
-    config = tmp_path / "envoy.yaml"
-    config.write_text(find("ConfigMap", "gateway-envoy")["data"]["envoy.yaml"])
-    result = subprocess.run(
-        [envoy_binary(), "--mode", "validate", "-c", str(config), "--disable-hot-restart", "-l", "error"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    (envoy,) = [
+        c for c in find("Deployment", "gateway")["spec"]["template"]["spec"]["containers"] if c["name"] == "envoy"
+    ]
+    assert envoy["image"].endswith(":distroless-v1.40.0")
+    args = list(envoy["args"])
+    config_path = Path(args[args.index("--config-path") + 1])
+    (tmp_path / config_path.name).write_text(find("ConfigMap", "gateway-envoy")["data"][config_path.name])
+    args[args.index("--config-path") + 1] = str(tmp_path / config_path.name)
+    result = subprocess.run([envoy_binary(), "--mode", "validate", *args], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "OK" in result.stdout
 
