@@ -11,7 +11,9 @@ from typing import Any, Protocol, runtime_checkable
 
 @runtime_checkable
 class Lab(Protocol):
-    gateway_url: str  # base URL clients send /v1/chat/completions to
+    @property
+    def gateway_url(self) -> str:
+        """Base URL clients send /v1/chat/completions to."""
 
     def set_policy(self, routing: dict[str, Any]) -> None:
         """Change [routing] settings (e.g. {"policy": "bounded"}); unnamed keys keep their values."""

@@ -343,6 +343,9 @@ def main(args: argparse.Namespace) -> int:
     except ExperimentInterrupted as exc:
         print(f"llm-ring run: {exc}", file=sys.stderr)
         return 130
+    except KeyboardInterrupt:
+        print("llm-ring run: interrupted", file=sys.stderr)
+        return 130
     from extproc.analysis.report import SUMMARY_FILE, build_report, render_markdown, render_table
 
     report = build_report(out)
