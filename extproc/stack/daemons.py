@@ -44,9 +44,16 @@ class Daemon:
     def alive(self) -> bool:
         try:
             process = psutil.Process(self.pid)
-            return abs(process.create_time() - self.started) < 1e-3 and process.status() != psutil.STATUS_ZOMBIE
+            if abs(process.create_time() - self.started) > 1e-3:
+                return False  # the pid now names another process
+            if process.status() != psutil.STATUS_ZOMBIE:
+                return True
         except psutil.Error:
             return False
+        # a zombie main thread whose other threads still run (and hold its sockets) is not gone yet
+        with contextlib.suppress(OSError):
+            return len(os.listdir(f"/proc/{self.pid}/task")) > 1
+        return False
 
     def rss_bytes(self) -> int:
         with contextlib.suppress(psutil.Error):
@@ -89,14 +96,30 @@ def stop(daemons: Sequence[Daemon], timeout: float = 5.0) -> None:
     _reap()
 
 
-def check_ports_free(ports: Mapping[int, str]) -> None:
-    """PortInUse naming the first port (and its purpose) that something already listens on."""
+def check_ports_free(ports: Mapping[int, str], wait: float = 5.0) -> None:
+    """PortInUse naming the first port (and its purpose) that something listens on.
+
+    Waits up to `wait` seconds for a port to free up: a just-stopped multi-threaded server
+    looks dead (its main thread is a zombie) while its other threads still hold its sockets.
+    """
+    deadline = time.monotonic() + wait
     for port, what in ports.items():
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                raise PortInUse(port, what) from None
+        while not _bindable(port):
+            if time.monotonic() > deadline:
+                raise PortInUse(port, what)
+            time.sleep(0.1)
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as sock:
+        # as servers do: connections of a stopped server in TIME_WAIT must not count
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("127.0.0.1", port))
+            sock.listen()
+        except OSError:
+            return False
+    return True
 
 
 def free_ports(n: int) -> list[int]:

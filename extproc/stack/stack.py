@@ -17,7 +17,7 @@ import time
 import tomllib
 import urllib.request
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -149,16 +149,19 @@ class Stack:
             raise StackError(f"a stack is already running from {run}: `llm-ring down` first "
                              f"(or use another --run-dir)")
         rs = settings.replicas
-        model_path = models.resolve(rs.model, data, progress)
+        ports = _ports(settings.ports, rs.count)
+        check_ports_free({
+            ports["gateway"]: "the gateway (Envoy listener)", ports["envoy_admin"]: "Envoy admin",
+            ports["router"]: "the routing service (gRPC)", ports["metrics"]: "the router's metrics",
+            **{port: f"replica {replicas.replica_name(i)}" for i, port in enumerate(ports["replicas"])},
+        })
         replica_settings = ReplicaSettings(
-            backend=rs.backend, model=str(model_path), ctx_size=rs.ctx_size, parallel=rs.parallel,
+            backend=rs.backend, model="", ctx_size=rs.ctx_size, parallel=rs.parallel,
             threads=rs.threads, cache_ram_mib=rs.cache_ram_mib,
             llama_server=rs.llama_server or str(data / "bin" / "llama-server"),
         )
         check_slot_context(settings.check.profile, replica_settings)
-        ports = _ports(settings.ports, rs.count)
-        check_ports_free({ports["gateway"]: "the gateway (Envoy listener)", ports["envoy_admin"]: "Envoy admin",
-                          ports["router"]: "the routing service (gRPC)", ports["metrics"]: "the router's metrics"})
+        replica_settings = replace(replica_settings, model=str(models.resolve(rs.model, data, progress)))
         for sub in ("logs", "envoy"):
             (run / sub).mkdir(parents=True, exist_ok=True)
         (run / "replicas.json").unlink(missing_ok=True)

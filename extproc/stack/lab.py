@@ -1,0 +1,75 @@
+"""The local stack as the experiment runner's Lab (extproc.experiments.lab.Lab).
+
+``LocalLab.attach()`` drives a stack started by `llm-ring up` (found through its run dir);
+``LocalLab.start(...)`` starts one for the caller and stops it on close (demo, tests).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from extproc.experiments.lab import LabError
+from extproc.stack import models
+from extproc.stack.stack import Progress, Stack, StackError, StackSettings, run_dir
+
+
+class LocalLab:
+    def __init__(self, stack: Stack, owned: bool = False, progress: Progress = print) -> None:
+        self.stack = stack
+        self.owned = owned  # stopped on close()
+        self.progress = progress
+
+    @classmethod
+    def attach(cls, run: str | Path | None = None, progress: Progress = print) -> LocalLab:
+        try:
+            return cls(Stack.find(run_dir(run)), progress=progress)
+        except StackError as exc:
+            raise LabError(str(exc)) from None
+
+    @classmethod
+    def start(cls, settings: StackSettings, data: Path | None = None, run: Path | None = None,
+              progress: Progress = print) -> LocalLab:
+        """A stack of this process's own: its processes die with this process's main thread."""
+        data = data or models.data_dir()
+        stack = Stack.up(settings, data, run or run_dir(None, data), progress, die_with_parent=True)
+        return cls(stack, owned=True, progress=progress)
+
+    @property
+    def gateway_url(self) -> str:
+        return self.stack.state.gateway_url
+
+    def set_policy(self, routing: dict[str, Any]) -> None:
+        with self._admin() as admin:
+            admin.set_routing(routing)
+        if "policy" in routing:
+            self.stack.state.policy = str(routing["policy"])
+            self.stack.save()
+
+    def reset(self) -> None:
+        """Fresh replica caches (see Stack.reset_caches), then fresh router state."""
+        seconds = self.stack.reset_caches(self.progress)
+        with self._admin() as admin:
+            admin.reset()
+        self.progress(f"caches and router state reset in {seconds:.1f}s")
+
+    def scale(self, n: int) -> None:
+        self.stack.scale(n, self.progress)
+
+    def replicas(self) -> dict[str, str]:
+        return self.stack.healthy_replicas()
+
+    def close(self) -> None:
+        if self.owned:
+            self.stack.down(self.progress)
+
+    def __enter__(self) -> LocalLab:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _admin(self) -> Any:
+        from extproc.service.admin_client import AdminClient
+
+        return AdminClient(self.stack.state.router_address)
