@@ -184,7 +184,8 @@ class KubernetesDiscovery:
             with contextlib.suppress(RuntimeError):  # the loop closed as the thread finished
                 loop.call_soon_threadsafe(deliver, snapshot)
 
-        api_client = self._api_client or await asyncio.to_thread(credentials)
+        owned = self._api_client is None
+        api_client = await asyncio.to_thread(credentials) if self._api_client is None else self._api_client
         worker = _WatchLoop(self.config, api_client, publish)
         thread = threading.Thread(target=worker.run, name="k8s-discovery", daemon=True)
         thread.start()
@@ -198,7 +199,7 @@ class KubernetesDiscovery:
                     yield dict(last)
         finally:
             await asyncio.to_thread(worker.stop_and_join, thread, CONNECT_TIMEOUT_SECONDS)
-            if self._api_client is None:
+            if owned:
                 api_client.close()
 
 
@@ -265,8 +266,10 @@ class _WatchLoop:
             label_selector=self._cfg.selector,
             _request_timeout=(CONNECT_TIMEOUT_SECONDS, LIST_TIMEOUT_SECONDS),
         )
-        self._slices = {item.metadata.name: item for item in result.items or ()}
+        self._slices = {str(item.metadata.name): item for item in result.items or () if item.metadata}
         self._emit()
+        if result.metadata is None or not result.metadata.resource_version:
+            raise ValueError("EndpointSlice list without a resourceVersion: cannot watch from it")
         return str(result.metadata.resource_version)
 
     def _watch_once(self, api: client.DiscoveryV1Api, version: str) -> str:

@@ -78,6 +78,14 @@ async def wait(condition: Callable[[], bool], timeout: float = 10.0) -> None:
         await asyncio.sleep(0.01)
 
 
+async def watching(apiserver: FakeApiServer, expected: dict[str, str]) -> Reader:
+    """A reader whose discovery has listed ``expected`` and holds its watch open."""
+    reader = Reader(KubernetesDiscovery(discovery_settings(), **FAST))
+    await reader.until(expected)
+    await wait(lambda: apiserver.watch_count() == 1)
+    return reader
+
+
 def requests_of(server: FakeApiServer, verb: str, status: int | None = None) -> list[Any]:
     return [r for r in server.requests if r.verb == verb and (status is None or r.status == status)]
 
@@ -138,10 +146,8 @@ def test_watch_resumes_from_a_bookmark_without_relisting(apiserver, kubeconfig):
     apiserver.apply(slice_of("llm-a", Endpoint("llm-0", "10.0.0.10")))
 
     async def scenario() -> None:
-        reader = Reader(KubernetesDiscovery(discovery_settings(), **FAST))
+        reader = await watching(apiserver, {"llm-0": "10.0.0.10:8080"})
         try:
-            await reader.until({"llm-0": "10.0.0.10:8080"})
-            await wait(lambda: apiserver.watch_count() == 1)
             apiserver.apply(slice_of("x", Endpoint("x-0", "10.0.9.9"), service="other"))  # not ours
             bookmark = apiserver.bookmark()
             await asyncio.sleep(0.2)
@@ -163,10 +169,8 @@ def test_relists_after_410_gone_and_catches_up(apiserver, kubeconfig):
     apiserver.apply(slice_of("llm-a", Endpoint("llm-0", "10.0.0.10")))
 
     async def scenario() -> None:
-        reader = Reader(KubernetesDiscovery(discovery_settings(), **FAST))
+        reader = await watching(apiserver, {"llm-0": "10.0.0.10:8080"})
         try:
-            await reader.until({"llm-0": "10.0.0.10:8080"})
-            await wait(lambda: apiserver.watch_count() == 1)
             apiserver.hold_watches()
             apiserver.end_watches()
             await wait(lambda: apiserver.watch_count() == 0)
