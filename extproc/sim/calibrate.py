@@ -41,6 +41,8 @@ WORDS = ("river", "stone", "paper", "light", "garden", "window", "morning", "sil
 def configure(parser: argparse.ArgumentParser) -> None:
     target = parser.add_mutually_exclusive_group(required=True)
     target.add_argument("--url", help="a running replica, e.g. http://127.0.0.1:18001")
+    target.add_argument("--from-records", type=Path, metavar="DIR",
+                        help="fit the timings of a live experiment folder instead (concurrency included)")
     target.add_argument("--model", type=Path, help="a GGUF file: start an xllamacpp replica for the measurement")
     parser.add_argument("--port", type=int, default=0, help="--model: loopback port (default: a free one)")
     parser.add_argument("--slots", type=int, default=4, help="--model: --parallel; also the concurrency measured")
@@ -60,11 +62,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     server = None
     url = args.url
-    if args.model is not None:
-        server, url = _start_replica(args)
-    with httpx.Client(base_url=url, timeout=600) as client:
-        _wait_healthy(client)
-        model = calibrate(client, args)
+    if args.from_records is not None:
+        model = fit_records(args.from_records, args)
+    else:
+        if args.model is not None:
+            server, url = _start_replica(args)
+        with httpx.Client(base_url=url, timeout=600) as client:
+            _wait_healthy(client)
+            model = calibrate(client, args)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(model, indent=2) + "\n")
     parse_cost_model(model, source=str(args.out))  # the file must load
@@ -130,6 +135,45 @@ def calibrate(client: httpx.Client, args: argparse.Namespace) -> dict[str, Any]:
             "points": [{"new": n, "cached": c, "prompt_s": round(s, 5)} for n, c, s in rows],
             "decode_points": [{"context": c, "s_per_token": round(s, 6)} for c, s in decode],
             "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
+            "at": datetime.now(UTC).isoformat(timespec="seconds"),
+            "note": args.note,
+        },
+    }
+
+
+def fit_records(experiment: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """A cost model from a live run's own per-request timings (llama.cpp's prompt_ms, predicted_ms).
+
+    Those timings were taken under the run's real concurrency and machine load, so the
+    fit already contains the slowdown: the slowdown tables are left at 1 (no double count).
+    """
+    import duckdb
+
+    files = sorted(str(p) for p in experiment.glob("*/requests.parquet"))
+    if not files:
+        raise SystemExit(f"llm-ring calibrate: {experiment}: no */requests.parquet")
+    points = duckdb.execute(
+        "SELECT prompt_n, cache_n, prompt_ms / 1000, predicted_n, predicted_ms / 1000, "
+        "latency_s - (prompt_ms + predicted_ms) / 1000 FROM read_parquet($f) "
+        "WHERE status = 200 AND error IS NULL AND prompt_n IS NOT NULL AND predicted_n > 0",
+        {"f": files},
+    ).fetchall()
+    x = np.array([[1.0, n, n * (c + n / 2)] for n, c, *_ in points])
+    y = np.array([p[2] for p in points])
+    intercept, per_token, per_ctx = (max(0.0, float(v)) for v in np.linalg.lstsq(x, y, rcond=None)[0])
+    per_decode = sum(p[4] for p in points) / sum(p[3] for p in points)
+    return {
+        "name": args.name,
+        "kv_bytes_per_token": args.kv_bytes_per_token,
+        "prefill": {"overhead_s": intercept, "per_token_s": per_token, "per_token_ctx_s": per_ctx},
+        "decode": {"per_token_s": per_decode, "per_token_ctx_s": 0.0},
+        "concurrency": {"prefill_slowdown": [1.0], "decode_slowdown": [1.0]},
+        "measured": {
+            "how": "llm-ring calibrate --from-records: least squares over a live experiment's request timings "
+                   "(taken under that run's concurrency and machine load; slowdown tables left at 1)",
+            "records": str(experiment),
+            "requests": len(points),
+            "median_wait_outside_llama_s": float(np.median([p[5] for p in points])),
             "at": datetime.now(UTC).isoformat(timespec="seconds"),
             "note": args.note,
         },

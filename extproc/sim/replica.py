@@ -2,9 +2,11 @@
 
 Requests run in two phases, prefill then decode, each a fixed amount of "solo" work
 from the cost model. The slots share one CPU: with k busy slots every request runs
-``slowdown[phase][k]`` times slower than alone (processor sharing). The replica only
-advances its jobs when something changes (a start, a phase end, a finish), so the
-engine needs one pending wake-up per replica, not one event per token.
+``slowdown[phase][k]`` times slower than alone (processor sharing). Since all requests
+in a phase progress at the same rate, the replica keeps one clock per phase (solo
+seconds a request in that phase has done since the start) and each request the clock
+value at which its phase ends: advancing time is O(1), and the engine needs one
+pending wake-up per replica, not one event per token.
 
 Slot choice follows llama.cpp's server: the idle slot whose content covers the largest
 share of the prompt (more than 10 %), else the least recently used idle slot; then the
@@ -22,7 +24,7 @@ from extproc.sim.prompts import HostCache, common_prefix
 
 SLOT_SIMILARITY = 0.1  # llama.cpp --slot-prompt-similarity default
 SAVE_BELOW_KEEP = 0.5  # a slot's content is saved to host RAM when a prompt keeps less than this share
-DONE_EPSILON = 1e-9  # solo seconds below which a phase counts as finished (float rounding)
+DONE_EPSILON = 1e-7  # solo seconds below which a phase counts as finished (float rounding of the clocks)
 
 
 class Request:
@@ -31,7 +33,7 @@ class Request:
     __slots__ = (
         "route", "request_id", "conversation", "turn", "key", "blocks", "prompt_tokens", "max_tokens", "arrival_s",
         "think_s", "next", "replica", "reason", "predicted_cached", "cache_n", "prompt_n", "arrived_at",
-        "started_at", "first_token_at", "finished_at", "status", "error", "phase", "remaining", "slot",
+        "started_at", "first_token_at", "finished_at", "status", "error", "phase", "target", "slot",
     )
 
     def __init__(
@@ -61,7 +63,7 @@ class Request:
         self.status = 0
         self.error: str | None = None
         self.phase = 0  # 0 prefill, 1 decode
-        self.remaining = 0.0  # solo seconds left in the current phase
+        self.target = 0.0  # the replica's clock for this phase when the phase is done
         self.slot: Slot | None = None
 
 
@@ -78,7 +80,7 @@ class Slot:
 
 class Replica:
     __slots__ = ("name", "cost", "slots", "queue", "active", "updated_at", "version", "cache",
-                 "prefill_slowdown", "decode_slowdown", "draining")
+                 "prefill_slowdown", "decode_slowdown", "draining", "prefill_clock", "decode_clock")
 
     def __init__(self, name: str, cost: CostModel, slots: int, cache_tokens: int) -> None:
         self.name = name
@@ -91,16 +93,16 @@ class Replica:
         self.cache = HostCache(cache_tokens)
         self.prefill_slowdown, self.decode_slowdown = cost.slowdowns(slots)
         self.draining = False  # removed from the router; finishes what it holds
+        self.prefill_clock = 0.0
+        self.decode_clock = 0.0
 
     def advance(self, now: float) -> None:
-        """Progress every running request up to ``now`` at the current sharing rate."""
-        active = self.active
-        if active and now > self.updated_at:
-            k = len(active)
-            done_prefill = (now - self.updated_at) / self.prefill_slowdown[k]
-            done_decode = (now - self.updated_at) / self.decode_slowdown[k]
-            for request in active:
-                request.remaining -= done_decode if request.phase else done_prefill
+        """Move the phase clocks up to ``now`` at the current sharing rate."""
+        k = len(self.active)
+        if k and now > self.updated_at:
+            elapsed = now - self.updated_at
+            self.prefill_clock += elapsed / self.prefill_slowdown[k]
+            self.decode_clock += elapsed / self.decode_slowdown[k]
         self.updated_at = now
 
     def next_change(self) -> float | None:
@@ -110,9 +112,10 @@ class Replica:
             return None
         k = len(active)
         prefill, decode = self.prefill_slowdown[k], self.decode_slowdown[k]
+        prefill_clock, decode_clock = self.prefill_clock, self.decode_clock
         best = float("inf")
         for r in active:
-            wait = r.remaining * (decode if r.phase else prefill)
+            wait = (r.target - decode_clock) * decode if r.phase else (r.target - prefill_clock) * prefill
             if wait < best:
                 best = wait
         return best
@@ -127,16 +130,17 @@ class Replica:
     def finish_phases(self, now: float) -> list[Request]:
         """Move requests whose phase ran out on; return those that finished (slots freed, queue served)."""
         finished = []
+        prefill_clock, decode_clock = self.prefill_clock, self.decode_clock
         for request in self.active:
-            if request.remaining > DONE_EPSILON:
-                continue
-            if request.phase == 0:
+            if request.phase:
+                if request.target - decode_clock <= DONE_EPSILON:
+                    finished.append(request)
+            elif request.target - prefill_clock <= DONE_EPSILON:
                 request.phase = 1
                 request.first_token_at = now
-                request.remaining = self.cost.decode_s(request.max_tokens, request.prompt_tokens)
-                if request.remaining > DONE_EPSILON:
-                    continue
-            finished.append(request)
+                request.target = decode_clock + self.cost.decode_s(request.max_tokens, request.prompt_tokens)
+                if request.target - decode_clock <= DONE_EPSILON:
+                    finished.append(request)
         for request in finished:
             self.active.remove(request)
             request.finished_at = now
@@ -167,7 +171,7 @@ class Replica:
         request.prompt_n = prompt - cached
         request.started_at = now
         request.phase = 0
-        request.remaining = self.cost.prefill_s(prompt - cached, cached)
+        request.target = self.prefill_clock + self.cost.prefill_s(prompt - cached, cached)
         request.slot = slot
         slot.busy = True
         slot.key, slot.blocks, slot.tokens = key, blocks, prompt
