@@ -128,7 +128,9 @@ def test_replicas_join_when_ready_and_leave_when_not_ready_or_terminating(apiser
             ["llm-1", "llm-2"],
             ["llm-1"],
         ]
-        assert stall < 0.25, f"the event loop stalled {stall:.3f}s: discovery must not block it"
+        # A watch on the loop would stall it until the next event or the 30 s watch timeout;
+        # the bound leaves room for scheduling noise on a loaded 2-core machine.
+        assert stall < 2.0, f"the event loop stalled {stall:.3f}s: discovery must not block it"
 
     with capture_logs() as logs:
         asyncio.run(scenario())
