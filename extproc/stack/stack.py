@@ -270,7 +270,7 @@ class Stack:
             self.save()
             self._wait_router_forgets({r.name for r in leaving}, progress)
             _drain(leaving, drain_timeout, progress)
-            stop([r.process for r in leaving])
+            replicas.stop_all(leaving)
         self.save()
 
     def reset_caches(self, progress: Progress = print) -> float:
@@ -289,9 +289,9 @@ class Stack:
                 replicas.erase_slots(replica.address, settings.parallel)
         else:
             progress(f"restarting {len(current)} replica(s) to empty their caches")
-            stop([r.process for r in current])
+            replicas.stop_all(current)
             self.state.replicas = []
-            self._start_replicas([r.name for r in current], [r.port for r in current], progress)
+            self._start_replicas([r.name for r in current], [r.port for r in current], progress, port_wait=5.0)
             self.save()
         return time.monotonic() - began
 
@@ -307,10 +307,10 @@ class Stack:
     def _new_port(self, index: int) -> int:
         return self.state.replica_base + index if self.state.replica_base else free_ports(1)[0]
 
-    def _start_replicas(self, names: list[str], ports: list[int], progress: Progress) -> None:
+    def _start_replicas(self, names: list[str], ports: list[int], progress: Progress, port_wait: float = 0.0) -> None:
         run = Path(self.state.run_dir)
         started = replicas.start(dict(zip(names, ports, strict=True)), self._settings(), run,
-                                 die_with_parent=self.state.die_with_parent)
+                                 die_with_parent=self.state.die_with_parent, port_wait=port_wait)
         self.state.replicas += [r.as_dict() for r in started]
         self.state.replica_ports.update({r.name: r.port for r in started})
         self.save()  # recorded before waiting: `down` from another shell finds them

@@ -1,0 +1,93 @@
+"""Start-up checks of the local stack that need no model: settings, ports, slot context,
+the routing service's generated settings."""
+
+from __future__ import annotations
+
+import socket
+import tomllib
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from extproc.cli import main as cli
+from extproc.settings import load_settings
+from extproc.stack.daemons import PortInUse
+from extproc.stack.replicas import ReplicaSettings
+from extproc.stack.stack import (
+    REFERENCE_SETTINGS,
+    ROUTER_REFERENCE,
+    Stack,
+    StackError,
+    check_slot_context,
+    load_stack_settings,
+    render_router_settings,
+)
+
+
+@pytest.fixture
+def busy_port() -> Iterator[int]:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        yield sock.getsockname()[1]
+
+
+def test_reference_settings_load_and_options_override_them() -> None:
+    settings = load_stack_settings(overrides={"replicas": {"count": 5, "model": None}})
+    assert settings.replicas.count == 5
+    assert settings.replicas.model == tomllib.loads(REFERENCE_SETTINGS.read_text())["replicas"]["model"]
+
+
+def test_a_missing_setting_is_named(tmp_path: Path) -> None:
+    text = REFERENCE_SETTINGS.read_text().replace("cache_ram_mib = 512\n", "")
+    (tmp_path / "stack.toml").write_text(text)
+    with pytest.raises(StackError, match=r"replicas\.cache_ram_mib: Field required"):
+        load_stack_settings(tmp_path / "stack.toml")
+
+
+def test_slot_context_too_small_for_the_profile_is_refused() -> None:
+    small = ReplicaSettings("xllamacpp", "m.gguf", ctx_size=4096, parallel=4, threads=1, cache_ram_mib=0)
+    with pytest.raises(StackError, match="max_context_tokens=3400 exceeds the replicas' per-slot context 1024"):
+        check_slot_context("standard", small)
+    check_slot_context("standard", ReplicaSettings("xllamacpp", "m.gguf", 16384, 4, 1, 0))
+
+
+def test_router_settings_are_the_reference_with_this_stacks_addresses(tmp_path: Path) -> None:
+    path = tmp_path / "router.toml"
+    path.write_text(render_router_settings(
+        ROUTER_REFERENCE, policy="bounded", listen="127.0.0.1:1234", metrics_listen="127.0.0.1:1235",
+        replicas_file=tmp_path / "replicas.json", envoy_endpoints_file=tmp_path / "eds.json"))
+    settings = load_settings(path, environ={})
+    reference = load_settings(ROUTER_REFERENCE, environ={})
+    assert settings.routing.policy == "bounded"
+    assert settings.routing.epsilon == reference.routing.epsilon
+    assert (settings.service.listen, settings.service.metrics_listen) == ("127.0.0.1:1234", "127.0.0.1:1235")
+    assert settings.discovery.source == "file"
+    assert settings.discovery.file == str(tmp_path / "replicas.json")
+    assert settings.service.envoy_endpoints_file == str(tmp_path / "eds.json")
+
+
+@pytest.mark.parametrize("port_key", ["gateway", "replica_base"])
+def test_a_port_in_use_is_named_before_anything_starts(tmp_path: Path, busy_port: int, port_key: str) -> None:
+    ports = {"gateway": 0, "envoy_admin": 0, "router": 0, "metrics": 0, "replica_base": 0, port_key: busy_port}
+    settings = load_stack_settings(overrides={"ports": ports, "replicas": {"model": "no-such-model"}})
+    with pytest.raises(PortInUse, match=f"port {busy_port} .* already in use"):
+        Stack.up(settings, tmp_path, tmp_path / "run", progress=lambda _: None)
+    assert not (tmp_path / "run" / "state.json").exists()
+
+
+def test_llm_ring_up_reports_the_busy_port(tmp_path: Path, busy_port: int,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    text = REFERENCE_SETTINGS.read_text().replace("gateway = 18000", f"gateway = {busy_port}")
+    (tmp_path / "stack.toml").write_text(text)
+    code = cli(["up", "--settings", str(tmp_path / "stack.toml"), "--run-dir", str(tmp_path / "run"),
+                "--data-dir", str(tmp_path)])
+    assert code == 1
+    assert f"port {busy_port} (for the gateway (Envoy listener)) is already in use" in capsys.readouterr().err
+
+
+def test_status_and_down_without_a_stack(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli(["status", "--json", "--run-dir", str(tmp_path)]) == 1
+    assert '"running": false' in capsys.readouterr().out
+    assert cli(["down", "--run-dir", str(tmp_path)]) == 0
