@@ -114,9 +114,9 @@ def _text(content: Any, where: str) -> str:
 
 def _completion(prompt: Any) -> tuple[str, int, int]:
     if isinstance(prompt, str) and prompt:
-        return "h:" + xxhash.xxh64_hexdigest(prompt[:OPENING_CHARS]), len(prompt), 0
+        return "h:" + xxhash.xxh64_hexdigest(prompt[:OPENING_CHARS].encode()), len(prompt), 0
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-        return "h:" + xxhash.xxh64_hexdigest(repr(prompt[:OPENING_CHARS])), 0, len(prompt)
+        return "h:" + xxhash.xxh64_hexdigest(repr(prompt[:OPENING_CHARS]).encode()), 0, len(prompt)
     raise BadRequest(400, "'prompt' must be a non-empty string or a list of token ids")
 
 

@@ -2,8 +2,8 @@
 
 Request path, in filter order:
   1. header_mutation strips client-sent routing headers (a client must never pick the upstream);
-  2. ext_proc "route" (blocking, one round trip): request headers (with CEL attributes) and
-     the body, sent together -> the service picks a replica and answers the headers: sets
+  2. ext_proc "route" (blocking): request headers with CEL attributes (answered at once), then
+     the buffered body -> the service picks a replica and answers: sets
      ``x-gateway-destination-endpoint`` (ordered fallbacks, comma-separated) and ``envoy.lb``
      metadata, clears the route cache; nothing of the response is sent to it;
   3. ext_proc "observe" (``observability_mode``: Envoy never waits for it): the streamed
@@ -32,7 +32,6 @@ ROUTE_REASON = "x-route-reason"
 REQUEST_ID = "x-request-id"
 ROUTED_PATHS = ("/v1/chat/completions", "/v1/completions", "/completion")
 CLUSTER = "replicas"
-BUFFER_HEADROOM = 1 << 20
 EXT_PROC_CLUSTER = "ext_proc"
 _T = "type.googleapis.com/"
 
@@ -65,16 +64,13 @@ def render_envoy_config(
     ext_proc_timeout_ms: int = 2000,
     connect_timeout_ms: int = 1000,
     retries: int = 2,
-    request_body_mode: str = "STREAMED",
 ) -> str:
     """Envoy bootstrap as JSON text (JSON is YAML: save it as envoy.yaml or envoy.json).
 
     listen/admin/ext_proc are "host:port"; ext_proc may be a DNS name (a Kubernetes Service);
     ext_proc=None renders the same proxy without the routing service (the benchmark's baseline).
     fail_open: when the routing service is unreachable, serve round robin (True) or 500 (False).
-    max_request_bytes: the service's service.max_body_bytes (it answers 413 above it); Envoy
-    buffers up to this plus BUFFER_HEADROOM per connection.
-    request_body_mode: "STREAMED" (one round trip, the default) or "BUFFERED" (two).
+    max_request_bytes: the service's service.max_body_bytes: larger bodies get 413 from Envoy.
     """
     listen_host, listen_port = split_host_port(listen)
     admin_host, admin_port = split_host_port(admin)
@@ -87,12 +83,10 @@ def render_envoy_config(
                 {
                     "name": "gateway",
                     "address": _socket(listen_host, listen_port),
-                    # Headroom over the service's limit: the route filter holds the streamed body
-                    # until the service answers, so Envoy must be able to hold more than the
-                    # service accepts (it then answers 413) or both would wait for each other.
-                    "per_connection_buffer_limit_bytes": max_request_bytes + BUFFER_HEADROOM,
+                    # The buffered body must fit: larger ones get Envoy's 413 (as JSON, below).
+                    "per_connection_buffer_limit_bytes": max_request_bytes,
                     "filter_chains": [
-                        {"filters": [_http_connection_manager(ext_proc is not None, fail_open, ext_proc_timeout_ms, retries, request_body_mode)]}
+                        {"filters": [_http_connection_manager(ext_proc is not None, fail_open, ext_proc_timeout_ms, retries, max_request_bytes)]}
                     ],
                 }
             ],
@@ -143,11 +137,11 @@ def _socket(host: str, port: int) -> dict[str, Any]:
 
 
 def _http_connection_manager(
-    with_ext_proc: bool, fail_open: bool, timeout_ms: int, retries: int, body_mode: str
+    with_ext_proc: bool, fail_open: bool, timeout_ms: int, retries: int, max_request_bytes: int
 ) -> dict[str, Any]:
     ext_proc = [
-        _ext_proc_filter("route", fail_open, timeout_ms, observe=False, body_mode=body_mode),
-        _ext_proc_filter("observe", True, timeout_ms, observe=True, body_mode="NONE"),
+        _ext_proc_filter("route", fail_open, timeout_ms, observe=False),
+        _ext_proc_filter("observe", True, timeout_ms, observe=True),
     ]
     return {
         "name": "envoy.filters.network.http_connection_manager",
@@ -160,6 +154,17 @@ def _http_connection_manager(
             "request_timeout": "0s",
             "stream_idle_timeout": "300s",
             "route_config": _route_config(retries),
+            # Envoy's own 413 (body over the buffer limit) in the same JSON shape as ours.
+            "local_reply_config": {
+                "mappers": [
+                    {
+                        "filter": {"status_code_filter": {"comparison": {"op": "EQ", "value": {"default_value": 413, "runtime_key": "llm_ring.413"}}}},
+                        "body_format_override": {
+                            "json_format": {"error": f"request body over {max_request_bytes} bytes (service.max_body_bytes)"}
+                        },
+                    }
+                ]
+            },
             "http_filters": [
                 _strip_client_routing_headers(),
                 *(ext_proc if with_ext_proc else []),
@@ -192,14 +197,16 @@ REQUEST_ATTRIBUTES = (
 RESPONSE_ATTRIBUTES = ("request.id", "response.code", "upstream.address")
 
 
-def _ext_proc_filter(name: str, fail_open: bool, timeout_ms: int, observe: bool, body_mode: str) -> dict[str, Any]:
-    """route: headers + STREAMED body sent without waiting for the headers answer, so Envoy
-    delivers the whole request at once and the service answers the headers (the pick) once it
-    has read the body: one round trip. observe: response body only, never waited for."""
+def _ext_proc_filter(name: str, fail_open: bool, timeout_ms: int, observe: bool) -> dict[str, Any]:
+    """route: headers (answered at once) then the BUFFERED body (answered with the pick). Two
+    round trips, but the stream lives as long as the HTTP request, which is how the service
+    learns that a request ended (a STREAMED body saves one round trip, but Envoy then closes
+    the stream when the request is sent, and an abandoned request would never be released).
+    observe: the response body, never waited for."""
     mode = {
         "request_header_mode": "SKIP" if observe else "SEND",
         "response_header_mode": "SKIP",
-        "request_body_mode": body_mode,
+        "request_body_mode": "NONE" if observe else "BUFFERED",
         "response_body_mode": "STREAMED" if observe else "NONE",
         "request_trailer_mode": "SKIP",
         "response_trailer_mode": "SKIP",
@@ -219,7 +226,6 @@ def _ext_proc_filter(name: str, fail_open: bool, timeout_ms: int, observe: bool,
         config["observability_mode"] = True
         config["response_attributes"] = list(RESPONSE_ATTRIBUTES)
     else:
-        config["send_body_without_waiting_for_header_response"] = True
         config["request_attributes"] = list(REQUEST_ATTRIBUTES)
     return {"name": f"ext_proc.{name}", "typed_config": config}
 

@@ -2,9 +2,9 @@
 
 One HTTP request meets the service twice, on two ext_proc streams (see envoy.py):
   - the *route* stream: the request headers with attributes (path, id, content type,
-    x-conversation-id, x-turn) and the body chunks, all sent at once -> ``decide`` -> the
-    headers answer, pre-serialized and cached per (replica, reason) so the hot path builds no
-    protobuf; Envoy ends this stream when the HTTP request ends (done, failed or abandoned);
+    x-conversation-id, x-turn), then the buffered body -> ``decide`` -> the answer,
+    pre-serialized and cached per (replica, reason) so the hot path builds no protobuf;
+    Envoy ends this stream when the HTTP request ends (done, failed or abandoned);
   - the *observe* stream: the response body chunks (the first with status and the upstream
     that served), never answered -> ``observe_*``.
 They meet in ``pending`` by request id. The load is released exactly once, in ``_finish``,
@@ -77,7 +77,7 @@ class Gateway:
         self.unhealthy: set[str] = set()
         self.pending: dict[str, Pending] = {}
         self.decisions = 0
-        self._answers: dict[tuple[str, str, bool], bytes] = {}
+        self._answers: dict[tuple[str, str], bytes] = {}
         self._sequence = 0
 
     # ------------------------------------------------------------------ replicas
@@ -102,13 +102,9 @@ class Gateway:
     # ------------------------------------------------------------------ route stream
 
     def decide(
-        self, *, path: str, content_type: str, conversation_id: str, turn: str, request_id: str, body: bytes,
-        answer_body: bool = False,
+        self, *, path: str, content_type: str, conversation_id: str, turn: str, request_id: str, body: bytes
     ) -> tuple[str | None, bytes]:
-        """(request id or None, serialized ProcessingResponse) for a request's whole body.
-
-        The pick answers the request headers (streamed body, sent without waiting) or, with
-        ``answer_body``, the body (BUFFERED mode: the headers were already answered)."""
+        """(request id or None, serialized ProcessingResponse answering the buffered body)."""
         started = time.perf_counter()
         try:
             parsed = parse_request(path, content_type, body)
@@ -130,12 +126,12 @@ class Gateway:
             request, decision, self.endpoints[decision.replica], path, turn, parsed.stream, started
         )
         self.metrics.decision_seconds.observe(time.perf_counter() - started)
-        key = (decision.replica, decision.reason, answer_body)
+        key = (decision.replica, decision.reason)
         answer = self._answers.get(key)
         if answer is None:
-            answer = self._answers[key] = self._route_answer(decision.replica, decision.reason, answer_body)
+            answer = self._answers[key] = self._route_answer(decision.replica, decision.reason)
         if unique_id != request_id:
-            answer += _more_headers([_header("x-request-id", unique_id)], answer_body)
+            answer += _more_headers([_header("x-request-id", unique_id)])
         return unique_id, answer
 
     def route_ended(self, request_id: str) -> None:
@@ -156,6 +152,7 @@ class Gateway:
         """The response begins (first body chunk): None when the request is not ours to track."""
         pending = self.pending.get(request_id)
         if pending is None:
+            log.debug("response_not_tracked", request_id=request_id, status=status, served=served)
             return None
         pending.status = status
         pending.served = served
@@ -193,12 +190,15 @@ class Gateway:
             return
         decision = pending.decision
         failed_over = bool(pending.served) and pending.served != pending.endpoint
-        if pending.response_done and 200 <= pending.status < 300 and not failed_over:
-            outcome = "ok"
-        elif pending.response_done or pending.status:
-            outcome = "failed"
-        else:
+        # ok: a whole 2xx answer from the pick; failed: a whole answer otherwise (error status,
+        # or served by a fallback); abandoned: the request ended before its answer did
+        # (the client hung up, or the upstream broke off).
+        if not pending.response_done:
             outcome = "abandoned"
+        elif 200 <= pending.status < 300 and not failed_over:
+            outcome = "ok"
+        else:
+            outcome = "failed"
         self.router.complete(request_id, ok=outcome == "ok")
         self.metrics.completed_children[outcome].inc()
         if failed_over or (pending.response_done and pending.status in (502, 503) and not pending.served):
@@ -260,7 +260,7 @@ class Gateway:
         self._sequence += 1  # absent or reused by a client: make it unique
         return f"{from_envoy or 'llm-ring'}-{self._sequence}"
 
-    def _route_answer(self, replica: str, reason: str, answer_body: bool) -> bytes:
+    def _route_answer(self, replica: str, reason: str) -> bytes:
         """Envoy's answer for a pick: destination (+ fallbacks) in header and metadata."""
         names = sorted(self.endpoints)
         start = names.index(replica)
@@ -271,11 +271,10 @@ class Gateway:
         )
         metadata = struct_pb2.Struct()
         metadata.get_or_create_struct("envoy.lb")[DESTINATION] = endpoints
-        response = pb.ProcessingResponse(dynamic_metadata=metadata)
-        common = response.request_body.response if answer_body else response.request_headers.response
-        common.header_mutation.CopyFrom(mutation)
-        common.clear_route_cache = True
-        return response.SerializeToString()
+        return pb.ProcessingResponse(
+            request_body=pb.BodyResponse(response=pb.CommonResponse(header_mutation=mutation, clear_route_cache=True)),
+            dynamic_metadata=metadata,
+        ).SerializeToString()
 
 
 def _header(name: str, value: str) -> base_pb2.HeaderValueOption:
@@ -285,13 +284,12 @@ def _header(name: str, value: str) -> base_pb2.HeaderValueOption:
     )
 
 
-def _more_headers(headers: list[base_pb2.HeaderValueOption], answer_body: bool) -> bytes:
+def _more_headers(headers: list[base_pb2.HeaderValueOption]) -> bytes:
     """A serialized ProcessingResponse that only sets headers; protobuf merges repeated fields
     of concatenated messages, so cached answer + this = the answer with these headers added."""
-    response = pb.ProcessingResponse()
-    common = response.request_body.response if answer_body else response.request_headers.response
-    common.header_mutation.set_headers.extend(headers)
-    return response.SerializeToString()
+    return pb.ProcessingResponse(
+        request_body=pb.BodyResponse(response=pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=headers)))
+    ).SerializeToString()
 
 
 def immediate(status: int, message: str, **details: Any) -> bytes:

@@ -31,7 +31,7 @@ from extproc.discovery import make_discovery
 from extproc.routing import Router
 from extproc.service import admin_pb2_grpc
 from extproc.service.admin import AdminService
-from extproc.service.envoy import BUFFER_HEADROOM, split_host_port, write_endpoints_file
+from extproc.service.envoy import split_host_port, write_endpoints_file
 from extproc.service.gateway import Gateway
 from extproc.service.metrics import Metrics
 from extproc.service.processor import SERVICE, handler
@@ -66,6 +66,7 @@ def configure_logging(level: str) -> None:
         processors=[
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.format_exc_info,
             structlog.processors.JSONRenderer(serializer=orjson.dumps),
         ],
         wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level.upper())),
@@ -85,9 +86,8 @@ async def serve(settings: Settings) -> None:
     metrics_host, metrics_port = split_host_port(service.metrics_listen)
     metrics_server, _ = start_http_server(metrics_port, metrics_host, registry=metrics.registry)
 
-    # A streamed body chunk can hold all Envoy buffers (max_body_bytes + headroom): accept it,
-    # so that an oversized body gets our 413 instead of a gRPC error.
-    max_message = service.max_body_bytes + 2 * BUFFER_HEADROOM
+    # A buffered body up to max_body_bytes comes in one message (plus its envelope).
+    max_message = service.max_body_bytes + (64 << 10)
     server = grpc.aio.server(
         options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", max_message)]
     )

@@ -11,17 +11,16 @@ import asyncio
 from typing import Any
 
 import grpc
-from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
+import structlog
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from extproc.service.gateway import Gateway, immediate
 
+log = structlog.get_logger("extproc.service")
 SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 ATTRIBUTES = "envoy.filters.http.ext_proc"  # the key Envoy files CEL attributes under
 EMPTY_BODY = immediate(400, "empty body: expected a JSON object")
-BODY_CONTINUE = pb.ProcessingResponse(request_body=pb.BodyResponse()).SerializeToString()
 HEADERS_CONTINUE = pb.ProcessingResponse(request_headers=pb.HeadersResponse()).SerializeToString()
-BUFFERED = ProcessingMode.BUFFERED
 
 
 def handler(gateway: Gateway) -> grpc.GenericRpcHandler:
@@ -47,58 +46,43 @@ class Processor:
         self.gateway = gateway
 
     async def process(self, _requests: Any, context: grpc.aio.ServicerContext) -> None:
-        message = await context.read()
-        if message is grpc.aio.EOF:
-            return
-        if message.observability_mode:
-            await self._observe(message, context)
-        elif message.WhichOneof("request") == "request_headers":
-            await self._route(message, context)
+        try:
+            message = await context.read()
+            if message is grpc.aio.EOF:
+                return
+            if message.observability_mode:
+                await self._observe(message, context)
+            elif message.WhichOneof("request") == "request_headers":
+                await self._route(message, context)
+        except Exception:  # a bug of ours: Envoy applies fail_open; say what happened
+            log.exception("ext_proc_stream_failed")
+            raise
 
     async def _route(self, message: pb.ProcessingRequest, context: grpc.aio.ServicerContext) -> None:
-        """Headers (with attributes), then the body. STREAMED + send-without-waiting (envoy.py's
-        choice): all of it arrives at once, the pick answers the headers, then each chunk gets
-        a continue. BUFFERED: the headers get a continue first, the pick answers the body."""
+        """Headers (with attributes) get a continue; the buffered body gets the pick. Envoy ends
+        the stream when the HTTP request is over: that is when the load is released."""
         attributes = message.attributes[ATTRIBUTES].fields
         if message.request_headers.end_of_stream:  # a POST without a body
             await context.write(EMPTY_BODY)
             return
-        buffered = message.protocol_config.request_body_mode == BUFFERED
-        if buffered:
-            await context.write(HEADERS_CONTINUE)
-        chunks: list[bytes] = []
-        size = 0
-        limit = self.gateway.settings.max_body_bytes
-        while True:
-            message = await context.read()
-            if message is grpc.aio.EOF:
-                return
-            body = message.request_body
-            chunks.append(body.body)
-            size += len(body.body)
-            if size > limit:
-                await context.write(immediate(413, f"request body over {limit} bytes (service.max_body_bytes)"))
-                return
-            if body.end_of_stream:
-                break
+        await context.write(HEADERS_CONTINUE)
+        message = await context.read()
+        if message is grpc.aio.EOF or message.WhichOneof("request") != "request_body":
+            return
         request_id, answer = self.gateway.decide(
             path=_text(attributes, "request.url_path"),
             content_type=_text(attributes, "request.headers['content-type']"),
             conversation_id=_text(attributes, "request.headers['x-conversation-id']"),
             turn=_text(attributes, "request.headers['x-turn']"),
             request_id=_text(attributes, "request.id"),
-            body=chunks[0] if len(chunks) == 1 else b"".join(chunks),
-            answer_body=buffered,
+            body=message.request_body.body,
         )
         if request_id is None:
             await context.write(answer)
             return
         try:
             await context.write(answer)
-            if not buffered:
-                for _ in chunks:
-                    await context.write(BODY_CONTINUE)
-            await context.read()  # Envoy ends the stream when the HTTP request is over
+            await context.read()  # returns (or raises) when the HTTP request is over
         except (grpc.aio.AioRpcError, asyncio.CancelledError):
             pass  # Envoy often ends by cancelling: the request is over all the same
         finally:

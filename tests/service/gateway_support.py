@@ -53,6 +53,7 @@ def service_env(listen: str, discovery: Mapping[str, str], endpoints_file: Path,
         "LLM_RING__SERVICE__METRICS_LISTEN": f'"127.0.0.1:{free_port()}"',
         "LLM_RING__SERVICE__ENVOY_ENDPOINTS_FILE": f'"{endpoints_file}"',
         "LLM_RING__SERVICE__HEALTH_PROBE_SECONDS": "0.2",
+        "LLM_RING__SERVICE__LOG_LEVEL": '"debug"',
     }
     env.update({f"LLM_RING__SERVICE__{key.upper()}": value for key, value in service.items()})
     env.update({f"LLM_RING__DISCOVERY__{key.upper()}": value for key, value in discovery.items()})

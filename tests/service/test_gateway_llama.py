@@ -1,0 +1,149 @@
+"""The gateway in front of real llama.cpp replicas (xllamacpp + SmolLM2-135M, 2 replicas):
+cache reuse across turns, SSE chunk by chunk, load released for finished and abandoned
+requests, replica list from a watched file."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from extproc.routing import REASONS
+from extproc.service.processes import free_port
+from extproc.stack import replicas as stack_replicas
+from extproc.stack.models import smollm2_gguf
+from tests.service.gateway_support import Gateway, gateway
+
+pytestmark = pytest.mark.live
+CHAT = "/v1/chat/completions"
+SYSTEM = {"role": "system", "content": "You are a helpful assistant. Answer in one short sentence."}
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    settings = stack_replicas.ReplicaSettings(
+        backend="xllamacpp", model=str(smollm2_gguf()), ctx_size=2048, parallel=2, threads=1, cache_ram_mib=0
+    )
+    run = tmp_path_factory.mktemp("replicas")
+    started = stack_replicas.start({"llm-0": free_port(), "llm-1": free_port()}, settings, run)
+    try:
+        stack_replicas.wait_healthy(started, timeout=120, progress=lambda _: None)
+        yield {replica.name: replica.address for replica in started}
+    finally:
+        stack_replicas.stop_all(started) if hasattr(stack_replicas, "stop_all") else _stop(started)
+
+
+def _stop(started: list[Any]) -> None:
+    from extproc.stack.daemons import stop
+
+    stop([replica.process for replica in started])
+
+
+@pytest.fixture(scope="module")
+def gw(llama: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    workdir = tmp_path_factory.mktemp("gw")
+    replica_file = workdir / "replicas.json"
+    replica_file.write_text(json.dumps(llama))
+    discovery = {"SOURCE": '"file"', "FILE": f'"{replica_file}"', "FILE_POLL_SECONDS": "0.1"}
+    with gateway(workdir, discovery) as running:
+        yield running
+
+
+def test_turns_of_a_conversation_stay_on_one_replica_and_reuse_its_cache(gw: Gateway) -> None:
+    history = [SYSTEM, {"role": "user", "content": "What is the capital of France?"}]
+    headers = {"x-conversation-id": "paris", "x-turn": "1"}
+    first = httpx.post(gw.url + CHAT, json={"messages": history, "max_tokens": 8}, headers=headers, timeout=60)
+    assert first.status_code == 200, first.text
+    history += [first.json()["choices"][0]["message"], {"role": "user", "content": "And of Italy?"}]
+    second = httpx.post(gw.url + CHAT, json={"messages": history, "max_tokens": 8},
+                        headers={**headers, "x-turn": "2"}, timeout=60)
+    assert second.status_code == 200
+    assert second.headers["x-routed-to"] == first.headers["x-routed-to"]
+    assert {first.headers["x-route-reason"], second.headers["x-route-reason"]} <= set(REASONS)
+    assert second.json()["timings"]["cache_n"] > 0  # the replica reused turn 1's prefix
+    logged = _decision(gw, second.headers["x-request-id"])
+    assert logged["cache_n"] == second.json()["timings"]["cache_n"] and logged["prompt_n"] > 0
+    assert logged["predicted_cached_tokens"] > 0 and logged["outcome"] == "ok" and logged["turn"] == "2"
+    assert gw.wait_idle()["in_flight_requests"] == 0
+
+
+def test_completion_endpoint_is_routed_and_its_timings_read(gw: Gateway) -> None:
+    reply = httpx.post(gw.url + "/completion", json={"prompt": "Once upon a time", "n_predict": 4},
+                       headers={"x-conversation-id": "story"}, timeout=60)
+    assert reply.status_code == 200 and reply.headers["x-routed-to"] in ("llm-0", "llm-1")
+    logged = _decision(gw, reply.headers["x-request-id"])
+    assert logged["max_tokens"] == 4 and logged["predicted_n"] == reply.json()["timings"]["predicted_n"]
+
+
+def test_sse_arrives_chunk_by_chunk_through_envoy(gw: Gateway, llama: dict[str, str]) -> None:
+    body = {"messages": [SYSTEM, {"role": "user", "content": "Count from one to twenty in words."}],
+            "max_tokens": 32, "stream": True, "ignore_eos": True}
+    cold = _stream(gw.url + CHAT, body, {"x-conversation-id": "count"})  # the prompt is now cached there
+    direct = _stream(f"http://{llama[cold['routed_to']]}{CHAT}", body, {})
+    through = _stream(gw.url + CHAT, body, {"x-conversation-id": "count"})
+    assert through["routed_to"] == cold["routed_to"]
+    assert through["chunks"] >= 8  # not buffered into one piece
+    assert through["first_s"] < 0.5 * through["total_s"]  # the first words came long before the end
+    assert through["first_s"] < direct["first_s"] + 0.5  # the gateway adds little to the first chunk
+    logged = _decision(gw, through["request_id"])
+    assert logged["stream"] is True and logged["predicted_n"] > 0 and logged["outcome"] == "ok"
+    print(f"first chunk: {through['first_s'] * 1000:.1f} ms via Envoy, {direct['first_s'] * 1000:.1f} ms direct")
+
+
+def test_abandoned_stream_releases_its_load(gw: Gateway) -> None:
+    body = {"messages": [SYSTEM, {"role": "user", "content": "Write a long poem about the sea."}],
+            "max_tokens": 400, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", gw.url + CHAT, json=body, headers={"x-conversation-id": "poem"}, timeout=60) as reply:
+        request_id = reply.headers["x-request-id"]
+        next(reply.iter_raw())  # one chunk, then hang up
+        assert gw.state()["in_flight_requests"] == 1
+    state = gw.wait_idle()
+    assert state["in_flight_requests"] == 0 and state["in_flight_tokens"] == 0
+    assert _decision(gw, request_id)["outcome"] == "abandoned"
+
+
+def test_replica_file_changes_are_followed(gw: Gateway, llama: dict[str, str]) -> None:
+    replica_file = gw.log.parent.parent / "replicas.json"
+    replica_file.write_text(json.dumps({"llm-0": llama["llm-0"]}))
+    try:
+        _until(lambda: [r["name"] for r in gw.state()["replicas"]] == ["llm-0"])
+        for i in range(4):
+            reply = httpx.post(gw.url + CHAT, json={"messages": [{"role": "user", "content": f"hi {i}"}], "max_tokens": 2},
+                               headers={"x-conversation-id": f"file-{i}"}, timeout=60)
+            assert reply.headers["x-routed-to"] == "llm-0"
+    finally:
+        replica_file.write_text(json.dumps(llama))
+        _until(lambda: len(gw.state()["replicas"]) == 2)
+
+
+def _stream(url: str, body: dict[str, Any], headers: dict[str, str]) -> dict[str, Any]:
+    started = time.perf_counter()
+    first = None
+    chunks = 0
+    with httpx.stream("POST", url, json=body, headers=headers, timeout=60) as reply:
+        assert reply.status_code == 200
+        for _ in reply.iter_raw():
+            chunks += 1
+            first = first or time.perf_counter() - started
+        return {
+            "first_s": first, "total_s": time.perf_counter() - started, "chunks": chunks,
+            "routed_to": reply.headers.get("x-routed-to"), "request_id": reply.headers.get("x-request-id"),
+        }
+
+
+def _decision(gw: Gateway, request_id: str, timeout: float = 5.0) -> dict[str, Any]:
+    found: list[dict[str, Any]] = []
+    _until(lambda: bool(found.extend(r for r in gw.decisions() if r["request_id"] == request_id) or found), timeout)
+    return found[0]
+
+
+def _until(condition: Any, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.05)
