@@ -1,0 +1,49 @@
+"""`llm-ring sim` end to end: experiment folders the shared analysis reads, and clear errors."""
+
+from __future__ import annotations
+
+import json
+
+from extproc.cli import main
+from extproc.experiments.records import read_records
+from tests.sim.test_mooncake import write
+
+
+def test_profile_runs_land_in_experiment_folders(tmp_path, capsys):
+    code = main(["sim", "--profile", "quick", "--policies", "bounded", "llm-aware:epsilon=0.5", "--seeds", "1-2",
+                 "--replicas", "2", "3", "--scale-at", "5", "--out-dir", str(tmp_path)])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "quick: 2 replicas, 2 seeds" in out and "Cache hit rate (follow-up turns)" in out
+    runs = sorted(p.name for p in (tmp_path / "replicas-3").iterdir() if p.is_dir())
+    assert runs == ["sim-quick-r3-bounded-s1", "sim-quick-r3-bounded-s2",
+                    "sim-quick-r3-llm-aware_epsilon=0.5-s1", "sim-quick-r3-llm-aware_epsilon=0.5-s2"]
+    table = read_records(tmp_path / "replicas-3" / runs[0] / "requests.parquet")
+    assert set(table.column("simulated").to_pylist()) == {True}
+    assert "llm-3" in set(table.column("replica").to_pylist())  # the scale-up replica served
+    meta = json.loads((tmp_path / "replicas-3" / runs[0] / "run.json").read_text())
+    assert (meta["simulated"], meta["scale_at_s"], meta["scaled_to"]) == (True, 5.0, 4)
+    assert (tmp_path / "replicas-2" / "summary.md").exists()
+
+
+def test_trace_json_output(tmp_path, capsys):
+    trace = write(tmp_path, [{"timestamp": 100 * i, "input_length": 700, "output_length": 4,
+                              "hash_ids": [i % 3, 10 + i]} for i in range(12)])
+    code = main(["sim", "--trace", str(trace), "--policies", "consistent", "--seeds", "1", "2",
+                 "--out-dir", str(tmp_path / "out"), "--json"])
+    assert code == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["seeds"] == [1, 2]
+    assert result["replicas"]["3"]["consistent"]["requests"]["value"] == 12
+
+
+def test_bad_inputs_are_named(tmp_path, capsys):
+    assert main(["sim", "--profile", "quick", "--policies", "bounded:epsilon=oops", "--seeds", "1",
+                 "--out-dir", str(tmp_path)]) == 2
+    assert "epsilon" in capsys.readouterr().err
+    assert main(["sim", "--profile", "quick", "--policies", "bounded", "--seeds", "x",
+                 "--out-dir", str(tmp_path)]) == 2
+    assert "--seeds: 'x'" in capsys.readouterr().err
+    assert main(["sim", "--profile", "quick", "--policies", "bounded", "--seeds", "1", "--cost-model", "nope",
+                 "--out-dir", str(tmp_path)]) == 2
+    assert "cost model not found: nope" in capsys.readouterr().err
