@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from extproc.analysis.metrics import METRICS, connect, summary
+from extproc.analysis.metrics import METRICS, _spread, connect, per_run, summary
 from extproc.analysis.report import SUMMARY_FILE, build_report, format_value, render_markdown
 from extproc.settings import SettingsError
 from extproc.sim.costmodel import CostModelError, load_cost_model
@@ -86,10 +86,15 @@ def main(args: argparse.Namespace) -> int:
                        progress=lambda line: print(line, file=sys.stderr))
         report = build_report(out_dir)
         (out_dir / SUMMARY_FILE).write_text(render_markdown(report, with_runs=True))
-        results[str(replicas)] = summary(connect(out_dir))
+        con = connect(out_dir)
+        results[str(replicas)] = summary(con)
+        paired = paired_differences(per_run(con), args.policies)
         if not args.json:
             print(f"\n{source.label}: {replicas} replicas, {len(seeds)} seeds ({out_dir})")
             print(render_ci_table(results[str(replicas)]))
+            if paired:
+                print(f"\npaired by seed, difference to {args.policies[0]} (mean ± 95% CI):")
+                print(render_ci_table(paired))
     print(f"simulated in {time.perf_counter() - started:.1f} s", file=sys.stderr)
     if args.json:
         print(json.dumps({"source": source.label, "seeds": seeds, "replicas": results}))
@@ -118,6 +123,34 @@ def parse_scale(items: list[str]) -> list[tuple[float, int]]:
         if not sep or events[-1][1] < 0:
             raise ValueError(f"--scale: {item!r} is not T:N (seconds:replicas)")
     return events
+
+
+PAIRED = ("hit_rate", "redirects", "latency_p50", "latency_p95", "ttft_p50", "imbalance")
+
+
+def paired_differences(runs: list[dict[str, Any]], policies: list[str]) -> dict[str, dict[str, dict[str, Any]]]:
+    """Per policy after the first: per-seed (policy - first policy) of the main metrics, with a 95 % CI.
+
+    The same seed means the same conversations for every policy, so differences cancel
+    the seed-to-seed variation that widens the per-policy intervals.
+    """
+    if len(policies) < 2:
+        return {}
+    by = {(run["policy"], run["seed"]): run for run in runs}
+    out = {}
+    for policy in policies[1:]:
+        out[f"{policy} - {policies[0]}"] = {
+            metric.name: _spread(None, [
+                by[(policy, seed)][metric.name] - base[metric.name]
+                for (name, seed), base in by.items()
+                if name == policies[0] and (policy, seed) in by
+                and None not in (base[metric.name], by[(policy, seed)][metric.name])
+            ]) if metric.name in PAIRED else {"mean": None, "ci95": None, "n_runs": 0}
+            for metric in METRICS
+        }
+    for stats in out.values():
+        stats["requests"]["n_runs"] = stats["hit_rate"]["n_runs"]
+    return out
 
 
 def render_ci_table(stats: dict[str, dict[str, dict[str, Any]]]) -> str:
