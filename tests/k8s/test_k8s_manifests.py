@@ -17,6 +17,7 @@ from __future__ import annotations
 import ast
 import copy
 import importlib.metadata
+import json
 import re
 import shutil
 import socket
@@ -237,7 +238,7 @@ def test_gateway_pod_wires_envoy_router_and_their_configs():
 
 def test_router_configmap_parses_with_the_router_settings_schema():
     settings = parse_settings(router_settings_raw(), source="k8s/41-router-config.yaml")
-    assert settings.service.envoy_endpoints_file == "", "in Kubernetes, Envoy resolves replicas by DNS"
+    assert settings.service.envoy_endpoints_file.startswith("/"), "Envoy reads the router's replica file"
 
 
 def test_router_configmap_has_the_same_keys_as_the_reference_settings():
@@ -265,19 +266,49 @@ def test_envoy_configmap_is_the_rendering_of_the_single_source():
     )
 
 
+def gateway_containers() -> dict[str, dict[str, Any]]:
+    spec = find("Deployment", "gateway")["spec"]["template"]["spec"]
+    return {c["name"]: c for c in containers(spec)}
+
+
+def test_the_replica_file_is_seeded_written_by_the_router_and_read_by_envoy():
+    replica_file = Path(parse_settings(router_settings_raw()).service.envoy_endpoints_file)
+    spec = find("Deployment", "gateway")["spec"]["template"]["spec"]
+    (volume,) = [v for v in spec["volumes"] if "emptyDir" in v and v["name"] == "replica-file"]
+    mounts = {
+        name: [m for m in c["volumeMounts"] if m["name"] == volume["name"]] for name, c in gateway_containers().items()
+    }
+    assert set(mounts) == {"seed-replica-file", "envoy", "router"}
+    for name, (mount,) in mounts.items():
+        assert mount["mountPath"] == str(replica_file.parent), name
+        assert mount.get("readOnly", False) is (name == "envoy"), name
+    assert [c["name"] for c in spec["initContainers"]] == ["seed-replica-file"]
+    users = {name: c["securityContext"]["runAsUser"] for name, c in gateway_containers().items()}
+    assert len(set(users.values())) == 1, f"the replica file is private to its writer's user: {users}"
+    assert f'write_endpoints_file("{replica_file}", {{}})' in gateway_containers()["seed-replica-file"]["command"][-1]
+
+
 @pytest.mark.live
-def test_envoy_accepts_the_kubernetes_config_with_the_pods_arguments(tmp_path: Path):
-    """The local Envoy (same 1.40 release as the pod's image) validates the config, started
-    with the envoy container's own arguments (only the config's directory is moved)."""
+def test_envoy_starts_on_the_seeded_replica_file_with_the_pods_arguments(tmp_path: Path):
+    """The seed container's command, then the local Envoy (the pod image's 1.40 release) with
+    the envoy container's own arguments validating the config; only paths move to tmp_path."""
     from extproc.service.processes import envoy_binary
 
-    (envoy,) = [
-        c for c in find("Deployment", "gateway")["spec"]["template"]["spec"]["containers"] if c["name"] == "envoy"
-    ]
+    replica_dir = str(Path(parse_settings(router_settings_raw()).service.envoy_endpoints_file).parent)
+    local_dir = tmp_path / "eds"
+    local_dir.mkdir()
+    seed = gateway_containers()["seed-replica-file"]["command"]
+    assert seed[:2] == ["python", "-c"]
+    subprocess.run([sys.executable, "-c", seed[2].replace(replica_dir, str(local_dir))], check=True, cwd=REPO)
+    assert json.loads((local_dir / "replicas.json").read_text())["resources"][0]["endpoints"] == [{"lb_endpoints": []}]
+
+    envoy = gateway_containers()["envoy"]
     assert envoy["image"].endswith(":distroless-v1.40.0")
     args = list(envoy["args"])
     config_path = Path(args[args.index("--config-path") + 1])
-    (tmp_path / config_path.name).write_text(find("ConfigMap", "gateway-envoy")["data"][config_path.name])
+    config = find("ConfigMap", "gateway-envoy")["data"][config_path.name]
+    assert replica_dir in config
+    (tmp_path / config_path.name).write_text(config.replace(replica_dir, str(local_dir)))
     args[args.index("--config-path") + 1] = str(tmp_path / config_path.name)
     result = subprocess.run([envoy_binary(), "--mode", "validate", *args], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr

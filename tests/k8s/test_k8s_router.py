@@ -37,6 +37,7 @@ def test_router_follows_endpointslices_and_survives_the_api_restarting(apiserver
         "LLM_RING__SERVICE__LISTEN": f'"{listen}"',
         "LLM_RING__SERVICE__METRICS_LISTEN": f'"127.0.0.1:{free_port()}"',
         "LLM_RING__DISCOVERY__KUBERNETES_BACKOFF_SECONDS": "0.05",
+        "LLM_RING__SERVICE__ENVOY_ENDPOINTS_FILE": f'"{tmp_path / "eds" / "replicas.json"}"',
     }
     apiserver.apply(endpoint_slice("llm-a", "llm", [Endpoint("llm-0", "10.0.0.10", ready=False)], namespace=NAMESPACE))
     service = start_service(tmp_path, env, config)
@@ -60,6 +61,10 @@ def test_router_follows_endpointslices_and_survives_the_api_restarting(apiserver
             apiserver.apply(endpoint_slice("llm-b", "llm", [Endpoint("llm-1", "10.0.0.11")], namespace=NAMESPACE))
             apiserver.start()
             eventually(lambda: replicas() == {"llm-0": "10.0.0.10:8080", "llm-1": "10.0.0.11:8080"})
+            # Envoy's replica file follows too
+            eds = json.loads((tmp_path / "eds" / "replicas.json").read_text())
+            hosts = [e["endpoint"]["hostname"] for e in eds["resources"][0]["endpoints"][0]["lb_endpoints"]]
+            assert hosts == ["llm-0", "llm-1"]
     finally:
         service.stop()
     events = [json.loads(line) for line in service.log_path.read_text().splitlines() if line.startswith("{")]
