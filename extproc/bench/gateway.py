@@ -90,7 +90,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for mode in MODES:
                 cell = asyncio.run(load(targets[mode], level, seconds, conversations))
                 cells.append({"mode": mode, "concurrency": level, **cell})
-                _progress(f"{mode:>15} c={level:<3} p50={cell['p50_ms']:.3f} ms p99={cell['p99_ms']:.3f} ms {cell['rps']:.0f} req/s")
+                _progress(f"{mode:>15} c={level:<3} p50={cell['p50_ms']:.3f} ms p99={cell['p99_ms']:.3f} ms "
+                          f"{cell['rps']:.0f} req/s")
         return summarize(cells, seconds, str(workdir) if getattr(args, "keep", False) else None)
     finally:
         for running in reversed(started):
@@ -149,10 +150,12 @@ def render_table(result: dict[str, Any]) -> str:
     added = {row["concurrency"]: row for row in result["added"]}
     for level in levels:
         cells = " | ".join(
-            f"{by[(m, level)]['p50_ms']:8.3f} {by[(m, level)]['p99_ms']:8.3f} {by[(m, level)]['rps']:8.0f}" for m in MODES
+            f"{by[(m, level)]['p50_ms']:8.3f} {by[(m, level)]['p99_ms']:8.3f} {by[(m, level)]['rps']:8.0f}"
+            for m in MODES
         )
         row = added[level]
-        lines.append(f"{level:>4} | {cells} | {row['ext_proc_over_envoy_p50_ms']:+.3f} / {row['ext_proc_over_envoy_p99_ms']:+.3f} ms")
+        added_p50, added_p99 = row["ext_proc_over_envoy_p50_ms"], row["ext_proc_over_envoy_p99_ms"]
+        lines.append(f"{level:>4} | {cells} | {added_p50:+.3f} / {added_p99:+.3f} ms")
     targets = result["targets"]
     met = targets["met"]
     lines.append(
@@ -173,7 +176,13 @@ def _requests(conversations: int) -> list[bytes]:
     out = []
     for i in range(conversations):
         body = json.dumps(
-            {"messages": [{"role": "system", "content": "You are terse."}, {"role": "user", "content": f"Question {i}: hello?"}], "max_tokens": 16}
+            {
+                "messages": [
+                    {"role": "system", "content": "You are terse."},
+                    {"role": "user", "content": f"Question {i}: hello?"},
+                ],
+                "max_tokens": 16,
+            }
         ).encode()
         out.append(
             b"POST /v1/chat/completions HTTP/1.1\r\nhost: bench\r\ncontent-type: application/json\r\n"

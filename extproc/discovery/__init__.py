@@ -32,19 +32,20 @@ def make_discovery(settings: DiscoverySettings) -> Discovery:
 
     return KubernetesDiscovery(settings)
 
+
 class ReplicaListError(ValueError):
     """A replica list is malformed; the message names the source and the entry."""
 
 
 def checked_replicas(raw: Any, source: str) -> dict[str, str]:
     if not isinstance(raw, Mapping):
-        raise ReplicaListError(f"{source}: expected an object {{name: \"ip:port\"}}, got {type(raw).__name__}")
+        raise ReplicaListError(f'{source}: expected an object {{name: "ip:port"}}, got {type(raw).__name__}')
     replicas: dict[str, str] = {}
     for name, address in raw.items():
         if not isinstance(name, str) or not name:
             raise ReplicaListError(f"{source}: replica names must be non-empty strings, got {name!r}")
         if not isinstance(address, str) or not _is_ip_port(address):
-            raise ReplicaListError(f"{source}: {name}: expected \"ip:port\", got {address!r}")
+            raise ReplicaListError(f'{source}: {name}: expected "ip:port", got {address!r}')
         replicas[name] = address
     return replicas
 

@@ -15,7 +15,9 @@ class AdminService(admin_pb2_grpc.AdminServicer):
     def __init__(self, gateway: Gateway) -> None:
         self.gateway = gateway
 
-    async def SetRouting(self, request: admin_pb2.SetRoutingRequest, context: grpc.aio.ServicerContext) -> admin_pb2.State:
+    async def SetRouting(
+        self, request: admin_pb2.SetRoutingRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.State:
         changes = {name: getattr(request.routing, name) for name in ROUTING_FIELDS if request.routing.HasField(name)}
         try:
             settings = parse_routing(self.gateway.router.settings.model_dump() | changes, source="SetRouting")

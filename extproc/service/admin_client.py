@@ -1,9 +1,9 @@
 """A thin synchronous client of the Admin service, for experiments and tools.
 
-    with AdminClient("127.0.0.1:9002") as admin:
-        admin.set_routing({"policy": "bounded", "epsilon": 0.5})
-        admin.reset()
-        print(admin.state()["replicas"])
+with AdminClient("127.0.0.1:9002") as admin:
+    admin.set_routing({"policy": "bounded", "epsilon": 0.5})
+    admin.reset()
+    print(admin.state()["replicas"])
 """
 
 from __future__ import annotations
@@ -28,7 +28,9 @@ class AdminClient:
         """Change some [routing] settings (the others keep their values); returns the new state."""
         unknown = sorted(set(routing) - ROUTING_KEYS)
         if unknown:
-            raise ValueError(f"unknown routing setting(s): {', '.join(unknown)}; known: {', '.join(sorted(ROUTING_KEYS))}")
+            raise ValueError(
+                f"unknown routing setting(s): {', '.join(unknown)}; known: {', '.join(sorted(ROUTING_KEYS))}"
+            )
         try:
             message = admin_pb2.RoutingSettings(**routing)
         except (TypeError, ValueError) as exc:

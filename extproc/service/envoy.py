@@ -86,7 +86,13 @@ def render_envoy_config(
                     # The buffered body must fit: larger ones get Envoy's 413 (as JSON, below).
                     "per_connection_buffer_limit_bytes": max_request_bytes,
                     "filter_chains": [
-                        {"filters": [_http_connection_manager(ext_proc is not None, fail_open, ext_proc_timeout_ms, retries, max_request_bytes)]}
+                        {
+                            "filters": [
+                                _http_connection_manager(
+                                    ext_proc is not None, fail_open, ext_proc_timeout_ms, retries, max_request_bytes
+                                )
+                            ]
+                        }
                     ],
                 }
             ],
@@ -158,9 +164,18 @@ def _http_connection_manager(
             "local_reply_config": {
                 "mappers": [
                     {
-                        "filter": {"status_code_filter": {"comparison": {"op": "EQ", "value": {"default_value": 413, "runtime_key": "llm_ring.413"}}}},
+                        "filter": {
+                            "status_code_filter": {
+                                "comparison": {
+                                    "op": "EQ",
+                                    "value": {"default_value": 413, "runtime_key": "llm_ring.413"},
+                                }
+                            }
+                        },
                         "body_format_override": {
-                            "json_format": {"error": f"request body over {max_request_bytes} bytes (service.max_body_bytes)"}
+                            "json_format": {
+                                "error": f"request body over {max_request_bytes} bytes (service.max_body_bytes)"
+                            }
                         },
                     }
                 ]
@@ -168,7 +183,10 @@ def _http_connection_manager(
             "http_filters": [
                 _strip_client_routing_headers(),
                 *(ext_proc if with_ext_proc else []),
-                {"name": "envoy.filters.http.router", "typed_config": {"@type": _T + "envoy.extensions.filters.http.router.v3.Router"}},
+                {
+                    "name": "envoy.filters.http.router",
+                    "typed_config": {"@type": _T + "envoy.extensions.filters.http.router.v3.Router"},
+                },
             ],
         },
     }
@@ -179,9 +197,7 @@ def _strip_client_routing_headers() -> dict[str, Any]:
         "name": "strip-client-routing-headers",
         "typed_config": {
             "@type": _T + "envoy.extensions.filters.http.header_mutation.v3.HeaderMutation",
-            "mutations": {
-                "request_mutations": [{"remove": name} for name in (DESTINATION, ROUTED_TO, ROUTE_REASON)]
-            },
+            "mutations": {"request_mutations": [{"remove": name} for name in (DESTINATION, ROUTED_TO, ROUTE_REASON)]},
         },
     }
 
@@ -236,7 +252,13 @@ def _route_config(retries: int) -> dict[str, Any]:
     post = {"name": ":method", "string_match": {"exact": "POST"}}
     routes: list[dict[str, Any]] = []
     for path in ROUTED_PATHS:
-        routes.append({"match": {"path": path, "headers": [post]}, "route": _to_replicas(retries), "response_headers_to_add": _response_headers()})
+        routes.append(
+            {
+                "match": {"path": path, "headers": [post]},
+                "route": _to_replicas(retries),
+                "response_headers_to_add": _response_headers(),
+            }
+        )
         routes.append(_local_reply({"path": path}, 405, f"method not allowed: {path} takes POST"))
     routes.append(_local_reply({"prefix": "/"}, 404, "unknown path: the gateway routes " + ", ".join(ROUTED_PATHS)))
     return {"name": "llm", "virtual_hosts": [{"name": "llm", "domains": ["*"], "routes": routes}]}
@@ -313,7 +335,11 @@ def _replicas_cluster(endpoints: Endpoints, connect_timeout_ms: int, max_request
             ]
         },
         # Don't let one slow generation hold back others on a shared connection.
-        "circuit_breakers": {"thresholds": [{"max_connections": 100000, "max_pending_requests": 100000, "max_requests": 100000, "max_retries": 1000}]},
+        "circuit_breakers": {
+            "thresholds": [
+                {"max_connections": 100000, "max_pending_requests": 100000, "max_requests": 100000, "max_retries": 1000}
+            ]
+        },
     }
     if isinstance(endpoints, EndpointsFile):
         directory = str(Path(endpoints.path).parent)
@@ -352,3 +378,23 @@ def _ext_proc_cluster(address: str, connect_timeout_ms: int) -> dict[str, Any]:
             "endpoints": [{"lb_endpoints": [{"endpoint": {"address": _socket(host, port)}}]}],
         },
     }
+
+
+EXAMPLE_ARGUMENTS: dict[str, Any] = {
+    "listen": "127.0.0.1:19000",
+    "admin": "127.0.0.1:19001",
+    "ext_proc": "127.0.0.1:19002",
+    "endpoints": EndpointsFile(".llm-ring/envoy/replicas.json"),
+    "fail_open": True,
+    "max_request_bytes": 4194304,
+}
+
+
+def example() -> str:
+    """envoy/envoy.example.yaml: the rendering for router.toml's addresses, for reading."""
+    header = "# GENERATED by `python -m extproc.service.envoy` from extproc/service/envoy.py: do not edit.\n"
+    return header + render_envoy_config(**EXAMPLE_ARGUMENTS)
+
+
+if __name__ == "__main__":
+    Path(__file__).parents[2].joinpath("envoy", "envoy.example.yaml").write_text(example())

@@ -28,7 +28,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
-from extproc.routing import Decision, RouteRequest, Router, estimate_tokens
+from extproc.routing import Decision, Router, RouteRequest, estimate_tokens
 from extproc.service.bodies import BadRequest, Timings, parse_request, parse_timings
 from extproc.service.envoy import DESTINATION, ROUTE_REASON, ROUTED_TO
 from extproc.service.metrics import Metrics
@@ -114,12 +114,16 @@ class Gateway:
         unique_id = self._request_id(request_id)
         conversation = conversation_id or parsed.opening_key
         prompt_tokens = parsed.prompt_token_ids or estimate_tokens(parsed.prompt_chars, self.settings.chars_per_token)
-        request = RouteRequest(unique_id, conversation, prompt_tokens, parsed.max_tokens or self.settings.default_max_tokens)
+        request = RouteRequest(
+            unique_id, conversation, prompt_tokens, parsed.max_tokens or self.settings.default_max_tokens
+        )
         avoid = self.unhealthy if len(self.unhealthy) < len(self.endpoints) else ()
         decision = self.router.route(request, avoid=avoid)
         if decision is None:
             self.metrics.errors.labels("no_replica").inc()
-            return None, immediate(503, "no replica available", replicas=len(self.endpoints), unhealthy=sorted(self.unhealthy))
+            return None, immediate(
+                503, "no replica available", replicas=len(self.endpoints), unhealthy=sorted(self.unhealthy)
+            )
         self.decisions += 1
         self.metrics.decision(decision.trace.policy, decision.reason)
         self.pending[unique_id] = Pending(
@@ -265,7 +269,9 @@ class Gateway:
         names = sorted(self.endpoints)
         start = names.index(replica)
         fallbacks = [n for n in names[start + 1 :] + names[:start] if n not in self.unhealthy]
-        endpoints = ",".join([self.endpoints[replica]] + [self.endpoints[n] for n in fallbacks[: self.settings.fallbacks]])
+        endpoints = ",".join(
+            [self.endpoints[replica]] + [self.endpoints[n] for n in fallbacks[: self.settings.fallbacks]]
+        )
         mutation = pb.HeaderMutation(
             set_headers=[_header(DESTINATION, endpoints), _header(ROUTED_TO, replica), _header(ROUTE_REASON, reason)]
         )

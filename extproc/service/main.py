@@ -42,7 +42,9 @@ log = structlog.get_logger("extproc.service")
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", required=True, metavar="FILE", help="settings TOML (see extproc/service/router.toml)")
+    parser.add_argument(
+        "--config", required=True, metavar="FILE", help="settings TOML (see extproc/service/router.toml)"
+    )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -52,10 +54,8 @@ def main(args: argparse.Namespace) -> int:
         print(f"llm-ring serve: {exc}", file=sys.stderr)
         return 2
     configure_logging(settings.service.log_level)
-    try:
+    with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(serve(settings))
-    except KeyboardInterrupt:
-        pass
     return 0
 
 
@@ -88,9 +88,7 @@ async def serve(settings: Settings) -> None:
 
     # A buffered body up to max_body_bytes comes in one message (plus its envelope).
     max_message = service.max_body_bytes + (64 << 10)
-    server = grpc.aio.server(
-        options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", max_message)]
-    )
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", max_message)])
     server.add_generic_rpc_handlers((handler(gateway),))
     admin_pb2_grpc.add_AdminServicer_to_server(AdminService(gateway), server)
     health_service = health_aio.HealthServicer()

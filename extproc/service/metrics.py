@@ -30,16 +30,27 @@ class Metrics:
             buckets=(25e-6, 50e-6, 100e-6, 200e-6, 400e-6, 800e-6, 1.6e-3, 3.2e-3, 6.4e-3, 0.0128),
             registry=r,
         )
-        self.completed = Counter("llm_ring_requests_completed", "requests released from the ledger", ["outcome"], registry=r)
+        self.completed = Counter(
+            "llm_ring_requests_completed", "requests released from the ledger", ["outcome"], registry=r
+        )
         self.errors = Counter("llm_ring_errors", "requests refused or failed", ["kind"], registry=r)
         self.predicted_cached = Counter(
-            "llm_ring_predicted_cached_tokens", "cached prompt tokens the router predicted (requests with timings)", ["replica"], registry=r
+            "llm_ring_predicted_cached_tokens",
+            "cached prompt tokens the router predicted (requests with timings)",
+            ["replica"],
+            registry=r,
         )
         self.actual_cached = Counter(
-            "llm_ring_actual_cached_tokens", "cached prompt tokens the replica reported (timings.cache_n)", ["replica"], registry=r
+            "llm_ring_actual_cached_tokens",
+            "cached prompt tokens the replica reported (timings.cache_n)",
+            ["replica"],
+            registry=r,
         )
         self.actual_prompt = Counter(
-            "llm_ring_actual_prompt_tokens", "prompt tokens the replica reported (cache_n + prompt_n)", ["replica"], registry=r
+            "llm_ring_actual_prompt_tokens",
+            "prompt tokens the replica reported (cache_n + prompt_n)",
+            ["replica"],
+            registry=r,
         )
         self.prediction_error = Histogram(
             "llm_ring_cached_tokens_prediction_error",
@@ -83,9 +94,17 @@ class _LiveState(Collector):
     def collect(self) -> Iterator[GaugeMetricFamily]:
         gateway = self._gateway()
         ledger = gateway.router.ledger
-        requests = GaugeMetricFamily("llm_ring_in_flight_requests", "requests in flight per replica", labels=["replica"])
-        tokens = GaugeMetricFamily("llm_ring_in_flight_tokens", "tokens charged in flight per replica", labels=["replica"])
-        healthy = GaugeMetricFamily("llm_ring_replica_healthy", "1 unless a request failed there and /health has not answered since", labels=["replica"])
+        requests = GaugeMetricFamily(
+            "llm_ring_in_flight_requests", "requests in flight per replica", labels=["replica"]
+        )
+        tokens = GaugeMetricFamily(
+            "llm_ring_in_flight_tokens", "tokens charged in flight per replica", labels=["replica"]
+        )
+        healthy = GaugeMetricFamily(
+            "llm_ring_replica_healthy",
+            "1 unless a request failed there and /health has not answered since",
+            labels=["replica"],
+        )
         for name in gateway.router.replicas:
             requests.add_metric([name], ledger.requests(name))
             tokens.add_metric([name], ledger.tokens(name))

@@ -71,7 +71,13 @@ def start_envoy(config: str, workdir: Path, admin: str, concurrency: int = 2, lo
     config_path = workdir / "envoy.yaml"
     config_path.write_text(config)
     command = [
-        envoy_binary(), "-c", str(config_path), "--concurrency", str(concurrency), "-l", log_level,
+        envoy_binary(),
+        "-c",
+        str(config_path),
+        "--concurrency",
+        str(concurrency),
+        "-l",
+        log_level,
         "--disable-hot-restart",  # several Envoys side by side, no shared memory
     ]
     running = _spawn("envoy", command, workdir / "envoy.log")
@@ -103,7 +109,9 @@ def start_stub_upstream(ports: Sequence[int], workdir: Path) -> Running:
 def grpc_serving(address: str, service: str = "") -> bool:
     try:
         with grpc.insecure_channel(address) as channel:
-            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service), timeout=1.0)
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=1.0
+            )
     except grpc.RpcError:
         return False
     return reply.status == health_pb2.HealthCheckResponse.SERVING

@@ -49,7 +49,11 @@ def request_end(buffer: bytes) -> int | None:
     position = head_end + 4
     if b"transfer-encoding: chunked" not in head:
         index = head.find(b"content-length:")
-        length = int(head[index + 15 : head.find(b"\r\n", index) if head.find(b"\r\n", index) > 0 else None]) if index >= 0 else 0
+        length = (
+            int(head[index + 15 : head.find(b"\r\n", index) if head.find(b"\r\n", index) > 0 else None])
+            if index >= 0
+            else 0
+        )
         return position + length if len(buffer) >= position + length else None
     while True:  # chunks: size line, data, CRLF; a 0-size chunk then CRLF ends the body
         line_end = buffer.find(b"\r\n", position)

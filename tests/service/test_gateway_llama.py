@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -60,8 +59,9 @@ def test_turns_of_a_conversation_stay_on_one_replica_and_reuse_its_cache(gw: Gat
     first = httpx.post(gw.url + CHAT, json={"messages": history, "max_tokens": 8}, headers=headers, timeout=60)
     assert first.status_code == 200, first.text
     history += [first.json()["choices"][0]["message"], {"role": "user", "content": "And of Italy?"}]
-    second = httpx.post(gw.url + CHAT, json={"messages": history, "max_tokens": 8},
-                        headers={**headers, "x-turn": "2"}, timeout=60)
+    second = httpx.post(
+        gw.url + CHAT, json={"messages": history, "max_tokens": 8}, headers={**headers, "x-turn": "2"}, timeout=60
+    )
     assert second.status_code == 200
     assert second.headers["x-routed-to"] == first.headers["x-routed-to"]
     assert {first.headers["x-route-reason"], second.headers["x-route-reason"]} <= set(REASONS)
@@ -73,16 +73,24 @@ def test_turns_of_a_conversation_stay_on_one_replica_and_reuse_its_cache(gw: Gat
 
 
 def test_completion_endpoint_is_routed_and_its_timings_read(gw: Gateway) -> None:
-    reply = httpx.post(gw.url + "/completion", json={"prompt": "Once upon a time", "n_predict": 4},
-                       headers={"x-conversation-id": "story"}, timeout=60)
+    reply = httpx.post(
+        gw.url + "/completion",
+        json={"prompt": "Once upon a time", "n_predict": 4},
+        headers={"x-conversation-id": "story"},
+        timeout=60,
+    )
     assert reply.status_code == 200 and reply.headers["x-routed-to"] in ("llm-0", "llm-1")
     logged = _decision(gw, reply.headers["x-request-id"])
     assert logged["max_tokens"] == 4 and logged["predicted_n"] == reply.json()["timings"]["predicted_n"]
 
 
 def test_sse_arrives_chunk_by_chunk_through_envoy(gw: Gateway, llama: dict[str, str]) -> None:
-    body = {"messages": [SYSTEM, {"role": "user", "content": "Count from one to twenty in words."}],
-            "max_tokens": 32, "stream": True, "ignore_eos": True}
+    body = {
+        "messages": [SYSTEM, {"role": "user", "content": "Count from one to twenty in words."}],
+        "max_tokens": 32,
+        "stream": True,
+        "ignore_eos": True,
+    }
     cold = _stream(gw.url + CHAT, body, {"x-conversation-id": "count"})  # the prompt is now cached there
     direct = _stream(f"http://{llama[cold['routed_to']]}{CHAT}", body, {})
     through = _stream(gw.url + CHAT, body, {"x-conversation-id": "count"})
@@ -96,8 +104,12 @@ def test_sse_arrives_chunk_by_chunk_through_envoy(gw: Gateway, llama: dict[str, 
 
 
 def test_abandoned_stream_releases_its_load(gw: Gateway) -> None:
-    body = {"messages": [SYSTEM, {"role": "user", "content": "Write a long poem about the sea."}],
-            "max_tokens": 400, "stream": True, "ignore_eos": True}
+    body = {
+        "messages": [SYSTEM, {"role": "user", "content": "Write a long poem about the sea."}],
+        "max_tokens": 400,
+        "stream": True,
+        "ignore_eos": True,
+    }
     with httpx.stream("POST", gw.url + CHAT, json=body, headers={"x-conversation-id": "poem"}, timeout=60) as reply:
         request_id = reply.headers["x-request-id"]
         next(reply.iter_raw())  # one chunk, then hang up
@@ -113,8 +125,12 @@ def test_replica_file_changes_are_followed(gw: Gateway, llama: dict[str, str]) -
     try:
         _until(lambda: [r["name"] for r in gw.state()["replicas"]] == ["llm-0"])
         for i in range(4):
-            reply = httpx.post(gw.url + CHAT, json={"messages": [{"role": "user", "content": f"hi {i}"}], "max_tokens": 2},
-                               headers={"x-conversation-id": f"file-{i}"}, timeout=60)
+            reply = httpx.post(
+                gw.url + CHAT,
+                json={"messages": [{"role": "user", "content": f"hi {i}"}], "max_tokens": 2},
+                headers={"x-conversation-id": f"file-{i}"},
+                timeout=60,
+            )
             assert reply.headers["x-routed-to"] == "llm-0"
     finally:
         replica_file.write_text(json.dumps(llama))
@@ -131,8 +147,11 @@ def _stream(url: str, body: dict[str, Any], headers: dict[str, str]) -> dict[str
             chunks += 1
             first = first or time.perf_counter() - started
         return {
-            "first_s": first, "total_s": time.perf_counter() - started, "chunks": chunks,
-            "routed_to": reply.headers.get("x-routed-to"), "request_id": reply.headers.get("x-request-id"),
+            "first_s": first,
+            "total_s": time.perf_counter() - started,
+            "chunks": chunks,
+            "routed_to": reply.headers.get("x-routed-to"),
+            "request_id": reply.headers.get("x-request-id"),
         }
 
 

@@ -54,20 +54,54 @@ def test_routes_and_answers_with_endpoint_picker_headers(gw: Gateway, stubs: tup
 @pytest.mark.parametrize(
     ("send", "status", "says"),
     [
-        (lambda url: httpx.post(url + URL, content=b'{"messages": [', headers={"content-type": "application/json"}), 400, "not valid JSON"),
-        (lambda url: httpx.post(url + URL, content=b"hello", headers={"content-type": "text/plain"}), 415, "text/plain"),
-        (lambda url: httpx.post(url + URL, content=b"", headers={"content-type": "application/json"}), 400, "empty body"),
+        (
+            lambda url: httpx.post(url + URL, content=b'{"messages": [', headers={"content-type": "application/json"}),
+            400,
+            "not valid JSON",
+        ),
+        (
+            lambda url: httpx.post(url + URL, content=b"hello", headers={"content-type": "text/plain"}),
+            415,
+            "text/plain",
+        ),
+        (
+            lambda url: httpx.post(url + URL, content=b"", headers={"content-type": "application/json"}),
+            400,
+            "empty body",
+        ),
         (lambda url: httpx.post(url + URL, json={"messages": []}), 400, "'messages'"),
         (lambda url: httpx.post(url + URL, json=[1, 2]), 400, "JSON object"),
         (lambda url: httpx.post(url + "/completion", json={"prompt": 3}), 400, "'prompt'"),
         (lambda url: httpx.post(url + URL, json={**chat("x"), "max_tokens": "many"}), 400, "'max_tokens'"),
         (lambda url: httpx.get(url + URL), 405, "takes POST"),
         (lambda url: httpx.post(url + "/v1/embeddings", json={"input": "x"}), 404, "unknown path"),
-        (lambda url: httpx.post(url + URL, content=b"{" + b" " * (10 << 20) + b"}", headers={"content-type": "application/json"}, timeout=30), 413, "bytes"),
+        (
+            lambda url: httpx.post(
+                url + URL,
+                content=b"{" + b" " * (10 << 20) + b"}",
+                headers={"content-type": "application/json"},
+                timeout=30,
+            ),
+            413,
+            "bytes",
+        ),
     ],
-    ids=["malformed-json", "text-plain", "empty", "no-messages", "not-object", "bad-prompt", "bad-max-tokens", "get", "unknown-path", "10MB"],
+    ids=[
+        "malformed-json",
+        "text-plain",
+        "empty",
+        "no-messages",
+        "not-object",
+        "bad-prompt",
+        "bad-max-tokens",
+        "get",
+        "unknown-path",
+        "10MB",
+    ],
 )
-def test_bad_input_gets_a_clear_json_error_and_the_service_keeps_serving(gw: Gateway, send, status: int, says: str) -> None:
+def test_bad_input_gets_a_clear_json_error_and_the_service_keeps_serving(
+    gw: Gateway, send, status: int, says: str
+) -> None:
     before = gw.state()["decisions"]
     reply = send(gw.url)
     assert reply.status_code == status, reply.text
@@ -80,7 +114,10 @@ def test_missing_headers_route_on_the_conversation_opening(gw: Gateway) -> None:
     """No x-conversation-id, no x-turn, no content-type: the key is a hash of the opening."""
     opening = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "tell me about ducks"}]
     turn1 = httpx.post(gw.url + URL, content=httpx.Request("POST", "/", json={"messages": opening}).content)
-    turn2 = post(gw.url + URL, {"messages": [*opening, {"role": "assistant", "content": "quack"}, {"role": "user", "content": "more"}]})
+    turn2 = post(
+        gw.url + URL,
+        {"messages": [*opening, {"role": "assistant", "content": "quack"}, {"role": "user", "content": "more"}]},
+    )
     assert turn1.status_code == turn2.status_code == 200
     assert turn1.headers["x-routed-to"] == turn2.headers["x-routed-to"]
     first, second = _decision(gw, turn1.headers["x-request-id"]), _decision(gw, turn2.headers["x-request-id"])
@@ -135,8 +172,12 @@ def test_ext_proc_down(stubs: tuple[list[int], Running], tmp_path: Path, fail_op
     write_endpoints_file(endpoints, {"llm-0": f"127.0.0.1:{ports[0]}", "llm-1": f"127.0.0.1:{ports[1]}"})
     port, admin = free_port(), free_port()
     config = render_envoy_config(
-        listen=f"127.0.0.1:{port}", admin=f"127.0.0.1:{admin}", ext_proc=f"127.0.0.1:{free_port()}",
-        endpoints=EndpointsFile(str(endpoints)), fail_open=fail_open, max_request_bytes=1 << 20,
+        listen=f"127.0.0.1:{port}",
+        admin=f"127.0.0.1:{admin}",
+        ext_proc=f"127.0.0.1:{free_port()}",
+        endpoints=EndpointsFile(str(endpoints)),
+        fail_open=fail_open,
+        max_request_bytes=1 << 20,
     )
     envoy = start_envoy(config, tmp_path / "envoy", f"127.0.0.1:{admin}", concurrency=1)
     try:
@@ -171,7 +212,10 @@ def test_dead_replica_fails_over_and_is_avoided_until_healthy(stubs: tuple[list[
         health = {r["name"]: r["healthy"] for r in gw.state()["replicas"]}
         assert health == {"llm-0": True, "llm-1": False}
         for i in range(10):
-            assert post(gw.url + URL, chat(f"after {i}"), {"x-conversation-id": f"conv-{i}"}).headers["x-routed-to"] == "llm-0"
+            assert (
+                post(gw.url + URL, chat(f"after {i}"), {"x-conversation-id": f"conv-{i}"}).headers["x-routed-to"]
+                == "llm-0"
+            )
         revived = start_stub_upstream([dead], tmp_path / "revived")
         try:
             deadline = time.monotonic() + 5

@@ -1,0 +1,103 @@
+"""The rendered Envoy configuration is accepted by the real Envoy binary, and says what we mean."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from extproc.service.envoy import (
+    DESTINATION,
+    DnsEndpoints,
+    EndpointsFile,
+    render_envoy_config,
+    split_host_port,
+    write_endpoints_file,
+)
+from extproc.service.processes import envoy_binary
+
+
+def render(tmp_path: Path, **overrides: object) -> str:
+    arguments: dict = {
+        "listen": "127.0.0.1:19000",
+        "admin": "127.0.0.1:19001",
+        "ext_proc": "127.0.0.1:19002",
+        "endpoints": EndpointsFile(str(tmp_path / "replicas.json")),
+        "fail_open": True,
+        "max_request_bytes": 1 << 20,
+    }
+    return render_envoy_config(**(arguments | overrides))
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},
+        {"fail_open": False},
+        {"ext_proc": None},
+        {
+            "endpoints": DnsEndpoints("llm.llm-ring.svc.cluster.local:8080"),
+            "ext_proc": "router.llm-ring.svc.cluster.local:9002",
+            "listen": "0.0.0.0:8080",
+        },
+    ],
+    ids=["local", "fail-closed", "envoy-alone", "kubernetes"],
+)
+def test_envoy_validates_the_rendered_config(tmp_path: Path, overrides: dict) -> None:
+    write_endpoints_file(tmp_path / "replicas.json", {"llm-0": "127.0.0.1:8081"})
+    path = tmp_path / "envoy.yaml"
+    path.write_text(render(tmp_path, **overrides))
+    result = subprocess.run(
+        [envoy_binary(), "--mode", "validate", "-c", str(path)], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+
+
+def test_client_routing_headers_are_stripped_before_ext_proc(tmp_path: Path) -> None:
+    config = json.loads(render(tmp_path))
+    manager = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    names = [f["name"] for f in manager["http_filters"]]
+    assert names == ["strip-client-routing-headers", "ext_proc.route", "ext_proc.observe", "envoy.filters.http.router"]
+    removed = [m["remove"] for m in manager["http_filters"][0]["typed_config"]["mutations"]["request_mutations"]]
+    assert DESTINATION in removed
+    route, observe = (f["typed_config"] for f in manager["http_filters"][1:3])
+    assert route["failure_mode_allow"] is True and route["processing_mode"]["request_body_mode"] == "BUFFERED"
+    assert observe["observability_mode"] is True and observe["processing_mode"]["response_body_mode"] == "STREAMED"
+    assert not json.loads(render(tmp_path, fail_open=False))["static_resources"]["listeners"][0]["filter_chains"][0][
+        "filters"
+    ][0]["typed_config"]["http_filters"][1]["typed_config"]["failure_mode_allow"]
+
+
+def test_endpoints_file_is_replaced_atomically(tmp_path: Path) -> None:
+    path = tmp_path / "replicas.json"
+    write_endpoints_file(path, {"llm-1": "127.0.0.1:2", "llm-0": "127.0.0.1:1"})
+    document = json.loads(path.read_text())
+    endpoints = document["resources"][0]["endpoints"][0]["lb_endpoints"]
+    assert [e["endpoint"]["address"]["socket_address"]["port_value"] for e in endpoints] == [1, 2]
+    assert [p.name for p in tmp_path.iterdir()] == ["replicas.json"]  # no temporary left behind
+
+
+def test_split_host_port() -> None:
+    assert split_host_port("127.0.0.1:80") == ("127.0.0.1", 80)
+    assert split_host_port("[::1]:9") == ("::1", 9)
+    with pytest.raises(ValueError, match="host:port"):
+        split_host_port("nowhere")
+
+
+def test_the_example_in_envoy_dir_is_the_current_rendering() -> None:
+    from extproc.service.envoy import example
+
+    committed = Path(__file__).parents[2] / "envoy" / "envoy.example.yaml"
+    assert committed.read_text() == example(), "regenerate: python -m extproc.service.envoy"
+
+
+def test_admin_stubs_match_the_proto(tmp_path: Path) -> None:
+    from extproc.service.admin_proto import generate
+
+    assert generate(tmp_path) == 0
+    here = Path(__file__).parents[2] / "extproc" / "service"
+    for name in ("admin_pb2.py", "admin_pb2_grpc.py", "admin_pb2.pyi"):
+        generated = (tmp_path / "extproc" / "service" / name).read_text()
+        assert (here / name).read_text() == generated, f"regenerate: python -m extproc.service.admin_proto ({name})"

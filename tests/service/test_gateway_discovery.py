@@ -1,0 +1,90 @@
+"""Static and file discovery: the protocol's snapshots, a watched file, bad input."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from extproc.discovery import ReplicaListError, checked_replicas, make_discovery
+from extproc.discovery.file import FileDiscovery
+from extproc.settings import DiscoverySettings
+
+
+def settings(**overrides: object) -> DiscoverySettings:
+    base = {
+        "source": "static",
+        "static": {},
+        "file": "",
+        "file_poll_seconds": 0.01,
+        "kubernetes_namespace": "n",
+        "kubernetes_service": "s",
+        "kubernetes_port_name": "http",
+        "kubernetes_backoff_seconds": 1.0,
+    }
+    return DiscoverySettings.model_validate(base | overrides)
+
+
+def test_static_yields_its_list_once() -> None:
+    async def first() -> dict[str, str]:
+        snapshots = make_discovery(settings(static={"llm-0": "127.0.0.1:1"})).snapshots()
+        return await anext(snapshots)
+
+    assert asyncio.run(first()) == {"llm-0": "127.0.0.1:1"}
+
+
+@pytest.mark.parametrize(
+    ("raw", "says"),
+    [
+        ([], "expected an object"),
+        ({"": "1.2.3.4:5"}, "non-empty"),
+        ({"a": "host:80"}, "ip:port"),
+        ({"a": "1.2.3.4:0"}, "ip:port"),
+        ({"a": 5}, "ip:port"),
+    ],
+)
+def test_malformed_lists_are_refused_with_the_entry_named(raw: object, says: str) -> None:
+    with pytest.raises(ReplicaListError, match=says):
+        checked_replicas(raw, "discovery.static")
+
+
+def test_file_discovery_follows_atomic_rewrites_and_keeps_the_last_good_list(tmp_path: Path) -> None:
+    path = tmp_path / "replicas.json"
+
+    def write(content: str) -> None:
+        tmp = tmp_path / "tmp"
+        tmp.write_text(content)
+        os.replace(tmp, path)
+
+    async def scenario() -> list[dict[str, str]]:
+        seen: list[dict[str, str]] = []
+        snapshots = FileDiscovery(path, 0.01).snapshots()
+        seen.append(await anext(snapshots))  # no file yet: no replicas
+        write(json.dumps({"llm-0": "127.0.0.1:1"}))
+        seen.append(await anext(snapshots))
+        write(json.dumps({"llm-0": "127.0.0.1:1", "llm-1": "127.0.0.1:2"}))
+        seen.append(await anext(snapshots))
+        write(json.dumps({"llm-1": "127.0.0.1:2"}))
+        seen.append(await asyncio.wait_for(anext(snapshots), 2))
+        await snapshots.aclose()
+        return seen
+
+    assert asyncio.run(scenario()) == [
+        {},
+        {"llm-0": "127.0.0.1:1"},
+        {"llm-0": "127.0.0.1:1", "llm-1": "127.0.0.1:2"},
+        {"llm-1": "127.0.0.1:2"},
+    ]
+
+
+def test_a_broken_file_keeps_the_last_good_list(tmp_path: Path) -> None:
+    path = tmp_path / "replicas.json"
+    path.write_text("{broken")
+    good = {"llm-0": "127.0.0.1:1"}
+    assert FileDiscovery(path, 1.0)._read(good) == good
+    path.write_text(json.dumps({"llm-0": "nowhere"}))
+    assert FileDiscovery(path, 1.0)._read(good) == good
+    assert FileDiscovery(path, 1.0)._read(None) == {}
