@@ -6,7 +6,7 @@ so that a replica keeps its place on the hash ring across restarts and IP change
 A terminating endpoint leaves at once: it gets no new conversations while it drains.
 
 The ``kubernetes`` client is synchronous, so the list/watch loop runs in one daemon
-thread that owns the ApiClient; it hands each new full snapshot to the asyncio side,
+thread, the only user of the ApiClient; it hands each new full snapshot to the asyncio side,
 which yields it from ``snapshots()``. The grpc.aio loop never blocks on the API.
 
 Loop: list (full state, resourceVersion) → watch from that version, again and again,
