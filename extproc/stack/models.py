@@ -147,12 +147,20 @@ def verify(name: str, root: Path, progress: Progress = print) -> PreparedModel:
     path = Path(recorded.path)
     if not path.exists():
         raise ModelError(f"model {name!r}: {path} is gone: run `llm-ring models prepare {name}`")
+    stamp = (str(path), path.stat().st_mtime_ns, path.stat().st_size, recorded.sha256)
+    if stamp in _VERIFIED:
+        return recorded
     progress(f"{name}: verifying sha256 of {path.name}")
     actual = sha256_file(path)
     if actual != recorded.sha256:
         raise ModelError(f"model {name!r}: {path} has sha256 {actual}, recorded {recorded.sha256}: "
                          f"run `llm-ring models prepare {name} --force`")
+    _VERIFIED.add(stamp)
     return recorded
+
+
+# Files this process has hashed, unchanged since (path, mtime, size): no second hash per run.
+_VERIFIED: set[tuple[str, int, int, str]] = set()
 
 
 def resolve(name_or_path: str, root: Path, progress: Progress = print) -> Path:
