@@ -33,10 +33,9 @@ def main(args: argparse.Namespace) -> int:
     from extproc.analysis.report import SUMMARY_FILE, build_report, render_markdown, render_table
     from extproc.experiments.lab import LabError
     from extproc.experiments.run import ExperimentError, run_experiment
-    from extproc.stack.daemons import PortInUse
+    from extproc.stack.commands import FAILURES
     from extproc.stack.lab import LocalLab
-    from extproc.stack.replicas import ReplicaError
-    from extproc.stack.stack import StackError, load_stack_settings
+    from extproc.stack.stack import load_stack_settings
     from extproc.traffic import ProfileError, load_profile
 
     began = time.monotonic()
@@ -60,7 +59,7 @@ def main(args: argparse.Namespace) -> int:
         _step(4, f"report of {out}")
         report = build_report(out)
         (out / SUMMARY_FILE).write_text(render_markdown(report, with_runs=True))
-    except (models.ModelError, StackError, ReplicaError, PortInUse, ProfileError, ExperimentError, LabError) as exc:
+    except (*FAILURES, ProfileError, ExperimentError, LabError) as exc:
         print(f"llm-ring demo: {exc}", file=sys.stderr)
         return 1
     print(render_table(report), end="")

