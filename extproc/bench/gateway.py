@@ -13,7 +13,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -137,6 +139,9 @@ def summarize(cells: list[dict[str, Any]], seconds: float, workdir: str | None) 
             },
         },
         "workdir": workdir,
+        # other work on these cores shows in every figure: say how busy the machine was
+        "load_average_1m": round(os.getloadavg()[0], 2),
+        "cpus": os.cpu_count(),
     }
 
 
@@ -163,6 +168,7 @@ def render_table(result: dict[str, Any]) -> str:
         f"added p99 <= {targets['added_p99_ms']} ms ({'met' if met['added_p99'] else 'MISSED'}) at c={levels[0]}; "
         f">= {targets['ext_proc_rps']:.0f} req/s through ext_proc ({'met' if met['rps'] else 'MISSED'})"
     )
+    lines.append(f"machine: {result['cpus']} CPUs, 1-minute load average {result['load_average_1m']} at the end")
     errors = sum(cell["errors"] for cell in result["cells"])
     if errors:
         lines.append(f"errors: {errors} non-200 answers (see --json cells)")
@@ -247,6 +253,4 @@ async def _read_body(reader: asyncio.StreamReader, head: bytes) -> None:
 
 
 def _progress(text: str) -> None:
-    import sys
-
     print(text, file=sys.stderr, flush=True)
