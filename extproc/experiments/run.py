@@ -330,12 +330,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="a gateway elsewhere (needs --admin); default: the local stack")  # fmt: skip
     parser.add_argument("--admin", default=None, metavar="HOST:PORT",
                         help="admin gRPC address of that gateway's routing service")  # fmt: skip
+    parser.add_argument("--run-dir", default=None,
+                        help="the local stack's run dir (as given to llm-ring up; $LLM_RING_RUN)")  # fmt: skip
 
 
 def main(args: argparse.Namespace) -> int:
     try:
         profile = load_traffic_profile(args.profile)
-        lab = connect_lab(args.gateway, args.admin)
+        lab = connect_lab(args.gateway, args.admin, args.run_dir)
         out = run_experiment(lab, profile, args.policies, args.seeds, args.out_dir, args.scale_at)
     except (ProfileError, ExperimentError, LabError) as exc:
         print(f"llm-ring run: {exc}", file=sys.stderr)
@@ -354,7 +356,7 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-def connect_lab(gateway: str | None, admin: str | None) -> Lab:
+def connect_lab(gateway: str | None, admin: str | None, run_dir: str | None = None) -> Lab:
     if gateway is not None:
         if admin is None:
             raise ExperimentError("--gateway needs --admin (to switch policies and reset the router)")
@@ -363,4 +365,4 @@ def connect_lab(gateway: str | None, admin: str | None) -> Lab:
         from extproc.stack.lab import LocalLab
     except ImportError as exc:
         raise LabError(f"the local stack is not available ({exc}); give --gateway and --admin") from None
-    return LocalLab.attach()
+    return LocalLab.attach(run_dir, progress=lambda text: print(text, file=sys.stderr, flush=True))

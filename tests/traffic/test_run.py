@@ -112,3 +112,20 @@ def test_interrupted_run_keeps_its_rows(replica, tmp_path):
     rows = read_records(out / "bounded-s1" / "requests.parquet").num_rows
     assert 2 <= rows < 16
     assert read_run_metadata(out / "bounded-s1").status == "interrupted"
+
+
+def test_gateway_without_admin_is_refused(tmp_path, capsys):
+    from extproc.cli import main
+
+    assert main(["run", "--profile", "quick", "--policies", "bounded", "--seeds", "1",
+                 "--out-dir", str(tmp_path / "o"), "--gateway", "http://127.0.0.1:1"]) == 2  # fmt: skip
+    assert "--gateway needs --admin" in capsys.readouterr().err
+
+
+def test_no_local_stack_is_named(tmp_path, capsys):
+    from extproc.cli import main
+
+    assert main(["run", "--profile", "quick", "--policies", "bounded", "--seeds", "1",
+                 "--out-dir", str(tmp_path / "o"), "--run-dir", str(tmp_path / "none")]) == 2  # fmt: skip
+    assert capsys.readouterr().err.startswith("llm-ring run: ")
+    assert not (tmp_path / "o").exists()
