@@ -87,11 +87,11 @@ lines = (
     )
 )
 rules = (
-    alt.Chart(alt.Data(values=marks or [{"policy": "-", "ready_s": None}]))
+    alt.Chart(alt.Data(values=marks))
     .mark_rule(strokeDash=[4, 4])
     .encode(x="ready_s:Q", color="policy:N", tooltip=["policy:N", "ready_s:Q"])
 )
-(lines + rules).properties(width=560, height=260)
+(lines + rules if marks else lines).properties(width=560, height=260)
 
 # %% [markdown]
 # ## Latency and TTFT distributions (percentiles of ok requests)
