@@ -45,6 +45,7 @@ def render(tmp_path: Path, **overrides: object) -> str:
     ],
     ids=["local", "fail-closed", "envoy-alone", "kubernetes"],
 )
+@pytest.mark.live
 def test_envoy_validates_the_rendered_config(tmp_path: Path, overrides: dict) -> None:
     write_endpoints_file(tmp_path / "replicas.json", {"llm-0": "127.0.0.1:8081"})
     path = tmp_path / "envoy.yaml"
