@@ -6,7 +6,7 @@ import json
 from typing import Any
 
 from fake_apiserver import Endpoint, endpoint_slice
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from kubernetes import client
 
@@ -67,6 +67,7 @@ def test_ipv6_is_bracketed_fqdn_skipped_and_dual_stack_prefers_ipv4():
 conditions = st.sampled_from([True, False, None])
 
 
+@settings(max_examples=50)
 @given(st.lists(st.tuples(conditions, conditions), max_size=12), st.randoms(use_true_random=False))
 def test_every_accepted_pod_appears_once_across_any_split_into_slices(flags, rng):
     endpoints = [Endpoint(f"llm-{i}", f"10.0.{i // 250}.{i % 250 + 1}", r, t) for i, (r, t) in enumerate(flags)]

@@ -372,22 +372,36 @@ def dockerfile_distributions() -> set[str]:
     return {importlib.metadata.distribution(w).metadata["Name"].lower() for w in words if not w.startswith("-")}
 
 
+SERVE_ENTRY_POINTS = ("extproc.service.main", "extproc.discovery.kubernetes")
+
+
 def imported_top_level_modules() -> set[str]:
-    """Third-party modules that the extproc modules loaded by `llm-ring serve` import by name."""
-    code = (
-        "import sys, extproc.cli, extproc.service.main, extproc.discovery.kubernetes, "
-        "extproc.discovery.file, extproc.discovery.static\n"
-        "print([m.__file__ for n, m in sys.modules.items() if n.startswith('extproc')])"
-    )
-    loaded = ast.literal_eval(subprocess.check_output([sys.executable, "-c", code], text=True, cwd=REPO))
-    named: set[str] = set()
-    for path in loaded:
-        for node in ast.walk(ast.parse(Path(path).read_text())):
+    """Third-party top-level modules named by the extproc modules `llm-ring serve` can reach,
+    followed statically through every import, lazy ones in functions included."""
+    seen: set[str] = set()
+    todo = list(SERVE_ENTRY_POINTS)
+    third_party: set[str] = set()
+    while todo:
+        module = todo.pop()
+        base = REPO.joinpath(*module.split("."))
+        path = base / "__init__.py" if base.is_dir() else base.with_suffix(".py")
+        if module in seen or not path.exists():
+            continue
+        seen.add(module)
+        for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
-                named |= {a.name.split(".")[0] for a in node.names}
+                names = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                named.add(node.module.split(".")[0])
-    return named - set(sys.stdlib_module_names) - {"extproc"}
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]  # maybe submodules
+            else:
+                continue
+            for name in names:
+                if name.startswith("extproc"):
+                    todo.append(name)
+                else:
+                    third_party.add(name.split(".")[0])
+    assert "extproc.discovery.kubernetes" in seen and "extproc.routing" in seen
+    return third_party - set(sys.stdlib_module_names)
 
 
 def test_dockerfile_installs_what_the_service_imports():
