@@ -44,6 +44,7 @@ def test_server_side_dry_run_accepts_every_manifest():
     kubectl("apply", "-f", str(K8S / "00-namespace.yaml"))
     result = kubectl("apply", "--dry-run=server", "-f", str(K8S))
     assert "(server dry run)" in result.stdout
+    assert "Warning" not in result.stderr, result.stderr  # e.g. Pod Security "restricted" violations
 
 
 def test_router_service_account_may_read_endpointslices_and_nothing_else():

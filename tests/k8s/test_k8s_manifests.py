@@ -136,6 +136,7 @@ def test_every_object_is_in_the_namespace():
 def test_namespace_enforces_pod_security_restricted():
     labels = find("Namespace", NAMESPACE)["metadata"]["labels"]
     assert labels["pod-security.kubernetes.io/enforce"] == "restricted"
+    assert labels["pod-security.kubernetes.io/warn"] == "restricted", "warns at apply time, on templates"
 
 
 @pytest.mark.parametrize("name, spec", pod_specs(), ids=[n for n, _ in pod_specs()])
