@@ -2,7 +2,9 @@
 
 Side by side in one run, against the same trivial upstream (extproc.service.stub_upstream,
 3 ports = 3 "replicas"): direct, Envoy alone (the same rendered config without ext_proc),
-Envoy + ext_proc (`llm-ring serve`, llm-aware policy, route_decision logs to a file). At each
+Envoy + a do-nothing Python ext_proc server speaking the same protocol (the floor any Python
+grpc.aio ext_proc pays: extproc.service.stub_processor), Envoy + ext_proc (`llm-ring serve`,
+llm-aware policy, route_decision logs to a file). At each
 concurrency, closed-loop keep-alive clients send chat requests for a fixed time; the table
 shows p50/p99 latency, req/s, and the latency ext_proc adds over Envoy alone.
 Everything shares this machine's cores: the client's own cost is in every column alike.
@@ -22,12 +24,19 @@ from pathlib import Path
 from typing import Any
 
 from extproc.service.envoy import EndpointsFile, render_envoy_config, write_endpoints_file
-from extproc.service.processes import Running, free_port, start_envoy, start_service, start_stub_upstream
+from extproc.service.processes import (
+    Running,
+    free_port,
+    start_envoy,
+    start_service,
+    start_stub_processor,
+    start_stub_upstream,
+)
 
 TARGET_ADDED_P50_MS = 1.0
 TARGET_ADDED_P99_MS = 5.0
 TARGET_RPS = 1500.0
-MODES = ("direct", "envoy", "envoy+ext_proc")
+MODES = ("direct", "envoy", "envoy+stub_ext_proc", "envoy+ext_proc")
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -74,8 +83,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 },
             )
         )
+        stub_processor = start_stub_processor(free_port(), replicas["stub-0"], workdir / "stub_processor")
+        started.append(stub_processor)
         targets = {"direct": ports}
-        for mode, ext_proc in (("envoy", None), ("envoy+ext_proc", service_listen)):
+        for mode, ext_proc in (
+            ("envoy", None),
+            ("envoy+stub_ext_proc", stub_processor.address),
+            ("envoy+ext_proc", service_listen),
+        ):
             listen, admin = free_port(), free_port()
             config = render_envoy_config(
                 listen=f"127.0.0.1:{listen}",
@@ -92,8 +107,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for mode in MODES:
                 cell = asyncio.run(load(targets[mode], level, seconds, conversations))
                 cells.append({"mode": mode, "concurrency": level, **cell})
-                _progress(f"{mode:>15} c={level:<3} p50={cell['p50_ms']:.3f} ms p99={cell['p99_ms']:.3f} ms "
-                          f"{cell['rps']:.0f} req/s")
+                _progress(
+                    f"{mode:>15} c={level:<3} p50={cell['p50_ms']:.3f} ms p99={cell['p99_ms']:.3f} ms "
+                    f"{cell['rps']:.0f} req/s"
+                )
         return summarize(cells, seconds, str(workdir) if getattr(args, "keep", False) else None)
     finally:
         for running in reversed(started):
@@ -110,11 +127,13 @@ def summarize(cells: list[dict[str, Any]], seconds: float, workdir: str | None) 
     by = {(cell["mode"], cell["concurrency"]): cell for cell in cells}
     added = []
     for level in sorted({cell["concurrency"] for cell in cells}):
-        direct, envoy, full = (by[(mode, level)] for mode in MODES)
+        direct, envoy, floor, full = (by[(mode, level)] for mode in MODES)
         added.append(
             {
                 "concurrency": level,
                 "envoy_over_direct_p50_ms": round(envoy["p50_ms"] - direct["p50_ms"], 3),
+                "stub_ext_proc_over_envoy_p50_ms": round(floor["p50_ms"] - envoy["p50_ms"], 3),
+                "stub_ext_proc_rps": floor["rps"],
                 "ext_proc_over_envoy_p50_ms": round(full["p50_ms"] - envoy["p50_ms"], 3),
                 "ext_proc_over_envoy_p99_ms": round(full["p99_ms"] - envoy["p99_ms"], 3),
                 "ext_proc_rps": full["rps"],

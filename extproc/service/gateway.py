@@ -135,7 +135,7 @@ class Gateway:
         if answer is None:
             answer = self._answers[key] = self._route_answer(decision.replica, decision.reason)
         if unique_id != request_id:
-            answer += _more_headers([_header("x-request-id", unique_id)])
+            answer += _more_headers([header_option("x-request-id", unique_id)])
         return unique_id, answer
 
     def route_ended(self, request_id: str) -> None:
@@ -273,7 +273,11 @@ class Gateway:
             [self.endpoints[replica]] + [self.endpoints[n] for n in fallbacks[: self.settings.fallbacks]]
         )
         mutation = pb.HeaderMutation(
-            set_headers=[_header(DESTINATION, endpoints), _header(ROUTED_TO, replica), _header(ROUTE_REASON, reason)]
+            set_headers=[
+                header_option(DESTINATION, endpoints),
+                header_option(ROUTED_TO, replica),
+                header_option(ROUTE_REASON, reason),
+            ]
         )
         metadata = struct_pb2.Struct()
         metadata.get_or_create_struct("envoy.lb")[DESTINATION] = endpoints
@@ -283,7 +287,7 @@ class Gateway:
         ).SerializeToString()
 
 
-def _header(name: str, value: str) -> base_pb2.HeaderValueOption:
+def header_option(name: str, value: str) -> base_pb2.HeaderValueOption:
     return base_pb2.HeaderValueOption(
         header=base_pb2.HeaderValue(key=name, raw_value=value.encode()),
         append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
@@ -304,7 +308,7 @@ def immediate(status: int, message: str, **details: Any) -> bytes:
     return pb.ProcessingResponse(
         immediate_response=pb.ImmediateResponse(
             status=http_status_pb2.HttpStatus(code=status),
-            headers=pb.HeaderMutation(set_headers=[_header("content-type", "application/json")]),
+            headers=pb.HeaderMutation(set_headers=[header_option("content-type", "application/json")]),
             body=body,
             details=f"llm_ring_{status}",
         )

@@ -106,6 +106,16 @@ def start_stub_upstream(ports: Sequence[int], workdir: Path) -> Running:
     return running
 
 
+def start_stub_processor(port: int, endpoint: str, workdir: Path) -> Running:
+    """The do-nothing ext_proc server (benchmark floor), answering every request with endpoint."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, "-m", "extproc.service.stub_processor", str(port), endpoint]
+    running = _spawn("stub ext_proc", command, workdir / "stub_processor.log")
+    _wait(running, lambda: _accepts(port), 10.0)
+    running.address = f"127.0.0.1:{port}"
+    return running
+
+
 def grpc_serving(address: str, service: str = "") -> bool:
     try:
         with grpc.insecure_channel(address) as channel:

@@ -1,0 +1,70 @@
+"""A do-nothing ext_proc server speaking the gateway's protocol, for the benchmark's floor.
+
+It answers like `llm-ring serve` (continue the headers, then one fixed pick for the body,
+stream kept open until Envoy ends it; observer streams read to the end) but routes nothing,
+logs nothing and counts nothing: Envoy + this = what Envoy + Python grpc.aio cost alone.
+Run: python -m extproc.service.stub_processor PORT ENDPOINT
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sys
+from typing import Any
+
+import grpc
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from google.protobuf import struct_pb2
+
+from extproc.service.envoy import DESTINATION, ROUTE_REASON, ROUTED_TO
+from extproc.service.gateway import header_option
+from extproc.service.processor import HEADERS_CONTINUE, SERVICE
+
+
+def answer(endpoint: str) -> bytes:
+    metadata = struct_pb2.Struct()
+    metadata.get_or_create_struct("envoy.lb")[DESTINATION] = endpoint
+    mutation = pb.HeaderMutation(
+        set_headers=[
+            header_option(DESTINATION, endpoint),
+            header_option(ROUTED_TO, "stub"),
+            header_option(ROUTE_REASON, "home"),
+        ]
+    )
+    return pb.ProcessingResponse(
+        request_body=pb.BodyResponse(response=pb.CommonResponse(header_mutation=mutation, clear_route_cache=True)),
+        dynamic_metadata=metadata,
+    ).SerializeToString()
+
+
+async def serve(port: int, endpoint: str) -> None:
+    pick = answer(endpoint)
+
+    async def process(_requests: Any, context: grpc.aio.ServicerContext) -> None:
+        message = await context.read()
+        if message is grpc.aio.EOF:
+            return
+        if message.observability_mode:
+            while message is not grpc.aio.EOF and not message.response_body.end_of_stream:
+                message = await context.read()
+            return
+        await context.write(HEADERS_CONTINUE)
+        await context.read()
+        await context.write(pick)
+        with contextlib.suppress(grpc.aio.AioRpcError, asyncio.CancelledError):
+            await context.read()
+
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    handler = grpc.stream_stream_rpc_method_handler(
+        process, request_deserializer=pb.ProcessingRequest.FromString, response_serializer=lambda b: b
+    )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {"Process": handler}),))
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    print(f"stub ext_proc on 127.0.0.1:{port} -> {endpoint}", flush=True)
+    await server.wait_for_termination()
+
+
+if __name__ == "__main__":
+    asyncio.run(serve(int(sys.argv[1]), sys.argv[2]))
