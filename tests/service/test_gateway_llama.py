@@ -15,6 +15,7 @@ import pytest
 from extproc.routing import REASONS
 from extproc.service.processes import free_port
 from extproc.stack import replicas as stack_replicas
+from extproc.stack.daemons import stop
 from extproc.stack.models import smollm2_gguf
 from tests.service.gateway_support import Gateway, gateway
 
@@ -34,13 +35,7 @@ def llama(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
         stack_replicas.wait_healthy(started, timeout=120, progress=lambda _: None)
         yield {replica.name: replica.address for replica in started}
     finally:
-        stack_replicas.stop_all(started) if hasattr(stack_replicas, "stop_all") else _stop(started)
-
-
-def _stop(started: list[Any]) -> None:
-    from extproc.stack.daemons import stop
-
-    stop([replica.process for replica in started])
+        stop([replica.process for replica in started])
 
 
 @pytest.fixture(scope="module")
