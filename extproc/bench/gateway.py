@@ -23,14 +23,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from extproc.service.envoy import EndpointsFile, render_envoy_config, write_endpoints_file
+from extproc.service.envoy import split_host_port, write_endpoints_file
 from extproc.service.processes import (
     Running,
     free_port,
-    start_envoy,
+    service_env,
+    start_gateway_envoy,
     start_service,
     start_stub_processor,
     start_stub_upstream,
+    static_discovery,
 )
 
 TARGET_ADDED_P50_MS = 1.0
@@ -71,18 +73,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         write_endpoints_file(endpoints, replicas)
 
         service_listen = f"127.0.0.1:{free_port()}"
-        started.append(
-            start_service(
-                workdir / "service",
-                {
-                    "LLM_RING__SERVICE__LISTEN": f'"{service_listen}"',
-                    "LLM_RING__SERVICE__METRICS_LISTEN": f'"127.0.0.1:{free_port()}"',
-                    "LLM_RING__SERVICE__ENVOY_ENDPOINTS_FILE": f'"{endpoints}"',
-                    "LLM_RING__DISCOVERY__SOURCE": '"static"',
-                    "LLM_RING__DISCOVERY__STATIC": "{" + ", ".join(f'{k} = "{v}"' for k, v in replicas.items()) + "}",
-                },
-            )
-        )
+        env = service_env(service_listen, endpoints, static_discovery(replicas))
+        started.append(start_service(workdir / "service", env))
         stub_processor = start_stub_processor(free_port(), replicas["stub-0"], workdir / "stub_processor")
         started.append(stub_processor)
         targets = {"direct": ports}
@@ -91,17 +83,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             ("envoy+stub_ext_proc", stub_processor.address),
             ("envoy+ext_proc", service_listen),
         ):
-            listen, admin = free_port(), free_port()
-            config = render_envoy_config(
-                listen=f"127.0.0.1:{listen}",
-                admin=f"127.0.0.1:{admin}",
-                ext_proc=ext_proc,
-                endpoints=EndpointsFile(str(endpoints)),
-                fail_open=False,
-                max_request_bytes=4 << 20,
-            )
-            started.append(start_envoy(config, workdir / mode, f"127.0.0.1:{admin}", args_envoy_concurrency(args)))
-            targets[mode] = [listen]
+            envoy = start_gateway_envoy(workdir / mode, ext_proc, endpoints, False, args_envoy_concurrency(args))
+            started.append(envoy)
+            targets[mode] = [split_host_port(envoy.listen)[1]]
         cells = []
         for level in concurrency:
             for mode in MODES:

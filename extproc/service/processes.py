@@ -23,6 +23,8 @@ from typing import IO
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from extproc.service.envoy import EndpointsFile, render_envoy_config
+
 REFERENCE_SETTINGS = Path(__file__).with_name("router.toml")
 
 
@@ -35,7 +37,8 @@ class Running:
     name: str
     process: subprocess.Popen[bytes]
     log_path: Path
-    address: str = ""
+    address: str = ""  # what it serves: the gRPC address, or Envoy's admin
+    listen: str = ""  # Envoy: the gateway listener
 
     def stop(self, timeout: float = 5.0) -> None:
         if self.process.poll() is None:
@@ -84,6 +87,40 @@ def start_envoy(config: str, workdir: Path, admin: str, concurrency: int = 2, lo
     _wait(running, lambda: _http_ok(f"http://{admin}/ready"), 20.0)
     running.address = admin
     return running
+
+
+def start_gateway_envoy(
+    workdir: Path, ext_proc: str | None, endpoints_file: Path, fail_open: bool, concurrency: int = 2
+) -> Running:
+    """Envoy with the gateway configuration (render_envoy_config) on free loopback ports."""
+    listen, admin = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    config = render_envoy_config(
+        listen=listen,
+        admin=admin,
+        ext_proc=ext_proc,
+        endpoints=EndpointsFile(str(endpoints_file)),
+        fail_open=fail_open,
+        max_request_bytes=4 << 20,
+    )
+    running = start_envoy(config, workdir, admin, concurrency)
+    running.listen = listen
+    return running
+
+
+def service_env(listen: str, endpoints_file: Path, discovery: Mapping[str, str], **service: str) -> dict[str, str]:
+    """Settings overrides for start_service: addresses, the EDS file, discovery (TOML values)."""
+    env = {
+        "LLM_RING__SERVICE__LISTEN": f'"{listen}"',
+        "LLM_RING__SERVICE__METRICS_LISTEN": f'"127.0.0.1:{free_port()}"',
+        "LLM_RING__SERVICE__ENVOY_ENDPOINTS_FILE": f'"{endpoints_file}"',
+    }
+    env.update({f"LLM_RING__SERVICE__{key.upper()}": value for key, value in service.items()})
+    env.update({f"LLM_RING__DISCOVERY__{key.upper()}": value for key, value in discovery.items()})
+    return env
+
+
+def static_discovery(replicas: Mapping[str, str]) -> dict[str, str]:
+    return {"SOURCE": '"static"', "STATIC": "{" + ", ".join(f'{k} = "{v}"' for k, v in replicas.items()) + "}"}
 
 
 def start_service(workdir: Path, settings_env: Mapping[str, str], config: Path = REFERENCE_SETTINGS) -> Running:

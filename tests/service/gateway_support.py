@@ -14,8 +14,13 @@ from typing import Any
 import httpx
 
 from extproc.service.admin_client import AdminClient
-from extproc.service.envoy import EndpointsFile, render_envoy_config
-from extproc.service.processes import Running, free_port, start_envoy, start_service
+from extproc.service.processes import (
+    Running,
+    free_port,
+    service_env,
+    start_gateway_envoy,
+    start_service,
+)
 
 
 @dataclass
@@ -47,23 +52,6 @@ class Gateway:
             time.sleep(0.05)
 
 
-def service_env(listen: str, discovery: Mapping[str, str], endpoints_file: Path, **service: str) -> dict[str, str]:
-    env = {
-        "LLM_RING__SERVICE__LISTEN": f'"{listen}"',
-        "LLM_RING__SERVICE__METRICS_LISTEN": f'"127.0.0.1:{free_port()}"',
-        "LLM_RING__SERVICE__ENVOY_ENDPOINTS_FILE": f'"{endpoints_file}"',
-        "LLM_RING__SERVICE__HEALTH_PROBE_SECONDS": "0.2",
-        "LLM_RING__SERVICE__LOG_LEVEL": '"debug"',
-    }
-    env.update({f"LLM_RING__SERVICE__{key.upper()}": value for key, value in service.items()})
-    env.update({f"LLM_RING__DISCOVERY__{key.upper()}": value for key, value in discovery.items()})
-    return env
-
-
-def static_discovery(replicas: Mapping[str, str]) -> dict[str, str]:
-    return {"SOURCE": '"static"', "STATIC": "{" + ", ".join(f'{k} = "{v}"' for k, v in replicas.items()) + "}"}
-
-
 @contextmanager
 def gateway(workdir: Path, discovery: Mapping[str, str], fail_open: bool = True, **service: str) -> Iterator[Gateway]:
     """`llm-ring serve` + Envoy rendered by render_envoy_config; everything stopped on exit."""
@@ -71,20 +59,13 @@ def gateway(workdir: Path, discovery: Mapping[str, str], fail_open: bool = True,
     listen = f"127.0.0.1:{free_port()}"
     started: list[Running] = []
     try:
-        started.append(start_service(workdir / "service", service_env(listen, discovery, endpoints_file, **service)))
+        settings = {"health_probe_seconds": "0.2", "log_level": '"debug"', **service}
+        started.append(start_service(workdir / "service", service_env(listen, endpoints_file, discovery, **settings)))
         _wait_for(endpoints_file.exists, 5.0)
-        port, admin = free_port(), free_port()
-        config = render_envoy_config(
-            listen=f"127.0.0.1:{port}",
-            admin=f"127.0.0.1:{admin}",
-            ext_proc=listen,
-            endpoints=EndpointsFile(str(endpoints_file)),
-            fail_open=fail_open,
-            max_request_bytes=4 << 20,
-        )
-        started.append(start_envoy(config, workdir / "envoy", f"127.0.0.1:{admin}", concurrency=1))
-        gw = Gateway(f"http://127.0.0.1:{port}", listen, started[0].log_path, endpoints_file, started)
-        _wait_for(lambda: _has_endpoints(f"127.0.0.1:{admin}"), 5.0)
+        envoy = start_gateway_envoy(workdir / "envoy", listen, endpoints_file, fail_open, concurrency=1)
+        started.append(envoy)
+        gw = Gateway(f"http://{envoy.listen}", listen, started[0].log_path, endpoints_file, started)
+        _wait_for(lambda: _has_endpoints(envoy.address), 5.0)
         yield gw
     finally:
         for running in reversed(started):

@@ -11,9 +11,9 @@ import httpx
 import pytest
 
 from extproc.routing import REASONS
-from extproc.service.envoy import EndpointsFile, render_envoy_config
-from extproc.service.processes import Running, free_port, start_envoy, start_stub_upstream
-from tests.service.gateway_support import Gateway, chat, gateway, post, static_discovery
+from extproc.service.envoy import write_endpoints_file
+from extproc.service.processes import Running, free_port, start_gateway_envoy, start_stub_upstream, static_discovery
+from tests.service.gateway_support import Gateway, chat, gateway, post
 
 pytestmark = pytest.mark.live
 URL = "/v1/chat/completions"
@@ -167,24 +167,13 @@ def test_ext_proc_down(stubs: tuple[list[int], Running], tmp_path: Path, fail_op
     ports, _ = stubs
     endpoints = tmp_path / "eds" / "replicas.json"
     endpoints.parent.mkdir()
-    from extproc.service.envoy import write_endpoints_file
-
     write_endpoints_file(endpoints, {"llm-0": f"127.0.0.1:{ports[0]}", "llm-1": f"127.0.0.1:{ports[1]}"})
-    port, admin = free_port(), free_port()
-    config = render_envoy_config(
-        listen=f"127.0.0.1:{port}",
-        admin=f"127.0.0.1:{admin}",
-        ext_proc=f"127.0.0.1:{free_port()}",
-        endpoints=EndpointsFile(str(endpoints)),
-        fail_open=fail_open,
-        max_request_bytes=1 << 20,
-    )
-    envoy = start_envoy(config, tmp_path / "envoy", f"127.0.0.1:{admin}", concurrency=1)
+    envoy = start_gateway_envoy(tmp_path / "envoy", f"127.0.0.1:{free_port()}", endpoints, fail_open, concurrency=1)
     try:
         time.sleep(0.3)  # EDS file loaded
         served = set()
         for i in range(4):
-            reply = post(f"http://127.0.0.1:{port}{URL}", chat(f"down {i}"))
+            reply = post(f"http://{envoy.listen}{URL}", chat(f"down {i}"))
             assert reply.status_code == status
             served.add(reply.headers.get("x-gateway-destination-endpoint-served"))
         if fail_open:
