@@ -11,6 +11,7 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +52,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cost-model", help="cost model name or path (default: [replica] cost_model)")
     parser.add_argument("--slots", type=int, help="slots per replica (default: [replica] slots)")
     parser.add_argument("--cache-ram-mib", type=float, help="host-RAM prompt cache per replica")
+    parser.add_argument("--host-cores", type=float,
+                        help="replicas share this many cores, like the local stack (0 = a CPU each; default: [host])")
+    parser.add_argument("--threads", type=int, help="CPU threads of a busy replica (default: [replica] threads)")
     parser.add_argument("--time-scale", type=float, help="traces: multiply arrival times (default: [trace])")
     parser.add_argument("--limit", type=int, help="traces: only the first N requests")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
@@ -59,11 +63,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     try:
         config = load_sim_config(args.config)
-        config = type(config)(
-            routing=config.routing,
+        config = replace(
+            config,
             slots=args.slots or config.slots,
             cache_ram_mib=config.cache_ram_mib if args.cache_ram_mib is None else args.cache_ram_mib,
             cost_model=args.cost_model or config.cost_model,
+            threads=args.threads or config.threads,
+            host_cores=config.host_cores if args.host_cores is None else args.host_cores,
             time_scale=args.time_scale or config.time_scale,
         )
         seeds = parse_seeds(args.seeds)
@@ -80,7 +86,8 @@ def main(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     for replicas in args.replicas:
         events = scale + ([(args.scale_at, replicas + 1)] if args.scale_at is not None else [])
-        fleet = Fleet(replicas, config.slots, cache_tokens(config.cache_ram_mib, cost), tuple(sorted(events)))
+        fleet = Fleet(replicas, config.slots, cache_tokens(config.cache_ram_mib, cost), tuple(sorted(events)),
+                      config.host_cores, config.threads)
         out_dir = args.out_dir / f"replicas-{replicas}" if len(args.replicas) > 1 else args.out_dir
         run_experiment(source, args.policies, seeds, config, fleet, out_dir,
                        progress=lambda line: print(line, file=sys.stderr))

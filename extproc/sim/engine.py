@@ -31,6 +31,8 @@ class Fleet:
     slots: int  # llama.cpp --parallel
     cache_tokens: int  # host-RAM prompt cache per replica, in tokens (0 = --cache-ram 0)
     scale: tuple[tuple[float, int], ...] = ()  # (at seconds, replica count) events
+    host_cores: float = 0.0  # replicas share this many cores (0 = each replica has its own CPU)
+    replica_threads: int = 1  # threads a busy replica wants (llama.cpp --threads)
 
     def names(self, count: int) -> list[str]:
         return [f"llm-{i}" for i in range(count)]
@@ -70,11 +72,14 @@ class _Simulation:
         self.cost = cost
         self.fleet = fleet
         self.replicas: dict[str, Replica] = {}
+        self.every_replica: list[Replica] = []
         self.heap: list[tuple] = []
         self.seq = 0
         self.outcome = Outcome()
         self.pending: Iterator[Request] = iter(())
         self.deadline = float("inf")
+        self.busy = 0  # replicas with at least one running request
+        self.host_factor = 1.0
         self._set_fleet(fleet.replicas, 0.0)
 
     def push(self, at: float, kind: int, payload: object) -> None:
@@ -129,13 +134,18 @@ class _Simulation:
         request.predicted_cached = decision.predicted_cached_tokens
         replica = self.replicas[decision.replica]
         replica.advance(now)
+        was_busy = bool(replica.active)
         replica.offer(request, now)
         self._reschedule(replica, now)
+        if not was_busy:
+            self._share_host(now, +1)
 
     def _wake(self, replica: Replica, now: float) -> None:
         replica.advance(now)
         finished = replica.finish_phases(now)
         self._reschedule(replica, now)
+        if finished and not replica.active:
+            self._share_host(now, -1)
         complete = self.router.complete
         for request in finished:
             request.status = 200
@@ -158,12 +168,35 @@ class _Simulation:
             self.seq += 1
             heapq.heappush(self.heap, (now + wait, self.seq, _WAKE, (replica, replica.version)))
 
+    def _share_host(self, now: float, change: int) -> None:
+        """A replica became busy or idle: on a shared host, every busy replica's speed changes.
+
+        Replicas on one machine (the local stack) share its cores: when the busy replicas
+        want more threads than there are cores, all of them run that much slower.
+        """
+        self.busy += change
+        if self.fleet.host_cores <= 0:
+            return
+        factor = max(1.0, self.busy * self.fleet.replica_threads / self.fleet.host_cores)
+        if factor == self.host_factor:
+            return
+        self.host_factor = factor
+        for replica in self.every_replica:  # draining ones too: they still use the CPU
+            if replica.active:
+                replica.advance(now)  # progress so far at the old speed
+            replica.host_factor = factor
+            if replica.active:
+                self._reschedule(replica, now)
+
     def _set_fleet(self, count: int, now: float) -> None:
         names = self.fleet.names(count)
         for name in names:
             replica = self.replicas.get(name)
             if replica is None or replica.draining:  # a returning replica is a fresh server
-                self.replicas[name] = Replica(name, self.cost, self.fleet.slots, self.fleet.cache_tokens)
+                replica = Replica(name, self.cost, self.fleet.slots, self.fleet.cache_tokens)
+                replica.host_factor = self.host_factor
+                self.replicas[name] = replica
+                self.every_replica.append(replica)
         for name, replica in self.replicas.items():
             replica.draining = name not in names
         self.router.set_replicas(names)

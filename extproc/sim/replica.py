@@ -80,7 +80,7 @@ class Slot:
 
 class Replica:
     __slots__ = ("name", "cost", "slots", "queue", "active", "updated_at", "version", "cache",
-                 "prefill_slowdown", "decode_slowdown", "draining", "prefill_clock", "decode_clock")
+                 "prefill_slowdown", "decode_slowdown", "draining", "prefill_clock", "decode_clock", "host_factor")
 
     def __init__(self, name: str, cost: CostModel, slots: int, cache_tokens: int) -> None:
         self.name = name
@@ -95,12 +95,13 @@ class Replica:
         self.draining = False  # removed from the router; finishes what it holds
         self.prefill_clock = 0.0
         self.decode_clock = 0.0
+        self.host_factor = 1.0  # >1 when busy replicas want more CPU threads than the host has
 
     def advance(self, now: float) -> None:
         """Move the phase clocks up to ``now`` at the current sharing rate."""
         k = len(self.active)
         if k and now > self.updated_at:
-            elapsed = now - self.updated_at
+            elapsed = (now - self.updated_at) / self.host_factor
             self.prefill_clock += elapsed / self.prefill_slowdown[k]
             self.decode_clock += elapsed / self.decode_slowdown[k]
         self.updated_at = now
@@ -111,7 +112,8 @@ class Replica:
         if not active:
             return None
         k = len(active)
-        prefill, decode = self.prefill_slowdown[k], self.decode_slowdown[k]
+        prefill = self.prefill_slowdown[k] * self.host_factor
+        decode = self.decode_slowdown[k] * self.host_factor
         prefill_clock, decode_clock = self.prefill_clock, self.decode_clock
         best = float("inf")
         for r in active:

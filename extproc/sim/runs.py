@@ -28,6 +28,8 @@ class SimConfig:
     slots: int
     cache_ram_mib: float
     cost_model: str
+    threads: int
+    host_cores: float
     time_scale: float
 
 
@@ -40,6 +42,8 @@ def load_sim_config(path: str | Path = SIM_CONFIG) -> SimConfig:
             slots=int(raw["replica"]["slots"]),
             cache_ram_mib=float(raw["replica"]["cache_ram_mib"]),
             cost_model=str(raw["replica"]["cost_model"]),
+            threads=int(raw["replica"]["threads"]),
+            host_cores=float(raw["host"]["cores"]),
             time_scale=float(raw["trace"]["time_scale"]),
         )
     except KeyError as exc:
@@ -132,5 +136,6 @@ def _meta(run_id: str, spec: str, seed: int, source: Source, settings: RoutingSe
         scaled_to=scale_up[1] if scale_up else None, scale_ready_at=iso(scale_up[0]) if scale_up else None,
         status="finished", rows=rows,
         extra={"cost_model": config.cost_model, "slots": fleet.slots, "cache_tokens": fleet.cache_tokens,
+               "host_cores": fleet.host_cores, "replica_threads": fleet.replica_threads,
                "scale": [list(event) for event in fleet.scale], "events": outcome.events},
     )

@@ -11,7 +11,7 @@ from tests.sim.test_mooncake import write
 
 def test_profile_runs_land_in_experiment_folders(tmp_path, capsys):
     code = main(["sim", "--profile", "quick", "--policies", "bounded", "llm-aware:epsilon=0.5", "--seeds", "1-2",
-                 "--replicas", "2", "3", "--scale-at", "5", "--out-dir", str(tmp_path)])
+                 "--replicas", "2", "3", "--scale-at", "5", "--host-cores", "2", "--out-dir", str(tmp_path)])
     assert code == 0
     out = capsys.readouterr().out
     assert "quick: 2 replicas, 2 seeds" in out and "Cache hit rate (follow-up turns)" in out
@@ -23,6 +23,7 @@ def test_profile_runs_land_in_experiment_folders(tmp_path, capsys):
     assert "llm-3" in set(table.column("replica").to_pylist())  # the scale-up replica served
     meta = json.loads((tmp_path / "replicas-3" / runs[0] / "run.json").read_text())
     assert (meta["simulated"], meta["scale_at_s"], meta["scaled_to"]) == (True, 5.0, 4)
+    assert meta["extra"]["host_cores"] == 2.0
     assert (tmp_path / "replicas-2" / "summary.md").exists()
 
 

@@ -73,3 +73,17 @@ def test_scale_up_adds_a_replica_and_scale_down_drains():
 def test_no_replica_gives_503_rows():
     done, _ = run([request("z", "a", 1, 10, 1, 1.0)], replicas=0)
     assert (done["z"].status, done["z"].error, done["z"].replica) == (503, "no replica", None)
+
+
+@pytest.mark.parametrize(("cores", "r1_done", "r2_first", "r2_done"), [(1, 3.0, 3.0, 4.0), (2, 2.0, 2.0, 3.0)])
+def test_replicas_on_one_host_share_its_cores(cores, r1_done, r2_first, r2_done):
+    # One core: while both replicas are busy (1.0 s to 3.0 s) each runs at half speed.
+    # r1: prefill alone 0-1, decode 1.0 s solo at half speed -> 3.0.
+    # r2 (from 1.0): 1.0 s solo of prefill by 3.0, then decode alone -> 4.0. Two cores: no slowdown.
+    router = Router(settings("round-robin"))
+    fleet = Fleet(2, 1, 0, host_cores=cores, replica_threads=1)
+    outcome = simulate(OpenLoop([request("r1", "a", 1, 100, 10, 0.0), request("r2", "b", 1, 100, 10, 1.0)]),
+                       router, simple_cost(), fleet)
+    done = {r.request_id: r for r in outcome.requests}
+    assert (done["r1"].first_token_at, done["r1"].finished_at) == pytest.approx((1.0, r1_done))
+    assert (done["r2"].first_token_at, done["r2"].finished_at) == pytest.approx((r2_first, r2_done))
