@@ -51,12 +51,11 @@ class ServiceSettings(_Strict):
     max_body_bytes: int = Field(gt=0, description="larger request bodies are refused with 413")
     default_max_tokens: int = Field(gt=0, description="output tokens charged when a request names none")
     log_level: Literal["debug", "info", "warning", "error"]
-    fallbacks: int = Field(ge=0, le=8, description="extra endpoints after the pick, tried by Envoy on connect failure")
-    health_probe_seconds: float = Field(gt=0, description="a replica that failed a request is probed (GET /health) this often until healthy")
-    observe_grace_ms: int = Field(ge=0, le=10_000, description="after a request ends, wait this long for its last response bytes (timings)")
-    envoy_endpoints_file: str = Field(description="EDS file written for Envoy on each replica change; empty: Envoy finds replicas itself (DNS)")
-    fail_open: bool = Field(description="Envoy config: serve round robin when this service is down (true) or 500 (false)")
-
+    fallbacks: int = Field(ge=0, le=8, description="endpoints after the pick, tried by Envoy on connect failure")
+    health_probe_seconds: float = Field(gt=0, description="probe period (GET /health) of a replica that failed")
+    observe_grace_ms: int = Field(ge=0, le=10_000, description="wait after a request ends for its timings")
+    envoy_endpoints_file: str = Field(description="EDS file written for Envoy; empty: Envoy resolves DNS")
+    fail_open: bool = Field(description="Envoy: round robin when this service is down (true) or 500 (false)")
 
 class DiscoverySettings(_Strict):
     """Where the replica list comes from."""
