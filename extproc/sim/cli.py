@@ -15,7 +15,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from extproc.analysis.metrics import METRICS, _spread, connect, per_run, summary
+from extproc.analysis.metrics import METRICS, Metric, _spread, connect, per_run, summary
 from extproc.analysis.report import SUMMARY_FILE, build_report, format_value, render_markdown
 from extproc.settings import SettingsError
 from extproc.sim.costmodel import CostModelError, load_cost_model
@@ -171,9 +171,9 @@ def render_ci_table(stats: dict[str, dict[str, dict[str, Any]]]) -> str:
             if s["mean"] is None:
                 cells.append("-")
             elif s["ci95"] is None:
-                cells.append(format_value(metric, s["mean"]))
+                cells.append(_signed(metric, s["mean"]))
             else:
-                cells.append(f"{format_value(metric, s['mean'])} ± {format_value(metric, s['ci95'])}")
+                cells.append(f"{_signed(metric, s['mean'])} ± {format_value(metric, s['ci95'])}")
         if any(cell != "-" for cell in cells):
             rows.append([metric.label, *cells])
     rows.append(["runs (seeds)", *(str(stats[p]["requests"]["n_runs"]) for p in policies)])
@@ -181,3 +181,8 @@ def render_ci_table(stats: dict[str, dict[str, dict[str, Any]]]) -> str:
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+def _signed(metric: Metric, value: float) -> str:
+    """A value as the report formats it; negative differences keep the same precision."""
+    return "-" + format_value(metric, -value) if value < 0 else format_value(metric, value)
