@@ -94,6 +94,8 @@ class _Simulation:
                 self.push(user / workload.spawn_rate, _USER, None)
         else:
             for request in workload.requests:
+                if request.arrival_s is None:
+                    raise ValueError(f"open-loop request {request.request_id} has no arrival time")
                 self.push(request.arrival_s, _SEND, request)
         for at, count in self.fleet.scale:
             self.push(at, _SCALE, count)

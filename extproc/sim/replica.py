@@ -147,6 +147,7 @@ class Replica:
             self.active.remove(request)
             request.finished_at = now
             slot = request.slot
+            assert slot is not None  # every running request holds a slot
             slot.busy = False
             slot.tokens = request.prompt_tokens + request.max_tokens
             slot.last_used = now
