@@ -102,12 +102,11 @@ class _Simulation:
         heap, pop, events = self.heap, heapq.heappop, 0
         now = 0.0
         while heap:
-            now, _, kind, payload = pop(heap)
+            now, seq, kind, payload = pop(heap)
             events += 1
             if kind == _WAKE:
-                replica, version = payload
-                if version == replica.version:
-                    self._wake(replica, now)
+                if seq == payload.version:  # else a later reschedule replaced this wake-up
+                    self._wake(payload, now)
             elif kind == _SEND:
                 self._send(payload, now)
             elif kind == _USER:
@@ -139,14 +138,14 @@ class _Simulation:
         was_busy = bool(replica.active)
         replica.offer(request, now)
         self._reschedule(replica, now)
-        if not was_busy:
+        if not was_busy and self.fleet.host_cores > 0:
             self._share_host(now, +1)
 
     def _wake(self, replica: Replica, now: float) -> None:
         replica.advance(now)
         finished = replica.finish_phases(now)
         self._reschedule(replica, now)
-        if finished and not replica.active:
+        if finished and not replica.active and self.fleet.host_cores > 0:
             self._share_host(now, -1)
         complete = self.router.complete
         for request in finished:
@@ -164,11 +163,11 @@ class _Simulation:
             self._next_conversation(now)
 
     def _reschedule(self, replica: Replica, now: float) -> None:
-        replica.version += 1
+        self.seq += 1
+        replica.version = self.seq  # the one wake-up that counts is the one with this sequence number
         wait = replica.next_change()
         if wait is not None:
-            self.seq += 1
-            heapq.heappush(self.heap, (now + wait, self.seq, _WAKE, (replica, replica.version)))
+            heapq.heappush(self.heap, (now + wait, self.seq, _WAKE, replica))
 
     def _share_host(self, now: float, change: int) -> None:
         """A replica became busy or idle: on a shared host, every busy replica's speed changes.
@@ -177,8 +176,6 @@ class _Simulation:
         want more threads than there are cores, all of them run that much slower.
         """
         self.busy += change
-        if self.fleet.host_cores <= 0:
-            return
         factor = max(1.0, self.busy * self.fleet.replica_threads / self.fleet.host_cores)
         if factor == self.host_factor:
             return

@@ -89,7 +89,7 @@ class Replica:
         self.queue: deque[Request] = deque()
         self.active: list[Request] = []
         self.updated_at = 0.0
-        self.version = 0  # bumped at every reschedule: older wake-ups are stale
+        self.version = 0  # sequence number of the pending wake-up: older ones are stale
         self.cache = HostCache(cache_tokens)
         self.prefill_slowdown, self.decode_slowdown = cost.slowdowns(slots)
         self.draining = False  # removed from the router; finishes what it holds
