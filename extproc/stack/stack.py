@@ -195,17 +195,16 @@ class Stack:
 
     def down(self, progress: Progress = lambda _: None) -> None:
         """Stop Envoy, the router, the replicas (whole process groups); keep the logs."""
-        daemons = [_daemon(self.state.envoy), _daemon(self.state.router)]
-        daemons += [Replica.from_dict(r).process for r in self.state.replicas]
-        live = [d for d in daemons if d is not None and d.alive()]
-        progress(f"stopping {len(live)} process(es)")
-        stop([d for d in daemons if d is not None])
+        progress(f"stopping {sum(d.alive() for d in self._daemons())} process(es)")
+        stop(self._daemons())
         (Path(self.state.run_dir) / "state.json").unlink(missing_ok=True)
 
     def any_alive(self) -> bool:
-        daemons = [_daemon(self.state.envoy), _daemon(self.state.router)]
-        daemons += [Replica.from_dict(r).process for r in self.state.replicas]
-        return any(d is not None and d.alive() for d in daemons)
+        return any(d.alive() for d in self._daemons())
+
+    def _daemons(self) -> list[Daemon]:
+        found = [_daemon(self.state.envoy), _daemon(self.state.router)]
+        return [d for d in found if d is not None] + [r.process for r in self.replica_list]
 
     # -- queries
 
@@ -256,17 +255,17 @@ class Stack:
             ports = [self.state.replica_ports.get(name) or self._new_port(i)
                      for i, name in zip(range(len(current), n), names, strict=True)]
             progress(f"scaling {len(current)} -> {n}: starting {', '.join(names)}")
-            self._start_replicas(names, ports, progress)
+            self._start_replicas(names, ports, progress, port_wait=5.0)
             self._write_replica_list()
             self.save()
-            self._wait_router_knows(set(names), progress)
+            self._wait_router_knows(set(names))
         elif n < len(current):
             leaving = current[n:]
             progress(f"scaling {len(current)} -> {n}: removing {', '.join(r.name for r in leaving)}")
             self.state.replicas = [r.as_dict() for r in current[:n]]
             self._write_replica_list()
             self.save()
-            self._wait_router_forgets({r.name for r in leaving}, progress)
+            self._wait_router_forgets({r.name for r in leaving})
             _drain(leaving, drain_timeout, progress)
             replicas.stop_all(leaving)
         self.save()
@@ -345,7 +344,7 @@ class Stack:
         self.state.router = asdict(router)
         self.save()
         _wait_for(router, lambda: grpc_serving(self.state.router_address), 30.0, "the routing service")
-        self._wait_router_knows({r.name for r in self.replica_list}, progress)
+        self._wait_router_knows({r.name for r in self.replica_list})
         progress(f"routing service ({self.state.policy}) on {self.state.router_address}")
 
     def _start_envoy(self, progress: Progress) -> None:
@@ -377,11 +376,11 @@ class Stack:
         with AdminClient(self.state.router_address) as admin:
             return {r["name"] for r in admin.state()["replicas"]}
 
-    def _wait_router_knows(self, names: set[str], progress: Progress) -> None:
+    def _wait_router_knows(self, names: set[str]) -> None:
         _wait_until(lambda: names <= self._router_replicas(), 15.0,
                     f"the routing service did not pick up {sorted(names)} from replicas.json")
 
-    def _wait_router_forgets(self, names: set[str], progress: Progress) -> None:
+    def _wait_router_forgets(self, names: set[str]) -> None:
         _wait_until(lambda: not names & self._router_replicas(), 15.0,
                     f"the routing service still lists {sorted(names)}")
 
