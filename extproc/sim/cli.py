@@ -79,6 +79,8 @@ def main(args: argparse.Namespace) -> int:
         source = profile_source(args.profile) if args.profile else trace_source(
             args.trace, config.time_scale, args.limit)
         scale = parse_scale(args.scale)
+        if args.scale_at is not None and args.scale_at <= 0:
+            raise ValueError(f"--scale-at must be > 0 seconds (got {args.scale_at:g})")
     except (SettingsError, CostModelError, ProfileError, TraceError, ValueError) as exc:
         print(f"llm-ring sim: {exc}", file=sys.stderr)
         return 2

@@ -10,6 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from extproc.experiments.records import REQUESTS_FILE, RunMeta, write_records, write_run_metadata
+from extproc.experiments.run import ExperimentError
+from extproc.experiments.run import parse_policy as experiment_policy
 from extproc.routing import Router
 from extproc.settings import RoutingSettings, SettingsError, parse_routing
 from extproc.sim.costmodel import CostModel, load_cost_model
@@ -53,18 +55,12 @@ def load_sim_config(path: str | Path = SIM_CONFIG) -> SimConfig:
 
 
 def parse_policy(spec: str, base: dict[str, Any]) -> RoutingSettings:
-    """``name`` or ``name:key=value,key=value`` (values as TOML scalars) over the base knobs."""
-    name, _, overrides = spec.partition(":")
-    knobs = {**base, "policy": name}
-    for item in filter(None, overrides.split(",")):
-        key, sep, text = item.partition("=")
-        if not sep:
-            raise SettingsError(f"policy {spec!r}: expected key=value, got {item!r}")
-        try:
-            knobs[key.strip()] = tomllib.loads(f"v = {text.strip()}")["v"]
-        except tomllib.TOMLDecodeError:
-            knobs[key.strip()] = text.strip()
-    return parse_routing(knobs, source=f"policy {spec!r}")
+    """``name`` or ``name:key=value,...`` (the live runner's syntax) over the base knobs."""
+    try:
+        knobs = experiment_policy(spec).routing
+    except ExperimentError as exc:
+        raise SettingsError(str(exc)) from None
+    return parse_routing({**base, **knobs}, source=f"policy {spec!r}")
 
 
 def cache_tokens(cache_ram_mib: float, cost: CostModel) -> int:
