@@ -56,23 +56,6 @@ class CostModel:
         """(prefill, decode) slowdown tables indexed by busy-slot count 0..slots (index 0 unused)."""
         return (0.0, *_extend(self.prefill_slowdown, slots)), (0.0, *_extend(self.decode_slowdown, slots))
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "kv_bytes_per_token": self.kv_bytes_per_token,
-            "prefill": {
-                "overhead_s": self.prefill_overhead_s,
-                "per_token_s": self.prefill_per_token_s,
-                "per_token_ctx_s": self.prefill_per_token_ctx_s,
-            },
-            "decode": {"per_token_s": self.decode_per_token_s, "per_token_ctx_s": self.decode_per_token_ctx_s},
-            "concurrency": {
-                "prefill_slowdown": list(self.prefill_slowdown),
-                "decode_slowdown": list(self.decode_slowdown),
-            },
-            "measured": self.measured,
-        }
-
 
 def _extend(table: tuple[float, ...], slots: int) -> tuple[float, ...]:
     """The table for 1..slots busy slots; beyond the measured ones, continue the last step linearly."""

@@ -54,9 +54,6 @@ class HostCache:
         self._next_id = 0
         self.tokens = 0
 
-    def __len__(self) -> int:
-        return len(self._entries)
-
     def save(self, key: Hashable, blocks: tuple[int, ...] | None, tokens: int) -> None:
         if self.capacity_tokens <= 0 or tokens <= 0:
             return
