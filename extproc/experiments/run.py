@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import importlib.metadata
 import json
 import platform
@@ -131,15 +132,27 @@ def run_experiment(
     )
     by_label = {s.label: s for s in specs}
     for number, (label, seed) in enumerate(plan, start=1):
-        say(f"[{number}/{len(plan)}] {label} seed {seed}: preparing")
+        step = f"[{number}/{len(plan)}]"
+        say(f"{step} {label} seed {seed}: preparing")
         _run_one(lab, profile, profile_path, by_label[label], seed, out, scale_at, start_replicas,
-                 expected[seed], lambda text, n=number: say(f"[{n}/{len(plan)}] {text}"))  # fmt: skip
+                 expected[seed], functools.partial(_prefixed, say, step))  # fmt: skip
     if len(lab.replicas()) != start_replicas:
         lab.scale(start_replicas)
     return out
 
 
-def _check_inputs(lab, profile, policies, seeds, out, scale_at) -> list[PolicySpec]:
+def _prefixed(say: Callable[[str], None], prefix: str, text: str) -> None:
+    say(f"{prefix} {text}")
+
+
+def _check_inputs(
+    lab: Lab,
+    profile: Profile,
+    policies: Sequence[str],
+    seeds: Sequence[int],
+    out: Path,
+    scale_at: float | None,
+) -> list[PolicySpec]:
     if out.exists():
         raise ExperimentError(f"out-dir {out} already exists; choose a new folder per experiment")
     if not policies:
@@ -193,7 +206,18 @@ def warm_up(replicas: dict[str, str], timeout: float = 300.0) -> None:
             raise LabError(f"warm-up of replica {name} ({address}) failed: {exc}") from None
 
 
-def _run_one(lab, profile, profile_path, spec, seed, out, scale_at, start_replicas, expected, say):
+def _run_one(
+    lab: Lab,
+    profile: Profile,
+    profile_path: Path,
+    spec: PolicySpec,
+    seed: int,
+    out: Path,
+    scale_at: float | None,
+    start_replicas: int,
+    expected: int,
+    say: Callable[[str], None],
+) -> None:
     run_id = f"{spec.label}-s{seed}"
     run_dir = out / run_id.replace(":", "_").replace(",", "_").replace("=", "-")
     if len(lab.replicas()) != start_replicas:
