@@ -143,8 +143,11 @@ class Replica:
                 request.target = decode_clock + self.cost.decode_s(request.max_tokens, request.prompt_tokens)
                 if request.target - decode_clock <= DONE_EPSILON:
                     finished.append(request)
+        if not finished:
+            return finished
+        active = self.active
         for request in finished:
-            self.active.remove(request)
+            active.remove(request)
             request.finished_at = now
             slot = request.slot
             assert slot is not None  # every running request holds a slot
@@ -152,8 +155,9 @@ class Replica:
             slot.tokens = request.prompt_tokens + request.max_tokens
             slot.last_used = now
             request.slot = None
-        while self.queue and len(self.active) < len(self.slots):
-            self._start(self.queue.popleft(), now)
+        queue = self.queue
+        while queue and len(active) < len(self.slots):
+            self._start(queue.popleft(), now)
         return finished
 
     def _start(self, request: Request, now: float) -> None:
