@@ -128,6 +128,7 @@ def write_endpoints_file(path: str | Path, replicas: Mapping[str, str]) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".eds-", suffix=".json")
     with os.fdopen(fd, "w") as out:
         json.dump(document, out)
+    os.chmod(tmp, 0o644)  # mkstemp makes it 0600: Envoy may run as another user (Kubernetes)
     os.replace(tmp, path)
 
 

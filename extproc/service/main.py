@@ -55,7 +55,7 @@ def main(args: argparse.Namespace) -> int:
         return 2
     configure_logging(settings.service.log_level)
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(serve(settings))
+        return asyncio.run(serve(settings))
     return 0
 
 
@@ -75,7 +75,8 @@ def configure_logging(level: str) -> None:
     )
 
 
-async def serve(settings: Settings) -> None:
+async def serve(settings: Settings) -> int:
+    """Serve until SIGTERM/SIGINT (exit status 0) or until discovery fails (1)."""
     service = settings.service
     metrics = Metrics()
     gateway = Gateway(Router(settings.routing), service, metrics)
@@ -122,8 +123,10 @@ async def serve(settings: Settings) -> None:
         health.close()
         await server.stop(grace=2)
         metrics_server.shutdown()
-        with contextlib.suppress(asyncio.CancelledError):
+        with contextlib.suppress(Exception, asyncio.CancelledError):  # a failure is logged: discovery_failed
             await watcher
+    # a supervisor (Kubernetes, the stack) must see that the service gave up
+    return 1 if not watcher.cancelled() and watcher.exception() is not None else 0
 
 
 async def _follow_discovery(settings: Settings, gateway: Gateway, health: health_aio.HealthServicer) -> None:
@@ -136,7 +139,8 @@ async def _follow_discovery(settings: Settings, gateway: Gateway, health: health
             write_endpoints_file(endpoints_file, replicas)
         status = health_pb2.HealthCheckResponse.SERVING if replicas else health_pb2.HealthCheckResponse.NOT_SERVING
         await health.set(SERVICE, status)
-        log.info("replicas_changed", replicas=replicas)
+        # Not "replicas_changed": that is discovery's own event (kubernetes.py), with another shape.
+        log.info("replicas_applied", replicas=replicas)
 
 
 def _discovery_ended(task: asyncio.Task[None], stop: asyncio.Event) -> None:

@@ -78,6 +78,7 @@ def test_endpoints_file_is_replaced_atomically(tmp_path: Path) -> None:
     endpoints = document["resources"][0]["endpoints"][0]["lb_endpoints"]
     assert [e["endpoint"]["address"]["socket_address"]["port_value"] for e in endpoints] == [1, 2]
     assert [p.name for p in tmp_path.iterdir()] == ["replicas.json"]  # no temporary left behind
+    assert path.stat().st_mode & 0o777 == 0o644  # Envoy may run as another user (Kubernetes)
 
 
 def test_split_host_port() -> None:

@@ -5,12 +5,15 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from extproc.discovery import ReplicaListError, checked_replicas, make_discovery
 from extproc.discovery.file import FileDiscovery
+from extproc.service.processes import REFERENCE_SETTINGS, free_port, service_env, static_discovery
 from extproc.settings import DiscoverySettings
 
 
@@ -88,3 +91,16 @@ def test_a_broken_file_keeps_the_last_good_list(tmp_path: Path) -> None:
     path.write_text(json.dumps({"llm-0": "nowhere"}))
     assert FileDiscovery(path, 1.0)._read(good) == good
     assert FileDiscovery(path, 1.0)._read(None) == {}
+
+
+@pytest.mark.live
+def test_the_service_exits_non_zero_when_discovery_fails(tmp_path: Path) -> None:
+    """A supervisor (Kubernetes, the stack) must see that the service gave up."""
+    discovery = static_discovery({"llm-0": "not-an-ip:80"})
+    env = {**os.environ, **service_env(f"127.0.0.1:{free_port()}", tmp_path / "eds" / "replicas.json", discovery)}
+    command = [sys.executable, "-m", "extproc.cli", "serve", "--config", str(REFERENCE_SETTINGS)]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=30)
+    assert result.returncode == 1, result.stdout + result.stderr
+    events = [json.loads(line)["event"] for line in result.stdout.splitlines() if line.startswith("{")]
+    assert events[-2:] == ["discovery_failed", "service_stopping"]
+    assert "Traceback" not in result.stderr
