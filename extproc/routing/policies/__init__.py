@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 from extproc.routing.decision import Decision
@@ -22,8 +23,8 @@ class Policy(Protocol):
         ...
 
 
-POLICIES: dict[str, type[Policy]] = {
-    cls.name: cls for cls in (RoundRobin, ModN, Consistent, Bounded, LlmAware)  # type: ignore[misc]
+POLICIES: dict[str, Callable[[RoutingSettings], Policy]] = {
+    cls.name: cls for cls in (RoundRobin, ModN, Consistent, Bounded, LlmAware)
 }
 
 
