@@ -361,6 +361,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     try:
         profile = load_traffic_profile(args.profile)
+        for policy in args.policies:  # input errors before touching any lab
+            parse_policy(policy)
         lab = connect_lab(args.gateway, args.admin, args.run_dir)
         out = run_experiment(lab, profile, args.policies, args.seeds, args.out_dir, args.scale_at)
     except (ProfileError, ExperimentError, LabError) as exc:
