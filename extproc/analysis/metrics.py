@@ -223,12 +223,12 @@ def summary(con: duckdb.DuckDBPyConnection) -> dict[str, dict[str, dict[str, Any
     for policy, values in pooled.items():
         mine = [run for run in runs if run["policy"] == policy]
         out[policy] = {
-            metric.name: _spread(values[metric.name], [run[metric.name] for run in mine]) for metric in METRICS
+            metric.name: spread(values[metric.name], [run[metric.name] for run in mine]) for metric in METRICS
         }
     return out
 
 
-def _spread(value: Any, per_run_values: list[Any]) -> dict[str, Any]:
+def spread(value: Any, per_run_values: list[Any]) -> dict[str, Any]:
     xs = [float(x) for x in per_run_values if x is not None]
     n = len(xs)
     mean = sum(xs) / n if n else None

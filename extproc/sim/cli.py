@@ -15,7 +15,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from extproc.analysis.metrics import METRICS, Metric, _spread, connect, per_run, summary
+from extproc.analysis.metrics import METRICS, Metric, connect, per_run, spread, summary
 from extproc.analysis.report import SUMMARY_FILE, build_report, format_value, render_markdown
 from extproc.settings import SettingsError
 from extproc.sim.costmodel import CostModelError, load_cost_model
@@ -149,7 +149,7 @@ def paired_differences(runs: list[dict[str, Any]], policies: list[str]) -> dict[
     out = {}
     for policy in policies[1:]:
         out[f"{policy} - {policies[0]}"] = {
-            metric.name: _spread(None, [
+            metric.name: spread(None, [
                 by[(policy, seed)][metric.name] - base[metric.name]
                 for (name, seed), base in by.items()
                 if name == policies[0] and (policy, seed) in by
