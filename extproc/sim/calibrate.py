@@ -109,7 +109,9 @@ def calibrate(client: httpx.Client, args: argparse.Namespace) -> dict[str, Any]:
         log(f"decode after {decode[-1][0]} tok: {1 / decode[-1][1]:.1f} tok/s")
     (ctx_a, per_a), (ctx_b, per_b) = decode
     per_tok_ctx = max(0.0, (per_b - per_a) / (ctx_b - ctx_a)) if ctx_b > ctx_a else 0.0
-    per_tok = max(0.0, per_a - ctx_a * per_tok_ctx)
+    per_tok = per_a - ctx_a * per_tok_ctx
+    if per_tok <= 0:  # noise made the context slope swallow the base cost: keep a flat per-token cost
+        per_tok_ctx, per_tok = 0.0, min(per_a, per_b)
 
     slots = args.slots
     decode_slow = _concurrency(client, rng, slots, args.repeats, 16, args.decode_tokens,
