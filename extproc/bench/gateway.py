@@ -6,7 +6,9 @@ Envoy + a do-nothing Python ext_proc server speaking the same protocol (the floo
 grpc.aio ext_proc pays: extproc.service.stub_processor), Envoy + ext_proc (`llm-ring serve`,
 llm-aware policy, route_decision logs to a file). At each
 concurrency, closed-loop keep-alive clients send chat requests for a fixed time; the table
-shows p50/p99 latency, req/s, and the latency ext_proc adds over Envoy alone.
+shows p50/p99 latency, req/s, and the latency ext_proc adds over Envoy alone, then the CPU
+time each process spent per request (from /proc: unlike latency, barely moved by other work
+on a busy machine, so it is the figure to compare between runs and changes).
 Everything shares this machine's cores: the client's own cost is in every column alike.
 """
 
@@ -39,6 +41,7 @@ TARGET_ADDED_P50_MS = 1.0
 TARGET_ADDED_P99_MS = 5.0
 TARGET_RPS = 1500.0
 MODES = ("direct", "envoy", "envoy+stub_ext_proc", "envoy+ext_proc")
+WARMUP_SECONDS = 0.5
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -74,10 +77,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
         service_listen = f"127.0.0.1:{free_port()}"
         env = service_env(service_listen, endpoints, static_discovery(replicas))
-        started.append(start_service(workdir / "service", env))
+        service = start_service(workdir / "service", env)
+        started.append(service)
         stub_processor = start_stub_processor(free_port(), replicas["stub-0"], workdir / "stub_processor")
         started.append(stub_processor)
         targets = {"direct": ports}
+        processes: dict[str, dict[str, Running]] = {
+            "direct": {},
+            "envoy+stub_ext_proc": {"ext_proc": stub_processor},
+            "envoy+ext_proc": {"ext_proc": service},
+        }
         for mode, ext_proc in (
             ("envoy", None),
             ("envoy+stub_ext_proc", stub_processor.address),
@@ -86,10 +95,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             envoy = start_gateway_envoy(workdir / mode, ext_proc, endpoints, False, args_envoy_concurrency(args))
             started.append(envoy)
             targets[mode] = [split_host_port(envoy.listen)[1]]
+            processes.setdefault(mode, {})["envoy"] = envoy
         cells = []
         for level in concurrency:
             for mode in MODES:
+                before = {name: cpu_seconds(running) for name, running in processes[mode].items()}
                 cell = asyncio.run(load(targets[mode], level, seconds, conversations))
+                for name, running in processes[mode].items():
+                    # the warm-up's requests are not counted: charge its share of the CPU time
+                    spent = (cpu_seconds(running) - before[name]) * seconds / (seconds + WARMUP_SECONDS)
+                    cell[f"{name}_cpu_us_per_request"] = round(spent / max(cell["requests"], 1) * 1e6, 1)
                 cells.append({"mode": mode, "concurrency": level, **cell})
                 _progress(
                     f"{mode:>15} c={level:<3} p50={cell['p50_ms']:.3f} ms p99={cell['p99_ms']:.3f} ms "
@@ -101,6 +116,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             running.stop()
         if not getattr(args, "keep", False):
             shutil.rmtree(workdir, ignore_errors=True)
+
+
+def cpu_seconds(running: Running) -> float:
+    """User + system CPU time of a process so far (Linux /proc)."""
+    fields = Path(f"/proc/{running.process.pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def args_envoy_concurrency(args: argparse.Namespace) -> int:
@@ -171,6 +192,14 @@ def render_table(result: dict[str, Any]) -> str:
         f"added p99 <= {targets['added_p99_ms']} ms ({'met' if met['added_p99'] else 'MISSED'}) at c={levels[0]}; "
         f">= {targets['ext_proc_rps']:.0f} req/s through ext_proc ({'met' if met['rps'] else 'MISSED'})"
     )
+    lines.append("CPU per request, us (envoy / ext_proc process):")
+    for level in levels:
+        parts = []
+        for mode in MODES[1:]:
+            cell = by[(mode, level)]
+            ext_proc = cell.get("ext_proc_cpu_us_per_request")
+            parts.append(f"{mode} {cell['envoy_cpu_us_per_request']:.0f}" + (f" / {ext_proc:.0f}" if ext_proc else ""))
+        lines.append(f"{level:>4} | " + " | ".join(parts))
     lines.append(f"machine: {result['cpus']} CPUs, 1-minute load average {result['load_average_1m']} at the end")
     errors = sum(cell["errors"] for cell in result["cells"])
     if errors:
@@ -204,7 +233,7 @@ def _requests(conversations: int) -> list[bytes]:
 async def load(ports: list[int], connections: int, seconds: float, conversations: int) -> dict[str, Any]:
     """Closed loop: each connection sends its next request as soon as the previous answer is read."""
     requests = _requests(conversations)
-    warmup_end = time.perf_counter() + 0.5
+    warmup_end = time.perf_counter() + WARMUP_SECONDS
     end = warmup_end + seconds
     latencies: list[int] = []
     errors = [0]

@@ -20,6 +20,7 @@ event of a ``text/event-stream`` body that carries them.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -143,11 +144,40 @@ def parse_timings(body: bytes, event_stream: bool) -> Timings | None:
     return _timings_from_json(body)
 
 
+# What Envoy copies from a JSON answer into dynamic metadata for the access log (its
+# json_to_metadata filter; see envoy.py): metadata key -> path in the body.
+RESPONSE_METADATA: dict[str, tuple[str, ...]] = {
+    **{name: ("timings", name) for name in ("cache_n", "prompt_n", "prompt_ms", "predicted_n", "predicted_ms")},
+    "cached_tokens": ("usage", "prompt_tokens_details", "cached_tokens"),
+    "prompt_tokens": ("usage", "prompt_tokens"),
+    "completion_tokens": ("usage", "completion_tokens"),
+}
+
+
+def timings_from_metadata(values: Mapping[str, Any]) -> Timings | None:
+    """Timings from the values Envoy extracted (RESPONSE_METADATA keys; numbers arrive as floats)."""
+    data: dict[str, Any] = {}
+    for key, path in RESPONSE_METADATA.items():
+        if key in values:
+            value = values[key]
+            if isinstance(value, float) and value.is_integer() and not key.endswith("_ms"):
+                value = int(value)
+            node = data
+            for step in path[:-1]:
+                node = node.setdefault(step, {})
+            node[path[-1]] = value
+    return _timings_from_data(data) if data else None
+
+
 def _timings_from_json(text: bytes) -> Timings | None:
     try:
         data = orjson.loads(text)
     except orjson.JSONDecodeError:
         return None
+    return _timings_from_data(data)
+
+
+def _timings_from_data(data: Any) -> Timings | None:
     if not isinstance(data, dict):
         return None
     timings = data.get("timings")

@@ -6,11 +6,17 @@ Request path, in filter order:
      the buffered body -> the service picks a replica and answers: sets
      ``x-gateway-destination-endpoint`` (ordered fallbacks, comma-separated) and ``envoy.lb``
      metadata, clears the route cache; nothing of the response is sent to it;
-  3. ext_proc "observe" (``observability_mode``: Envoy never waits for it): the streamed
-     response body, from which the service reads llama.cpp's timings;
-  4. router -> cluster ``replicas`` with the Override Host load-balancing policy: the first
+  3. ext_proc "observe" (``observability_mode``: Envoy never waits for it), for streamed
+     (SSE) answers only: the response body, from whose last events the service reads
+     llama.cpp's timings. The service marks such requests with ``x-llm-ring-observe`` and
+     clears the route cache: the route that matches that header enables the filter, the
+     others disable it (an ext_proc stream costs the service ~0.5 ms of CPU here);
+  4. json_to_metadata "timings": a JSON answer's timings/usage numbers -> dynamic metadata;
+  5. router -> cluster ``replicas`` with the Override Host load-balancing policy: the first
      endpoint of the header, the next ones on retries, round robin when the header is absent
      (fail-open, ext_proc down).
+Every request's outcome (status, the upstream that served it, reset flags, those timings)
+reaches the service through Envoy's gRPC access log, batched on one long-lived stream.
 The route adds ``x-routed-to``/``x-route-reason`` to the response from the request headers the
 service set (``%REQ(..)%``), so the response needs no round trip to the service at all.
 """
@@ -25,14 +31,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from extproc.service.bodies import RESPONSE_METADATA
+
 DESTINATION = "x-gateway-destination-endpoint"
 SERVED = "x-gateway-destination-endpoint-served"
 ROUTED_TO = "x-routed-to"
 ROUTE_REASON = "x-route-reason"
 REQUEST_ID = "x-request-id"
+OBSERVE = "x-llm-ring-observe"  # set by the service on streamed requests: observe the answer
 ROUTED_PATHS = ("/v1/chat/completions", "/v1/completions", "/completion")
 CLUSTER = "replicas"
 EXT_PROC_CLUSTER = "ext_proc"
+METADATA_NAMESPACE = "llm-ring"  # where the timings of a JSON answer land (json_to_metadata)
 _T = "type.googleapis.com/"
 
 
@@ -161,6 +171,7 @@ def _http_connection_manager(
             "request_timeout": "0s",
             "stream_idle_timeout": "300s",
             "route_config": _route_config(retries),
+            **({"access_log": [_access_log()]} if with_ext_proc else {}),
             # Envoy's own 413 (body over the buffer limit) in the same JSON shape as ours.
             "local_reply_config": {
                 "mappers": [
@@ -184,6 +195,7 @@ def _http_connection_manager(
             "http_filters": [
                 _strip_client_routing_headers(),
                 *(ext_proc if with_ext_proc else []),
+                *([_timings_to_metadata()] if with_ext_proc else []),
                 {
                     "name": "envoy.filters.http.router",
                     "typed_config": {"@type": _T + "envoy.extensions.filters.http.router.v3.Router"},
@@ -198,7 +210,9 @@ def _strip_client_routing_headers() -> dict[str, Any]:
         "name": "strip-client-routing-headers",
         "typed_config": {
             "@type": _T + "envoy.extensions.filters.http.header_mutation.v3.HeaderMutation",
-            "mutations": {"request_mutations": [{"remove": name} for name in (DESTINATION, ROUTED_TO, ROUTE_REASON)]},
+            "mutations": {
+                "request_mutations": [{"remove": name} for name in (DESTINATION, ROUTED_TO, ROUTE_REASON, OBSERVE)]
+            },
         },
     }
 
@@ -247,19 +261,66 @@ def _ext_proc_filter(name: str, fail_open: bool, timeout_ms: int, observe: bool)
     return {"name": f"ext_proc.{name}", "typed_config": config}
 
 
+def _timings_to_metadata() -> dict[str, Any]:
+    """A JSON answer's timings (RESPONSE_METADATA) -> dynamic metadata, for the access log.
+    Only application/json answers are read (SSE passes through untouched)."""
+    rules = [
+        {
+            "selectors": [{"key": step} for step in path],
+            "on_present": {"metadata_namespace": METADATA_NAMESPACE, "key": key},
+        }
+        for key, path in RESPONSE_METADATA.items()
+    ]
+    return {
+        "name": "timings",
+        "typed_config": {
+            "@type": _T + "envoy.extensions.filters.http.json_to_metadata.v3.JsonToMetadata",
+            # llama.cpp's server adds a charset; the filter compares the whole header value
+            "response_rules": {
+                "rules": rules,
+                "allow_content_types": ["application/json", "application/json; charset=utf-8"],
+            },
+        },
+    }
+
+
+def _access_log() -> dict[str, Any]:
+    """Each request's outcome to the service over gRPC, batched (one message carries many
+    entries) on one long-lived stream: cheaper than an ext_proc stream per response."""
+    return {
+        "name": "envoy.access_loggers.http_grpc",
+        "typed_config": {
+            "@type": _T + "envoy.extensions.access_loggers.grpc.v3.HttpGrpcAccessLogConfig",
+            "common_config": {
+                "log_name": "llm-ring",
+                "grpc_service": {"envoy_grpc": {"cluster_name": EXT_PROC_CLUSTER}},
+                "transport_api_version": "V3",
+                "buffer_flush_interval": "0.02s",
+                "buffer_size_bytes": 16384,
+            },
+        },
+    }
+
+
 def _route_config(retries: int) -> dict[str, Any]:
     """POST on a routed path -> the replicas (the service's pick; round robin when the service
-    is down and fail_open is set); another method -> 405; another path -> 404."""
+    is down and fail_open is set), the answer observed only when the service asked for it;
+    another method -> 405; another path -> 404."""
     post = {"name": ":method", "string_match": {"exact": "POST"}}
+    observe = {"name": OBSERVE, "present_match": True}
+    no_observer = {"ext_proc.observe": {"@type": _EXT_PROC_PER_ROUTE, "disabled": True}}
     routes: list[dict[str, Any]] = []
     for path in ROUTED_PATHS:
-        routes.append(
-            {
-                "match": {"path": path, "headers": [post]},
-                "route": _to_replicas(retries),
-                "response_headers_to_add": _response_headers(),
-            }
-        )
+        for headers, per_filter in (([post, observe], {}), ([post], no_observer)):
+            routes.append(
+                {
+                    "match": {"path": path, "headers": headers},
+                    "route": _to_replicas(retries),
+                    "request_headers_to_remove": [OBSERVE],
+                    "response_headers_to_add": _response_headers(),
+                    **({"typed_per_filter_config": per_filter} if per_filter else {}),
+                }
+            )
         routes.append(_local_reply({"path": path}, 405, f"method not allowed: {path} takes POST"))
     routes.append(_local_reply({"prefix": "/"}, 404, "unknown path: the gateway routes " + ", ".join(ROUTED_PATHS)))
     return {"name": "llm", "virtual_hosts": [{"name": "llm", "domains": ["*"], "routes": routes}]}
@@ -291,8 +352,11 @@ def _response_headers() -> list[dict[str, Any]]:
     ]
 
 
+_EXT_PROC_PER_ROUTE = _T + "envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute"
+
+
 def _local_reply(match: dict[str, Any], status: int, message: str) -> dict[str, Any]:
-    disabled = {"@type": _T + "envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute", "disabled": True}
+    disabled = {"@type": _EXT_PROC_PER_ROUTE, "disabled": True}
     return {
         "match": match,
         "direct_response": {"status": status, "body": {"inline_string": json.dumps({"error": message})}},

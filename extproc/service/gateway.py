@@ -1,15 +1,17 @@
 """The gateway's state and per-request logic, between the gRPC streams and the routing core.
 
-One HTTP request meets the service twice, on two ext_proc streams (see envoy.py):
+One HTTP request meets the service on (see envoy.py):
   - the *route* stream: the request headers with attributes (path, id, content type,
     x-conversation-id, x-turn), then the buffered body -> ``decide`` -> the answer,
-    pre-serialized and cached per (replica, reason) so the hot path builds no protobuf;
-    Envoy ends this stream when the HTTP request ends (done, failed or abandoned);
-  - the *observe* stream: the response body chunks (the first with status and the upstream
-    that served), never answered -> ``observe_*``.
+    pre-serialized and cached per (replica, reason, streamed) so the hot path builds no
+    protobuf; Envoy ends this stream when the HTTP request ends (done, failed or abandoned);
+  - a JSON answer: Envoy's access log entry (status, the upstream that served, reset flags,
+    the timings Envoy copied from the body) -> ``access_logged``;
+  - a streamed (SSE) answer: the *observe* stream, the response body chunks (the first with
+    status and the upstream that served), never answered -> ``observe_*``.
 They meet in ``pending`` by request id. The load is released exactly once, in ``_finish``,
-when the route stream has ended and the observer has seen the end of the response, or
-``observe_grace`` after the route stream ended (abandoned requests never show an end).
+when the route stream has ended and the end of the response was seen, or ``observe_grace``
+after the route stream ended (abandoned requests never show an end).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from google.protobuf import struct_pb2
 
 from extproc.routing import Decision, Router, RouteRequest, estimate_tokens
 from extproc.service.bodies import BadRequest, Timings, parse_request, parse_timings
-from extproc.service.envoy import DESTINATION, ROUTE_REASON, ROUTED_TO
+from extproc.service.envoy import DESTINATION, OBSERVE, ROUTE_REASON, ROUTED_TO
 from extproc.service.metrics import Metrics
 from extproc.settings import ServiceSettings
 
@@ -58,6 +60,7 @@ class Pending:
     response_done: bool = False
     chunks: deque[bytes] = field(default_factory=deque)
     size: int = 0
+    timings: Timings | None = None  # from the access log (JSON answers)
     timer: asyncio.TimerHandle | None = None
 
 
@@ -77,7 +80,7 @@ class Gateway:
         self.unhealthy: set[str] = set()
         self.pending: dict[str, Pending] = {}
         self.decisions = 0
-        self._answers: dict[tuple[str, str], bytes] = {}
+        self._answers: dict[tuple[str, str, bool], bytes] = {}
         self._sequence = 0
 
     # ------------------------------------------------------------------ replicas
@@ -130,10 +133,10 @@ class Gateway:
             request, decision, self.endpoints[decision.replica], path, turn, parsed.stream, started
         )
         self.metrics.decision_seconds.observe(time.perf_counter() - started)
-        key = (decision.replica, decision.reason)
+        key = (decision.replica, decision.reason, parsed.stream)
         answer = self._answers.get(key)
         if answer is None:
-            answer = self._answers[key] = self._route_answer(decision.replica, decision.reason)
+            answer = self._answers[key] = self._route_answer(*key)
         if unique_id != request_id:
             answer += _more_headers([header_option("x-request-id", unique_id)])
         return unique_id, answer
@@ -149,6 +152,21 @@ class Gateway:
         else:  # the observer's last message may still be on its way
             grace = self.settings.observe_grace_ms / 1000
             pending.timer = asyncio.get_running_loop().call_later(grace, self._finish, request_id)
+
+    # ------------------------------------------------------------------ access log
+
+    def access_logged(self, request_id: str, status: int, served: str, cut_off: bool, timings: Timings | None) -> None:
+        """Envoy's access log entry for a request: its answer is over. Streamed answers are
+        left to the observer (their timings are in the body's last events); cut_off: the
+        client went away, or the upstream broke off a started answer (ends as abandoned)."""
+        pending = self.pending.get(request_id)
+        if pending is None or pending.stream:
+            return
+        pending.status = status
+        pending.served = served
+        pending.timings = timings
+        if not cut_off:
+            self._response_done(request_id, pending)
 
     # ------------------------------------------------------------------ observe stream
 
@@ -208,7 +226,7 @@ class Gateway:
         if failed_over or (pending.response_done and pending.status in (502, 503) and not pending.served):
             self.metrics.errors.labels("replica_failed").inc()
             self.mark_unhealthy(decision.replica)
-        timings = None
+        timings = pending.timings
         if pending.response_done and pending.chunks:
             timings = parse_timings(b"".join(pending.chunks), pending.event_stream)
         if timings is not None and timings.cache_n is not None:
@@ -264,21 +282,21 @@ class Gateway:
         self._sequence += 1  # absent or reused by a client: make it unique
         return f"{from_envoy or 'llm-ring'}-{self._sequence}"
 
-    def _route_answer(self, replica: str, reason: str) -> bytes:
-        """Envoy's answer for a pick: destination (+ fallbacks) in header and metadata."""
+    def _route_answer(self, replica: str, reason: str, streamed: bool) -> bytes:
+        """Envoy's answer for a pick: destination (+ fallbacks) in header and metadata; a
+        streamed answer is marked to be observed (envoy.py routes on that header)."""
         names = sorted(self.endpoints)
         start = names.index(replica)
         fallbacks = [n for n in names[start + 1 :] + names[:start] if n not in self.unhealthy]
         endpoints = ",".join(
             [self.endpoints[replica]] + [self.endpoints[n] for n in fallbacks[: self.settings.fallbacks]]
         )
-        mutation = pb.HeaderMutation(
-            set_headers=[
-                header_option(DESTINATION, endpoints),
-                header_option(ROUTED_TO, replica),
-                header_option(ROUTE_REASON, reason),
-            ]
-        )
+        headers = [
+            header_option(DESTINATION, endpoints),
+            header_option(ROUTED_TO, replica),
+            header_option(ROUTE_REASON, reason),
+        ]
+        mutation = pb.HeaderMutation(set_headers=headers + ([header_option(OBSERVE, "1")] if streamed else []))
         metadata = struct_pb2.Struct()
         metadata.get_or_create_struct("envoy.lb")[DESTINATION] = endpoints
         return pb.ProcessingResponse(

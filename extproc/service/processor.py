@@ -1,4 +1,5 @@
-"""The ExternalProcessor gRPC servicer: one stream per HTTP request and filter.
+"""The gRPC servicers Envoy talks to: ExternalProcessor (one stream per HTTP request and
+filter) and the access log service (one long-lived stream per Envoy worker, batched entries).
 
 Responses are written as pre-serialized bytes (the method's serializer passes bytes
 through), so the hot path allocates no response protobufs. A stream whose first message is
@@ -12,12 +13,17 @@ from typing import Any
 
 import grpc
 import structlog
+from envoy.data.accesslog.v3 import accesslog_pb2
+from envoy.service.accesslog.v3 import als_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
+from extproc.service.bodies import timings_from_metadata
+from extproc.service.envoy import METADATA_NAMESPACE
 from extproc.service.gateway import Gateway, immediate
 
 log = structlog.get_logger("extproc.service")
 SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
+ACCESS_LOG_SERVICE = "envoy.service.accesslog.v3.AccessLogService"
 ATTRIBUTES = "envoy.filters.http.ext_proc"  # the key Envoy files CEL attributes under
 EMPTY_BODY = immediate(400, "empty body: expected a JSON object")
 HEADERS_CONTINUE = pb.ProcessingResponse(request_headers=pb.HeadersResponse()).SerializeToString()
@@ -35,6 +41,46 @@ def handler(gateway: Gateway) -> grpc.GenericRpcHandler:
             )
         },
     )
+
+
+def access_log_handler(gateway: Gateway) -> grpc.GenericRpcHandler:
+    async def stream_access_logs(requests: Any, _context: grpc.aio.ServicerContext) -> bytes:
+        async for message in requests:
+            for entry in message.http_logs.log_entry:
+                _access_logged(gateway, entry)
+        return b""  # an empty StreamAccessLogsResponse
+
+    return grpc.method_handlers_generic_handler(
+        ACCESS_LOG_SERVICE,
+        {
+            "StreamAccessLogs": grpc.stream_unary_rpc_method_handler(
+                stream_access_logs,
+                request_deserializer=als_pb2.StreamAccessLogsMessage.FromString,
+                response_serializer=_as_bytes,
+            )
+        },
+    )
+
+
+def _access_logged(gateway: Gateway, entry: accesslog_pb2.HTTPAccessLogEntry) -> None:
+    common = entry.common_properties
+    flags = common.response_flags
+    status = entry.response.response_code.value
+    # The client went away, or the upstream broke off an answer it had started.
+    cut_off = (
+        flags.downstream_connection_termination
+        or flags.downstream_remote_reset
+        or (200 <= status < 300 and (flags.upstream_connection_termination or flags.upstream_remote_reset))
+    )
+    upstream = common.upstream_remote_address.socket_address
+    served = f"{upstream.address}:{upstream.port_value}" if upstream.address else ""
+    extracted = common.metadata.filter_metadata.get(METADATA_NAMESPACE)
+    timings = None
+    if extracted is not None:
+        timings = timings_from_metadata(
+            {key: value.number_value for key, value in extracted.fields.items() if value.HasField("number_value")}
+        )
+    gateway.access_logged(entry.request.request_id, status, served, bool(cut_off), timings)
 
 
 def _as_bytes(message: bytes) -> bytes:

@@ -1,8 +1,9 @@
 """A do-nothing ext_proc server speaking the gateway's protocol, for the benchmark's floor.
 
 It answers like `llm-ring serve` (continue the headers, then one fixed pick for the body,
-stream kept open until Envoy ends it; observer streams read to the end) but routes nothing,
-logs nothing and counts nothing: Envoy + this = what Envoy + Python grpc.aio cost alone.
+stream kept open until Envoy ends it; observer streams and access log streams read to the
+end) but routes nothing, logs nothing and counts nothing: Envoy + this = what Envoy + Python
+grpc.aio cost alone.
 Run: python -m extproc.service.stub_processor PORT ENDPOINT
 """
 
@@ -14,12 +15,13 @@ import sys
 from typing import Any
 
 import grpc
+from envoy.service.accesslog.v3 import als_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from google.protobuf import struct_pb2
 
 from extproc.service.envoy import DESTINATION, ROUTE_REASON, ROUTED_TO
 from extproc.service.gateway import header_option
-from extproc.service.processor import HEADERS_CONTINUE, SERVICE
+from extproc.service.processor import ACCESS_LOG_SERVICE, HEADERS_CONTINUE, SERVICE
 
 
 def answer(endpoint: str) -> bytes:
@@ -55,11 +57,25 @@ async def serve(port: int, endpoint: str) -> None:
         with contextlib.suppress(grpc.aio.AioRpcError, asyncio.CancelledError):
             await context.read()
 
+    async def access_logs(requests: Any, _context: grpc.aio.ServicerContext) -> bytes:
+        async for message in requests:
+            for entry in message.http_logs.log_entry:
+                entry.request.request_id  # noqa: B018 - touch what the service reads
+        return b""
+
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     handler = grpc.stream_stream_rpc_method_handler(
         process, request_deserializer=pb.ProcessingRequest.FromString, response_serializer=lambda b: b
     )
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {"Process": handler}),))
+    log_handler = grpc.stream_unary_rpc_method_handler(
+        access_logs, request_deserializer=als_pb2.StreamAccessLogsMessage.FromString, response_serializer=lambda b: b
+    )
+    server.add_generic_rpc_handlers(
+        (
+            grpc.method_handlers_generic_handler(SERVICE, {"Process": handler}),
+            grpc.method_handlers_generic_handler(ACCESS_LOG_SERVICE, {"StreamAccessLogs": log_handler}),
+        )
+    )
     server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()
     print(f"stub ext_proc on 127.0.0.1:{port} -> {endpoint}", flush=True)

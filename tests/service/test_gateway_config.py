@@ -60,7 +60,13 @@ def test_client_routing_headers_are_stripped_before_ext_proc(tmp_path: Path) -> 
     config = json.loads(render(tmp_path))
     manager = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
     names = [f["name"] for f in manager["http_filters"]]
-    assert names == ["strip-client-routing-headers", "ext_proc.route", "ext_proc.observe", "envoy.filters.http.router"]
+    assert names == [
+        "strip-client-routing-headers",
+        "ext_proc.route",
+        "ext_proc.observe",
+        "timings",
+        "envoy.filters.http.router",
+    ]
     removed = [m["remove"] for m in manager["http_filters"][0]["typed_config"]["mutations"]["request_mutations"]]
     assert DESTINATION in removed
     route, observe = (f["typed_config"] for f in manager["http_filters"][1:3])

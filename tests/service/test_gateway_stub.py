@@ -216,6 +216,26 @@ def test_dead_replica_fails_over_and_is_avoided_until_healthy(stubs: tuple[list[
         assert gw.wait_idle()["in_flight_requests"] == 0
 
 
+def test_only_streamed_requests_open_an_observer_stream(gw: Gateway) -> None:
+    """JSON answers reach the service through the access log (status, served, timings); the
+    observer's ext_proc stream, the costliest part per request, is opened for streamed ones."""
+    before = _observer_streams(gw)
+    plain = post(gw.url + URL, chat("plain"), {"x-conversation-id": "obs-1"})
+    streamed = post(gw.url + URL, chat("streamed", stream=True), {"x-conversation-id": "obs-2"})
+    assert plain.status_code == streamed.status_code == 200
+    assert _observer_streams(gw) - before == 1
+    for reply in (plain, streamed):  # the stub answers both with JSON timings
+        record = _decision(gw, reply.headers["x-request-id"])
+        assert record["outcome"] == "ok" and record["cache_n"] == 3 and record["prompt_n"] == 5
+        assert record["served"] == reply.headers["x-gateway-destination-endpoint-served"]
+    assert _decision(gw, streamed.headers["x-request-id"])["stream"] is True
+
+
+def _observer_streams(gw: Gateway) -> int:
+    stats = httpx.get(f"http://{gw.running[1].address}/stats?filter=ext_proc.observe.streams_started").text
+    return int(stats.split(":")[-1]) if stats.strip() else 0
+
+
 def _decision(gw: Gateway, request_id: str, timeout: float = 3.0) -> dict:
     deadline = time.monotonic() + timeout
     while True:
