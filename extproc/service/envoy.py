@@ -258,6 +258,9 @@ def _ext_proc_filter(name: str, fail_open: bool, timeout_ms: int, observe: bool)
         config["response_attributes"] = list(RESPONSE_ATTRIBUTES)
     else:
         config["request_attributes"] = list(REQUEST_ATTRIBUTES)
+        # Envoy drops the dynamic metadata an ext_proc answer carries unless its namespace is
+        # listed (checked on 1.40): without this the envoy.lb copy of the pick never lands.
+        config["metadata_options"] = {"receiving_namespaces": {"untyped": ["envoy.lb"]}}
     return {"name": f"ext_proc.{name}", "typed_config": config}
 
 

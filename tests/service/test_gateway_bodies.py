@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from extproc.service.bodies import BadRequest, parse_request, parse_timings
+from extproc.service.bodies import RESPONSE_METADATA, BadRequest, parse_request, parse_timings, timings_from_metadata
 
 CHAT = "/v1/chat/completions"
 text = st.text(min_size=1, max_size=200)
@@ -104,3 +104,27 @@ def test_timings_from_json_and_from_the_last_sse_event() -> None:
     assert parse_timings(b'{"content": "no timings"}', False) is None
     assert parse_timings(b"data: {broken\n\n", True) is None
     assert parse_timings(b"<html>", False) is None
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {
+            "content": "x",
+            "timings": {"cache_n": 7, "prompt_n": 3, "prompt_ms": 2.5, "predicted_n": 4, "predicted_ms": 9.0},
+        },
+        {"usage": {"prompt_tokens": 10, "completion_tokens": 2, "prompt_tokens_details": {"cached_tokens": 6}}},
+        {"content": "no timings"},
+    ],
+)
+def test_timings_from_envoys_metadata_equal_those_read_from_the_body(body: dict) -> None:
+    """What json_to_metadata copies (RESPONSE_METADATA paths; numbers become floats in a
+    protobuf Struct) gives the same Timings as parsing the JSON body itself."""
+    extracted = {}
+    for key, path in RESPONSE_METADATA.items():
+        node = body
+        for step in path:
+            node = node.get(step, {}) if isinstance(node, dict) else {}
+        if isinstance(node, int | float):
+            extracted[key] = float(node)
+    assert timings_from_metadata(extracted) == parse_timings(json.dumps(body).encode(), event_stream=False)
