@@ -19,6 +19,9 @@ from extproc.routing.ring import HashRing
 from extproc.settings import RoutingSettings
 
 
+_NOTHING: frozenset[str] = frozenset()
+
+
 class Router:
     def __init__(self, settings: RoutingSettings, replicas: Iterable[str] = ()) -> None:
         self.settings = settings
@@ -51,7 +54,7 @@ class Router:
         """Pick a replica for ``request`` and charge it; None when no replica is eligible."""
         if request.request_id in self._in_flight:
             raise ValueError(f"request {request.request_id!r} is already in flight")
-        avoided = frozenset(avoid)
+        avoided = frozenset(avoid) if avoid else _NOTHING
         placement = self.memory.get(request.conversation)
         if placement is not None and (placement.replica not in self.ledger.loads("requests")
                                       or placement.replica in avoided):
