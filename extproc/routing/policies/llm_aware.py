@@ -70,9 +70,9 @@ class LlmAware:
             self.name, request.prompt_tokens, request.max_tokens, unit="tokens", home=home,
             preferred=preferred, preferred_by="memory" if by_memory else "ring",
             remembered=cached_on, remembered_tokens=placement.prompt_tokens if placement else None,
-            cached_tokens=situation.cached_tokens_on(preferred), preferred_cost=preferred_cost,
+            cached_tokens=cached_tokens if preferred == cached_on else 0, preferred_cost=preferred_cost,
             loads=situation.load_items("tokens"), total=total, average=average, cap=cap,
             long_cap=long_cap, long_threshold=self.long_prompt_tokens if long_cap is not None else None,
             checks=checks,
         )
-        return Decision(chosen, reason, cost, cost, situation.cached_tokens_on(chosen), trace)
+        return Decision(chosen, reason, cost, cost, cached_tokens if chosen == cached_on else 0, trace)
