@@ -259,6 +259,7 @@ class Stack:
             self._write_replica_list()
             self.save()
             self._wait_router_knows(set(names))
+            self._wait_envoy_knows({f"{HOST}:{port}" for port in ports})
         elif n < len(current):
             leaving = current[n:]
             progress(f"scaling {len(current)} -> {n}: removing {', '.join(r.name for r in leaving)}")
@@ -379,6 +380,16 @@ class Stack:
     def _wait_router_knows(self, names: set[str]) -> None:
         _wait_until(lambda: names <= self._router_replicas(), 15.0,
                     f"the routing service did not pick up {sorted(names)} from replicas.json")
+
+    def _wait_envoy_knows(self, addresses: set[str]) -> None:
+        """Envoy reads the endpoint file a moment after the router writes it; until then a pick
+        of the new replica would be served by its fallback."""
+        def known() -> bool:
+            with urllib.request.urlopen(f"http://{self.state.envoy_admin}/clusters", timeout=2) as reply:
+                listing = reply.read().decode()
+            return all(f"::{address}::" in listing for address in addresses)
+
+        _wait_until(known, 15.0, f"Envoy did not pick up {sorted(addresses)} from the endpoint file")
 
     def _wait_router_forgets(self, names: set[str]) -> None:
         _wait_until(lambda: not names & self._router_replicas(), 15.0,
