@@ -3,6 +3,7 @@ bad input, forged headers, Endpoint Picker headers, fail-open, a dead replica.""
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -229,6 +230,29 @@ def test_only_streamed_requests_open_an_observer_stream(gw: Gateway) -> None:
         assert record["outcome"] == "ok" and record["cache_n"] == 3 and record["prompt_n"] == 5
         assert record["served"] == reply.headers["x-gateway-destination-endpoint-served"]
     assert _decision(gw, streamed.headers["x-request-id"])["stream"] is True
+
+
+def test_a_json_request_the_client_abandons_is_released_once_and_logged(tmp_path: Path) -> None:
+    """No answer ever comes (the replica accepts and stays silent); the client gives up. The
+    access log entry says the client went away: load released, outcome abandoned."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)  # the kernel completes the handshake; nobody ever reads or answers
+        replicas = {"llm-0": f"127.0.0.1:{silent.getsockname()[1]}"}
+        with gateway(tmp_path, static_discovery(replicas)) as gw:
+            with pytest.raises(httpx.TimeoutException):
+                post(gw.url + URL, chat("anyone there?"), {"x-conversation-id": "gone"}, timeout=1.0)
+            assert gw.wait_idle()["in_flight_requests"] == 0
+            (record,) = [r for r in _decisions_eventually(gw) if r["conversation"] == "gone"]
+            assert record["outcome"] == "abandoned" and record["replica"] == "llm-0"
+
+
+def _decisions_eventually(gw: Gateway, timeout: float = 3.0) -> list[dict]:
+    deadline = time.monotonic() + timeout
+    while not (found := gw.decisions()):
+        assert time.monotonic() < deadline, "no route_decision logged"
+        time.sleep(0.05)
+    return found
 
 
 def _observer_streams(gw: Gateway) -> int:
