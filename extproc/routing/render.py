@@ -68,8 +68,10 @@ def _check_line(check: Check, trace: Trace, reason: str) -> str:
     limit = f"long_cap={_num(check.limit)}" if check.long_limit else _num(check.limit)
     if not check.accepted:
         return f"{head} > {limit} → skip"
-    if after > check.limit:
+    if after > check.limit and check.load == 0:
         return f"{head} > {limit} but idle → {reason}"
+    if after > check.limit:
+        return f"{head} > {limit} but {check.load} < {limit}: cached, one request of slack → {reason}"
     if check.long_limit and trace.cap is not None and after > trace.cap:
         return f"{head} ≤ {limit} (> normal cap={_num(trace.cap)}) → {reason}"
     return f"{head} ≤ {limit} → {reason}"

@@ -18,7 +18,6 @@ from extproc.routing.policies.situation import Situation
 from extproc.routing.ring import HashRing
 from extproc.settings import RoutingSettings
 
-
 _NOTHING: frozenset[str] = frozenset()
 
 

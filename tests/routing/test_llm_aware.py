@@ -3,7 +3,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from extproc.routing import Router, RouteRequest
+from extproc.routing import Router, RouteRequest, render_trace
 from tests.routing.conftest import key_with_walk, routing
 
 REPLICAS = ["llm-0", "llm-1", "llm-2"]
@@ -102,3 +102,23 @@ def test_memory_pointing_at_an_avoided_replica_is_ignored() -> None:
     decision = router.route(RouteRequest("r", conversation, 950, 48), avoid={"llm-0"})
     assert decision is not None
     assert (decision.replica, decision.reason, decision.predicted_cached_tokens) == ("llm-1", "home", 0)
+
+
+def test_the_cached_replica_keeps_one_request_of_slack_under_the_cap() -> None:
+    """Under the cap before the request, the cached replica takes it even if it ends above."""
+    router = Router(routing(policy="llm-aware"), REPLICAS)
+    cached, fresh = key_with_walk(router, "llm-0", "llm-1"), key_with_walk(router, "llm-0", "llm-2")
+    for name, load in {"llm-0": 300, "llm-1": 200, "llm-2": 200}.items():
+        router.ledger.charge(f"bg-{name}", name, load)
+    router.memory.remember(cached, "llm-0", 250)
+
+    decision = router.route(RouteRequest("c", cached, 270, 16))  # costs 20 + 16 on llm-0
+    assert decision is not None
+    assert round(decision.trace.cap, 1) == 306.7 and decision.trace.cap < 300 + 36
+    assert (decision.replica, decision.reason, decision.cost) == ("llm-0", "home", 36)
+    assert render_trace(decision).endswith(
+        "llm-0: 300+36=336 > 306.7 but 300 < 306.7: cached, one request of slack → home")
+    router.complete("c", ok=False)
+
+    same_size_no_cache = router.route(RouteRequest("f", fresh, 20, 16))  # also 36, but nothing cached
+    assert same_size_no_cache is not None and same_size_no_cache.reason == "overflow"

@@ -1,7 +1,8 @@
 """llm-aware: bounded loads in tokens, plus three switchable LLM-specific additions.
 
 - cache_aware: on the replica holding the conversation's cache a request costs only
-  its new tokens, max(1, prompt - cached) + max_tokens; elsewhere its whole prompt.
+  its new tokens, max(1, prompt - cached) + max_tokens; elsewhere its whole prompt. That
+  replica also keeps one request of slack under the cap (see ``first_fit``).
 - placement_memory: prefer where the conversation was last served (its cache lives
   there after a redirect) over its ring home, which would pay a second full prefill.
 - long_stickiness: a cached conversation of at least long_prompt_tokens may load its
@@ -56,13 +57,15 @@ class LlmAware:
         if self.long_stickiness and cached_on == preferred and request.prompt_tokens >= self.long_prompt_tokens:
             long_cap = self.long_load_factor * average
         order = chain((preferred,), (name for name in situation.walk() if name != preferred))
-        chosen, checks = first_fit(order, loads, cost_of, cap, preferred, long_cap)
+        cached = cached_on if self.cache_aware and cached_on == preferred else None
+        chosen, checks = first_fit(order, loads, cost_of, cap, cached, long_cap)
         if chosen is None:
             chosen, reason = least_loaded(eligible, loads, cost_of), "least-loaded"
         elif chosen == preferred:
             reason = "home" if preferred == home else "sticky"
-            if loads[chosen] and loads[chosen] + preferred_cost > cap:  # admitted by the long cap
-                reason += "-long"
+            load = loads[chosen]
+            if load and load + preferred_cost > cap and not (cached and load < cap):
+                reason += "-long"  # only the long cap let it in
         else:
             reason = "overflow"
         cost = cost_of(chosen)

@@ -76,7 +76,7 @@ def first_fit(
     loads: Mapping[str, int],
     cost_of: Callable[[str], int],
     cap: float,
-    long_replica: str | None = None,
+    cached: str | None = None,
     long_cap: float | None = None,
 ) -> tuple[str | None, tuple[Check, ...]]:
     """Walk ``order`` and take the first replica whose load + cost stays within its limit.
@@ -85,14 +85,22 @@ def first_fit(
     the cap on its own, and sending it past an idle home would only lose the cache.
     This never overrides the cap while some replica fits under it (an idle replica
     fits whenever any other does, since loads are never negative).
+
+    ``cached`` names the replica holding this request's cache (llm-aware only). Its
+    limit is ``long_cap`` when given, and it has one request of slack: it accepts while
+    its load *before* the request is under its limit. That is the token analogue of the
+    paper's ⌈(1+ε)·m/n⌉, which in requests also lets a replica under the cap take one more;
+    without it one large prefill elsewhere on the replica pushes every small cached
+    follow-up away at light load, each redirect paying a full reprocess.
     """
     checks: list[Check] = []
     for name in order:
         cost = cost_of(name)
         load = loads[name]
-        is_long = long_cap is not None and name == long_replica
+        is_cached = name == cached
+        is_long = is_cached and long_cap is not None
         limit = long_cap if is_long else cap
-        accepted = load == 0 or load + cost <= limit  # type: ignore[operator]
+        accepted = load == 0 or load + cost <= limit or (is_cached and load < limit)  # type: ignore[operator]
         checks.append(Check(name, load, cost, limit, accepted, is_long))  # type: ignore[arg-type]
         if accepted:
             return name, tuple(checks)
