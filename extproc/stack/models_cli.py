@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import sys
+from typing import Any
 
 from extproc.stack import models
 
@@ -41,7 +42,7 @@ def main(args: argparse.Namespace) -> int:
 
 def _list(root: models.Path, as_json: bool) -> int:
     recorded = models.manifest(root)
-    rows = []
+    rows: list[dict[str, Any]] = []
     for name, spec in models.MODELS.items():
         entry = recorded.get(name)
         rows.append({

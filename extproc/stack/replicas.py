@@ -13,7 +13,7 @@ import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from extproc.stack.daemons import Daemon, check_ports_free, http_ok, spawn, stop
 
@@ -54,9 +54,9 @@ class Replica:
         return {"name": self.name, "port": self.port, **asdict(self.process)}
 
     @classmethod
-    def from_dict(cls, raw: Mapping[str, object]) -> Replica:
-        process = Daemon(int(raw["pid"]), float(raw["started"]), str(raw["log"]))  # type: ignore[arg-type]
-        return cls(str(raw["name"]), int(raw["port"]), process)  # type: ignore[call-overload]
+    def from_dict(cls, raw: Mapping[str, Any]) -> Replica:
+        process = Daemon(int(raw["pid"]), float(raw["started"]), str(raw["log"]))
+        return cls(str(raw["name"]), int(raw["port"]), process)
 
 
 def replica_name(index: int) -> str:
