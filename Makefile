@@ -21,7 +21,8 @@ test: setup
 	$(BIN)/python -m pytest -q
 
 lint: setup
-	$(BIN)/ruff check extproc tests locustfiles
+	$(BIN)/ruff check extproc tests locustfiles k8s
+	$(BIN)/mypy extproc
 
 demo: setup
 	$(BIN)/llm-ring demo
