@@ -2,8 +2,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import pytest
-
 from extproc.routing import Router
 from extproc.settings import RoutingSettings, parse_routing
 
@@ -36,8 +34,3 @@ def key_with_walk(router: Router, *prefix: str) -> str:
         if tuple(walk[: len(prefix)]) == prefix:
             return key
     raise AssertionError(f"no key walks {prefix}")
-
-
-@pytest.fixture
-def three() -> tuple[str, str, str]:
-    return ("llm-0", "llm-1", "llm-2")
