@@ -37,6 +37,7 @@ DESTINATION = "x-gateway-destination-endpoint"
 SERVED = "x-gateway-destination-endpoint-served"
 ROUTED_TO = "x-routed-to"
 ROUTE_REASON = "x-route-reason"
+PREDICTED_CACHED = "x-route-predicted-cached-tokens"  # the router's guess, compared with cache_n
 REQUEST_ID = "x-request-id"
 OBSERVE = "x-llm-ring-observe"  # set by the service on streamed requests: observe the answer
 ROUTED_PATHS = ("/v1/chat/completions", "/v1/completions", "/completion")
@@ -211,7 +212,9 @@ def _strip_client_routing_headers() -> dict[str, Any]:
         "typed_config": {
             "@type": _T + "envoy.extensions.filters.http.header_mutation.v3.HeaderMutation",
             "mutations": {
-                "request_mutations": [{"remove": name} for name in (DESTINATION, ROUTED_TO, ROUTE_REASON, OBSERVE)]
+                "request_mutations": [
+                    {"remove": name} for name in (DESTINATION, ROUTED_TO, ROUTE_REASON, PREDICTED_CACHED, OBSERVE)
+                ]
             },
         },
     }
@@ -350,6 +353,7 @@ def _response_headers() -> list[dict[str, Any]]:
     return [
         add(ROUTED_TO, f"%REQ({ROUTED_TO})%"),
         add(ROUTE_REASON, f"%REQ({ROUTE_REASON})%"),
+        add(PREDICTED_CACHED, f"%REQ({PREDICTED_CACHED})%"),
         add(SERVED, "%UPSTREAM_HOST%"),
         add(REQUEST_ID, f"%REQ({REQUEST_ID})%"),
     ]

@@ -32,7 +32,7 @@ from google.protobuf import struct_pb2
 
 from extproc.routing import Decision, Router, RouteRequest, estimate_tokens
 from extproc.service.bodies import BadRequest, Timings, parse_request, parse_timings
-from extproc.service.envoy import DESTINATION, OBSERVE, ROUTE_REASON, ROUTED_TO
+from extproc.service.envoy import DESTINATION, OBSERVE, PREDICTED_CACHED, ROUTE_REASON, ROUTED_TO
 from extproc.service.metrics import Metrics
 from extproc.settings import ServiceSettings
 
@@ -137,9 +137,10 @@ class Gateway:
         answer = self._answers.get(key)
         if answer is None:
             answer = self._answers[key] = self._route_answer(*key)
+        per_request = [header_option(PREDICTED_CACHED, str(decision.predicted_cached_tokens))]
         if unique_id != request_id:
-            answer += _more_headers([header_option("x-request-id", unique_id)])
-        return unique_id, answer
+            per_request.append(header_option("x-request-id", unique_id))
+        return unique_id, answer + _more_headers(per_request)
 
     def route_ended(self, request_id: str) -> None:
         """The HTTP request is over (Envoy closed the route stream)."""

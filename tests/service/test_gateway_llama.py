@@ -64,6 +64,9 @@ def test_turns_of_a_conversation_stay_on_one_replica_and_reuse_its_cache(gw: Gat
     logged = _decision(gw, second.headers["x-request-id"])
     assert logged["cache_n"] == second.json()["timings"]["cache_n"] and logged["prompt_n"] > 0
     assert logged["predicted_cached_tokens"] > 0 and logged["outcome"] == "ok" and logged["turn"] == "2"
+    # the client sees the router's guess too (records compare it with cache_n)
+    assert first.headers["x-route-predicted-cached-tokens"] == "0"
+    assert int(second.headers["x-route-predicted-cached-tokens"]) == logged["predicted_cached_tokens"]
     assert gw.wait_idle()["in_flight_requests"] == 0
 
 

@@ -128,12 +128,14 @@ def test_missing_headers_route_on_the_conversation_opening(gw: Gateway) -> None:
 def test_forged_destination_and_routing_headers_are_ignored(gw: Gateway, stubs: tuple[list[int], Running]) -> None:
     ports, _ = stubs
     outsider = f"127.0.0.1:{ports[3]}"
-    forged = {"x-gateway-destination-endpoint": outsider, "x-routed-to": "evil", "x-route-reason": "forged"}
+    forged = {"x-gateway-destination-endpoint": outsider, "x-routed-to": "evil", "x-route-reason": "forged",
+              "x-route-predicted-cached-tokens": "999999"}
     for i in range(6):
         reply = post(gw.url + URL, chat(f"forged {i}"), forged)
         assert reply.status_code == 200
         assert reply.headers["x-gateway-destination-endpoint-served"] != outsider
         assert reply.headers["x-routed-to"] != "evil" and reply.headers["x-route-reason"] in REASONS
+        assert reply.headers["x-route-predicted-cached-tokens"] != "999999"
 
 
 def test_policy_switch_and_reset_through_the_admin_client(gw: Gateway) -> None:
