@@ -13,7 +13,7 @@ import statistics
 import time
 import tracemalloc
 
-from extproc.routing import POLICIES, PlacementMemory, Router, RouteRequest
+from extproc.routing import POLICIES, PlacementMemory, Router, RouteRequest, stable_hash
 from extproc.settings import parse_routing
 
 FLEETS = (3, 16, 64, 1000)
@@ -69,7 +69,8 @@ def bytes_per_conversation(conversations: int = 200_000) -> float:
     before = tracemalloc.get_traced_memory()[0]
     memory = PlacementMemory(conversations * 2)
     for index in range(conversations):
-        memory.remember(f"a0b1c2d3-conversation-{index:012d}", f"llm-{index % 64}", 100 + index % 4000)
+        key = stable_hash(f"a0b1c2d3-conversation-{index:012d}")
+        memory.remember(key, f"llm-{index % 64}", 100 + index % 4000)
     after = tracemalloc.get_traced_memory()[0]
     tracemalloc.stop()
     return (after - before) / conversations

@@ -6,18 +6,16 @@ dicts act as generations: entries go into the young one; when it holds half the
 capacity it becomes the old one and the previous old one is dropped. A lookup that
 hits the old generation moves the entry back to the young one. So at most
 ``capacity`` entries are kept, and what is forgotten is what went unused longest
-(to within one generation). Keys are 64-bit hashes and values one packed int.
+(to within one generation). Keys are the conversation's 64-bit ring hash, which the
+router has already computed, and values one packed int.
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
-from extproc.routing.hashing import stable_hash
-
 _REPLICA_BITS = 20  # up to ~1 M distinct replica names over a router's lifetime
 _REPLICA_MASK = (1 << _REPLICA_BITS) - 1
-_MEMORY_SEED = 0x6C6C6D2D72696E67  # any fixed seed; independent of the ring's
 
 
 class Placement(NamedTuple):
@@ -41,8 +39,7 @@ class PlacementMemory:
     def __len__(self) -> int:
         return len(self._young) + len(self._old)
 
-    def get(self, conversation: str) -> Placement | None:
-        key = stable_hash(conversation, _MEMORY_SEED)
+    def get(self, key: int) -> Placement | None:
         packed = self._young.get(key)
         if packed is None:
             packed = self._old.pop(key, None)
@@ -51,8 +48,7 @@ class PlacementMemory:
             self._store(key, packed)
         return Placement(self._names[packed & _REPLICA_MASK], packed >> _REPLICA_BITS)
 
-    def remember(self, conversation: str, replica: str, prompt_tokens: int) -> None:
-        key = stable_hash(conversation, _MEMORY_SEED)
+    def remember(self, key: int, replica: str, prompt_tokens: int) -> None:
         replica_id = self._ids.get(replica)
         if replica_id is None:
             replica_id = self._ids[replica] = len(self._names)

@@ -28,7 +28,7 @@ class Router:
         self.memory = PlacementMemory(settings.memory_capacity)
         self.policy: Policy = make_policy(settings)
         self._ring = HashRing((), settings.virtual_nodes, settings.hash_seed)
-        self._in_flight: dict[str, tuple[RouteRequest, Decision]] = {}
+        self._in_flight: dict[str, tuple[RouteRequest, Decision, int]] = {}
         self.set_replicas(replicas)
 
     @property
@@ -39,13 +39,17 @@ class Router:
     def ring(self) -> HashRing:
         return self._ring
 
+    def conversation_key(self, conversation: str) -> int:
+        """The conversation's ring position, also its key in placement memory (hashed once)."""
+        return stable_hash(conversation, self.settings.hash_seed)
+
     def set_replicas(self, replicas: Iterable[str]) -> None:
         names = tuple(sorted(set(replicas)))
         if names == self._ring.replicas:
             return
         self._ring = HashRing(names, self.settings.virtual_nodes, self.settings.hash_seed)
         self.ledger.set_replicas(names)
-        gone = [rid for rid, (_, decision) in self._in_flight.items() if decision.replica not in names]
+        gone = [rid for rid, (_, decision, _) in self._in_flight.items() if decision.replica not in names]
         for request_id in gone:  # their load went with the replica; completing them is a no-op
             del self._in_flight[request_id]
 
@@ -54,18 +58,16 @@ class Router:
         if request.request_id in self._in_flight:
             raise ValueError(f"request {request.request_id!r} is already in flight")
         avoided = frozenset(avoid) if avoid else _NOTHING
-        placement = self.memory.get(request.conversation)
+        key = self.conversation_key(request.conversation)
+        placement = self.memory.get(key)
         if placement is not None and (placement.replica not in self.ledger.loads("requests")
                                       or placement.replica in avoided):
             placement = None  # that cache is gone or unreachable
-        situation = Situation(
-            request, stable_hash(request.conversation, self.settings.hash_seed), self._ring,
-            self.ledger, placement, avoided,
-        )
+        situation = Situation(request, key, self._ring, self.ledger, placement, avoided)
         decision = self.policy.decide(situation)
         if decision is not None:
             self.ledger.charge(request.request_id, decision.replica, decision.charged_tokens)
-            self._in_flight[request.request_id] = (request, decision)
+            self._in_flight[request.request_id] = (request, decision, key)
         return decision
 
     def complete(self, request_id: str, ok: bool = True) -> Decision | None:
@@ -73,10 +75,10 @@ class Router:
         entry = self._in_flight.pop(request_id, None)
         if entry is None:
             return None
-        request, decision = entry
+        request, decision, key = entry
         self.ledger.release(request_id)
         if ok:
-            self.memory.remember(request.conversation, decision.replica, request.prompt_tokens)
+            self.memory.remember(key, decision.replica, request.prompt_tokens)
         return decision
 
     def reconfigure(self, settings: RoutingSettings) -> None:
@@ -85,7 +87,8 @@ class Router:
         self.policy = make_policy(settings)
         if (old.virtual_nodes, old.hash_seed) != (settings.virtual_nodes, settings.hash_seed):
             self._ring = HashRing(self._ring.replicas, settings.virtual_nodes, settings.hash_seed)
-        if old.memory_capacity != settings.memory_capacity:
+        # memory is keyed by the ring hash: a new seed re-places every conversation anyway
+        if (old.memory_capacity, old.hash_seed) != (settings.memory_capacity, settings.hash_seed):
             self.memory = PlacementMemory(settings.memory_capacity)
 
     def reset(self) -> None:

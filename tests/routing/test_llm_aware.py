@@ -53,7 +53,7 @@ def test_a_busy_replica_still_accepts_its_own_cached_conversation() -> None:
     """Cache-aware cost: the cached replica is charged new tokens only, so it still fits."""
     router = Router(routing(policy="llm-aware", long_stickiness=False), REPLICAS)
     conversation = key_with_walk(router, "llm-0")
-    router.memory.remember(conversation, "llm-0", 1000)
+    router.memory.remember(router.conversation_key(conversation), "llm-0", 1000)
     for name, load in {"llm-0": 1300, "llm-1": 1000, "llm-2": 1000}.items():
         router.ledger.charge(f"bg-{name}", name, load)
     decision = router.route(RouteRequest("r", conversation, 1050, 50))
@@ -73,8 +73,8 @@ def test_long_stickiness_only_for_long_cached_conversations() -> None:
     assert short != long_
     for name, load in {"llm-0": 2400, "llm-1": 900, "llm-2": 900}.items():
         router.ledger.charge(f"bg-{name}", name, load)
-    router.memory.remember(short, "llm-0", 500)
-    router.memory.remember(long_, "llm-0", 820)
+    router.memory.remember(router.conversation_key(short), "llm-0", 500)
+    router.memory.remember(router.conversation_key(long_), "llm-0", 820)
     short_decision = router.route(RouteRequest("s", short, 540, 48))
     router.complete("s", ok=False)
     long_decision = router.route(RouteRequest("l", long_, 860, 48))
@@ -86,7 +86,7 @@ def test_long_stickiness_only_for_long_cached_conversations() -> None:
 def test_sticky_long_when_the_remembered_replica_is_not_home() -> None:
     router = Router(routing(policy="llm-aware"), REPLICAS)
     conversation = key_with_walk(router, "llm-0")
-    router.memory.remember(conversation, "llm-1", 900)
+    router.memory.remember(router.conversation_key(conversation), "llm-1", 900)
     for name, load in {"llm-0": 0, "llm-1": 1200, "llm-2": 900}.items():
         if load:
             router.ledger.charge(f"bg-{name}", name, load)
@@ -98,7 +98,7 @@ def test_sticky_long_when_the_remembered_replica_is_not_home() -> None:
 def test_memory_pointing_at_an_avoided_replica_is_ignored() -> None:
     router = Router(routing(policy="llm-aware"), REPLICAS)
     conversation = key_with_walk(router, "llm-0", "llm-1")
-    router.memory.remember(conversation, "llm-0", 900)
+    router.memory.remember(router.conversation_key(conversation), "llm-0", 900)
     decision = router.route(RouteRequest("r", conversation, 950, 48), avoid={"llm-0"})
     assert decision is not None
     assert (decision.replica, decision.reason, decision.predicted_cached_tokens) == ("llm-1", "home", 0)
@@ -110,7 +110,7 @@ def test_the_cached_replica_keeps_one_request_of_slack_under_the_cap() -> None:
     cached, fresh = key_with_walk(router, "llm-0", "llm-1"), key_with_walk(router, "llm-0", "llm-2")
     for name, load in {"llm-0": 300, "llm-1": 200, "llm-2": 200}.items():
         router.ledger.charge(f"bg-{name}", name, load)
-    router.memory.remember(cached, "llm-0", 250)
+    router.memory.remember(router.conversation_key(cached), "llm-0", 250)
 
     decision = router.route(RouteRequest("c", cached, 270, 16))  # costs 20 + 16 on llm-0
     assert decision is not None

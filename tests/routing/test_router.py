@@ -66,7 +66,7 @@ def test_failed_requests_are_not_remembered() -> None:
     router = Router(routing(), REPLICAS)
     router.route(RouteRequest("r", "c", 10, 1))
     router.complete("r", ok=False)
-    assert router.memory.get("c") is None
+    assert router.memory.get(router.conversation_key("c")) is None
 
 
 def test_reconfigure_switches_policy_and_keeps_load_reset_forgets() -> None:
@@ -77,5 +77,14 @@ def test_reconfigure_switches_policy_and_keeps_load_reset_forgets() -> None:
     router.reconfigure(routing(policy="round-robin", virtual_nodes=7))
     assert router.policy.name == "round-robin" and router.ledger.total_requests() == 1
     router.reset()
-    assert router.ledger.total_requests() == 0 and router.memory.get("c") is None
+    assert router.ledger.total_requests() == 0 and router.memory.get(router.conversation_key("c")) is None
     assert router.complete("r2") is None
+
+
+def test_placement_memory_is_keyed_by_the_ring_hash_and_a_new_seed_starts_it_afresh() -> None:
+    router = Router(routing(), REPLICAS)
+    router.route(RouteRequest("r", "c", 10, 1))
+    router.complete("r")
+    assert router.memory.get(router.conversation_key("c")) is not None
+    router.reconfigure(routing(hash_seed=7))
+    assert len(router.memory) == 0

@@ -18,7 +18,7 @@ def loaded_router(policy: str, **overrides: object) -> Router:
 def test_llm_aware_keeps_long_cached_conversation_home_above_normal_cap() -> None:
     router = loaded_router("llm-aware")
     conversation = key_with_walk(router, "llm-0", "llm-2")
-    router.memory.remember(conversation, "llm-0", 820)
+    router.memory.remember(router.conversation_key(conversation), "llm-0", 820)
 
     decision = router.route(RouteRequest("r1", conversation, prompt_tokens=860, max_tokens=48))
 
@@ -38,7 +38,7 @@ def test_llm_aware_keeps_long_cached_conversation_home_above_normal_cap() -> Non
 def test_bounded_tokens_redirects_the_same_request_away_from_its_cache() -> None:
     router = loaded_router("bounded", load_unit="tokens")
     conversation = key_with_walk(router, "llm-0", "llm-2")
-    router.memory.remember(conversation, "llm-0", 820)
+    router.memory.remember(router.conversation_key(conversation), "llm-0", 820)
 
     decision = router.route(RouteRequest("r1", conversation, prompt_tokens=860, max_tokens=48))
 
@@ -56,7 +56,7 @@ def test_bounded_tokens_redirects_the_same_request_away_from_its_cache() -> None
 def test_trace_is_data_with_every_number() -> None:
     router = loaded_router("llm-aware")
     conversation = key_with_walk(router, "llm-0")
-    router.memory.remember(conversation, "llm-0", 820)
+    router.memory.remember(router.conversation_key(conversation), "llm-0", 820)
     decision = router.route(RouteRequest("r1", conversation, 860, 48))
     assert decision is not None
     data = decision.trace.as_dict()
