@@ -45,6 +45,9 @@ CLUSTER = "replicas"
 EXT_PROC_CLUSTER = "ext_proc"
 METADATA_NAMESPACE = "llm-ring"  # where the timings of a JSON answer land (json_to_metadata)
 _T = "type.googleapis.com/"
+# Envoy ends a request that shows no activity (bytes either way) for this long; the service
+# takes a request whose access log entry is this late twice over as lost (gateway.release_lost).
+STREAM_IDLE_TIMEOUT_S = 300
 
 
 @dataclass(frozen=True)
@@ -170,7 +173,7 @@ def _http_connection_manager(
             "generate_request_id": True,
             # Long generations: no overall deadline; idle streams end after 5 min of silence.
             "request_timeout": "0s",
-            "stream_idle_timeout": "300s",
+            "stream_idle_timeout": f"{STREAM_IDLE_TIMEOUT_S}s",
             "route_config": _route_config(retries),
             **({"access_log": [_access_log()]} if with_ext_proc else {}),
             # Envoy's own 413 (body over the buffer limit) in the same JSON shape as ours.
@@ -232,10 +235,11 @@ RESPONSE_ATTRIBUTES = ("request.id", "response.code", "upstream.address")
 
 
 def _ext_proc_filter(name: str, fail_open: bool, timeout_ms: int, observe: bool) -> dict[str, Any]:
-    """route: headers (answered at once) then the BUFFERED body (answered with the pick). Two
-    round trips, but the stream lives as long as the HTTP request, which is how the service
-    learns that a request ended (a STREAMED body saves one round trip, but Envoy then closes
-    the stream when the request is sent, and an abandoned request would never be released).
+    """route: headers (answered at once) then the BUFFERED body (answered with the pick, and
+    the service closes the stream: the access log says when the request ends). The headers
+    cannot be skipped: with request_header_mode SKIP, Envoy 1.40 sends the attributes with the
+    body but ignores the header mutation and metadata of the body's answer, and a POST
+    without a body would reach no decision at all (both checked).
     observe: the response body, never waited for."""
     mode = {
         "request_header_mode": "SKIP" if observe else "SEND",

@@ -3,15 +3,19 @@
 One HTTP request meets the service on (see envoy.py):
   - the *route* stream: the request headers with attributes (path, id, content type,
     x-conversation-id, x-turn), then the buffered body -> ``decide`` -> the answer,
-    pre-serialized and cached per (replica, reason, streamed) so the hot path builds no
-    protobuf; Envoy ends this stream when the HTTP request ends (done, failed or abandoned);
-  - a JSON answer: Envoy's access log entry (status, the upstream that served, reset flags,
-    the timings Envoy copied from the body) -> ``access_logged``;
+    pre-serialized and cached per (replica, reason, streamed) so the hot path builds few
+    protobufs; the service closes the stream right after answering (fewer gRPC operations
+    than waiting for Envoy to end it);
+  - Envoy's access log entry, for every request that got a pick (status, the upstream that
+    served, reset flags, the timings Envoy copied from a JSON body) -> ``access_logged``:
+    the HTTP request is over;
   - a streamed (SSE) answer: the *observe* stream, the response body chunks (the first with
     status and the upstream that served), never answered -> ``observe_*``.
-They meet in ``pending`` by request id. The load is released exactly once, in ``_finish``,
-when the route stream has ended and the end of the response was seen, or ``observe_grace``
-after the route stream ended (abandoned requests never show an end).
+They meet in ``pending`` by request id. The load is released exactly once, in ``_finish``:
+when the access log entry has come and, for a streamed answer, the observer has seen its end
+(or ``observe_grace`` after the entry). An entry that never comes (the access log stream
+broke) is made up for by ``release_lost``: Envoy itself ends a request that shows no activity
+for STREAM_IDLE_TIMEOUT_S, so a request silent for twice that long is over.
 """
 
 from __future__ import annotations
@@ -32,7 +36,14 @@ from google.protobuf import struct_pb2
 
 from extproc.routing import Decision, Router, RouteRequest, estimate_tokens
 from extproc.service.bodies import BadRequest, Timings, parse_request, parse_timings
-from extproc.service.envoy import DESTINATION, OBSERVE, PREDICTED_CACHED, ROUTE_REASON, ROUTED_TO
+from extproc.service.envoy import (
+    DESTINATION,
+    OBSERVE,
+    PREDICTED_CACHED,
+    ROUTE_REASON,
+    ROUTED_TO,
+    STREAM_IDLE_TIMEOUT_S,
+)
 from extproc.service.metrics import Metrics
 from extproc.settings import ServiceSettings
 
@@ -40,6 +51,7 @@ log = structlog.get_logger("extproc.service")
 
 MAX_JSON_RESPONSE_BYTES = 1 << 20  # larger JSON answers are passed on unread (no timings)
 SSE_TAIL_BYTES = 64 << 10  # the last events of a stream are all we read
+LOST_AFTER_S = 2 * STREAM_IDLE_TIMEOUT_S  # no access log entry by then: it was lost
 
 
 @dataclass(slots=True)
@@ -52,12 +64,15 @@ class Pending:
     path: str
     turn: str
     stream: bool
-    started: float
-    route_done: bool = False
+    started: float  # perf_counter at the decision
+    last_seen: float  # monotonic: the decision, then each observed chunk
     status: int = 0
     served: str = ""
+    logged: bool = False  # Envoy's access log entry came: the HTTP request is over
+    answered: bool = False  # the whole answer passed (per the access log, or the observer saw its end)
+    observed_end: bool = False  # streamed: the observer saw the last chunk
+    lost: bool = False  # released by release_lost: the access log entry never came
     event_stream: bool = False
-    response_done: bool = False
     chunks: deque[bytes] = field(default_factory=deque)
     size: int = 0
     timings: Timings | None = None  # from the access log (JSON answers)
@@ -106,14 +121,14 @@ class Gateway:
 
     def decide(
         self, *, path: str, content_type: str, conversation_id: str, turn: str, request_id: str, body: bytes
-    ) -> tuple[str | None, bytes]:
-        """(request id or None, serialized ProcessingResponse answering the buffered body)."""
+    ) -> bytes:
+        """The serialized ProcessingResponse answering the buffered body: the pick, or an error."""
         started = time.perf_counter()
         try:
             parsed = parse_request(path, content_type, body)
         except BadRequest as exc:
             self.metrics.errors.labels("bad_request").inc()
-            return None, immediate(exc.status, exc.message)
+            return immediate(exc.status, exc.message)
         unique_id = self._request_id(request_id)
         conversation = conversation_id or parsed.opening_key
         prompt_tokens = parsed.prompt_token_ids or estimate_tokens(parsed.prompt_chars, self.settings.chars_per_token)
@@ -124,13 +139,12 @@ class Gateway:
         decision = self.router.route(request, avoid=avoid)
         if decision is None:
             self.metrics.errors.labels("no_replica").inc()
-            return None, immediate(
-                503, "no replica available", replicas=len(self.endpoints), unhealthy=sorted(self.unhealthy)
-            )
+            unhealthy = sorted(self.unhealthy)
+            return immediate(503, "no replica available", replicas=len(self.endpoints), unhealthy=unhealthy)
         self.decisions += 1
         self.metrics.decision(decision.trace.policy, decision.reason)
         self.pending[unique_id] = Pending(
-            request, decision, self.endpoints[decision.replica], path, turn, parsed.stream, started
+            request, decision, self.endpoints[decision.replica], path, turn, parsed.stream, started, time.monotonic()
         )
         self.metrics.decision_seconds.observe(time.perf_counter() - started)
         key = (decision.replica, decision.reason, parsed.stream)
@@ -140,34 +154,39 @@ class Gateway:
         per_request = [header_option(PREDICTED_CACHED, str(decision.predicted_cached_tokens))]
         if unique_id != request_id:
             per_request.append(header_option("x-request-id", unique_id))
-        return unique_id, answer + _more_headers(per_request)
-
-    def route_ended(self, request_id: str) -> None:
-        """The HTTP request is over (Envoy closed the route stream)."""
-        pending = self.pending.get(request_id)
-        if pending is None:
-            return
-        pending.route_done = True
-        if pending.response_done:
-            self._finish(request_id)
-        else:  # the observer's last message may still be on its way
-            grace = self.settings.observe_grace_ms / 1000
-            pending.timer = asyncio.get_running_loop().call_later(grace, self._finish, request_id)
+        return answer + _more_headers(per_request)
 
     # ------------------------------------------------------------------ access log
 
     def access_logged(self, request_id: str, status: int, served: str, cut_off: bool, timings: Timings | None) -> None:
-        """Envoy's access log entry for a request: its answer is over. Streamed answers are
-        left to the observer (their timings are in the body's last events); cut_off: the
-        client went away, or the upstream broke off a started answer (ends as abandoned)."""
+        """Envoy's access log entry for a request: it is over. cut_off: the client went away,
+        or the upstream broke off a started answer (ends as abandoned). A streamed answer's
+        timings are in its last events: wait for the observer's end, at most observe_grace."""
         pending = self.pending.get(request_id)
-        if pending is None or pending.stream:
+        if pending is None:
             return
+        pending.logged = True
         pending.status = status
         pending.served = served
-        pending.timings = timings
-        if not cut_off:
-            self._response_done(request_id, pending)
+        pending.answered = pending.answered or not cut_off
+        if not pending.stream:
+            pending.timings = timings
+            self._finish(request_id)
+        elif pending.observed_end or cut_off:
+            self._finish(request_id)
+        else:
+            grace = self.settings.observe_grace_ms / 1000
+            pending.timer = asyncio.get_running_loop().call_later(grace, self._finish, request_id)
+
+    def release_lost(self, now: float) -> int:
+        """Release requests silent for LOST_AFTER_S (monotonic ``now``): their access log
+        entry was lost, e.g. while the log stream was down. Returns how many."""
+        lost = [request_id for request_id, p in self.pending.items() if now - p.last_seen > LOST_AFTER_S]
+        for request_id in lost:
+            self.pending[request_id].lost = True
+            self.metrics.errors.labels("access_log_lost").inc()
+            self._finish(request_id)
+        return len(lost)
 
     # ------------------------------------------------------------------ observe stream
 
@@ -185,6 +204,7 @@ class Gateway:
         pending = self.pending.get(request_id)
         if pending is None:
             return
+        pending.last_seen = time.monotonic()
         if chunk:
             if not pending.chunks:  # SSE starts with "data:", "event:" or ":"; JSON with "{"
                 pending.event_stream = not chunk.lstrip().startswith(b"{")
@@ -196,14 +216,11 @@ class Gateway:
             elif pending.size > MAX_JSON_RESPONSE_BYTES:
                 pending.chunks.clear()
         if end_of_stream:
-            self._response_done(request_id, pending)
-
-    def _response_done(self, request_id: str, pending: Pending) -> None:
-        pending.response_done = True
-        if pending.route_done:
-            if pending.timer is not None:
-                pending.timer.cancel()
-            self._finish(request_id)
+            pending.observed_end = pending.answered = True
+            if pending.logged:
+                if pending.timer is not None:
+                    pending.timer.cancel()
+                self._finish(request_id)
 
     # ------------------------------------------------------------------ the end
 
@@ -216,7 +233,7 @@ class Gateway:
         # ok: a whole 2xx answer from the pick; failed: a whole answer otherwise (error status,
         # or served by a fallback); abandoned: the request ended before its answer did
         # (the client hung up, or the upstream broke off).
-        if not pending.response_done:
+        if not pending.answered:
             outcome = "abandoned"
         elif 200 <= pending.status < 300 and not failed_over:
             outcome = "ok"
@@ -224,11 +241,11 @@ class Gateway:
             outcome = "failed"
         self.router.complete(request_id, ok=outcome == "ok")
         self.metrics.completed_children[outcome].inc()
-        if failed_over or (pending.response_done and pending.status in (502, 503) and not pending.served):
+        if failed_over or (pending.answered and pending.status in (502, 503) and not pending.served):
             self.metrics.errors.labels("replica_failed").inc()
             self.mark_unhealthy(decision.replica)
         timings = pending.timings
-        if pending.response_done and pending.chunks:
+        if pending.observed_end and pending.chunks:
             timings = parse_timings(b"".join(pending.chunks), pending.event_stream)
         if timings is not None and timings.cache_n is not None:
             self.metrics.cache_tokens(
@@ -271,6 +288,8 @@ class Gateway:
             "served_replica": self._served_replica(pending) if pending.served else "",
             "duration_ms": round((time.perf_counter() - pending.started) * 1000, 3),
         }
+        if pending.lost:
+            fields["access_log_lost"] = True
         if timings is not None:
             fields.update(timings.as_dict())
         log.info("route_decision", **fields)

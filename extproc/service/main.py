@@ -18,6 +18,7 @@ import contextlib
 import logging
 import signal
 import sys
+import time
 from pathlib import Path
 
 import grpc
@@ -39,6 +40,7 @@ from extproc.service.replica_health import ReplicaHealth
 from extproc.settings import Settings, SettingsError, load_settings
 
 log = structlog.get_logger("extproc.service")
+LOST_SWEEP_SECONDS = 30.0
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -114,12 +116,14 @@ async def serve(settings: Settings) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
     watcher = loop.create_task(_follow_discovery(settings, gateway, health_service))
+    sweeper = loop.create_task(_release_lost(gateway))
     watcher.add_done_callback(lambda task: _discovery_ended(task, stop))
     try:
         await stop.wait()
     finally:
         log.info("service_stopping", in_flight=gateway.router.ledger.total_requests())
         watcher.cancel()
+        sweeper.cancel()
         health.close()
         await server.stop(grace=2)
         metrics_server.shutdown()
@@ -141,6 +145,15 @@ async def _follow_discovery(settings: Settings, gateway: Gateway, health: health
         await health.set(SERVICE, status)
         # Not "replicas_changed": that is discovery's own event (kubernetes.py), with another shape.
         log.info("replicas_applied", replicas=replicas)
+
+
+async def _release_lost(gateway: Gateway) -> None:
+    """Requests whose access log entry never came are released (see Gateway.release_lost)."""
+    while True:
+        await asyncio.sleep(LOST_SWEEP_SECONDS)
+        lost = gateway.release_lost(time.monotonic())
+        if lost:
+            log.warning("access_log_entries_lost", released=lost)
 
 
 def _discovery_ended(task: asyncio.Task[None], stop: asyncio.Event) -> None:

@@ -8,7 +8,6 @@ in observability mode comes from the "observe" filter and is never answered.
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 import grpc
@@ -105,8 +104,8 @@ class Processor:
             raise
 
     async def _route(self, message: pb.ProcessingRequest, context: grpc.aio.ServicerContext) -> None:
-        """Headers (with attributes) get a continue; the buffered body gets the pick. Envoy ends
-        the stream when the HTTP request is over: that is when the load is released."""
+        """Headers (with attributes) get a continue; the buffered body gets the pick, and the
+        stream ends there: Envoy's access log entry says when the HTTP request is over."""
         attributes = message.attributes[ATTRIBUTES].fields
         if message.request_headers.end_of_stream:  # a POST without a body
             await context.write(EMPTY_BODY)
@@ -115,7 +114,7 @@ class Processor:
         message = await context.read()
         if message is grpc.aio.EOF or message.WhichOneof("request") != "request_body":
             return
-        request_id, answer = self.gateway.decide(
+        answer = self.gateway.decide(
             path=_text(attributes, "request.url_path"),
             content_type=_text(attributes, "request.headers['content-type']"),
             conversation_id=_text(attributes, "request.headers['x-conversation-id']"),
@@ -123,16 +122,7 @@ class Processor:
             request_id=_text(attributes, "request.id"),
             body=message.request_body.body,
         )
-        if request_id is None:
-            await context.write(answer)
-            return
-        try:
-            await context.write(answer)
-            await context.read()  # returns (or raises) when the HTTP request is over
-        except (grpc.aio.AioRpcError, asyncio.CancelledError):
-            pass  # Envoy often ends by cancelling: the request is over all the same
-        finally:
-            self.gateway.route_ended(request_id)
+        await context.write(answer)
 
     async def _observe(self, message: Any, context: grpc.aio.ServicerContext) -> None:
         """Response body chunks, never answered; the first one carries the attributes."""

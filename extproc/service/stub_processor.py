@@ -1,16 +1,14 @@
 """A do-nothing ext_proc server speaking the gateway's protocol, for the benchmark's floor.
 
 It answers like `llm-ring serve` (continue the headers, then one fixed pick for the body,
-stream kept open until Envoy ends it; observer streams and access log streams read to the
-end) but routes nothing, logs nothing and counts nothing: Envoy + this = what Envoy + Python
-grpc.aio cost alone.
+which ends the stream; observer streams and access log streams read to the end) but routes
+nothing, logs nothing and counts nothing: Envoy + this = what Envoy + Python grpc.aio cost.
 Run: python -m extproc.service.stub_processor PORT ENDPOINT
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import sys
 from typing import Any
 
@@ -54,8 +52,6 @@ async def serve(port: int, endpoint: str) -> None:
         await context.write(HEADERS_CONTINUE)
         await context.read()
         await context.write(pick)
-        with contextlib.suppress(grpc.aio.AioRpcError, asyncio.CancelledError):
-            await context.read()
 
     async def access_logs(requests: Any, _context: grpc.aio.ServicerContext) -> bytes:
         async for message in requests:

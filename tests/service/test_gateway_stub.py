@@ -128,8 +128,12 @@ def test_missing_headers_route_on_the_conversation_opening(gw: Gateway) -> None:
 def test_forged_destination_and_routing_headers_are_ignored(gw: Gateway, stubs: tuple[list[int], Running]) -> None:
     ports, _ = stubs
     outsider = f"127.0.0.1:{ports[3]}"
-    forged = {"x-gateway-destination-endpoint": outsider, "x-routed-to": "evil", "x-route-reason": "forged",
-              "x-route-predicted-cached-tokens": "999999"}
+    forged = {
+        "x-gateway-destination-endpoint": outsider,
+        "x-routed-to": "evil",
+        "x-route-reason": "forged",
+        "x-route-predicted-cached-tokens": "999999",
+    }
     for i in range(6):
         reply = post(gw.url + URL, chat(f"forged {i}"), forged)
         assert reply.status_code == 200

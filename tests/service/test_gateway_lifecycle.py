@@ -1,0 +1,126 @@
+"""A request's life in the gateway, without gRPC: decided, then ended by Envoy's access log
+entry (and, for a streamed answer, the observer's last chunk), or released as lost when the
+entry never comes. The load is released exactly once in every case."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+from structlog.testing import capture_logs
+
+from extproc.routing import Router
+from extproc.service.bodies import Timings
+from extproc.service.gateway import LOST_AFTER_S, Gateway
+from extproc.service.metrics import Metrics
+from extproc.settings import load_settings
+
+SETTINGS = load_settings(Path(__file__).parents[2] / "extproc" / "service" / "router.toml")
+ENDPOINTS = {"llm-0": "127.0.0.1:9000", "llm-1": "127.0.0.1:9001", "llm-2": "127.0.0.1:9002"}
+TIMINGS = Timings(cache_n=3, prompt_n=5, prompt_ms=1.0, predicted_n=2, predicted_ms=1.0)
+
+
+def make_gateway(grace_ms: int = 200) -> Gateway:
+    service = SETTINGS.service.model_copy(update={"observe_grace_ms": grace_ms})
+    gateway = Gateway(Router(SETTINGS.routing), service, Metrics())
+    gateway.set_replicas(ENDPOINTS)
+    return gateway
+
+
+def decide(gateway: Gateway, request_id: str, stream: bool = False) -> str:
+    body = orjson.dumps({"messages": [{"role": "user", "content": "hello"}], "max_tokens": 8, "stream": stream})
+    gateway.decide(
+        path="/v1/chat/completions",
+        content_type="application/json",
+        conversation_id="c-1",
+        turn="1",
+        request_id=request_id,
+        body=body,
+    )
+    (pending,) = (p for key, p in gateway.pending.items() if key == request_id)
+    return pending.endpoint
+
+
+def in_flight(gateway: Gateway) -> int:
+    return gateway.router.ledger.total_requests()
+
+
+def decisions(logs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [entry for entry in logs if entry["event"] == "route_decision"]
+
+
+def test_a_json_answer_ends_with_its_access_log_entry() -> None:
+    gateway = make_gateway()
+    with capture_logs() as logs:
+        endpoint = decide(gateway, "r1")
+        assert in_flight(gateway) == 1
+        gateway.access_logged("r1", 200, endpoint, cut_off=False, timings=TIMINGS)
+        gateway.access_logged("r1", 200, endpoint, cut_off=False, timings=TIMINGS)  # a duplicate: no-op
+    assert in_flight(gateway) == 0 and not gateway.pending
+    (record,) = decisions(logs)
+    assert record["outcome"] == "ok" and record["cache_n"] == 3 and "access_log_lost" not in record
+
+
+def test_a_client_that_hangs_up_is_abandoned() -> None:
+    gateway = make_gateway()
+    with capture_logs() as logs:
+        endpoint = decide(gateway, "r1")
+        gateway.access_logged("r1", 200, endpoint, cut_off=True, timings=None)
+    assert in_flight(gateway) == 0
+    assert decisions(logs)[0]["outcome"] == "abandoned"
+
+
+def test_a_lost_access_log_entry_is_made_up_for_once_the_request_must_be_over() -> None:
+    gateway = make_gateway()
+    with capture_logs() as logs:
+        endpoint = decide(gateway, "r1")
+        now = time.monotonic()
+        assert gateway.release_lost(now + LOST_AFTER_S - 1) == 0  # may still be generating
+        assert in_flight(gateway) == 1
+        assert gateway.release_lost(now + LOST_AFTER_S + 1) == 1
+        assert in_flight(gateway) == 0
+        assert gateway.release_lost(now + 2 * LOST_AFTER_S) == 0
+        gateway.access_logged("r1", 200, endpoint, cut_off=False, timings=TIMINGS)  # too late: no-op
+    assert in_flight(gateway) == 0
+    (record,) = decisions(logs)
+    assert record["outcome"] == "abandoned" and record["access_log_lost"] is True
+
+
+def test_a_streamed_answer_waits_for_the_observers_last_chunk() -> None:
+    async def scenario() -> list[dict[str, Any]]:
+        gateway = make_gateway()
+        with capture_logs() as logs:
+            endpoint = decide(gateway, "r1", stream=True)
+            assert gateway.observe_start("r1", 200, endpoint) == "r1"
+            gateway.observe_body("r1", b'data: {"content": "hi"}\n\n', end_of_stream=False)
+            gateway.access_logged("r1", 200, endpoint, cut_off=False, timings=None)  # the log came first
+            assert in_flight(gateway) == 1
+            last = b'data: {"content": "", "timings": {"cache_n": 7, "prompt_n": 1}}\n\n'
+            gateway.observe_body("r1", last, end_of_stream=True)
+            assert in_flight(gateway) == 0
+            await asyncio.sleep(0.05)  # the grace timer was cancelled: nothing more happens
+        return logs
+
+    (record,) = decisions(asyncio.run(scenario()))
+    assert record["outcome"] == "ok" and record["cache_n"] == 7
+
+
+@pytest.mark.parametrize("cut_off, outcome", [(False, "ok"), (True, "abandoned")])
+def test_a_streamed_answer_whose_end_is_not_observed_is_released_after_the_grace(cut_off: bool, outcome: str) -> None:
+    async def scenario() -> list[dict[str, Any]]:
+        gateway = make_gateway(grace_ms=20)
+        with capture_logs() as logs:
+            endpoint = decide(gateway, "r1", stream=True)
+            gateway.access_logged("r1", 200, endpoint, cut_off=cut_off, timings=None)
+            if not cut_off:  # the observer may still deliver the timings
+                assert in_flight(gateway) == 1
+                await asyncio.sleep(0.1)
+            assert in_flight(gateway) == 0
+        return logs
+
+    (record,) = decisions(asyncio.run(scenario()))
+    assert record["outcome"] == outcome and "cache_n" not in record
