@@ -154,19 +154,31 @@ RESPONSE_METADATA: dict[str, tuple[str, ...]] = {
 }
 
 
-def timings_from_metadata(values: Mapping[str, Any]) -> Timings | None:
-    """Timings from the values Envoy extracted (RESPONSE_METADATA keys; numbers arrive as floats)."""
-    data: dict[str, Any] = {}
-    for key, path in RESPONSE_METADATA.items():
-        if key in values:
-            value = values[key]
-            if isinstance(value, float) and value.is_integer() and not key.endswith("_ms"):
-                value = int(value)
-            node = data
-            for step in path[:-1]:
-                node = node.setdefault(step, {})
-            node[path[-1]] = value
-    return _timings_from_data(data) if data else None
+def timings_from_metadata(values: Mapping[str, float]) -> Timings | None:
+    """Timings from the numbers Envoy extracted (RESPONSE_METADATA keys): the same Timings as
+    parsing the body would give, read straight from the flat keys (this runs per request).
+    JSON integers arrive as floats: a whole float counts as an integer."""
+    if not _TIMINGS_KEYS.isdisjoint(values):
+        get = values.get
+        return Timings(
+            cache_n=_whole(get("cache_n")),
+            prompt_n=_whole(get("prompt_n")),
+            prompt_ms=get("prompt_ms"),
+            predicted_n=_whole(get("predicted_n")),
+            predicted_ms=get("predicted_ms"),
+        )
+    cached, prompt = _whole(values.get("cached_tokens")), _whole(values.get("prompt_tokens"))
+    if cached is None and prompt is None:
+        return None
+    new = prompt - cached if prompt is not None and cached is not None else None
+    return Timings(cache_n=cached, prompt_n=new, predicted_n=_whole(values.get("completion_tokens")))
+
+
+_TIMINGS_KEYS = frozenset(key for key, path in RESPONSE_METADATA.items() if path[0] == "timings")
+
+
+def _whole(value: float | None) -> int | None:
+    return int(value) if value is not None and value.is_integer() else None
 
 
 def _timings_from_json(text: bytes) -> Timings | None:

@@ -40,6 +40,7 @@ from extproc.service.envoy import (
     DESTINATION,
     OBSERVE,
     PREDICTED_CACHED,
+    REQUEST_ID,
     ROUTE_REASON,
     ROUTED_TO,
     STREAM_IDLE_TIMEOUT_S,
@@ -51,6 +52,7 @@ log = structlog.get_logger("extproc.service")
 
 MAX_JSON_RESPONSE_BYTES = 1 << 20  # larger JSON answers are passed on unread (no timings)
 SSE_TAIL_BYTES = 64 << 10  # the last events of a stream are all we read
+PREDICTED_HEADERS_KEPT = 1 << 16  # serialized x-route-predicted-cached-tokens values kept
 LOST_AFTER_S = 2 * STREAM_IDLE_TIMEOUT_S  # no access log entry by then: it was lost
 
 
@@ -96,6 +98,7 @@ class Gateway:
         self.pending: dict[str, Pending] = {}
         self.decisions = 0
         self._answers: dict[tuple[str, str, bool], bytes] = {}
+        self._predicted_headers: dict[int, bytes] = {}
         self._sequence = 0
 
     # ------------------------------------------------------------------ replicas
@@ -127,7 +130,7 @@ class Gateway:
         try:
             parsed = parse_request(path, content_type, body)
         except BadRequest as exc:
-            self.metrics.errors.labels("bad_request").inc()
+            self.metrics.errors["bad_request"] += 1
             return immediate(exc.status, exc.message)
         unique_id = self._request_id(request_id)
         conversation = conversation_id or parsed.opening_key
@@ -138,23 +141,22 @@ class Gateway:
         avoid = self.unhealthy if len(self.unhealthy) < len(self.endpoints) else ()
         decision = self.router.route(request, avoid=avoid)
         if decision is None:
-            self.metrics.errors.labels("no_replica").inc()
+            self.metrics.errors["no_replica"] += 1
             unhealthy = sorted(self.unhealthy)
             return immediate(503, "no replica available", replicas=len(self.endpoints), unhealthy=unhealthy)
         self.decisions += 1
-        self.metrics.decision(decision.trace.policy, decision.reason)
         self.pending[unique_id] = Pending(
             request, decision, self.endpoints[decision.replica], path, turn, parsed.stream, started, time.monotonic()
         )
-        self.metrics.decision_seconds.observe(time.perf_counter() - started)
+        self.metrics.decision(decision.trace.policy, decision.reason, time.perf_counter() - started)
         key = (decision.replica, decision.reason, parsed.stream)
         answer = self._answers.get(key)
         if answer is None:
             answer = self._answers[key] = self._route_answer(*key)
-        per_request = [header_option(PREDICTED_CACHED, str(decision.predicted_cached_tokens))]
+        answer += self._predicted_header(decision.predicted_cached_tokens)
         if unique_id != request_id:
-            per_request.append(header_option("x-request-id", unique_id))
-        return answer + _more_headers(per_request)
+            answer += _more_headers([header_option(REQUEST_ID, unique_id)])
+        return answer
 
     # ------------------------------------------------------------------ access log
 
@@ -184,7 +186,7 @@ class Gateway:
         lost = [request_id for request_id, p in self.pending.items() if now - p.last_seen > LOST_AFTER_S]
         for request_id in lost:
             self.pending[request_id].lost = True
-            self.metrics.errors.labels("access_log_lost").inc()
+            self.metrics.errors["access_log_lost"] += 1
             self._finish(request_id)
         return len(lost)
 
@@ -240,9 +242,9 @@ class Gateway:
         else:
             outcome = "failed"
         self.router.complete(request_id, ok=outcome == "ok")
-        self.metrics.completed_children[outcome].inc()
+        self.metrics.completed[outcome] += 1
         if failed_over or (pending.answered and pending.status in (502, 503) and not pending.served):
-            self.metrics.errors.labels("replica_failed").inc()
+            self.metrics.errors["replica_failed"] += 1
             self.mark_unhealthy(decision.replica)
         timings = pending.timings
         if pending.observed_end and pending.chunks:
@@ -301,6 +303,15 @@ class Gateway:
             return from_envoy
         self._sequence += 1  # absent or reused by a client: make it unique
         return f"{from_envoy or 'llm-ring'}-{self._sequence}"
+
+    def _predicted_header(self, tokens: int) -> bytes:
+        """The serialized header carrying the predicted cached tokens, one per value seen."""
+        header = self._predicted_headers.get(tokens)
+        if header is None:
+            if len(self._predicted_headers) >= PREDICTED_HEADERS_KEPT:
+                self._predicted_headers.clear()
+            header = self._predicted_headers[tokens] = _more_headers([header_option(PREDICTED_CACHED, str(tokens))])
+        return header
 
     def _route_answer(self, replica: str, reason: str, streamed: bool) -> bytes:
         """Envoy's answer for a pick: destination (+ fallbacks) in header and metadata; a

@@ -1,114 +1,142 @@
 """Prometheus metrics of the routing service (served on service.metrics_listen at /metrics).
 
-Per-request counters are incremented on pre-bound children (no label lookup on the hot
-path); in-flight load and replica health are read from the router at scrape time.
+The hot path only adds to plain dicts and lists (the service is one event loop: no locks,
+no label lookups; prometheus_client's own Counter and Histogram cost ~1-3 µs a call, and a
+request made eleven of them). One collector turns them into metric families at scrape time,
+together with the live state read from the router (in-flight load, replica health).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from bisect import bisect_left
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
     from extproc.service.gateway import Gateway
 
 OUTCOMES = ("ok", "failed", "abandoned")
+ERRORS = ("bad_request", "no_replica", "replica_failed", "access_log_lost")
+DECISION_SECONDS = (25e-6, 50e-6, 100e-6, 200e-6, 400e-6, 800e-6, 1.6e-3, 3.2e-3, 6.4e-3, 0.0128)
+PREDICTION_ERROR = (-4096, -1024, -256, -64, -16, -1, 0, 1, 16, 64, 256, 1024, 4096)
+
+
+class Histogram:
+    """Counts per bucket (value <= bound), the +Inf bucket last."""
+
+    def __init__(self, bounds: Sequence[float]) -> None:
+        self.bounds = tuple(bounds)
+        self.counts = [0] * (len(self.bounds) + 1)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+    def family(self, name: str, documentation: str) -> HistogramMetricFamily:
+        counts = list(self.counts)  # a copy: the event loop keeps counting while this is scraped
+        cumulative, buckets = 0, []
+        for bound, count in zip([*map(str, self.bounds), "+Inf"], counts, strict=True):
+            cumulative += count
+            buckets.append((bound, cumulative))
+        return HistogramMetricFamily(name, documentation, buckets=buckets, sum_value=self.sum)
 
 
 class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
-        r = self.registry
-        self.decisions = Counter("llm_ring_decisions", "routing decisions", ["policy", "reason"], registry=r)
-        self.decision_seconds = Histogram(
-            "llm_ring_decision_seconds",
-            "time to parse the body and decide (router.route included)",
-            buckets=(25e-6, 50e-6, 100e-6, 200e-6, 400e-6, 800e-6, 1.6e-3, 3.2e-3, 6.4e-3, 0.0128),
-            registry=r,
-        )
-        self.completed = Counter(
-            "llm_ring_requests_completed", "requests released from the ledger", ["outcome"], registry=r
-        )
-        self.errors = Counter("llm_ring_errors", "requests refused or failed", ["kind"], registry=r)
-        self.predicted_cached = Counter(
-            "llm_ring_predicted_cached_tokens",
-            "cached prompt tokens the router predicted (requests with timings)",
-            ["replica"],
-            registry=r,
-        )
-        self.actual_cached = Counter(
-            "llm_ring_actual_cached_tokens",
-            "cached prompt tokens the replica reported (timings.cache_n)",
-            ["replica"],
-            registry=r,
-        )
-        self.actual_prompt = Counter(
-            "llm_ring_actual_prompt_tokens",
-            "prompt tokens the replica reported (cache_n + prompt_n)",
-            ["replica"],
-            registry=r,
-        )
-        self.prediction_error = Histogram(
-            "llm_ring_cached_tokens_prediction_error",
-            "actual cache_n minus predicted cached tokens, per request",
-            buckets=(-4096, -1024, -256, -64, -16, -1, 0, 1, 16, 64, 256, 1024, 4096),
-            registry=r,
-        )
-        self._decision_children: dict[tuple[str, str], Counter] = {}
-        self._cache_children: dict[str, tuple[Counter, Counter, Counter]] = {}
-        self.completed_children = {outcome: self.completed.labels(outcome) for outcome in OUTCOMES}
+        self.decisions: Counter[tuple[str, str]] = Counter()  # (policy, reason)
+        self.completed: Counter[str] = Counter({outcome: 0 for outcome in OUTCOMES})
+        self.errors: Counter[str] = Counter({kind: 0 for kind in ERRORS})
+        self.predicted_cached: Counter[str] = Counter()  # per replica that served
+        self.actual_cached: Counter[str] = Counter()
+        self.actual_prompt: Counter[str] = Counter()
+        self.decision_seconds = Histogram(DECISION_SECONDS)
+        self.prediction_error = Histogram(PREDICTION_ERROR)
+        self._gateway: Callable[[], Gateway | None] = lambda: None
+        self.registry.register(_Collector(self))
 
-    def decision(self, policy: str, reason: str) -> None:
-        child = self._decision_children.get((policy, reason))
-        if child is None:
-            child = self._decision_children[(policy, reason)] = self.decisions.labels(policy, reason)
-        child.inc()
+    def decision(self, policy: str, reason: str, seconds: float) -> None:
+        self.decisions[policy, reason] += 1
+        self.decision_seconds.observe(seconds)
 
     def cache_tokens(self, replica: str, predicted: int, cached: int, prompt: int) -> None:
         """One request's predicted vs reported cached tokens (replica = where it was served)."""
-        children = self._cache_children.get(replica)
-        if children is None:
-            children = self._cache_children[replica] = (
-                self.predicted_cached.labels(replica),
-                self.actual_cached.labels(replica),
-                self.actual_prompt.labels(replica),
-            )
-        children[0].inc(predicted)
-        children[1].inc(cached)
-        children[2].inc(prompt)
+        self.predicted_cached[replica] += predicted
+        self.actual_cached[replica] += cached
+        self.actual_prompt[replica] += prompt
         self.prediction_error.observe(cached - predicted)
 
     def watch(self, gateway: Gateway) -> None:
         """Expose the gateway's live state (in-flight load, health) at scrape time."""
-        self.registry.register(_LiveState(lambda: gateway))
+        self._gateway = lambda: gateway
 
 
-class _LiveState(Collector):
-    def __init__(self, gateway: Callable[[], Gateway]) -> None:
-        self._gateway = gateway
+class _Collector(Collector):
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
-        gateway = self._gateway()
-        ledger = gateway.router.ledger
-        requests = GaugeMetricFamily(
-            "llm_ring_in_flight_requests", "requests in flight per replica", labels=["replica"]
+    def collect(self) -> Iterator[Metric]:
+        m = self.metrics
+        yield _counter("llm_ring_decisions", "routing decisions", ["policy", "reason"], m.decisions)
+        yield m.decision_seconds.family(
+            "llm_ring_decision_seconds", "time to parse the body and decide (router.route included)"
         )
-        tokens = GaugeMetricFamily(
-            "llm_ring_in_flight_tokens", "tokens charged in flight per replica", labels=["replica"]
+        yield _counter("llm_ring_requests_completed", "requests released from the ledger", ["outcome"], m.completed)
+        yield _counter("llm_ring_errors", "requests refused or failed", ["kind"], m.errors)
+        yield _counter(
+            "llm_ring_predicted_cached_tokens",
+            "cached prompt tokens the router predicted (requests with timings)",
+            ["replica"],
+            m.predicted_cached,
         )
-        healthy = GaugeMetricFamily(
-            "llm_ring_replica_healthy",
-            "1 unless a request failed there and /health has not answered since",
-            labels=["replica"],
+        yield _counter(
+            "llm_ring_actual_cached_tokens",
+            "cached prompt tokens the replica reported (timings.cache_n)",
+            ["replica"],
+            m.actual_cached,
         )
-        for name in gateway.router.replicas:
-            requests.add_metric([name], ledger.requests(name))
-            tokens.add_metric([name], ledger.tokens(name))
-            healthy.add_metric([name], 0 if name in gateway.unhealthy else 1)
-        yield requests
-        yield tokens
-        yield healthy
+        yield _counter(
+            "llm_ring_actual_prompt_tokens",
+            "prompt tokens the replica reported (cache_n + prompt_n)",
+            ["replica"],
+            m.actual_prompt,
+        )
+        yield m.prediction_error.family(
+            "llm_ring_cached_tokens_prediction_error", "actual cache_n minus predicted cached tokens, per request"
+        )
+        gateway = m._gateway()
+        if gateway is not None:
+            yield from _live_state(gateway)
+
+
+def _counter(
+    name: str, documentation: str, labels: list[str], counts: Counter[str] | Counter[tuple[str, str]]
+) -> Metric:
+    family = CounterMetricFamily(name, documentation, labels=labels)
+    for key, value in dict(counts).items():  # a copy, as above
+        family.add_metric(list(key) if isinstance(key, tuple) else [key], value)
+    return family
+
+
+def _live_state(gateway: Gateway) -> Iterator[Metric]:
+    ledger = gateway.router.ledger
+    requests = GaugeMetricFamily("llm_ring_in_flight_requests", "requests in flight per replica", labels=["replica"])
+    tokens = GaugeMetricFamily("llm_ring_in_flight_tokens", "tokens charged in flight per replica", labels=["replica"])
+    healthy = GaugeMetricFamily(
+        "llm_ring_replica_healthy",
+        "1 unless a request failed there and /health has not answered since",
+        labels=["replica"],
+    )
+    for name in gateway.router.replicas:
+        requests.add_metric([name], ledger.requests(name))
+        tokens.add_metric([name], ledger.tokens(name))
+        healthy.add_metric([name], 0 if name in gateway.unhealthy else 1)
+    yield requests
+    yield tokens
+    yield healthy

@@ -11,6 +11,8 @@ from typing import Any
 
 import orjson
 import pytest
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 from structlog.testing import capture_logs
 
 from extproc.routing import Router
@@ -124,3 +126,48 @@ def test_a_streamed_answer_whose_end_is_not_observed_is_released_after_the_grace
 
     (record,) = decisions(asyncio.run(scenario()))
     assert record["outcome"] == outcome and "cache_n" not in record
+
+
+def test_metrics_count_what_happened() -> None:
+    gateway = make_gateway()
+    gateway.metrics.watch(gateway)
+    with capture_logs() as logs:
+        endpoint = decide(gateway, "r1")
+        scraped = samples(gateway)
+        assert scraped["llm_ring_in_flight_requests", (("replica", record_replica(gateway, "r1")),)] == 1
+        gateway.access_logged("r1", 200, endpoint, cut_off=False, timings=TIMINGS)
+        decide(gateway, "r2")
+        gateway.access_logged("r2", 200, endpoint, cut_off=True, timings=None)
+        gateway.decide(path="/v1/chat/completions", content_type="application/json", conversation_id="", turn="",
+                       request_id="r3", body=b"{not json")  # fmt: skip
+    first = decisions(logs)[0]
+    scraped = samples(gateway)
+    reason = (("policy", "llm-aware"), ("reason", first["reason"]))
+    assert scraped["llm_ring_decisions_total", reason] == 2
+    assert scraped["llm_ring_requests_completed_total", (("outcome", "ok"),)] == 1
+    assert scraped["llm_ring_requests_completed_total", (("outcome", "abandoned"),)] == 1
+    assert scraped["llm_ring_errors_total", (("kind", "bad_request"),)] == 1
+    served = (("replica", first["served_replica"]),)
+    assert scraped["llm_ring_actual_cached_tokens_total", served] == 3
+    assert scraped["llm_ring_actual_prompt_tokens_total", served] == 8
+    assert scraped["llm_ring_predicted_cached_tokens_total", served] == first["predicted_cached_tokens"]
+    error = 3 - first["predicted_cached_tokens"]  # one request, in every bucket from its own up
+    for (name, labels), value in scraped.items():
+        if name == "llm_ring_cached_tokens_prediction_error_bucket":
+            assert value == (error <= float(dict(labels)["le"]))
+    assert scraped["llm_ring_decision_seconds_count", ()] == 2
+    assert scraped["llm_ring_decision_seconds_bucket", (("le", "+Inf"),)] == 2
+    assert all(value == 0 for (name, _), value in scraped.items() if name == "llm_ring_in_flight_requests")
+
+
+def record_replica(gateway: Gateway, request_id: str) -> str:
+    return gateway.pending[request_id].decision.replica
+
+
+def samples(gateway: Gateway) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    text = generate_latest(gateway.metrics.registry).decode()
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
