@@ -53,7 +53,7 @@ class ServiceSettings(_Strict):
     log_level: Literal["debug", "info", "warning", "error"]
     fallbacks: int = Field(ge=0, le=8, description="endpoints after the pick, tried by Envoy on connect failure")
     health_probe_seconds: float = Field(gt=0, description="probe period (GET /health) of a replica that failed")
-    observe_grace_ms: int = Field(ge=0, le=10_000, description="wait after a request ends for its timings")
+    observe_grace_ms: int = Field(ge=0, le=10_000, description="SSE: wait after the access log entry for the end")
     envoy_endpoints_file: str = Field(description="EDS file written for Envoy; empty: Envoy resolves DNS")
     fail_open: bool = Field(description="Envoy: round robin when this service is down (true) or 500 (false)")
 
