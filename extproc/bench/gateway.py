@@ -7,8 +7,11 @@ grpc.aio ext_proc pays: extproc.service.stub_processor), Envoy + ext_proc (`llm-
 llm-aware policy, route_decision logs to a file). At each
 concurrency, closed-loop keep-alive clients send chat requests for a fixed time; the table
 shows p50/p99 latency, req/s, and the latency ext_proc adds over Envoy alone, then the CPU
-time each process spent per request (from /proc: unlike latency, barely moved by other work
-on a busy machine, so it is the figure to compare between runs and changes).
+time each process spent per request (from /proc: less moved by other work on a busy machine
+than latency, so it is the figure to compare between runs and changes).
+Rounds: every cell is measured --rounds times, the modes alternating within each round, and
+each figure is the median over the rounds (these machines are noisy: a burst of other work
+then spoils one round of every mode alike instead of one mode's only measurement).
 Everything shares this machine's cores: the client's own cost is in every column alike.
 """
 
@@ -19,6 +22,7 @@ import asyncio
 import json
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -46,7 +50,8 @@ WARMUP_SECONDS = 0.5
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32], help="client connections per cell")
-    parser.add_argument("--seconds", type=float, default=3.0, help="measured time per cell (after 0.5 s warm-up)")
+    parser.add_argument("--seconds", type=float, default=2.0, help="measured time per cell (after 0.5 s warm-up)")
+    parser.add_argument("--rounds", type=int, default=3, help="measurements per cell, modes alternating; medians shown")
     parser.add_argument("--conversations", type=int, default=200, help="distinct x-conversation-id values")
     parser.add_argument("--envoy-concurrency", type=int, default=2, help="Envoy worker threads")
     parser.add_argument("--keep", action="store_true", help="keep the work directory (logs, configs)")
@@ -63,7 +68,8 @@ def main(args: argparse.Namespace) -> int:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     concurrency = list(getattr(args, "concurrency", [1, 8, 32]))
-    seconds = float(getattr(args, "seconds", 3.0))
+    seconds = float(getattr(args, "seconds", 2.0))
+    rounds = max(1, int(getattr(args, "rounds", 3)))
     conversations = int(getattr(args, "conversations", 200))
     workdir = Path(tempfile.mkdtemp(prefix="llm-ring-bench-gateway-"))
     started: list[Running] = []
@@ -96,26 +102,44 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             started.append(envoy)
             targets[mode] = [split_host_port(envoy.listen)[1]]
             processes.setdefault(mode, {})["envoy"] = envoy
-        cells = []
-        for level in concurrency:
-            for mode in MODES:
-                before = {name: cpu_seconds(running) for name, running in processes[mode].items()}
-                cell = asyncio.run(load(targets[mode], level, seconds, conversations))
-                for name, running in processes[mode].items():
-                    # the warm-up's requests are not counted: charge its share of the CPU time
-                    spent = (cpu_seconds(running) - before[name]) * seconds / (seconds + WARMUP_SECONDS)
-                    cell[f"{name}_cpu_us_per_request"] = round(spent / max(cell["requests"], 1) * 1e6, 1)
-                cells.append({"mode": mode, "concurrency": level, **cell})
-                _progress(
-                    f"{mode:>15} c={level:<3} p50={cell['p50_ms']:.3f} ms p99={cell['p99_ms']:.3f} ms "
-                    f"{cell['rps']:.0f} req/s"
-                )
-        return summarize(cells, seconds, str(workdir) if getattr(args, "keep", False) else None)
+        measured: dict[tuple[str, int], list[dict[str, Any]]] = {}
+        for round_number in range(1, rounds + 1):
+            for level in concurrency:
+                for mode in MODES:
+                    cell = measure(targets[mode], processes[mode], level, seconds, conversations)
+                    measured.setdefault((mode, level), []).append(cell)
+                    _progress(
+                        f"round {round_number}/{rounds} {mode:>19} c={level:<3} p50={cell['p50_ms']:.3f} ms "
+                        f"p99={cell['p99_ms']:.3f} ms {cell['rps']:.0f} req/s"
+                    )
+        cells = [{"mode": mode, "concurrency": level, **median_cell(runs)} for (mode, level), runs in measured.items()]
+        return summarize(cells, seconds, rounds, str(workdir) if getattr(args, "keep", False) else None)
     finally:
         for running in reversed(started):
             running.stop()
         if not getattr(args, "keep", False):
             shutil.rmtree(workdir, ignore_errors=True)
+
+
+def measure(
+    ports: list[int], processes: dict[str, Running], level: int, seconds: float, conversations: int
+) -> dict[str, Any]:
+    """One cell: load for ``seconds`` and the CPU time each process spent per request."""
+    before = {name: cpu_seconds(running) for name, running in processes.items()}
+    cell = asyncio.run(load(ports, level, seconds, conversations))
+    for name, running in processes.items():
+        # the warm-up's requests are not counted: charge its share of the CPU time
+        spent = (cpu_seconds(running) - before[name]) * seconds / (seconds + WARMUP_SECONDS)
+        cell[f"{name}_cpu_us_per_request"] = round(spent / max(cell["requests"], 1) * 1e6, 1)
+    return cell
+
+
+def median_cell(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each figure's median over the rounds (requests and errors: summed)."""
+    cell: dict[str, Any] = {key: round(statistics.median(run[key] for run in runs), 3) for key in runs[0]}
+    cell["requests"] = sum(run["requests"] for run in runs)
+    cell["errors"] = sum(run["errors"] for run in runs)
+    return cell
 
 
 def cpu_seconds(running: Running) -> float:
@@ -128,7 +152,7 @@ def args_envoy_concurrency(args: argparse.Namespace) -> int:
     return int(getattr(args, "envoy_concurrency", 2))
 
 
-def summarize(cells: list[dict[str, Any]], seconds: float, workdir: str | None) -> dict[str, Any]:
+def summarize(cells: list[dict[str, Any]], seconds: float, rounds: int, workdir: str | None) -> dict[str, Any]:
     by = {(cell["mode"], cell["concurrency"]): cell for cell in cells}
     added = []
     for level in sorted({cell["concurrency"] for cell in cells}):
@@ -149,6 +173,7 @@ def summarize(cells: list[dict[str, Any]], seconds: float, workdir: str | None) 
     return {
         "benchmark": "gateway",
         "seconds_per_cell": seconds,
+        "rounds": rounds,
         "cells": cells,
         "added": added,
         "targets": {
@@ -200,7 +225,10 @@ def render_table(result: dict[str, Any]) -> str:
             ext_proc = cell.get("ext_proc_cpu_us_per_request")
             parts.append(f"{mode} {cell['envoy_cpu_us_per_request']:.0f}" + (f" / {ext_proc:.0f}" if ext_proc else ""))
         lines.append(f"{level:>4} | " + " | ".join(parts))
-    lines.append(f"machine: {result['cpus']} CPUs, 1-minute load average {result['load_average_1m']} at the end")
+    lines.append(
+        f"each figure: the median of {result['rounds']} rounds of {result['seconds_per_cell']:g} s, modes alternating; "
+        f"machine: {result['cpus']} CPUs, 1-minute load average {result['load_average_1m']} at the end"
+    )
     errors = sum(cell["errors"] for cell in result["cells"])
     if errors:
         lines.append(f"errors: {errors} non-200 answers (see --json cells)")

@@ -1,0 +1,33 @@
+"""`llm-ring bench gateway` end to end, tiny: every mode measured, medians over rounds, the table."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from extproc.bench.gateway import MODES, median_cell, render_table, run
+
+pytestmark = pytest.mark.live
+
+
+def test_every_mode_is_measured_and_ext_proc_really_is_in_the_path() -> None:
+    args = argparse.Namespace(concurrency=[2], seconds=0.3, rounds=2, conversations=20, envoy_concurrency=1, keep=False)
+    result = run(args)
+    cells = {cell["mode"]: cell for cell in result["cells"]}
+    assert set(cells) == set(MODES) and result["rounds"] == 2
+    assert all(cell["requests"] > 0 and cell["errors"] == 0 for cell in cells.values())
+    # a routed request costs the service CPU and a gRPC round trip more than Envoy alone
+    assert cells["envoy+ext_proc"]["ext_proc_cpu_us_per_request"] > 0
+    assert cells["envoy+ext_proc"]["p50_ms"] > cells["envoy"]["p50_ms"]
+    table = render_table(result)
+    assert "targets:" in table and "median of 2 rounds" in table
+
+
+def test_a_cell_is_the_median_of_its_rounds() -> None:
+    runs = [
+        {"requests": 10, "errors": 0, "rps": 100.0, "p50_ms": 1.0, "p99_ms": 9.0},
+        {"requests": 30, "errors": 1, "rps": 300.0, "p50_ms": 3.0, "p99_ms": 2.0},
+        {"requests": 20, "errors": 0, "rps": 200.0, "p50_ms": 2.0, "p99_ms": 4.0},
+    ]
+    assert median_cell(runs) == {"requests": 60, "errors": 1, "rps": 200.0, "p50_ms": 2.0, "p99_ms": 4.0}
