@@ -111,6 +111,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     _progress(
                         f"round {round_number}/{rounds} {mode:>19} c={level:<3} p50={cell['p50_ms']:.3f} ms "
                         f"p99={cell['p99_ms']:.3f} ms {cell['rps']:.0f} req/s"
+                        + (f" {cell['errors']} errors ({cell['first_error']})" if cell["errors"] else "")
                     )
         cells = [{"mode": mode, "concurrency": level, **median_cell(runs)} for (mode, level), runs in measured.items()]
         return summarize(cells, seconds, rounds, str(workdir) if getattr(args, "keep", False) else None)
@@ -136,9 +137,12 @@ def measure(
 
 def median_cell(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Each figure's median over the rounds (requests and errors: summed)."""
-    cell: dict[str, Any] = {key: round(statistics.median(run[key] for run in runs), 3) for key in runs[0]}
+    cell: dict[str, Any] = {
+        key: round(statistics.median(run[key] for run in runs), 3) for key in runs[0] if key != "first_error"
+    }
     cell["requests"] = sum(run["requests"] for run in runs)
     cell["errors"] = sum(run["errors"] for run in runs)
+    cell["first_error"] = next((run["first_error"] for run in runs if run.get("first_error")), "")
     return cell
 
 
@@ -231,7 +235,8 @@ def render_table(result: dict[str, Any]) -> str:
     )
     errors = sum(cell["errors"] for cell in result["cells"])
     if errors:
-        lines.append(f"errors: {errors} non-200 answers (see --json cells)")
+        first = next(cell["first_error"] for cell in result["cells"] if cell["first_error"])
+        lines.append(f"errors: {errors} non-200 answers, the first: {first!r} (see --json cells)")
     return "\n".join(lines)
 
 
@@ -265,6 +270,7 @@ async def load(ports: list[int], connections: int, seconds: float, conversations
     end = warmup_end + seconds
     latencies: list[int] = []
     errors = [0]
+    first_error: list[str] = []
 
     async def client(index: int) -> None:
         reader, writer = await asyncio.open_connection("127.0.0.1", ports[index % len(ports)])
@@ -284,6 +290,8 @@ async def load(ports: list[int], connections: int, seconds: float, conversations
                     latencies.append(time.perf_counter_ns() - started)
                     if not head.startswith(b"HTTP/1.1 200"):
                         errors[0] += 1
+                        if not first_error:
+                            first_error.append(head.split(b"\r\n", 1)[0].decode(errors="replace"))
         finally:
             writer.close()
 
@@ -293,6 +301,7 @@ async def load(ports: list[int], connections: int, seconds: float, conversations
     return {
         "requests": count,
         "errors": errors[0],
+        "first_error": first_error[0] if first_error else "",
         "rps": round(count / seconds, 1),
         "p50_ms": round(latencies[count // 2] / 1e6, 3) if count else float("nan"),
         "p99_ms": round(latencies[min(count - 1, int(count * 0.99))] / 1e6, 3) if count else float("nan"),

@@ -27,7 +27,8 @@ def test_every_mode_is_measured_and_ext_proc_really_is_in_the_path() -> None:
 def test_a_cell_is_the_median_of_its_rounds() -> None:
     runs = [
         {"requests": 10, "errors": 0, "rps": 100.0, "p50_ms": 1.0, "p99_ms": 9.0},
-        {"requests": 30, "errors": 1, "rps": 300.0, "p50_ms": 3.0, "p99_ms": 2.0},
+        {"requests": 30, "errors": 1, "first_error": "HTTP/1.1 503", "rps": 300.0, "p50_ms": 3.0, "p99_ms": 2.0},
         {"requests": 20, "errors": 0, "rps": 200.0, "p50_ms": 2.0, "p99_ms": 4.0},
     ]
-    assert median_cell(runs) == {"requests": 60, "errors": 1, "rps": 200.0, "p50_ms": 2.0, "p99_ms": 4.0}
+    expected = {"requests": 60, "errors": 1, "first_error": "HTTP/1.1 503", "rps": 200.0, "p50_ms": 2.0, "p99_ms": 4.0}
+    assert median_cell(runs) == expected
