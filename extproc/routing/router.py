@@ -14,7 +14,7 @@ from extproc.routing.hashing import stable_hash
 from extproc.routing.ledger import LoadLedger
 from extproc.routing.placement import PlacementMemory
 from extproc.routing.policies import Policy, make_policy
-from extproc.routing.policies.situation import Situation
+from extproc.routing.policies.situation import Situation, new
 from extproc.routing.ring import HashRing
 from extproc.settings import RoutingSettings
 
@@ -28,6 +28,7 @@ class Router:
         self.memory = PlacementMemory(settings.memory_capacity)
         self.policy: Policy = make_policy(settings)
         self._ring = HashRing((), settings.virtual_nodes, settings.hash_seed)
+        self._members: frozenset[str] = frozenset()
         self._in_flight: dict[str, tuple[RouteRequest, Decision, int]] = {}
         self.set_replicas(replicas)
 
@@ -48,6 +49,7 @@ class Router:
         if names == self._ring.replicas:
             return
         self._ring = HashRing(names, self.settings.virtual_nodes, self.settings.hash_seed)
+        self._members = frozenset(names)
         self.ledger.set_replicas(names)
         gone = [rid for rid, (_, decision, _) in self._in_flight.items() if decision.replica not in names]
         for request_id in gone:  # their load went with the replica; completing them is a no-op
@@ -55,19 +57,23 @@ class Router:
 
     def route(self, request: RouteRequest, avoid: Collection[str] = ()) -> Decision | None:
         """Pick a replica for ``request`` and charge it; None when no replica is eligible."""
-        if request.request_id in self._in_flight:
-            raise ValueError(f"request {request.request_id!r} is already in flight")
-        avoided = frozenset(avoid) if avoid else _NOTHING
-        key = self.conversation_key(request.conversation)
+        request_id = request.request_id
+        if request_id in self._in_flight:
+            raise ValueError(f"request {request_id!r} is already in flight")
+        ring = self._ring
+        if avoid:
+            avoided = frozenset(avoid)
+            eligible = tuple(name for name in ring.replicas if name not in avoided)
+        else:
+            avoided, eligible = _NOTHING, ring.replicas
+        key = stable_hash(request.conversation, self.settings.hash_seed)  # = conversation_key()
         placement = self.memory.get(key)
-        if placement is not None and (placement.replica not in self.ledger.loads("requests")
-                                      or placement.replica in avoided):
+        if placement is not None and (placement.replica not in self._members or placement.replica in avoided):
             placement = None  # that cache is gone or unreachable
-        situation = Situation(request, key, self._ring, self.ledger, placement, avoided)
-        decision = self.policy.decide(situation)
+        decision = self.policy.decide(new(Situation, (request, key, ring, self.ledger, placement, avoided, eligible)))
         if decision is not None:
-            self.ledger.charge(request.request_id, decision.replica, decision.charged_tokens)
-            self._in_flight[request.request_id] = (request, decision, key)
+            self.ledger.charge(request_id, decision.replica, decision.charged_tokens)
+            self._in_flight[request_id] = (request, decision, key)
         return decision
 
     def complete(self, request_id: str, ok: bool = True) -> Decision | None:

@@ -76,6 +76,9 @@ class _Simulation:
         self.heap: list[tuple] = []
         self.seq = 0
         self.outcome = Outcome()
+        self.record = self.outcome.requests.append
+        self.route, self.complete = router.route, router.complete
+        self.shared_host = fleet.host_cores > 0
         self.pending: Iterator[Request] = iter(())
         self.deadline = float("inf")
         self.busy = 0  # replicas with at least one running request
@@ -124,7 +127,7 @@ class _Simulation:
 
     def _send(self, request: Request, now: float) -> None:
         request.arrived_at = now
-        decision = self.router.route(request.route)
+        decision = self.route(request.route)
         if decision is None:  # no replica at all: answered at once with 503, like the gateway
             request.status, request.error = 503, "no replica"
             request.started_at = request.first_token_at = request.finished_at = now
@@ -134,27 +137,27 @@ class _Simulation:
         request.reason = decision.reason
         request.predicted_cached = decision.predicted_cached_tokens
         replica = self.replicas[decision.replica]
-        replica.advance(now)
-        was_busy = bool(replica.active)
-        replica.offer(request, now)
+        was_idle = not replica.active
+        replica.arrive(request, now)
         self._reschedule(replica, now)
-        if not was_busy and self.fleet.host_cores > 0:
+        if was_idle and self.shared_host:
             self._share_host(now, +1)
 
     def _wake(self, replica: Replica, now: float) -> None:
-        replica.advance(now)
-        finished = replica.finish_phases(now)
+        finished = replica.wake(now)
         self._reschedule(replica, now)
-        if finished and not replica.active and self.fleet.host_cores > 0:
+        if not finished:
+            return
+        if not replica.active and self.shared_host:
             self._share_host(now, -1)
-        complete = self.router.complete
+        complete = self.complete
         for request in finished:
             request.status = 200
             complete(request.request_id, True)
             self._done(request, now)
 
     def _done(self, request: Request, now: float) -> None:
-        self.outcome.requests.append(request)
+        self.record(request)
         follow = request.next
         if follow is not None:
             if now + follow.think_s <= self.deadline:
@@ -163,11 +166,11 @@ class _Simulation:
             self._next_conversation(now)
 
     def _reschedule(self, replica: Replica, now: float) -> None:
-        self.seq += 1
-        replica.version = self.seq  # the one wake-up that counts is the one with this sequence number
+        self.seq = seq = self.seq + 1
+        replica.version = seq  # the one wake-up that counts is the one with this sequence number
         wait = replica.next_change()
         if wait is not None:
-            heapq.heappush(self.heap, (now + wait, self.seq, _WAKE, replica))
+            heapq.heappush(self.heap, (now + wait, seq, _WAKE, replica))
 
     def _share_host(self, now: float, change: int) -> None:
         """A replica became busy or idle: on a shared host, every busy replica's speed changes.

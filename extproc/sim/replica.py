@@ -79,13 +79,14 @@ class Slot:
 
 
 class Replica:
-    __slots__ = ("name", "cost", "slots", "queue", "active", "updated_at", "version", "cache",
+    __slots__ = ("name", "cost", "slots", "slot_count", "queue", "active", "updated_at", "version", "cache",
                  "prefill_slowdown", "decode_slowdown", "draining", "prefill_clock", "decode_clock", "host_factor")
 
     def __init__(self, name: str, cost: CostModel, slots: int, cache_tokens: int) -> None:
         self.name = name
         self.cost = cost
         self.slots = [Slot() for _ in range(slots)]
+        self.slot_count = slots
         self.queue: deque[Request] = deque()
         self.active: list[Request] = []
         self.updated_at = 0.0
@@ -122,15 +123,21 @@ class Replica:
                 best = wait
         return best
 
-    def offer(self, request: Request, now: float) -> None:
-        """A routed request arrives: start it on an idle slot or queue it (FIFO)."""
-        if len(self.active) < len(self.slots):
+    def arrive(self, request: Request, now: float) -> None:
+        """A routed request arrives at ``now``: start it on an idle slot or queue it (FIFO)."""
+        self.advance(now)
+        if len(self.active) < self.slot_count:
             self._start(request, now)
         else:
             self.queue.append(request)
 
-    def finish_phases(self, now: float) -> list[Request]:
-        """Move requests whose phase ran out on; return those that finished (slots freed, queue served)."""
+    def wake(self, now: float) -> list[Request]:
+        """Advance to ``now`` and move on the requests whose phase ran out.
+
+        Returns those that finished (their slots freed and the queue served), in the
+        order they were started.
+        """
+        self.advance(now)
         finished = []
         prefill_clock, decode_clock = self.prefill_clock, self.decode_clock
         for request in self.active:
@@ -156,14 +163,13 @@ class Replica:
             slot.last_used = now
             request.slot = None
         queue = self.queue
-        while queue and len(active) < len(self.slots):
+        while queue and len(active) < self.slot_count:
             self._start(queue.popleft(), now)
         return finished
 
     def _start(self, request: Request, now: float) -> None:
-        slot = self._pick_slot(request)
+        slot, shared = self._pick_slot(request)
         key, blocks, prompt = request.key, request.blocks, request.prompt_tokens
-        shared = common_prefix(slot.key, slot.blocks, slot.tokens, key, blocks, prompt)
         cache = self.cache
         if cache.capacity_tokens > 0:
             if slot.tokens and shared < SAVE_BELOW_KEEP * slot.tokens:
@@ -184,16 +190,20 @@ class Replica:
         slot.key, slot.blocks, slot.tokens = key, blocks, prompt
         self.active.append(request)
 
-    def _pick_slot(self, request: Request) -> Slot:
-        best, best_sim, lru = None, SLOT_SIMILARITY, None
+    def _pick_slot(self, request: Request) -> tuple[Slot, int]:
+        """The idle slot to use, and the tokens of the prompt it already holds."""
+        best, best_sim, best_shared, lru = None, SLOT_SIMILARITY, 0, None
         key, blocks, prompt = request.key, request.blocks, request.prompt_tokens
         for slot in self.slots:
             if slot.busy:
                 continue
             if slot.key == key:
-                sim = common_prefix(slot.key, slot.blocks, slot.tokens, key, blocks, prompt) / prompt
-                if sim > best_sim:
-                    best, best_sim = slot, sim
+                shared = common_prefix(slot.key, slot.blocks, slot.tokens, key, blocks, prompt)
+                if shared / prompt > best_sim:
+                    best, best_sim, best_shared = slot, shared / prompt, shared
             if lru is None or slot.last_used < lru.last_used:
                 lru = slot
-        return best or lru  # type: ignore[return-value]  # a free slot exists when called
+        if best is not None:
+            return best, best_shared
+        assert lru is not None  # a free slot exists when called
+        return lru, common_prefix(lru.key, lru.blocks, lru.tokens, key, blocks, prompt)

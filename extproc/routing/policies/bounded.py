@@ -9,7 +9,7 @@ costs its whole prompt + max_tokens, wherever it goes: the cache is ignored).
 from __future__ import annotations
 
 from extproc.routing.decision import Decision, Trace
-from extproc.routing.policies.situation import Situation, average_and_cap, first_fit, least_loaded
+from extproc.routing.policies.situation import Situation, average_and_cap, first_fit, least_loaded, new
 from extproc.settings import RoutingSettings
 
 
@@ -31,13 +31,16 @@ class Bounded:
         total = situation.total(self.unit) + cost
         average, cap = average_and_cap(total, len(eligible), self.epsilon, self.unit)
         home = situation.home()
-        chosen, checks = first_fit(situation.walk(), loads, lambda _: cost, cap)
+        chosen, checks = first_fit(situation.walk(), loads, cost, cap)
         if chosen is None:
-            chosen, reason = least_loaded(eligible, loads, lambda _: cost), "least-loaded"
+            chosen, reason = least_loaded(eligible, loads, cost), "least-loaded"
         else:
             reason = "home" if chosen == home else "overflow"
-        trace = Trace(
-            self.name, request.prompt_tokens, request.max_tokens, unit=self.unit, home=home,
-            loads=situation.load_items(self.unit), total=total, average=average, cap=cap, checks=checks,
-        )
-        return Decision(chosen, reason, cost, work, situation.cached_tokens_on(chosen), trace)
+        trace = new(Trace, (
+            self.name, request.prompt_tokens, request.max_tokens, self.unit, home,
+            None, None, None, None, 0, None,  # preferred, preferred_by, remembered, remembered_tokens, cached, cost
+            situation.load_items(self.unit), total, average, cap,
+            None, None,  # long_cap, long_threshold
+            checks,
+        ))
+        return new(Decision, (chosen, reason, cost, work, situation.cached_tokens_on(chosen), trace))

@@ -13,10 +13,8 @@ With all three off it decides exactly as bounded in tokens mode.
 
 from __future__ import annotations
 
-from itertools import chain
-
 from extproc.routing.decision import Decision, Trace
-from extproc.routing.policies.situation import Situation, average_and_cap, first_fit, least_loaded
+from extproc.routing.policies.situation import Situation, average_and_cap, first_fit, least_loaded, new
 from extproc.settings import RoutingSettings
 
 
@@ -36,31 +34,33 @@ class LlmAware:
         if not eligible:
             return None
         request = situation.request
+        prompt, max_tokens = request.prompt_tokens, request.max_tokens
+        work = prompt + max_tokens  # what the request costs where nothing is cached
         placement = situation.placement
-        cached_on = placement.replica if placement is not None else None
-        work = request.prompt_tokens + request.max_tokens
-        cached_tokens = situation.cached_tokens_on(cached_on) if cached_on is not None else 0
-        cached_cost = max(1, request.prompt_tokens - cached_tokens) + request.max_tokens
-
-        def cost_of(replica: str) -> int:
-            return cached_cost if self.cache_aware and replica == cached_on else work
+        if placement is None:
+            cached_on, cached_tokens, cached_cost = None, 0, work
+        else:
+            cached_on = placement.replica
+            cached_tokens = min(placement.prompt_tokens, prompt)
+            cached_cost = max(1, prompt - cached_tokens) + max_tokens
+        discounted = cached_on if self.cache_aware else None  # where the request costs cached_cost
 
         home = situation.home()
         by_memory = self.placement_memory and cached_on is not None
         preferred = cached_on if by_memory else home
         assert preferred is not None  # eligible is not empty
-        preferred_cost = cost_of(preferred)
+        preferred_cost = cached_cost if preferred == discounted else work
         loads = situation.ledger.loads("tokens")
         total = situation.total("tokens") + preferred_cost
         average, cap = average_and_cap(total, len(eligible), self.epsilon, "tokens")
         long_cap = None
-        if self.long_stickiness and cached_on == preferred and request.prompt_tokens >= self.long_prompt_tokens:
+        if self.long_stickiness and cached_on == preferred and prompt >= self.long_prompt_tokens:
             long_cap = self.long_load_factor * average
-        order = chain((preferred,), (name for name in situation.walk() if name != preferred))
-        cached = cached_on if self.cache_aware and cached_on == preferred else None
-        chosen, checks = first_fit(order, loads, cost_of, cap, cached, long_cap)
+        cached = discounted if discounted == preferred else None
+        chosen, checks = first_fit(situation.walk_from(preferred), loads, work, cap,
+                                   discounted, cached_cost, cached, long_cap)
         if chosen is None:
-            chosen, reason = least_loaded(eligible, loads, cost_of), "least-loaded"
+            chosen, reason = least_loaded(eligible, loads, work, discounted, cached_cost), "least-loaded"
         elif chosen == preferred:
             reason = "home" if preferred == home else "sticky"
             load = loads[chosen]
@@ -68,14 +68,20 @@ class LlmAware:
                 reason += "-long"  # only the long cap let it in
         else:
             reason = "overflow"
-        cost = cost_of(chosen)
-        trace = Trace(
-            self.name, request.prompt_tokens, request.max_tokens, unit="tokens", home=home,
-            preferred=preferred, preferred_by="memory" if by_memory else "ring",
-            remembered=cached_on, remembered_tokens=placement.prompt_tokens if placement else None,
-            cached_tokens=cached_tokens if preferred == cached_on else 0, preferred_cost=preferred_cost,
-            loads=situation.load_items("tokens"), total=total, average=average, cap=cap,
-            long_cap=long_cap, long_threshold=self.long_prompt_tokens if long_cap is not None else None,
-            checks=checks,
-        )
-        return Decision(chosen, reason, cost, cost, cached_tokens if chosen == cached_on else 0, trace)
+        cost = cached_cost if chosen == discounted else work
+        trace = new(Trace, (
+            self.name, prompt, max_tokens,
+            "tokens",  # unit
+            home,
+            preferred,
+            "memory" if by_memory else "ring",  # preferred_by
+            cached_on,  # remembered
+            placement.prompt_tokens if placement else None,  # remembered_tokens
+            cached_tokens if preferred == cached_on else 0,  # cached_tokens
+            preferred_cost,
+            situation.load_items("tokens"),  # loads
+            total, average, cap, long_cap,
+            self.long_prompt_tokens if long_cap is not None else None,  # long_threshold
+            checks,
+        ))
+        return new(Decision, (chosen, reason, cost, cost, cached_tokens if chosen == cached_on else 0, trace))
