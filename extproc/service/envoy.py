@@ -2,17 +2,20 @@
 
 Request path, in filter order:
   1. header_mutation strips client-sent routing headers (a client must never pick the upstream);
-  2. ext_proc "route" (blocking): request headers with CEL attributes (answered at once), then
-     the buffered body -> the service picks a replica and answers: sets
-     ``x-gateway-destination-endpoint`` (ordered fallbacks, comma-separated) and ``envoy.lb``
-     metadata, clears the route cache; nothing of the response is sent to it;
-  3. ext_proc "observe" (``observability_mode``: Envoy never waits for it), for streamed
+  2. buffer: holds the request until its whole body is in (413 past max_request_bytes), so the
+     next filter gets the headers and then the body in one piece;
+  3. ext_proc "route" (blocking): the request headers with CEL attributes and, without waiting
+     for their answer, the body -> one round trip: the service picks a replica and answers the
+     headers: sets ``x-gateway-destination-endpoint`` (ordered fallbacks, comma-separated) and
+     ``envoy.lb`` metadata, clears the route cache; then lets the body pass unchanged; nothing
+     of the response is sent to it;
+  4. ext_proc "observe" (``observability_mode``: Envoy never waits for it), for streamed
      (SSE) answers only: the response body, from whose last events the service reads
      llama.cpp's timings. The service marks such requests with ``x-llm-ring-observe`` and
      clears the route cache: the route that matches that header enables the filter, the
      others disable it (an ext_proc stream costs the service ~0.5 ms of CPU here);
-  4. json_to_metadata "timings": a JSON answer's timings/usage numbers -> dynamic metadata;
-  5. router -> cluster ``replicas`` with the Override Host load-balancing policy: the first
+  5. json_to_metadata "timings": a JSON answer's timings/usage numbers -> dynamic metadata;
+  6. router -> cluster ``replicas`` with the Override Host load-balancing policy: the first
      endpoint of the header, the next ones on retries, round robin when the header is absent
      (fail-open, ext_proc down).
 Every request's outcome (status, the upstream that served it, reset flags, those timings)
@@ -198,7 +201,7 @@ def _http_connection_manager(
             },
             "http_filters": [
                 _strip_client_routing_headers(),
-                *(ext_proc if with_ext_proc else []),
+                *([_whole_body(max_request_bytes), *ext_proc] if with_ext_proc else []),
                 *([_timings_to_metadata()] if with_ext_proc else []),
                 {
                     "name": "envoy.filters.http.router",
@@ -235,16 +238,20 @@ RESPONSE_ATTRIBUTES = ("request.id", "response.code", "upstream.address")
 
 
 def _ext_proc_filter(name: str, fail_open: bool, timeout_ms: int, observe: bool) -> dict[str, Any]:
-    """route: headers (answered at once) then the BUFFERED body (answered with the pick, and
-    the service closes the stream: the access log says when the request ends). The headers
-    cannot be skipped: with request_header_mode SKIP, Envoy 1.40 sends the attributes with the
-    body but ignores the header mutation and metadata of the body's answer, and a POST
-    without a body would reach no decision at all (both checked).
+    """route: the headers, then the body sent without waiting for the headers' answer (STREAMED;
+    the buffer filter before makes it one chunk): one round trip. The service answers the
+    headers with the pick, lets the body pass, and closes the stream; the access log says when
+    the request ends. Envoy then sends the body upstream chunked (STREAMED mode drops
+    content-length; llama.cpp's server reads chunked bodies). Measured against the BUFFERED
+    body (headers answered first, then the body: two round trips): ~0.25 ms less added p50 and
+    ~15 % less CPU in both processes. The headers cannot be skipped: with request_header_mode
+    SKIP, Envoy 1.40 lets the headers go on to the router before the body is read, so the pick
+    is ignored, and a POST without a body reaches the service not at all (both checked).
     observe: the response body, never waited for."""
     mode = {
         "request_header_mode": "SKIP" if observe else "SEND",
         "response_header_mode": "SKIP",
-        "request_body_mode": "NONE" if observe else "BUFFERED",
+        "request_body_mode": "NONE" if observe else "STREAMED",
         "response_body_mode": "STREAMED" if observe else "NONE",
         "request_trailer_mode": "SKIP",
         "response_trailer_mode": "SKIP",
@@ -264,11 +271,22 @@ def _ext_proc_filter(name: str, fail_open: bool, timeout_ms: int, observe: bool)
         config["observability_mode"] = True
         config["response_attributes"] = list(RESPONSE_ATTRIBUTES)
     else:
+        config["send_body_without_waiting_for_header_response"] = True
         config["request_attributes"] = list(REQUEST_ATTRIBUTES)
         # Envoy drops the dynamic metadata an ext_proc answer carries unless its namespace is
         # listed (checked on 1.40): without this the envoy.lb copy of the pick never lands.
         config["metadata_options"] = {"receiving_namespaces": {"untyped": ["envoy.lb"]}}
     return {"name": f"ext_proc.{name}", "typed_config": config}
+
+
+def _whole_body(max_request_bytes: int) -> dict[str, Any]:
+    return {
+        "name": "whole-body",
+        "typed_config": {
+            "@type": _T + "envoy.extensions.filters.http.buffer.v3.Buffer",
+            "max_request_bytes": max_request_bytes,
+        },
+    }
 
 
 def _timings_to_metadata() -> dict[str, Any]:

@@ -2,9 +2,9 @@
 
 One HTTP request meets the service on (see envoy.py):
   - the *route* stream: the request headers with attributes (path, id, content type,
-    x-conversation-id, x-turn), then the buffered body -> ``decide`` -> the answer,
+    x-conversation-id, x-turn) and the whole body -> ``decide`` -> the answer to the headers,
     pre-serialized and cached per (replica, reason, streamed) so the hot path builds few
-    protobufs; the service closes the stream right after answering (fewer gRPC operations
+    protobufs; the service lets the body pass and closes the stream (fewer gRPC operations
     than waiting for Envoy to end it);
   - Envoy's access log entry, for every request that got a pick (status, the upstream that
     served, reset flags, the timings Envoy copied from a JSON body) -> ``access_logged``:
@@ -124,14 +124,15 @@ class Gateway:
 
     def decide(
         self, *, path: str, content_type: str, conversation_id: str, turn: str, request_id: str, body: bytes
-    ) -> bytes:
-        """The serialized ProcessingResponse answering the buffered body: the pick, or an error."""
+    ) -> tuple[bytes, bool]:
+        """(the serialized ProcessingResponse answering the request headers, routed): the pick
+        (True), or an immediate error answer that Envoy sends the client itself (False)."""
         started = time.perf_counter()
         try:
             parsed = parse_request(path, content_type, body)
         except BadRequest as exc:
             self.metrics.errors["bad_request"] += 1
-            return immediate(exc.status, exc.message)
+            return immediate(exc.status, exc.message), False
         unique_id = self._request_id(request_id)
         conversation = conversation_id or parsed.opening_key
         prompt_tokens = parsed.prompt_token_ids or estimate_tokens(parsed.prompt_chars, self.settings.chars_per_token)
@@ -143,7 +144,7 @@ class Gateway:
         if decision is None:
             self.metrics.errors["no_replica"] += 1
             unhealthy = sorted(self.unhealthy)
-            return immediate(503, "no replica available", replicas=len(self.endpoints), unhealthy=unhealthy)
+            return immediate(503, "no replica available", replicas=len(self.endpoints), unhealthy=unhealthy), False
         self.decisions += 1
         self.pending[unique_id] = Pending(
             request, decision, self.endpoints[decision.replica], path, turn, parsed.stream, started, time.monotonic()
@@ -156,7 +157,7 @@ class Gateway:
         answer += self._predicted_header(decision.predicted_cached_tokens)
         if unique_id != request_id:
             answer += _more_headers([header_option(REQUEST_ID, unique_id)])
-        return answer
+        return answer, True
 
     # ------------------------------------------------------------------ access log
 
@@ -331,7 +332,9 @@ class Gateway:
         metadata = struct_pb2.Struct()
         metadata.get_or_create_struct("envoy.lb")[DESTINATION] = endpoints
         return pb.ProcessingResponse(
-            request_body=pb.BodyResponse(response=pb.CommonResponse(header_mutation=mutation, clear_route_cache=True)),
+            request_headers=pb.HeadersResponse(
+                response=pb.CommonResponse(header_mutation=mutation, clear_route_cache=True)
+            ),
             dynamic_metadata=metadata,
         ).SerializeToString()
 
@@ -347,7 +350,9 @@ def _more_headers(headers: list[base_pb2.HeaderValueOption]) -> bytes:
     """A serialized ProcessingResponse that only sets headers; protobuf merges repeated fields
     of concatenated messages, so cached answer + this = the answer with these headers added."""
     return pb.ProcessingResponse(
-        request_body=pb.BodyResponse(response=pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=headers)))
+        request_headers=pb.HeadersResponse(
+            response=pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=headers))
+        )
     ).SerializeToString()
 
 

@@ -25,7 +25,7 @@ SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 ACCESS_LOG_SERVICE = "envoy.service.accesslog.v3.AccessLogService"
 ATTRIBUTES = "envoy.filters.http.ext_proc"  # the key Envoy files CEL attributes under
 EMPTY_BODY = immediate(400, "empty body: expected a JSON object")
-HEADERS_CONTINUE = pb.ProcessingResponse(request_headers=pb.HeadersResponse()).SerializeToString()
+BODY_CONTINUE = pb.ProcessingResponse(request_body=pb.BodyResponse()).SerializeToString()
 
 
 def handler(gateway: Gateway) -> grpc.GenericRpcHandler:
@@ -104,25 +104,34 @@ class Processor:
             raise
 
     async def _route(self, message: pb.ProcessingRequest, context: grpc.aio.ServicerContext) -> None:
-        """Headers (with attributes) get a continue; the buffered body gets the pick, and the
+        """The headers (with attributes), then the body, sent without waiting (one chunk: Envoy's
+        buffer filter comes first). The headers get the pick, the body passes unchanged, and the
         stream ends there: Envoy's access log entry says when the HTTP request is over."""
         attributes = message.attributes[ATTRIBUTES].fields
         if message.request_headers.end_of_stream:  # a POST without a body
             await context.write(EMPTY_BODY)
             return
-        await context.write(HEADERS_CONTINUE)
-        message = await context.read()
-        if message is grpc.aio.EOF or message.WhichOneof("request") != "request_body":
-            return
-        answer = self.gateway.decide(
+        chunks: list[bytes] = []
+        while True:
+            message = await context.read()
+            if message is grpc.aio.EOF or message.WhichOneof("request") != "request_body":
+                return
+            chunks.append(message.request_body.body)
+            if message.request_body.end_of_stream:
+                break
+        answer, routed = self.gateway.decide(
             path=_text(attributes, "request.url_path"),
             content_type=_text(attributes, "request.headers['content-type']"),
             conversation_id=_text(attributes, "request.headers['x-conversation-id']"),
             turn=_text(attributes, "request.headers['x-turn']"),
             request_id=_text(attributes, "request.id"),
-            body=message.request_body.body,
+            body=chunks[0] if len(chunks) == 1 else b"".join(chunks),
         )
         await context.write(answer)
+        if not routed:  # Envoy answers the client itself: nothing more to say
+            return
+        for _ in chunks:  # each streamed chunk is answered, in order: pass it on unchanged
+            await context.write(BODY_CONTINUE)
 
     async def _observe(self, message: Any, context: grpc.aio.ServicerContext) -> None:
         """Response body chunks, never answered; the first one carries the attributes."""

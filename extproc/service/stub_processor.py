@@ -1,8 +1,9 @@
 """A do-nothing ext_proc server speaking the gateway's protocol, for the benchmark's floor.
 
-It answers like `llm-ring serve` (continue the headers, then one fixed pick for the body,
-which ends the stream; observer streams and access log streams read to the end) but routes
-nothing, logs nothing and counts nothing: Envoy + this = what Envoy + Python grpc.aio cost.
+It answers like `llm-ring serve` (reads the headers and the body, answers the headers with
+one fixed pick, lets the body pass, which ends the stream; observer streams and access log
+streams read to the end) but routes nothing, logs nothing and counts nothing: Envoy + this =
+what Envoy + Python grpc.aio cost.
 Run: python -m extproc.service.stub_processor PORT ENDPOINT
 """
 
@@ -19,7 +20,7 @@ from google.protobuf import struct_pb2
 
 from extproc.service.envoy import DESTINATION, ROUTE_REASON, ROUTED_TO
 from extproc.service.gateway import header_option
-from extproc.service.processor import ACCESS_LOG_SERVICE, HEADERS_CONTINUE, SERVICE
+from extproc.service.processor import ACCESS_LOG_SERVICE, BODY_CONTINUE, SERVICE
 
 
 def answer(endpoint: str) -> bytes:
@@ -33,7 +34,9 @@ def answer(endpoint: str) -> bytes:
         ]
     )
     return pb.ProcessingResponse(
-        request_body=pb.BodyResponse(response=pb.CommonResponse(header_mutation=mutation, clear_route_cache=True)),
+        request_headers=pb.HeadersResponse(
+            response=pb.CommonResponse(header_mutation=mutation, clear_route_cache=True)
+        ),
         dynamic_metadata=metadata,
     ).SerializeToString()
 
@@ -49,9 +52,9 @@ async def serve(port: int, endpoint: str) -> None:
             while message is not grpc.aio.EOF and not message.response_body.end_of_stream:
                 message = await context.read()
             return
-        await context.write(HEADERS_CONTINUE)
-        await context.read()
+        await context.read()  # the body, sent without waiting (one chunk)
         await context.write(pick)
+        await context.write(BODY_CONTINUE)
 
     async def access_logs(requests: Any, _context: grpc.aio.ServicerContext) -> bytes:
         async for message in requests:

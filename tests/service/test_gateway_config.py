@@ -62,6 +62,7 @@ def test_client_routing_headers_are_stripped_before_ext_proc(tmp_path: Path) -> 
     names = [f["name"] for f in manager["http_filters"]]
     assert names == [
         "strip-client-routing-headers",
+        "whole-body",
         "ext_proc.route",
         "ext_proc.observe",
         "timings",
@@ -69,12 +70,14 @@ def test_client_routing_headers_are_stripped_before_ext_proc(tmp_path: Path) -> 
     ]
     removed = [m["remove"] for m in manager["http_filters"][0]["typed_config"]["mutations"]["request_mutations"]]
     assert DESTINATION in removed
-    route, observe = (f["typed_config"] for f in manager["http_filters"][1:3])
-    assert route["failure_mode_allow"] is True and route["processing_mode"]["request_body_mode"] == "BUFFERED"
+    whole_body, route, observe = (f["typed_config"] for f in manager["http_filters"][1:4])
+    assert whole_body["max_request_bytes"] == 1 << 20  # one chunk for ext_proc, 413 past the limit
+    assert route["failure_mode_allow"] is True and route["processing_mode"]["request_body_mode"] == "STREAMED"
+    assert route["send_body_without_waiting_for_header_response"] is True  # one round trip
     assert observe["observability_mode"] is True and observe["processing_mode"]["response_body_mode"] == "STREAMED"
     assert not json.loads(render(tmp_path, fail_open=False))["static_resources"]["listeners"][0]["filter_chains"][0][
         "filters"
-    ][0]["typed_config"]["http_filters"][1]["typed_config"]["failure_mode_allow"]
+    ][0]["typed_config"]["http_filters"][2]["typed_config"]["failure_mode_allow"]
 
 
 def test_endpoints_file_is_replaced_atomically(tmp_path: Path) -> None:
