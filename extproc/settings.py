@@ -46,6 +46,10 @@ class ServiceSettings(_Strict):
     """The ext_proc gRPC service (the shell around the core)."""
 
     listen: str = Field(min_length=1, description="host:port of the ext_proc + admin + health gRPC server")
+    ext_proc_socket: str = Field(
+        pattern=r"^[A-Za-z0-9._-]{0,100}$",
+        description="abstract unix socket name the same server also listens on, for Envoy (empty: Envoy uses listen)",
+    )
     metrics_listen: str = Field(min_length=1, description="host:port of the Prometheus /metrics endpoint")
     chars_per_token: float = Field(gt=0, description="prompt token estimate = characters / chars_per_token")
     max_body_bytes: int = Field(gt=0, description="larger request bodies are refused with 413")

@@ -95,8 +95,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         }
         for mode, ext_proc in (
             ("envoy", None),
-            ("envoy+stub_ext_proc", stub_processor.address),
-            ("envoy+ext_proc", service_listen),
+            ("envoy+stub_ext_proc", stub_processor.ext_proc),
+            ("envoy+ext_proc", service.ext_proc),
         ):
             envoy = start_gateway_envoy(workdir / mode, ext_proc, endpoints, False, args_envoy_concurrency(args))
             started.append(envoy)

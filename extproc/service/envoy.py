@@ -84,7 +84,8 @@ def render_envoy_config(
 ) -> str:
     """Envoy bootstrap as JSON text (JSON is YAML: save it as envoy.yaml or envoy.json).
 
-    listen/admin/ext_proc are "host:port"; ext_proc may be a DNS name (a Kubernetes Service);
+    listen/admin are "host:port"; ext_proc is "host:port" (host may be a DNS name) or "@name",
+    the service's abstract unix socket (service.ext_proc_socket; see ext_proc_address);
     ext_proc=None renders the same proxy without the routing service (the benchmark's baseline).
     fail_open: when the routing service is unreachable, serve round robin (True) or 500 (False).
     max_request_bytes: the service's service.max_body_bytes: larger bodies get 413 from Envoy.
@@ -118,6 +119,12 @@ def render_envoy_config(
         },
     }
     return json.dumps(config, indent=2) + "\n"
+
+
+def ext_proc_address(listen: str, socket: str) -> str:
+    """Where Envoy reaches the service: its abstract unix socket ("@name") when it has one
+    (service.ext_proc_socket), else its TCP address (service.listen)."""
+    return f"@{socket}" if socket else listen
 
 
 def write_endpoints_file(path: str | Path, replicas: Mapping[str, str]) -> None:
@@ -456,10 +463,17 @@ def _replicas_cluster(endpoints: Endpoints, connect_timeout_ms: int, max_request
 
 
 def _ext_proc_cluster(address: str, connect_timeout_ms: int) -> dict[str, Any]:
-    host, port = split_host_port(address)
+    """The routing service over HTTP/2: an abstract unix socket ("@name": on this machine the
+    stub floor measured 15-30 % less CPU per request in Envoy and in the service than over
+    TCP loopback), or host:port."""
+    if address.startswith("@"):
+        kind, endpoint = "STATIC", {"pipe": {"path": address}}
+    else:
+        host, port = split_host_port(address)
+        kind, endpoint = "STRICT_DNS", _socket(host, port)
     return {
         "name": EXT_PROC_CLUSTER,
-        "type": "STRICT_DNS",
+        "type": kind,
         "connect_timeout": f"{connect_timeout_ms / 1000:g}s",
         "typed_extension_protocol_options": {
             "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
@@ -469,7 +483,7 @@ def _ext_proc_cluster(address: str, connect_timeout_ms: int) -> dict[str, Any]:
         },
         "load_assignment": {
             "cluster_name": EXT_PROC_CLUSTER,
-            "endpoints": [{"lb_endpoints": [{"endpoint": {"address": _socket(host, port)}}]}],
+            "endpoints": [{"lb_endpoints": [{"endpoint": {"address": endpoint}}]}],
         },
     }
 
@@ -477,7 +491,7 @@ def _ext_proc_cluster(address: str, connect_timeout_ms: int) -> dict[str, Any]:
 EXAMPLE_ARGUMENTS: dict[str, Any] = {
     "listen": "127.0.0.1:19000",
     "admin": "127.0.0.1:19001",
-    "ext_proc": "127.0.0.1:19002",
+    "ext_proc": "@llm-ring-ext-proc",
     "endpoints": EndpointsFile(".llm-ring/envoy/replicas.json"),
     "fail_open": True,
     "max_request_bytes": 4194304,

@@ -99,6 +99,14 @@ async def serve(settings: Settings) -> int:
     port = server.add_insecure_port(service.listen)
     if port == 0:
         raise SystemExit(f"llm-ring serve: cannot listen on service.listen={service.listen!r}")
+    if service.ext_proc_socket:
+        try:
+            server.add_insecure_port(f"unix-abstract:{service.ext_proc_socket}")
+        except RuntimeError:
+            raise SystemExit(
+                f"llm-ring serve: cannot listen on service.ext_proc_socket={service.ext_proc_socket!r} "
+                "(in use by another process?)"
+            ) from None
     await server.start()
     await health_service.set("", health_pb2.HealthCheckResponse.SERVING)
     await health_service.set(SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -106,6 +114,7 @@ async def serve(settings: Settings) -> int:
     log.info(
         "service_started",
         listen=f"{host}:{port}",
+        ext_proc_socket=service.ext_proc_socket,
         metrics=f"{metrics_host}:{metrics_server.server_port}",
         policy=settings.routing.policy,
         discovery=settings.discovery.source,

@@ -23,7 +23,7 @@ from typing import IO
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from extproc.service.envoy import EndpointsFile, render_envoy_config
+from extproc.service.envoy import EndpointsFile, ext_proc_address, render_envoy_config, split_host_port
 
 REFERENCE_SETTINGS = Path(__file__).with_name("router.toml")
 
@@ -39,6 +39,7 @@ class Running:
     log_path: Path
     address: str = ""  # what it serves: the gRPC address, or Envoy's admin
     listen: str = ""  # Envoy: the gateway listener
+    ext_proc: str = ""  # an ext_proc server: where Envoy reaches it (its abstract unix socket "@name")
 
     def stop(self, timeout: float = 5.0) -> None:
         if self.process.poll() is None:
@@ -111,12 +112,19 @@ def service_env(listen: str, endpoints_file: Path, discovery: Mapping[str, str],
     """Settings overrides for start_service: addresses, the EDS file, discovery (TOML values)."""
     env = {
         "LLM_RING__SERVICE__LISTEN": f'"{listen}"',
+        "LLM_RING__SERVICE__EXT_PROC_SOCKET": f'"{socket_name(listen)}"',
         "LLM_RING__SERVICE__METRICS_LISTEN": f'"127.0.0.1:{free_port()}"',
         "LLM_RING__SERVICE__ENVOY_ENDPOINTS_FILE": f'"{endpoints_file}"',
     }
     env.update({f"LLM_RING__SERVICE__{key.upper()}": value for key, value in service.items()})
     env.update({f"LLM_RING__DISCOVERY__{key.upper()}": value for key, value in discovery.items()})
     return env
+
+
+def socket_name(listen: str) -> str:
+    """The abstract unix socket of the ext_proc server on ``listen``: one per port, so that
+    several servers on one machine (tests, benchmarks) never share one."""
+    return f"llm-ring-{split_host_port(listen)[1]}"
 
 
 def static_discovery(replicas: Mapping[str, str]) -> dict[str, str]:
@@ -132,6 +140,8 @@ def start_service(workdir: Path, settings_env: Mapping[str, str], config: Path =
     listen = settings_env.get("LLM_RING__SERVICE__LISTEN", "").strip('"')
     _wait(running, lambda: grpc_serving(listen), 20.0)
     running.address = listen
+    socket = settings_env.get("LLM_RING__SERVICE__EXT_PROC_SOCKET", '""').strip('"')
+    running.ext_proc = ext_proc_address(listen, socket)
     return running
 
 
@@ -146,10 +156,12 @@ def start_stub_upstream(ports: Sequence[int], workdir: Path) -> Running:
 def start_stub_processor(port: int, endpoint: str, workdir: Path) -> Running:
     """The do-nothing ext_proc server (benchmark floor), answering every request with endpoint."""
     workdir.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, "-m", "extproc.service.stub_processor", str(port), endpoint]
+    address = f"127.0.0.1:{port}"
+    command = [sys.executable, "-m", "extproc.service.stub_processor", str(port), endpoint, socket_name(address)]
     running = _spawn("stub ext_proc", command, workdir / "stub_processor.log")
     _wait(running, lambda: _accepts(port), 10.0)
-    running.address = f"127.0.0.1:{port}"
+    running.address = address
+    running.ext_proc = ext_proc_address(address, socket_name(address))
     return running
 
 

@@ -4,7 +4,8 @@ It answers like `llm-ring serve` (reads the headers and the body, answers the he
 one fixed pick, lets the body pass, which ends the stream; observer streams and access log
 streams read to the end) but routes nothing, logs nothing and counts nothing: Envoy + this =
 what Envoy + Python grpc.aio cost.
-Run: python -m extproc.service.stub_processor PORT ENDPOINT
+Run: python -m extproc.service.stub_processor PORT ENDPOINT [SOCKET]  (SOCKET: also listen on
+that abstract unix socket, as `llm-ring serve` does on service.ext_proc_socket)
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def answer(endpoint: str) -> bytes:
     ).SerializeToString()
 
 
-async def serve(port: int, endpoint: str) -> None:
+async def serve(port: int, endpoint: str, socket: str = "") -> None:
     pick = answer(endpoint)
 
     async def process(_requests: Any, context: grpc.aio.ServicerContext) -> None:
@@ -76,10 +77,12 @@ async def serve(port: int, endpoint: str) -> None:
         )
     )
     server.add_insecure_port(f"127.0.0.1:{port}")
+    if socket:
+        server.add_insecure_port(f"unix-abstract:{socket}")
     await server.start()
     print(f"stub ext_proc on 127.0.0.1:{port} -> {endpoint}", flush=True)
     await server.wait_for_termination()
 
 
 if __name__ == "__main__":
-    asyncio.run(serve(int(sys.argv[1]), sys.argv[2]))
+    asyncio.run(serve(int(sys.argv[1]), sys.argv[2], *sys.argv[3:4]))

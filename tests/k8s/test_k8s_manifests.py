@@ -227,7 +227,7 @@ def test_gateway_pod_wires_envoy_router_and_their_configs():
     envoy_port = {p["name"]: p["containerPort"] for p in envoy["ports"]}[service["spec"]["ports"][0]["targetPort"]]
     generator = envoy_configmap()
     assert f"0.0.0.0:{envoy_port}" == generator.LISTEN
-    assert generator.EXT_PROC.rpartition(":")[2] == str(ports["grpc"])
+    assert str(ports["grpc"]) == generator.ROUTER_LISTEN_PORT
     # only Envoy's and the metrics port are open to other pods (the admin API is not)
     policy = find("NetworkPolicy", "gateway")
     allowed = {p["port"] for rule in policy["spec"]["ingress"] for p in rule["ports"]}

@@ -62,7 +62,7 @@ def gateway(workdir: Path, discovery: Mapping[str, str], fail_open: bool = True,
         settings = {"health_probe_seconds": "0.2", "log_level": '"debug"', **service}
         started.append(start_service(workdir / "service", service_env(listen, endpoints_file, discovery, **settings)))
         _wait_for(endpoints_file.exists, 5.0)
-        envoy = start_gateway_envoy(workdir / "envoy", listen, endpoints_file, fail_open, concurrency=1)
+        envoy = start_gateway_envoy(workdir / "envoy", started[0].ext_proc, endpoints_file, fail_open, concurrency=1)
         started.append(envoy)
         gw = Gateway(f"http://{envoy.listen}", listen, started[0].log_path, endpoints_file, started)
         _wait_for(lambda: _has_endpoints(envoy.address), 5.0)

@@ -12,11 +12,13 @@ from extproc.service.envoy import (
     DESTINATION,
     DnsEndpoints,
     EndpointsFile,
+    ext_proc_address,
     render_envoy_config,
     split_host_port,
     write_endpoints_file,
 )
 from extproc.service.processes import envoy_binary
+from extproc.settings import Settings
 
 
 def render(tmp_path: Path, **overrides: object) -> str:
@@ -37,13 +39,14 @@ def render(tmp_path: Path, **overrides: object) -> str:
         {},
         {"fail_open": False},
         {"ext_proc": None},
+        {"ext_proc": "@llm-ring-ext-proc"},
         {
             "endpoints": DnsEndpoints("llm.llm-ring.svc.cluster.local:8080"),
             "ext_proc": "router.llm-ring.svc.cluster.local:9002",
             "listen": "0.0.0.0:8080",
         },
     ],
-    ids=["local", "fail-closed", "envoy-alone", "kubernetes"],
+    ids=["local", "fail-closed", "envoy-alone", "abstract-socket", "kubernetes"],
 )
 @pytest.mark.live
 def test_envoy_validates_the_rendered_config(tmp_path: Path, overrides: dict) -> None:
@@ -112,3 +115,37 @@ def test_admin_stubs_match_the_proto(tmp_path: Path) -> None:
     for name in ("admin_pb2.py", "admin_pb2_grpc.py", "admin_pb2.pyi"):
         generated = (tmp_path / "extproc" / "service" / name).read_text()
         assert (here / name).read_text() == generated, f"regenerate: python -m extproc.service.admin_proto ({name})"
+
+
+def test_an_abstract_socket_is_a_pipe_and_host_port_a_dns_name(tmp_path: Path) -> None:
+    def ext_proc_endpoint(ext_proc: str) -> tuple[str, dict]:
+        (cluster,) = [
+            c
+            for c in json.loads(render(tmp_path, ext_proc=ext_proc))["static_resources"]["clusters"]
+            if c["name"] == "ext_proc"
+        ]
+        return cluster["type"], cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]
+
+    assert ext_proc_endpoint(ext_proc_address("127.0.0.1:9002", "llm-ring-x")) == (
+        "STATIC",
+        {"pipe": {"path": "@llm-ring-x"}},
+    )
+    assert ext_proc_endpoint(ext_proc_address("127.0.0.1:9002", "")) == (
+        "STRICT_DNS",
+        {"socket_address": {"address": "127.0.0.1", "port_value": 9002}},
+    )
+
+
+def test_every_router_setting_is_documented_in_the_readme() -> None:
+    """Each key has its row in a README table (`service.listen`, or `epsilon` in the routing
+    table); discovery's keys are described together in one row (kubernetes_* in their section)."""
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    discovery_row = next(line for line in readme.splitlines() if line.startswith("| `[discovery]` |"))
+    for section, field in Settings.model_fields.items():
+        for key in field.annotation.model_fields:  # type: ignore[union-attr]
+            documented = (
+                f"| `{section}.{key}` |" in readme
+                or f"| `{key}` |" in readme
+                or (section == "discovery" and (key in discovery_row or key.startswith("kubernetes_")))
+            )
+            assert documented, f"{section}.{key} has no row in the README"

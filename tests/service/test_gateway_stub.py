@@ -13,7 +13,17 @@ import pytest
 
 from extproc.routing import REASONS
 from extproc.service.envoy import write_endpoints_file
-from extproc.service.processes import Running, free_port, start_gateway_envoy, start_stub_upstream, static_discovery
+from extproc.service.processes import (
+    Running,
+    StartError,
+    free_port,
+    service_env,
+    socket_name,
+    start_gateway_envoy,
+    start_service,
+    start_stub_upstream,
+    static_discovery,
+)
 from tests.service.gateway_support import Gateway, chat, gateway, post
 
 pytestmark = pytest.mark.live
@@ -274,3 +284,12 @@ def _decision(gw: Gateway, request_id: str, timeout: float = 3.0) -> dict:
             return found[0]
         assert time.monotonic() < deadline, f"no route_decision for {request_id}"
         time.sleep(0.05)
+
+
+def test_a_socket_name_in_use_stops_the_service_naming_the_key(gw: Gateway, tmp_path: Path) -> None:
+    listen = f"127.0.0.1:{free_port()}"
+    env = service_env(listen, tmp_path / "eds.json", static_discovery({"llm-0": "127.0.0.1:9"}))
+    env["LLM_RING__SERVICE__EXT_PROC_SOCKET"] = f'"{socket_name(gw.admin)}"'  # the running service's
+    with pytest.raises(StartError, match="service.ext_proc_socket"):
+        start_service(tmp_path / "second", env)
+    assert post(gw.url + URL, chat("still served")).status_code == 200
