@@ -108,6 +108,7 @@ def test_abandoned_stream_releases_its_load(gw: Gateway) -> None:
         "stream": True,
         "ignore_eos": True,
     }
+    gw.wait_idle()  # the previous test's request ends with its access log entry (flushed every 20 ms)
     with httpx.stream("POST", gw.url + CHAT, json=body, headers={"x-conversation-id": "poem"}, timeout=60) as reply:
         request_id = reply.headers["x-request-id"]
         next(reply.iter_raw())  # one chunk, then hang up
