@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable
 
 from extproc.routing.decision import Decision, RouteRequest
-from extproc.routing.hashing import stable_hash
+from extproc.routing.hashing import hash_bytes, stable_hash
 from extproc.routing.ledger import LoadLedger
 from extproc.routing.placement import PlacementMemory
 from extproc.routing.policies import Policy, make_policy
@@ -66,7 +66,7 @@ class Router:
             eligible = tuple(name for name in ring.replicas if name not in avoided)
         else:
             avoided, eligible = _NOTHING, ring.replicas
-        key = stable_hash(request.conversation, self.settings.hash_seed)  # = conversation_key()
+        key = hash_bytes(request.conversation.encode(), self.settings.hash_seed)  # = conversation_key()
         placement = self.memory.get(key)
         if placement is not None and (placement.replica not in self._members or placement.replica in avoided):
             placement = None  # that cache is gone or unreachable
@@ -76,15 +76,16 @@ class Router:
             self._in_flight[request_id] = (request, decision, key)
         return decision
 
-    def complete(self, request_id: str, ok: bool = True) -> Decision | None:
-        """Release the request's load (once). On success remember where its cache now is."""
+    def complete(self, request_id: str, ok: bool = True, served: str | None = None) -> Decision | None:
+        """Release the request's load (once). On success remember where its cache now is: on
+        the pick, or on ``served`` when another replica answered (the proxy failed over)."""
         entry = self._in_flight.pop(request_id, None)
         if entry is None:
             return None
         request, decision, key = entry
         self.ledger.release(request_id)
         if ok:
-            self.memory.remember(key, decision.replica, request.prompt_tokens)
+            self.memory.remember(key, served or decision.replica, request.prompt_tokens)
         return decision
 
     def reconfigure(self, settings: RoutingSettings) -> None:

@@ -233,16 +233,19 @@ class Gateway:
             return
         decision = pending.decision
         failed_over = bool(pending.served) and pending.served != pending.endpoint
-        # ok: a whole 2xx answer from the pick; failed: a whole answer otherwise (error status,
-        # or served by a fallback); abandoned: the request ended before its answer did
-        # (the client hung up, or the upstream broke off).
+        # ok: a whole 2xx answer from the pick; failed_over: a whole 2xx answer from a fallback
+        # (the pick refused; placement memory now points where the cache went); failed: an error
+        # status; abandoned: the request ended before its answer did (the client hung up, or the
+        # upstream broke off).
+        succeeded = pending.answered and 200 <= pending.status < 300
         if not pending.answered:
             outcome = "abandoned"
-        elif 200 <= pending.status < 300 and not failed_over:
-            outcome = "ok"
-        else:
+        elif not succeeded:
             outcome = "failed"
-        self.router.complete(request_id, ok=outcome == "ok")
+        else:
+            outcome = "failed_over" if failed_over else "ok"
+        served = self._served_replica(pending) if failed_over else None
+        self.router.complete(request_id, ok=succeeded, served=served if served in self.endpoints else None)
         self.metrics.completed[outcome] += 1
         if failed_over or (pending.answered and pending.status in (502, 503) and not pending.served):
             self.metrics.errors["replica_failed"] += 1

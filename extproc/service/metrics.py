@@ -20,7 +20,7 @@ from prometheus_client.registry import Collector
 if TYPE_CHECKING:
     from extproc.service.gateway import Gateway
 
-OUTCOMES = ("ok", "failed", "abandoned")
+OUTCOMES = ("ok", "failed_over", "failed", "abandoned")
 ERRORS = ("bad_request", "no_replica", "replica_failed", "access_log_lost")
 DECISION_SECONDS = (25e-6, 50e-6, 100e-6, 200e-6, 400e-6, 800e-6, 1.6e-3, 3.2e-3, 6.4e-3, 0.0128)
 PREDICTION_ERROR = (-4096, -1024, -256, -64, -16, -1, 0, 1, 16, 64, 256, 1024, 4096)

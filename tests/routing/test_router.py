@@ -69,6 +69,18 @@ def test_failed_requests_are_not_remembered() -> None:
     assert router.memory.get(router.conversation_key("c")) is None
 
 
+def test_an_answer_from_another_replica_is_remembered_there() -> None:
+    """The proxy failed over: the cache is now where the answer came from, not on the pick."""
+    router = Router(routing(), REPLICAS)
+    decision = router.route(RouteRequest("r", "c", 10, 1))
+    assert decision is not None
+    other = next(name for name in REPLICAS if name != decision.replica)
+    router.complete("r", ok=True, served=other)
+    remembered = router.memory.get(router.conversation_key("c"))
+    assert remembered is not None and remembered.replica == other
+    assert router.ledger.total_requests() == 0  # the load was charged to the pick and released there
+
+
 def test_reconfigure_switches_policy_and_keeps_load_reset_forgets() -> None:
     router = Router(routing(policy="bounded"), REPLICAS)
     router.route(RouteRequest("r", "c", 10, 1))

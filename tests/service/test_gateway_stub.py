@@ -214,7 +214,10 @@ def test_dead_replica_fails_over_and_is_avoided_until_healthy(stubs: tuple[list[
         assert picked_dead is not None, "the policy never picked llm-1"
         assert picked_dead.headers["x-gateway-destination-endpoint-served"] == replicas["llm-0"]  # the fallback
         record = _decision(gw, picked_dead.headers["x-request-id"])
-        assert record["outcome"] == "failed" and record["served_replica"] == "llm-0"
+        assert record["outcome"] == "failed_over" and record["served_replica"] == "llm-0"
+        # placement memory learned where the conversation's cache went: the fallback
+        again = post(gw.url + URL, chat(f"conv {i}"), {"x-conversation-id": f"conv-{i}"})
+        assert _decision(gw, again.headers["x-request-id"])["trace"]["remembered"] == "llm-0"
         health = {r["name"]: r["healthy"] for r in gw.state()["replicas"]}
         assert health == {"llm-0": True, "llm-1": False}
         for i in range(10):
