@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import xxhash
 
-_xxh64 = xxhash.xxh64_intdigest
+# stable_hash(key, seed) == hash_bytes(key.encode(), seed); the hot paths call this directly
+hash_bytes = xxhash.xxh64_intdigest
 
 
 def stable_hash(key: str, seed: int = 0) -> int:
     """64-bit hash of ``key``, identical across processes, machines and runs."""
-    return _xxh64(key.encode(), seed)
+    return hash_bytes(key.encode(), seed)

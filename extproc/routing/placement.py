@@ -55,7 +55,11 @@ class PlacementMemory:
             replica_id = self._ids[replica] = len(self._names)
             self._names.append(replica)
         self._old.pop(key, None)
-        self._store(key, (prompt_tokens << _REPLICA_BITS) | replica_id)
+        young = self._young  # _store(), inlined: once per request
+        young[key] = (prompt_tokens << _REPLICA_BITS) | replica_id
+        if len(young) >= self._generation_size:
+            self._old = young
+            self._young = {}
 
     def clear(self) -> None:
         self._young.clear()

@@ -5,7 +5,7 @@ from __future__ import annotations
 from bisect import bisect_right
 from collections.abc import Iterable, Iterator
 
-from extproc.routing.hashing import stable_hash
+from extproc.routing.hashing import hash_bytes
 
 
 class HashRing:
@@ -21,7 +21,7 @@ class HashRing:
     def __init__(self, replicas: Iterable[str], vnodes: int, seed: int) -> None:
         self.replicas: tuple[str, ...] = tuple(sorted(set(replicas)))
         points = sorted(
-            (stable_hash(f"{name}#{index}", seed), name)
+            (hash_bytes(f"{name}#{index}".encode(), seed), name)  # = stable_hash()
             for name in self.replicas
             for index in range(vnodes)
         )

@@ -137,18 +137,26 @@ class _Simulation:
         request.reason = decision.reason
         request.predicted_cached = decision.predicted_cached_tokens
         replica = self.replicas[decision.replica]
-        was_idle = not replica.active
+        was_idle = not replica.running
         replica.arrive(request, now)
-        self._reschedule(replica, now)
+        self.seq = seq = self.seq + 1  # _reschedule(replica, now), inlined: once or twice per request
+        replica.version = seq
+        wait = replica.next_change()
+        if wait is not None:
+            heapq.heappush(self.heap, (now + wait, seq, _WAKE, replica))
         if was_idle and self.shared_host:
             self._share_host(now, +1)
 
     def _wake(self, replica: Replica, now: float) -> None:
         finished = replica.wake(now)
-        self._reschedule(replica, now)
+        self.seq = seq = self.seq + 1  # _reschedule(replica, now), inlined
+        replica.version = seq
+        wait = replica.next_change()
+        if wait is not None:
+            heapq.heappush(self.heap, (now + wait, seq, _WAKE, replica))
         if not finished:
             return
-        if not replica.active and self.shared_host:
+        if not replica.running and self.shared_host:
             self._share_host(now, -1)
         complete = self.complete
         for request in finished:
@@ -160,8 +168,10 @@ class _Simulation:
         self.record(request)
         follow = request.next
         if follow is not None:
-            if now + follow.think_s <= self.deadline:
-                self.push(now + follow.think_s, _SEND, follow)
+            at = now + follow.think_s
+            if at <= self.deadline:
+                self.seq = seq = self.seq + 1  # push(at, _SEND, follow), inlined
+                heapq.heappush(self.heap, (at, seq, _SEND, follow))
         elif request.arrival_s is None:  # closed loop: the user takes the next conversation
             self._next_conversation(now)
 
@@ -184,10 +194,10 @@ class _Simulation:
             return
         self.host_factor = factor
         for replica in self.every_replica:  # draining ones too: they still use the CPU
-            if replica.active:
+            if replica.running:
                 replica.advance(now)  # progress so far at the old speed
             replica.host_factor = factor
-            if replica.active:
+            if replica.running:
                 self._reschedule(replica, now)
 
     def _set_fleet(self, count: int, now: float) -> None:

@@ -6,7 +6,9 @@ from the cost model. The slots share one CPU: with k busy slots every request ru
 in a phase progress at the same rate, the replica keeps one clock per phase (solo
 seconds a request in that phase has done since the start) and each request the clock
 value at which its phase ends: advancing time is O(1), and the engine needs one
-pending wake-up per replica, not one event per token.
+pending wake-up per replica, not one event per token. For the same reason the requests
+of a phase end in the order of those clock values: each phase keeps its requests
+sorted by them, so the next phase change is read off the front of two lists.
 
 Slot choice follows llama.cpp's server: the idle slot whose content covers the largest
 share of the prompt (more than 10 %), else the least recently used idle slot; then the
@@ -15,6 +17,7 @@ host-RAM cache is consulted (see ``prompts``).
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections import deque
 from collections.abc import Hashable
 
@@ -33,7 +36,7 @@ class Request:
     __slots__ = (
         "route", "request_id", "conversation", "turn", "key", "blocks", "prompt_tokens", "max_tokens", "arrival_s",
         "think_s", "next", "replica", "reason", "predicted_cached", "cache_n", "prompt_n", "arrived_at",
-        "started_at", "first_token_at", "finished_at", "status", "error", "phase", "target", "slot",
+        "started_at", "first_token_at", "finished_at", "status", "error", "order", "target", "slot",
     )
 
     def __init__(
@@ -62,8 +65,8 @@ class Request:
         self.finished_at = 0.0
         self.status = 0
         self.error: str | None = None
-        self.phase = 0  # 0 prefill, 1 decode
-        self.target = 0.0  # the replica's clock for this phase when the phase is done
+        self.order = 0  # the replica's start counter when it got a slot
+        self.target = 0.0  # the replica's clock for its current phase when the phase is done
         self.slot: Slot | None = None
 
 
@@ -79,7 +82,8 @@ class Slot:
 
 
 class Replica:
-    __slots__ = ("name", "cost", "slots", "slot_count", "queue", "active", "updated_at", "version", "cache",
+    __slots__ = ("name", "cost", "slots", "slot_count", "queue", "running", "started", "prefilling",
+                 "prefill_targets", "decoding", "decode_targets", "updated_at", "version", "cache",
                  "prefill_slowdown", "decode_slowdown", "draining", "prefill_clock", "decode_clock", "host_factor")
 
     def __init__(self, name: str, cost: CostModel, slots: int, cache_tokens: int) -> None:
@@ -88,7 +92,13 @@ class Replica:
         self.slots = [Slot() for _ in range(slots)]
         self.slot_count = slots
         self.queue: deque[Request] = deque()
-        self.active: list[Request] = []
+        self.running = 0  # requests holding a slot (k)
+        self.started = 0  # requests ever started (orders them)
+        # running requests per phase, sorted by target (the order their phase ends), and their targets
+        self.prefilling: list[Request] = []
+        self.prefill_targets: list[float] = []
+        self.decoding: list[Request] = []
+        self.decode_targets: list[float] = []
         self.updated_at = 0.0
         self.version = 0  # sequence number of the pending wake-up: older ones are stale
         self.cache = HostCache(cache_tokens)
@@ -100,7 +110,7 @@ class Replica:
 
     def advance(self, now: float) -> None:
         """Move the phase clocks up to ``now`` at the current sharing rate."""
-        k = len(self.active)
+        k = self.running
         if k and now > self.updated_at:
             elapsed = (now - self.updated_at) / self.host_factor
             self.prefill_clock += elapsed / self.prefill_slowdown[k]
@@ -109,24 +119,27 @@ class Replica:
 
     def next_change(self) -> float | None:
         """Seconds from ``updated_at`` until the next request ends a phase (None when idle)."""
-        active = self.active
-        if not active:
+        k = self.running
+        if not k:
             return None
-        k = len(active)
-        prefill = self.prefill_slowdown[k] * self.host_factor
-        decode = self.decode_slowdown[k] * self.host_factor
-        prefill_clock, decode_clock = self.prefill_clock, self.decode_clock
         best = float("inf")
-        for r in active:
-            wait = (r.target - decode_clock) * decode if r.phase else (r.target - prefill_clock) * prefill
+        if self.prefill_targets:
+            best = (self.prefill_targets[0] - self.prefill_clock) * (self.prefill_slowdown[k] * self.host_factor)
+        if self.decode_targets:
+            wait = (self.decode_targets[0] - self.decode_clock) * (self.decode_slowdown[k] * self.host_factor)
             if wait < best:
                 best = wait
         return best
 
     def arrive(self, request: Request, now: float) -> None:
         """A routed request arrives at ``now``: start it on an idle slot or queue it (FIFO)."""
-        self.advance(now)
-        if len(self.active) < self.slot_count:
+        k = self.running
+        if k and now > self.updated_at:  # advance(now), inlined: this and wake() run on every event
+            elapsed = (now - self.updated_at) / self.host_factor
+            self.prefill_clock += elapsed / self.prefill_slowdown[k]
+            self.decode_clock += elapsed / self.decode_slowdown[k]
+        self.updated_at = now
+        if k < self.slot_count:
             self._start(request, now)
         else:
             self.queue.append(request)
@@ -137,24 +150,32 @@ class Replica:
         Returns those that finished (their slots freed and the queue served), in the
         order they were started.
         """
-        self.advance(now)
-        finished = []
+        k = self.running
         prefill_clock, decode_clock = self.prefill_clock, self.decode_clock
-        for request in self.active:
-            if request.phase:
-                if request.target - decode_clock <= DONE_EPSILON:
-                    finished.append(request)
-            elif request.target - prefill_clock <= DONE_EPSILON:
-                request.phase = 1
-                request.first_token_at = now
-                request.target = decode_clock + self.cost.decode_s(request.max_tokens, request.prompt_tokens)
-                if request.target - decode_clock <= DONE_EPSILON:
-                    finished.append(request)
+        if k and now > self.updated_at:  # advance(now), inlined
+            elapsed = (now - self.updated_at) / self.host_factor
+            self.prefill_clock = prefill_clock = prefill_clock + elapsed / self.prefill_slowdown[k]
+            self.decode_clock = decode_clock = decode_clock + elapsed / self.decode_slowdown[k]
+        self.updated_at = now
+        prefill_targets, decode_targets = self.prefill_targets, self.decode_targets
+        while prefill_targets and prefill_targets[0] - prefill_clock <= DONE_EPSILON:
+            del prefill_targets[0]
+            request = self.prefilling.pop(0)
+            request.first_token_at = now
+            request.target = target = decode_clock + self.cost.decode_s(request.max_tokens, request.prompt_tokens)
+            index = bisect_right(decode_targets, target)  # the phase's lists stay sorted by target
+            decode_targets.insert(index, target)
+            self.decoding.insert(index, request)
+        finished = []
+        while decode_targets and decode_targets[0] - decode_clock <= DONE_EPSILON:
+            del decode_targets[0]
+            finished.append(self.decoding.pop(0))
         if not finished:
             return finished
-        active = self.active
+        if len(finished) > 1:
+            finished.sort(key=_start_order)
+        self.running -= len(finished)
         for request in finished:
-            active.remove(request)
             request.finished_at = now
             slot = request.slot
             assert slot is not None  # every running request holds a slot
@@ -163,7 +184,7 @@ class Replica:
             slot.last_used = now
             request.slot = None
         queue = self.queue
-        while queue and len(active) < self.slot_count:
+        while queue and self.running < self.slot_count:
             self._start(queue.popleft(), now)
         return finished
 
@@ -183,12 +204,16 @@ class Replica:
         request.cache_n = cached
         request.prompt_n = prompt - cached
         request.started_at = now
-        request.phase = 0
-        request.target = self.prefill_clock + self.cost.prefill_s(prompt - cached, cached)
+        request.order = self.started
+        self.started += 1
+        self.running += 1
         request.slot = slot
         slot.busy = True
         slot.key, slot.blocks, slot.tokens = key, blocks, prompt
-        self.active.append(request)
+        request.target = target = self.prefill_clock + self.cost.prefill_s(prompt - cached, cached)
+        index = bisect_right(self.prefill_targets, target)  # the phase's lists stay sorted by target
+        self.prefill_targets.insert(index, target)
+        self.prefilling.insert(index, request)
 
     def _pick_slot(self, request: Request) -> tuple[Slot, int]:
         """The idle slot to use, and the tokens of the prompt it already holds."""
@@ -207,3 +232,7 @@ class Replica:
             return best, best_shared
         assert lru is not None  # a free slot exists when called
         return lru, common_prefix(lru.key, lru.blocks, lru.tokens, key, blocks, prompt)
+
+
+def _start_order(request: Request) -> int:
+    return request.order

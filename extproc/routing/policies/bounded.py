@@ -25,21 +25,23 @@ class Bounded:
         if not eligible:
             return None
         request = situation.request
+        unit = self.unit
         work = request.prompt_tokens + request.max_tokens
-        cost = 1 if self.unit == "requests" else work
-        loads = situation.ledger.loads(self.unit)
-        total = situation.total(self.unit) + cost
-        average, cap = average_and_cap(total, len(eligible), self.epsilon, self.unit)
+        cost = 1 if unit == "requests" else work
+        loads = situation.ledger.loads(unit)
+        total = situation.total(unit) + cost
+        average, cap = average_and_cap(total, len(eligible), self.epsilon, unit)
         home = situation.home()
-        chosen, checks = first_fit(situation.walk(), loads, cost, cap)
+        assert home is not None  # eligible is not empty
+        chosen, checks = first_fit(situation.walk_from(home), loads, cost, cap)  # the walk starts at home
         if chosen is None:
             chosen, reason = least_loaded(eligible, loads, cost), "least-loaded"
         else:
             reason = "home" if chosen == home else "overflow"
         trace = new(Trace, (
-            self.name, request.prompt_tokens, request.max_tokens, self.unit, home,
+            self.name, request.prompt_tokens, request.max_tokens, unit, home,
             None, None, None, None, 0, None,  # preferred, preferred_by, remembered, remembered_tokens, cached, cost
-            situation.load_items(self.unit), total, average, cap,
+            situation.load_items(unit), total, average, cap,
             None, None,  # long_cap, long_threshold
             checks,
         ))
