@@ -231,7 +231,7 @@ class Replica:
         if best is not None:
             return best, best_shared
         assert lru is not None  # a free slot exists when called
-        return lru, common_prefix(lru.key, lru.blocks, lru.tokens, key, blocks, prompt)
+        return lru, common_prefix(lru.key, lru.blocks, lru.tokens, key, blocks, prompt) if lru.key == key else 0
 
 
 def _start_order(request: Request) -> int:
