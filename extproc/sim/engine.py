@@ -17,6 +17,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from heapq import heappush
 
 from extproc.routing import Router
 from extproc.sim.costmodel import CostModel
@@ -87,7 +88,7 @@ class _Simulation:
 
     def push(self, at: float, kind: int, payload: object) -> None:
         self.seq += 1
-        heapq.heappush(self.heap, (at, self.seq, kind, payload))
+        heappush(self.heap, (at, self.seq, kind, payload))
 
     def run(self, workload: ClosedLoop | OpenLoop) -> Outcome:
         if isinstance(workload, ClosedLoop):
@@ -143,7 +144,7 @@ class _Simulation:
         replica.version = seq
         wait = replica.next_change()
         if wait is not None:
-            heapq.heappush(self.heap, (now + wait, seq, _WAKE, replica))
+            heappush(self.heap, (now + wait, seq, _WAKE, replica))
         if was_idle and self.shared_host:
             self._share_host(now, +1)
 
@@ -153,7 +154,7 @@ class _Simulation:
         replica.version = seq
         wait = replica.next_change()
         if wait is not None:
-            heapq.heappush(self.heap, (now + wait, seq, _WAKE, replica))
+            heappush(self.heap, (now + wait, seq, _WAKE, replica))
         if not finished:
             return
         if not replica.running and self.shared_host:
@@ -171,7 +172,7 @@ class _Simulation:
             at = now + follow.think_s
             if at <= self.deadline:
                 self.seq = seq = self.seq + 1  # push(at, _SEND, follow), inlined
-                heapq.heappush(self.heap, (at, seq, _SEND, follow))
+                heappush(self.heap, (at, seq, _SEND, follow))
         elif request.arrival_s is None:  # closed loop: the user takes the next conversation
             self._next_conversation(now)
 
@@ -180,7 +181,7 @@ class _Simulation:
         replica.version = seq  # the one wake-up that counts is the one with this sequence number
         wait = replica.next_change()
         if wait is not None:
-            heapq.heappush(self.heap, (now + wait, seq, _WAKE, replica))
+            heappush(self.heap, (now + wait, seq, _WAKE, replica))
 
     def _share_host(self, now: float, change: int) -> None:
         """A replica became busy or idle: on a shared host, every busy replica's speed changes.

@@ -122,14 +122,15 @@ class Replica:
         k = self.running
         if not k:
             return None
-        best = float("inf")
-        if self.prefill_targets:
-            best = (self.prefill_targets[0] - self.prefill_clock) * (self.prefill_slowdown[k] * self.host_factor)
-        if self.decode_targets:
-            wait = (self.decode_targets[0] - self.decode_clock) * (self.decode_slowdown[k] * self.host_factor)
-            if wait < best:
-                best = wait
-        return best
+        prefill_targets, decode_targets = self.prefill_targets, self.decode_targets
+        if not decode_targets:
+            return (prefill_targets[0] - self.prefill_clock) * (self.prefill_slowdown[k] * self.host_factor)
+        wait = (decode_targets[0] - self.decode_clock) * (self.decode_slowdown[k] * self.host_factor)
+        if prefill_targets:
+            prefill_wait = (prefill_targets[0] - self.prefill_clock) * (self.prefill_slowdown[k] * self.host_factor)
+            if prefill_wait <= wait:
+                return prefill_wait
+        return wait
 
     def arrive(self, request: Request, now: float) -> None:
         """A routed request arrives at ``now``: start it on an idle slot or queue it (FIFO)."""
