@@ -87,3 +87,16 @@ def test_replicas_on_one_host_share_its_cores(cores, r1_done, r2_first, r2_done)
     done = {r.request_id: r for r in outcome.requests}
     assert (done["r1"].first_token_at, done["r1"].finished_at) == pytest.approx((1.0, r1_done))
     assert (done["r2"].first_token_at, done["r2"].finished_at) == pytest.approx((r2_first, r2_done))
+
+
+def test_requests_ending_on_the_same_wake_up_complete_in_the_order_they_started():
+    # One replica, three slots. c starts last but its phases are shortest: it ends first.
+    # a and b (identical, started together) end on the same wake-up: recorded in start order.
+    done, outcome = run([
+        request("a", "a", 1, 100, 10, 0.0),
+        request("b", "b", 1, 100, 10, 0.0),
+        request("c", "c", 1, 10, 1, 0.0),
+    ], replicas=1, slots=3)
+    assert [r.request_id for r in outcome.requests] == ["c", "a", "b"]
+    assert done["a"].finished_at == done["b"].finished_at
+    assert done["c"].finished_at < done["a"].finished_at
