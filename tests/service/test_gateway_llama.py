@@ -111,7 +111,10 @@ def test_abandoned_stream_releases_its_load(gw: Gateway) -> None:
     gw.wait_idle()  # the previous test's request ends with its access log entry (flushed every 20 ms)
     with httpx.stream("POST", gw.url + CHAT, json=body, headers={"x-conversation-id": "poem"}, timeout=60) as reply:
         request_id = reply.headers["x-request-id"]
-        next(reply.iter_raw())  # one chunk, then hang up
+        # Keep the iterator: a discarded generator is collected at once and httpx then closes
+        # the connection, which would hang up before the check below (a race with the release).
+        chunks = reply.iter_raw()
+        next(chunks)  # one chunk, then hang up when the block ends
         assert gw.state()["in_flight_requests"] == 1
     state = gw.wait_idle()
     assert state["in_flight_requests"] == 0 and state["in_flight_tokens"] == 0
