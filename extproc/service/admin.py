@@ -50,5 +50,5 @@ class AdminService(admin_pb2_grpc.AdminServicer):
             ],
             in_flight_requests=ledger.total_requests(),
             in_flight_tokens=ledger.total_tokens(),
-            decisions=gateway.decisions,
+            decisions=sum(gateway.metrics.decisions.values()),
         )

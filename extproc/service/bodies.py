@@ -167,11 +167,8 @@ def timings_from_metadata(values: Mapping[str, float]) -> Timings | None:
             predicted_n=_whole(get("predicted_n")),
             predicted_ms=get("predicted_ms"),
         )
-    cached, prompt = _whole(values.get("cached_tokens")), _whole(values.get("prompt_tokens"))
-    if cached is None and prompt is None:
-        return None
-    new = prompt - cached if prompt is not None and cached is not None else None
-    return Timings(cache_n=cached, prompt_n=new, predicted_n=_whole(values.get("completion_tokens")))
+    get = values.get
+    return _from_usage(_whole(get("cached_tokens")), _whole(get("prompt_tokens")), _whole(get("completion_tokens")))
 
 
 _TIMINGS_KEYS = frozenset(key for key, path in RESPONSE_METADATA.items() if path[0] == "timings")
@@ -205,11 +202,16 @@ def _timings_from_data(data: Any) -> Timings | None:
     if isinstance(usage, dict):
         details = usage.get("prompt_tokens_details")
         cached = _int(details.get("cached_tokens")) if isinstance(details, dict) else None
-        prompt = _int(usage.get("prompt_tokens"))
-        if cached is not None or prompt is not None:
-            new = prompt - cached if prompt is not None and cached is not None else None
-            return Timings(cache_n=cached, prompt_n=new, predicted_n=_int(usage.get("completion_tokens")))
+        return _from_usage(cached, _int(usage.get("prompt_tokens")), _int(usage.get("completion_tokens")))
     return None
+
+
+def _from_usage(cached: int | None, prompt: int | None, completion: int | None) -> Timings | None:
+    """OpenAI's usage: prompt_tokens counts the cached ones too; nothing to say without either."""
+    if cached is None and prompt is None:
+        return None
+    new = prompt - cached if prompt is not None and cached is not None else None
+    return Timings(cache_n=cached, prompt_n=new, predicted_n=completion)
 
 
 def _int(value: Any) -> int | None:

@@ -96,7 +96,6 @@ class Gateway:
         self.endpoints: dict[str, str] = {}
         self.unhealthy: set[str] = set()
         self.pending: dict[str, Pending] = {}
-        self.decisions = 0
         self._answers: dict[tuple[str, str, bool], bytes] = {}
         self._predicted_headers: dict[int, bytes] = {}
         self._sequence = 0
@@ -145,7 +144,6 @@ class Gateway:
             self.metrics.errors["no_replica"] += 1
             unhealthy = sorted(self.unhealthy)
             return immediate(503, "no replica available", replicas=len(self.endpoints), unhealthy=unhealthy), False
-        self.decisions += 1
         self.pending[unique_id] = Pending(
             request, decision, self.endpoints[decision.replica], path, turn, parsed.stream, started, time.monotonic()
         )
@@ -244,8 +242,12 @@ class Gateway:
             outcome = "failed"
         else:
             outcome = "failed_over" if failed_over else "ok"
-        served = self._served_replica(pending) if failed_over else None
-        self.router.complete(request_id, ok=succeeded, served=served if served in self.endpoints else None)
+        served_replica = self._served_replica(pending)  # a name, or the address when it is no replica of ours
+        self.router.complete(
+            request_id,
+            ok=succeeded,
+            served=served_replica if failed_over and served_replica in self.endpoints else None,
+        )
         self.metrics.completed[outcome] += 1
         if failed_over or (pending.answered and pending.status in (502, 503) and not pending.served):
             self.metrics.errors["replica_failed"] += 1
@@ -255,12 +257,12 @@ class Gateway:
             timings = parse_timings(b"".join(pending.chunks), pending.event_stream)
         if timings is not None and timings.cache_n is not None:
             self.metrics.cache_tokens(
-                self._served_replica(pending),
+                served_replica,
                 decision.predicted_cached_tokens,
                 timings.cache_n,
                 timings.cache_n + (timings.prompt_n or 0),
             )
-        self._log(request_id, pending, outcome, timings)
+        self._log(request_id, pending, outcome, served_replica, timings)
 
     def _served_replica(self, pending: Pending) -> str:
         if not pending.served or pending.served == pending.endpoint:
@@ -270,7 +272,9 @@ class Gateway:
                 return name
         return pending.served
 
-    def _log(self, request_id: str, pending: Pending, outcome: str, timings: Timings | None) -> None:
+    def _log(
+        self, request_id: str, pending: Pending, outcome: str, served_replica: str, timings: Timings | None
+    ) -> None:
         decision = pending.decision
         fields: dict[str, Any] = {
             "request_id": request_id,
@@ -291,7 +295,7 @@ class Gateway:
             "outcome": outcome,
             "status": pending.status,
             "served": pending.served,
-            "served_replica": self._served_replica(pending) if pending.served else "",
+            "served_replica": served_replica if pending.served else "",
             "duration_ms": round((time.perf_counter() - pending.started) * 1000, 3),
         }
         if pending.lost:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry
@@ -58,7 +58,7 @@ class Metrics:
         self.actual_prompt: Counter[str] = Counter()
         self.decision_seconds = Histogram(DECISION_SECONDS)
         self.prediction_error = Histogram(PREDICTION_ERROR)
-        self._gateway: Callable[[], Gateway | None] = lambda: None
+        self.gateway: Gateway | None = None  # its live state is read at scrape time (watch)
         self.registry.register(_Collector(self))
 
     def decision(self, policy: str, reason: str, seconds: float) -> None:
@@ -74,7 +74,7 @@ class Metrics:
 
     def watch(self, gateway: Gateway) -> None:
         """Expose the gateway's live state (in-flight load, health) at scrape time."""
-        self._gateway = lambda: gateway
+        self.gateway = gateway
 
 
 class _Collector(Collector):
@@ -110,9 +110,8 @@ class _Collector(Collector):
         yield m.prediction_error.family(
             "llm_ring_cached_tokens_prediction_error", "actual cache_n minus predicted cached tokens, per request"
         )
-        gateway = m._gateway()
-        if gateway is not None:
-            yield from _live_state(gateway)
+        if m.gateway is not None:
+            yield from _live_state(m.gateway)
 
 
 def _counter(

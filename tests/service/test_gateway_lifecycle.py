@@ -43,8 +43,7 @@ def decide(gateway: Gateway, request_id: str, stream: bool = False) -> str:
         request_id=request_id,
         body=body,
     )
-    (pending,) = (p for key, p in gateway.pending.items() if key == request_id)
-    return pending.endpoint
+    return gateway.pending[request_id].endpoint
 
 
 def in_flight(gateway: Gateway) -> int:
