@@ -228,6 +228,35 @@ def summary(con: duckdb.DuckDBPyConnection) -> dict[str, dict[str, dict[str, Any
     return out
 
 
+_AGREEMENT = """
+SELECT a.policy,
+    count(*) AS matched,
+    avg((a.replica IS NOT DISTINCT FROM b.replica)::INT) AS same_replica,
+    avg(CASE WHEN a.turn = 1 THEN (a.replica IS NOT DISTINCT FROM b.replica)::INT END) AS same_replica_first_turn
+FROM read_parquet($a) a
+JOIN read_parquet($b) b USING (policy, seed, conversation, turn)
+GROUP BY a.policy
+ORDER BY a.policy
+"""
+
+
+def decision_agreement(first_dir: str | Path, second_dir: str | Path) -> dict[str, dict[str, Any]]:
+    """Per policy: of the requests both folders hold (same policy, seed, conversation, turn),
+    the share routed to the same replica, overall and on first turns.
+
+    Live and simulated runs of one profile and seed send the very same conversations, so
+    this tells request by request how closely two runs decided alike (a live run repeated
+    gives the yardstick: load-aware decisions depend on timing).
+    """
+    files = []
+    for folder in (first_dir, second_dir):
+        found = sorted(str(path) for path in Path(folder).glob(f"*/{REQUESTS_FILE}"))
+        if not found:
+            raise FileNotFoundError(f"{folder}: no */{REQUESTS_FILE} (is this an experiment folder?)")
+        files.append(found)
+    return {row.pop("policy"): row for row in rows(duckdb.connect(), _AGREEMENT, {"a": files[0], "b": files[1]})}
+
+
 def spread(value: Any, per_run_values: list[Any]) -> dict[str, Any]:
     xs = [float(x) for x in per_run_values if x is not None]
     n = len(xs)

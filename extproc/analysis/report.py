@@ -1,7 +1,9 @@
-"""`llm-ring report DIR`: the summary table of an experiment folder.
+"""`llm-ring report DIR [DIR ...]`: the summary table of one or more experiment folders.
 
-Prints the per-policy summary (table, markdown or JSON) and always writes
-``DIR/summary.md`` (summary + per-run table + the definitions used).
+Prints the per-policy summary (table, markdown or JSON) and always writes each
+``DIR/summary.md`` (summary + per-run table + the definitions used). Given several
+folders (a live run and its simulation, say), the columns sit side by side, grouped
+by policy: ``live: bounded``, ``sim: bounded``, ``live: llm-aware``, ...
 """
 
 from __future__ import annotations
@@ -12,13 +14,22 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from extproc.analysis.metrics import DEFAULT_HIT_SHARE, METRICS, Metric, connect, per_run, summary
+from extproc.analysis.metrics import (
+    DEFAULT_HIT_SHARE,
+    METRICS,
+    Metric,
+    connect,
+    decision_agreement,
+    per_run,
+    summary,
+)
 
 SUMMARY_FILE = "summary.md"
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("dir", type=Path, help="experiment folder (written by `llm-ring run` or `sim`)")
+    parser.add_argument("dirs", type=Path, nargs="+", metavar="DIR",
+                        help="experiment folder (written by `llm-ring run` or `sim`); several: side by side")
     parser.add_argument("--format", choices=("table", "markdown", "json"), default="table")
     parser.add_argument(
         "--hit-share",
@@ -30,11 +41,21 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     try:
-        report = build_report(args.dir, args.hit_share)
+        reports = [build_report(folder, args.hit_share) for folder in args.dirs]
     except (FileNotFoundError, ValueError) as exc:
         print(f"llm-ring report: {exc}", file=sys.stderr)
         return 2
-    (args.dir / SUMMARY_FILE).write_text(render_markdown(report, with_runs=True))
+    for folder, one in zip(args.dirs, reports, strict=True):
+        (folder / SUMMARY_FILE).write_text(render_markdown(one, with_runs=True))
+    if len(reports) == 1:
+        report = reports[0]
+    else:
+        labels = _labels(args.dirs)
+        agreement = {
+            label: decision_agreement(args.dirs[0], folder)
+            for label, folder in zip(labels[1:], args.dirs[1:], strict=True)
+        }
+        report = side_by_side(reports, labels, agreement)
     if args.format == "json":
         print(json.dumps(report, default=str))
     elif args.format == "markdown":
@@ -52,6 +73,34 @@ def build_report(experiment_dir: str | Path, hit_share: float = DEFAULT_HIT_SHAR
         "summary": summary(con),
         "runs": per_run(con),
     }
+
+
+def side_by_side(reports: list[dict[str, Any]], labels: list[str],
+                 agreement: dict[str, dict[str, dict[str, Any]]]) -> dict[str, Any]:
+    """One report whose columns are ``label: policy``, grouped by policy (first seen first).
+
+    ``agreement``: per later label, ``decision_agreement`` with the first folder.
+    """
+    policies = list(dict.fromkeys(policy for report in reports for policy in report["summary"]))
+    labelled = list(zip(labels, reports, strict=True))
+    return {
+        "experiment": ", ".join(f"{label} = {report['experiment']}" for label, report in labelled),
+        "hit_share": reports[0]["hit_share"],
+        "summary": {
+            f"{label}: {policy}": report["summary"][policy]
+            for policy in policies
+            for label, report in labelled
+            if policy in report["summary"]
+        },
+        "runs": [{**run, "experiment": label} for label, report in labelled for run in report["runs"]],
+        "agreement": {"with": labels[0], "by_label": agreement},
+    }
+
+
+def _labels(folders: list[Path]) -> list[str]:
+    """Each folder's name, or its whole path where two names clash."""
+    names = [folder.name for folder in folders]
+    return [name if names.count(name) == 1 else str(folder) for name, folder in zip(names, folders, strict=True)]
 
 
 def format_value(metric: Metric, value: float | None) -> str:
@@ -111,7 +160,23 @@ def _footnote(report: dict[str, Any]) -> str:
         f"Pooled over runs; [min–max] across runs. Hit = follow-up turn with cache_n >= "
         f"{report['hit_share']:g} x the previous turn's prompt tokens. Definitions: "
         f"extproc/analysis/metrics.py."
-    )
+    ) + "".join(f"\n{line}" for line in _agreement_lines(report))
+
+
+def _agreement_lines(report: dict[str, Any]) -> list[str]:
+    agreement = report.get("agreement")
+    if not agreement:
+        return []
+    lines = [f"Same replica as {agreement['with']}, request by request (same policy, seed, conversation, turn):"]
+    for label, policies in agreement["by_label"].items():
+        cells = [f"{policy} {100 * row['same_replica']:.1f}% of {row['matched']} "
+                 f"(first turns {_percent(row['same_replica_first_turn'])})" for policy, row in policies.items()]
+        lines.append(f"- {label}: " + ("; ".join(cells) if cells else "no request in common"))
+    return lines
+
+
+def _percent(share: float | None) -> str:
+    return "-" if share is None else f"{100 * share:.1f}%"
 
 
 def _md_table(header: list[str], body: list[list[str]]) -> list[str]:

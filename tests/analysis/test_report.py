@@ -37,3 +37,39 @@ def test_json_format_is_one_object(tmp_path, capsys):
 def test_not_an_experiment_folder(tmp_path, capsys):
     assert main(["report", str(tmp_path)]) == 2
     assert "no */requests.parquet" in capsys.readouterr().err
+
+
+def test_several_folders_side_by_side_with_decision_agreement(tmp_path, capsys):
+    live, sim = tmp_path / "live", tmp_path / "sim"
+    write_run(live, "bounded-s1", "bounded", 1, known_run())
+    write_run(live, "llm-aware-s1", "llm-aware", 1, known_run("llm-aware-s1", "llm-aware"))
+    differing = known_run()
+    differing[2] = {**differing[2], "replica": "llm-0"}  # one of 8 decisions differs (c1, turn 3)
+    write_run(sim, "bounded-s1", "bounded", 1, differing)
+    assert main(["report", str(live), str(sim), "--format", "json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    # grouped by policy; a policy missing from one folder has no column there
+    assert list(report["summary"]) == ["live: bounded", "sim: bounded", "live: llm-aware"]
+    assert report["summary"]["live: bounded"]["avoidable_misses"]["value"] == 1
+    assert report["summary"]["sim: bounded"]["avoidable_misses"]["value"] == 0
+    assert report["agreement"]["with"] == "live"
+    assert report["agreement"]["by_label"]["sim"] == {
+        "bounded": {"matched": 8, "same_replica": 7 / 8, "same_replica_first_turn": 1.0},
+    }
+    assert {run["experiment"] for run in report["runs"]} == {"live", "sim"}
+    assert (live / "summary.md").exists() and (sim / "summary.md").exists()
+
+    assert main(["report", str(live), str(sim)]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0].split("  ")[0:1] == ["metric"] and "sim: bounded" in out.splitlines()[0]
+    assert "- sim: bounded 87.5% of 8 (first turns 100.0%)" in out
+
+
+def test_folders_with_the_same_name_are_labelled_by_path(tmp_path, capsys):
+    first, second = tmp_path / "a" / "run", tmp_path / "b" / "run"
+    for folder in (first, second):
+        write_run(folder, "bounded-s1", "bounded", 1, known_run())
+    assert main(["report", str(first), str(second), "--format", "json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert list(report["summary"]) == [f"{first}: bounded", f"{second}: bounded"]
+    assert report["agreement"]["by_label"][str(second)]["bounded"]["same_replica"] == 1.0
