@@ -85,6 +85,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"llm-ring sim: {exc}", file=sys.stderr)
         return 2
     results: dict[str, Any] = {}
+    differences: dict[str, Any] = {}  # replicas -> paired differences to the first policy
     started = time.perf_counter()
     for replicas in args.replicas:
         events = scale + ([(args.scale_at, replicas + 1)] if args.scale_at is not None else [])
@@ -97,7 +98,7 @@ def main(args: argparse.Namespace) -> int:
         (out_dir / SUMMARY_FILE).write_text(render_markdown(report, with_runs=True))
         con = connect(out_dir)
         results[str(replicas)] = summary(con)
-        paired = paired_differences(per_run(con), args.policies)
+        paired = differences[str(replicas)] = paired_differences(per_run(con), args.policies)
         if not args.json:
             print(f"\n{source.label}: {replicas} replicas, {len(seeds)} seeds ({out_dir})")
             print(render_ci_table(results[str(replicas)]))
@@ -106,7 +107,8 @@ def main(args: argparse.Namespace) -> int:
                 print(render_ci_table(paired))
     print(f"simulated in {time.perf_counter() - started:.1f} s", file=sys.stderr)
     if args.json:
-        print(json.dumps({"source": source.label, "seeds": seeds, "replicas": results}))
+        print(json.dumps({"source": source.label, "seeds": seeds, "replicas": results,
+                          "paired": {"against": args.policies[0], "replicas": differences}}))
     return 0
 
 

@@ -36,6 +36,7 @@ def test_trace_json_output(tmp_path, capsys):
     result = json.loads(capsys.readouterr().out)
     assert result["seeds"] == [1, 2]
     assert result["replicas"]["3"]["consistent"]["requests"]["value"] == 12
+    assert result["paired"] == {"against": "consistent", "replicas": {"3": {}}}  # one policy: nothing to pair
 
 
 def test_bad_inputs_are_named(tmp_path, capsys):
