@@ -33,7 +33,7 @@ class Bounded:
         average, cap = average_and_cap(total, len(eligible), self.epsilon, unit)
         home = situation.home()
         assert home is not None  # eligible is not empty
-        chosen, checks = first_fit(situation.walk_from(home), loads, cost, cap)  # the walk starts at home
+        chosen, checks = first_fit(situation, home, loads, cost, cap)
         if chosen is None:
             chosen, reason = least_loaded(eligible, loads, cost), "least-loaded"
         else:

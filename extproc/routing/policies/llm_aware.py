@@ -57,7 +57,7 @@ class LlmAware:
         if self.long_stickiness and cached_on == preferred and prompt >= self.long_prompt_tokens:
             long_cap = self.long_load_factor * average
         cached = discounted if discounted == preferred else None
-        chosen, checks = first_fit(situation.walk_from(preferred), loads, work, cap,
+        chosen, checks = first_fit(situation, preferred, loads, work, cap,
                                    discounted, cached_cost, cached, long_cap)
         if chosen is None:
             chosen, reason = least_loaded(eligible, loads, work, discounted, cached_cost), "least-loaded"

@@ -36,13 +36,6 @@ class Situation(NamedTuple):
             return self.ring.walk(self.key_hash)
         return (name for name in self.ring.walk(self.key_hash) if name not in avoid)
 
-    def walk_from(self, first: str) -> Iterator[str]:
-        """``first``, then the other eligible replicas clockwise (the ring is only walked if asked for more)."""
-        yield first
-        for name in self.walk():
-            if name != first:
-                yield name
-
     def home(self) -> str | None:
         if not self.avoid:
             return self.ring.home(self.key_hash)
@@ -82,7 +75,8 @@ def average_and_cap(total: int, replicas: int, epsilon: float, unit: LoadUnit) -
 
 
 def first_fit(
-    order: Iterable[str],
+    situation: Situation,
+    first: str,
     loads: Mapping[str, int],
     cost: int,
     cap: float,
@@ -91,7 +85,8 @@ def first_fit(
     cached: str | None = None,
     long_cap: float | None = None,
 ) -> tuple[str | None, tuple[Check, ...]]:
-    """Walk ``order`` and take the first replica whose load + cost stays within its limit.
+    """Try ``first``, then the other eligible replicas clockwise, and take the first whose
+    load + cost stays within its limit.
 
     The request costs ``cost``, except on ``discounted`` (llm-aware: the replica holding
     its cache) where it costs ``discounted_cost``.
@@ -109,21 +104,32 @@ def first_fit(
     replica pushes every small cached follow-up away at light load, each redirect paying
     a full reprocess.
     """
-    checks: list[Check] = []
-    for name in order:
-        cost_here = discounted_cost if name == discounted else cost
-        load = loads[name]
-        if name == cached:
-            is_long = long_cap is not None
-            limit = long_cap if is_long else cap
-            accepted = load == 0 or load + cost_here <= limit or load < limit  # type: ignore[operator]
-        else:
-            is_long, limit = False, cap
-            accepted = load == 0 or load + cost_here <= cap
-        checks.append(new(Check, (name, load, cost_here, limit, accepted, is_long)))
-        if accepted:
-            return name, tuple(checks)
+    check = _check(first, loads, cost, cap, discounted, discounted_cost, cached, long_cap)
+    if check.accepted:  # the usual case: the ring is not walked at all
+        return first, (check,)
+    checks = [check]
+    for name in situation.walk():
+        if name != first:
+            check = _check(name, loads, cost, cap, discounted, discounted_cost, cached, long_cap)
+            checks.append(check)
+            if check.accepted:
+                return name, tuple(checks)
     return None, tuple(checks)
+
+
+def _check(name: str, loads: Mapping[str, int], cost: int, cap: float, discounted: str | None,
+           discounted_cost: int, cached: str | None, long_cap: float | None) -> Check:
+    """Whether ``name`` takes the request (the rules in ``first_fit``)."""
+    cost_here = discounted_cost if name == discounted else cost
+    load = loads[name]
+    if name == cached:
+        is_long = long_cap is not None
+        limit = long_cap if is_long else cap
+        accepted = load == 0 or load + cost_here <= limit or load < limit  # type: ignore[operator]
+    else:
+        is_long, limit = False, cap
+        accepted = load == 0 or load + cost_here <= cap
+    return new(Check, (name, load, cost_here, limit, accepted, is_long))
 
 
 def least_loaded(candidates: Iterable[str], loads: Mapping[str, int], cost: int,
@@ -142,5 +148,5 @@ def unbounded_decision(policy: str, situation: Situation, replica: str, reason: 
     cached = 0
     if placement is not None and placement.replica == replica:
         cached = min(placement.prompt_tokens, prompt)
-    trace = new(Trace, (policy, prompt, max_tokens, None, home, *_UNBOUNDED_REST))  # unit=None; the rest unset
+    trace = new(Trace, (policy, prompt, max_tokens, None, home) + _UNBOUNDED_REST)  # unit=None; the rest unset
     return new(Decision, (replica, reason, 1, prompt + max_tokens, cached, trace))
