@@ -139,7 +139,8 @@ class _Simulation:
         request.predicted_cached = decision.predicted_cached_tokens
         replica = self.replicas[decision.replica]
         was_idle = not replica.running
-        replica.arrive(request, now)
+        if not replica.arrive(request, now):
+            return  # queued: the replica's pending wake-up still holds
         self.seq = seq = self.seq + 1  # _reschedule(replica, now), inlined: once or twice per request
         replica.version = seq
         wait = replica.next_change()

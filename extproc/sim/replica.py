@@ -132,18 +132,24 @@ class Replica:
                 return prefill_wait
         return wait
 
-    def arrive(self, request: Request, now: float) -> None:
-        """A routed request arrives at ``now``: start it on an idle slot or queue it (FIFO)."""
+    def arrive(self, request: Request, now: float) -> bool:
+        """A routed request arrives at ``now``: start it on an idle slot, or queue it (FIFO).
+
+        Returns whether it started. A queued request leaves the clocks alone: nothing that
+        runs changes pace, so the pending wake-up still holds (most arrivals of a loaded
+        replica only queue).
+        """
         k = self.running
+        if k >= self.slot_count:
+            self.queue.append(request)
+            return False
         if k and now > self.updated_at:  # advance(now), inlined: this and wake() run on every event
             elapsed = (now - self.updated_at) / self.host_factor
             self.prefill_clock += elapsed / self.prefill_slowdown[k]
             self.decode_clock += elapsed / self.decode_slowdown[k]
         self.updated_at = now
-        if k < self.slot_count:
-            self._start(request, now)
-        else:
-            self.queue.append(request)
+        self._start(request, now)
+        return True
 
     def wake(self, now: float) -> list[Request]:
         """Advance to ``now`` and move on the requests whose phase ran out.
