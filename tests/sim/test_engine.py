@@ -45,6 +45,16 @@ def test_fifo_queue_when_slots_are_busy():
     assert (done["y"].started_at, done["y"].finished_at) == pytest.approx((2.0, 4.0))
 
 
+def test_a_queued_arrival_leaves_the_running_requests_untouched():
+    # One slot: y and z only queue behind x. x still ends at 2.0 s (its wake-up holds, no
+    # event per queued arrival), then y and z run one after the other, in arrival order.
+    done, outcome = run([request("x", "a", 1, 100, 10, 0.0), request("y", "b", 1, 100, 10, 0.3),
+                         request("z", "c", 1, 100, 10, 0.7)], replicas=1, slots=1)
+    assert done["x"].finished_at == pytest.approx(2.0)
+    assert [t for r in "yz" for t in (done[r].started_at, done[r].finished_at)] == pytest.approx([2.0, 4.0, 4.0, 6.0])
+    assert outcome.events == 3 + 3 * 2  # 3 arrivals + end of prefill and of decode per request
+
+
 @pytest.mark.parametrize(("capacity", "cached"), [(0, 0), (1000, 110), (150, 0)])
 def test_host_ram_cache_restores_a_swapped_out_conversation(capacity, cached):
     # One slot: b evicts a's prefix from the slot into host RAM; a's next turn restores it,
