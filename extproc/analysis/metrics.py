@@ -177,9 +177,7 @@ ORDER BY p.policy
 def connect(experiment_dir: str | Path, hit_share: float = DEFAULT_HIT_SHARE) -> duckdb.DuckDBPyConnection:
     """An in-memory DuckDB with views ``requests``, ``runs``, ``turns`` and ``per_run``."""
     root = Path(experiment_dir)
-    parquet = sorted(root.glob(f"*/{REQUESTS_FILE}"))
-    if not parquet:
-        raise FileNotFoundError(f"{root}: no */{REQUESTS_FILE} (is this an experiment folder?)")
+    parquet = requests_files(root)
     if not 0 < hit_share <= 1:
         raise ValueError(f"hit_share must be in (0, 1] (got {hit_share})")
     con = duckdb.connect()
@@ -189,6 +187,15 @@ def connect(experiment_dir: str | Path, hit_share: float = DEFAULT_HIT_SHARE) ->
     con.execute(_TURNS.replace("$hit_share", repr(float(hit_share))))
     con.execute(f"CREATE TEMP VIEW per_run AS {_PER_RUN}")
     return con
+
+
+def requests_files(experiment_dir: str | Path) -> list[Path]:
+    """The folder's ``*/requests.parquet``, sorted; FileNotFoundError when there is none."""
+    root = Path(experiment_dir)
+    parquet = sorted(root.glob(f"*/{REQUESTS_FILE}"))
+    if not parquet:
+        raise FileNotFoundError(f"{root}: no */{REQUESTS_FILE} (is this an experiment folder?)")
+    return parquet
 
 
 def _create_runs_view(con: duckdb.DuckDBPyConnection, files: list[Path]) -> None:
@@ -248,13 +255,9 @@ def decision_agreement(first_dir: str | Path, second_dir: str | Path) -> dict[st
     this tells request by request how closely two runs decided alike (a live run repeated
     gives the yardstick: load-aware decisions depend on timing).
     """
-    files = []
-    for folder in (first_dir, second_dir):
-        found = sorted(str(path) for path in Path(folder).glob(f"*/{REQUESTS_FILE}"))
-        if not found:
-            raise FileNotFoundError(f"{folder}: no */{REQUESTS_FILE} (is this an experiment folder?)")
-        files.append(found)
-    return {row.pop("policy"): row for row in rows(duckdb.connect(), _AGREEMENT, {"a": files[0], "b": files[1]})}
+    files = {"a": [str(path) for path in requests_files(first_dir)],
+             "b": [str(path) for path in requests_files(second_dir)]}
+    return {row.pop("policy"): row for row in rows(duckdb.connect(), _AGREEMENT, files)}
 
 
 def spread(value: Any, per_run_values: list[Any]) -> dict[str, Any]:
