@@ -13,6 +13,14 @@ Conversation key without an ``x-conversation-id`` header: a hash of the conversa
 Two conversations with the same opening share a key (and so a replica): usually right for
 the cache, and the bounded-load cap keeps it from overloading one replica.
 
+History of a chat body (what lets the gateway know that an earlier request was answered,
+see gateway.py): ``history`` is a hash over every message (role and text) in order;
+``answered`` holds that same hash taken over each leading run of messages that is followed
+by an ``assistant`` message. A request whose ``answered`` contains an earlier request's
+``history`` resends that request's messages plus its answer: the client has the answer.
+Parallel requests on one prefix (an agent's fan-out) carry no answer of each other, so none
+of them counts as answered by another.
+
 Responses: llama.cpp's ``timings`` (cache_n, prompt_n, prompt_ms, predicted_n, predicted_ms)
 or OpenAI's ``usage.prompt_tokens_details.cached_tokens``, from a JSON body or from the last
 event of a ``text/event-stream`` body that carries them.
@@ -39,6 +47,8 @@ class ParsedRequest:
     prompt_token_ids: int  # > 0 when the prompt was given as token ids (no estimate needed)
     max_tokens: int | None  # None: the client did not say
     stream: bool
+    history: int = 0  # hash of all messages (chat); 0 for completion bodies
+    answered: frozenset[int] = frozenset()  # histories this body shows answered (see above)
 
 
 class BadRequest(ValueError):
@@ -77,18 +87,21 @@ def parse_request(path: str, content_type: str, body: bytes) -> ParsedRequest:
         raise BadRequest(400, f"body must be a JSON object, got {type(data).__name__}")
     stream = data.get("stream") is True
     if path in CHAT_PATHS:
-        key, chars = _chat(data.get("messages"))
-        return ParsedRequest(key, chars, 0, _max_tokens(data, "max_tokens", "max_completion_tokens"), stream)
+        key, chars, history, answered = _chat(data.get("messages"))
+        max_tokens = _max_tokens(data, "max_tokens", "max_completion_tokens")
+        return ParsedRequest(key, chars, 0, max_tokens, stream, history, answered)
     if path in COMPLETION_PATHS:
         key, chars, ids = _completion(data.get("prompt"))
         return ParsedRequest(key, chars, ids, _max_tokens(data, "n_predict", "max_tokens"), stream)
     raise BadRequest(404, f"unknown path {path!r}")
 
 
-def _chat(messages: Any) -> tuple[str, int]:
+def _chat(messages: Any) -> tuple[str, int, int, frozenset[int]]:
+    """(opening key, characters, history, answered): see the module docstring."""
     if not isinstance(messages, list) or not messages:
         raise BadRequest(400, "'messages' must be a non-empty list")
-    hasher = xxhash.xxh64()
+    opening_hasher = history_hasher = xxhash.xxh64()
+    answered: list[int] = []
     chars = 0
     opening = True
     for index, message in enumerate(messages):
@@ -97,10 +110,18 @@ def _chat(messages: Any) -> tuple[str, int]:
         role = message.get("role")
         text = _text(message.get("content"), f"messages[{index}].content")
         chars += len(text)
+        if role == "assistant" and index:
+            answered.append(history_hasher.intdigest())
+        piece = f"{role}\x00{text}\x00".encode()
         if opening:
-            hasher.update(f"{role}\x00{text}\x00".encode())
+            opening_hasher.update(piece)
             opening = role != "user"
-    return "h:" + hasher.hexdigest(), chars
+            if not opening:  # from here on the history hash goes on alone
+                history_hasher = opening_hasher.copy()
+        else:
+            history_hasher.update(piece)
+    opening_key = "h:" + opening_hasher.hexdigest()
+    return opening_key, chars, history_hasher.intdigest(), frozenset(answered)
 
 
 def _text(content: Any, where: str) -> str:

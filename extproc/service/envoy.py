@@ -436,6 +436,18 @@ def _replicas_cluster(endpoints: Endpoints, connect_timeout_ms: int, max_request
                 }
             ]
         },
+        # One request per upstream connection. llama.cpp's server closes the connection right
+        # after a streamed answer (without "connection: close") and after 5 s idle: a turn sent
+        # the instant the last one ended would go out on a connection being closed, get a 503
+        # ("connection termination"), and a retry would take it to a fallback replica, away from
+        # its cache. A fresh loopback/pod-network connection costs far less than that.
+        "typed_extension_protocol_options": {
+            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                "@type": _T + "envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+                "common_http_protocol_options": {"max_requests_per_connection": 1},
+                "explicit_http_config": {"http_protocol_options": {}},
+            }
+        },
         # Don't let one slow generation hold back others on a shared connection.
         "circuit_breakers": {
             "thresholds": [

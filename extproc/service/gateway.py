@@ -11,11 +11,22 @@ One HTTP request meets the service on (see envoy.py):
     the HTTP request is over;
   - a streamed (SSE) answer: the *observe* stream, the response body chunks (the first with
     status and the upstream that served), never answered -> ``observe_*``.
-They meet in ``pending`` by request id. The load is released exactly once, in ``_finish``:
+They meet in ``pending`` by request id. The request is over, and logged, in ``_finish``:
 when the access log entry has come and, for a streamed answer, the observer has seen its end
 (or ``observe_grace`` after the entry). An entry that never comes (the access log stream
 broke) is made up for by ``release_lost``: Envoy itself ends a request that shows no activity
 for STREAM_IDLE_TIMEOUT_S, so a request silent for twice that long is over.
+
+Back-to-back turns. Envoy sends the access log entry after the answer has gone to the client,
+so a client that sends its next turn at once (an agent loop) would be routed while its last
+turn still looks in flight and its cache unplaced. The next turn itself proves the last one
+answered: its messages are the last turn's messages plus the answer (bodies.py: ``answered``
+holds the histories a body shows answered). So before routing a chat request, every pending
+request of the same conversation whose history it shows answered is released (load freed,
+placement remembered, ``Router.complete``) — by construction, whatever the timing, for JSON
+and SSE answers alike. Such a request still waits in ``pending`` for its access log entry,
+which brings its outcome and timings. Parallel requests on one prefix carry no answer of each
+other: each stays charged until its own end.
 """
 
 from __future__ import annotations
@@ -74,6 +85,7 @@ class Pending:
     answered: bool = False  # the whole answer passed (per the access log, or the observer saw its end)
     observed_end: bool = False  # streamed: the observer saw the last chunk
     lost: bool = False  # released by release_lost: the access log entry never came
+    released_by_next_turn: bool = False  # a later turn of its conversation showed its answer
     event_stream: bool = False
     chunks: deque[bytes] = field(default_factory=deque)
     size: int = 0
@@ -96,6 +108,8 @@ class Gateway:
         self.endpoints: dict[str, str] = {}
         self.unhealthy: set[str] = set()
         self.pending: dict[str, Pending] = {}
+        # conversation -> {request id: history} of pending requests not yet shown answered
+        self.unanswered: dict[str, dict[str, int]] = {}
         self._answers: dict[tuple[str, str, bool], bytes] = {}
         self._predicted_headers: dict[int, bytes] = {}
         self._sequence = 0
@@ -138,6 +152,8 @@ class Gateway:
         request = RouteRequest(
             unique_id, conversation, prompt_tokens, parsed.max_tokens or self.settings.default_max_tokens
         )
+        if parsed.answered:
+            self._release_answered(conversation, parsed.answered)
         avoid = self.unhealthy if len(self.unhealthy) < len(self.endpoints) else ()
         decision = self.router.route(request, avoid=avoid)
         if decision is None:
@@ -147,6 +163,8 @@ class Gateway:
         self.pending[unique_id] = Pending(
             request, decision, self.endpoints[decision.replica], path, turn, parsed.stream, started, time.monotonic()
         )
+        if parsed.history:
+            self.unanswered.setdefault(conversation, {})[unique_id] = parsed.history
         self.metrics.decision(decision.trace.policy, decision.reason, time.perf_counter() - started)
         key = (decision.replica, decision.reason, parsed.stream)
         answer = self._answers.get(key)
@@ -156,6 +174,19 @@ class Gateway:
         if unique_id != request_id:
             answer += _more_headers([header_option(REQUEST_ID, unique_id)])
         return answer, True
+
+    def _release_answered(self, conversation: str, answered: frozenset[int]) -> None:
+        """Release the pending requests of ``conversation`` that this new body shows answered."""
+        waiting = self.unanswered.get(conversation)
+        if not waiting:
+            return
+        for request_id in [rid for rid, history in waiting.items() if history in answered]:
+            del waiting[request_id]
+            self.pending[request_id].released_by_next_turn = True
+            self.router.complete(request_id, ok=True)
+            self.metrics.released_by_next_turn += 1
+        if not waiting:
+            del self.unanswered[conversation]
 
     # ------------------------------------------------------------------ access log
 
@@ -243,7 +274,10 @@ class Gateway:
         else:
             outcome = "failed_over" if failed_over else "ok"
         served_replica = self._served_replica(pending)  # a name, or the address when it is no replica of ours
-        self.router.complete(
+        waiting = self.unanswered.get(pending.request.conversation)
+        if waiting is not None and waiting.pop(request_id, None) is not None and not waiting:
+            del self.unanswered[pending.request.conversation]
+        self.router.complete(  # a no-op when a later turn released it already
             request_id,
             ok=succeeded,
             served=served_replica if failed_over and served_replica in self.endpoints else None,
@@ -300,6 +334,8 @@ class Gateway:
         }
         if pending.lost:
             fields["access_log_lost"] = True
+        if pending.released_by_next_turn:
+            fields["released_by_next_turn"] = True
         if timings is not None:
             fields.update(timings.as_dict())
         log.info("route_decision", **fields)

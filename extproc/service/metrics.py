@@ -56,6 +56,7 @@ class Metrics:
         self.predicted_cached: Counter[str] = Counter()  # per replica that served
         self.actual_cached: Counter[str] = Counter()
         self.actual_prompt: Counter[str] = Counter()
+        self.released_by_next_turn = 0  # released when a later turn showed the answer (gateway.py)
         self.decision_seconds = Histogram(DECISION_SECONDS)
         self.prediction_error = Histogram(PREDICTION_ERROR)
         self.gateway: Gateway | None = None  # its live state is read at scrape time (watch)
@@ -89,6 +90,12 @@ class _Collector(Collector):
         )
         yield _counter("llm_ring_requests_completed", "requests released from the ledger", ["outcome"], m.completed)
         yield _counter("llm_ring_errors", "requests refused or failed", ["kind"], m.errors)
+        released = CounterMetricFamily(
+            "llm_ring_released_by_next_turn",
+            "requests released when a later turn of their conversation arrived carrying their answer",
+        )
+        released.add_metric([], m.released_by_next_turn)
+        yield released
         yield _counter(
             "llm_ring_predicted_cached_tokens",
             "cached prompt tokens the router predicted (requests with timings)",

@@ -7,9 +7,11 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
+import openai
 import pytest
 
 from extproc.routing import REASONS
@@ -168,3 +170,100 @@ def _until(condition: Any, timeout: float = 5.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, "condition not met in time"
         time.sleep(0.05)
+
+
+# ---------------------------------------------------------------- back-to-back turns
+# Each turn is sent the instant the previous answer is in, as an agent loop does: the router
+# must already know where the conversation's cache is (gateway.py: a turn carrying the
+# previous answer releases that request before its own decision).
+
+
+def _back_to_back(gw: Gateway, conversation: int, stream: bool, with_header: bool) -> list[dict[str, Any]]:
+    """One conversation of 4 turns, no pause: per turn the replica, reason and timings."""
+    history: list[dict[str, Any]] = [
+        {"role": "system", "content": f"You are assistant number {conversation}. Answer briefly."},
+    ]
+    turns = []
+    with httpx.Client(timeout=60) as client:
+        for turn in range(1, 5):
+            history.append({"role": "user", "content": f"Question {turn} of chat {conversation}: name a colour."})
+            body = {"messages": history, "max_tokens": 6, "ignore_eos": True, "stream": stream}
+            headers = {"x-conversation-id": f"b2b-{stream}-{conversation}", "x-turn": str(turn)} if with_header else {}
+            answer, timings = "", {}
+            with client.stream("POST", gw.url + CHAT, json=body, headers=headers) as reply:
+                assert reply.status_code == 200, (reply.read(), dict(reply.headers), turns)
+                if stream:
+                    for line in reply.iter_lines():
+                        if line.startswith("data: {"):
+                            event = json.loads(line[6:])
+                            answer += (event["choices"][0].get("delta") or {}).get("content") or ""
+                            timings = event.get("timings") or timings
+                else:
+                    data = json.loads(reply.read())
+                    answer, timings = data["choices"][0]["message"]["content"], data["timings"]
+                turns.append({"replica": reply.headers["x-routed-to"], "reason": reply.headers["x-route-reason"],
+                              **timings})  # fmt: skip
+            history.append({"role": "assistant", "content": answer})
+    return turns
+
+
+@pytest.mark.parametrize(
+    "stream, with_header", [(False, True), (True, True), (False, False)], ids=["json", "sse", "no-header"]
+)
+def test_back_to_back_turns_stay_on_their_replica_and_reuse_the_whole_previous_prompt(
+    gw: Gateway, stream: bool, with_header: bool
+) -> None:
+    gw.wait_idle()
+    for conversation in range(8):
+        turns = _back_to_back(gw, conversation, stream, with_header)
+        for previous, turn in zip(turns, turns[1:], strict=False):
+            assert turn["replica"] == turns[0]["replica"], turns
+            assert turn["cache_n"] >= previous["cache_n"] + previous["prompt_n"], turns  # all of the last prompt
+    state = gw.wait_idle()
+    assert state["in_flight_requests"] == 0 and state["in_flight_tokens"] == 0
+
+
+def test_the_openai_sdk_back_to_back_without_headers(gw: Gateway) -> None:
+    client = openai.OpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0)
+    messages: list[Any] = [{"role": "user", "content": "Say something about rivers."}]
+    replicas, cached = [], []
+    for _ in range(3):
+        raw = client.chat.completions.with_raw_response.create(
+            model="smollm2", messages=messages, max_tokens=6, extra_body={"ignore_eos": True}
+        )
+        completion = raw.parse()
+        replicas.append(raw.headers["x-routed-to"])
+        cached.append(completion.usage.prompt_tokens_details.cached_tokens if completion.usage else None)
+        messages += [{"role": "assistant", "content": completion.choices[0].message.content},
+                     {"role": "user", "content": "And then?"}]  # fmt: skip
+    assert len(set(replicas)) == 1, replicas
+    assert cached[1] and cached[2] and cached[2] > cached[1], cached
+
+
+def test_parallel_requests_of_one_conversation_are_each_charged_until_their_own_end(gw: Gateway) -> None:
+    """An agent fans out three requests on one prefix; the short one's answer comes back and the
+    agent goes on at once. The two long ones stay charged (their generations are still running),
+    the short one is released, and all load is gone once every answer is in."""
+    gw.wait_idle()
+    shared = [SYSTEM, {"role": "user", "content": "Plan three tasks."}, {"role": "assistant", "content": "OK."}]
+    headers = {"x-conversation-id": "fan-out"}
+
+    def ask(task: str, max_tokens: int) -> dict[str, Any]:
+        body = {"messages": [*shared, {"role": "user", "content": task}], "max_tokens": max_tokens, "ignore_eos": True}
+        return httpx.post(gw.url + CHAT, json=body, headers=headers, timeout=120).json()
+
+    with ThreadPoolExecutor(3) as pool:
+        long_ones = [pool.submit(ask, f"Task {i}: write a long story.", 320) for i in (1, 2)]
+        short = ask("Task 0: say yes.", 2)
+        follow = [*shared, {"role": "user", "content": "Task 0: say yes."},
+                  {"role": "assistant", "content": short["choices"][0]["message"]["content"]},
+                  {"role": "user", "content": "Good, next."}]  # fmt: skip
+        reply = httpx.post(gw.url + CHAT, json={"messages": follow, "max_tokens": 2}, headers=headers, timeout=60)
+        assert reply.status_code == 200
+        during = gw.state()
+        still_running = sum(not future.done() for future in long_ones)
+        for future in long_ones:
+            future.result()
+    assert still_running == 2, "the long generations ended before the check: the test saw no overlap"
+    assert during["in_flight_requests"] == 2  # the two long ones, not the short one nor its follow-up
+    assert gw.wait_idle()["in_flight_requests"] == 0

@@ -1,0 +1,129 @@
+"""Back-to-back turns without gRPC: a turn that carries the previous answer releases that
+request before it is routed itself; parallel requests on one prefix stay charged each until
+their own end; Envoy's later access log entry still logs the released request, once."""
+
+from __future__ import annotations
+
+import time
+
+import orjson
+from hypothesis import assume, given
+from hypothesis import strategies as st
+from structlog.testing import capture_logs
+
+from extproc.service.bodies import parse_request
+from extproc.service.gateway import LOST_AFTER_S
+from tests.service.test_gateway_lifecycle import TIMINGS, decisions, in_flight, make_gateway, samples
+
+CHAT = "/v1/chat/completions"
+roles = st.sampled_from(["system", "user", "assistant", "tool"])
+message = st.fixed_dictionaries({"role": roles, "content": st.text(max_size=40)})
+prefix = st.lists(message, min_size=1, max_size=6)
+
+
+def parsed(messages: list[dict[str, str]]):  # noqa: ANN201
+    return parse_request(CHAT, "application/json", orjson.dumps({"messages": messages}))
+
+
+@given(before=prefix, answer=st.text(max_size=40), after=st.lists(message, max_size=4))
+def test_a_body_that_resends_a_request_plus_an_answer_shows_it_answered(
+    before: list[dict[str, str]], answer: str, after: list[dict[str, str]]
+) -> None:
+    earlier = parsed(before)
+    later = parsed([*before, {"role": "assistant", "content": answer}, *after])
+    assert earlier.history in later.answered
+
+
+@given(shared=prefix, a=st.text(min_size=1, max_size=40), b=st.text(min_size=1, max_size=40))
+def test_parallel_requests_on_one_prefix_show_none_of_each_other_answered(
+    shared: list[dict[str, str]], a: str, b: str
+) -> None:
+    assume(a != b)
+    first = parsed([*shared, {"role": "user", "content": a}])
+    second = parsed([*shared, {"role": "user", "content": b}])
+    assert first.history not in second.answered and second.history not in first.answered
+    assert first.history != second.history
+
+
+@given(messages=prefix, changed=st.text(max_size=40))
+def test_an_edited_history_does_not_count_as_answered(messages: list[dict[str, str]], changed: str) -> None:
+    assume(changed != messages[-1]["content"])
+    edited = [*messages[:-1], {"role": messages[-1]["role"], "content": changed}]
+    later = parsed([*edited, {"role": "assistant", "content": "x"}, {"role": "user", "content": "y"}])
+    assert parsed(messages).history not in later.answered
+
+
+def chat(gateway, request_id: str, messages: list[dict[str, str]], conversation: str = "c-1") -> str:  # noqa: ANN001
+    answer, routed = gateway.decide(
+        path=CHAT,
+        content_type="application/json",
+        conversation_id=conversation,
+        turn="",
+        request_id=request_id,
+        body=orjson.dumps({"messages": messages, "max_tokens": 8}),
+    )
+    assert routed
+    return gateway.pending[request_id].endpoint
+
+
+USER1 = {"role": "user", "content": "first question"}
+
+
+def test_the_next_turn_releases_the_last_one_before_its_own_decision() -> None:
+    gateway = make_gateway()
+    gateway.metrics.watch(gateway)
+    with capture_logs() as logs:
+        endpoint = chat(gateway, "t1", [USER1])
+        assert in_flight(gateway) == 1
+        # the answer reached the client, Envoy's access log entry has not come yet
+        turn2 = [USER1, {"role": "assistant", "content": "an answer"}, {"role": "user", "content": "more"}]
+        chat(gateway, "t2", turn2)
+        assert in_flight(gateway) == 1  # t2 only: t1 was released first
+        t2 = gateway.pending["t2"].decision
+        assert t2.replica == gateway.pending["t1"].decision.replica and t2.reason in ("home", "sticky")
+        assert t2.predicted_cached_tokens == gateway.pending["t1"].request.prompt_tokens
+        gateway.access_logged("t1", 200, endpoint, cut_off=False, timings=TIMINGS)  # late: logs, releases nothing
+        assert in_flight(gateway) == 1 and "t1" not in gateway.pending
+        gateway.access_logged("t2", 200, endpoint, cut_off=False, timings=TIMINGS)
+    assert in_flight(gateway) == 0 and not gateway.pending and not gateway.unanswered
+    first, second = decisions(logs)
+    assert first["request_id"] == "t1" and first["outcome"] == "ok" and first["released_by_next_turn"] is True
+    assert first["cache_n"] == 3  # what arrives later still lands in the record
+    assert "released_by_next_turn" not in second
+    assert samples(gateway)["llm_ring_released_by_next_turn_total", ()] == 1
+
+
+def test_parallel_requests_of_one_conversation_stay_charged_until_their_own_end() -> None:
+    gateway = make_gateway()
+    shared = [{"role": "system", "content": "tools: search, read"}, USER1, {"role": "assistant", "content": "plan"}]
+    fan_out = {f"p{i}": [*shared, {"role": "user", "content": f"subtask {i}"}] for i in range(3)}
+    endpoints = {rid: chat(gateway, rid, messages) for rid, messages in fan_out.items()}
+    assert in_flight(gateway) == 3
+    tokens_during_overlap = gateway.router.ledger.total_tokens()
+    # p0's answer arrives; the agent goes on from it at once, p1 and p2 still running
+    answer_and_next = [{"role": "assistant", "content": "done 0"}, {"role": "user", "content": "go"}]
+    chat(gateway, "next", [*fan_out["p0"], *answer_and_next])
+    assert set(gateway.router._in_flight) == {"p1", "p2", "next"}
+    assert in_flight(gateway) == 3 and gateway.router.ledger.total_tokens() != tokens_during_overlap
+    gateway.access_logged("p1", 200, endpoints["p1"], cut_off=False, timings=None)
+    assert set(gateway.router._in_flight) == {"p2", "next"}
+    for rid in ("p0", "p2", "next"):
+        gateway.access_logged(rid, 200, endpoints.get(rid, endpoints["p0"]), cut_off=False, timings=None)
+    assert in_flight(gateway) == 0 and not gateway.unanswered
+
+
+def test_another_conversation_with_the_same_history_releases_nothing() -> None:
+    gateway = make_gateway()
+    chat(gateway, "a1", [USER1], conversation="a")
+    chat(gateway, "b2", [USER1, {"role": "assistant", "content": "x"}, {"role": "user", "content": "y"}], "b")
+    assert in_flight(gateway) == 2
+
+
+def test_a_released_request_swept_as_lost_is_logged_once() -> None:
+    gateway = make_gateway()
+    with capture_logs() as logs:
+        chat(gateway, "t1", [USER1])
+        chat(gateway, "t2", [USER1, {"role": "assistant", "content": "a"}, {"role": "user", "content": "b"}])
+        assert gateway.release_lost(time.monotonic() + LOST_AFTER_S + 1) == 2
+    assert in_flight(gateway) == 0 and not gateway.pending and not gateway.unanswered
+    assert sorted(record["request_id"] for record in decisions(logs)) == ["t1", "t2"]
