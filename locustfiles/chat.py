@@ -131,11 +131,19 @@ class ChatUser(User):
         conversation = plan.take() if plan else None
         if plan is None or conversation is None:
             raise StopUser()
-        history = [session_message(plan.session)]
+        history = [session_message(plan.session, conversation.system)]
         for number, turn in enumerate(conversation.turns, start=1):
             time.sleep(turn.think_time_s)
+            # A fan-out: the sides go out at the same moment on the same history, each recorded
+            # as conversation <id>/p<k>; the conversation goes on once every answer is in.
+            sides = [
+                gevent.spawn(self._send, plan, conversation, number, [*history, {"role": "user", "content": side.text}],
+                             turn.max_tokens, f"{conversation.id}/p{k}")  # fmt: skip
+                for k, side in enumerate(turn.parallel, start=1)
+            ]
             messages = [*history, {"role": "user", "content": turn.text}]
             answer, row = self._send(plan, conversation, number, messages, turn.max_tokens)
+            gevent.joinall(sides)
             if row["error"] is None:  # a failed turn is left out of the history, like a retry
                 history = [*messages, {"role": "assistant", "content": answer.content}]
         plan.done()
@@ -147,6 +155,7 @@ class ChatUser(User):
         number: int,
         messages: list[dict[str, str]],
         max_tokens: int,
+        recorded_as: str = "",
     ) -> tuple[Answer, dict[str, Any]]:
         profile = plan.profile
         body = request_body(messages, max_tokens, profile.stream, plan.model)
@@ -180,7 +189,7 @@ class ChatUser(User):
             "policy": plan.policy,
             "seed": plan.seed,
             "simulated": False,
-            "conversation": conversation.id,
+            "conversation": recorded_as or conversation.id,
             "turn": number,
             "replica": headers.get("x-routed-to"),
             "route_reason": headers.get("x-route-reason"),
@@ -196,7 +205,7 @@ class ChatUser(User):
         }
         self.environment.events.request.fire(
             request_type="POST",
-            name="first turn" if number == 1 else "follow-up",
+            name="parallel" if recorded_as else "first turn" if number == 1 else "follow-up",
             response_time=(finished - started) * 1000,
             response_length=len(answer.content),
             exception=RuntimeError(error) if error else None,

@@ -51,7 +51,7 @@ def main(args: argparse.Namespace) -> int:
 def run(rounds: int, trace_path: Path) -> dict[str, Any]:
     config = load_sim_config()
     cost = load_cost_model(config.cost_model)
-    fleet = Fleet(3, config.slots, cache_tokens(config.cache_ram_mib, cost))
+    fleet = Fleet(3, config.slots, cache_tokens(config.cache_ram_mib, cost), release_lag_s=config.release_lag_ms / 1000)
     profile = load_profile("standard")
     workloads = {policy: [profile_workload(profile, seed) for seed in SEEDS] for policy in POLICIES}
     settings = {policy: parse_policy(policy, config.routing) for policy in POLICIES}

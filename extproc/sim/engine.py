@@ -7,9 +7,14 @@ sequence number, so a run is fully deterministic.
 
 Workloads come in two shapes:
 - closed loop (profiles, like the Locust users): ``users`` users start
-  ``1/spawn_rate`` s apart; each takes the next conversation, sends a turn after its
-  think time, waits for the answer, and so on; no new turn starts after ``max_duration_s``;
+  ``1/spawn_rate`` s apart; each takes the next conversation, sends a turn (with its
+  parallel sides, if any) after its think time, waits for every answer, and so on; no
+  new turn starts after ``max_duration_s``;
 - open loop (traces): every request arrives at its own ``arrival_s``.
+
+Releases follow the gateway (extproc/service/gateway.py): a finished request is released
+``release_lag_s`` later (Envoy's access log entry), or earlier when the next turn of its
+conversation arrives, which carries its answer and so releases it before its own decision.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from extproc.routing import Router
 from extproc.sim.costmodel import CostModel
 from extproc.sim.replica import Replica, Request
 
-_WAKE, _SEND, _SCALE, _USER = 0, 1, 2, 3
+_WAKE, _SEND, _SCALE, _USER, _RELEASE = 0, 1, 2, 3, 4
 
 
 @dataclass(frozen=True)
@@ -34,6 +39,7 @@ class Fleet:
     scale: tuple[tuple[float, int], ...] = ()  # (at seconds, replica count) events
     host_cores: float = 0.0  # replicas share this many cores (0 = each replica has its own CPU)
     replica_threads: int = 1  # threads a busy replica wants (llama.cpp --threads)
+    release_lag_s: float = 0.0  # from an answer's end to the router's release (the gateway's access log)
 
     def names(self, count: int) -> list[str]:
         return [f"llm-{i}" for i in range(count)]
@@ -115,6 +121,8 @@ class _Simulation:
                 self._send(payload, now)
             elif kind == _USER:
                 self._next_conversation(now)
+            elif kind == _RELEASE:
+                self.complete(payload.request_id, True)  # a no-op when its next turn released it
             else:
                 self._set_fleet(payload, now)
         self.outcome.end_s = now
@@ -128,6 +136,10 @@ class _Simulation:
 
     def _send(self, request: Request, now: float) -> None:
         request.arrived_at = now
+        if request.previous is not None:  # it carries the last answer: that request is over
+            self.complete(request.previous.request_id, True)
+        for side in request.sides:
+            self._send(side, now)
         decision = self.route(request.route)
         if decision is None:  # no replica at all: answered at once with 503, like the gateway
             request.status, request.error = 503, "no replica"
@@ -160,14 +172,23 @@ class _Simulation:
             return
         if not replica.running and self.shared_host:
             self._share_host(now, -1)
+        lag = self.fleet.release_lag_s
         complete = self.complete
         for request in finished:
             request.status = 200
-            complete(request.request_id, True)
+            if lag:
+                self.push(now + lag, _RELEASE, request)
+            else:
+                complete(request.request_id, True)
             self._done(request, now)
 
     def _done(self, request: Request, now: float) -> None:
         self.record(request)
+        request = request.head
+        if request.waiting:  # a fan-out: the conversation goes on once every answer is in
+            request.waiting -= 1
+            if request.waiting:
+                return
         follow = request.next
         if follow is not None:
             at = now + follow.think_s

@@ -35,8 +35,9 @@ class Request:
 
     __slots__ = (
         "route", "request_id", "conversation", "turn", "key", "blocks", "prompt_tokens", "max_tokens", "arrival_s",
-        "think_s", "next", "replica", "reason", "predicted_cached", "cache_n", "prompt_n", "arrived_at",
-        "started_at", "first_token_at", "finished_at", "status", "error", "order", "target", "slot",
+        "think_s", "next", "previous", "sides", "waiting", "head", "replica", "reason", "predicted_cached",
+        "cache_n", "prompt_n", "arrived_at", "started_at", "first_token_at", "finished_at", "status", "error",
+        "order", "target", "slot",
     )
 
     def __init__(
@@ -54,6 +55,10 @@ class Request:
         self.arrival_s = arrival_s  # open loop (traces): fixed arrival time
         self.think_s = think_s  # closed loop (profiles): pause after the previous turn's answer
         self.next: Request | None = None  # closed loop: the conversation's next turn
+        self.previous: Request | None = None  # closed loop: the turn this one carries the answer of
+        self.sides: tuple[Request, ...] = ()  # sent at the same moment on the same history (fan-out)
+        self.waiting = 0  # with sides: requests of this turn not yet answered
+        self.head: Request = self  # the turn a side belongs to (itself otherwise)
         self.replica: str | None = None
         self.reason: str | None = None
         self.predicted_cached: int | None = None

@@ -33,6 +33,7 @@ class SimConfig:
     threads: int
     host_cores: float
     time_scale: float
+    release_lag_ms: float
 
 
 def load_sim_config(path: str | Path = SIM_CONFIG) -> SimConfig:
@@ -47,6 +48,7 @@ def load_sim_config(path: str | Path = SIM_CONFIG) -> SimConfig:
             threads=int(raw["replica"]["threads"]),
             host_cores=float(raw["host"]["cores"]),
             time_scale=float(raw["trace"]["time_scale"]),
+            release_lag_ms=float(raw["gateway"]["release_lag_ms"]),
         )
     except KeyError as exc:
         raise SettingsError(f"{path}: missing setting {exc.args[0]!r}") from None

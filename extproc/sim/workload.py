@@ -16,6 +16,11 @@ def profile_workload(profile: Profile, seed: int) -> ClosedLoop:
     The prompt size is the generator's estimate (characters / chars_per_token plus
     chat-template tokens), used both as what the router sees and as what the replica
     processes; answers are exactly max_tokens long (the live runs send ignore_eos).
+    A fan-out turn's parallel sides are sent with it under the same conversation (the router
+    sees one conversation, as with Locust's x-conversation-id) and recorded as conversations
+    ``<id>/p<k>`` of their own, as Locust records them. A side shares the whole history with
+    its turn; the simulated cache credits it with its turn's length (the short side message
+    is over-credited).
     """
     firsts = []
     for number, conversation in enumerate(generate_conversations(profile, seed)):
@@ -25,12 +30,26 @@ def profile_workload(profile: Profile, seed: int) -> ClosedLoop:
                 f"{conversation.id}-t{turn_number}", conversation.id, turn_number, number, None,
                 turn.est_prompt_tokens, turn.max_tokens, think_s=turn.think_time_s,
             )
+            if turn.parallel:
+                request.sides = tuple(
+                    _side(request, f"{conversation.id}/p{k}", side.est_prompt_tokens)
+                    for k, side in enumerate(turn.parallel, start=1)
+                )
+                request.waiting = 1 + len(request.sides)
             if previous is None:
                 firsts.append(request)
             else:
-                previous.next = request
+                previous.next, request.previous = request, previous
             previous = request
     return ClosedLoop(firsts, profile.concurrency, profile.spawn_rate, profile.max_duration_s)
+
+
+def _side(turn: Request, recorded_as: str, prompt_tokens: int) -> Request:
+    side = Request(f"{turn.request_id}-{recorded_as.rpartition('/')[2]}", recorded_as, turn.turn, turn.key, None,
+                   prompt_tokens, turn.max_tokens)  # fmt: skip
+    side.route = side.route._replace(conversation=turn.conversation)  # routed as its turn's conversation
+    side.head = turn
+    return side
 
 
 def trace_workload(path: str | Path, time_scale: float = 1.0, limit: int | None = None) -> OpenLoop:

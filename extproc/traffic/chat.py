@@ -27,10 +27,11 @@ def request_headers(conversation_id: str, turn_number: int) -> dict[str, str]:
     }
 
 
-def session_message(session: str) -> dict[str, str]:
+def session_message(session: str, system: str = "") -> dict[str, str]:
     """A first line unique to the run: no run ever finds another run's conversations cached,
-    even on replicas whose caches cannot be emptied. The user messages stay identical."""
-    return {"role": "system", "content": f"Session {session}."}
+    even on replicas whose caches cannot be emptied. The user messages stay identical. The
+    conversation's own system prompt, if any, follows it in the same message."""
+    return {"role": "system", "content": f"Session {session}.\n\n{system}" if system else f"Session {session}."}
 
 
 def session_tag(run_id: str, started: float) -> str:

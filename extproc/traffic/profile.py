@@ -33,16 +33,22 @@ class Profile:
     user_words: tuple[int, int]  # words of an ordinary user message
     max_tokens: int  # answer length (sent with ignore_eos, so answers have exactly this)
     think_time_s: tuple[float, float]  # pause before each turn (before the first: staggers starts)
+    system_words: tuple[int, int]  # words of a system prompt opening each conversation ([0, 0]: none)
+    tool_share: float  # share of follow-up turns that send a tool result instead of a user question
+    tool_words: tuple[int, int]  # words of a tool result
+    fanout_share: float  # share of conversations that fan out once: parallel requests on one prefix
+    fanout_requests: tuple[int, int]  # requests sent at once at the fan-out turn, that turn's own included
     max_context_tokens: int  # a conversation ends before its estimated context would exceed this
     chars_per_token: float  # the generator's token estimate (only used for max_context_tokens)
     stream: bool  # ask for SSE answers (TTFT measured) or whole JSON answers
     max_duration_s: float  # safety cap on one run's wall time
 
 
-_INT_RANGES = {"turns", "doc_words", "user_words"}
+_INT_RANGES = {"turns", "doc_words", "user_words", "system_words", "tool_words", "fanout_requests"}
 _FLOAT_RANGES = {"think_time_s"}
 _POSITIVE_INTS = {"concurrency", "conversations", "max_tokens", "max_context_tokens"}
 _POSITIVE_FLOATS = {"spawn_rate", "chars_per_token", "max_duration_s"}
+_SHARES = {"doc_share", "tool_share", "fanout_share"}
 
 
 def load_profile(name_or_path: str | Path) -> Profile:
@@ -104,7 +110,7 @@ def _field(key: str, value: Any) -> Any:
         if number <= 0:
             raise ProfileError(f"must be > 0 (got {value!r})")
         return number
-    if key == "doc_share":
+    if key in _SHARES:
         share = _number(value, float)
         if not 0 <= share <= 1:
             raise ProfileError(f"must be between 0 and 1 (got {value!r})")
@@ -140,6 +146,10 @@ def _check_consistency(profile: Profile, source: str) -> None:
         raise ProfileError(f"{source}: turns: a conversation needs at least 1 turn (got {list(profile.turns)})")
     if profile.user_words[0] < 1:
         raise ProfileError(f"{source}: user_words: a message needs at least 1 word")
+    if profile.tool_share > 0 and profile.tool_words[0] < 1:
+        raise ProfileError(f"{source}: tool_words: a tool result needs at least 1 word")
+    if profile.fanout_requests[0] < 1:
+        raise ProfileError(f"{source}: fanout_requests: a fan-out sends at least 1 request")
     if profile.conversations < profile.concurrency:
         raise ProfileError(
             f"{source}: conversations ({profile.conversations}) must be >= concurrency ({profile.concurrency})"

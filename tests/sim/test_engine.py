@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from extproc.routing import Router
-from extproc.sim.engine import Fleet, OpenLoop, simulate
+from extproc.sim.engine import ClosedLoop, Fleet, OpenLoop, simulate
+from extproc.sim.replica import Request
 from tests.sim.helpers import request, settings, simple_cost
 
 
@@ -110,3 +111,66 @@ def test_requests_ending_on_the_same_wake_up_complete_in_the_order_they_started(
     assert [r.request_id for r in outcome.requests] == ["c", "a", "b"]
     assert done["a"].finished_at == done["b"].finished_at
     assert done["c"].finished_at < done["a"].finished_at
+
+
+class _WatchedRouter(Router):
+    """Records, at every decision, which requests the router still holds as in flight."""
+
+    def __init__(self, *args, **kwargs):  # noqa: ANN002, ANN003
+        super().__init__(*args, **kwargs)
+        self.seen: dict[str, set[str]] = {}
+
+    def route(self, request, avoid=()):  # noqa: ANN001, ANN201
+        self.seen[request.request_id] = set(self._in_flight)
+        return super().route(request, avoid)
+
+
+def _closed_loop(*turns: Request, sides: tuple[Request, ...] = ()):  # noqa: ANN202
+    for previous, turn in zip(turns, turns[1:], strict=False):
+        previous.next, turn.previous = turn, previous
+    if sides:
+        turns[0].sides, turns[0].waiting = sides, 1 + len(sides)
+        for side in sides:
+            side.head = turns[0]
+    return ClosedLoop([turns[0]], users=1, spawn_rate=1.0, max_duration_s=100.0)
+
+
+def _turn(name: str, prompt: int, output: int, think: float = 0.0) -> Request:
+    return Request(name, "a", int(name[-1]), "a", None, prompt, output, think_s=think)
+
+
+def test_a_finished_request_is_released_after_the_lag_unless_its_next_turn_comes_first():
+    # Lag 0.5 s. t1 ends at 2.0 s and t2 follows at once: t1 is released by t2 itself, before
+    # t2's decision. t3 comes 1 s after t2's end: the lag released t2 by then.
+    router = _WatchedRouter(settings("llm-aware"))
+    t1, t2, t3 = _turn("t1", 100, 10), _turn("t2", 120, 10), _turn("t3", 140, 10, think=1.0)
+    outcome = simulate(_closed_loop(t1, t2, t3), router, simple_cost(), Fleet(2, 2, 0, release_lag_s=0.5))
+    assert [r.request_id for r in outcome.requests] == ["t1", "t2", "t3"]
+    assert t2.arrived_at == t1.finished_at == pytest.approx(2.0)
+    assert router.seen == {"t1": set(), "t2": set(), "t3": set()} and router.in_flight() == 0
+
+
+def test_another_conversation_sees_a_finished_request_until_the_lag_has_passed():
+    # x ends at 0.2 s, released at 0.7 s; y (0.3 s) still sees it. y ends at 0.5 s, released at
+    # 1.0 s; z (1.1 s) sees nothing.
+    router = _WatchedRouter(settings("bounded"))
+    x, y, z = request("x", "a", 1, 10, 1, 0.0), request("y", "b", 1, 10, 1, 0.3), request("z", "c", 1, 10, 1, 1.1)
+    simulate(OpenLoop([x, y, z]), router, simple_cost(), Fleet(2, 2, 0, release_lag_s=0.5))
+    assert x.finished_at == pytest.approx(0.2)
+    assert router.seen == {"x": set(), "y": {"x"}, "z": set()} and router.in_flight() == 0
+
+
+def test_a_fan_out_is_sent_at_once_and_the_next_turn_waits_for_every_answer():
+    # t1 and its two sides go out together; t2 follows the last answer at once. t1 is released
+    # by t2 (t2 carries t1's answer); the sides, whose answers t2 does not carry, by the lag.
+    router = _WatchedRouter(settings("llm-aware"))
+    t1, t2 = _turn("t1", 100, 2), _turn("t2", 150, 2)
+    sides = tuple(Request(f"t1-p{k}", f"a/p{k}", 1, "a", None, 100 + 10 * k, 20) for k in (1, 2))
+    for side in sides:
+        side.route = side.route._replace(conversation="a")
+    outcome = simulate(_closed_loop(t1, t2, sides=sides), router, simple_cost(), Fleet(2, 4, 0, release_lag_s=0.5))
+    assert {r.arrived_at for r in (t1, *sides)} == {0.0}
+    assert t2.arrived_at == max(r.finished_at for r in (t1, *sides)) > t1.finished_at
+    recent = {s.request_id for s in sides if s.finished_at > t2.arrived_at - 0.5}
+    assert router.seen["t2"] == recent and recent
+    assert len(outcome.requests) == 4 and router.in_flight() == 0

@@ -60,3 +60,23 @@ def test_turns_respect_the_profile(seed):
             history += len(turn.text)
             # the estimate grows with the history and counts earlier answers at max_tokens
             assert turn.est_prompt_tokens >= estimate_tokens(history, QUICK.chars_per_token) + (number - 1) * 16
+
+
+def test_the_agent_profile_sends_long_system_prompts_tool_results_and_fan_outs():
+    agent = load_profile("agent")
+    conversations = [c for seed in (1, 2, 3) for c in generate_conversations(agent, seed)]
+    for conversation in conversations:
+        assert agent.system_words[0] <= len(conversation.system.split()) <= agent.system_words[1]
+        assert all(turn.think_time_s == 0 for turn in conversation.turns)
+        fan_outs = [turn for turn in conversation.turns if turn.parallel]
+        assert len(fan_outs) <= 1
+        for turn in fan_outs:
+            assert agent.fanout_requests[0] <= 1 + len(turn.parallel) <= agent.fanout_requests[1]
+            assert all(side.text != turn.text and side.est_prompt_tokens > 0 for side in turn.parallel)
+        assert not conversation.turns[0].text.startswith("Tool result:")  # a first turn is a question
+    follow_ups = [turn for c in conversations for turn in c.turns[1:]]
+    tool_share = sum(turn.text.startswith("Tool result:") for turn in follow_ups) / len(follow_ups)
+    fanned = sum(any(turn.parallel for turn in c.turns) for c in conversations) / len(conversations)
+    assert abs(tool_share - agent.tool_share) < 0.2 and abs(fanned - agent.fanout_share) < 0.3
+    # the system prompt counts in every turn's estimate
+    assert all(c.turns[0].est_prompt_tokens > len(c.system) / agent.chars_per_token for c in conversations)
