@@ -107,7 +107,7 @@ def run_experiment(
     say = progress or (lambda text: print(text, file=sys.stderr, flush=True))
     out = Path(out_dir)
     specs = _check_inputs(lab, profile, policies, seeds, out, scale_at)
-    expected = {seed: sum(len(c.turns) for c in generate_conversations(profile, seed)) for seed in seeds}
+    expected = {seed: sum(c.requests for c in generate_conversations(profile, seed)) for seed in seeds}
     start_replicas = len(lab.replicas())
     out.mkdir(parents=True)
     profile_path = out / "profile.json"

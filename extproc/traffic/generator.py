@@ -48,6 +48,11 @@ class Conversation:
     turns: tuple[Turn, ...]
     system: str = ""  # the system prompt opening it ("" for none)
 
+    @property
+    def requests(self) -> int:
+        """Requests it sends: one per turn, plus each fan-out's parallel sides."""
+        return sum(1 + len(turn.parallel) for turn in self.turns)
+
 
 def generate_conversations(profile: Profile, seed: int) -> list[Conversation]:
     return [generate_conversation(profile, seed, index) for index in range(profile.conversations)]
