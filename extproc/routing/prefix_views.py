@@ -12,8 +12,9 @@ per replica however many requests share them) and their uncached prompt tokens.
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections import Counter, OrderedDict
+from collections.abc import Iterable, Mapping, Sequence
+from itertools import chain
 
 _NONE: frozenset[str] = frozenset()
 
@@ -48,28 +49,38 @@ class BlockIndex:
     def matches(self, blocks: Sequence[int]) -> tuple[int, dict[str, int]]:
         """(depth, counts): walk the blocks until one no replica holds; depth is how many
         were held somewhere, counts[r] how many of those ``r`` holds (llm-d's greedy match)."""
-        counts: dict[str, int] = {}
-        depth = 0
+        held = []
         for block in blocks:
             holders = self._holders.get(block)
             if not holders:
                 break
-            depth += 1
-            for replica in holders:
-                counts[replica] = counts.get(replica, 0) + 1
-        return depth, counts
+            held.append(holders)
+        return len(held), Counter(chain.from_iterable(held))  # counted in C: shared prompts have many holders
+
+    def depth(self, blocks: Sequence[int]) -> int:
+        """How many leading blocks some replica holds (the deepest node of a radix tree walk)."""
+        holders = self._holders
+        for depth, block in enumerate(blocks):
+            if block not in holders:
+                return depth
+        return len(blocks)
 
     def leading_matches(self, blocks: Sequence[int]) -> dict[str, int]:
         """Per replica, how many leading blocks it holds without a gap (a radix tree walk)."""
         counts: dict[str, int] = {}
-        alive: set[str] | None = None
-        for depth, block in enumerate(blocks, 1):
-            holders = self._holders.get(block)
-            alive = set(holders or ()) if alive is None else alive.intersection(holders or ())
+        alive: set[str] = set(self._holders.get(blocks[0], ())) if blocks else set()
+        depth = 1
+        for block in blocks[1:]:
             if not alive:
                 break
-            for replica in alive:
-                counts[replica] = depth
+            holders = self._holders.get(block, _NONE)
+            if not alive <= holders:  # some drop out here, having matched ``depth`` blocks
+                for replica in alive - holders:
+                    counts[replica] = depth
+                alive &= holders
+            depth += 1
+        for replica in alive:
+            counts[replica] = depth
         return counts
 
     def held_prefix(self, replica: str, blocks: Sequence[int]) -> int:
@@ -135,20 +146,18 @@ class ActiveBlocks:
                 holders[replica] -= 1
         self._prefill[replica] -= prefill_tokens
 
-    def blocks(self, replica: str) -> int:
-        """Distinct blocks of the requests in flight on ``replica``."""
-        return self._distinct.get(replica, 0)
+    def blocks(self) -> Mapping[str, int]:
+        """Per replica, the distinct blocks of its requests in flight (absent: none)."""
+        return self._distinct
 
     def shared(self, blocks: Iterable[int]) -> dict[str, int]:
         """Per replica, how many of ``blocks`` its requests in flight already hold."""
-        counts: dict[str, int] = {}
-        for block in blocks:
-            for replica in self._holders.get(block, ()):
-                counts[replica] = counts.get(replica, 0) + 1
-        return counts
+        get = self._holders.get
+        return Counter(chain.from_iterable(get(block, ()) for block in blocks))
 
-    def prefill_tokens(self, replica: str) -> int:
-        return self._prefill.get(replica, 0)
+    def prefill_tokens(self) -> Mapping[str, int]:
+        """Per replica, the uncached prompt tokens of its requests in flight (absent: none)."""
+        return self._prefill
 
     def in_flight(self) -> int:
         return len(self._requests)

@@ -34,6 +34,15 @@ def test_block_index_keeps_at_most_capacity_per_replica_the_most_recently_sent(c
         assert all(index.size(name) == len(model[name]) <= capacity for name in NAMES)
     for block in range(31):
         assert set(index.holders(block)) == {name for name in NAMES if block in model[name]}
+    for _, blocks in log:  # the walks agree with the plain model
+        leading = index.leading_matches(blocks)
+        for name in NAMES:
+            run = next((depth for depth, block in enumerate(blocks) if block not in model[name]), len(blocks))
+            assert leading.get(name, 0) == index.held_prefix(name, blocks) == run
+        depth, counts = index.matches(blocks)
+        assert depth == index.depth(blocks) == next(
+            (d for d, block in enumerate(blocks) if not any(block in model[name] for name in NAMES)), len(blocks))
+        assert dict(counts) == {name: n for name in NAMES if (n := sum(b in model[name] for b in blocks[:depth]))}
     index.set_replicas(["llm-1"])
     assert index.size("llm-0") == index.size("llm-2") == 0
     assert all(set(index.holders(block)) <= {"llm-1"} for block in range(31))
@@ -55,12 +64,12 @@ def test_active_blocks_count_distinct_blocks_of_requests_in_flight(requests, dat
             del live[gone]
         for name in NAMES:
             mine = [entry for entry in live.values() if entry[0] == name]
-            assert active.blocks(name) == len({block for _, blocks, _ in mine for block in blocks})
-            assert active.prefill_tokens(name) == sum(prefill for _, _, prefill in mine)
+            assert active.blocks().get(name, 0) == len({block for _, blocks, _ in mine for block in blocks})
+            assert active.prefill_tokens().get(name, 0) == sum(prefill for _, _, prefill in mine)
     for request_id in list(live):
         active.remove(request_id)
     assert active.in_flight() == 0 and active.shared(range(21)) == {}
-    assert all(active.blocks(name) == active.prefill_tokens(name) == 0 for name in NAMES)
+    assert all(active.blocks().get(name, 0) == active.prefill_tokens().get(name, 0) == 0 for name in NAMES)
 
 
 @settings(max_examples=150, deadline=None)

@@ -54,14 +54,14 @@ class KvCost:
         block_tokens = request.prompt_tokens / len(blocks)
         overlap = self.index.leading_matches(blocks)
         shared = self.active.shared(blocks)
-        active = self.active
+        prefilling, active = self.active.prefill_tokens(), self.active.blocks()
         candidates = []
         for name in eligible:
-            cached = overlap.get(name, 0)
-            prefill = (active.prefill_tokens(name) + request.prompt_tokens) / block_tokens
-            decode = active.blocks(name) + len(blocks) - shared.get(name, 0)
+            cached, held = overlap.get(name, 0), active.get(name, 0)
+            prefill = (prefilling.get(name, 0) + request.prompt_tokens) / block_tokens
+            decode = held + len(blocks) - shared.get(name, 0)
             cost = PREFILL_LOAD_SCALE * max(0.0, prefill - OVERLAP_SCORE_CREDIT * cached) + decode
-            candidates.append(new(Candidate, (name, cached, active.blocks(name), cost)))
+            candidates.append(new(Candidate, (name, cached, held, cost)))
         best = min(candidate.score for candidate in candidates)
         tied = [candidate for candidate in candidates if candidate.score == best]
         chosen = tied[situation.key_hash % len(tied)]

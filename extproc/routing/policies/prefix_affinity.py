@@ -47,13 +47,17 @@ class PrefixAffinity:
         queues, tokens = situation.ledger.loads("requests"), situation.ledger.loads("tokens")
         low = min(queues[name] for name in eligible)
         spread = max(queues[name] for name in eligible) - low
-        candidates = []
-        for name in eligible:
-            held, queue = matched.get(name, 0), queues[name]
-            score = (PREFIX_WEIGHT * (held / len(blocks) if blocks else 0.0)
-                     + QUEUE_WEIGHT * ((low + spread - queue) / spread if spread else 1.0)
-                     + KV_WEIGHT * (1.0 - min(1.0, tokens[name] / KV_CAPACITY_TOKENS)))
-            candidates.append(new(Candidate, (name, held, queue, score)))
+        # 3 x held / blocks + 2 x (max - queue) / (max - min) (2 when all equal) + 2 x (1 - tokens / capacity)
+        per_block = PREFIX_WEIGHT / len(blocks) if blocks else 0.0
+        per_queue, top = (QUEUE_WEIGHT / spread if spread else 0.0), low + spread
+        queue_floor = 0.0 if spread else QUEUE_WEIGHT
+        per_token = KV_WEIGHT / KV_CAPACITY_TOKENS
+        candidates = [
+            new(Candidate, (name, matched.get(name, 0), queues[name],
+                            per_block * matched.get(name, 0) + queue_floor + per_queue * (top - queues[name])
+                            + KV_WEIGHT - per_token * min(tokens[name], KV_CAPACITY_TOKENS)))
+            for name in eligible
+        ]
         best = max(candidate.score for candidate in candidates)
         tied = [candidate for candidate in candidates if candidate.score == best]
         chosen = tied[situation.key_hash % len(tied)]

@@ -51,7 +51,7 @@ class RadixBalance:
         if high - low > BALANCE_ABS_THRESHOLD and high > low * BALANCE_REL_THRESHOLD:
             chosen, reason = least, "imbalanced"
         else:
-            depth, _ = self.tree.matches(blocks)
+            depth = self.tree.depth(blocks)
             rate = depth / len(blocks) if blocks else 0.0
             holders = sorted(set(self.tree.holders(blocks[depth - 1])).intersection(eligible)) if depth else []
             figures += (("match_rate", rate), ("cache_threshold", CACHE_THRESHOLD))
