@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-# reason code -> meaning (documented in the README's table)
+# reason code -> meaning (documented in the README's table; the peer policies' in docs/peer-policies.md)
 REASONS: dict[str, str] = {
     "rotate": "round-robin: the next replica in turn",
     "hash": "mod-n: hash(conversation) mod the number of replicas",

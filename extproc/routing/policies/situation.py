@@ -162,7 +162,7 @@ def peer_decision(policy: str, situation: Situation, replica: str, reason: str, 
     request = situation.request
     prompt, max_tokens = request.prompt_tokens, request.max_tokens
     blocks = len(request.prefix_blocks)
-    made = Trace(policy, prompt, max_tokens, "requests", prompt_blocks=blocks, candidates=candidates,
-                 figures=figures, loads=situation.load_items("requests"), **trace)
     cached = covered_tokens(prompt, blocks, matched_blocks)
+    made = Trace(policy, prompt, max_tokens, "requests", cached_tokens=cached, prompt_blocks=blocks,
+                 candidates=candidates, figures=figures, loads=situation.load_items("requests"), **trace)
     return new(Decision, (replica, reason, 1, prompt + max_tokens, cached, made))
