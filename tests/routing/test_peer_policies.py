@@ -137,6 +137,10 @@ def test_kv_cost_is_prefill_blocks_after_overlap_plus_active_decode_blocks() -> 
     decision = policy.decide(situation(router, follow_up))
     assert decision is not None and decision.replica == "llm-b"
     assert {c.replica: c.score for c in decision.trace.candidates} == {"llm-a": 18 - 4 + 10 + 8, "llm-b": 16}
+    text = render_trace(decision).splitlines()  # lowest cost first for kv-cost
+    assert text[0] == "kv-cost → llm-b (min-cost)"
+    assert text[-2:] == ["  llm-b: matched 0 blocks, load 0, score 16.000 ← pick",
+                         "  llm-a: matched 4 blocks, load 10, score 32.000"]
 
 
 def test_prefix_affinity_forgets_the_least_recently_sent_blocks_per_replica() -> None:
@@ -148,3 +152,24 @@ def test_prefix_affinity_forgets_the_least_recently_sent_blocks_per_replica() ->
     policy.routed(RouteRequest("2", "c", 40, 1, new), sent("llm-0"))
     assert policy.index.matches(old) == (0, {})
     assert policy.index.matches(new) == (4, {"llm-0": 4})
+
+
+@pytest.mark.parametrize("policy", ["prefix-affinity", "radix-balance", "kv-cost"])
+def test_a_removed_replica_leaves_the_view_and_a_switch_starts_from_an_empty_one(policy: str) -> None:
+    router = Router(routing(policy=policy), REPLICAS)
+    prompt = blocks("system", "question")
+    first = router.route(RouteRequest("1", "c", 200, 8, prompt))
+    assert first is not None
+    router.complete("1")
+    again = router.route(RouteRequest("2", "c", 200, 8, prompt))
+    assert again is not None and again.replica == first.replica and again.predicted_cached_tokens == 200
+    router.complete("2")
+    router.set_replicas([name for name in REPLICAS if name != first.replica])  # its cache went with it
+    moved = router.route(RouteRequest("3", "c", 200, 8, prompt))
+    assert moved is not None and moved.replica != first.replica and moved.predicted_cached_tokens == 0
+    router.reconfigure(routing(policy=policy, epsilon=0.5))  # a new policy object: nothing remembered
+    fresh = router.route(RouteRequest("4", "c", 200, 8, prompt))
+    assert fresh is not None and fresh.predicted_cached_tokens == 0
+    router.complete("3")  # routed before the switch: the new view knows nothing of it
+    router.complete("4")
+    assert router.in_flight() == router.ledger.total_requests() == 0
