@@ -22,7 +22,7 @@ from extproc.settings import parse_routing
 
 FLEETS = (3, 16, 64, 1000)
 PEER_FLEET = 64
-SYSTEM_PROMPTS = tuple(f"System prompt {n}: answer as a careful engineer. " * 80 for n in range(4))  # ~4,000 chars
+SYSTEM_PROMPTS = tuple(f"System prompt {n}: answer as a careful engineer. " * 100 for n in range(4))  # 4,700 chars
 TARGET_MEDIAN_US = 20.0  # llm-aware at 64 replicas (issue target on 2 cores)
 TARGET_BYTES_PER_CONVERSATION = 200.0
 
@@ -42,7 +42,7 @@ def bench_settings(policy: str):
 
 
 def prompt_text(slot: int, conversation: int, turn: int) -> str:
-    """About 1,300 to 2,300 tokens: a shared system prompt, the conversation's opening, its turns."""
+    """About 1,350 to 2,100 tokens: a shared system prompt, the conversation's opening, its turns."""
     opening = f"conversation {slot}-{conversation}: " * 40
     return SYSTEM_PROMPTS[slot % len(SYSTEM_PROMPTS)] + opening + "".join(f"turn {t}: " * 40 for t in range(turn))
 
