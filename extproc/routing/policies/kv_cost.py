@@ -6,8 +6,9 @@ lib/kv-router/src/scheduling/selector/mod.rs (WorkerSelectionInput::row) and the
 defaults in lib/kv-router/src/scheduling/config.rs: overlap_score_credit 1.0,
 prefill_load_scale 1.0, decode_active_request_weight 0.0, router_temperature 0.0
 (lowest cost wins; ties broken at random there, here the tied replica at key_hash mod
-ties). The approximate indexer (lib/llm/src/kv_router/approx.rs: the router's own
-decisions stand in for KV events) is the overlap view.
+ties). The overlap view is Dynamo's approximate indexer (the router's own decisions
+standing in for KV events): lib/llm/src/kv_router/approx.rs at
+17cf2360cb38f298581048cc4e509269f814f0ad.
 
 For each eligible replica, in blocks of this prompt (its tokens / its block count):
   cost = max(0, (prefill tokens in flight there + prompt tokens) / block - overlap)
