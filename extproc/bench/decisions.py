@@ -22,7 +22,7 @@ from extproc.settings import parse_routing
 
 FLEETS = (3, 16, 64, 1000)
 PEER_FLEET = 64
-SYSTEM_PROMPTS = tuple(f"System prompt {n}: answer as a careful engineer. " * 100 for n in range(4))  # 4,700 chars
+SYSTEM_PROMPTS = tuple(f"System prompt {n}: answer as a careful reviewer. " * 100 for n in range(4))  # 4,700 chars
 TARGET_MEDIAN_US = 20.0  # llm-aware at 64 replicas (issue target on 2 cores)
 TARGET_BYTES_PER_CONVERSATION = 200.0
 
