@@ -16,7 +16,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-PolicyName = Literal["round-robin", "mod-n", "consistent", "bounded", "llm-aware"]
+PolicyName = Literal[
+    "round-robin", "mod-n", "consistent", "bounded", "llm-aware",
+    "prefix-affinity", "radix-balance", "chwbl", "kv-cost",  # the field's routers (docs/peer-policies.md)
+]
 LoadUnit = Literal["requests", "tokens"]
 ENV_PREFIX = "LLM_RING__"
 

@@ -2,6 +2,9 @@
 
 Drives the real Router with a steady in-flight window (so loads are never all zero),
 multi-turn conversations (so placement memory is hit), and times each route() call.
+The peer policies (docs/peer-policies.md) run at PEER_FLEET replicas only, on requests
+carrying the prefix blocks of a prompt of about 2,000 tokens (a shared system prompt, the
+conversation's opening, its turns); hashing those blocks is timed on its own.
 """
 
 from __future__ import annotations
@@ -13,10 +16,13 @@ import statistics
 import time
 import tracemalloc
 
-from extproc.routing import POLICIES, PlacementMemory, Router, RouteRequest, stable_hash
+from extproc.routing import POLICIES, PlacementMemory, Router, RouteRequest, make_policy, stable_hash
+from extproc.routing.blocks import prefix_blocks
 from extproc.settings import parse_routing
 
 FLEETS = (3, 16, 64, 1000)
+PEER_FLEET = 64
+SYSTEM_PROMPTS = tuple(f"System prompt {n}: answer as a careful reviewer. " * 100 for n in range(4))  # 4,700 chars
 TARGET_MEDIAN_US = 20.0  # llm-aware at 64 replicas (issue target on 2 cores)
 TARGET_BYTES_PER_CONVERSATION = 200.0
 
@@ -35,8 +41,15 @@ def bench_settings(policy: str):
     })
 
 
+def prompt_text(slot: int, conversation: int, turn: int) -> str:
+    """About 1,350 to 2,100 tokens: a shared system prompt, the conversation's opening, its turns."""
+    opening = f"conversation {slot}-{conversation}: " * 40
+    return SYSTEM_PROMPTS[slot % len(SYSTEM_PROMPTS)] + opening + "".join(f"turn {t}: " * 40 for t in range(turn))
+
+
 def time_decisions(policy: str, replicas: int, decisions: int) -> dict[str, float]:
     router = Router(bench_settings(policy), [f"llm-{i}" for i in range(replicas)])
+    with_blocks = router.policy.needs_prefix_blocks
     rng = random.Random(1)
     conversations = max(50, replicas * 8)
     turns = [0] * conversations
@@ -45,23 +58,39 @@ def time_decisions(policy: str, replicas: int, decisions: int) -> dict[str, floa
         slot = rng.randrange(conversations)
         turns[slot] += 1  # a slot's conversation ends after 10 turns and a new one starts
         conversation, turn = divmod(turns[slot], 10)
-        prompt = 100 + 150 * turn + rng.randrange(50)
-        requests.append(RouteRequest(str(index), f"conversation-{slot}-{conversation}", prompt, 64))
+        requests.append((str(index), slot, conversation, turn, 100 + 150 * turn + rng.randrange(50)))
     window = replicas * 4  # requests in flight at any time
     samples = []
     clock = time.perf_counter_ns
     route, complete = router.route, router.complete
-    for index, request in enumerate(requests):
+    for request_id, slot, conversation, turn, prompt in requests:
+        key = f"conversation-{slot}-{conversation}"
+        if with_blocks:  # built outside the timed call: the blocks arrive with the request
+            text = prompt_text(slot, conversation, turn)
+            request = RouteRequest(request_id, key, len(text) // 4, 64, prefix_blocks(text))
+        else:
+            request = RouteRequest(request_id, key, prompt, 64)
         start = clock()
         route(request)
         samples.append(clock() - start)
-        if index >= window:
-            complete(str(index - window))
+        if int(request_id) >= window:
+            complete(str(int(request_id) - window))
     samples.sort()
     return {
         "median_us": statistics.median(samples) / 1000,
         "p99_us": samples[int(len(samples) * 0.99)] / 1000,
     }
+
+
+def block_hashing_us(repeats: int = 2_000) -> tuple[int, float]:
+    """(prompt tokens, median µs) of prefix_blocks() on a 9-turn prompt."""
+    text = prompt_text(1, 0, 9)
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter_ns()
+        prefix_blocks(text)
+        samples.append(time.perf_counter_ns() - start)
+    return len(text) // 4, statistics.median(samples) / 1000
 
 
 def bytes_per_conversation(conversations: int = 200_000) -> float:
@@ -81,20 +110,23 @@ def main(args: argparse.Namespace) -> int:
     fleets = getattr(args, "fleets", list(FLEETS))
     results = []
     floor: dict[int, float] = {}  # round-robin's median per fleet: what this machine charges for any decision
-    for policy in POLICIES:
-        for replicas in fleets:
-            cell = time_decisions(policy, replicas, decisions)
-            floor.setdefault(replicas, cell["median_us"])
-            cell["x_round_robin"] = cell["median_us"] / floor[replicas]
-            results.append({"policy": policy, "replicas": replicas, **cell})
-            if not args.json:
-                print(f"  {policy:<12} {replicas:>5} replicas  median {cell['median_us']:6.1f} µs"
-                      f"  p99 {cell['p99_us']:7.1f} µs  {cell['x_round_robin']:5.2f}× round-robin", flush=True)
+    cells = [(policy, replicas) for policy in POLICIES if not _peer(policy) for replicas in fleets]
+    cells += [(policy, PEER_FLEET) for policy in POLICIES if _peer(policy)]
+    for policy, replicas in cells:
+        cell = time_decisions(policy, replicas, decisions)
+        floor.setdefault(replicas, cell["median_us"])
+        cell["x_round_robin"] = cell["median_us"] / floor[replicas]
+        results.append({"policy": policy, "replicas": replicas, **cell})
+        if not args.json:
+            print(f"  {policy:<15} {replicas:>5} replicas  median {cell['median_us']:6.1f} µs"
+                  f"  p99 {cell['p99_us']:7.1f} µs  {cell['x_round_robin']:5.2f}× round-robin", flush=True)
+    hashed_tokens, hashing_us = block_hashing_us()
     memory_bytes = bytes_per_conversation()
     target = next((r for r in results if r["policy"] == "llm-aware" and r["replicas"] == 64), None)
     summary = {
         "decisions": results,
         "bytes_per_remembered_conversation": memory_bytes,
+        "block_hashing": {"prompt_tokens": hashed_tokens, "median_us": hashing_us},
         "llm_aware_64_median_us": target["median_us"] if target else None,
         "targets": {"llm_aware_64_median_us": TARGET_MEDIAN_US,
                     "bytes_per_remembered_conversation": TARGET_BYTES_PER_CONVERSATION},
@@ -102,9 +134,14 @@ def main(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(summary))
         return 0
-    print(f"\n  placement memory: {memory_bytes:.0f} bytes per remembered conversation "
+    print(f"\n  prefix blocks of a {hashed_tokens}-token prompt: {hashing_us:.1f} µs to hash (peer policies only)")
+    print(f"  placement memory: {memory_bytes:.0f} bytes per remembered conversation "
           f"(target ≤ {TARGET_BYTES_PER_CONVERSATION:.0f}, ratio {memory_bytes / TARGET_BYTES_PER_CONVERSATION:.2f})")
     if target:
         print(f"  llm-aware at 64 replicas: median {target['median_us']:.1f} µs "
               f"(target ≤ {TARGET_MEDIAN_US:.0f} µs, ratio {target['median_us'] / TARGET_MEDIAN_US:.2f})")
     return 0
+
+
+def _peer(policy: str) -> bool:
+    return make_policy(bench_settings(policy)).needs_prefix_blocks

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-# reason code -> meaning (documented in the README's table)
+# reason code -> meaning (documented in the README's table; the peer policies' in docs/peer-policies.md)
 REASONS: dict[str, str] = {
     "rotate": "round-robin: the next replica in turn",
     "hash": "mod-n: hash(conversation) mod the number of replicas",
@@ -20,6 +20,12 @@ REASONS: dict[str, str] = {
     "sticky-long": "llm-aware: remembered replica above the normal cap but within the long cap",
     "overflow": "the preferred replica was over its cap; the next one clockwise with room",
     "least-loaded": "no replica fitted under the cap; the one least loaded after this request",
+    # the peer policies (docs/peer-policies.md)
+    "best-score": "prefix-affinity: highest llm-d score (3 x prefix match + 2 x queue + 2 x KV free)",
+    "cache-match": "radix-balance: loads balanced and the longest prefix match is above cache_threshold",
+    "min-load": "radix-balance: loads balanced but no match above cache_threshold; fewest in flight",
+    "imbalanced": "radix-balance: loads imbalanced (both thresholds exceeded); fewest in flight",
+    "min-cost": "kv-cost: lowest Dynamo cost (prefill blocks after overlap + active decode blocks)",
 }
 
 
@@ -30,6 +36,7 @@ class RouteRequest(NamedTuple):
     conversation: str
     prompt_tokens: int  # estimated from the body's text
     max_tokens: int  # the output the client asked for
+    prefix_blocks: tuple[int, ...] = ()  # chained hashes of fixed-size prompt blocks, oldest first (empty: unknown)
 
 
 class Check(NamedTuple):
@@ -53,6 +60,19 @@ class Check(NamedTuple):
         }
 
 
+class Candidate(NamedTuple):
+    """One replica as a peer policy scored it."""
+
+    replica: str
+    matched_blocks: int  # leading prompt blocks the policy's view says the replica holds
+    load: int  # what the policy weighs as load (requests in flight; kv-cost: active blocks)
+    score: float  # the policy's number for it (see the policy's rule: higher or lower wins)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"replica": self.replica, "matched_blocks": self.matched_blocks, "load": self.load,
+                "score": self.score}
+
+
 class Trace(NamedTuple):
     policy: str
     prompt_tokens: int
@@ -72,12 +92,17 @@ class Trace(NamedTuple):
     long_cap: float | None = None
     long_threshold: int | None = None  # prompt tokens from which a conversation counts as long
     checks: tuple[Check, ...] = ()
+    # peer policies
+    prompt_blocks: int | None = None  # len(request.prefix_blocks)
+    candidates: tuple[Candidate, ...] = ()
+    figures: tuple[tuple[str, float], ...] = ()  # named numbers of the policy's rule (thresholds, spreads)
 
     def as_dict(self) -> dict[str, Any]:
         data: dict[str, Any] = {"policy": self.policy, "prompt_tokens": self.prompt_tokens,
                                 "max_tokens": self.max_tokens, "cached_tokens": self.cached_tokens}
         for name in ("unit", "home", "preferred", "preferred_by", "remembered", "remembered_tokens",
-                     "preferred_cost", "total", "average", "cap", "long_cap", "long_threshold"):
+                     "preferred_cost", "total", "average", "cap", "long_cap", "long_threshold",
+                     "prompt_blocks"):
             value = getattr(self, name)
             if value is not None:
                 data[name] = value
@@ -85,6 +110,10 @@ class Trace(NamedTuple):
             data["loads"] = dict(self.loads)
         if self.checks:
             data["checks"] = [check.as_dict() for check in self.checks]
+        if self.candidates:
+            data["candidates"] = [candidate.as_dict() for candidate in self.candidates]
+        if self.figures:
+            data["figures"] = dict(self.figures)
         return data
 
 

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from extproc.routing.decision import Check, Decision, Trace
+from extproc.routing.decision import Candidate, Check, Decision, Trace
+
+CANDIDATES_SHOWN = 8
+LOWEST_WINS = frozenset({"kv-cost"})  # peer policies whose candidate score is a cost
 
 
 def render_trace(decision: Decision) -> str:
@@ -20,7 +23,30 @@ def render_trace(decision: Decision) -> str:
             f"cache_likely=True → long_cap={_num(trace.long_cap)}"
         )
     lines.extend(_check_line(check, trace, decision.reason) for check in trace.checks)
+    if trace.prompt_blocks is not None:
+        lines.extend(_peer_lines(decision))
     return "\n".join(lines)
+
+
+def _peer_lines(decision: Decision) -> list[str]:
+    trace = decision.trace
+    lines = [f"  prompt: {trace.prompt_blocks} blocks; predicted cached on the pick: {decision.predicted_cached_tokens}"
+             f" of {trace.prompt_tokens} tokens"]
+    if trace.cap is None:  # chwbl shows its loads with the cap already
+        lines.append("  in flight (requests): " + " ".join(f"{name}={load}" for name, load in trace.loads))
+    if trace.figures:
+        lines.append("  " + " ".join(f"{name}={value:.3g}" for name, value in trace.figures))
+    ranked = sorted(trace.candidates, key=lambda c: c.score, reverse=trace.policy not in LOWEST_WINS)
+    lines.extend(_candidate_line(candidate, decision.replica) for candidate in ranked[:CANDIDATES_SHOWN])
+    if len(ranked) > CANDIDATES_SHOWN:
+        lines.append(f"  … {len(ranked) - CANDIDATES_SHOWN} more candidates")
+    return lines
+
+
+def _candidate_line(candidate: Candidate, chosen: str) -> str:
+    mark = " ← pick" if candidate.replica == chosen else ""
+    return (f"  {candidate.replica}: matched {candidate.matched_blocks} blocks, load {candidate.load}, "
+            f"score {candidate.score:.3f}{mark}")
 
 
 def _title(trace: Trace) -> str:

@@ -13,7 +13,7 @@ from extproc.routing.decision import Decision, RouteRequest
 from extproc.routing.hashing import hash_bytes, stable_hash
 from extproc.routing.ledger import LoadLedger
 from extproc.routing.placement import PlacementMemory
-from extproc.routing.policies import Policy, make_policy
+from extproc.routing.policies import Policy, SentView, make_policy
 from extproc.routing.policies.situation import Situation, new
 from extproc.routing.ring import HashRing
 from extproc.settings import RoutingSettings
@@ -27,6 +27,7 @@ class Router:
         self.ledger = LoadLedger()
         self.memory = PlacementMemory(settings.memory_capacity)
         self.policy: Policy = make_policy(settings)
+        self._view = _view_of(self.policy)
         self._ring = HashRing((), settings.virtual_nodes, settings.hash_seed)
         self._members: frozenset[str] = frozenset()
         self._in_flight: dict[str, tuple[RouteRequest, Decision, int]] = {}
@@ -51,6 +52,8 @@ class Router:
         self._ring = HashRing(names, self.settings.virtual_nodes, self.settings.hash_seed)
         self._members = frozenset(names)
         self.ledger.set_replicas(names)
+        if self._view is not None:
+            self._view.set_replicas(names)
         gone = [rid for rid, (_, decision, _) in self._in_flight.items() if decision.replica not in names]
         for request_id in gone:  # their load went with the replica; completing them is a no-op
             del self._in_flight[request_id]
@@ -74,6 +77,8 @@ class Router:
         if decision is not None:
             self.ledger.charge(request_id, decision.replica, decision.charged_tokens)
             self._in_flight[request_id] = (request, decision, key)
+            if self._view is not None:
+                self._view.routed(request, decision)
         return decision
 
     def complete(self, request_id: str, ok: bool = True, served: str | None = None) -> Decision | None:
@@ -84,6 +89,8 @@ class Router:
             return None
         request, decision, key = entry
         self.ledger.release(request_id)
+        if self._view is not None:
+            self._view.completed(request, decision)
         if ok:
             self.memory.remember(key, served or decision.replica, request.prompt_tokens)
         return decision
@@ -91,7 +98,7 @@ class Router:
     def reconfigure(self, settings: RoutingSettings) -> None:
         """Switch policy or knobs at run time; in-flight load is kept."""
         old, self.settings = self.settings, settings
-        self.policy = make_policy(settings)
+        self._set_policy(make_policy(settings))
         if (old.virtual_nodes, old.hash_seed) != (settings.virtual_nodes, settings.hash_seed):
             self._ring = HashRing(self._ring.replicas, settings.virtual_nodes, settings.hash_seed)
         # memory is keyed by the ring hash: a new seed re-places every conversation anyway
@@ -103,7 +110,18 @@ class Router:
         self.ledger.clear()
         self.memory.clear()
         self._in_flight.clear()
-        self.policy = make_policy(self.settings)
+        self._set_policy(make_policy(self.settings))
 
     def in_flight(self) -> int:
         return len(self._in_flight)
+
+    def _set_policy(self, policy: Policy) -> None:
+        """A new policy starts with an empty view of the current fleet (in-flight requests
+        it did not route are unknown to it; completing them tells it nothing)."""
+        self.policy, self._view = policy, _view_of(policy)
+        if self._view is not None:
+            self._view.set_replicas(self._ring.replicas)
+
+
+def _view_of(policy: Policy) -> SentView | None:
+    return policy if isinstance(policy, SentView) else None

@@ -21,6 +21,11 @@ by an ``assistant`` message. A request whose ``answered`` contains an earlier re
 Parallel requests on one prefix (an agent's fan-out) carry no answer of each other, so none
 of them counts as answered by another.
 
+Prefix blocks (only for policies that need them, ``request_blocks``): the prompt rendered as
+one text, each chat message as ``role NUL text NUL`` in order (token-id prompts as ``id,``
+per id), cut into chained block hashes by ``extproc.routing.blocks.prefix_blocks``; a later
+turn resends the earlier messages unchanged, so its blocks begin with the earlier turn's.
+
 Responses: llama.cpp's ``timings`` (cache_n, prompt_n, prompt_ms, predicted_n, predicted_ms)
 or OpenAI's ``usage.prompt_tokens_details.cached_tokens``, from a JSON body or from the last
 event of a ``text/event-stream`` body that carries them.
@@ -34,6 +39,8 @@ from typing import Any
 
 import orjson
 import xxhash
+
+from extproc.routing.blocks import prefix_blocks
 
 OPENING_CHARS = 512
 CHAT_PATHS = frozenset({"/v1/chat/completions"})
@@ -140,6 +147,18 @@ def _completion(prompt: Any) -> tuple[str, int, int]:
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
         return "h:" + xxhash.xxh64_hexdigest(repr(prompt[:OPENING_CHARS]).encode()), 0, len(prompt)
     raise BadRequest(400, "'prompt' must be a non-empty string or a list of token ids")
+
+
+def request_blocks(path: str, body: bytes) -> tuple[int, ...]:
+    """Prefix blocks of a body that ``parse_request`` accepted (() when it has no prompt text)."""
+    data = orjson.loads(body)
+    if path in CHAT_PATHS:
+        text = "".join(f"{message.get('role')}\x00{_text(message.get('content'), 'content')}\x00"
+                       for message in data["messages"])
+    else:
+        prompt = data["prompt"]
+        text = prompt if isinstance(prompt, str) else "".join(f"{token}," for token in prompt)
+    return prefix_blocks(text)
 
 
 def _max_tokens(data: dict[str, Any], *names: str) -> int | None:

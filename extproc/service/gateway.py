@@ -46,7 +46,7 @@ from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
 from extproc.routing import Decision, Router, RouteRequest, estimate_tokens
-from extproc.service.bodies import BadRequest, Timings, parse_request, parse_timings
+from extproc.service.bodies import BadRequest, Timings, parse_request, parse_timings, request_blocks
 from extproc.service.envoy import (
     DESTINATION,
     OBSERVE,
@@ -150,7 +150,8 @@ class Gateway:
         conversation = conversation_id or parsed.opening_key
         prompt_tokens = parsed.prompt_token_ids or estimate_tokens(parsed.prompt_chars, self.settings.chars_per_token)
         request = RouteRequest(
-            unique_id, conversation, prompt_tokens, parsed.max_tokens or self.settings.default_max_tokens
+            unique_id, conversation, prompt_tokens, parsed.max_tokens or self.settings.default_max_tokens,
+            request_blocks(path, body) if self.router.policy.needs_prefix_blocks else (),
         )
         if parsed.answered:
             self._release_answered(conversation, parsed.answered)

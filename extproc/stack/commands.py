@@ -5,14 +5,16 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import get_args
 
 from extproc.service.processes import StartError
+from extproc.settings import PolicyName
 from extproc.stack import models
 from extproc.stack.daemons import PortInUse
 from extproc.stack.replicas import ReplicaError
 from extproc.stack.stack import Stack, StackError, load_stack_settings, run_dir
 
-POLICIES = ("round-robin", "mod-n", "consistent", "bounded", "llm-aware")
+POLICIES = get_args(PolicyName)
 FAILURES = (StackError, ReplicaError, PortInUse, models.ModelError, StartError)
 
 

@@ -1,15 +1,24 @@
-"""The five routing policies, one file each, and the registry that names them."""
+"""The routing policies, one file each, and the registry that names them.
+
+Ours: round-robin, mod-n, consistent, bounded, llm-aware. The field's routers as
+baselines (docs/peer-policies.md): prefix-affinity (llm-d), radix-balance (SGLang),
+chwbl (KubeAI), kv-cost (Dynamo).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
-from extproc.routing.decision import Decision
+from extproc.routing.decision import Decision, RouteRequest
 from extproc.routing.policies.bounded import Bounded
+from extproc.routing.policies.chwbl import Chwbl
 from extproc.routing.policies.consistent import Consistent
+from extproc.routing.policies.kv_cost import KvCost
 from extproc.routing.policies.llm_aware import LlmAware
 from extproc.routing.policies.mod_n import ModN
+from extproc.routing.policies.prefix_affinity import PrefixAffinity
+from extproc.routing.policies.radix_balance import RadixBalance
 from extproc.routing.policies.round_robin import RoundRobin
 from extproc.routing.policies.situation import Situation
 from extproc.settings import RoutingSettings
@@ -17,14 +26,30 @@ from extproc.settings import RoutingSettings
 
 class Policy(Protocol):
     name: str
+    needs_prefix_blocks: bool  # requests must carry prefix_blocks (the service hashes them only then)
 
     def decide(self, situation: Situation) -> Decision | None:
         """Pick a replica (None when none is eligible). Must not change the ledger."""
         ...
 
 
+@runtime_checkable
+class SentView(Protocol):
+    """A policy that keeps its own view of what it sent where; the Router feeds it."""
+
+    def routed(self, request: RouteRequest, decision: Decision) -> None:
+        """``decision`` was charged: the request is on its way to ``decision.replica``."""
+
+    def completed(self, request: RouteRequest, decision: Decision) -> None:
+        """The request is over (served, failed or abandoned)."""
+
+    def set_replicas(self, replicas: tuple[str, ...]) -> None:
+        """The fleet is now exactly ``replicas``."""
+
+
 POLICIES: dict[str, Callable[[RoutingSettings], Policy]] = {
-    cls.name: cls for cls in (RoundRobin, ModN, Consistent, Bounded, LlmAware)
+    cls.name: cls
+    for cls in (RoundRobin, ModN, Consistent, Bounded, LlmAware, PrefixAffinity, RadixBalance, Chwbl, KvCost)
 }
 
 

@@ -9,12 +9,13 @@ costs its whole prompt + max_tokens, wherever it goes: the cache is ignored).
 from __future__ import annotations
 
 from extproc.routing.decision import Decision, Trace
-from extproc.routing.policies.situation import Situation, average_and_cap, first_fit, least_loaded, new
+from extproc.routing.policies.situation import NO_PEER_FIELDS, Situation, average_and_cap, first_fit, least_loaded, new
 from extproc.settings import RoutingSettings
 
 
 class Bounded:
     name = "bounded"
+    needs_prefix_blocks = False
 
     def __init__(self, settings: RoutingSettings) -> None:
         self.epsilon = settings.epsilon
@@ -44,5 +45,6 @@ class Bounded:
             situation.load_items(unit), total, average, cap,
             None, None,  # long_cap, long_threshold
             checks,
+            *NO_PEER_FIELDS,  # prompt_blocks, candidates, figures
         ))
         return new(Decision, (chosen, reason, cost, work, situation.cached_tokens_on(chosen), trace))

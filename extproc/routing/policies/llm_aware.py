@@ -14,12 +14,13 @@ With all three off it decides exactly as bounded in tokens mode.
 from __future__ import annotations
 
 from extproc.routing.decision import Decision, Trace
-from extproc.routing.policies.situation import Situation, average_and_cap, first_fit, least_loaded, new
+from extproc.routing.policies.situation import NO_PEER_FIELDS, Situation, average_and_cap, first_fit, least_loaded, new
 from extproc.settings import RoutingSettings
 
 
 class LlmAware:
     name = "llm-aware"
+    needs_prefix_blocks = False
 
     def __init__(self, settings: RoutingSettings) -> None:
         self.epsilon = settings.epsilon
@@ -83,5 +84,6 @@ class LlmAware:
             total, average, cap, long_cap,
             self.long_prompt_tokens if long_cap is not None else None,  # long_threshold
             checks,
+            *NO_PEER_FIELDS,  # prompt_blocks, candidates, figures
         ))
         return new(Decision, (chosen, reason, cost, cost, cached_tokens if chosen == cached_on else 0, trace))

@@ -10,6 +10,7 @@ from extproc.settings import RoutingSettings
 
 class ModN:
     name = "mod-n"
+    needs_prefix_blocks = False
 
     def __init__(self, settings: RoutingSettings) -> None:
         pass

@@ -9,6 +9,7 @@ from extproc.settings import RoutingSettings
 
 class RoundRobin:
     name = "round-robin"
+    needs_prefix_blocks = False
 
     def __init__(self, settings: RoutingSettings) -> None:
         self._turn = 0

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Iterator, Mapping
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
-from extproc.routing.decision import Check, Decision, RouteRequest, Trace
+from extproc.routing.blocks import covered_tokens
+from extproc.routing.decision import Candidate, Check, Decision, RouteRequest, Trace
 from extproc.routing.ledger import LoadLedger, LoadUnit
 from extproc.routing.placement import Placement
 from extproc.routing.ring import HashRing
@@ -15,7 +16,8 @@ from extproc.routing.ring import HashRing
 # 0.3-1.2 µs a tuple. On the per-request path tuples are built directly, positionally
 # in field order, with tuple.__new__(Cls, (...)) (~0.1 µs); the tests pin every field.
 new = tuple.__new__
-_UNBOUNDED_REST = tuple(Trace._field_defaults[name] for name in Trace._fields[5:])  # preferred .. checks
+_UNBOUNDED_REST = tuple(Trace._field_defaults[name] for name in Trace._fields[5:])  # preferred .. figures
+NO_PEER_FIELDS = tuple(Trace._field_defaults[name] for name in Trace._fields[Trace._fields.index("prompt_blocks"):])
 
 
 class Situation(NamedTuple):
@@ -150,3 +152,17 @@ def unbounded_decision(policy: str, situation: Situation, replica: str, reason: 
         cached = min(placement.prompt_tokens, prompt)
     trace = new(Trace, (policy, prompt, max_tokens, None, home) + _UNBOUNDED_REST)  # unit=None; the rest unset
     return new(Decision, (replica, reason, 1, prompt + max_tokens, cached, trace))
+
+
+def peer_decision(policy: str, situation: Situation, replica: str, reason: str, matched_blocks: int,
+                  candidates: tuple[Candidate, ...] = (), figures: tuple[tuple[str, float], ...] = (),
+                  **trace: Any) -> Decision:
+    """A peer policy's pick: one request on the ledger, its whole prompt charged in tokens,
+    and the prompt share its view says the pick holds as the predicted cache."""
+    request = situation.request
+    prompt, max_tokens = request.prompt_tokens, request.max_tokens
+    blocks = len(request.prefix_blocks)
+    cached = covered_tokens(prompt, blocks, matched_blocks)
+    made = Trace(policy, prompt, max_tokens, "requests", cached_tokens=cached, prompt_blocks=blocks,
+                 candidates=candidates, figures=figures, loads=situation.load_items("requests"), **trace)
+    return new(Decision, (replica, reason, 1, prompt + max_tokens, cached, made))

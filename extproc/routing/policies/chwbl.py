@@ -1,0 +1,58 @@
+"""chwbl: KubeAI's PrefixHash load balancing (consistent hashing with bounded loads).
+
+Follows substratusai/kubeai at 2f32ef498da629f96fd417ddfaaf22c28d40787e:
+internal/loadbalancer/balance_chwbl.go (chwblGetAddr, chwblLoadOK), group.go, and the
+defaults in api/k8s/v1/model_types.go: meanLoadFactor 125 %, replication 256 points per
+endpoint, prefixCharLength 100.
+
+The key is hashed onto a ring of 256 points per replica; walking clockwise, the first
+replica whose requests in flight are at most 1.25 x (all in flight + 1) / replicas wins
+(KubeAI compares the load before this request; with nothing in flight the home wins).
+KubeAI's key is the first 100 characters of the first user message (chat) or of the
+prompt; here it is the first 64-character prefix block of the rendered prompt (the
+conversation key when blocks are unknown). KubeAI's fallback to the first endpoint when
+none is under the bound cannot happen without adapters (the least loaded is always
+under it), so it is not here.
+"""
+
+from __future__ import annotations
+
+from extproc.routing.decision import Check, Decision
+from extproc.routing.policies.situation import Situation, new, peer_decision
+from extproc.routing.ring import HashRing
+from extproc.settings import RoutingSettings
+
+LOAD_FACTOR = 1.25
+REPLICATION = 256
+
+
+class Chwbl:
+    name = "chwbl"
+    needs_prefix_blocks = True
+
+    def __init__(self, settings: RoutingSettings) -> None:
+        self._seed = settings.hash_seed
+        self._ring = HashRing((), REPLICATION, self._seed)
+
+    def decide(self, situation: Situation) -> Decision | None:
+        eligible = situation.eligible
+        if not eligible:
+            return None
+        if self._ring.replicas != situation.ring.replicas:  # membership changed: KubeAI re-adds endpoints
+            self._ring = HashRing(situation.ring.replicas, REPLICATION, self._seed)
+        blocks = situation.request.prefix_blocks
+        key = blocks[0] if blocks else situation.key_hash
+        loads, total = situation.ledger.loads("requests"), situation.total("requests")
+        cap = (total + 1) / len(eligible) * LOAD_FACTOR
+        checks = []
+        for name in self._ring.walk(key):
+            if name in situation.avoid:
+                continue
+            accepted = total == 0 or loads[name] <= cap
+            checks.append(new(Check, (name, loads[name], 0, cap, accepted, False)))
+            if accepted:
+                break
+        chosen, home = checks[-1].replica, checks[0].replica
+        return peer_decision(self.name, situation, chosen, "home" if chosen == home else "overflow", 0,
+                             figures=(("load_factor", LOAD_FACTOR),), home=home, total=total + 1, cap=cap,
+                             checks=tuple(checks))

@@ -1,0 +1,24 @@
+"""`llm-ring bench decisions` covers every policy: ours at each fleet, the peers at 64 replicas
+with prefix blocks (a smoke run: what is timed is not asserted)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from extproc.bench import decisions
+from extproc.routing import POLICIES
+
+
+def test_the_table_has_every_policy_and_the_peers_at_64_replicas(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(decisions, "bytes_per_conversation", lambda: 120.0)  # its own 200,000 entries: slow
+    assert decisions.main(argparse.Namespace(decisions=300, fleets=[3], json=True)) == 0
+    summary = json.loads(capsys.readouterr().out)
+    cells = {(row["policy"], row["replicas"]) for row in summary["decisions"]}
+    peers = {"prefix-affinity", "radix-balance", "chwbl", "kv-cost"}
+    assert cells == {(name, 3) for name in POLICIES if name not in peers} | {(name, 64) for name in peers}
+    assert 1_300 < summary["block_hashing"]["prompt_tokens"] < 2_200

@@ -1,0 +1,51 @@
+"""Prefix blocks from request bodies, and the gateway hashing them only for policies that need them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import orjson
+import pytest
+
+from extproc.routing import Router
+from extproc.routing.blocks import BLOCK_CHARS, prefix_blocks
+from extproc.service.bodies import request_blocks
+from extproc.service.gateway import Gateway
+from extproc.service.metrics import Metrics
+from extproc.settings import load_settings
+
+SETTINGS = load_settings(Path(__file__).parents[2] / "extproc" / "service" / "router.toml")
+CHAT = "/v1/chat/completions"
+
+
+def chat(*messages: tuple[str, str]) -> bytes:
+    return orjson.dumps({"messages": [{"role": role, "content": text} for role, text in messages]})
+
+
+def test_a_later_turn_begins_with_the_earlier_turns_whole_blocks() -> None:
+    first = [("system", "You answer in French. " * 9), ("user", "What is a radix tree? " * 5)]
+    later = [*first, ("assistant", "Un arbre radix est ... " * 7), ("user", "And a trie?")]
+    earlier, now = request_blocks(CHAT, chat(*first)), request_blocks(CHAT, chat(*later))
+    rendered = sum(len(role) + len(text) + 2 for role, text in first)
+    whole = rendered // BLOCK_CHARS
+    assert whole >= 3 and now[:whole] == earlier[:whole] and len(now) > len(earlier)
+    assert request_blocks(CHAT, chat(("system", "Tu réponds en anglais."), *first[1:]))[0] != earlier[0]
+
+
+def test_completion_prompts_as_text_or_token_ids() -> None:
+    text = "Once upon a time " * 10
+    assert request_blocks("/completion", orjson.dumps({"prompt": text})) == prefix_blocks(text)
+    ids = request_blocks("/v1/completions", orjson.dumps({"prompt": [1, 22, 333] * 30}))
+    assert ids == prefix_blocks("1,22,333," * 30)
+
+
+@pytest.mark.parametrize(("policy", "hashed"), [("kv-cost", True), ("radix-balance", True), ("llm-aware", False)])
+def test_the_gateway_hashes_blocks_only_for_a_policy_that_needs_them(policy: str, hashed: bool) -> None:
+    routing = SETTINGS.routing.model_copy(update={"policy": policy})
+    gateway = Gateway(Router(routing), SETTINGS.service, Metrics())
+    gateway.set_replicas({"llm-0": "127.0.0.1:9000", "llm-1": "127.0.0.1:9001"})
+    body = chat(("user", "hello there, " * 20))
+    _, routed = gateway.decide(path=CHAT, content_type="application/json", conversation_id="", turn="1",
+                               request_id="r1", body=body)
+    assert routed
+    assert gateway.pending["r1"].request.prefix_blocks == (request_blocks(CHAT, body) if hashed else ())
