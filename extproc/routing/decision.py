@@ -30,6 +30,7 @@ class RouteRequest(NamedTuple):
     conversation: str
     prompt_tokens: int  # estimated from the body's text
     max_tokens: int  # the output the client asked for
+    prefix_blocks: tuple[int, ...] = ()  # chained hashes of fixed-size prompt blocks, oldest first (empty: unknown)
 
 
 class Check(NamedTuple):

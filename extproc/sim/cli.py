@@ -77,7 +77,7 @@ def main(args: argparse.Namespace) -> int:
             parse_policy(spec, config.routing)  # fail before any run
         cost = load_cost_model(config.cost_model)
         source = profile_source(args.profile) if args.profile else trace_source(
-            args.trace, config.time_scale, args.limit)
+            args.trace, config.time_scale, config.jitter_bucket_s, args.limit)
         scale = parse_scale(args.scale)
         if args.scale_at is not None and args.scale_at <= 0:
             raise ValueError(f"--scale-at must be > 0 seconds (got {args.scale_at:g})")

@@ -43,7 +43,8 @@ class Request:
         self, request_id: str, conversation: str, turn: int, key: Hashable, blocks: tuple[int, ...] | None,
         prompt_tokens: int, max_tokens: int, arrival_s: float | None = None, think_s: float = 0.0,
     ) -> None:
-        self.route = RouteRequest(request_id, conversation, prompt_tokens, max_tokens)  # built once, up front
+        # built once, up front; block-aware policies read the trace's chained block hashes
+        self.route = RouteRequest(request_id, conversation, prompt_tokens, max_tokens, blocks or ())
         self.request_id = request_id
         self.conversation = conversation
         self.turn = turn  # 1-based

@@ -16,7 +16,7 @@ from extproc.routing import Router
 from extproc.settings import RoutingSettings, SettingsError, parse_routing
 from extproc.sim.costmodel import CostModel, load_cost_model
 from extproc.sim.engine import ClosedLoop, Fleet, OpenLoop, Outcome, simulate
-from extproc.sim.mooncake import TraceRequest, read_trace
+from extproc.sim.mooncake import TraceError, TraceRequest, jittered_arrivals, read_trace
 from extproc.sim.records import SIM_EPOCH_S, request_rows
 from extproc.sim.workload import profile_workload, requests_from_trace
 from extproc.traffic import Profile, load_profile
@@ -33,6 +33,8 @@ class SimConfig:
     threads: int
     host_cores: float
     time_scale: float
+    # traces: arrivals sharing a bucket this wide are spread over it with the seed (None: not read)
+    jitter_bucket_s: float | None = None
 
 
 def load_sim_config(path: str | Path = SIM_CONFIG) -> SimConfig:
@@ -47,6 +49,7 @@ def load_sim_config(path: str | Path = SIM_CONFIG) -> SimConfig:
             threads=int(raw["replica"]["threads"]),
             host_cores=float(raw["host"]["cores"]),
             time_scale=float(raw["trace"]["time_scale"]),
+            jitter_bucket_s=float(raw["trace"]["jitter_bucket_ms"]) / 1000.0,
         )
     except KeyError as exc:
         raise SettingsError(f"{path}: missing setting {exc.args[0]!r}") from None
@@ -74,8 +77,9 @@ class Source:
 
     label: str
     make: Callable[[int], ClosedLoop | OpenLoop]  # seed -> a fresh workload
-    seeds_hash: bool  # traces: the seed varies the ring's hash_seed (the trace itself is fixed)
+    seeds_hash: bool  # traces: the seed varies the ring's hash_seed and the arrival jitter
     profile: Profile | None = None
+    trace: list[TraceRequest] | None = None
 
 
 def profile_source(name_or_path: str) -> Source:
@@ -83,9 +87,19 @@ def profile_source(name_or_path: str) -> Source:
     return Source(profile.name, lambda seed: profile_workload(profile, seed), False, profile)
 
 
-def trace_source(path: str | Path, time_scale: float, limit: int | None = None) -> Source:
+def trace_source(path: str | Path, time_scale: float, jitter_bucket_s: float | None,
+                 limit: int | None = None) -> Source:
+    if jitter_bucket_s is None or jitter_bucket_s <= 0:
+        raise SettingsError(f"[trace] jitter_bucket_ms: must be > 0 (got {jitter_bucket_s!r})")
+    bucket_s = jitter_bucket_s
     trace: list[TraceRequest] = read_trace(path, limit)
-    return Source(Path(path).stem, lambda seed: requests_from_trace(trace, time_scale), True)
+    if not trace:
+        raise TraceError(f"{path}: no requests")
+
+    def make(seed: int) -> OpenLoop:
+        return requests_from_trace(trace, time_scale, jittered_arrivals(trace, bucket_s, seed))
+
+    return Source(Path(path).stem, make, True, trace=trace)
 
 
 def run_once(workload: ClosedLoop | OpenLoop, settings: RoutingSettings, cost: CostModel, fleet: Fleet) -> Outcome:
