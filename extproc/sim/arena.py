@@ -8,7 +8,8 @@ analysis views), then mean ± 95 % t-interval over the seeds:
 - share of the ceiling: cached share / the trace's infinite-cache ceiling
   (``mooncake.cacheable_ceiling``: the share an infinite cache shared by all would hit);
 - avoidable misses, p50/p95 TTFT and latency, work imbalance, errors: the shared analysis' definitions;
-- decisions per run by reason code (why each policy went where it went).
+- decisions per run by reason code (why each policy went where it went), and the cached
+  share of the prompt tokens of each reason's requests (what each kind of decision kept).
 
 A trace without block hashes has no cached share and no ceiling: the table says so.
 """
@@ -41,7 +42,11 @@ SELECT run_id,
 FROM turns GROUP BY run_id
 """
 
-_REASONS = "SELECT run_id, route_reason AS reason, count(*) AS n FROM turns GROUP BY run_id, route_reason"
+_REASONS = """
+SELECT run_id, route_reason AS reason, count(*) AS n,
+    sum(cache_n) FILTER (ok) / nullif(sum(cache_n + prompt_n) FILTER (ok), 0) AS cached_share
+FROM turns GROUP BY run_id, route_reason
+"""
 
 
 def arena(
@@ -50,12 +55,16 @@ def arena(
     """(rows of the table, {policy: {metric: spread over seeds}}), policies in the order given."""
     runs = per_run(con)
     cached = {row["run_id"]: row["cached_share"] for row in rows(con, _PER_RUN)}
-    reasons: dict[str, dict[str, int]] = {}
+    reasons: dict[str, dict[str, Any]] = {}  # run -> {"reason:code": count, "cached:code": share}
     for row in rows(con, _REASONS):
-        reasons.setdefault(row["run_id"], {})[row["reason"] or "none"] = row["n"]
-    codes = sorted({code for counts in reasons.values() for code in counts})
+        code = row["reason"] or "none"
+        counts = reasons.setdefault(row["run_id"], {})
+        counts[f"reason:{code}"], counts[f"cached:{code}"] = row["n"], row["cached_share"]
+    codes = sorted({key.partition(":")[2] for counts in reasons.values() for key in counts})
     metrics = [CACHED, OF_CEILING, *SHARED] if ceiling is not None else list(SHARED)
     metrics += [Metric(f"reason:{code}", f"decisions '{code}' per run", "count") for code in codes]
+    if ceiling is not None:
+        metrics += [Metric(f"cached:{code}", f"cached share of prompt tokens on '{code}'", "pct") for code in codes]
     table: dict[str, dict[str, dict[str, Any]]] = {}
     for policy in policies:
         mine = [run for run in runs if run["policy"] == policy]
@@ -68,7 +77,9 @@ def arena(
                 elif metric is OF_CEILING:
                     value = None if share is None or not ceiling else share / ceiling
                 elif metric.name.startswith("reason:"):
-                    value = reasons.get(run["run_id"], {}).get(metric.name[len("reason:"):], 0)
+                    value = reasons.get(run["run_id"], {}).get(metric.name, 0)
+                elif metric.name.startswith("cached:"):
+                    value = reasons.get(run["run_id"], {}).get(metric.name)
                 else:
                     value = run[metric.name]
                 values[metric.name].append(value)

@@ -78,6 +78,11 @@ def main(args: argparse.Namespace) -> int:
         for spec in args.policies:
             parse_policy(spec, config.routing)  # fail before any run
         cost = load_cost_model(config.cost_model)
+        if cost.server is not None and cost.server.kv_cache == "paged":
+            for option, value in (("--slots", args.slots), ("--cache-ram-mib", args.cache_ram_mib)):
+                if value is not None:
+                    raise ValueError(f"{option}: does not apply to the paged cost model {cost.name} "
+                                     "(its server section sets the KV pool and max_running)")
         source = profile_source(args.profile) if args.profile else trace_source(
             args.trace, config.time_scale, config.jitter_bucket_s, args.limit)
         scale = parse_scale(args.scale)

@@ -222,8 +222,11 @@ class PagedReplica:
         (output, and any prompt tail the block list does not cover)."""
         prompt, unit = request.prompt_tokens, self.block_tokens
         ids: tuple[Hashable, ...] | None = request.blocks
-        if ids is None:  # a profile conversation: one growing prefix
-            ids = tuple((request.key, index) for index in range(-(-prompt // BLOCK_TOKENS)))
+        if ids is None:  # a profile conversation: one growing prefix; a partial tail block is its own
+            full = prompt // BLOCK_TOKENS
+            ids = tuple((request.key, index) for index in range(full))
+            if prompt > full * BLOCK_TOKENS:
+                ids += ((request.key, full, prompt),)
         blocks: Blocks = []
         seen: set[Hashable] = set()
         covered = 0

@@ -55,6 +55,7 @@ def test_trace_table_prints_the_ceiling_and_says_when_hits_are_unknown(tmp_path,
     # blocks 0, 1, 2 repeat from the 4th request on: 9 x 512 of 12 x 700 prompt tokens
     assert f"{100 * 9 * 512 / (12 * 700):.1f}%" in out
     assert "Cached share of prompt tokens" in out and "decisions 'home' per run" in out
+    assert "cached share of prompt tokens on 'home'" in out
     plain = tmp_path / "plain.csv"
     plain.write_text("timestamp,input_length,output_length\n" + "".join(f"{i * 50},300,3\n" for i in range(6)))
     assert main(["sim", "--trace", str(plain), "--policies", "bounded", "--seeds", "1", "--json",
@@ -65,3 +66,11 @@ def test_trace_table_prints_the_ceiling_and_says_when_hits_are_unknown(tmp_path,
     assert main(["sim", "--trace", str(plain), "--policies", "bounded", "--seeds", "1",
                  "--out-dir", str(tmp_path / "c")]) == 0
     assert "n/a: trace has no block hashes" in capsys.readouterr().out
+
+
+def test_llama_cpp_options_are_refused_for_a_paged_model(tmp_path, capsys):
+    trace = write(tmp_path, [{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1]}])
+    assert main(["sim", "--trace", str(trace), "--policies", "bounded", "--seeds", "1", "--slots", "8",
+                 "--cost-model", "llama31-8b-h100-vllm", "--out-dir", str(tmp_path / "o")]) == 2
+    assert "--slots: does not apply to the paged cost model llama31-8b-h100-vllm" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()

@@ -152,3 +152,13 @@ def test_conservation_capacity_and_determinism(items, policy, replicas, capacity
         assert r.arrived_at <= r.started_at <= r.first_token_at <= r.finished_at
     again = run_paged(items, policy, replicas, capacity, max_running)[2]
     assert request_rows(again.requests, "x", policy, 1) == request_rows(outcome.requests, "x", policy, 1)
+
+
+def test_a_profile_turn_reuses_only_the_full_blocks_of_the_previous_prompt():
+    # No hash ids (a profile): blocks are (conversation, index); turn 1's partial tail (700 - 512
+    # tokens) is not the same content as turn 2's second block, so only 512 tokens hit.
+    first = Request("t1", "c", 1, "c", None, 700, 10, arrival_s=0.0)
+    second = Request("t2", "c", 2, "c", None, 1300, 10, arrival_s=50.0)
+    router = Router(settings("consistent"))
+    done = {r.request_id: r for r in simulate(OpenLoop([first, second]), router, paged_cost(), Fleet(1, 1, 0)).requests}
+    assert (done["t2"].cache_n, done["t2"].prompt_n) == (512, 788)
