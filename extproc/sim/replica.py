@@ -23,7 +23,7 @@ from collections.abc import Hashable
 
 from extproc.routing import RouteRequest
 from extproc.sim.costmodel import CostModel
-from extproc.sim.prompts import HostCache, common_prefix
+from extproc.sim.prompts import BLOCK_TOKENS, HostCache, common_prefix
 
 SLOT_SIMILARITY = 0.1  # llama.cpp --slot-prompt-similarity default
 SAVE_BELOW_KEEP = 0.5  # a slot's content is saved to host RAM when a prompt keeps less than this share
@@ -43,8 +43,9 @@ class Request:
         self, request_id: str, conversation: str, turn: int, key: Hashable, blocks: tuple[int, ...] | None,
         prompt_tokens: int, max_tokens: int, arrival_s: float | None = None, think_s: float = 0.0,
     ) -> None:
-        # built once, up front; block-aware policies read the trace's chained block hashes
-        self.route = RouteRequest(request_id, conversation, prompt_tokens, max_tokens, blocks or ())
+        # built once, up front; block-aware policies see the trace's chained hashes of the full blocks
+        full_blocks = blocks[: prompt_tokens // BLOCK_TOKENS] if blocks else ()
+        self.route = RouteRequest(request_id, conversation, prompt_tokens, max_tokens, full_blocks)
         self.request_id = request_id
         self.conversation = conversation
         self.turn = turn  # 1-based

@@ -8,6 +8,7 @@ import pytest
 
 from extproc.cli import main
 from extproc.sim.mooncake import TraceError, TraceRequest, cacheable_ceiling, jittered_arrivals, read_trace
+from extproc.sim.workload import requests_from_trace
 from tests.sim.test_mooncake import write
 
 
@@ -74,3 +75,11 @@ def test_llama_cpp_options_are_refused_for_a_paged_model(tmp_path, capsys):
                  "--cost-model", "llama31-8b-h100-vllm", "--out-dir", str(tmp_path / "o")]) == 2
     assert "--slots: does not apply to the paged cost model llama31-8b-h100-vllm" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+def test_the_router_sees_the_full_blocks_of_a_trace_request(tmp_path):
+    path = write(tmp_path, [{"timestamp": 0, "input_length": 1100, "output_length": 5, "hash_ids": [4, 5, 6]},
+                            {"timestamp": 1, "input_length": 1024, "output_length": 5, "hash_ids": [4, 7]}])
+    first, second = requests_from_trace(read_trace(path)).requests
+    assert first.route.prefix_blocks == (4, 5)  # the 76-token tail block is not a fixed-size block
+    assert second.route.prefix_blocks == (4, 7)
