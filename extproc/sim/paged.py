@@ -35,7 +35,7 @@ from collections.abc import Hashable
 
 from extproc.sim.costmodel import CostModel
 from extproc.sim.prompts import BLOCK_TOKENS
-from extproc.sim.replica import DONE_EPSILON, Request
+from extproc.sim.replica import DONE_EPSILON, Request, start_order, start_prefill
 
 Blocks = list[tuple[Hashable, int]]  # (block id, tokens) in prompt order
 
@@ -182,7 +182,7 @@ class PagedReplica:
         while decode_targets and decode_targets[0] - self.decode_clock <= DONE_EPSILON:
             del decode_targets[0]
             finished.append(self.decoding.pop(0))
-        finished.sort(key=_start_order)
+        finished.sort(key=start_order)
         for request in finished:
             request.finished_at = now
             blocks, private = self.held.pop(request)
@@ -203,18 +203,7 @@ class PagedReplica:
         hit, add = plan
         self.pool.take(blocks, private, add)
         self.held[request] = (blocks, private)
-        prompt = request.prompt_tokens
-        cached = min(hit, prompt - 1)  # the last prompt token is always computed
-        request.cache_n = cached
-        request.prompt_n = prompt - cached
-        request.started_at = now
-        request.order = self.started
-        self.started += 1
-        self.running += 1
-        request.target = target = self.prefill_clock + self.cost.prefill_s(prompt - cached, cached)
-        index = bisect_right(self.prefill_targets, target)
-        self.prefill_targets.insert(index, target)
-        self.prefilling.insert(index, request)
+        start_prefill(self, request, hit, now)
         return True
 
     def _blocks(self, request: Request) -> tuple[Blocks, int]:
@@ -240,6 +229,3 @@ class PagedReplica:
         private = prompt - covered + request.max_tokens
         return blocks, -(-private // unit) * unit
 
-
-def _start_order(request: Request) -> int:
-    return request.order

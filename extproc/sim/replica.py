@@ -20,6 +20,7 @@ from __future__ import annotations
 from bisect import bisect_right
 from collections import deque
 from collections.abc import Hashable
+from typing import Protocol
 
 from extproc.routing import RouteRequest
 from extproc.sim.costmodel import CostModel
@@ -182,7 +183,7 @@ class Replica:
         if not finished:
             return finished
         if len(finished) > 1:
-            finished.sort(key=_start_order)
+            finished.sort(key=start_order)
         self.running -= len(finished)
         for request in finished:
             request.finished_at = now
@@ -209,20 +210,10 @@ class Replica:
             if entry is not None:
                 slot.key, slot.blocks, slot.tokens = entry
                 shared = common_prefix(slot.key, slot.blocks, slot.tokens, key, blocks, prompt)
-        cached = min(shared, prompt - 1)
-        request.cache_n = cached
-        request.prompt_n = prompt - cached
-        request.started_at = now
-        request.order = self.started
-        self.started += 1
-        self.running += 1
         request.slot = slot
         slot.busy = True
         slot.key, slot.blocks, slot.tokens = key, blocks, prompt
-        request.target = target = self.prefill_clock + self.cost.prefill_s(prompt - cached, cached)
-        index = bisect_right(self.prefill_targets, target)  # the phase's lists stay sorted by target
-        self.prefill_targets.insert(index, target)
-        self.prefilling.insert(index, request)
+        start_prefill(self, request, shared, now)
 
     def _pick_slot(self, request: Request) -> tuple[Slot, int]:
         """The idle slot to use, and the tokens of the prompt it already holds."""
@@ -243,5 +234,32 @@ class Replica:
         return lru, common_prefix(lru.key, lru.blocks, lru.tokens, key, blocks, prompt) if lru.key == key else 0
 
 
-def _start_order(request: Request) -> int:
+class Prefilling(Protocol):
+    """What ``start_prefill`` needs of a replica (the llama.cpp and the paged one)."""
+
+    cost: CostModel
+    started: int
+    running: int
+    prefill_clock: float
+    prefill_targets: list[float]
+    prefilling: list[Request]
+
+
+def start_prefill(replica: Prefilling, request: Request, hit: int, now: float) -> None:
+    """The request starts at ``now`` with ``hit`` prompt tokens found cached: its prefill phase begins."""
+    prompt = request.prompt_tokens
+    cached = min(hit, prompt - 1)  # the last prompt token is always evaluated
+    request.cache_n = cached
+    request.prompt_n = prompt - cached
+    request.started_at = now
+    request.order = replica.started
+    replica.started += 1
+    replica.running += 1
+    request.target = target = replica.prefill_clock + replica.cost.prefill_s(prompt - cached, cached)
+    index = bisect_right(replica.prefill_targets, target)  # the phase's lists stay sorted by target
+    replica.prefill_targets.insert(index, target)
+    replica.prefilling.insert(index, request)
+
+
+def start_order(request: Request) -> int:
     return request.order
