@@ -143,10 +143,12 @@ def parse_cost_model(raw: Any, source: str = "cost model") -> CostModel:
         elif kind == "paged":
             server = Server("paged", integer("server", "context_tokens"), integer("server", "kv_capacity_tokens"),
                             integer("server", "block_tokens"), integer("server", "max_running"))
-            if server.context_tokens > server.kv_capacity_tokens:
-                raise CostModelError(f"{source}: server.context_tokens: must be <= server.kv_capacity_tokens "
-                                     f"(a request that fits the context must fit the pool; got "
-                                     f"{server.context_tokens} > {server.kv_capacity_tokens})")
+            # the longest request, its 512-token blocks and its private tail each rounded up to block_tokens
+            longest = server.context_tokens + (-(-server.context_tokens // 512) + 1) * server.block_tokens
+            if longest > server.kv_capacity_tokens:
+                raise CostModelError(f"{source}: server.kv_capacity_tokens: must hold the longest request "
+                                     f"(context_tokens {server.context_tokens} + block rounding = {longest} tokens; "
+                                     f"got {server.kv_capacity_tokens})")
         else:
             raise CostModelError(f"{source}: server.kv_cache: must be \"slots\" or \"paged\" (got {kind!r})")
     measured = get("measured")

@@ -148,12 +148,15 @@ class PagedReplica:
         self.updated_at = now
 
     def next_change(self) -> float | None:
-        waits = []
-        if self.prefilling:
-            waits.append((self.prefill_targets[0] - self.prefill_clock) * self.prefill_slowdown[len(self.prefilling)])
+        """Seconds from ``updated_at`` until the next request ends a phase (None when idle)."""
+        wait = None
         if self.decoding:
-            waits.append((self.decode_targets[0] - self.decode_clock) * self.decode_slowdown[len(self.decoding)])
-        return min(waits) if waits else None
+            wait = (self.decode_targets[0] - self.decode_clock) * self.decode_slowdown[len(self.decoding)]
+        if self.prefilling:
+            prefill_wait = (self.prefill_targets[0] - self.prefill_clock) * self.prefill_slowdown[len(self.prefilling)]
+            if wait is None or prefill_wait <= wait:
+                return prefill_wait
+        return wait
 
     def arrive(self, request: Request, now: float) -> bool:
         """Start the request if nobody waits and it fits, else queue it (FIFO)."""
