@@ -90,7 +90,7 @@ def profile_source(name_or_path: str) -> Source:
 def trace_source(path: str | Path, time_scale: float, jitter_bucket_s: float | None,
                  limit: int | None = None) -> Source:
     if jitter_bucket_s is None or jitter_bucket_s <= 0:
-        raise SettingsError(f"[trace] jitter_bucket_ms: must be > 0 (got {jitter_bucket_s!r})")
+        raise SettingsError(f"[trace] jitter_bucket_ms: must be > 0 (got {jitter_bucket_s!r} s)")
     bucket_s = jitter_bucket_s
     trace: list[TraceRequest] = read_trace(path, limit)
     if not trace:
