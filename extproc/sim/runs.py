@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import tomllib
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -125,7 +125,7 @@ def run_experiment(
             run_id = f"sim-{source.label}-r{fleet.replicas}-{spec.replace(':', '_').replace(',', '_')}-s{seed}"
             rows = request_rows(outcome.requests, run_id, spec, seed)
             write_records(rows, out_dir / run_id / REQUESTS_FILE)
-            write_run_metadata(_meta(run_id, spec, seed, source, settings, config, fleet, outcome, len(rows)),
+            write_run_metadata(_meta(run_id, spec, seed, source, settings, config, cost, fleet, outcome, len(rows)),
                                out_dir / run_id)
             total += len(rows)
             progress(f"{run_id}: {len(rows)} requests, {outcome.end_s:.0f} simulated s")
@@ -133,7 +133,7 @@ def run_experiment(
 
 
 def _meta(run_id: str, spec: str, seed: int, source: Source, settings: RoutingSettings, config: SimConfig,
-          fleet: Fleet, outcome: Outcome, rows: int) -> RunMeta:
+          cost: CostModel, fleet: Fleet, outcome: Outcome, rows: int) -> RunMeta:
     def iso(at_s: float) -> str:
         return datetime.fromtimestamp(SIM_EPOCH_S + at_s, UTC).isoformat()
 
@@ -145,7 +145,8 @@ def _meta(run_id: str, spec: str, seed: int, source: Source, settings: RoutingSe
         finished_at=iso(outcome.end_s), scale_at_s=scale_up[0] if scale_up else None,
         scaled_to=scale_up[1] if scale_up else None, scale_ready_at=iso(scale_up[0]) if scale_up else None,
         status="finished", rows=rows,
-        extra={"cost_model": config.cost_model, "slots": fleet.slots, "cache_tokens": fleet.cache_tokens,
+        extra={"cost_model": config.cost_model, **({"server": asdict(cost.server)} if cost.server else {}),
+               "slots": fleet.slots, "cache_tokens": fleet.cache_tokens,
                "host_cores": fleet.host_cores, "replica_threads": fleet.replica_threads,
                "scale": [list(event) for event in fleet.scale], "events": outcome.events},
     )

@@ -57,6 +57,8 @@ def test_trace_table_prints_the_ceiling_and_says_when_hits_are_unknown(tmp_path,
     assert f"{100 * 9 * 512 / (12 * 700):.1f}%" in out
     assert "Cached share of prompt tokens" in out and "decisions 'home' per run" in out
     assert "cached share of prompt tokens on 'home'" in out
+    meta = json.loads((tmp_path / "a" / "sim-trace-r2-consistent-s1" / "run.json").read_text())
+    assert meta["extra"]["server"]["kv_cache"] == "paged"  # what the replicas were
     plain = tmp_path / "plain.csv"
     plain.write_text("timestamp,input_length,output_length\n" + "".join(f"{i * 50},300,3\n" for i in range(6)))
     assert main(["sim", "--trace", str(plain), "--policies", "bounded", "--seeds", "1", "--json",
