@@ -147,7 +147,7 @@ def jittered_arrivals(trace: list[TraceRequest], bucket_s: float, seed: int) -> 
     spread over it uniformly at random with the seed; a request alone in its bucket keeps
     its time."""
     rng = random.Random(seed)
-    buckets = [int(r.timestamp_s // bucket_s) for r in trace]
+    buckets = [int(r.timestamp_s / bucket_s + 1e-9) for r in trace]  # 232.922 s / 1 ms is 232921.99…
     count: dict[int, int] = {}
     for bucket in buckets:
         count[bucket] = count.get(bucket, 0) + 1

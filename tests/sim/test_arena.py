@@ -45,6 +45,10 @@ def test_only_arrivals_sharing_a_bucket_are_jittered_and_the_seed_decides():
     assert one == again and one != other
     assert one[3:] == [0.0042, 1.0]  # alone in their millisecond: unchanged
     assert all(0.0 <= at < 0.001 for at in one[:3]) and len(set(one[:3])) == 3
+    # milliseconds read as seconds are not exact: 232.922 and 232.921 stay in their own buckets
+    close = [TraceRequest(t / 1000, 10, 1, (i,)) for i, t in enumerate((232921, 232922, 232922))]
+    spread_out = jittered_arrivals(close, 0.001, 3)
+    assert spread_out[0] == 232.921 and all(232.922 <= at < 232.923 for at in spread_out[1:])
 
 
 def test_trace_table_prints_the_ceiling_and_says_when_hits_are_unknown(tmp_path, capsys):
