@@ -11,6 +11,7 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -18,9 +19,10 @@ from typing import Any
 from extproc.analysis.metrics import METRICS, Metric, connect, per_run, spread, summary
 from extproc.analysis.report import SUMMARY_FILE, build_report, format_value, render_markdown
 from extproc.settings import SettingsError
+from extproc.sim.arena import arena, ceiling_line
 from extproc.sim.costmodel import CostModelError, load_cost_model
 from extproc.sim.engine import Fleet
-from extproc.sim.mooncake import TraceError
+from extproc.sim.mooncake import TraceError, cacheable_ceiling
 from extproc.sim.runs import (
     SIM_CONFIG,
     cache_tokens,
@@ -76,8 +78,13 @@ def main(args: argparse.Namespace) -> int:
         for spec in args.policies:
             parse_policy(spec, config.routing)  # fail before any run
         cost = load_cost_model(config.cost_model)
+        if cost.server is not None and cost.server.kv_cache == "paged":
+            for option, value in (("--slots", args.slots), ("--cache-ram-mib", args.cache_ram_mib)):
+                if value is not None:
+                    raise ValueError(f"{option}: does not apply to the paged cost model {cost.name} "
+                                     "(its server section sets the KV pool and max_running)")
         source = profile_source(args.profile) if args.profile else trace_source(
-            args.trace, config.time_scale, args.limit)
+            args.trace, config.time_scale, config.jitter_bucket_s, args.limit)
         scale = parse_scale(args.scale)
         if args.scale_at is not None and args.scale_at <= 0:
             raise ValueError(f"--scale-at must be > 0 seconds (got {args.scale_at:g})")
@@ -86,6 +93,10 @@ def main(args: argparse.Namespace) -> int:
         return 2
     results: dict[str, Any] = {}
     differences: dict[str, Any] = {}  # replicas -> paired differences to the first policy
+    arenas: dict[str, Any] = {}  # traces: replicas -> the arena table
+    ceiling = cacheable_ceiling(source.trace) if source.trace is not None else None
+    if source.trace is not None and not args.json:
+        print(ceiling_line(ceiling))
     started = time.perf_counter()
     for replicas in args.replicas:
         events = scale + ([(args.scale_at, replicas + 1)] if args.scale_at is not None else [])
@@ -105,10 +116,19 @@ def main(args: argparse.Namespace) -> int:
             if paired:
                 print(f"\npaired by seed, difference to {args.policies[0]} (mean ± 95% CI):")
                 print(render_ci_table(paired))
+        if source.trace is not None:
+            metrics, table = arena(con, args.policies, ceiling)
+            arenas[str(replicas)] = table
+            if not args.json:
+                print(f"\narena, {source.label}: {replicas} replicas, cost model {cost.name}, {len(seeds)} seeds")
+                print(render_ci_table(table, metrics))
     print(f"simulated in {time.perf_counter() - started:.1f} s", file=sys.stderr)
     if args.json:
-        print(json.dumps({"source": source.label, "seeds": seeds, "replicas": results,
-                          "paired": {"against": args.policies[0], "replicas": differences}}))
+        out: dict[str, Any] = {"source": source.label, "seeds": seeds, "replicas": results,
+                               "paired": {"against": args.policies[0], "replicas": differences}}
+        if source.trace is not None:
+            out["arena"] = {"ceiling": ceiling, "cost_model": cost.name, "replicas": arenas}
+        print(json.dumps(out))
     return 0
 
 
@@ -164,11 +184,11 @@ def paired_differences(runs: list[dict[str, Any]], policies: list[str]) -> dict[
     return out
 
 
-def render_ci_table(stats: dict[str, dict[str, dict[str, Any]]]) -> str:
+def render_ci_table(stats: dict[str, dict[str, dict[str, Any]]], metrics: Sequence[Metric] = METRICS) -> str:
     """Metric rows, policy columns: mean over runs ± 95 % t-interval (one run: the value)."""
     policies = list(stats)
     rows = [["metric (mean ± 95% CI over seeds)", *policies]]
-    for metric in METRICS:
+    for metric in metrics:
         cells = []
         for policy in policies:
             s = stats[policy][metric.name]

@@ -11,6 +11,16 @@ batches decode steps of several slots far better than it batches prompt chunks).
     decode(out, context) = out * (per_token_s + (context + out / 2) * per_token_ctx_s)
 
 ``new`` is at least 1: llama.cpp re-evaluates one token even on a full cache hit.
+
+An optional ``server`` object describes a GPU server's memory (absent: a llama.cpp
+replica with slots and a host-RAM cache, no context limit, as the calibrated CPU models):
+
+- ``kv_cache``: ``"slots"`` (llama.cpp: each slot keeps its last prompt, see ``replica``) or
+  ``"paged"`` (a paged-KV engine such as vLLM: one token pool shared by every running
+  request, blocks shared across requests by prefix hash, LRU eviction; see ``paged``);
+- ``context_tokens``: the longest prompt + output a request may have (above: answered 400);
+- paged only: ``kv_capacity_tokens`` (the pool), ``block_tokens`` (allocation unit) and
+  ``max_running`` (requests batched at once, vLLM's max_num_seqs).
 """
 
 from __future__ import annotations
@@ -28,6 +38,15 @@ class CostModelError(ValueError):
 
 
 @dataclass(frozen=True, slots=True)
+class Server:
+    kv_cache: str  # "slots" | "paged"
+    context_tokens: int
+    kv_capacity_tokens: int = 0  # paged only
+    block_tokens: int = 0
+    max_running: int = 0
+
+
+@dataclass(frozen=True, slots=True)
 class CostModel:
     name: str
     kv_bytes_per_token: int  # host-RAM prompt cache entry size per token (12 KiB for 0.5B shapes)
@@ -39,6 +58,7 @@ class CostModel:
     prefill_slowdown: tuple[float, ...]  # index k-1: slowdown with k busy slots
     decode_slowdown: tuple[float, ...]
     measured: dict[str, Any]  # how, where and when it was measured (free-form, kept for the record)
+    server: Server | None = None  # None: llama.cpp slots + host-RAM cache, no context limit
 
     def prefill_s(self, new_tokens: int, cached_tokens: int) -> float:
         return (
@@ -109,6 +129,28 @@ def parse_cost_model(raw: Any, source: str = "cost model") -> CostModel:
                                  f"(slowdown with 1, 2, ... busy slots; got {value!r})")
         return tuple(float(v) for v in value)
 
+    def integer(*keys: str) -> int:
+        value = get(*keys)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise CostModelError(f"{source}: {'.'.join(keys)}: must be an integer >= 1 (got {value!r})")
+        return value
+
+    server = None
+    if isinstance(raw, dict) and "server" in raw:
+        kind = get("server", "kv_cache")
+        if kind == "slots":
+            server = Server("slots", integer("server", "context_tokens"))
+        elif kind == "paged":
+            server = Server("paged", integer("server", "context_tokens"), integer("server", "kv_capacity_tokens"),
+                            integer("server", "block_tokens"), integer("server", "max_running"))
+            # the longest request, its 512-token blocks and its private tail each rounded up to block_tokens
+            longest = server.context_tokens + (-(-server.context_tokens // 512) + 1) * server.block_tokens
+            if longest > server.kv_capacity_tokens:
+                raise CostModelError(f"{source}: server.kv_capacity_tokens: must hold the longest request "
+                                     f"(context_tokens {server.context_tokens} + block rounding = {longest} tokens; "
+                                     f"got {server.kv_capacity_tokens})")
+        else:
+            raise CostModelError(f"{source}: server.kv_cache: must be \"slots\" or \"paged\" (got {kind!r})")
     measured = get("measured")
     if not isinstance(measured, dict):
         raise CostModelError(f"{source}: measured: must be an object describing the measurement")
@@ -126,4 +168,5 @@ def parse_cost_model(raw: Any, source: str = "cost model") -> CostModel:
         prefill_slowdown=table("concurrency", "prefill_slowdown"),
         decode_slowdown=table("concurrency", "decode_slowdown"),
         measured=measured,
+        server=server,
     )

@@ -26,6 +26,7 @@ from heapq import heappush
 
 from extproc.routing import Router
 from extproc.sim.costmodel import CostModel
+from extproc.sim.paged import PagedReplica
 from extproc.sim.replica import Replica, Request
 
 _WAKE, _SEND, _SCALE, _USER, _RELEASE = 0, 1, 2, 3, 4
@@ -36,6 +37,7 @@ class Fleet:
     replicas: int  # at the start
     slots: int  # llama.cpp --parallel
     cache_tokens: int  # host-RAM prompt cache per replica, in tokens (0 = --cache-ram 0)
+    # slots and cache_tokens describe llama.cpp replicas; a paged cost model brings its own pool
     scale: tuple[tuple[float, int], ...] = ()  # (at seconds, replica count) events
     host_cores: float = 0.0  # replicas share this many cores (0 = each replica has its own CPU)
     replica_threads: int = 1  # threads a busy replica wants (llama.cpp --threads)
@@ -78,8 +80,10 @@ class _Simulation:
         self.router = router
         self.cost = cost
         self.fleet = fleet
-        self.replicas: dict[str, Replica] = {}
-        self.every_replica: list[Replica] = []
+        self.replicas: dict[str, Replica | PagedReplica] = {}
+        self.every_replica: list[Replica | PagedReplica] = []
+        # the longest prompt + output a server accepts (None: no limit, as the CPU models)
+        self.context_tokens = cost.server.context_tokens if cost.server else None
         self.heap: list[tuple] = []
         self.seq = 0
         self.outcome = Outcome()
@@ -149,6 +153,9 @@ class _Simulation:
         request.replica = decision.replica
         request.reason = decision.reason
         request.predicted_cached = decision.predicted_cached_tokens
+        if self.context_tokens is not None and request.prompt_tokens + request.max_tokens > self.context_tokens:
+            self._reject(request, now)
+            return
         replica = self.replicas[decision.replica]
         was_idle = not replica.running
         if not replica.arrive(request, now):
@@ -161,7 +168,14 @@ class _Simulation:
         if was_idle and self.shared_host:
             self._share_host(now, +1)
 
-    def _wake(self, replica: Replica, now: float) -> None:
+    def _reject(self, request: Request, now: float) -> None:
+        """Longer than the server's context: answered at once with 400, like vLLM and llama.cpp."""
+        request.status, request.error = 400, "context length exceeded"
+        request.started_at = request.first_token_at = request.finished_at = now
+        self.complete(request.request_id, False)
+        self._done(request, now)
+
+    def _wake(self, replica: Replica | PagedReplica, now: float) -> None:
         finished = replica.wake(now)
         self.seq = seq = self.seq + 1  # _reschedule(replica, now), inlined
         replica.version = seq
@@ -198,7 +212,7 @@ class _Simulation:
         elif request.arrival_s is None:  # closed loop: the user takes the next conversation
             self._next_conversation(now)
 
-    def _reschedule(self, replica: Replica, now: float) -> None:
+    def _reschedule(self, replica: Replica | PagedReplica, now: float) -> None:
         self.seq = seq = self.seq + 1
         replica.version = seq  # the one wake-up that counts is the one with this sequence number
         wait = replica.next_change()
@@ -228,7 +242,7 @@ class _Simulation:
         for name in names:
             replica = self.replicas.get(name)
             if replica is None or replica.draining:  # a returning replica is a fresh server
-                replica = Replica(name, self.cost, self.fleet.slots, self.fleet.cache_tokens)
+                replica = self._new_replica(name)
                 replica.host_factor = self.host_factor
                 self.replicas[name] = replica
                 self.every_replica.append(replica)
@@ -236,3 +250,8 @@ class _Simulation:
             replica.draining = name not in names
         self.router.set_replicas(names)
         self.outcome.scale_times.append((now, count))
+
+    def _new_replica(self, name: str) -> Replica | PagedReplica:
+        if self.cost.server is not None and self.cost.server.kv_cache == "paged":
+            return PagedReplica(name, self.cost)
+        return Replica(name, self.cost, self.fleet.slots, self.fleet.cache_tokens)

@@ -20,10 +20,11 @@ from __future__ import annotations
 from bisect import bisect_right
 from collections import deque
 from collections.abc import Hashable
+from typing import Protocol
 
 from extproc.routing import RouteRequest
 from extproc.sim.costmodel import CostModel
-from extproc.sim.prompts import HostCache, common_prefix
+from extproc.sim.prompts import BLOCK_TOKENS, HostCache, common_prefix
 
 SLOT_SIMILARITY = 0.1  # llama.cpp --slot-prompt-similarity default
 SAVE_BELOW_KEEP = 0.5  # a slot's content is saved to host RAM when a prompt keeps less than this share
@@ -44,7 +45,9 @@ class Request:
         self, request_id: str, conversation: str, turn: int, key: Hashable, blocks: tuple[int, ...] | None,
         prompt_tokens: int, max_tokens: int, arrival_s: float | None = None, think_s: float = 0.0,
     ) -> None:
-        self.route = RouteRequest(request_id, conversation, prompt_tokens, max_tokens)  # built once, up front
+        # built once, up front; block-aware policies see the trace's chained hashes of the full blocks
+        full_blocks = blocks[: prompt_tokens // BLOCK_TOKENS] if blocks else ()
+        self.route = RouteRequest(request_id, conversation, prompt_tokens, max_tokens, full_blocks)
         self.request_id = request_id
         self.conversation = conversation
         self.turn = turn  # 1-based
@@ -185,7 +188,7 @@ class Replica:
         if not finished:
             return finished
         if len(finished) > 1:
-            finished.sort(key=_start_order)
+            finished.sort(key=start_order)
         self.running -= len(finished)
         for request in finished:
             request.finished_at = now
@@ -212,20 +215,10 @@ class Replica:
             if entry is not None:
                 slot.key, slot.blocks, slot.tokens = entry
                 shared = common_prefix(slot.key, slot.blocks, slot.tokens, key, blocks, prompt)
-        cached = min(shared, prompt - 1)
-        request.cache_n = cached
-        request.prompt_n = prompt - cached
-        request.started_at = now
-        request.order = self.started
-        self.started += 1
-        self.running += 1
         request.slot = slot
         slot.busy = True
         slot.key, slot.blocks, slot.tokens = key, blocks, prompt
-        request.target = target = self.prefill_clock + self.cost.prefill_s(prompt - cached, cached)
-        index = bisect_right(self.prefill_targets, target)  # the phase's lists stay sorted by target
-        self.prefill_targets.insert(index, target)
-        self.prefilling.insert(index, request)
+        start_prefill(self, request, shared, now)
 
     def _pick_slot(self, request: Request) -> tuple[Slot, int]:
         """The idle slot to use, and the tokens of the prompt it already holds."""
@@ -246,5 +239,32 @@ class Replica:
         return lru, common_prefix(lru.key, lru.blocks, lru.tokens, key, blocks, prompt) if lru.key == key else 0
 
 
-def _start_order(request: Request) -> int:
+class Prefilling(Protocol):
+    """What ``start_prefill`` needs of a replica (the llama.cpp and the paged one)."""
+
+    cost: CostModel
+    started: int
+    running: int
+    prefill_clock: float
+    prefill_targets: list[float]
+    prefilling: list[Request]
+
+
+def start_prefill(replica: Prefilling, request: Request, hit: int, now: float) -> None:
+    """The request starts at ``now`` with ``hit`` prompt tokens found cached: its prefill phase begins."""
+    prompt = request.prompt_tokens
+    cached = min(hit, prompt - 1)  # the last prompt token is always evaluated
+    request.cache_n = cached
+    request.prompt_n = prompt - cached
+    request.started_at = now
+    request.order = replica.started
+    replica.started += 1
+    replica.running += 1
+    request.target = target = replica.prefill_clock + replica.cost.prefill_s(prompt - cached, cached)
+    index = bisect_right(replica.prefill_targets, target)  # the phase's lists stay sorted by target
+    replica.prefill_targets.insert(index, target)
+    replica.prefilling.insert(index, request)
+
+
+def start_order(request: Request) -> int:
     return request.order

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import tomllib
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -16,7 +16,7 @@ from extproc.routing import Router
 from extproc.settings import RoutingSettings, SettingsError, parse_routing
 from extproc.sim.costmodel import CostModel, load_cost_model
 from extproc.sim.engine import ClosedLoop, Fleet, OpenLoop, Outcome, simulate
-from extproc.sim.mooncake import TraceRequest, read_trace
+from extproc.sim.mooncake import TraceError, TraceRequest, jittered_arrivals, read_trace
 from extproc.sim.records import SIM_EPOCH_S, request_rows
 from extproc.sim.workload import profile_workload, requests_from_trace
 from extproc.traffic import Profile, load_profile
@@ -34,6 +34,8 @@ class SimConfig:
     host_cores: float
     time_scale: float
     release_lag_ms: float
+    # traces: arrivals sharing a bucket this wide are spread over it with the seed (None: not read)
+    jitter_bucket_s: float | None = None
 
 
 def load_sim_config(path: str | Path = SIM_CONFIG) -> SimConfig:
@@ -49,6 +51,7 @@ def load_sim_config(path: str | Path = SIM_CONFIG) -> SimConfig:
             host_cores=float(raw["host"]["cores"]),
             time_scale=float(raw["trace"]["time_scale"]),
             release_lag_ms=float(raw["gateway"]["release_lag_ms"]),
+            jitter_bucket_s=float(raw["trace"]["jitter_bucket_ms"]) / 1000.0,
         )
     except KeyError as exc:
         raise SettingsError(f"{path}: missing setting {exc.args[0]!r}") from None
@@ -76,8 +79,9 @@ class Source:
 
     label: str
     make: Callable[[int], ClosedLoop | OpenLoop]  # seed -> a fresh workload
-    seeds_hash: bool  # traces: the seed varies the ring's hash_seed (the trace itself is fixed)
+    seeds_hash: bool  # traces: the seed varies the ring's hash_seed and the arrival jitter
     profile: Profile | None = None
+    trace: list[TraceRequest] | None = None
 
 
 def profile_source(name_or_path: str) -> Source:
@@ -85,9 +89,19 @@ def profile_source(name_or_path: str) -> Source:
     return Source(profile.name, lambda seed: profile_workload(profile, seed), False, profile)
 
 
-def trace_source(path: str | Path, time_scale: float, limit: int | None = None) -> Source:
+def trace_source(path: str | Path, time_scale: float, jitter_bucket_s: float | None,
+                 limit: int | None = None) -> Source:
+    if jitter_bucket_s is None or jitter_bucket_s <= 0:
+        raise SettingsError(f"[trace] jitter_bucket_ms: must be > 0 (got {jitter_bucket_s!r} s)")
+    bucket_s = jitter_bucket_s
     trace: list[TraceRequest] = read_trace(path, limit)
-    return Source(Path(path).stem, lambda seed: requests_from_trace(trace, time_scale), True)
+    if not trace:
+        raise TraceError(f"{path}: no requests")
+
+    def make(seed: int) -> OpenLoop:
+        return requests_from_trace(trace, time_scale, jittered_arrivals(trace, bucket_s, seed))
+
+    return Source(Path(path).stem, make, True, trace=trace)
 
 
 def run_once(workload: ClosedLoop | OpenLoop, settings: RoutingSettings, cost: CostModel, fleet: Fleet) -> Outcome:
@@ -113,7 +127,7 @@ def run_experiment(
             run_id = f"sim-{source.label}-r{fleet.replicas}-{spec.replace(':', '_').replace(',', '_')}-s{seed}"
             rows = request_rows(outcome.requests, run_id, spec, seed)
             write_records(rows, out_dir / run_id / REQUESTS_FILE)
-            write_run_metadata(_meta(run_id, spec, seed, source, settings, config, fleet, outcome, len(rows)),
+            write_run_metadata(_meta(run_id, spec, seed, source, settings, config, cost, fleet, outcome, len(rows)),
                                out_dir / run_id)
             total += len(rows)
             progress(f"{run_id}: {len(rows)} requests, {outcome.end_s:.0f} simulated s")
@@ -121,7 +135,7 @@ def run_experiment(
 
 
 def _meta(run_id: str, spec: str, seed: int, source: Source, settings: RoutingSettings, config: SimConfig,
-          fleet: Fleet, outcome: Outcome, rows: int) -> RunMeta:
+          cost: CostModel, fleet: Fleet, outcome: Outcome, rows: int) -> RunMeta:
     def iso(at_s: float) -> str:
         return datetime.fromtimestamp(SIM_EPOCH_S + at_s, UTC).isoformat()
 
@@ -133,7 +147,8 @@ def _meta(run_id: str, spec: str, seed: int, source: Source, settings: RoutingSe
         finished_at=iso(outcome.end_s), scale_at_s=scale_up[0] if scale_up else None,
         scaled_to=scale_up[1] if scale_up else None, scale_ready_at=iso(scale_up[0]) if scale_up else None,
         status="finished", rows=rows,
-        extra={"cost_model": config.cost_model, "slots": fleet.slots, "cache_tokens": fleet.cache_tokens,
+        extra={"cost_model": config.cost_model, **({"server": asdict(cost.server)} if cost.server else {}),
+               "slots": fleet.slots, "cache_tokens": fleet.cache_tokens,
                "host_cores": fleet.host_cores, "replica_threads": fleet.replica_threads,
                "scale": [list(event) for event in fleet.scale], "events": outcome.events},
     )

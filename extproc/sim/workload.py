@@ -57,14 +57,23 @@ def trace_workload(path: str | Path, time_scale: float = 1.0, limit: int | None 
     return requests_from_trace(read_trace(path, limit), time_scale)
 
 
-def requests_from_trace(trace: list[TraceRequest], time_scale: float = 1.0) -> OpenLoop:
+def requests_from_trace(
+    trace: list[TraceRequest], time_scale: float = 1.0, arrivals: list[float] | None = None
+) -> OpenLoop:
+    """The trace's requests, each at ``arrivals`` (default: its timestamp) × ``time_scale``.
+
+    A request's prefix key is its first block's hash id; a plain trace (no hash ids) gives
+    every request its own key, so nothing is shared.
+    """
     conversations = infer_conversations(trace)
     turns: dict[int, int] = {}
     requests = []
     for number, (item, conversation) in enumerate(zip(trace, conversations, strict=True)):
         turns[conversation] = turns.get(conversation, 0) + 1
+        at = item.timestamp_s if arrivals is None else arrivals[number]
+        hashes = item.hash_ids
         requests.append(Request(
-            f"r{number:06d}", f"m{conversation:05d}", turns[conversation], item.hash_ids[0], item.hash_ids,
-            item.input_length, item.output_length, arrival_s=item.timestamp_s * time_scale,
+            f"r{number:06d}", f"m{conversation:05d}", turns[conversation], hashes[0] if hashes else ("r", number),
+            hashes or None, item.input_length, item.output_length, arrival_s=at * time_scale,
         ))
     return OpenLoop(requests)
