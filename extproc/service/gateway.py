@@ -11,7 +11,10 @@ One HTTP request meets the service on (see envoy.py):
     the HTTP request is over;
   - a streamed (SSE) answer: the *observe* stream, the response body chunks (the first with
     status and the upstream that served), never answered -> ``observe_*``.
-They meet in ``pending`` by request id. The load is released exactly once, in ``_finish``:
+They meet in ``pending`` by request id: the service's own, set as the request's
+``x-request-id`` by its answer (a client's id is only logged, bounded). An access log entry
+that carries Envoy's id instead (``envoy_ids``) means the answer never landed: Envoy failed
+open past ext_proc's timeout and served the request round robin. The load is released exactly once, in ``_finish``:
 when the access log entry has come and, for a streamed answer, the observer has seen its end
 (or ``observe_grace`` after the entry). An entry that never comes (the access log stream
 broke) is made up for by ``release_lost``: Envoy itself ends a request that shows no activity
@@ -21,6 +24,7 @@ for STREAM_IDLE_TIMEOUT_S, so a request silent for twice that long is over.
 from __future__ import annotations
 
 import asyncio
+import secrets
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -29,13 +33,14 @@ from typing import Any
 
 import orjson
 import structlog
+import xxhash
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
 from extproc.routing import Decision, Router, RouteRequest, estimate_tokens
-from extproc.service.bodies import BadRequest, Timings, parse_request, parse_timings
+from extproc.service.bodies import BadRequest, BodyLimits, Timings, parse_request, parse_timings
 from extproc.service.envoy import (
     DESTINATION,
     OBSERVE,
@@ -54,6 +59,15 @@ MAX_JSON_RESPONSE_BYTES = 1 << 20  # larger JSON answers are passed on unread (n
 SSE_TAIL_BYTES = 64 << 10  # the last events of a stream are all we read
 PREDICTED_HEADERS_KEPT = 1 << 16  # serialized x-route-predicted-cached-tokens values kept
 LOST_AFTER_S = 2 * STREAM_IDLE_TIMEOUT_S  # no access log entry by then: it was lost
+BOUNDED_CHARS = 64  # client-chosen ids kept in state and logs: longer ones are cut and hashed
+
+
+def bounded(value: str, limit: int = BOUNDED_CHARS) -> str:
+    """``value``, or its head and a hash of the whole when longer than ``limit``: a client's id
+    can neither blow up a log line or the placement memory, nor collide by sharing a head."""
+    if len(value) <= limit:
+        return value
+    return value[: limit - 17] + "~" + xxhash.xxh64_hexdigest(value.encode(errors="replace"))
 
 
 @dataclass(slots=True)
@@ -74,6 +88,8 @@ class Pending:
     answered: bool = False  # the whole answer passed (per the access log, or the observer saw its end)
     observed_end: bool = False  # streamed: the observer saw the last chunk
     lost: bool = False  # released by release_lost: the access log entry never came
+    not_applied: bool = False  # Envoy served the request without the pick (fail-open)
+    envoy_id: str = ""  # the id Envoy gave the request (a client's x-request-id, bounded)
     event_stream: bool = False
     chunks: deque[bytes] = field(default_factory=deque)
     size: int = 0
@@ -99,6 +115,9 @@ class Gateway:
         self._answers: dict[tuple[str, str, bool], bytes] = {}
         self._predicted_headers: dict[int, bytes] = {}
         self._sequence = 0
+        self._id_prefix = secrets.token_hex(3) + "-"  # ids differ across restarts of the service
+        self.envoy_ids: dict[str, str] = {}  # Envoy's id -> ours, while pending
+        self.limits = BodyLimits(settings.max_messages, settings.max_prompt_chars, settings.max_output_tokens)
 
     # ------------------------------------------------------------------ replicas
 
@@ -128,12 +147,12 @@ class Gateway:
         (True), or an immediate error answer that Envoy sends the client itself (False)."""
         started = time.perf_counter()
         try:
-            parsed = parse_request(path, content_type, body)
+            parsed = parse_request(path, content_type, body, self.limits)
         except BadRequest as exc:
             self.metrics.errors["bad_request"] += 1
             return immediate(exc.status, exc.message), False
-        unique_id = self._request_id(request_id)
-        conversation = conversation_id or parsed.opening_key
+        unique_id = self._request_id()
+        conversation = bounded(conversation_id) or parsed.opening_key
         prompt_tokens = parsed.prompt_token_ids or estimate_tokens(parsed.prompt_chars, self.settings.chars_per_token)
         request = RouteRequest(
             unique_id, conversation, prompt_tokens, parsed.max_tokens or self.settings.default_max_tokens
@@ -145,16 +164,16 @@ class Gateway:
             unhealthy = sorted(self.unhealthy)
             return immediate(503, "no replica available", replicas=len(self.endpoints), unhealthy=unhealthy), False
         self.pending[unique_id] = Pending(
-            request, decision, self.endpoints[decision.replica], path, turn, parsed.stream, started, time.monotonic()
-        )
+            request, decision, self.endpoints[decision.replica], path, bounded(turn), parsed.stream, started,
+            time.monotonic(), envoy_id=self._remember_envoy_id(request_id, unique_id),
+        )  # fmt: skip
         self.metrics.decision(decision.trace.policy, decision.reason, time.perf_counter() - started)
         key = (decision.replica, decision.reason, parsed.stream)
         answer = self._answers.get(key)
         if answer is None:
             answer = self._answers[key] = self._route_answer(*key)
         answer += self._predicted_header(decision.predicted_cached_tokens)
-        if unique_id != request_id:
-            answer += _more_headers([header_option(REQUEST_ID, unique_id)])
+        answer += _more_headers([header_option(REQUEST_ID, unique_id)])
         return answer, True
 
     # ------------------------------------------------------------------ access log
@@ -165,6 +184,7 @@ class Gateway:
         timings are in its last events: wait for the observer's end, at most observe_grace."""
         pending = self.pending.get(request_id)
         if pending is None:
+            self._served_without_pick(request_id, status, served)
             return
         pending.logged = True
         pending.status = status
@@ -178,6 +198,17 @@ class Gateway:
         else:
             grace = self.settings.observe_grace_ms / 1000
             pending.timer = asyncio.get_running_loop().call_later(grace, self._finish, request_id)
+
+    def _served_without_pick(self, envoy_id: str, status: int, served: str) -> None:
+        """An entry under Envoy's own id: the service decided too late (Envoy failed open) and
+        the request went round robin. Release the load; the pick is not to blame for anything."""
+        request_id = self.envoy_ids.get(envoy_id)
+        if request_id is None:
+            return  # not a routed request (a 404/405, a request ext_proc never saw)
+        pending = self.pending[request_id]
+        pending.logged = pending.not_applied = True
+        pending.status, pending.served = status, served
+        self._finish(request_id)
 
     def release_lost(self, now: float) -> int:
         """Release requests silent for LOST_AFTER_S (monotonic ``now``): their access log
@@ -229,14 +260,18 @@ class Gateway:
         pending = self.pending.pop(request_id, None)
         if pending is None:
             return
+        if self.envoy_ids.get(pending.envoy_id) == request_id:
+            del self.envoy_ids[pending.envoy_id]
         decision = pending.decision
-        failed_over = bool(pending.served) and pending.served != pending.endpoint
+        failed_over = not pending.not_applied and bool(pending.served) and pending.served != pending.endpoint
         # ok: a whole 2xx answer from the pick; failed_over: a whole 2xx answer from a fallback
         # (the pick refused; placement memory now points where the cache went); failed: an error
         # status; abandoned: the request ended before its answer did (the client hung up, or the
         # upstream broke off).
         succeeded = pending.answered and 200 <= pending.status < 300
-        if not pending.answered:
+        if pending.not_applied:
+            outcome = "not_applied"
+        elif not pending.answered:
             outcome = "abandoned"
         elif not succeeded:
             outcome = "failed"
@@ -249,7 +284,8 @@ class Gateway:
             served=served_replica if failed_over and served_replica in self.endpoints else None,
         )
         self.metrics.completed[outcome] += 1
-        if failed_over or (pending.answered and pending.status in (502, 503) and not pending.served):
+        refused = pending.answered and pending.status in (502, 503) and not pending.served
+        if failed_over or (refused and not pending.not_applied):
             self.metrics.errors["replica_failed"] += 1
             self.mark_unhealthy(decision.replica)
         timings = pending.timings
@@ -278,6 +314,7 @@ class Gateway:
         decision = pending.decision
         fields: dict[str, Any] = {
             "request_id": request_id,
+            "envoy_request_id": pending.envoy_id,
             "conversation": pending.request.conversation,
             "turn": pending.turn,
             "path": pending.path,
@@ -306,11 +343,16 @@ class Gateway:
 
     # ------------------------------------------------------------------ helpers
 
-    def _request_id(self, from_envoy: str) -> str:
-        if from_envoy and from_envoy not in self.pending:
-            return from_envoy
-        self._sequence += 1  # absent or reused by a client: make it unique
-        return f"{from_envoy or 'llm-ring'}-{self._sequence}"
+    def _request_id(self) -> str:
+        self._sequence += 1
+        return f"{self._id_prefix}{self._sequence:x}"
+
+    def _remember_envoy_id(self, envoy_id: str, request_id: str) -> str:
+        """Envoy's id for the request (bounded), mapped to ours until it ends. A client may
+        reuse an id: the newest request holds it, an older one ends by its own id (or as lost)."""
+        envoy_id = bounded(envoy_id)
+        self.envoy_ids[envoy_id] = request_id
+        return envoy_id
 
     def _predicted_header(self, tokens: int) -> bytes:
         """The serialized header carrying the predicted cached tokens, one per value seen."""
