@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -220,3 +221,19 @@ def test_an_unbounded_max_tokens_is_refused_and_state_stays_readable(gw: Gateway
     reply = httpx.post(gw.url + URL, json=chat("hi", max_tokens=2**63 - 1), timeout=10)
     assert reply.status_code == 400 and "service.max_output_tokens" in reply.json()["error"]
     assert gw.state()["in_flight_requests"] >= 0  # GetState answers
+
+
+def test_connect_is_refused_at_once(gw: Gateway) -> None:
+    """Finding 7: CONNECT got no answer in 10 s (the body buffer waited for a tunnel to end)."""
+    host, port = gw.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=5) as sock:
+        sock.sendall(b"CONNECT 127.0.0.1:22 HTTP/1.1\r\nHost: 127.0.0.1:22\r\n\r\n")
+        status_line = sock.recv(200).split(b"\r\n")[0]
+    assert status_line.split()[1] in {b"403", b"405"}
+
+
+def test_the_services_own_413_keeps_its_message(gw: Gateway) -> None:
+    """Envoy's JSON 413 (body over max_body_bytes) must not replace the service's 413s."""
+    body = {"messages": [{"role": "user", "content": "x"}] * (int(LIMITS["max_messages"]) + 1)}
+    reply = httpx.post(gw.url + URL, json=body, timeout=10)
+    assert reply.status_code == 413 and "service.max_messages" in reply.json()["error"]
