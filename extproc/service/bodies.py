@@ -58,6 +58,9 @@ class BadRequest(ValueError):
         self.status = status
         self.message = message
 
+    def __reduce__(self) -> tuple[type[BadRequest], tuple[int, str]]:  # crosses processes (offload.py)
+        return BadRequest, (self.status, self.message)
+
 
 @dataclass(frozen=True, slots=True)
 class Timings:

@@ -40,7 +40,7 @@ from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
 from extproc.routing import Decision, Router, RouteRequest, estimate_tokens
-from extproc.service.bodies import BadRequest, BodyLimits, Timings, parse_request, parse_timings
+from extproc.service.bodies import BadRequest, BodyLimits, ParsedRequest, Timings, parse_request, parse_timings
 from extproc.service.envoy import (
     DESTINATION,
     OBSERVE,
@@ -141,13 +141,22 @@ class Gateway:
     # ------------------------------------------------------------------ route stream
 
     def decide(
-        self, *, path: str, content_type: str, conversation_id: str, turn: str, request_id: str, body: bytes
+        self,
+        *,
+        path: str,
+        content_type: str,
+        conversation_id: str,
+        turn: str,
+        request_id: str,
+        body: bytes,
+        parsed_elsewhere: ParsedRequest | BadRequest | None = None,
     ) -> tuple[bytes, bool]:
         """(the serialized ProcessingResponse answering the request headers, routed): the pick
-        (True), or an immediate error answer that Envoy sends the client itself (False)."""
+        (True), or an immediate error answer that Envoy sends the client itself (False).
+        parsed_elsewhere: the body's parse_request result (or refusal) from offload.py."""
         started = time.perf_counter()
         try:
-            parsed = parse_request(path, content_type, body, self.limits)
+            parsed = self._parse(path, content_type, body, parsed_elsewhere)
         except BadRequest as exc:
             self.metrics.errors["bad_request"] += 1
             return immediate(exc.status, exc.message), False
@@ -342,6 +351,13 @@ class Gateway:
         log.info("route_decision", **fields)
 
     # ------------------------------------------------------------------ helpers
+
+    def _parse(
+        self, path: str, content_type: str, body: bytes, done: ParsedRequest | BadRequest | None
+    ) -> ParsedRequest:
+        if isinstance(done, BadRequest):
+            raise done
+        return done if done is not None else parse_request(path, content_type, body, self.limits)
 
     def _request_id(self) -> str:
         self._sequence += 1

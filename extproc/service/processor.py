@@ -20,6 +20,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from extproc.service.bodies import timings_from_metadata
 from extproc.service.envoy import METADATA_NAMESPACE
 from extproc.service.gateway import Gateway, bounded, immediate
+from extproc.service.offload import BodyParser
 from extproc.service.wire import M, decode_tolerant
 
 log = structlog.get_logger("extproc.service")
@@ -30,8 +31,8 @@ EMPTY_BODY = immediate(400, "empty body: expected a JSON object")
 BODY_CONTINUE = pb.ProcessingResponse(request_body=pb.BodyResponse()).SerializeToString()
 
 
-def handler(gateway: Gateway) -> grpc.GenericRpcHandler:
-    processor = Processor(gateway)
+def handler(gateway: Gateway, parser: BodyParser | None = None) -> grpc.GenericRpcHandler:
+    processor = Processor(gateway, parser)
     return grpc.method_handlers_generic_handler(
         SERVICE,
         {
@@ -103,8 +104,9 @@ def _stream_failed(gateway: Gateway, stream: str, exc: Exception) -> None:
 
 
 class Processor:
-    def __init__(self, gateway: Gateway) -> None:
+    def __init__(self, gateway: Gateway, parser: BodyParser | None = None) -> None:
         self.gateway = gateway
+        self.parser = parser  # large bodies are parsed there (offload.py); None: all inline
 
     async def process(self, _requests: Any, context: grpc.aio.ServicerContext) -> None:
         stream = "route"
@@ -137,13 +139,20 @@ class Processor:
             chunks.append(message.request_body.body)
             if message.request_body.end_of_stream:
                 break
+        path = _text(attributes, "request.url_path")
+        content_type = _text(attributes, "request.headers['content-type']")
+        body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        parsed = None
+        if self.parser is not None and self.parser.takes(body):
+            parsed = await self.parser.parse(path, content_type, body)
         answer, routed = self.gateway.decide(
-            path=_text(attributes, "request.url_path"),
-            content_type=_text(attributes, "request.headers['content-type']"),
+            path=path,
+            content_type=content_type,
             conversation_id=_text(attributes, "request.headers['x-conversation-id']"),
             turn=_text(attributes, "request.headers['x-turn']"),
             request_id=_text(attributes, "request.id"),
-            body=chunks[0] if len(chunks) == 1 else b"".join(chunks),
+            body=body,
+            parsed_elsewhere=parsed,
         )
         await context.write(answer)
         if not routed:  # Envoy answers the client itself: nothing more to say

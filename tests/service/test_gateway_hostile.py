@@ -4,6 +4,7 @@ pick Envoy never applied is not blamed on a replica."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 from typing import Any
@@ -224,3 +225,34 @@ def test_a_pick_envoy_never_applied_is_released_without_blaming_the_replica() ->
     assert not gateway.pending and gateway.router.ledger.total_requests() == 0
     (record,) = [entry for entry in logs if entry["event"] == "route_decision"]
     assert record["outcome"] == "not_applied"
+
+
+# ---------------------------------------------------------------- large bodies off the loop
+
+
+def test_large_bodies_are_parsed_in_the_worker_with_the_same_result() -> None:
+    from extproc.service.offload import MAX_WAITING, OFFLOAD_BYTES, BodyParser
+
+    async def scenario() -> None:
+        parser = BodyParser(LIMITS)
+        try:
+            big = json.dumps({"prompt": "p" * 50, "n_predict": 3, "padding": "x" * OFFLOAD_BYTES}).encode()
+            assert parser.takes(big) and not parser.takes(big[: OFFLOAD_BYTES - 1])
+            assert await parser.parse("/completion", "", big) == parse_request("/completion", "", big, LIMITS)
+            refused = await parser.parse(CHAT, "", json.dumps({"messages": [{"role": "user"}] * 5}).encode())
+            assert isinstance(refused, BadRequest) and refused.status == 413
+            parser.waiting = MAX_WAITING  # as if that many were queued
+            busy = await parser.parse(CHAT, "", big)
+            assert isinstance(busy, BadRequest) and busy.status == 503
+        finally:
+            parser.close()
+
+    asyncio.run(scenario())
+
+
+def test_the_gateway_decides_on_a_result_parsed_elsewhere() -> None:
+    gateway = make_gateway()
+    refusal = BadRequest(413, "'messages': too many")
+    answer, routed = gateway.decide(path=CHAT, content_type="", conversation_id="", turn="", request_id="r",
+                                    body=b"never parsed here", parsed_elsewhere=refusal)  # fmt: skip
+    assert not routed and immediate_status(answer) == (413, {"error": "'messages': too many"})
