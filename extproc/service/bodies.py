@@ -98,6 +98,18 @@ def parse_request(path: str, content_type: str, body: bytes, limits: BodyLimits 
     raise BadRequest(404, f"unknown path {path!r}")
 
 
+def too_many_messages(body: bytes, limits: BodyLimits) -> BadRequest | None:
+    """A refusal for a chat body with far more messages than allowed, found without parsing it
+    (parsing 90,000 messages costs ~50 ms of CPU even when the answer is 413). A bare ``"`` never
+    occurs inside a JSON string, so each ``"role"`` in the bytes is a string token of its own:
+    more of them than 2 x max_messages means more messages than allowed (short of thousands of
+    strings that are "role" elsewhere in the body). Escaped keys are still caught by parsing."""
+    count = body.count(b'"role"')
+    if count > 2 * limits.max_messages:
+        return _over("'messages'", count, "messages or more", limits.max_messages, "max_messages")
+    return None
+
+
 def _chat(messages: Any, limits: BodyLimits | None) -> tuple[str, int]:
     if not isinstance(messages, list) or not messages:
         raise BadRequest(400, "'messages' must be a non-empty list")

@@ -16,7 +16,7 @@ import asyncio
 import multiprocessing
 from concurrent.futures import ProcessPoolExecutor
 
-from extproc.service.bodies import BadRequest, BodyLimits, ParsedRequest, parse_request
+from extproc.service.bodies import CHAT_PATHS, BadRequest, BodyLimits, ParsedRequest, parse_request, too_many_messages
 
 OFFLOAD_BYTES = 256 << 10  # below: parsed inline (well under a millisecond for ordinary chats)
 MAX_WAITING = 8
@@ -44,6 +44,9 @@ class BodyParser:
         return len(body) >= OFFLOAD_BYTES
 
     async def parse(self, path: str, content_type: str, body: bytes) -> ParsedRequest | BadRequest:
+        refusal = too_many_messages(body, self.limits) if path in CHAT_PATHS else None
+        if refusal is not None:
+            return refusal
         if self.waiting >= MAX_WAITING:
             return BadRequest(503, f"too many large bodies in progress (over {MAX_WAITING}): retry shortly")
         self.waiting += 1

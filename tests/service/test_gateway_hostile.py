@@ -256,3 +256,26 @@ def test_the_gateway_decides_on_a_result_parsed_elsewhere() -> None:
     answer, routed = gateway.decide(path=CHAT, content_type="", conversation_id="", turn="", request_id="r",
                                     body=b"never parsed here", parsed_elsewhere=refusal)  # fmt: skip
     assert not routed and immediate_status(answer) == (413, {"error": "'messages': too many"})
+
+
+@given(
+    messages=st.integers(1, 12),
+    role_values=st.integers(0, 3),
+    text=st.text(max_size=30),
+)
+def test_counting_roles_in_the_bytes_never_refuses_a_body_within_the_limit(
+    messages: int, role_values: int, text: str
+) -> None:
+    """The pre-parse count refuses only bodies whose parse would be refused too (or that carry
+    more than max_messages strings "role" elsewhere)."""
+    from extproc.service.bodies import too_many_messages
+
+    body = json.dumps(
+        {"messages": [{"role": "user", "content": f'"role" {text}'}] * messages, "x": ["role"] * role_values}
+    ).encode()
+    refused = too_many_messages(body, LIMITS)
+    if messages + role_values <= 2 * LIMITS.max_messages:
+        assert refused is None
+    if refused is not None:
+        with pytest.raises(BadRequest):
+            parse_request(CHAT, "", body, LIMITS)
