@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 from collections import Counter
 from collections.abc import Iterator
@@ -69,7 +70,7 @@ def send(gw: Gateway, kind: str, body: bytes, headers: list[tuple[bytes, bytes]]
         return
     error = reply.json()["error"]  # the service's or Envoy's local reply: a JSON error
     assert isinstance(error, str) and error
-    OUTCOMES[kind, f"{reply.status_code} {' '.join(error.split()[:3])[:40]}"] += 1
+    OUTCOMES[kind, f"{reply.status_code} {re.sub(r'[0-9]+', 'N', ' '.join(error.split()[:3]))[:40]}"] += 1
 
 
 def assert_healthy_after(gw: Gateway) -> None:

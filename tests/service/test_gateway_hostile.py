@@ -279,3 +279,35 @@ def test_counting_roles_in_the_bytes_never_refuses_a_body_within_the_limit(
     if refused is not None:
         with pytest.raises(BadRequest):
             parse_request(CHAT, "", body, LIMITS)
+
+
+def test_a_bug_of_ours_fails_open_with_one_bounded_line_and_a_count() -> None:
+    import grpc
+
+    from extproc.service.processor import Processor
+
+    class Context:
+        def __init__(self, messages: list[pb.ProcessingRequest]) -> None:
+            self.messages, self.aborted = messages, None
+
+        async def read(self) -> pb.ProcessingRequest:
+            return self.messages.pop(0)
+
+        async def write(self, _answer: bytes) -> None:
+            raise AssertionError("a failed stream answers nothing")
+
+        async def abort(self, code: grpc.StatusCode, _details: str) -> None:
+            self.aborted = code
+
+    gateway = make_gateway()
+    gateway.decide = lambda **_: (_ for _ in ()).throw(KeyError("x" * 10_000))  # type: ignore[method-assign]
+    headers = pb.ProcessingRequest(request_headers=pb.HttpHeaders())
+    body = pb.ProcessingRequest(request_body=pb.HttpBody(body=orjson.dumps(chat()), end_of_stream=True))
+    context = Context([headers, body])
+    with capture_logs() as logs:
+        asyncio.run(Processor(gateway).process(None, context))  # type: ignore[arg-type]
+    (line,) = logs
+    assert line["event"] == "ext_proc_stream_failed" and line["error"] == "KeyError"
+    assert "exc_info" not in line and len(orjson.dumps(line)) < 400
+    assert context.aborted == grpc.StatusCode.INTERNAL  # Envoy applies fail_open
+    assert gateway.metrics.stream_failures["route"] == 1

@@ -223,3 +223,17 @@ def _outcome(chat: Chat, text: str, max_tokens: int) -> Any:
         return chat.turn(text, max_tokens)[0].status_code
     except httpx.HTTPError as exc:
         return type(exc).__name__
+
+
+def test_a_corrupted_replica_list_keeps_the_last_good_one(lab: LocalLab) -> None:
+    """Drill: the discovery file is overwritten with garbage. The router keeps routing over the
+    replicas it knew (discovery keeps the last good list) and takes the file again once repaired."""
+    listing = Path(lab.stack.state.run_dir) / "replicas.json"
+    good = listing.read_text()
+    listing.write_text('{"llm-0": "127.0.0.1:1", oops')
+    try:
+        time.sleep(1.5)  # discovery polls the file every 0.5 s
+        assert _routed(lab)
+    finally:
+        listing.write_text(good)
+    assert _routed(lab)
