@@ -8,7 +8,8 @@ Real Envoy + `llm-ring serve` in front of two stub upstreams (extproc.service.st
      x-request-id, wrong JSON types, max_tokens out of range, bodies over the limits,
      malformed JSON, uploads cut off half-way); per class the answers seen, then the
      service's RSS before / at the end / 10 s later, what is left in flight, the stream
-     failures the service counted, and whether a valid chat is still routed.
+     failures the service counted, and whether a valid chat is still routed. RSS is read at
+     start, after the large bodies (before the soak), at the soak's end and 10 s later.
 """
 
 from __future__ import annotations
@@ -79,6 +80,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         url = f"http://{envoy.listen}"
         metrics = "http://" + env["LLM_RING__SERVICE__METRICS_LISTEN"].strip('"') + "/metrics"
         time.sleep(1.0)  # Envoy reads the endpoint file
+        rss_at_start = _rss_mib(service)
         result: dict[str, Any] = {"stall": asyncio.run(_stall(url, args))}
         rss_before = _rss_mib(service)
         soak = asyncio.run(_soak(url, args))
@@ -89,7 +91,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         routed = httpx.post(url + CHAT, json=_chat("still routed?"), timeout=10).headers.get("x-routed-to", "")
         result["soak"] = {
             **soak,
-            "rss_mib": {"before": rss_before, "end": rss_end, "10s_after": _rss_mib(service)},
+            "rss_mib": {
+                "at_start": rss_at_start,
+                "after_the_large_bodies": rss_before,
+                "end": rss_end,
+                "10s_after": _rss_mib(service),
+            },
             "in_flight_after": in_flight,
             "stream_failures": _metric_sum(metrics, "llm_ring_stream_failures_total"),
             "valid_chat_routed_to": routed,
