@@ -11,13 +11,16 @@ Quick by default (FUZZ_EXAMPLES examples per class); LLM_RING_FUZZ_EXAMPLES=2000
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
 import socket
+import threading
 from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -26,6 +29,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from extproc.service.processes import Running, free_port, start_stub_upstream, static_discovery
+from extproc.service.stub_upstream import RESPONSE, request_end
 from tests.service.gateway_support import Gateway, chat, gateway
 
 pytestmark = pytest.mark.live
@@ -238,3 +242,44 @@ def test_the_services_own_413_keeps_its_message(gw: Gateway) -> None:
     body = {"messages": [{"role": "user", "content": "x"}] * (int(LIMITS["max_messages"]) + 1)}
     reply = httpx.post(gw.url + URL, json=body, timeout=10)
     assert reply.status_code == 413 and "service.max_messages" in reply.json()["error"]
+
+
+class _ClosingUpstream(asyncio.Protocol):
+    """Answers the first request on each connection; closes the connection, unanswered, when a
+    second one arrives on it: what llama.cpp's server does to a request that comes in on a
+    keep-alive connection just as its 5 s idle timeout closes it."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport, self.buffer, self.answered = transport, b"", 0
+
+    def data_received(self, data: bytes) -> None:
+        self.buffer += data
+        while (end := request_end(self.buffer)) is not None:
+            self.buffer = self.buffer[end:]
+            if self.answered:
+                self.transport.close()
+                return
+            self.answered += 1
+            self.transport.write(RESPONSE)  # type: ignore[attr-defined]
+
+
+@pytest.fixture
+def closing_upstreams() -> Iterator[list[int]]:
+    loop = asyncio.new_event_loop()
+    servers = [loop.run_until_complete(loop.create_server(_ClosingUpstream, "127.0.0.1", 0)) for _ in range(2)]
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    yield [server.sockets[0].getsockname()[1] for server in servers]
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(5)
+
+
+def test_a_reused_connection_the_replica_closes_is_retried_not_a_503(
+    closing_upstreams: list[int], tmp_path: Path
+) -> None:
+    """Finding 5: a request sent on a keep-alive connection the replica closes without
+    answering got 503 "upstream connection termination"; now Envoy retries it."""
+    replicas = {f"llm-{i}": f"127.0.0.1:{port}" for i, port in enumerate(closing_upstreams)}
+    with gateway(tmp_path, static_discovery(replicas)) as g:
+        statuses = [httpx.post(g.url + URL, json=chat(f"turn {i}"), timeout=10).status_code for i in range(6)]
+    assert statuses == [200] * 6
