@@ -23,7 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "report": ("extproc.analysis.report", "summarise an experiment folder"),
     "sim": ("extproc.sim.cli", "simulate policies on a calibrated cost model"),
     "calibrate": ("extproc.sim.calibrate", "measure a live replica into a cost model"),
-    "bench": ("extproc.bench.cli", "benchmarks: decisions, gateway, sim"),
+    "bench": ("extproc.bench.cli", "benchmarks: decisions, gateway, hostile, sim"),
     "demo": ("extproc.experiments.demo", "set up, start the stack, compare policies, report"),
 }
 

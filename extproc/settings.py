@@ -57,6 +57,11 @@ class ServiceSettings(_Strict):
     chars_per_token: float = Field(gt=0, description="prompt token estimate = characters / chars_per_token")
     max_body_bytes: int = Field(gt=0, description="larger request bodies are refused with 413")
     default_max_tokens: int = Field(gt=0, description="output tokens charged when a request names none")
+    max_output_tokens: int = Field(
+        gt=0, description="max_tokens / n_predict above are refused (400); -1 is charged as this"
+    )
+    max_messages: int = Field(gt=0, description="chat requests with more messages are refused (413)")
+    max_prompt_chars: int = Field(gt=0, description="prompts with more characters (or token ids) are refused (413)")
     log_level: Literal["debug", "info", "warning", "error"]
     fallbacks: int = Field(ge=0, le=8, description="endpoints after the pick, tried by Envoy on connect failure")
     health_probe_seconds: float = Field(gt=0, description="probe period (GET /health) of a replica that failed")

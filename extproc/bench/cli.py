@@ -1,4 +1,4 @@
-"""`llm-ring bench (decisions|gateway|sim) [--json]`: figures and ratios in one run."""
+"""`llm-ring bench (decisions|gateway|hostile|sim) [--json]`: figures and ratios in one run."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import sys
 BENCHMARKS = {
     "decisions": ("extproc.bench.decisions", "per-decision latency of each policy, memory per conversation"),
     "gateway": ("extproc.bench.gateway", "added latency and throughput: direct vs Envoy vs Envoy + ext_proc"),
+    "hostile": ("extproc.bench.hostile", "normal clients' p50 with large bodies; a soak with hostile traffic mixed in"),
     "sim": ("extproc.bench.sim", "simulated requests per second; the Mooncake trace through all policies"),
 }
 

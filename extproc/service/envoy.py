@@ -51,6 +51,22 @@ _T = "type.googleapis.com/"
 # Envoy ends a request that shows no activity (bytes either way) for this long; the service
 # takes a request whose access log entry is this late twice over as lost (gateway.release_lost).
 STREAM_IDLE_TIMEOUT_S = 300
+# Connections to a replica idle this long are closed by Envoy: below the 5 s after which
+# llama.cpp's HTTP server (cpp-httplib, CPPHTTPLIB_KEEPALIVE_TIMEOUT_SECOND) closes them
+# itself. Without it Envoy may reuse a connection the replica is closing: 503 "upstream
+# connection termination" (measured: 1 request in 60 after 5.0 s idle gaps, none at 4.5 s).
+UPSTREAM_IDLE_TIMEOUT_S = 4
+# A client has this long to send its request headers, and this long for the whole request
+# (the body is buffered before the pick: an upload held open holds a buffer of up to
+# max_request_bytes). The timer stops once the request is sent upstream: generations,
+# however long, are not cut (stream_idle_timeout covers a silent one).
+REQUEST_HEADERS_TIMEOUT_S = 10
+REQUEST_TIMEOUT_S = 30
+# A client connection with no request in flight is closed after this long (Envoy's default: 1 h).
+DOWNSTREAM_IDLE_TIMEOUT_S = 60
+# Open client connections, all listeners together (Envoy's overload manager): past it Envoy
+# accepts no more, so held connections cannot exhaust its memory or file descriptors.
+MAX_DOWNSTREAM_CONNECTIONS = 8192
 
 
 @dataclass(frozen=True)
@@ -96,6 +112,7 @@ def render_envoy_config(
         # File-based EDS needs a node identity.
         "node": {"id": "llm-ring-gateway", "cluster": "llm-ring"},
         "admin": {"address": _socket(admin_host, admin_port)},
+        "overload_manager": _connection_limit(),
         "static_resources": {
             "listeners": [
                 {
@@ -119,6 +136,21 @@ def render_envoy_config(
         },
     }
     return json.dumps(config, indent=2) + "\n"
+
+
+def _connection_limit() -> dict[str, Any]:
+    return {
+        "resource_monitors": [
+            {
+                "name": "envoy.resource_monitors.global_downstream_max_connections",
+                "typed_config": {
+                    "@type": _T
+                    + "envoy.extensions.resource_monitors.downstream_connections.v3.DownstreamConnectionsConfig",
+                    "max_active_downstream_connections": MAX_DOWNSTREAM_CONNECTIONS,
+                },
+            }
+        ]
+    }
 
 
 def ext_proc_address(listen: str, socket: str) -> str:
@@ -181,21 +213,27 @@ def _http_connection_manager(
             "stat_prefix": "gateway",
             "codec_type": "AUTO",
             "generate_request_id": True,
-            # Long generations: no overall deadline; idle streams end after 5 min of silence.
-            "request_timeout": "0s",
+            # Long generations: no deadline once the request is in; idle streams end after 5 min
+            # of silence. A slow or unfinished request is cut (see REQUEST_TIMEOUT_S).
+            "request_headers_timeout": f"{REQUEST_HEADERS_TIMEOUT_S}s",
+            "request_timeout": f"{REQUEST_TIMEOUT_S}s",
             "stream_idle_timeout": f"{STREAM_IDLE_TIMEOUT_S}s",
+            "common_http_protocol_options": {"idle_timeout": f"{DOWNSTREAM_IDLE_TIMEOUT_S}s"},
             "route_config": _route_config(retries),
             **({"access_log": [_access_log()]} if with_ext_proc else {}),
-            # Envoy's own 413 (body over the buffer limit) in the same JSON shape as ours.
+            # Envoy's own 413 (body over the buffer limit) in the same JSON shape as ours; only
+            # Envoy's (its response code details): the service's 413s carry their own message.
             "local_reply_config": {
                 "mappers": [
                     {
                         "filter": {
-                            "status_code_filter": {
-                                "comparison": {
-                                    "op": "EQ",
-                                    "value": {"default_value": 413, "runtime_key": "llm_ring.413"},
-                                }
+                            "extension_filter": {
+                                "name": "envoy.access_loggers.extension_filters.cel",
+                                "typed_config": {
+                                    "@type": _T + "envoy.extensions.access_loggers.filters.cel.v3.ExpressionFilter",
+                                    "expression": "response.code == 413 && "
+                                    "response.code_details == 'request_payload_too_large'",
+                                },
                             }
                         },
                         "body_format_override": {
@@ -345,7 +383,9 @@ def _route_config(retries: int) -> dict[str, Any]:
     post = {"name": ":method", "string_match": {"exact": "POST"}}
     observe = {"name": OBSERVE, "present_match": True}
     no_observer = {"ext_proc.observe": {"@type": _EXT_PROC_PER_ROUTE, "disabled": True}}
-    routes: list[dict[str, Any]] = []
+    # CONNECT (a tunnel; its body never ends) is refused at once: without this route the
+    # buffer filter would wait for the end of that body (measured: no answer in 10 s).
+    routes: list[dict[str, Any]] = [_local_reply({"connect_matcher": {}}, 405, "method not allowed: CONNECT")]
     for path in ROUTED_PATHS:
         for headers, per_filter in (([post, observe], {}), ([post], no_observer)):
             routes.append(
@@ -367,8 +407,11 @@ def _to_replicas(retries: int) -> dict[str, Any]:
         "cluster": CLUSTER,
         "timeout": "0s",
         "retry_policy": {
-            # Only failures before the replica saw the request: a generation is never run twice.
-            "retry_on": "connect-failure,refused-stream,reset-before-request,retriable-status-codes",
+            # Only where the replica never answered: the connection failed or was refused, or was
+            # reset before any response byte (e.g. a keep-alive connection the replica closed
+            # as the request went out, or a replica that died before answering). A started
+            # answer is never retried, so a client never gets two generations.
+            "retry_on": "connect-failure,refused-stream,reset-before-request,reset,retriable-status-codes",
             "retriable_status_codes": [503],
             "num_retries": retries,
             "per_try_timeout": "0s",
@@ -393,12 +436,14 @@ _EXT_PROC_PER_ROUTE = _T + "envoy.extensions.filters.http.ext_proc.v3.ExtProcPer
 
 
 def _local_reply(match: dict[str, Any], status: int, message: str) -> dict[str, Any]:
+    """Answered by Envoy without reading the body (no buffering) nor asking the service."""
     disabled = {"@type": _EXT_PROC_PER_ROUTE, "disabled": True}
+    no_buffer = {"@type": _T + "envoy.extensions.filters.http.buffer.v3.BufferPerRoute", "disabled": True}
     return {
         "match": match,
         "direct_response": {"status": status, "body": {"inline_string": json.dumps({"error": message})}},
         "response_headers_to_add": [{"header": {"key": "content-type", "value": "application/json"}}],
-        "typed_per_filter_config": {"ext_proc.route": disabled, "ext_proc.observe": disabled},
+        "typed_per_filter_config": {"ext_proc.route": disabled, "ext_proc.observe": disabled, "whole-body": no_buffer},
     }
 
 
@@ -407,6 +452,13 @@ def _replicas_cluster(endpoints: Endpoints, connect_timeout_ms: int, max_request
         "name": CLUSTER,
         "connect_timeout": f"{connect_timeout_ms / 1000:g}s",
         "per_connection_buffer_limit_bytes": max_request_bytes,
+        "typed_extension_protocol_options": {
+            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                "@type": _T + "envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+                "common_http_protocol_options": {"idle_timeout": f"{UPSTREAM_IDLE_TIMEOUT_S}s"},
+                "explicit_http_config": {"http_protocol_options": {}},
+            }
+        },
         "load_balancing_policy": {
             "policies": [
                 {

@@ -11,7 +11,11 @@ One HTTP request meets the service on (see envoy.py):
     the HTTP request is over;
   - a streamed (SSE) answer: the *observe* stream, the response body chunks (the first with
     status and the upstream that served), never answered -> ``observe_*``.
-They meet in ``pending`` by request id. The request is over, and logged, in ``_finish``:
+They meet in ``pending`` by request id: the service's own, set as the request's
+``x-request-id`` by its answer (a client's id is only logged, bounded). An access log entry
+that carries Envoy's id instead (``envoy_ids``) means the answer never landed: Envoy failed
+open past ext_proc's timeout and served the request round robin. The request is over, and
+logged, in ``_finish``:
 when the access log entry has come and, for a streamed answer, the observer has seen its end
 (or ``observe_grace`` after the entry). An entry that never comes (the access log stream
 broke) is made up for by ``release_lost``: Envoy itself ends a request that shows no activity
@@ -32,6 +36,7 @@ other: each stays charged until its own end.
 from __future__ import annotations
 
 import asyncio
+import secrets
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -40,13 +45,22 @@ from typing import Any
 
 import orjson
 import structlog
+import xxhash
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
 from extproc.routing import Decision, Router, RouteRequest, estimate_tokens
-from extproc.service.bodies import BadRequest, Timings, parse_request, parse_timings, request_blocks
+from extproc.service.bodies import (
+    BadRequest,
+    BodyLimits,
+    ParsedRequest,
+    Timings,
+    parse_request,
+    parse_timings,
+    request_blocks,
+)
 from extproc.service.envoy import (
     DESTINATION,
     OBSERVE,
@@ -65,6 +79,15 @@ MAX_JSON_RESPONSE_BYTES = 1 << 20  # larger JSON answers are passed on unread (n
 SSE_TAIL_BYTES = 64 << 10  # the last events of a stream are all we read
 PREDICTED_HEADERS_KEPT = 1 << 16  # serialized x-route-predicted-cached-tokens values kept
 LOST_AFTER_S = 2 * STREAM_IDLE_TIMEOUT_S  # no access log entry by then: it was lost
+BOUNDED_CHARS = 64  # client-chosen ids kept in state and logs: longer ones are cut and hashed
+
+
+def bounded(value: str, limit: int = BOUNDED_CHARS) -> str:
+    """``value``, or its head and a hash of the whole when longer than ``limit``: a client's id
+    can neither blow up a log line or the placement memory, nor collide by sharing a head."""
+    if len(value) <= limit:
+        return value
+    return value[: limit - 17] + "~" + xxhash.xxh64_hexdigest(value.encode(errors="replace"))
 
 
 @dataclass(slots=True)
@@ -86,6 +109,8 @@ class Pending:
     observed_end: bool = False  # streamed: the observer saw the last chunk
     lost: bool = False  # released by release_lost: the access log entry never came
     released_by_next_turn: bool = False  # a later turn of its conversation showed its answer
+    not_applied: bool = False  # Envoy served the request without the pick (fail-open)
+    envoy_id: str = ""  # the id Envoy gave the request (a client's x-request-id, bounded)
     event_stream: bool = False
     chunks: deque[bytes] = field(default_factory=deque)
     size: int = 0
@@ -113,6 +138,9 @@ class Gateway:
         self._answers: dict[tuple[str, str, bool], bytes] = {}
         self._predicted_headers: dict[int, bytes] = {}
         self._sequence = 0
+        self._id_prefix = secrets.token_hex(3) + "-"  # ids differ across restarts of the service
+        self.envoy_ids: dict[str, str] = {}  # Envoy's id -> ours, while pending
+        self.limits = BodyLimits(settings.max_messages, settings.max_prompt_chars, settings.max_output_tokens)
 
     # ------------------------------------------------------------------ replicas
 
@@ -136,18 +164,27 @@ class Gateway:
     # ------------------------------------------------------------------ route stream
 
     def decide(
-        self, *, path: str, content_type: str, conversation_id: str, turn: str, request_id: str, body: bytes
+        self,
+        *,
+        path: str,
+        content_type: str,
+        conversation_id: str,
+        turn: str,
+        request_id: str,
+        body: bytes,
+        parsed_elsewhere: ParsedRequest | BadRequest | None = None,
     ) -> tuple[bytes, bool]:
         """(the serialized ProcessingResponse answering the request headers, routed): the pick
-        (True), or an immediate error answer that Envoy sends the client itself (False)."""
+        (True), or an immediate error answer that Envoy sends the client itself (False).
+        parsed_elsewhere: the body's parse_request result (or refusal) from offload.py."""
         started = time.perf_counter()
         try:
-            parsed = parse_request(path, content_type, body)
+            parsed = self._parse(path, content_type, body, parsed_elsewhere)
         except BadRequest as exc:
             self.metrics.errors["bad_request"] += 1
             return immediate(exc.status, exc.message), False
-        unique_id = self._request_id(request_id)
-        conversation = conversation_id or parsed.opening_key
+        unique_id = self._request_id()
+        conversation = bounded(conversation_id) or parsed.opening_key
         prompt_tokens = parsed.prompt_token_ids or estimate_tokens(parsed.prompt_chars, self.settings.chars_per_token)
         request = RouteRequest(
             unique_id, conversation, prompt_tokens, parsed.max_tokens or self.settings.default_max_tokens,
@@ -162,8 +199,9 @@ class Gateway:
             unhealthy = sorted(self.unhealthy)
             return immediate(503, "no replica available", replicas=len(self.endpoints), unhealthy=unhealthy), False
         self.pending[unique_id] = Pending(
-            request, decision, self.endpoints[decision.replica], path, turn, parsed.stream, started, time.monotonic()
-        )
+            request, decision, self.endpoints[decision.replica], path, bounded(turn), parsed.stream, started,
+            time.monotonic(), envoy_id=self._remember_envoy_id(request_id, unique_id),
+        )  # fmt: skip
         if parsed.history:
             self.unanswered.setdefault(conversation, {})[unique_id] = parsed.history
         self.metrics.decision(decision.trace.policy, decision.reason, time.perf_counter() - started)
@@ -172,8 +210,7 @@ class Gateway:
         if answer is None:
             answer = self._answers[key] = self._route_answer(*key)
         answer += self._predicted_header(decision.predicted_cached_tokens)
-        if unique_id != request_id:
-            answer += _more_headers([header_option(REQUEST_ID, unique_id)])
+        answer += _more_headers([header_option(REQUEST_ID, unique_id)])
         return answer, True
 
     def _release_answered(self, conversation: str, answered: frozenset[int]) -> None:
@@ -197,6 +234,7 @@ class Gateway:
         timings are in its last events: wait for the observer's end, at most observe_grace."""
         pending = self.pending.get(request_id)
         if pending is None:
+            self._served_without_pick(request_id, status, served)
             return
         pending.logged = True
         pending.status = status
@@ -210,6 +248,17 @@ class Gateway:
         else:
             grace = self.settings.observe_grace_ms / 1000
             pending.timer = asyncio.get_running_loop().call_later(grace, self._finish, request_id)
+
+    def _served_without_pick(self, envoy_id: str, status: int, served: str) -> None:
+        """An entry under Envoy's own id: the service decided too late (Envoy failed open) and
+        the request went round robin. Release the load; the pick is not to blame for anything."""
+        request_id = self.envoy_ids.get(envoy_id)
+        if request_id is None:
+            return  # not a routed request (a 404/405, a request ext_proc never saw)
+        pending = self.pending[request_id]
+        pending.logged = pending.not_applied = True
+        pending.status, pending.served = status, served
+        self._finish(request_id)
 
     def release_lost(self, now: float) -> int:
         """Release requests silent for LOST_AFTER_S (monotonic ``now``): their access log
@@ -261,14 +310,18 @@ class Gateway:
         pending = self.pending.pop(request_id, None)
         if pending is None:
             return
+        if self.envoy_ids.get(pending.envoy_id) == request_id:
+            del self.envoy_ids[pending.envoy_id]
         decision = pending.decision
-        failed_over = bool(pending.served) and pending.served != pending.endpoint
+        failed_over = not pending.not_applied and bool(pending.served) and pending.served != pending.endpoint
         # ok: a whole 2xx answer from the pick; failed_over: a whole 2xx answer from a fallback
         # (the pick refused; placement memory now points where the cache went); failed: an error
         # status; abandoned: the request ended before its answer did (the client hung up, or the
         # upstream broke off).
         succeeded = pending.answered and 200 <= pending.status < 300
-        if not pending.answered:
+        if pending.not_applied:
+            outcome = "not_applied"
+        elif not pending.answered:
             outcome = "abandoned"
         elif not succeeded:
             outcome = "failed"
@@ -284,7 +337,8 @@ class Gateway:
             served=served_replica if failed_over and served_replica in self.endpoints else None,
         )
         self.metrics.completed[outcome] += 1
-        if failed_over or (pending.answered and pending.status in (502, 503) and not pending.served):
+        refused = pending.answered and pending.status in (502, 503) and not pending.served
+        if failed_over or (refused and not pending.not_applied):
             self.metrics.errors["replica_failed"] += 1
             self.mark_unhealthy(decision.replica)
         timings = pending.timings
@@ -313,6 +367,7 @@ class Gateway:
         decision = pending.decision
         fields: dict[str, Any] = {
             "request_id": request_id,
+            "envoy_request_id": pending.envoy_id,
             "conversation": pending.request.conversation,
             "turn": pending.turn,
             "path": pending.path,
@@ -343,11 +398,23 @@ class Gateway:
 
     # ------------------------------------------------------------------ helpers
 
-    def _request_id(self, from_envoy: str) -> str:
-        if from_envoy and from_envoy not in self.pending:
-            return from_envoy
-        self._sequence += 1  # absent or reused by a client: make it unique
-        return f"{from_envoy or 'llm-ring'}-{self._sequence}"
+    def _parse(
+        self, path: str, content_type: str, body: bytes, done: ParsedRequest | BadRequest | None
+    ) -> ParsedRequest:
+        if isinstance(done, BadRequest):
+            raise done
+        return done if done is not None else parse_request(path, content_type, body, self.limits)
+
+    def _request_id(self) -> str:
+        self._sequence += 1
+        return f"{self._id_prefix}{self._sequence:x}"
+
+    def _remember_envoy_id(self, envoy_id: str, request_id: str) -> str:
+        """Envoy's id for the request (bounded), mapped to ours until it ends. A client may
+        reuse an id: the newest request holds it, an older one ends by its own id (or as lost)."""
+        envoy_id = bounded(envoy_id)
+        self.envoy_ids[envoy_id] = request_id
+        return envoy_id
 
     def _predicted_header(self, tokens: int) -> bytes:
         """The serialized header carrying the predicted cached tokens, one per value seen."""

@@ -35,6 +35,7 @@ from extproc.service.admin import AdminService
 from extproc.service.envoy import split_host_port, write_endpoints_file
 from extproc.service.gateway import Gateway
 from extproc.service.metrics import Metrics
+from extproc.service.offload import BodyParser
 from extproc.service.processor import SERVICE, access_log_handler, handler
 from extproc.service.replica_health import ReplicaHealth
 from extproc.settings import Settings, SettingsError, load_settings
@@ -92,7 +93,8 @@ async def serve(settings: Settings) -> int:
     # A buffered body up to max_body_bytes comes in one message (plus its envelope).
     max_message = service.max_body_bytes + (64 << 10)
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", max_message)])
-    server.add_generic_rpc_handlers((handler(gateway), access_log_handler(gateway)))
+    parser = BodyParser(gateway.limits)
+    server.add_generic_rpc_handlers((handler(gateway, parser), access_log_handler(gateway)))
     admin_pb2_grpc.add_AdminServicer_to_server(AdminService(gateway), server)
     health_service = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_service, server)
@@ -135,6 +137,7 @@ async def serve(settings: Settings) -> int:
         sweeper.cancel()
         health.close()
         await server.stop(grace=2)
+        parser.close()
         metrics_server.shutdown()
         with contextlib.suppress(Exception, asyncio.CancelledError):  # a failure is logged: discovery_failed
             await watcher

@@ -20,8 +20,12 @@ from prometheus_client.registry import Collector
 if TYPE_CHECKING:
     from extproc.service.gateway import Gateway
 
-OUTCOMES = ("ok", "failed_over", "failed", "abandoned")
-ERRORS = ("bad_request", "no_replica", "replica_failed", "access_log_lost")
+# not_applied: Envoy never used the pick (fail-open after ext_proc's timeout) and served round robin
+OUTCOMES = ("ok", "failed_over", "failed", "abandoned", "not_applied")
+# non_utf8_repaired: a message from Envoy carried client bytes that are not UTF-8 (repaired,
+# see wire.py); undecodable: a message that was no protobuf at all (dropped)
+ERRORS = ("bad_request", "no_replica", "replica_failed", "access_log_lost", "non_utf8_repaired", "undecodable")
+STREAMS = ("route", "observe", "access_log")
 DECISION_SECONDS = (25e-6, 50e-6, 100e-6, 200e-6, 400e-6, 800e-6, 1.6e-3, 3.2e-3, 6.4e-3, 0.0128)
 PREDICTION_ERROR = (-4096, -1024, -256, -64, -16, -1, 0, 1, 16, 64, 256, 1024, 4096)
 
@@ -53,6 +57,7 @@ class Metrics:
         self.decisions: Counter[tuple[str, str]] = Counter()  # (policy, reason)
         self.completed: Counter[str] = Counter({outcome: 0 for outcome in OUTCOMES})
         self.errors: Counter[str] = Counter({kind: 0 for kind in ERRORS})
+        self.stream_failures: Counter[str] = Counter({stream: 0 for stream in STREAMS})  # bugs of ours
         self.predicted_cached: Counter[str] = Counter()  # per replica that served
         self.actual_cached: Counter[str] = Counter()
         self.actual_prompt: Counter[str] = Counter()
@@ -96,6 +101,12 @@ class _Collector(Collector):
         )
         released.add_metric([], m.released_by_next_turn)
         yield released
+        yield _counter(
+            "llm_ring_stream_failures",
+            "gRPC streams (or access log entries) the service failed on: a bug; Envoy fails open",
+            ["stream"],
+            m.stream_failures,
+        )
         yield _counter(
             "llm_ring_predicted_cached_tokens",
             "cached prompt tokens the router predicted (requests with timings)",

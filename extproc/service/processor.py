@@ -8,6 +8,7 @@ in observability mode comes from the "observe" filter and is never answered.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -18,7 +19,9 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from extproc.service.bodies import timings_from_metadata
 from extproc.service.envoy import METADATA_NAMESPACE
-from extproc.service.gateway import Gateway, immediate
+from extproc.service.gateway import Gateway, bounded, immediate
+from extproc.service.offload import BodyParser
+from extproc.service.wire import M, decode_tolerant
 
 log = structlog.get_logger("extproc.service")
 SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
@@ -28,14 +31,14 @@ EMPTY_BODY = immediate(400, "empty body: expected a JSON object")
 BODY_CONTINUE = pb.ProcessingResponse(request_body=pb.BodyResponse()).SerializeToString()
 
 
-def handler(gateway: Gateway) -> grpc.GenericRpcHandler:
-    processor = Processor(gateway)
+def handler(gateway: Gateway, parser: BodyParser | None = None) -> grpc.GenericRpcHandler:
+    processor = Processor(gateway, parser)
     return grpc.method_handlers_generic_handler(
         SERVICE,
         {
             "Process": grpc.stream_stream_rpc_method_handler(
                 processor.process,
-                request_deserializer=pb.ProcessingRequest.FromString,
+                request_deserializer=_tolerant(pb.ProcessingRequest, gateway),
                 response_serializer=_as_bytes,
             )
         },
@@ -46,7 +49,10 @@ def access_log_handler(gateway: Gateway) -> grpc.GenericRpcHandler:
     async def stream_access_logs(requests: Any, _context: grpc.aio.ServicerContext) -> bytes:
         async for message in requests:
             for entry in message.http_logs.log_entry:
-                _access_logged(gateway, entry)
+                try:
+                    _access_logged(gateway, entry)
+                except Exception as exc:  # a bug of ours: this entry is lost (release_lost), not the stream
+                    _stream_failed(gateway, "access_log", exc)
         return b""  # an empty StreamAccessLogsResponse
 
     return grpc.method_handlers_generic_handler(
@@ -54,7 +60,7 @@ def access_log_handler(gateway: Gateway) -> grpc.GenericRpcHandler:
         {
             "StreamAccessLogs": grpc.stream_unary_rpc_method_handler(
                 stream_access_logs,
-                request_deserializer=als_pb2.StreamAccessLogsMessage.FromString,
+                request_deserializer=_tolerant(als_pb2.StreamAccessLogsMessage, gateway),
                 response_serializer=_as_bytes,
             )
         },
@@ -82,26 +88,40 @@ def _access_logged(gateway: Gateway, entry: accesslog_pb2.HTTPAccessLogEntry) ->
     gateway.access_logged(entry.request.request_id, status, served, bool(cut_off), timings)
 
 
+def _tolerant(message_class: type[M], gateway: Gateway) -> Callable[[bytes], M]:
+    """A deserializer no client byte can make fail (wire.py): a failing one ends the stream."""
+    return lambda data: decode_tolerant(message_class, data, gateway.metrics)
+
+
 def _as_bytes(message: bytes) -> bytes:
     return message
 
 
+def _stream_failed(gateway: Gateway, stream: str, exc: Exception) -> None:
+    """One bounded line per failure, no traceback (a client could repeat it per request)."""
+    gateway.metrics.stream_failures[stream] += 1
+    log.error("ext_proc_stream_failed", stream=stream, error=type(exc).__name__, detail=bounded(str(exc), 200))
+
+
 class Processor:
-    def __init__(self, gateway: Gateway) -> None:
+    def __init__(self, gateway: Gateway, parser: BodyParser | None = None) -> None:
         self.gateway = gateway
+        self.parser = parser  # large bodies are parsed there (offload.py); None: all inline
 
     async def process(self, _requests: Any, context: grpc.aio.ServicerContext) -> None:
+        stream = "route"
         try:
             message = await context.read()
             if message is grpc.aio.EOF:
                 return
             if message.observability_mode:
+                stream = "observe"
                 await self._observe(message, context)
             elif message.WhichOneof("request") == "request_headers":
                 await self._route(message, context)
-        except Exception:  # a bug of ours: Envoy applies fail_open; say what happened
-            log.exception("ext_proc_stream_failed")
-            raise
+        except Exception as exc:  # a bug of ours: counted, and Envoy applies fail_open
+            _stream_failed(self.gateway, stream, exc)
+            await context.abort(grpc.StatusCode.INTERNAL, "llm-ring: routing failed")
 
     async def _route(self, message: pb.ProcessingRequest, context: grpc.aio.ServicerContext) -> None:
         """The headers (with attributes), then the body, sent without waiting (one chunk: Envoy's
@@ -119,13 +139,20 @@ class Processor:
             chunks.append(message.request_body.body)
             if message.request_body.end_of_stream:
                 break
+        path = _text(attributes, "request.url_path")
+        content_type = _text(attributes, "request.headers['content-type']")
+        body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        parsed = None
+        if self.parser is not None and self.parser.takes(body):
+            parsed = await self.parser.parse(path, content_type, body)
         answer, routed = self.gateway.decide(
-            path=_text(attributes, "request.url_path"),
-            content_type=_text(attributes, "request.headers['content-type']"),
+            path=path,
+            content_type=content_type,
             conversation_id=_text(attributes, "request.headers['x-conversation-id']"),
             turn=_text(attributes, "request.headers['x-turn']"),
             request_id=_text(attributes, "request.id"),
-            body=chunks[0] if len(chunks) == 1 else b"".join(chunks),
+            body=body,
+            parsed_elsewhere=parsed,
         )
         await context.write(answer)
         if not routed:  # Envoy answers the client itself: nothing more to say

@@ -85,10 +85,14 @@ def main_status(args: argparse.Namespace) -> int:
           f"   model {status['model']}")
     for name in ("router", "envoy"):
         process = status[name]
-        print(f"  {name:<8} pid {process.get('pid', '-'):<8} {_state(process['alive'], process.get('ready'))}")
+        print(f"  {name:<8} pid {process.get('pid', '-'):<8} {_state(process['alive'], process.get('ready'))}"
+              f"  restarts {process['restarts']}")
     for replica in status["replicas"]:
         print(f"  {replica['name']:<8} pid {replica['pid']:<8} {_state(replica['alive'], replica['healthy'])}"
-              f"  {replica['address']}  rss {replica['rss_mib']} MiB")
+              f"  {replica['address']}  rss {replica['rss_mib']} MiB  restarts {replica['restarts']}")
+    supervisor = status["supervisor"]
+    print(f"  {'supervisor':<8} pid {supervisor.get('pid', '-'):<8} {'running' if supervisor['alive'] else 'DEAD'}"
+          "  (restarts what dies)")
     print(f"logs in {status['logs']}")
     return 0
 

@@ -1,7 +1,8 @@
 """The local stack: llama.cpp replicas + the routing service + Envoy, as detached processes.
 
 Start order: replicas (until /health answers) -> replica list file -> `llm-ring serve`
-(until gRPC health) -> Envoy (until its admin /ready). Everything the other commands need
+(until gRPC health) -> Envoy (until its admin /ready) -> the supervisor (supervisor.py), which
+restarts any of them that dies, with backoff, and counts it in the state file. Everything the other commands need
 (pids, ports, URLs, settings) is kept in <run dir>/state.json, so `status`, `scale` and
 `down` work from any shell. The routing service learns the replica set from
 <run dir>/replicas.json (discovery source "file"), which only this module writes, atomically.
@@ -9,13 +10,15 @@ Start order: replicas (until /health answers) -> replica list file -> `llm-ring 
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import sys
 import time
 import tomllib
 import urllib.request
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -128,6 +131,8 @@ class StackState:
     replicas: list[dict[str, Any]] = field(default_factory=list)
     router: dict[str, Any] = field(default_factory=dict)
     envoy: dict[str, Any] = field(default_factory=dict)
+    supervisor: dict[str, Any] = field(default_factory=dict)
+    restarts: dict[str, dict[str, float]] = field(default_factory=dict)  # process name -> supervisor.Restarts
     started_at: float = 0.0
     startup_seconds: float = 0.0
 
@@ -178,6 +183,7 @@ class Stack:
             stack._write_replica_list()
             stack._start_router(settings.router.settings, progress)
             stack._start_envoy(progress)
+            stack._start_supervisor()
         except BaseException:
             stack.down()
             raise
@@ -194,13 +200,50 @@ class Stack:
         return cls(state)
 
     def down(self, progress: Progress = lambda _: None) -> None:
-        """Stop Envoy, the router, the replicas (whole process groups); keep the logs."""
-        progress(f"stopping {sum(d.alive() for d in self._daemons())} process(es)")
-        stop(self._daemons())
-        (Path(self.state.run_dir) / "state.json").unlink(missing_ok=True)
+        """Stop the supervisor (first: it would restart the others), Envoy, the router, the
+        replicas (whole process groups); keep the logs."""
+        supervisor = _daemon(self.state.supervisor)
+        if supervisor is not None:
+            stop([supervisor])
+        with self.locked():
+            progress(f"stopping {sum(d.alive() for d in self._daemons())} process(es)")
+            stop(self._daemons())
+            (Path(self.state.run_dir) / "state.json").unlink(missing_ok=True)
+
+    @contextlib.contextmanager
+    def locked(self, wait: bool = True) -> Iterator[bool]:
+        """Hold the run dir's lock (the supervisor and the commands that change the stack take
+        turns) with the state re-read from state.json; yields False if not waiting and busy."""
+        with open(Path(self.state.run_dir) / "state.lock", "a") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                yield False
+                return
+            self.state = _read_state(Path(self.state.run_dir)) or self.state
+            yield True
+
+    def processes(self) -> dict[str, Daemon]:
+        """Every supervised process by name: router, envoy, llm-0, ..."""
+        named = {"router": _daemon(self.state.router), "envoy": _daemon(self.state.envoy)}
+        return {name: d for name, d in named.items() if d is not None} | {r.name: r.process for r in self.replica_list}
+
+    def restart(self, name: str) -> None:
+        """Start a process that died again, as it was started (a replica on its port)."""
+        if name == "router":
+            self.state.router = asdict(self._spawn_router())
+        elif name == "envoy":
+            self.state.envoy = asdict(self._spawn_envoy())
+        else:
+            replica = next(r for r in self.replica_list if r.name == name)
+            (started,) = replicas.start({name: replica.port}, self._settings(), Path(self.state.run_dir),
+                                        die_with_parent=self.state.die_with_parent)
+            self.state.replicas = [started.as_dict() if r["name"] == name else r for r in self.state.replicas]
+        self.save()
 
     def any_alive(self) -> bool:
-        return any(d.alive() for d in self._daemons())
+        supervisor = _daemon(self.state.supervisor)
+        return any(d.alive() for d in self._daemons()) or (supervisor is not None and supervisor.alive())
 
     def _daemons(self) -> list[Daemon]:
         found = [_daemon(self.state.envoy), _daemon(self.state.router)]
@@ -216,6 +259,7 @@ class Stack:
         return {r.name: r.address for r in self.replica_list if r.process.alive() and replicas.healthy(r.address)}
 
     def status(self) -> dict[str, Any]:
+        self.state = _read_state(Path(self.state.run_dir)) or self.state  # the supervisor may have restarted some
         router, envoy = _daemon(self.state.router), _daemon(self.state.envoy)
         return {
             "gateway_url": self.state.gateway_url,
@@ -227,8 +271,11 @@ class Stack:
             "run_dir": self.state.run_dir,
             "logs": str(Path(self.state.run_dir) / "logs"),
             "startup_seconds": round(self.state.startup_seconds, 2),
-            "router": _process_status(router, lambda: grpc_serving(self.state.router_address)),
-            "envoy": _process_status(envoy, lambda: http_ok(f"http://{self.state.envoy_admin}/ready")),
+            "router": _process_status(router, lambda: grpc_serving(self.state.router_address))
+            | self._restarts("router"),
+            "envoy": _process_status(envoy, lambda: http_ok(f"http://{self.state.envoy_admin}/ready"))
+            | self._restarts("envoy"),
+            "supervisor": _process_status(_daemon(self.state.supervisor), lambda: True),
             "replicas": [
                 {
                     "name": r.name,
@@ -238,6 +285,7 @@ class Stack:
                     "healthy": r.process.alive() and replicas.healthy(r.address),
                     "rss_mib": round(r.process.rss_bytes() / 2**20, 1),
                     "log": r.process.log,
+                    **self._restarts(r.name),
                 }
                 for r in self.replica_list
             ],
@@ -249,6 +297,10 @@ class Stack:
         """Run n replicas: new ones join once healthy; removed ones leave the list, drain, stop."""
         if n < 1:
             raise StackError(f"scale {n}: at least 1 replica")
+        with self.locked():
+            self._scale(n, progress, drain_timeout)
+
+    def _scale(self, n: int, progress: Progress, drain_timeout: float) -> None:
         current = self.replica_list
         if n > len(current):
             names = [replicas.replica_name(i) for i in range(len(current), n)]
@@ -280,6 +332,11 @@ class Stack:
         complete reset in milliseconds.
         """
         began = time.monotonic()
+        with self.locked():
+            self._reset_caches(progress)
+        return time.monotonic() - began
+
+    def _reset_caches(self, progress: Progress) -> None:
         settings = self._settings()
         current = self.replica_list
         if settings.cache_ram_mib == 0:
@@ -291,13 +348,15 @@ class Stack:
             self.state.replicas = []
             self._start_replicas([r.name for r in current], [r.port for r in current], progress, port_wait=5.0)
             self.save()
-        return time.monotonic() - began
 
     def save(self) -> None:
         path = Path(self.state.run_dir) / "state.json"
         _write_atomically(path, json.dumps(asdict(self.state), indent=2) + "\n")
 
     # -- internals
+
+    def _restarts(self, name: str) -> dict[str, int]:
+        return {"restarts": int(self.state.restarts.get(name, {}).get("count", 0))}
 
     def _settings(self) -> ReplicaSettings:
         return ReplicaSettings(**self.state.replica_settings)
@@ -340,8 +399,7 @@ class Stack:
             load_settings(config)
         except SettingsError as exc:
             raise StackError(f"the generated router settings are invalid: {exc}") from None
-        command = [sys.executable, "-m", "extproc.cli", "serve", "--config", str(config)]
-        router = spawn(command, run / "logs" / "router.log", die_with_parent=self.state.die_with_parent)
+        router = self._spawn_router()
         self.state.router = asdict(router)
         self.save()
         _wait_for(router, lambda: grpc_serving(self.state.router_address), 30.0, "the routing service")
@@ -362,15 +420,30 @@ class Stack:
             endpoints=EndpointsFile(str(endpoints)),
             fail_open=service.fail_open, max_request_bytes=service.max_body_bytes,
         )
-        config_path = run / "envoy" / "envoy.yaml"
-        config_path.write_text(config)
-        command = [envoy_binary(), "-c", str(config_path), "--concurrency", "2", "-l", "warning",
-                   "--disable-hot-restart"]
-        envoy = spawn(command, run / "logs" / "envoy.log", die_with_parent=self.state.die_with_parent)
+        (run / "envoy" / "envoy.yaml").write_text(config)
+        envoy = self._spawn_envoy()
         self.state.envoy = asdict(envoy)
         self.save()
         _wait_for(envoy, lambda: http_ok(f"http://{self.state.envoy_admin}/ready"), 30.0, "Envoy")
         progress(f"Envoy gateway on {self.state.gateway_url}")
+
+    def _spawn_router(self) -> Daemon:
+        run = Path(self.state.run_dir)
+        command = [sys.executable, "-m", "extproc.cli", "serve", "--config", str(run / "router.toml")]
+        return spawn(command, run / "logs" / "router.log", die_with_parent=self.state.die_with_parent)
+
+    def _spawn_envoy(self) -> Daemon:
+        run = Path(self.state.run_dir)
+        command = [envoy_binary(), "-c", str(run / "envoy" / "envoy.yaml"), "--concurrency", "2", "-l", "warning",
+                   "--disable-hot-restart"]
+        return spawn(command, run / "logs" / "envoy.log", die_with_parent=self.state.die_with_parent)
+
+    def _start_supervisor(self) -> None:
+        run = Path(self.state.run_dir)
+        command = [sys.executable, "-m", "extproc.stack.supervisor", str(run)]
+        supervisor = spawn(command, run / "logs" / "supervisor.log", die_with_parent=self.state.die_with_parent)
+        self.state.supervisor = asdict(supervisor)
+        self.save()
 
     def _router_replicas(self) -> set[str]:
         from extproc.service.admin_client import AdminClient

@@ -53,17 +53,18 @@ def test_an_edited_history_does_not_count_as_answered(messages: list[dict[str, s
     assert parsed(messages).history not in later.answered
 
 
-def chat(gateway, request_id: str, messages: list[dict[str, str]], conversation: str = "c-1") -> str:  # noqa: ANN001
-    answer, routed = gateway.decide(
+def chat(gateway, messages: list[dict[str, str]], conversation: str = "c-1") -> str:  # noqa: ANN001
+    """Decide one chat request; the service's own id for it."""
+    _, routed = gateway.decide(
         path=CHAT,
         content_type="application/json",
         conversation_id=conversation,
         turn="",
-        request_id=request_id,
+        request_id="from-envoy",
         body=orjson.dumps({"messages": messages, "max_tokens": 8}),
     )
     assert routed
-    return gateway.pending[request_id].endpoint
+    return next(reversed(gateway.pending))
 
 
 USER1 = {"role": "user", "content": "first question"}
@@ -73,57 +74,57 @@ def test_the_next_turn_releases_the_last_one_before_its_own_decision() -> None:
     gateway = make_gateway()
     gateway.metrics.watch(gateway)
     with capture_logs() as logs:
-        endpoint = chat(gateway, "t1", [USER1])
+        t1 = chat(gateway, [USER1])
+        endpoint = gateway.pending[t1].endpoint
         assert in_flight(gateway) == 1
         # the answer reached the client, Envoy's access log entry has not come yet
-        turn2 = [USER1, {"role": "assistant", "content": "an answer"}, {"role": "user", "content": "more"}]
-        chat(gateway, "t2", turn2)
+        t2 = chat(gateway, [USER1, {"role": "assistant", "content": "an answer"}, {"role": "user", "content": "more"}])
         assert in_flight(gateway) == 1  # t2 only: t1 was released first
-        t2 = gateway.pending["t2"].decision
-        assert t2.replica == gateway.pending["t1"].decision.replica and t2.reason in ("home", "sticky")
-        assert t2.predicted_cached_tokens == gateway.pending["t1"].request.prompt_tokens
-        gateway.access_logged("t1", 200, endpoint, cut_off=False, timings=TIMINGS)  # late: logs, releases nothing
-        assert in_flight(gateway) == 1 and "t1" not in gateway.pending
-        gateway.access_logged("t2", 200, endpoint, cut_off=False, timings=TIMINGS)
+        second = gateway.pending[t2].decision
+        assert second.replica == gateway.pending[t1].decision.replica and second.reason in ("home", "sticky")
+        assert second.predicted_cached_tokens == gateway.pending[t1].request.prompt_tokens
+        gateway.access_logged(t1, 200, endpoint, cut_off=False, timings=TIMINGS)  # late: logs, releases nothing
+        assert in_flight(gateway) == 1 and t1 not in gateway.pending
+        gateway.access_logged(t2, 200, endpoint, cut_off=False, timings=TIMINGS)
     assert in_flight(gateway) == 0 and not gateway.pending and not gateway.unanswered
-    first, second = decisions(logs)
-    assert first["request_id"] == "t1" and first["outcome"] == "ok" and first["released_by_next_turn"] is True
+    first, last = decisions(logs)
+    assert first["request_id"] == t1 and first["outcome"] == "ok" and first["released_by_next_turn"] is True
     assert first["cache_n"] == 3  # what arrives later still lands in the record
-    assert "released_by_next_turn" not in second
+    assert "released_by_next_turn" not in last
     assert samples(gateway)["llm_ring_released_by_next_turn_total", ()] == 1
 
 
 def test_parallel_requests_of_one_conversation_stay_charged_until_their_own_end() -> None:
     gateway = make_gateway()
     shared = [{"role": "system", "content": "tools: search, read"}, USER1, {"role": "assistant", "content": "plan"}]
-    fan_out = {f"p{i}": [*shared, {"role": "user", "content": f"subtask {i}"}] for i in range(3)}
-    endpoints = {rid: chat(gateway, rid, messages) for rid, messages in fan_out.items()}
+    fan_out = [[*shared, {"role": "user", "content": f"subtask {i}"}] for i in range(3)]
+    p0, p1, p2 = (chat(gateway, messages) for messages in fan_out)
     assert in_flight(gateway) == 3
     tokens_during_overlap = gateway.router.ledger.total_tokens()
     # p0's answer arrives; the agent goes on from it at once, p1 and p2 still running
     answer_and_next = [{"role": "assistant", "content": "done 0"}, {"role": "user", "content": "go"}]
-    chat(gateway, "next", [*fan_out["p0"], *answer_and_next])
-    assert set(gateway.router._in_flight) == {"p1", "p2", "next"}
-    assert in_flight(gateway) == 3 and gateway.router.ledger.total_tokens() != tokens_during_overlap
-    gateway.access_logged("p1", 200, endpoints["p1"], cut_off=False, timings=None)
-    assert set(gateway.router._in_flight) == {"p2", "next"}
-    for rid in ("p0", "p2", "next"):
-        gateway.access_logged(rid, 200, endpoints.get(rid, endpoints["p0"]), cut_off=False, timings=None)
+    following = chat(gateway, [*fan_out[0], *answer_and_next])
+    assert set(gateway.router._in_flight) == {p1, p2, following}
+    assert gateway.router.ledger.total_tokens() != tokens_during_overlap
+    gateway.access_logged(p1, 200, gateway.pending[p1].endpoint, cut_off=False, timings=None)
+    assert set(gateway.router._in_flight) == {p2, following}
+    for request_id in (p0, p2, following):
+        gateway.access_logged(request_id, 200, gateway.pending[request_id].endpoint, cut_off=False, timings=None)
     assert in_flight(gateway) == 0 and not gateway.unanswered
 
 
 def test_another_conversation_with_the_same_history_releases_nothing() -> None:
     gateway = make_gateway()
-    chat(gateway, "a1", [USER1], conversation="a")
-    chat(gateway, "b2", [USER1, {"role": "assistant", "content": "x"}, {"role": "user", "content": "y"}], "b")
+    chat(gateway, [USER1], conversation="a")
+    chat(gateway, [USER1, {"role": "assistant", "content": "x"}, {"role": "user", "content": "y"}], "b")
     assert in_flight(gateway) == 2
 
 
 def test_a_released_request_swept_as_lost_is_logged_once() -> None:
     gateway = make_gateway()
     with capture_logs() as logs:
-        chat(gateway, "t1", [USER1])
-        chat(gateway, "t2", [USER1, {"role": "assistant", "content": "a"}, {"role": "user", "content": "b"}])
+        t1 = chat(gateway, [USER1])
+        t2 = chat(gateway, [USER1, {"role": "assistant", "content": "a"}, {"role": "user", "content": "b"}])
         assert gateway.release_lost(time.monotonic() + LOST_AFTER_S + 1) == 2
     assert in_flight(gateway) == 0 and not gateway.pending and not gateway.unanswered
-    assert sorted(record["request_id"] for record in decisions(logs)) == ["t1", "t2"]
+    assert sorted(record["request_id"] for record in decisions(logs)) == sorted([t1, t2])

@@ -137,9 +137,11 @@ def test_an_abstract_socket_is_a_pipe_and_host_port_a_dns_name(tmp_path: Path) -
 
 
 def test_every_router_setting_is_documented_in_the_readme() -> None:
-    """Each key has its row in a README table (`service.listen`, or `epsilon` in the routing
-    table); discovery's keys are described together in one row (kubernetes_* in their section)."""
-    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    """Each key has its row in a table of the README or of docs/ (`service.listen`, or `epsilon`
+    in the routing table); discovery's keys are described together in one row (kubernetes_* in
+    their section)."""
+    root = Path(__file__).parents[2]
+    readme = "\n".join(page.read_text() for page in [root / "README.md", *sorted((root / "docs").glob("*.md"))])
     discovery_row = next(line for line in readme.splitlines() if line.startswith("| `[discovery]` |"))
     for section, field in Settings.model_fields.items():
         for key in field.annotation.model_fields:  # type: ignore[union-attr]
@@ -148,4 +150,26 @@ def test_every_router_setting_is_documented_in_the_readme() -> None:
                 or f"| `{key}` |" in readme
                 or (section == "discovery" and (key in discovery_row or key.startswith("kubernetes_")))
             )
-            assert documented, f"{section}.{key} has no row in the README"
+            assert documented, f"{section}.{key} has no row in the README or docs/"
+
+
+def test_envoy_is_hardened_for_clients_that_hold_connections(tmp_path: Path) -> None:
+    """Finding 5 and 7 of the hostile-client probe: each setting present, with a value that
+    does what its comment in envoy.py says."""
+    config = json.loads(render(tmp_path))
+    (monitor,) = config["overload_manager"]["resource_monitors"]
+    assert monitor["typed_config"]["max_active_downstream_connections"] > 0
+    hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    seconds = lambda value: float(value.rstrip("s"))  # noqa: E731
+    assert 0 < seconds(hcm["request_headers_timeout"]) <= seconds(hcm["request_timeout"])
+    assert 0 < seconds(hcm["common_http_protocol_options"]["idle_timeout"]) < 3600  # Envoy's default: 1 h
+    replicas = next(c for c in config["static_resources"]["clusters"] if c["name"] == "replicas")
+    options = replicas["typed_extension_protocol_options"]["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"]
+    llama_cpp_keep_alive_s = 5  # cpp-httplib's CPPHTTPLIB_KEEPALIVE_TIMEOUT_SECOND
+    assert seconds(options["common_http_protocol_options"]["idle_timeout"]) < llama_cpp_keep_alive_s
+    routes = hcm["route_config"]["virtual_hosts"][0]["routes"]
+    retry_on = routes[1]["route"]["retry_policy"]["retry_on"].split(",")
+    assert "reset" in retry_on and "5xx" not in retry_on  # never after a started answer
+    assert routes[0]["match"] == {"connect_matcher": {}} and routes[0]["direct_response"]["status"] == 405
+    local_replies = [r for r in routes if "direct_response" in r]
+    assert all(r["typed_per_filter_config"]["whole-body"]["disabled"] for r in local_replies)

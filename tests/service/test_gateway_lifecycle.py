@@ -33,7 +33,8 @@ def make_gateway(grace_ms: int = 200) -> Gateway:
     return gateway
 
 
-def decide(gateway: Gateway, request_id: str, stream: bool = False) -> str:
+def decide(gateway: Gateway, request_id: str, stream: bool = False) -> tuple[str, str]:
+    """(the service's own id for the request, the pick's endpoint)."""
     body = orjson.dumps({"messages": [{"role": "user", "content": "hello"}], "max_tokens": 8, "stream": stream})
     gateway.decide(
         path="/v1/chat/completions",
@@ -43,7 +44,8 @@ def decide(gateway: Gateway, request_id: str, stream: bool = False) -> str:
         request_id=request_id,
         body=body,
     )
-    return gateway.pending[request_id].endpoint
+    ours = next(reversed(gateway.pending))
+    return ours, gateway.pending[ours].endpoint
 
 
 def in_flight(gateway: Gateway) -> int:
@@ -57,10 +59,10 @@ def decisions(logs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def test_a_json_answer_ends_with_its_access_log_entry() -> None:
     gateway = make_gateway()
     with capture_logs() as logs:
-        endpoint = decide(gateway, "r1")
+        r1, endpoint = decide(gateway, "envoy-r1")
         assert in_flight(gateway) == 1
-        gateway.access_logged("r1", 200, endpoint, cut_off=False, timings=TIMINGS)
-        gateway.access_logged("r1", 200, endpoint, cut_off=False, timings=TIMINGS)  # a duplicate: no-op
+        gateway.access_logged(r1, 200, endpoint, cut_off=False, timings=TIMINGS)
+        gateway.access_logged(r1, 200, endpoint, cut_off=False, timings=TIMINGS)  # a duplicate: no-op
     assert in_flight(gateway) == 0 and not gateway.pending
     (record,) = decisions(logs)
     assert record["outcome"] == "ok" and record["cache_n"] == 3 and "access_log_lost" not in record
@@ -69,8 +71,8 @@ def test_a_json_answer_ends_with_its_access_log_entry() -> None:
 def test_a_client_that_hangs_up_is_abandoned() -> None:
     gateway = make_gateway()
     with capture_logs() as logs:
-        endpoint = decide(gateway, "r1")
-        gateway.access_logged("r1", 200, endpoint, cut_off=True, timings=None)
+        r1, endpoint = decide(gateway, "envoy-r1")
+        gateway.access_logged(r1, 200, endpoint, cut_off=True, timings=None)
     assert in_flight(gateway) == 0
     assert decisions(logs)[0]["outcome"] == "abandoned"
 
@@ -78,14 +80,14 @@ def test_a_client_that_hangs_up_is_abandoned() -> None:
 def test_a_lost_access_log_entry_is_made_up_for_once_the_request_must_be_over() -> None:
     gateway = make_gateway()
     with capture_logs() as logs:
-        endpoint = decide(gateway, "r1")
+        r1, endpoint = decide(gateway, "envoy-r1")
         now = time.monotonic()
         assert gateway.release_lost(now + LOST_AFTER_S - 1) == 0  # may still be generating
         assert in_flight(gateway) == 1
         assert gateway.release_lost(now + LOST_AFTER_S + 1) == 1
         assert in_flight(gateway) == 0
         assert gateway.release_lost(now + 2 * LOST_AFTER_S) == 0
-        gateway.access_logged("r1", 200, endpoint, cut_off=False, timings=TIMINGS)  # too late: no-op
+        gateway.access_logged(r1, 200, endpoint, cut_off=False, timings=TIMINGS)  # too late: no-op
     assert in_flight(gateway) == 0
     (record,) = decisions(logs)
     assert record["outcome"] == "abandoned" and record["access_log_lost"] is True
@@ -95,13 +97,13 @@ def test_a_streamed_answer_waits_for_the_observers_last_chunk() -> None:
     async def scenario() -> list[dict[str, Any]]:
         gateway = make_gateway()
         with capture_logs() as logs:
-            endpoint = decide(gateway, "r1", stream=True)
-            assert gateway.observe_start("r1", 200, endpoint) == "r1"
-            gateway.observe_body("r1", b'data: {"content": "hi"}\n\n', end_of_stream=False)
-            gateway.access_logged("r1", 200, endpoint, cut_off=False, timings=None)  # the log came first
+            r1, endpoint = decide(gateway, "envoy-r1", stream=True)
+            assert gateway.observe_start(r1, 200, endpoint) == r1
+            gateway.observe_body(r1, b'data: {"content": "hi"}\n\n', end_of_stream=False)
+            gateway.access_logged(r1, 200, endpoint, cut_off=False, timings=None)  # the log came first
             assert in_flight(gateway) == 1
             last = b'data: {"content": "", "timings": {"cache_n": 7, "prompt_n": 1}}\n\n'
-            gateway.observe_body("r1", last, end_of_stream=True)
+            gateway.observe_body(r1, last, end_of_stream=True)
             assert in_flight(gateway) == 0
             await asyncio.sleep(0.05)  # the grace timer was cancelled: nothing more happens
         return logs
@@ -115,8 +117,8 @@ def test_a_streamed_answer_whose_end_is_not_observed_is_released_after_the_grace
     async def scenario() -> list[dict[str, Any]]:
         gateway = make_gateway(grace_ms=20)
         with capture_logs() as logs:
-            endpoint = decide(gateway, "r1", stream=True)
-            gateway.access_logged("r1", 200, endpoint, cut_off=cut_off, timings=None)
+            r1, endpoint = decide(gateway, "envoy-r1", stream=True)
+            gateway.access_logged(r1, 200, endpoint, cut_off=cut_off, timings=None)
             if not cut_off:  # the observer may still deliver the timings
                 assert in_flight(gateway) == 1
                 await asyncio.sleep(0.1)
@@ -131,12 +133,12 @@ def test_metrics_count_what_happened() -> None:
     gateway = make_gateway()
     gateway.metrics.watch(gateway)
     with capture_logs() as logs:
-        endpoint = decide(gateway, "r1")
+        r1, endpoint = decide(gateway, "envoy-r1")
         scraped = samples(gateway)
-        assert scraped["llm_ring_in_flight_requests", (("replica", record_replica(gateway, "r1")),)] == 1
-        gateway.access_logged("r1", 200, endpoint, cut_off=False, timings=TIMINGS)
-        decide(gateway, "r2")
-        gateway.access_logged("r2", 200, endpoint, cut_off=True, timings=None)
+        assert scraped["llm_ring_in_flight_requests", (("replica", record_replica(gateway, r1)),)] == 1
+        gateway.access_logged(r1, 200, endpoint, cut_off=False, timings=TIMINGS)
+        r2, _ = decide(gateway, "envoy-r2")
+        gateway.access_logged(r2, 200, endpoint, cut_off=True, timings=None)
         gateway.decide(path="/v1/chat/completions", content_type="application/json", conversation_id="", turn="",
                        request_id="r3", body=b"{not json")  # fmt: skip
     first = decisions(logs)[0]
