@@ -88,10 +88,11 @@ def run(rounds: int, trace_path: Path) -> dict[str, Any]:
         started, cpu = time.perf_counter(), time.process_time()
         trace = read_trace(trace_path)
         requests = 0
+        fleet = Fleet(TRACE_REPLICAS, config.slots, 0, release_lag_s=config.release_lag_ms / 1000)
         for policy in policies:
             workload = requests_from_trace(trace, 1.0, jittered_arrivals(trace, config.jitter_bucket_s, 1))
             requests += len(run_once(workload, parse_policy(policy, config.routing), gpu,
-                                     Fleet(TRACE_REPLICAS, config.slots, 0, release_lag_s=config.release_lag_ms / 1000)).requests)
+                                     fleet).requests)
         elapsed = time.perf_counter() - started
         result["trace"] = {
             "file": str(trace_path),

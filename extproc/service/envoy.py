@@ -44,7 +44,8 @@ PREDICTED_CACHED = "x-route-predicted-cached-tokens"  # the router's guess, comp
 REQUEST_ID = "x-request-id"
 OBSERVE = "x-llm-ring-observe"  # set by the service on streamed requests: observe the answer
 ROUTED_PATHS = ("/v1/chat/completions", "/v1/completions", "/completion")
-CLUSTER = "replicas"
+CLUSTER = "replicas"  # whole JSON answers: keep-alive connections
+STREAMED_CLUSTER = "replicas-streamed"  # the same replicas, one connection per streamed answer
 EXT_PROC_CLUSTER = "ext_proc"
 METADATA_NAMESPACE = "llm-ring"  # where the timings of a JSON answer land (json_to_metadata)
 _T = "type.googleapis.com/"
@@ -131,7 +132,10 @@ def render_envoy_config(
                     ],
                 }
             ],
-            "clusters": [_replicas_cluster(endpoints, connect_timeout_ms, max_request_bytes)]
+            "clusters": [
+                _replicas_cluster(name, endpoints, connect_timeout_ms, max_request_bytes)
+                for name in (CLUSTER, STREAMED_CLUSTER)
+            ]
             + ([_ext_proc_cluster(ext_proc, connect_timeout_ms)] if ext_proc is not None else []),
         },
     }
@@ -387,11 +391,11 @@ def _route_config(retries: int) -> dict[str, Any]:
     # buffer filter would wait for the end of that body (measured: no answer in 10 s).
     routes: list[dict[str, Any]] = [_local_reply({"connect_matcher": {}}, 405, "method not allowed: CONNECT")]
     for path in ROUTED_PATHS:
-        for headers, per_filter in (([post, observe], {}), ([post], no_observer)):
+        for headers, per_filter, cluster in (([post, observe], {}, STREAMED_CLUSTER), ([post], no_observer, CLUSTER)):
             routes.append(
                 {
                     "match": {"path": path, "headers": headers},
-                    "route": _to_replicas(retries),
+                    "route": _to_replicas(cluster, retries),
                     "request_headers_to_remove": [OBSERVE],
                     "response_headers_to_add": _response_headers(),
                     **({"typed_per_filter_config": per_filter} if per_filter else {}),
@@ -402,9 +406,9 @@ def _route_config(retries: int) -> dict[str, Any]:
     return {"name": "llm", "virtual_hosts": [{"name": "llm", "domains": ["*"], "routes": routes}]}
 
 
-def _to_replicas(retries: int) -> dict[str, Any]:
+def _to_replicas(cluster: str, retries: int) -> dict[str, Any]:
     return {
-        "cluster": CLUSTER,
+        "cluster": cluster,
         "timeout": "0s",
         "retry_policy": {
             # Only where the replica never answered: the connection failed or was refused, or was
@@ -447,15 +451,26 @@ def _local_reply(match: dict[str, Any], status: int, message: str) -> dict[str, 
     }
 
 
-def _replicas_cluster(endpoints: Endpoints, connect_timeout_ms: int, max_request_bytes: int) -> dict[str, Any]:
+def _replicas_cluster(
+    name: str, endpoints: Endpoints, connect_timeout_ms: int, max_request_bytes: int
+) -> dict[str, Any]:
+    """The replicas, for JSON answers (CLUSTER) or streamed ones (STREAMED_CLUSTER). Streamed
+    answers get a fresh connection each: llama.cpp's server closes the connection right after a
+    streamed answer (without "connection: close"), so a turn sent the instant the last one
+    ended would go out on a connection being closed, get a 503 ("connection termination"),
+    and a retry would take it to a fallback replica, away from its cache. JSON answers keep
+    their connections alive (closed by Envoy before llama.cpp's idle limit)."""
+    reuse = (
+        {"idle_timeout": f"{UPSTREAM_IDLE_TIMEOUT_S}s"} if name == CLUSTER else {"max_requests_per_connection": 1}
+    )
     cluster: dict[str, Any] = {
-        "name": CLUSTER,
+        "name": name,
         "connect_timeout": f"{connect_timeout_ms / 1000:g}s",
         "per_connection_buffer_limit_bytes": max_request_bytes,
         "typed_extension_protocol_options": {
             "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
                 "@type": _T + "envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
-                "common_http_protocol_options": {"idle_timeout": f"{UPSTREAM_IDLE_TIMEOUT_S}s"},
+                "common_http_protocol_options": reuse,
                 "explicit_http_config": {"http_protocol_options": {}},
             }
         },
@@ -488,18 +503,6 @@ def _replicas_cluster(endpoints: Endpoints, connect_timeout_ms: int, max_request
                 }
             ]
         },
-        # One request per upstream connection. llama.cpp's server closes the connection right
-        # after a streamed answer (without "connection: close") and after 5 s idle: a turn sent
-        # the instant the last one ended would go out on a connection being closed, get a 503
-        # ("connection termination"), and a retry would take it to a fallback replica, away from
-        # its cache. A fresh loopback/pod-network connection costs far less than that.
-        "typed_extension_protocol_options": {
-            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
-                "@type": _T + "envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
-                "common_http_protocol_options": {"max_requests_per_connection": 1},
-                "explicit_http_config": {"http_protocol_options": {}},
-            }
-        },
         # Don't let one slow generation hold back others on a shared connection.
         "circuit_breakers": {
             "thresholds": [
@@ -511,6 +514,7 @@ def _replicas_cluster(endpoints: Endpoints, connect_timeout_ms: int, max_request
         directory = str(Path(endpoints.path).parent)
         cluster["type"] = "EDS"
         cluster["eds_cluster_config"] = {
+            "service_name": CLUSTER,  # both clusters read the one ClusterLoadAssignment in the file
             "eds_config": {
                 "resource_api_version": "V3",
                 "path_config_source": {"path": endpoints.path, "watched_directory": {"path": directory}},
@@ -521,7 +525,7 @@ def _replicas_cluster(endpoints: Endpoints, connect_timeout_ms: int, max_request
         cluster["type"] = "STRICT_DNS"
         cluster["dns_refresh_rate"] = "2s"
         cluster["load_assignment"] = {
-            "cluster_name": CLUSTER,
+            "cluster_name": name,
             "endpoints": [{"lb_endpoints": [{"endpoint": {"address": _socket(host, port)}}]}],
         }
     return cluster

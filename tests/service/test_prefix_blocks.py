@@ -48,4 +48,5 @@ def test_the_gateway_hashes_blocks_only_for_a_policy_that_needs_them(policy: str
     _, routed = gateway.decide(path=CHAT, content_type="application/json", conversation_id="", turn="1",
                                request_id="r1", body=body)
     assert routed
-    assert gateway.pending["r1"].request.prefix_blocks == (request_blocks(CHAT, body) if hashed else ())
+    (pending,) = gateway.pending.values()
+    assert pending.request.prefix_blocks == (request_blocks(CHAT, body) if hashed else ())
