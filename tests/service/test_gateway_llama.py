@@ -242,28 +242,30 @@ def test_the_openai_sdk_back_to_back_without_headers(gw: Gateway) -> None:
 
 def test_parallel_requests_of_one_conversation_are_each_charged_until_their_own_end(gw: Gateway) -> None:
     """An agent fans out three requests on one prefix; the short one's answer comes back and the
-    agent goes on at once. The two long ones stay charged (their generations are still running),
-    the short one is released, and all load is gone once every answer is in."""
+    agent goes on at once. At that next turn's decision the two long ones are still charged
+    (their generations run on) and the short one is not: the load the decision saw is exactly
+    the long ones' charges. All load is gone once every answer is in."""
     gw.wait_idle()
     shared = [SYSTEM, {"role": "user", "content": "Plan three tasks."}, {"role": "assistant", "content": "OK."}]
     headers = {"x-conversation-id": "fan-out"}
 
-    def ask(task: str, max_tokens: int) -> dict[str, Any]:
+    def ask(task: str, max_tokens: int) -> httpx.Response:
         body = {"messages": [*shared, {"role": "user", "content": task}], "max_tokens": max_tokens, "ignore_eos": True}
-        return httpx.post(gw.url + CHAT, json=body, headers=headers, timeout=120).json()
+        return httpx.post(gw.url + CHAT, json=body, headers=headers, timeout=120)
 
     with ThreadPoolExecutor(3) as pool:
         long_ones = [pool.submit(ask, f"Task {i}: write a long story.", 320) for i in (1, 2)]
-        short = ask("Task 0: say yes.", 2)
+        _until(lambda: gw.state()["in_flight_requests"] == 2)  # both decided and charged
+        short = ask("Task 0: say yes.", 2).json()
         follow = [*shared, {"role": "user", "content": "Task 0: say yes."},
                   {"role": "assistant", "content": short["choices"][0]["message"]["content"]},
                   {"role": "user", "content": "Good, next."}]  # fmt: skip
         reply = httpx.post(gw.url + CHAT, json={"messages": follow, "max_tokens": 2}, headers=headers, timeout=60)
         assert reply.status_code == 200
-        during = gw.state()
         still_running = sum(not future.done() for future in long_ones)
-        for future in long_ones:
-            future.result()
-    assert still_running == 2, "the long generations ended before the check: the test saw no overlap"
-    assert during["in_flight_requests"] == 2  # the two long ones, not the short one nor its follow-up
+        long_ids = [future.result().headers["x-request-id"] for future in long_ones]
+    assert still_running == 2, "the long generations ended before the next turn: the test saw no overlap"
+    seen = _decision(gw, reply.headers["x-request-id"])["trace"]
+    charged = sum(_decision(gw, request_id)["charged_tokens"] for request_id in long_ids)
+    assert sum(seen["loads"].values()) == charged  # the long ones, not the short one
     assert gw.wait_idle()["in_flight_requests"] == 0
