@@ -76,3 +76,16 @@ def test_folders_with_the_same_name_are_labelled_by_path(tmp_path, capsys):
     report = json.loads(capsys.readouterr().out)
     assert list(report["summary"]) == [f"{first}: bounded", f"{second}: bounded"]
     assert report["agreement"]["by_label"][str(second)]["bounded"]["same_replica"] == 1.0
+
+
+def test_sim_and_report_print_the_same_statistic_for_a_folder(tmp_path, capsys):
+    out = tmp_path / "sim"
+    assert main(["sim", "--profile", "quick", "--policies", "bounded", "llm-aware", "--seeds", "1-3",
+                 "--out-dir", str(out)]) == 0
+    simulated = capsys.readouterr().out.splitlines()
+    assert main(["report", str(out)]) == 0
+    reported = capsys.readouterr().out.splitlines()
+    table = reported[: reported.index(next(line for line in reported if line.startswith("Runs (seeds)"))) + 1]
+    assert table[0].startswith("metric (mean ± 95% CI over seeds)") and "±" in table[2]
+    start = simulated.index(table[0])
+    assert simulated[start : start + len(table)] == table
