@@ -33,6 +33,7 @@ from extproc.analysis.metrics import (
 from extproc.cli_input import UsageError
 
 SUMMARY_FILE = "summary.md"
+REPO_ROOT = Path(__file__).resolve().parents[2]
 STATISTIC = "mean ± 95% CI over seeds"
 
 
@@ -57,15 +58,7 @@ def main(args: argparse.Namespace) -> int:
         return 2
     for folder, one in zip(args.dirs, reports, strict=True) if args.write else ():
         (folder / SUMMARY_FILE).write_text(render_markdown(one, with_runs=True))
-    if len(reports) == 1:
-        report = reports[0]
-    else:
-        labels = _labels(args.dirs)
-        agreement = {
-            label: decision_agreement(args.dirs[0], folder)
-            for label, folder in zip(labels[1:], args.dirs[1:], strict=True)
-        }
-        report = side_by_side(reports, labels, agreement)
+    report = combine(args.dirs, reports)
     if args.format == "json":
         print(json.dumps(report, default=str))
     elif args.format == "markdown":
@@ -86,6 +79,17 @@ def build_report(experiment_dir: str | Path, hit_share: float = DEFAULT_HIT_SHAR
         }
     except duckdb.Error as exc:  # a corrupt or foreign file in the folder
         raise UsageError(f"{experiment_dir}: cannot read the records: {str(exc).splitlines()[0]}") from None
+
+
+def combine(folders: list[Path], reports: list[dict[str, Any]]) -> dict[str, Any]:
+    """One folder's report as it is; several side by side, with decision agreement to the first."""
+    if len(reports) == 1:
+        return reports[0]
+    labels = folder_labels(folders)
+    agreement = {
+        label: decision_agreement(folders[0], folder) for label, folder in zip(labels[1:], folders[1:], strict=True)
+    }
+    return side_by_side(reports, labels, agreement)
 
 
 def side_by_side(reports: list[dict[str, Any]], labels: list[str],
@@ -110,7 +114,12 @@ def side_by_side(reports: list[dict[str, Any]], labels: list[str],
     }
 
 
-def _labels(folders: list[Path]) -> list[str]:
+def resolve_folders(folders: list[str | Path], root: Path = REPO_ROOT) -> list[Path]:
+    """Experiment folders as the notebooks take them: a relative path is relative to the checkout."""
+    return [Path(folder) if Path(folder).is_absolute() else root / folder for folder in folders]
+
+
+def folder_labels(folders: list[Path]) -> list[str]:
     """Each folder's name, or its whole path where two names clash."""
     names = [folder.name for folder in folders]
     return [name if names.count(name) == 1 else str(folder) for name, folder in zip(names, folders, strict=True)]

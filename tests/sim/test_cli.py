@@ -50,7 +50,8 @@ def test_bad_inputs_are_named(tmp_path, capsys):
     assert main(["sim", "--profile", "quick", "--policies", "bounded", "--seeds", "1", "--cost-model", "nope",
                  "--out-dir", str(tmp_path / "out")]) == 2
     assert "cost model not found: nope" in capsys.readouterr().err
-    assert main(["sim", "--profile", "quick", "--policies", "nope", "--seeds", "1", "--out-dir", str(tmp_path / "out")]) == 2
+    assert main(["sim", "--profile", "quick", "--policies", "nope", "--seeds", "1",
+                 "--out-dir", str(tmp_path / "out")]) == 2
     assert "unknown policy 'nope'" in capsys.readouterr().err
     assert main(["sim", "--profile", "quick", "--policies", "bounded", "--seeds", "1", "--scale-at", "0",
                  "--out-dir", str(tmp_path / "out")]) == 2
