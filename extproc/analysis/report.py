@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -53,9 +52,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     try:
         reports = [build_report(folder, args.hit_share) for folder in args.dirs]
-    except (FileNotFoundError, ValueError) as exc:
-        print(f"llm-ring report: {exc}", file=sys.stderr)
-        return 2
+    except (FileNotFoundError, ValueError) as exc:  # bad input: one line, exit 2
+        raise UsageError(str(exc)) from None
     for folder, one in zip(args.dirs, reports, strict=True) if args.write else ():
         (folder / SUMMARY_FILE).write_text(render_markdown(one, with_runs=True))
     report = combine(args.dirs, reports)

@@ -370,9 +370,8 @@ def main(args: argparse.Namespace) -> int:
         new_folder(args.out_dir)
         lab = connect_lab(args.gateway, args.admin, args.run_dir)
         out = run_experiment(lab, profile, args.policies, seeds, args.out_dir, args.scale_at)
-    except (ProfileError, ExperimentError, LabError) as exc:
-        print(f"llm-ring run: {exc}", file=sys.stderr)
-        return 2
+    except (ProfileError, LabError) as exc:  # bad input or no lab: one line, exit 2
+        raise UsageError(str(exc)) from None
     except ExperimentInterrupted as exc:
         print(f"llm-ring run: {exc}", file=sys.stderr)
         return 130

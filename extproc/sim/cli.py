@@ -18,7 +18,6 @@ from typing import Any
 from extproc.analysis.metrics import METRICS, spread
 from extproc.analysis.report import SUMMARY_FILE, build_report, render_markdown, render_stats
 from extproc.cli_input import UsageError, at_least, distinct, new_folder, parse_seeds
-from extproc.settings import SettingsError
 from extproc.sim.costmodel import CostModelError, load_cost_model
 from extproc.sim.engine import Fleet, OpenLoop
 from extproc.sim.mooncake import TraceError
@@ -91,9 +90,8 @@ def main(args: argparse.Namespace) -> int:
         if args.scale_at is not None and args.scale_at <= 0:
             raise ValueError(f"--scale-at must be > 0 seconds (got {args.scale_at:g})")
         new_folder(args.out_dir)  # last: every other input is known good
-    except (SettingsError, CostModelError, ProfileError, TraceError, ValueError) as exc:
-        print(f"llm-ring sim: {exc}", file=sys.stderr)
-        return 2
+    except (CostModelError, ProfileError, TraceError, ValueError) as exc:  # bad input: one line, exit 2
+        raise UsageError(str(exc)) from None
     results: dict[str, Any] = {}
     differences: dict[str, Any] = {}  # replicas -> paired differences to the first policy
     started = time.perf_counter()
