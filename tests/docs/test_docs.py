@@ -143,3 +143,27 @@ def test_the_readme_results_table_is_what_its_command_prints(tmp_path, capsys):
             assert f"{float(expected):.{digits}f}" == shown, f"{label.strip()}: README {shown}, printed {expected}"
             checked += 1
     assert checked >= 16
+
+
+LINK = re.compile(r"\]\(([^)#\s]*)(?:#([^)\s]*))?\)")
+
+
+def anchors(page: Path) -> set[str]:
+    """GitHub's heading anchors: lower case, punctuation dropped, spaces to hyphens."""
+    text = FENCE.sub("", page.read_text())
+    headings = re.findall(r"^#+\s+(.*)$", text, re.M)
+    return {re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-") for heading in headings}
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_every_link_between_pages_lands(page):
+    broken = []
+    for target, anchor in LINK.findall(FENCE.sub("", page.read_text())):
+        if target.startswith(("http://", "https://")):
+            continue
+        path = (page.parent / target).resolve() if target else page
+        if not path.exists():
+            broken.append(target)
+        elif anchor and path.suffix == ".md" and anchor not in anchors(path):
+            broken.append(f"{target}#{anchor}")
+    assert not broken, f"{page.name}: links to nothing: {broken}"
