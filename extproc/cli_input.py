@@ -44,7 +44,6 @@ def at_least(low: float, kind: Callable[[str], float] = int) -> Callable[[str], 
             raise argparse.ArgumentTypeError(f"must be >= {low:g} (got {text})")
         return value
 
-    parse.__name__ = kind.__name__  # argparse names the type in its messages
     return parse
 
 
@@ -60,16 +59,15 @@ def parse_seeds(items: Sequence[str], flag: str = "--seeds") -> list[int]:
         if not chunk:
             raise UsageError(f"{flag}: {item!r} is an empty range (write the lower seed first: {high}-{low})")
         seeds += chunk
-    twice = sorted({seed for seed in seeds if seeds.count(seed) > 1})
-    if twice:
-        raise UsageError(f"{flag}: seed {', '.join(map(str, twice))} given twice (each seed runs every policy once)")
+    distinct(seeds, flag, "seed ")
     return seeds
 
 
-def distinct(values: Sequence[object], flag: str) -> None:
+def distinct(values: Sequence[object], flag: str, noun: str = "") -> None:
+    """Refuse a value given twice (two runs, or two folders, would be the same)."""
     twice = sorted({str(value) for value in values if values.count(value) > 1})
     if twice:
-        raise UsageError(f"{flag}: {', '.join(twice)} given twice")
+        raise UsageError(f"{flag}: {noun}{', '.join(twice)} given twice")
 
 
 def new_folder(path: Path, flag: str = "--out-dir") -> Path:
