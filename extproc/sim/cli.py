@@ -127,8 +127,10 @@ def parse_scale(items: list[str]) -> list[tuple[float, int]]:
             events.append((float(at), int(count)))
         except ValueError:
             raise ValueError(f"--scale: {item!r} is not T:N (seconds:replicas)") from None
-        if not sep or events[-1][1] < 0:
+        if not sep:
             raise ValueError(f"--scale: {item!r} is not T:N (seconds:replicas)")
+        if events[-1][1] < 1 or events[-1][0] < 0:
+            raise ValueError(f"--scale: {item!r}: a fleet needs at least 1 replica, from 0 seconds on")
     return events
 
 

@@ -135,3 +135,9 @@ def test_run_refuses_bad_seeds_before_looking_for_a_stack(tmp_path, capsys):
     code, err = run_cli(capsys, "run", "--profile", "quick", "--policies", "bounded", "--seeds", "2", "2",
                         "--out-dir", str(tmp_path / "out"))
     assert_refused(code, err, "--seeds", "seed 2 given twice")
+
+
+def test_scaling_to_no_replica_is_refused(tmp_path, capsys):
+    code, err = run_cli(capsys, *SIM, "--seeds", "1", "--scale", "10:0", "--out-dir", str(tmp_path / "out"))
+    assert_refused(code, err, "--scale: '10:0': a fleet needs at least 1 replica")
+    assert not (tmp_path / "out").exists()
