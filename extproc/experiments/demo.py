@@ -77,8 +77,7 @@ def main(args: argparse.Namespace) -> int:
     cores = os.cpu_count() or 1
     _step(4, f"simulated: the same conversations over {len(sim_seeds)} seeds ({args.replicas} replicas sharing "
              f"{cores} cores), and profile {BUSY_PROFILE} on {BUSY_REPLICAS} replicas")
-    same = out / f"sim-{profile.name}"
-    busy = out / f"sim-{BUSY_PROFILE}"
+    same, busy = out / "sim", out / f"sim-{BUSY_PROFILE}"  # the live conversations; the busy profile
     paired_same = simulate(str(live / "profile.json"), args.policies, sim_seeds, args.replicas, cores, same)
     paired_busy = simulate(BUSY_PROFILE, args.policies, sim_seeds, BUSY_REPLICAS, cores, busy)
     _step(5, "report")
