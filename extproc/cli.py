@@ -1,7 +1,8 @@
 """The `llm-ring` command: one subcommand per module, imported only when used.
 
 Each command module exposes `configure(parser)` (adds its options) and
-`main(args) -> int` (runs it). Keeping the imports lazy keeps `llm-ring --help`
+`main(args) -> int` (runs it). Bad input raises `UsageError` (caught here: one line,
+exit code 2); see extproc/cli_input.py. Keeping the imports lazy keeps `llm-ring --help`
 fast and lets `serve` start without loading the analysis stack.
 """
 
@@ -10,6 +11,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+
+from extproc.cli_input import OneLineParser, UsageError, report_usage_error
 
 # command -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -34,12 +37,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     module = importlib.import_module(args._module)
     run = getattr(module, f"main_{args.command}", None) or module.main
-    return int(run(args) or 0)
+    try:
+        return int(run(args) or 0)
+    except UsageError as exc:
+        return report_usage_error(args.command, exc)
 
 
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     """Configure only the command being run (other modules stay unimported)."""
-    parser = argparse.ArgumentParser(prog="llm-ring", description="Cache-aware routing for LLM replicas.")
+    parser = OneLineParser(prog="llm-ring", description="Cache-aware routing for LLM replicas.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     wanted = argv[0] if argv else None
     for name, (module_name, help_text) in COMMANDS.items():

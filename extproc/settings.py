@@ -16,6 +16,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from extproc.cli_input import UsageError
+
 PolicyName = Literal[
     "round-robin", "mod-n", "consistent", "bounded", "llm-aware",
     "prefix-affinity", "radix-balance", "chwbl", "kv-cost",  # the field's routers (docs/peer-policies.md)
@@ -88,8 +90,8 @@ class Settings(_Strict):
     discovery: DiscoverySettings
 
 
-class SettingsError(ValueError):
-    """A setting is missing or invalid; the message names the dotted key."""
+class SettingsError(UsageError):
+    """A setting is missing or invalid; the message names the dotted key and where it came from."""
 
 
 def load_settings(path: str | Path, environ: Mapping[str, str] | None = None) -> Settings:
@@ -100,15 +102,17 @@ def load_settings(path: str | Path, environ: Mapping[str, str] | None = None) ->
         raise SettingsError(f"settings file not found: {path}") from None
     except tomllib.TOMLDecodeError as exc:
         raise SettingsError(f"{path}: not valid TOML: {exc}") from None
-    apply_env_overrides(raw, os.environ if environ is None else environ)
-    return parse_settings(raw, source=str(path))
+    from_env = apply_env_overrides(raw, os.environ if environ is None else environ)
+    return parse_settings(raw, source=str(path), from_env=from_env)
 
 
-def parse_settings(raw: Mapping[str, Any], source: str = "settings") -> Settings:
+def parse_settings(raw: Mapping[str, Any], source: str = "settings",
+                   from_env: Mapping[tuple[str, str], str] | None = None) -> Settings:
+    """``from_env``: (section, key) -> the environment variable that set it (blamed instead of the file)."""
     try:
         return Settings.model_validate(raw)
     except ValidationError as exc:
-        raise SettingsError(describe_errors(exc, source)) from None
+        raise SettingsError(describe_errors(exc, source, from_env or {})) from None
 
 
 def parse_routing(raw: Mapping[str, Any], source: str = "routing") -> RoutingSettings:
@@ -118,28 +122,36 @@ def parse_routing(raw: Mapping[str, Any], source: str = "routing") -> RoutingSet
         raise SettingsError(describe_errors(exc, source)) from None
 
 
-def describe_errors(exc: ValidationError, source: str) -> str:
+def describe_errors(exc: ValidationError, source: str, from_env: Mapping[tuple[str, str], str] | None = None) -> str:
+    """One line per problem, each naming its dotted key and its origin (the file, or a variable)."""
     lines = []
     for error in exc.errors():
         key = ".".join(str(part) for part in error["loc"])
+        variable = (from_env or {}).get(tuple(str(part) for part in error["loc"][:2]))  # type: ignore[arg-type]
+        origin = f"{variable} (environment)" if variable else source
         if error["type"] == "missing":
-            lines.append(f"{key}: missing (every setting must be given; there are no defaults)")
+            problem = "missing (every setting must be given; there are no defaults)"
         elif error["type"] == "extra_forbidden":
-            lines.append(f"{key}: unknown setting")
+            problem = "unknown setting"
         else:
-            lines.append(f"{key}: {error['msg']} (got {error.get('input')!r})")
-    return f"{source}: invalid settings:\n  " + "\n  ".join(lines)
+            problem = f"{error['msg']} (got {error.get('input')!r})"
+        lines.append(f"{origin}: {key}: {problem}")
+    return "; ".join(lines)
 
 
-def apply_env_overrides(raw: dict[str, Any], environ: Mapping[str, str]) -> None:
+def apply_env_overrides(raw: dict[str, Any], environ: Mapping[str, str]) -> dict[tuple[str, str], str]:
+    """Set ``raw[section][key]`` from each ``LLM_RING__SECTION__KEY``; returns which variable set what."""
+    origins = {}
     for name, text in environ.items():
         if not name.startswith(ENV_PREFIX):
             continue
         path = name[len(ENV_PREFIX) :].lower().split("__")
         if len(path) != 2 or not all(path):
-            raise SettingsError(f"{name}: expected {ENV_PREFIX}<SECTION>__<KEY>")
+            raise SettingsError(f"{name} (environment): expected {ENV_PREFIX}<SECTION>__<KEY>")
         section, key = path
         raw.setdefault(section, {})[key] = _parse_scalar(text)
+        origins[(section, key)] = name
+    return origins
 
 
 def _parse_scalar(text: str) -> Any:

@@ -8,7 +8,9 @@ profile and seed give the same messages whichever policy runs. Users take the ne
 unstarted conversation until the profile's ``conversations`` are done, then the test
 stops by itself. Every turn resends the whole history with ``x-conversation-id`` and
 ``x-turn``. Each request becomes one row (extproc.experiments.records): appended to
-``requests.jsonl`` as it happens, turned into ``requests.parquet`` at test stop.
+``requests.jsonl`` as it happens, turned into ``requests.parquet`` at test stop, in
+``--records-dir`` (`llm-ring run` gives one per run). Without ``--records-dir`` no row
+is kept and nothing is written: a plain Locust run leaves the checkout as it was.
 Run Locust as one process (no --processes): conversations are handed out in-process.
 """
 
@@ -48,7 +50,7 @@ def _options(parser: Any) -> None:
     group.add_argument("--conversation-seed", type=int, default=1, help="seed of the conversations")
     group.add_argument("--policy-label", default="unknown", help="policy name written in the records")
     group.add_argument("--run-id", default="", help="run id in the records (default <policy>-s<seed>)")
-    group.add_argument("--records-dir", default="", help="run folder (default locust-records/<run-id>)")
+    group.add_argument("--records-dir", default="", help="run folder for the request rows (default: none kept)")
     group.add_argument("--model", default="llm-ring", help="model field sent in requests")
     group.add_argument("--session", default="", help="session tag starting every conversation")
 
@@ -65,12 +67,14 @@ class Plan:
         self.run_id: str = options.run_id or f"{self.policy}-s{self.seed}"
         self.model: str = options.model
         self.session: str = options.session or session_tag(self.run_id, time.time())
-        self.run_dir = Path(options.records_dir or Path("locust-records") / self.run_id)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.run_dir = Path(options.records_dir) if options.records_dir else None
         self.conversations: list[Conversation] = generate_conversations(self.profile, self.seed)
         self.next_index = 0
         self.finished = 0
-        self.journal = (self.run_dir / JOURNAL_FILE).open("a", buffering=1)  # line-buffered
+        self.journal = None
+        if self.run_dir is not None:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            self.journal = (self.run_dir / JOURNAL_FILE).open("a", buffering=1)  # line-buffered
 
     def take(self) -> Conversation | None:
         if self.next_index >= len(self.conversations):
@@ -85,11 +89,15 @@ class Plan:
             gevent.spawn(self.environment.runner.quit)
 
     def record(self, row: dict[str, Any]) -> None:
-        self.journal.write(journal_row(row) + "\n")
+        if self.journal is not None:
+            self.journal.write(journal_row(row) + "\n")
 
-    def close(self) -> int:
+    def close(self) -> str:
+        """What became of the rows, for the log."""
+        if self.journal is None or self.run_dir is None:
+            return "request rows not kept (no --records-dir)"
         self.journal.close()
-        return finalise_run_records(self.run_dir)
+        return f"{finalise_run_records(self.run_dir)} request rows -> {self.run_dir}"
 
 
 PLAN: Plan | None = None
@@ -111,8 +119,7 @@ def _record(context: dict | None = None, **_: Any) -> None:
 def _stop(environment: Any, **_: Any) -> None:
     global PLAN
     if PLAN is not None:
-        rows = PLAN.close()
-        print(f"llm-ring: {rows} request rows -> {PLAN.run_dir}", flush=True)
+        print(f"llm-ring: {PLAN.close()}", flush=True)
         PLAN = None
 
 

@@ -13,12 +13,19 @@
 #     name: python3
 # ---
 
+# %%
+# The experiment folders to read (`--out-dir` of `llm-ring run` or `llm-ring sim`). A relative
+# path is relative to the repository root, wherever the kernel runs. Several folders are shown
+# side by side (a live run and its simulation, say). LLM_RING_EXPERIMENT_DIRS, folders separated
+# by ":", replaces this list when set (the notebook test sets it).
+FOLDERS = ["results/quick-sim"]
+BIN_S = 5.0  # width of the hit-rate-over-time bins, seconds
+
 # %% [markdown]
 # # Policy comparison
 #
-# Reads one experiment folder (written by `llm-ring run` or `llm-ring sim`) through the
-# shared SQL in `extproc.analysis.metrics`, so every number here is the one
-# `llm-ring report` prints. Set `LLM_RING_EXPERIMENT_DIR` to the folder. Every chart is
+# Reads the folders above through the shared SQL in `extproc.analysis.metrics`, so every
+# number here is the one `llm-ring report` prints for the same folders. Every chart is
 # aggregated in DuckDB first (Altair refuses more than 5,000 rows).
 
 # %%
@@ -33,36 +40,49 @@ from extproc.analysis.metrics import (
     latency_quantiles,
     route_reasons,
     scale_marks,
-    summary,
 )
-from extproc.analysis.report import build_report, render_markdown
+from extproc.analysis.report import build_report, combine, folder_labels, render_markdown, resolve_folders
 
-EXPERIMENT = os.environ.get("LLM_RING_EXPERIMENT_DIR")
-if not EXPERIMENT:
-    raise SystemExit("set LLM_RING_EXPERIMENT_DIR to an experiment folder (llm-ring run --out-dir)")
-BIN_S = float(os.environ.get("LLM_RING_BIN_S", "5"))
-con = connect(EXPERIMENT)
+if os.environ.get("LLM_RING_EXPERIMENT_DIRS"):
+    FOLDERS = os.environ["LLM_RING_EXPERIMENT_DIRS"].split(":")
+folders = resolve_folders(FOLDERS)
+labels = folder_labels(folders)
+connections = {label: connect(folder) for label, folder in zip(labels, folders, strict=True)}
+
+
+def series(label: str, policy: str) -> str:
+    """A chart's colour: the policy, prefixed by the folder when there are several."""
+    return policy if len(folders) == 1 else f"{label}: {policy}"
+
+
+def collected(query) -> list[dict]:
+    """``query(con)``'s rows from every folder, each with its series name."""
+    return [
+        dict(row, series=series(label, row["policy"])) for label, con in connections.items() for row in query(con)
+    ]
+
 
 # %% [markdown]
-# ## Summary per policy (pooled over seeds; [min–max] across seeds)
+# ## Summary per policy (mean over seeds ± 95% interval)
 
 # %%
-print(render_markdown(build_report(EXPERIMENT), with_runs=False))
+report = combine(folders, [build_report(folder) for folder in folders])
+print(render_markdown(report, with_runs=False))
 
 # %%
-stats = summary(con)
 shown = ("hit_rate", "avoidable_share", "latency_p95", "imbalance")
-labels = {m.name: m.label for m in METRICS}
+names = {m.name: m.label for m in METRICS}
 bars = [
-    {"policy": policy, "metric": labels[name], "value": s["value"], "low": s["min"], "high": s["max"]}
-    for policy, metrics in stats.items()
+    {"series": column, "metric": names[name], "mean": s["mean"],
+     "low": s["mean"] - (s["ci95"] or 0), "high": s["mean"] + (s["ci95"] or 0)}
+    for column, metrics in report["summary"].items()
     for name, s in metrics.items()
-    if name in shown and s["value"] is not None
+    if name in shown and s["mean"] is not None
 ]  # fmt: skip
-base = alt.Chart(alt.Data(values=bars)).encode(y=alt.Y("policy:N", title=None))
+base = alt.Chart(alt.Data(values=bars)).encode(y=alt.Y("series:N", title=None))
 (
     alt.layer(
-        base.mark_bar().encode(x=alt.X("value:Q", title=None), color="policy:N"),
+        base.mark_bar().encode(x=alt.X("mean:Q", title=None), color="series:N"),
         base.mark_rule().encode(x="low:Q", x2="high:Q"),
     )
     .properties(width=260, height=70)
@@ -74,38 +94,38 @@ base = alt.Chart(alt.Data(values=bars)).encode(y=alt.Y("policy:N", title=None))
 # ## Hit rate over time (all seeds pooled), new replica ready marked
 
 # %%
-over_time = hit_rate_over_time(con, BIN_S)
-marks = scale_marks(con)
+over_time = collected(lambda con: hit_rate_over_time(con, BIN_S))
+marks = collected(scale_marks)
 lines = (
     alt.Chart(alt.Data(values=over_time))
     .mark_line(point=True)
     .encode(
         x=alt.X("t_s:Q", title="seconds since the run's first request"),
         y=alt.Y("hit_rate:Q", title="follow-up hit rate", scale=alt.Scale(domain=[0, 1])),
-        color="policy:N",
-        tooltip=["policy:N", "t_s:Q", "hit_rate:Q", "followups:Q"],
+        color="series:N",
+        tooltip=["series:N", "t_s:Q", "hit_rate:Q", "followups:Q"],
     )
 )
 rules = (
     alt.Chart(alt.Data(values=marks))
     .mark_rule(strokeDash=[4, 4])
-    .encode(x="ready_s:Q", color="policy:N", tooltip=["policy:N", "ready_s:Q"])
+    .encode(x="ready_s:Q", color="series:N", tooltip=["series:N", "ready_s:Q"])
 )
 (lines + rules if marks else lines).properties(width=560, height=260)
 
 # %% [markdown]
-# ## Latency and TTFT distributions (percentiles of ok requests)
+# ## Latency and TTFT distributions (percentiles of ok requests, all seeds pooled)
 
 # %%
-cdf = [dict(row, measure="latency") for row in latency_quantiles(con, "latency_s")]
-cdf += [dict(row, measure="TTFT") for row in latency_quantiles(con, "ttft_s")]
+cdf = [dict(row, measure="latency") for row in collected(lambda con: latency_quantiles(con, "latency_s"))]
+cdf += [dict(row, measure="TTFT") for row in collected(lambda con: latency_quantiles(con, "ttft_s"))]
 (
     alt.Chart(alt.Data(values=cdf))
     .mark_line()
     .encode(
         x=alt.X("seconds:Q", scale=alt.Scale(type="log"), title="seconds (log)"),
         y=alt.Y("percentile:Q"),
-        color="policy:N",
+        color="series:N",
     )
     .properties(width=260, height=220)
     .facet(column=alt.Column("measure:N", title=None))
@@ -116,8 +136,8 @@ cdf += [dict(row, measure="TTFT") for row in latency_quantiles(con, "ttft_s")]
 
 # %%
 (
-    alt.Chart(alt.Data(values=route_reasons(con)))
+    alt.Chart(alt.Data(values=collected(route_reasons)))
     .mark_bar()
-    .encode(x="per_run:Q", y=alt.Y("policy:N", title=None), color="route_reason:N")
-    .properties(width=560, height=90)
+    .encode(x="per_run:Q", y=alt.Y("series:N", title=None), color="route_reason:N")
+    .properties(width=560, height=30 * len(report["summary"]))
 )

@@ -1,18 +1,25 @@
 """`llm-ring report DIR [DIR ...]`: the summary table of one or more experiment folders.
 
-Prints the per-policy summary (table, markdown or JSON) and always writes each
-``DIR/summary.md`` (summary + per-run table + the definitions used). Given several
-folders (a live run and its simulation, say), the columns sit side by side, grouped
-by policy: ``live: bounded``, ``sim: bounded``, ``live: llm-aware``, ...
+Prints the per-policy summary (table, markdown or JSON); with ``--write`` it also
+(re)writes each ``DIR/summary.md`` (summary + per-run table + the definitions used),
+which `llm-ring run` and `sim` write once when they finish. Given several folders (a
+live run and its simulation, say), the columns sit side by side, grouped by policy:
+``live: bounded``, ``sim: bounded``, ``live: llm-aware``, ...
+
+Every table shows one statistic, the same as `llm-ring sim` prints: the mean over runs
+(one run per seed) with a 95 % t-interval of the per-run values. The JSON also holds
+the pooled value (``value``: pooled counts and quantiles over all requests), min and max.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+import duckdb
 
 from extproc.analysis.metrics import (
     DEFAULT_HIT_SHARE,
@@ -23,8 +30,11 @@ from extproc.analysis.metrics import (
     per_run,
     summary,
 )
+from extproc.cli_input import UsageError
 
 SUMMARY_FILE = "summary.md"
+REPO_ROOT = Path(__file__).resolve().parents[2]
+STATISTIC = "mean ± 95% CI over seeds"
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -37,25 +47,17 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_HIT_SHARE,
         help="a follow-up is a hit when cache_n >= this share of the previous prompt (default 0.5)",
     )
+    parser.add_argument("--write", action="store_true", help=f"also rewrite each DIR/{SUMMARY_FILE}")
 
 
 def main(args: argparse.Namespace) -> int:
     try:
         reports = [build_report(folder, args.hit_share) for folder in args.dirs]
-    except (FileNotFoundError, ValueError) as exc:
-        print(f"llm-ring report: {exc}", file=sys.stderr)
-        return 2
-    for folder, one in zip(args.dirs, reports, strict=True):
+    except (FileNotFoundError, ValueError) as exc:  # bad input: one line, exit 2
+        raise UsageError(str(exc)) from None
+    for folder, one in zip(args.dirs, reports, strict=True) if args.write else ():
         (folder / SUMMARY_FILE).write_text(render_markdown(one, with_runs=True))
-    if len(reports) == 1:
-        report = reports[0]
-    else:
-        labels = _labels(args.dirs)
-        agreement = {
-            label: decision_agreement(args.dirs[0], folder)
-            for label, folder in zip(labels[1:], args.dirs[1:], strict=True)
-        }
-        report = side_by_side(reports, labels, agreement)
+    report = combine(args.dirs, reports)
     if args.format == "json":
         print(json.dumps(report, default=str))
     elif args.format == "markdown":
@@ -66,13 +68,27 @@ def main(args: argparse.Namespace) -> int:
 
 
 def build_report(experiment_dir: str | Path, hit_share: float = DEFAULT_HIT_SHARE) -> dict[str, Any]:
-    con = connect(experiment_dir, hit_share)
-    return {
-        "experiment": str(experiment_dir),
-        "hit_share": hit_share,
-        "summary": summary(con),
-        "runs": per_run(con),
+    try:
+        con = connect(experiment_dir, hit_share)
+        return {
+            "experiment": str(experiment_dir),
+            "hit_share": hit_share,
+            "summary": summary(con),
+            "runs": per_run(con),
+        }
+    except duckdb.Error as exc:  # a corrupt or foreign file in the folder
+        raise UsageError(f"{experiment_dir}: cannot read the records: {str(exc).splitlines()[0]}") from None
+
+
+def combine(folders: list[Path], reports: list[dict[str, Any]]) -> dict[str, Any]:
+    """One folder's report as it is; several side by side, with decision agreement to the first."""
+    if len(reports) == 1:
+        return reports[0]
+    labels = folder_labels(folders)
+    agreement = {
+        label: decision_agreement(folders[0], folder) for label, folder in zip(labels[1:], folders[1:], strict=True)
     }
+    return side_by_side(reports, labels, agreement)
 
 
 def side_by_side(reports: list[dict[str, Any]], labels: list[str],
@@ -97,7 +113,12 @@ def side_by_side(reports: list[dict[str, Any]], labels: list[str],
     }
 
 
-def _labels(folders: list[Path]) -> list[str]:
+def resolve_folders(folders: list[str | Path], root: Path = REPO_ROOT) -> list[Path]:
+    """Experiment folders as the notebooks take them: a relative path is relative to the checkout."""
+    return [Path(folder) if Path(folder).is_absolute() else root / folder for folder in folders]
+
+
+def folder_labels(folders: list[Path]) -> list[str]:
     """Each folder's name, or its whole path where two names clash."""
     names = [folder.name for folder in folders]
     return [name if names.count(name) == 1 else str(folder) for name, folder in zip(names, folders, strict=True)]
@@ -116,35 +137,44 @@ def format_value(metric: Metric, value: float | None) -> str:
 
 
 def format_cell(metric: Metric, stats: dict[str, Any]) -> str:
-    """The pooled value, then the range across runs when there are several."""
-    cell = format_value(metric, stats["value"])
-    if stats["n_runs"] >= 2 and stats["min"] is not None and stats["min"] != stats["max"]:
-        cell += f" [{format_value(metric, stats['min'])}–{format_value(metric, stats['max'])}]"
-    return cell
+    """The mean over runs ± the 95 % interval's half-width (one run: its value)."""
+    if stats["mean"] is None:
+        return "-"
+    mean = stats["mean"]
+    cell = "-" + format_value(metric, -mean) if mean < 0 else format_value(metric, mean)  # paired differences
+    return cell if stats["ci95"] is None else f"{cell} ± {format_value(metric, stats['ci95'])}"
 
 
-def summary_rows(report: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
-    policies = list(report["summary"])
-    header = ["metric", *policies]
+def summary_rows(
+    stats: dict[str, dict[str, dict[str, Any]]], metrics: Sequence[Metric] = METRICS
+) -> tuple[list[str], list[list[str]]]:
+    """Metric rows, one column per policy (metrics no column has are left out)."""
+    columns = list(stats)
+    header = [f"metric ({STATISTIC})", *columns]
     body = [
-        [metric.label, *(format_cell(metric, report["summary"][p][metric.name]) for p in policies)]
-        for metric in METRICS
-        if any(report["summary"][p][metric.name]["value"] is not None for p in policies)
+        [metric.label, *(format_cell(metric, stats[c][metric.name]) for c in columns)]
+        for metric in metrics
+        if any(stats[c][metric.name]["mean"] is not None for c in columns)
     ]
-    body.append(["Runs (seeds)", *(str(report["summary"][p]["requests"]["n_runs"]) for p in policies)])
+    body.append(["Runs (seeds)", *(str(stats[c]["requests"]["n_runs"]) for c in columns)])
     return header, body
 
 
-def render_table(report: dict[str, Any]) -> str:
-    header, body = summary_rows(report)
+def render_stats(stats: dict[str, dict[str, dict[str, Any]]], metrics: Sequence[Metric] = METRICS) -> str:
+    """``summary_rows`` as aligned text."""
+    header, body = summary_rows(stats, metrics)
     widths = [max(len(row[i]) for row in [header, *body]) for i in range(len(header))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)) for row in [header, *body]]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(line.rstrip() for line in lines) + "\n" + _footnote(report) + "\n"
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def render_table(report: dict[str, Any]) -> str:
+    return render_stats(report["summary"]) + "\n" + _footnote(report) + "\n"
 
 
 def render_markdown(report: dict[str, Any], with_runs: bool) -> str:
-    header, body = summary_rows(report)
+    header, body = summary_rows(report["summary"])
     out = [f"# Summary: {report['experiment']}", "", *_md_table(header, body), "", _footnote(report)]
     if with_runs:
         columns = ["run_id", "policy", "seed", "requests", "errors", "followups", "hit_rate",
@@ -157,7 +187,7 @@ def render_markdown(report: dict[str, Any], with_runs: bool) -> str:
 
 def _footnote(report: dict[str, Any]) -> str:
     return (
-        f"Pooled over runs; [min–max] across runs. Hit = follow-up turn with cache_n >= "
+        f"Mean over runs (one per seed) ± 95% t-interval; one run: its value. Hit = follow-up turn with cache_n >= "
         f"{report['hit_share']:g} x the previous turn's prompt tokens. Definitions: "
         f"extproc/analysis/metrics.py."
     ) + "".join(f"\n{line}" for line in _agreement_lines(report))

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import sys
 
 BENCHMARKS = {
     "decisions": ("extproc.bench.decisions", "per-decision latency of each policy, memory per conversation"),
@@ -20,10 +19,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
         bench = sub.add_parser(name, help=help_text, description=help_text)
         bench.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
         bench.set_defaults(_bench_module=module_name)
-        if name in sys.argv[2:3]:  # configure only the benchmark being run
-            configure_bench = getattr(importlib.import_module(module_name), "configure", None)
-            if configure_bench is not None:
-                configure_bench(bench)
+        # every benchmark's options (the argv given to extproc.cli.main, not sys.argv, is parsed)
+        configure_bench = getattr(importlib.import_module(module_name), "configure", None)
+        if configure_bench is not None:
+            configure_bench(bench)
 
 
 def main(args: argparse.Namespace) -> int:

@@ -33,6 +33,7 @@ from typing import Any, get_args
 
 import httpx
 
+from extproc.cli_input import UsageError, new_folder, parse_seeds
 from extproc.experiments.lab import Lab, LabError, RemoteLab
 from extproc.experiments.records import (
     JOURNAL_FILE,
@@ -48,10 +49,11 @@ from extproc.traffic.chat import session_tag
 
 LOCUSTFILE = Path(__file__).resolve().parents[2] / "locustfiles" / "chat.py"
 POLICIES = get_args(PolicyName)
+KNOBS = tuple(name for name in RoutingSettings.model_fields if name != "policy")  # settable in a policy spec
 PROGRESS_EVERY_S = 5.0
 
 
-class ExperimentError(ValueError):
+class ExperimentError(UsageError):
     """Bad input for an experiment (policy, seeds, out-dir, gateway); the message says which."""
 
 
@@ -76,8 +78,10 @@ def parse_policy(spec: str) -> PolicySpec:
     routing: dict[str, Any] = {"policy": name}
     for item in filter(None, knobs.split(",")):
         key, eq, text = item.partition("=")
-        if not eq or key not in RoutingSettings.model_fields or key == "policy":
+        if not eq:
             raise ExperimentError(f"policy {spec!r}: {item!r} is not <routing setting>=<value>")
+        if key not in KNOBS:
+            raise ExperimentError(f"policy {spec!r}: unknown setting {key} (valid: {', '.join(KNOBS)})")
         try:
             routing[key] = tomllib.loads(f"v = {text}")["v"]
         except tomllib.TOMLDecodeError:
@@ -153,8 +157,7 @@ def _check_inputs(
     out: Path,
     scale_at: float | None,
 ) -> list[PolicySpec]:
-    if out.exists():
-        raise ExperimentError(f"out-dir {out} already exists; choose a new folder per experiment")
+    new_folder(out)
     if not policies:
         raise ExperimentError("no policies given")
     if not seeds or len(set(seeds)) != len(seeds):
@@ -346,7 +349,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--profile", required=True, help="traffic profile: name (quick, standard) or JSON path")
     parser.add_argument("--policies", nargs="+", required=True, metavar="POLICY",
                         help=f"{', '.join(POLICIES)}; knobs as name:key=value,key=value")  # fmt: skip
-    parser.add_argument("--seeds", nargs="+", type=int, required=True, metavar="SEED")
+    parser.add_argument("--seeds", nargs="+", required=True, metavar="SEED", help="integers or ranges like 1-5")
     parser.add_argument("--scale-at", type=float, default=None, metavar="S",
                         help="add one replica S seconds into every run (default: no scale-up)")  # fmt: skip
     parser.add_argument("--out-dir", type=Path, required=True, help="new folder for this experiment")
@@ -363,11 +366,12 @@ def main(args: argparse.Namespace) -> int:
         profile = load_traffic_profile(args.profile)
         for policy in args.policies:  # input errors before touching any lab
             parse_policy(policy)
+        seeds = parse_seeds(args.seeds)
+        new_folder(args.out_dir)
         lab = connect_lab(args.gateway, args.admin, args.run_dir)
-        out = run_experiment(lab, profile, args.policies, args.seeds, args.out_dir, args.scale_at)
-    except (ProfileError, ExperimentError, LabError) as exc:
-        print(f"llm-ring run: {exc}", file=sys.stderr)
-        return 2
+        out = run_experiment(lab, profile, args.policies, seeds, args.out_dir, args.scale_at)
+    except (ProfileError, LabError) as exc:  # bad input or no lab: one line, exit 2
+        raise UsageError(str(exc)) from None
     except ExperimentInterrupted as exc:
         print(f"llm-ring run: {exc}", file=sys.stderr)
         return 130

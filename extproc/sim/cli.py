@@ -11,17 +11,16 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from extproc.analysis.metrics import METRICS, Metric, connect, per_run, spread, summary
-from extproc.analysis.report import SUMMARY_FILE, build_report, format_value, render_markdown
-from extproc.settings import SettingsError
+from extproc.analysis.metrics import METRICS, connect, spread
+from extproc.analysis.report import SUMMARY_FILE, build_report, render_markdown, render_stats
+from extproc.cli_input import UsageError, at_least, distinct, new_folder, parse_seeds
 from extproc.sim.arena import arena, ceiling_line
 from extproc.sim.costmodel import CostModelError, load_cost_model
-from extproc.sim.engine import Fleet
+from extproc.sim.engine import Fleet, OpenLoop
 from extproc.sim.mooncake import TraceError, cacheable_ceiling
 from extproc.sim.runs import (
     SIM_CONFIG,
@@ -43,7 +42,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="policy names, optionally with knobs: bounded:load_unit=tokens,epsilon=0.5")
     parser.add_argument("--seeds", nargs="+", required=True, metavar="SEED",
                         help="seeds: integers or ranges like 1-20")
-    parser.add_argument("--replicas", nargs="+", type=int, default=[3], metavar="N",
+    parser.add_argument("--replicas", nargs="+", type=at_least(1), default=[3], metavar="N",
                         help="fleet sizes to simulate (default 3)")
     parser.add_argument("--scale-at", type=float, metavar="S",
                         help="add one replica S simulated seconds after the start")
@@ -52,13 +51,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out-dir", type=Path, required=True)
     parser.add_argument("--config", type=Path, default=SIM_CONFIG, help=f"simulator settings (default {SIM_CONFIG})")
     parser.add_argument("--cost-model", help="cost model name or path (default: [replica] cost_model)")
-    parser.add_argument("--slots", type=int, help="slots per replica (default: [replica] slots)")
-    parser.add_argument("--cache-ram-mib", type=float, help="host-RAM prompt cache per replica")
-    parser.add_argument("--host-cores", type=float,
+    parser.add_argument("--slots", type=at_least(1), help="slots per replica (default: [replica] slots)")
+    parser.add_argument("--cache-ram-mib", type=at_least(0, float), help="host-RAM prompt cache per replica")
+    parser.add_argument("--host-cores", type=at_least(0, float),
                         help="replicas share this many cores, like the local stack (0 = a CPU each; default: [host])")
-    parser.add_argument("--threads", type=int, help="CPU threads of a busy replica (default: [replica] threads)")
+    parser.add_argument("--threads", type=at_least(1),
+                        help="CPU threads of a busy replica (default: [replica] threads)")
     parser.add_argument("--time-scale", type=float, help="traces: multiply arrival times (default: [trace])")
-    parser.add_argument("--limit", type=int, help="traces: only the first N requests")
+    parser.add_argument("--limit", type=at_least(1), help="traces: only the first N requests")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
 
 
@@ -75,6 +75,10 @@ def main(args: argparse.Namespace) -> int:
             time_scale=args.time_scale or config.time_scale,
         )
         seeds = parse_seeds(args.seeds)
+        distinct(args.replicas, "--replicas")
+        distinct(args.policies, "--policies")
+        if args.time_scale is not None and args.time_scale <= 0:
+            raise UsageError(f"--time-scale: must be > 0 (got {args.time_scale:g})")
         for spec in args.policies:
             parse_policy(spec, config.routing)  # fail before any run
         cost = load_cost_model(config.cost_model)
@@ -85,12 +89,15 @@ def main(args: argparse.Namespace) -> int:
                                      "(its server section sets the KV pool and max_running)")
         source = profile_source(args.profile) if args.profile else trace_source(
             args.trace, config.time_scale, config.jitter_bucket_s, args.limit)
+        workload = source.make(seeds[0])
+        if isinstance(workload, OpenLoop) and not workload.requests:
+            raise UsageError(f"--trace {args.trace}: the file holds no request")
         scale = parse_scale(args.scale)
         if args.scale_at is not None and args.scale_at <= 0:
             raise ValueError(f"--scale-at must be > 0 seconds (got {args.scale_at:g})")
-    except (SettingsError, CostModelError, ProfileError, TraceError, ValueError) as exc:
-        print(f"llm-ring sim: {exc}", file=sys.stderr)
-        return 2
+        new_folder(args.out_dir)  # last: every other input is known good
+    except (CostModelError, ProfileError, TraceError, ValueError) as exc:  # bad input: one line, exit 2
+        raise UsageError(str(exc)) from None
     results: dict[str, Any] = {}
     differences: dict[str, Any] = {}  # replicas -> paired differences to the first policy
     arenas: dict[str, Any] = {}  # traces: replicas -> the arena table
@@ -107,21 +114,20 @@ def main(args: argparse.Namespace) -> int:
                        progress=lambda line: print(line, file=sys.stderr))
         report = build_report(out_dir)
         (out_dir / SUMMARY_FILE).write_text(render_markdown(report, with_runs=True))
-        con = connect(out_dir)
-        results[str(replicas)] = summary(con)
-        paired = differences[str(replicas)] = paired_differences(per_run(con), args.policies)
+        results[str(replicas)] = report["summary"]
+        paired = differences[str(replicas)] = paired_differences(report["runs"], args.policies)
         if not args.json:
             print(f"\n{source.label}: {replicas} replicas, {len(seeds)} seeds ({out_dir})")
-            print(render_ci_table(results[str(replicas)]))
+            print(render_stats(results[str(replicas)]))
             if paired:
-                print(f"\npaired by seed, difference to {args.policies[0]} (mean ± 95% CI):")
-                print(render_ci_table(paired))
+                print(f"\npaired by seed, difference to {args.policies[0]}:")
+                print(render_stats(paired))
         if source.trace is not None:
-            metrics, table = arena(con, args.policies, ceiling)
+            metrics, table = arena(connect(out_dir), args.policies, ceiling)
             arenas[str(replicas)] = table
             if not args.json:
                 print(f"\narena, {source.label}: {replicas} replicas, cost model {cost.name}, {len(seeds)} seeds")
-                print(render_ci_table(table, metrics))
+                print(render_stats(table, metrics))
     print(f"simulated in {time.perf_counter() - started:.1f} s", file=sys.stderr)
     if args.json:
         out: dict[str, Any] = {"source": source.label, "seeds": seeds, "replicas": results,
@@ -132,17 +138,6 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-def parse_seeds(items: list[str]) -> list[int]:
-    seeds: list[int] = []
-    for item in items:
-        low, sep, high = item.partition("-")
-        try:
-            seeds += list(range(int(low), int(high) + 1)) if sep else [int(item)]
-        except ValueError:
-            raise ValueError(f"--seeds: {item!r} is not an integer or a range like 1-20") from None
-    return seeds
-
-
 def parse_scale(items: list[str]) -> list[tuple[float, int]]:
     events = []
     for item in items:
@@ -151,8 +146,10 @@ def parse_scale(items: list[str]) -> list[tuple[float, int]]:
             events.append((float(at), int(count)))
         except ValueError:
             raise ValueError(f"--scale: {item!r} is not T:N (seconds:replicas)") from None
-        if not sep or events[-1][1] < 0:
+        if not sep:
             raise ValueError(f"--scale: {item!r} is not T:N (seconds:replicas)")
+        if events[-1][1] < 1 or events[-1][0] < 0:
+            raise ValueError(f"--scale: {item!r}: a fleet needs at least 1 replica, from 0 seconds on")
     return events
 
 
@@ -182,31 +179,3 @@ def paired_differences(runs: list[dict[str, Any]], policies: list[str]) -> dict[
     for stats in out.values():
         stats["requests"]["n_runs"] = stats["hit_rate"]["n_runs"]
     return out
-
-
-def render_ci_table(stats: dict[str, dict[str, dict[str, Any]]], metrics: Sequence[Metric] = METRICS) -> str:
-    """Metric rows, policy columns: mean over runs ± 95 % t-interval (one run: the value)."""
-    policies = list(stats)
-    rows = [["metric (mean ± 95% CI over seeds)", *policies]]
-    for metric in metrics:
-        cells = []
-        for policy in policies:
-            s = stats[policy][metric.name]
-            if s["mean"] is None:
-                cells.append("-")
-            elif s["ci95"] is None:
-                cells.append(_signed(metric, s["mean"]))
-            else:
-                cells.append(f"{_signed(metric, s['mean'])} ± {format_value(metric, s['ci95'])}")
-        if any(cell != "-" for cell in cells):
-            rows.append([metric.label, *cells])
-    rows.append(["runs (seeds)", *(str(stats[p]["requests"]["n_runs"]) for p in policies)])
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
-
-
-def _signed(metric: Metric, value: float) -> str:
-    """A value as the report formats it; negative differences keep the same precision."""
-    return "-" + format_value(metric, -value) if value < 0 else format_value(metric, value)

@@ -42,6 +42,10 @@ def load_sim_config(path: str | Path = SIM_CONFIG) -> SimConfig:
     path = Path(path)
     try:
         raw = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise SettingsError(f"{path}: {exc}") from None
+    _check_sim_keys(raw, path)
+    try:
         return SimConfig(
             routing=dict(raw["routing"]),
             slots=int(raw["replica"]["slots"]),
@@ -55,8 +59,25 @@ def load_sim_config(path: str | Path = SIM_CONFIG) -> SimConfig:
         )
     except KeyError as exc:
         raise SettingsError(f"{path}: missing setting {exc.args[0]!r}") from None
-    except (OSError, tomllib.TOMLDecodeError, ValueError) as exc:
+    except (TypeError, ValueError) as exc:
         raise SettingsError(f"{path}: {exc}") from None
+
+
+# Every key sim.toml may hold ([routing]: the routing knobs, the policy comes from the command line).
+_SIM_KEYS = {"routing": tuple(key for key in RoutingSettings.model_fields if key != "policy"),
+             "replica": ("slots", "cache_ram_mib", "cost_model", "threads"), "host": ("cores",),
+             "trace": ("time_scale",)}
+
+
+def _check_sim_keys(raw: dict[str, Any], path: Path) -> None:
+    """A misspelt key names the file (rather than surfacing later as a missing one, or not at all)."""
+    for section, table in raw.items():
+        if section not in _SIM_KEYS:
+            raise SettingsError(f"{path}: unknown section [{section}] (valid: {', '.join(_SIM_KEYS)})")
+        for key in table:
+            if key not in _SIM_KEYS[section]:
+                raise SettingsError(f"{path}: [{section}] unknown setting {key} "
+                                    f"(valid: {', '.join(_SIM_KEYS[section])})")
 
 
 def parse_policy(spec: str, base: dict[str, Any]) -> RoutingSettings:

@@ -4,15 +4,18 @@ from analysis.fixtures import known_run, make_experiment, write_run
 from extproc.cli import main
 
 
-def test_table_is_printed_and_summary_md_written(tmp_path, capsys):
+def test_table_is_printed_and_summary_md_written_when_asked(tmp_path, capsys):
     make_experiment(tmp_path)
     assert main(["report", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     header, rule, first = out.splitlines()[:3]
-    assert header.split() == ["metric", "bounded", "llm-aware"]
+    assert header.split() == ["metric", "(mean", "±", "95%", "CI", "over", "seeds)", "bounded", "llm-aware"]
     assert first.startswith("Cache hit rate (follow-up turns)") and "%" in first
+    assert not (tmp_path / "summary.md").exists()  # reading a folder leaves it as it is
+    assert main(["report", str(tmp_path), "--write"]) == 0
     md = (tmp_path / "summary.md").read_text()
-    assert "| metric | bounded | llm-aware |" in md and "## Runs" in md and "llm-aware-s3" in md
+    assert "| metric (mean ± 95% CI over seeds) | bounded | llm-aware |" in md
+    assert "## Runs" in md and "llm-aware-s3" in md
 
 
 def test_markdown_format(tmp_path, capsys):
@@ -57,7 +60,7 @@ def test_several_folders_side_by_side_with_decision_agreement(tmp_path, capsys):
         "bounded": {"matched": 8, "same_replica": 7 / 8, "same_replica_first_turn": 1.0},
     }
     assert {run["experiment"] for run in report["runs"]} == {"live", "sim"}
-    assert (live / "summary.md").exists() and (sim / "summary.md").exists()
+    assert not (live / "summary.md").exists() and not (sim / "summary.md").exists()
 
     assert main(["report", str(live), str(sim)]) == 0
     out = capsys.readouterr().out
@@ -74,3 +77,16 @@ def test_folders_with_the_same_name_are_labelled_by_path(tmp_path, capsys):
     report = json.loads(capsys.readouterr().out)
     assert list(report["summary"]) == [f"{first}: bounded", f"{second}: bounded"]
     assert report["agreement"]["by_label"][str(second)]["bounded"]["same_replica"] == 1.0
+
+
+def test_sim_and_report_print_the_same_statistic_for_a_folder(tmp_path, capsys):
+    out = tmp_path / "sim"
+    assert main(["sim", "--profile", "quick", "--policies", "bounded", "llm-aware", "--seeds", "1-3",
+                 "--out-dir", str(out)]) == 0
+    simulated = capsys.readouterr().out.splitlines()
+    assert main(["report", str(out)]) == 0
+    reported = capsys.readouterr().out.splitlines()
+    table = reported[: reported.index(next(line for line in reported if line.startswith("Runs (seeds)"))) + 1]
+    assert table[0].startswith("metric (mean ± 95% CI over seeds)") and "±" in table[2]
+    start = simulated.index(table[0])
+    assert simulated[start : start + len(table)] == table

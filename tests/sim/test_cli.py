@@ -11,10 +11,11 @@ from tests.sim.test_mooncake import write
 
 def test_profile_runs_land_in_experiment_folders(tmp_path, capsys):
     code = main(["sim", "--profile", "quick", "--policies", "bounded", "llm-aware:epsilon=0.5", "--seeds", "1-2",
-                 "--replicas", "2", "3", "--scale-at", "5", "--host-cores", "2", "--out-dir", str(tmp_path)])
+                 "--replicas", "2", "3", "--scale-at", "5", "--host-cores", "2", "--out-dir", str(tmp_path / "out")])
     assert code == 0
     out = capsys.readouterr().out
     assert "quick: 2 replicas, 2 seeds" in out and "Cache hit rate (follow-up turns)" in out
+    tmp_path = tmp_path / "out"
     runs = sorted(p.name for p in (tmp_path / "replicas-3").iterdir() if p.is_dir())
     assert runs == ["sim-quick-r3-bounded-s1", "sim-quick-r3-bounded-s2",
                     "sim-quick-r3-llm-aware_epsilon=0.5-s1", "sim-quick-r3-llm-aware_epsilon=0.5-s2"]
@@ -41,16 +42,17 @@ def test_trace_json_output(tmp_path, capsys):
 
 def test_bad_inputs_are_named(tmp_path, capsys):
     assert main(["sim", "--profile", "quick", "--policies", "bounded:epsilon=oops", "--seeds", "1",
-                 "--out-dir", str(tmp_path)]) == 2
+                 "--out-dir", str(tmp_path / "out")]) == 2
     assert "epsilon" in capsys.readouterr().err
     assert main(["sim", "--profile", "quick", "--policies", "bounded", "--seeds", "x",
-                 "--out-dir", str(tmp_path)]) == 2
+                 "--out-dir", str(tmp_path / "out")]) == 2
     assert "--seeds: 'x'" in capsys.readouterr().err
     assert main(["sim", "--profile", "quick", "--policies", "bounded", "--seeds", "1", "--cost-model", "nope",
-                 "--out-dir", str(tmp_path)]) == 2
+                 "--out-dir", str(tmp_path / "out")]) == 2
     assert "cost model not found: nope" in capsys.readouterr().err
-    assert main(["sim", "--profile", "quick", "--policies", "nope", "--seeds", "1", "--out-dir", str(tmp_path)]) == 2
+    assert main(["sim", "--profile", "quick", "--policies", "nope", "--seeds", "1",
+                 "--out-dir", str(tmp_path / "out")]) == 2
     assert "unknown policy 'nope'" in capsys.readouterr().err
     assert main(["sim", "--profile", "quick", "--policies", "bounded", "--seeds", "1", "--scale-at", "0",
-                 "--out-dir", str(tmp_path)]) == 2
+                 "--out-dir", str(tmp_path / "out")]) == 2
     assert "--scale-at must be > 0" in capsys.readouterr().err

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from extproc.analysis.metrics import connect, per_run
+from extproc.cli_input import UsageError
 from extproc.experiments.lab import Lab
 from extproc.experiments.records import read_records, read_run_metadata
 from extproc.experiments.run import (
@@ -36,12 +37,14 @@ def test_policy_specs_with_knobs():
     assert spec.routing == {"policy": "bounded", "load_unit": "tokens", "epsilon": 0.5}
     with pytest.raises(ExperimentError, match="unknown policy 'best'"):
         parse_policy("best")
-    with pytest.raises(ExperimentError, match="'colour=red' is not <routing setting>=<value>"):
+    with pytest.raises(ExperimentError, match="unknown setting colour .valid: virtual_nodes, hash_seed"):
         parse_policy("bounded:colour=red")
+    with pytest.raises(ExperimentError, match="'epsilon' is not <routing setting>=<value>"):
+        parse_policy("bounded:epsilon")
 
 
 def test_existing_out_dir_is_refused(tmp_path):
-    with pytest.raises(ExperimentError, match="already exists"):
+    with pytest.raises(UsageError, match="already exists"):
         run_experiment(DirectLab("127.0.0.1:1"), TINY, ["bounded"], [1], tmp_path)
 
 

@@ -1,0 +1,40 @@
+"""The demo's simulated half and its verdict (the live half is the runner, tested in tests/traffic)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from extproc.experiments.demo import VERDICT_METRICS, simulate, verdict
+
+
+def paired(**metrics: tuple[float, float]) -> dict:
+    return {"llm-aware - bounded": {
+        name: {"mean": mean, "ci95": ci, "n_runs": 20} for name, (mean, ci) in metrics.items()
+    }}
+
+
+def test_a_difference_whose_interval_includes_zero_is_called_noise():
+    text = verdict("quick", paired(hit_rate=(-0.015, 0.054), redirects=(0.0, 1.5),
+                                   latency_p50=(0.118, 0.122), latency_p95=(-0.991, 0.480)))
+    assert text.startswith("quick, llm-aware - bounded paired by seed: ")
+    assert "cache hit rate (follow-up turns) within noise (-1.5% ± 5.4%, the interval includes 0)" in text
+    assert "redirects per run within noise" in text and "p50 latency within noise" in text
+    assert "p95 latency lower (-0.991 s ± 0.480 s)" in text
+    assert text.count("\n") == 0  # one sentence per comparison
+
+
+@given(st.floats(-100, 100, allow_nan=False), st.floats(0, 100, allow_nan=False))
+def test_noise_exactly_when_the_interval_holds_zero(mean, ci):
+    text = verdict("p", paired(**{name: (mean, ci) for name in VERDICT_METRICS}))
+    assert text.count("within noise") == (len(VERDICT_METRICS) if abs(mean) <= ci else 0)
+
+
+@pytest.mark.parametrize("profile, replicas", [("quick", 2), ("busy", 3)])
+def test_simulated_half_writes_a_folder_and_pairs_by_seed(tmp_path, profile, replicas):
+    differences = simulate(profile, ["bounded", "llm-aware"], [1, 2, 3], replicas, 2, tmp_path / "sim")
+    assert (tmp_path / "sim" / "summary.md").exists()
+    assert len([p for p in (tmp_path / "sim").iterdir() if p.is_dir()]) == 6
+    assert differences["llm-aware - bounded"]["hit_rate"]["n_runs"] == 3
+    assert "paired by seed" in verdict(profile, differences)
