@@ -20,7 +20,7 @@ from extproc.analysis.report import SUMMARY_FILE, build_report, render_markdown,
 from extproc.cli_input import UsageError, at_least, distinct, new_folder, parse_seeds
 from extproc.sim.arena import arena, ceiling_line
 from extproc.sim.costmodel import CostModelError, load_cost_model
-from extproc.sim.engine import Fleet, OpenLoop
+from extproc.sim.engine import Fleet
 from extproc.sim.mooncake import TraceError, cacheable_ceiling
 from extproc.sim.runs import (
     SIM_CONFIG,
@@ -89,14 +89,13 @@ def main(args: argparse.Namespace) -> int:
                                      "(its server section sets the KV pool and max_running)")
         source = profile_source(args.profile) if args.profile else trace_source(
             args.trace, config.time_scale, config.jitter_bucket_s, args.limit)
-        workload = source.make(seeds[0])
-        if isinstance(workload, OpenLoop) and not workload.requests:
-            raise UsageError(f"--trace {args.trace}: the file holds no request")
         scale = parse_scale(args.scale)
         if args.scale_at is not None and args.scale_at <= 0:
             raise ValueError(f"--scale-at must be > 0 seconds (got {args.scale_at:g})")
         new_folder(args.out_dir)  # last: every other input is known good
-    except (CostModelError, ProfileError, TraceError, ValueError) as exc:  # bad input: one line, exit 2
+    except TraceError as exc:
+        raise UsageError(f"--trace {exc}") from None
+    except (CostModelError, ProfileError, ValueError) as exc:  # bad input: one line, exit 2
         raise UsageError(str(exc)) from None
     results: dict[str, Any] = {}
     differences: dict[str, Any] = {}  # replicas -> paired differences to the first policy

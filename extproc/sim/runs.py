@@ -66,7 +66,7 @@ def load_sim_config(path: str | Path = SIM_CONFIG) -> SimConfig:
 # Every key sim.toml may hold ([routing]: the routing knobs, the policy comes from the command line).
 _SIM_KEYS = {"routing": tuple(key for key in RoutingSettings.model_fields if key != "policy"),
              "replica": ("slots", "cache_ram_mib", "cost_model", "threads"), "host": ("cores",),
-             "trace": ("time_scale",)}
+             "trace": ("time_scale", "jitter_bucket_ms"), "gateway": ("release_lag_ms",)}
 
 
 def _check_sim_keys(raw: dict[str, Any], path: Path) -> None:

@@ -76,7 +76,7 @@ def test_an_empty_trace_file_is_refused(tmp_path, capsys):
     trace.write_text("\n")
     code, err = run_cli(capsys, "sim", "--trace", str(trace), "--policies", "consistent", "--seeds", "1",
                         "--out-dir", str(tmp_path / "out"))
-    assert_refused(code, err, f"--trace {trace}", "holds no request")
+    assert_refused(code, err, f"--trace {trace}", "no requests")
     assert not (tmp_path / "out").exists()
 
 
