@@ -55,7 +55,8 @@ def main(args: argparse.Namespace) -> int:
 def run(rounds: int, trace_path: Path) -> dict[str, Any]:
     config = load_sim_config()
     cost = load_cost_model(config.cost_model)
-    fleet = Fleet(3, config.slots, cache_tokens(config.cache_ram_mib, cost), release_lag_s=config.release_lag_ms / 1000)
+    fleet = Fleet(3, config.slots, cache_tokens(config.cache_ram_mib, cost), release_lag_s=config.release_lag_ms / 1000,
+                  release_by_next_turn=config.release_by_next_turn)
     profile = load_profile("standard")
     workloads = {policy: [profile_workload(profile, seed) for seed in SEEDS] for policy in POLICIES}
     settings = {policy: parse_policy(policy, config.routing) for policy in POLICIES}
@@ -88,7 +89,8 @@ def run(rounds: int, trace_path: Path) -> dict[str, Any]:
         started, cpu = time.perf_counter(), time.process_time()
         trace = read_trace(trace_path)
         requests = 0
-        fleet = Fleet(TRACE_REPLICAS, config.slots, 0, release_lag_s=config.release_lag_ms / 1000)
+        fleet = Fleet(TRACE_REPLICAS, config.slots, 0, release_lag_s=config.release_lag_ms / 1000,
+                      release_by_next_turn=config.release_by_next_turn)
         for policy in policies:
             workload = requests_from_trace(trace, 1.0, jittered_arrivals(trace, config.jitter_bucket_s, 1))
             requests += len(run_once(workload, parse_policy(policy, config.routing), gpu,

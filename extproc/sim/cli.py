@@ -107,7 +107,7 @@ def main(args: argparse.Namespace) -> int:
     for replicas in args.replicas:
         events = scale + ([(args.scale_at, replicas + 1)] if args.scale_at is not None else [])
         fleet = Fleet(replicas, config.slots, cache_tokens(config.cache_ram_mib, cost), tuple(sorted(events)),
-                      config.host_cores, config.threads, config.release_lag_ms / 1000)
+                      config.host_cores, config.threads, config.release_lag_ms / 1000, config.release_by_next_turn)
         out_dir = args.out_dir / f"replicas-{replicas}" if len(args.replicas) > 1 else args.out_dir
         run_experiment(source, args.policies, seeds, config, fleet, out_dir,
                        progress=lambda line: print(line, file=sys.stderr))

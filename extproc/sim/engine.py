@@ -42,6 +42,7 @@ class Fleet:
     host_cores: float = 0.0  # replicas share this many cores (0 = each replica has its own CPU)
     replica_threads: int = 1  # threads a busy replica wants (llama.cpp --threads)
     release_lag_s: float = 0.0  # from an answer's end to the router's release (the gateway's access log)
+    release_by_next_turn: bool = True  # a next turn carrying the answer releases it at once (the gateway)
 
     def names(self, count: int) -> list[str]:
         return [f"llm-{i}" for i in range(count)]
@@ -140,7 +141,7 @@ class _Simulation:
 
     def _send(self, request: Request, now: float) -> None:
         request.arrived_at = now
-        if request.previous is not None:  # it carries the last answer: that request is over
+        if request.previous is not None and self.fleet.release_by_next_turn:  # it carries the last answer
             self.complete(request.previous.request_id, True)
         for side in request.sides:
             self._send(side, now)

@@ -34,6 +34,7 @@ class SimConfig:
     host_cores: float
     time_scale: float
     release_lag_ms: float
+    release_by_next_turn: bool
     # traces: arrivals sharing a bucket this wide are spread over it with the seed (None: not read)
     jitter_bucket_s: float | None = None
 
@@ -55,6 +56,7 @@ def load_sim_config(path: str | Path = SIM_CONFIG) -> SimConfig:
             host_cores=float(raw["host"]["cores"]),
             time_scale=float(raw["trace"]["time_scale"]),
             release_lag_ms=float(raw["gateway"]["release_lag_ms"]),
+            release_by_next_turn=bool(raw["gateway"]["release_by_next_turn"]),
             jitter_bucket_s=float(raw["trace"]["jitter_bucket_ms"]) / 1000.0,
         )
     except KeyError as exc:
@@ -66,7 +68,7 @@ def load_sim_config(path: str | Path = SIM_CONFIG) -> SimConfig:
 # Every key sim.toml may hold ([routing]: the routing knobs, the policy comes from the command line).
 _SIM_KEYS = {"routing": tuple(key for key in RoutingSettings.model_fields if key != "policy"),
              "replica": ("slots", "cache_ram_mib", "cost_model", "threads"), "host": ("cores",),
-             "trace": ("time_scale", "jitter_bucket_ms"), "gateway": ("release_lag_ms",)}
+             "trace": ("time_scale", "jitter_bucket_ms"), "gateway": ("release_lag_ms", "release_by_next_turn")}
 
 
 def _check_sim_keys(raw: dict[str, Any], path: Path) -> None:

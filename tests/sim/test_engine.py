@@ -150,6 +150,14 @@ def test_a_finished_request_is_released_after_the_lag_unless_its_next_turn_comes
     assert router.seen == {"t1": set(), "t2": set(), "t3": set()} and router.in_flight() == 0
 
 
+def test_without_the_next_turn_release_a_back_to_back_turn_sees_its_predecessor_charged():
+    router = _WatchedRouter(settings("llm-aware"))
+    t1, t2 = _turn("t1", 100, 10), _turn("t2", 120, 10)
+    fleet = Fleet(2, 2, 0, release_lag_s=0.5, release_by_next_turn=False)
+    simulate(_closed_loop(t1, t2), router, simple_cost(), fleet)
+    assert router.seen == {"t1": set(), "t2": {"t1"}} and router.in_flight() == 0
+
+
 def test_another_conversation_sees_a_finished_request_until_the_lag_has_passed():
     # x ends at 0.2 s, released at 0.7 s; y (0.3 s) still sees it. y ends at 0.5 s, released at
     # 1.0 s; z (1.1 s) sees nothing.
