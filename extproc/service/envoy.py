@@ -98,6 +98,7 @@ def render_envoy_config(
     ext_proc_timeout_ms: int = 2000,
     connect_timeout_ms: int = 1000,
     retries: int = 2,
+    stream_idle_timeout_s: int = STREAM_IDLE_TIMEOUT_S,
 ) -> str:
     """Envoy bootstrap as JSON text (JSON is YAML: save it as envoy.yaml or envoy.json).
 
@@ -106,6 +107,9 @@ def render_envoy_config(
     ext_proc=None renders the same proxy without the routing service (the benchmark's baseline).
     fail_open: when the routing service is unreachable, serve round robin (True) or 500 (False).
     max_request_bytes: the service's service.max_body_bytes: larger bodies get 413 from Envoy.
+    stream_idle_timeout_s: a request with no bytes either way for this long gets 504 (the tests
+    shorten it to drill a replica that never answers; the service's lost-entry sweep assumes
+    STREAM_IDLE_TIMEOUT_S).
     """
     listen_host, listen_port = split_host_port(listen)
     admin_host, admin_port = split_host_port(admin)
@@ -125,7 +129,8 @@ def render_envoy_config(
                         {
                             "filters": [
                                 _http_connection_manager(
-                                    ext_proc is not None, fail_open, ext_proc_timeout_ms, retries, max_request_bytes
+                                    ext_proc is not None, fail_open, ext_proc_timeout_ms, retries, max_request_bytes,
+                                    stream_idle_timeout_s,
                                 )
                             ]
                         }
@@ -204,7 +209,8 @@ def _socket(host: str, port: int) -> dict[str, Any]:
 
 
 def _http_connection_manager(
-    with_ext_proc: bool, fail_open: bool, timeout_ms: int, retries: int, max_request_bytes: int
+    with_ext_proc: bool, fail_open: bool, timeout_ms: int, retries: int, max_request_bytes: int,
+    stream_idle_timeout_s: int,
 ) -> dict[str, Any]:
     ext_proc = [
         _ext_proc_filter("route", fail_open, timeout_ms, observe=False),
@@ -221,7 +227,7 @@ def _http_connection_manager(
             # of silence. A slow or unfinished request is cut (see REQUEST_TIMEOUT_S).
             "request_headers_timeout": f"{REQUEST_HEADERS_TIMEOUT_S}s",
             "request_timeout": f"{REQUEST_TIMEOUT_S}s",
-            "stream_idle_timeout": f"{STREAM_IDLE_TIMEOUT_S}s",
+            "stream_idle_timeout": f"{stream_idle_timeout_s}s",
             "common_http_protocol_options": {"idle_timeout": f"{DOWNSTREAM_IDLE_TIMEOUT_S}s"},
             "route_config": _route_config(retries),
             **({"access_log": [_access_log()]} if with_ext_proc else {}),

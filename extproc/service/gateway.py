@@ -338,8 +338,11 @@ class Gateway:
         )
         self.metrics.completed[outcome] += 1
         refused = pending.answered and pending.status in (502, 503) and not pending.served
-        if failed_over or (refused and not pending.not_applied):
-            self.metrics.errors["replica_failed"] += 1
+        # 504 from the pick itself: it took the request and sent nothing until Envoy's stream idle
+        # timeout (a hung server). Avoided until its /health answers, like a refusing one.
+        silent = pending.status == 504 and pending.served == pending.endpoint
+        if failed_over or ((refused or silent) and not pending.not_applied):
+            self.metrics.errors["replica_timed_out" if silent else "replica_failed"] += 1
             self.mark_unhealthy(decision.replica)
         timings = pending.timings
         if pending.observed_end and pending.chunks:

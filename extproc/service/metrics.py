@@ -24,7 +24,10 @@ if TYPE_CHECKING:
 OUTCOMES = ("ok", "failed_over", "failed", "abandoned", "not_applied")
 # non_utf8_repaired: a message from Envoy carried client bytes that are not UTF-8 (repaired,
 # see wire.py); undecodable: a message that was no protobuf at all (dropped)
-ERRORS = ("bad_request", "no_replica", "replica_failed", "access_log_lost", "non_utf8_repaired", "undecodable")
+ERRORS = (
+    "bad_request", "no_replica", "replica_failed", "replica_timed_out", "access_log_lost", "non_utf8_repaired",
+    "undecodable",
+)
 STREAMS = ("route", "observe", "access_log")
 DECISION_SECONDS = (25e-6, 50e-6, 100e-6, 200e-6, 400e-6, 800e-6, 1.6e-3, 3.2e-3, 6.4e-3, 0.0128)
 PREDICTION_ERROR = (-4096, -1024, -256, -64, -16, -1, 0, 1, 16, 64, 256, 1024, 4096)

@@ -23,7 +23,13 @@ from typing import IO
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from extproc.service.envoy import EndpointsFile, ext_proc_address, render_envoy_config, split_host_port
+from extproc.service.envoy import (
+    STREAM_IDLE_TIMEOUT_S,
+    EndpointsFile,
+    ext_proc_address,
+    render_envoy_config,
+    split_host_port,
+)
 
 REFERENCE_SETTINGS = Path(__file__).with_name("router.toml")
 
@@ -91,7 +97,8 @@ def start_envoy(config: str, workdir: Path, admin: str, concurrency: int = 2, lo
 
 
 def start_gateway_envoy(
-    workdir: Path, ext_proc: str | None, endpoints_file: Path, fail_open: bool, concurrency: int = 2
+    workdir: Path, ext_proc: str | None, endpoints_file: Path, fail_open: bool, concurrency: int = 2,
+    stream_idle_timeout_s: int = STREAM_IDLE_TIMEOUT_S,
 ) -> Running:
     """Envoy with the gateway configuration (render_envoy_config) on free loopback ports."""
     listen, admin = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
@@ -102,6 +109,7 @@ def start_gateway_envoy(
         endpoints=EndpointsFile(str(endpoints_file)),
         fail_open=fail_open,
         max_request_bytes=4 << 20,
+        stream_idle_timeout_s=stream_idle_timeout_s,
     )
     running = start_envoy(config, workdir, admin, concurrency)
     running.listen = listen

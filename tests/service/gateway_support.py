@@ -53,7 +53,10 @@ class Gateway:
 
 
 @contextmanager
-def gateway(workdir: Path, discovery: Mapping[str, str], fail_open: bool = True, **service: str) -> Iterator[Gateway]:
+def gateway(
+    workdir: Path, discovery: Mapping[str, str], fail_open: bool = True, envoy_idle_timeout_s: int | None = None,
+    **service: str,
+) -> Iterator[Gateway]:
     """`llm-ring serve` + Envoy rendered by render_envoy_config; everything stopped on exit."""
     endpoints_file = workdir / "eds" / "replicas.json"
     listen = f"127.0.0.1:{free_port()}"
@@ -62,7 +65,8 @@ def gateway(workdir: Path, discovery: Mapping[str, str], fail_open: bool = True,
         settings = {"health_probe_seconds": "0.2", "log_level": '"debug"', **service}
         started.append(start_service(workdir / "service", service_env(listen, endpoints_file, discovery, **settings)))
         _wait_for(endpoints_file.exists, 5.0)
-        envoy = start_gateway_envoy(workdir / "envoy", started[0].ext_proc, endpoints_file, fail_open, concurrency=1)
+        idle = {"stream_idle_timeout_s": envoy_idle_timeout_s} if envoy_idle_timeout_s else {}
+        envoy = start_gateway_envoy(workdir / "envoy", started[0].ext_proc, endpoints_file, fail_open, 1, **idle)
         started.append(envoy)
         gw = Gateway(f"http://{envoy.listen}", listen, started[0].log_path, endpoints_file, started)
         _wait_for(lambda: _has_endpoints(envoy.address), 5.0)

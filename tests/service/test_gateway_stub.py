@@ -4,9 +4,12 @@ bad input, forged headers, Endpoint Picker headers, fail-open, a dead replica.""
 from __future__ import annotations
 
 import socket
+import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -296,3 +299,67 @@ def test_a_socket_name_in_use_stops_the_service_naming_the_key(gw: Gateway, tmp_
     with pytest.raises(StartError, match="service.ext_proc_socket"):
         start_service(tmp_path / "second", env)
     assert post(gw.url + URL, chat("still served")).status_code == 200
+
+
+def test_a_replica_that_never_answers_gets_504_after_the_idle_timeout_and_is_avoided(
+    stubs: tuple[list[int], Running], tmp_path: Path
+) -> None:
+    """A drill: llm-1 accepts connections and never answers. A request routed there gets Envoy's
+    504 once its stream has been silent for the idle timeout (300 s in production, 2 s here);
+    the service then marks llm-1 unhealthy, and every later request goes to llm-0."""
+    ports, _ = stubs
+    with _silent_server() as silent_port:
+        replicas = {"llm-0": f"127.0.0.1:{ports[0]}", "llm-1": f"127.0.0.1:{silent_port}"}
+        with gateway(tmp_path, static_discovery(replicas), envoy_idle_timeout_s=2) as gw:
+            timed_out = None
+            for i in range(40):  # until the policy picks the silent one
+                started = time.monotonic()
+                reply = post(gw.url + URL, chat(f"conv {i}"), {"x-conversation-id": f"hang-{i}"}, timeout=10)
+                if reply.headers.get("x-routed-to") == "llm-1":
+                    timed_out = (reply, time.monotonic() - started)
+                    break
+                assert reply.status_code == 200
+            assert timed_out is not None, "the policy never picked llm-1"
+            reply, waited = timed_out
+            assert reply.status_code == 504 and waited >= 1.9
+            record = _decision(gw, reply.headers["x-request-id"])
+            assert record["outcome"] == "failed" and record["status"] == 504
+            _until(lambda: {r["name"]: r["healthy"] for r in gw.state()["replicas"]} == {"llm-0": True, "llm-1": False})
+            for i in range(10):
+                again = post(gw.url + URL, chat(f"after {i}"), {"x-conversation-id": f"after-hang-{i}"})
+                assert again.status_code == 200 and again.headers["x-routed-to"] == "llm-0"
+            assert gw.wait_idle()["in_flight_requests"] == 0
+
+
+@contextmanager
+def _silent_server() -> Iterator[int]:
+    """A TCP server that accepts every connection, reads what comes and never writes."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    held: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        listener.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                held.append(listener.accept()[0])
+            except TimeoutError:
+                continue
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    try:
+        yield listener.getsockname()[1]
+    finally:
+        stop.set()
+        thread.join()
+        for conn in held:
+            conn.close()
+        listener.close()
+
+
+def _until(condition: Any, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.05)
