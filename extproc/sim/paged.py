@@ -64,7 +64,7 @@ class BlockPool:
             if block in refs:
                 hit += tokens if matching else 0
             elif block in free:
-                pinned_free += tokens
+                pinned_free += free[block]  # what taking it frees up counts as stored (a tail may be shorter)
                 hit += tokens if matching else 0
             else:
                 matching = False

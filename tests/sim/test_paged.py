@@ -162,3 +162,16 @@ def test_a_profile_turn_reuses_only_the_full_blocks_of_the_previous_prompt():
     router = Router(settings("consistent"))
     done = {r.request_id: r for r in simulate(OpenLoop([first, second]), router, paged_cost(), Fleet(1, 1, 0)).requests}
     assert (done["t2"].cache_n, done["t2"].prompt_n) == (512, 788)
+
+
+def test_a_held_block_named_with_another_size_is_counted_as_stored():
+    # Found by the property test above: a block id held with 512 tokens and named again with 100
+    # (a partial tail with the same id). Planning counted 100, taking it freed 512 fewer tokens
+    # than planned, and eviction then ran out of free blocks.
+    pool = BlockPool(1000)
+    pool.take([("b", 512), ("c", 400)], 0, 912)
+    pool.give_back([("b", 512), ("c", 400)], 0)
+    assert pool.plan([("b", 100), ("n", 500)], 0) is None  # 512 pinned + 500 new > 1000
+    hit, add = pool.plan([("b", 100), ("n", 480)], 0)
+    pool.take([("b", 100), ("n", 480)], 0, add)
+    assert (hit, pool.used) == (100, 992) and pool.used <= pool.capacity
