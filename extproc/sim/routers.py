@@ -6,7 +6,10 @@ every parallel side of a turn) meets a router of its own:
   policy state; a router sees only the requests it routed and completes them itself;
 - ``shared``: one router behind all N (what perfect agreement would give);
 - ``affinity``: a front tier hashing on the conversation id picks the router, so every
-  turn of a conversation meets the same router while the load still splits.
+  turn of a conversation meets the same router while the load still splits;
+- ``shared-load`` and ``affinity-shared-load``: as ``separate`` and ``affinity``, but all
+  routers charge one load ledger (an exact, instant load picture: the best any load
+  agreement could give) while placement memory and policy state stay per router.
 
 The engine drives a tier exactly as it drives one ``Router``.
 """
@@ -20,7 +23,7 @@ from extproc.routing.decision import Decision, RouteRequest
 from extproc.routing.hashing import stable_hash
 from extproc.settings import RoutingSettings
 
-ROUTER_STATES = ("separate", "shared", "affinity")
+ROUTER_STATES = ("separate", "shared", "affinity", "shared-load", "affinity-shared-load")
 
 
 def check_router_tier(count: int, state: str) -> None:
@@ -35,6 +38,9 @@ class RouterTier:
         check_router_tier(count, state)
         shared = Router(settings) if state == "shared" else None
         self.routers = [shared or Router(settings) for _ in range(count)]
+        if state.endswith("shared-load"):
+            for router in self.routers[1:]:
+                router.ledger = self.routers[0].ledger
         self.state = state
         self.routed = [0] * count  # requests each router decided
         self._seed = seed
@@ -43,7 +49,7 @@ class RouterTier:
 
     def pick(self, request: RouteRequest) -> int:
         """The router this request's connection lands on."""
-        if self.state == "affinity":
+        if self.state.startswith("affinity"):
             return stable_hash(request.conversation, self._seed) % len(self.routers)
         return self._draw(len(self.routers))
 

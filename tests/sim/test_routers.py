@@ -44,6 +44,13 @@ def test_one_shared_router_behind_three_is_one_router(policy):
 
 
 @pytest.mark.parametrize("policy", ["bounded", "llm-aware"])
+def test_affinity_with_one_load_picture_is_one_router(policy):
+    # each router holds the whole placement history of its conversations; the ledger is common
+    assert rows(AGENT, policy, 6, 3, "affinity-shared-load") == rows(AGENT, policy, 6)
+    assert rows(AGENT, policy, 6, 3, "affinity") != rows(AGENT, policy, 6)  # the load picture matters
+
+
+@pytest.mark.parametrize("policy", ["bounded", "llm-aware"])
 def test_one_separate_router_is_the_plain_router(policy):
     plain = simulate(profile_workload(AGENT, 2), Router(policy_settings(policy)), simple_cost(), FLEET)
     assert rows(AGENT, policy, 2, 1, "separate") == request_rows(plain.requests, "run", policy, 2)
@@ -132,7 +139,7 @@ def test_the_settings_are_required_and_checked(tmp_path):
         load_sim_config(missing)
     wrong = tmp_path / "wrong.toml"
     wrong.write_text(text.replace('router_state = "separate"', 'router_state = "gossip"'))
-    with pytest.raises(SettingsError, match="router_state: 'gossip' is not one of separate, shared, affinity"):
+    with pytest.raises(SettingsError, match="router_state: 'gossip' is not one of separate, shared, affinity, "):
         load_sim_config(wrong)
 
 
