@@ -22,6 +22,7 @@ from extproc.sim.arena import arena, ceiling_line
 from extproc.sim.costmodel import CostModelError, load_cost_model
 from extproc.sim.engine import Fleet
 from extproc.sim.mooncake import TraceError, cacheable_ceiling
+from extproc.sim.routers import ROUTER_STATES
 from extproc.sim.runs import (
     SIM_CONFIG,
     cache_tokens,
@@ -57,6 +58,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="replicas share this many cores, like the local stack (0 = a CPU each; default: [host])")
     parser.add_argument("--threads", type=at_least(1),
                         help="CPU threads of a busy replica (default: [replica] threads)")
+    parser.add_argument("--routers", type=at_least(1),
+                        help="gateway routers; each request meets one at random (default: [gateway] routers)")
+    parser.add_argument("--router-state", choices=ROUTER_STATES,
+                        help="separate views, one shared, or conversation affinity (default: [gateway] router_state)")
     parser.add_argument("--time-scale", type=float, help="traces: multiply arrival times (default: [trace])")
     parser.add_argument("--limit", type=at_least(1), help="traces: only the first N requests")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
@@ -73,6 +78,8 @@ def main(args: argparse.Namespace) -> int:
             threads=args.threads or config.threads,
             host_cores=config.host_cores if args.host_cores is None else args.host_cores,
             time_scale=args.time_scale or config.time_scale,
+            routers=args.routers or config.routers,
+            router_state=args.router_state or config.router_state,
         )
         seeds = parse_seeds(args.seeds)
         distinct(args.replicas, "--replicas")
@@ -116,7 +123,8 @@ def main(args: argparse.Namespace) -> int:
         results[str(replicas)] = report["summary"]
         paired = differences[str(replicas)] = paired_differences(report["runs"], args.policies)
         if not args.json:
-            print(f"\n{source.label}: {replicas} replicas, {len(seeds)} seeds ({out_dir})")
+            print(f"\n{source.label}: {replicas} replicas, {len(seeds)} seeds, "
+                  f"{config.routers} router(s) {config.router_state} ({out_dir})")
             print(render_stats(results[str(replicas)]))
             if paired:
                 print(f"\npaired by seed, difference to {args.policies[0]}:")

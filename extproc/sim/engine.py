@@ -28,6 +28,7 @@ from extproc.routing import Router
 from extproc.sim.costmodel import CostModel
 from extproc.sim.paged import PagedReplica
 from extproc.sim.replica import Replica, Request
+from extproc.sim.routers import RouterTier
 
 _WAKE, _SEND, _SCALE, _USER, _RELEASE = 0, 1, 2, 3, 4
 
@@ -70,14 +71,14 @@ class Outcome:
 
 
 def simulate(
-    workload: ClosedLoop | OpenLoop, router: Router, cost: CostModel, fleet: Fleet
+    workload: ClosedLoop | OpenLoop, router: Router | RouterTier, cost: CostModel, fleet: Fleet
 ) -> Outcome:
     sim = _Simulation(router, cost, fleet)
     return sim.run(workload)
 
 
 class _Simulation:
-    def __init__(self, router: Router, cost: CostModel, fleet: Fleet) -> None:
+    def __init__(self, router: Router | RouterTier, cost: CostModel, fleet: Fleet) -> None:
         self.router = router
         self.cost = cost
         self.fleet = fleet

@@ -12,12 +12,12 @@ from typing import Any
 from extproc.experiments.records import REQUESTS_FILE, RunMeta, write_records, write_run_metadata
 from extproc.experiments.run import ExperimentError
 from extproc.experiments.run import parse_policy as experiment_policy
-from extproc.routing import Router
 from extproc.settings import RoutingSettings, SettingsError, parse_routing
 from extproc.sim.costmodel import CostModel, load_cost_model
 from extproc.sim.engine import ClosedLoop, Fleet, OpenLoop, Outcome, simulate
 from extproc.sim.mooncake import TraceError, TraceRequest, jittered_arrivals, read_trace
 from extproc.sim.records import SIM_EPOCH_S, request_rows
+from extproc.sim.routers import RouterTier, check_router_tier
 from extproc.sim.workload import profile_workload, requests_from_trace
 from extproc.traffic import Profile, load_profile
 
@@ -35,6 +35,8 @@ class SimConfig:
     time_scale: float
     release_lag_ms: float
     release_by_next_turn: bool
+    routers: int  # gateway routers in front of the fleet (extproc/sim/routers.py)
+    router_state: str  # separate | shared | affinity
     # traces: arrivals sharing a bucket this wide are spread over it with the seed (None: not read)
     jitter_bucket_s: float | None = None
 
@@ -47,7 +49,7 @@ def load_sim_config(path: str | Path = SIM_CONFIG) -> SimConfig:
         raise SettingsError(f"{path}: {exc}") from None
     _check_sim_keys(raw, path)
     try:
-        return SimConfig(
+        config = SimConfig(
             routing=dict(raw["routing"]),
             slots=int(raw["replica"]["slots"]),
             cache_ram_mib=float(raw["replica"]["cache_ram_mib"]),
@@ -57,18 +59,23 @@ def load_sim_config(path: str | Path = SIM_CONFIG) -> SimConfig:
             time_scale=float(raw["trace"]["time_scale"]),
             release_lag_ms=float(raw["gateway"]["release_lag_ms"]),
             release_by_next_turn=bool(raw["gateway"]["release_by_next_turn"]),
+            routers=int(raw["gateway"]["routers"]),
+            router_state=str(raw["gateway"]["router_state"]),
             jitter_bucket_s=float(raw["trace"]["jitter_bucket_ms"]) / 1000.0,
         )
+        check_router_tier(config.routers, config.router_state)
     except KeyError as exc:
         raise SettingsError(f"{path}: missing setting {exc.args[0]!r}") from None
     except (TypeError, ValueError) as exc:
         raise SettingsError(f"{path}: {exc}") from None
+    return config
 
 
 # Every key sim.toml may hold ([routing]: the routing knobs, the policy comes from the command line).
 _SIM_KEYS = {"routing": tuple(key for key in RoutingSettings.model_fields if key != "policy"),
              "replica": ("slots", "cache_ram_mib", "cost_model", "threads"), "host": ("cores",),
-             "trace": ("time_scale", "jitter_bucket_ms"), "gateway": ("release_lag_ms", "release_by_next_turn")}
+             "trace": ("time_scale", "jitter_bucket_ms"),
+             "gateway": ("release_lag_ms", "release_by_next_turn", "routers", "router_state")}
 
 
 def _check_sim_keys(raw: dict[str, Any], path: Path) -> None:
@@ -127,11 +134,14 @@ def trace_source(path: str | Path, time_scale: float, jitter_bucket_s: float | N
     return Source(Path(path).stem, make, True, trace=trace)
 
 
-def run_once(workload: ClosedLoop | OpenLoop, settings: RoutingSettings, cost: CostModel, fleet: Fleet) -> Outcome:
-    router = Router(settings)
-    outcome = simulate(workload, router, cost, fleet)
-    if router.in_flight() or router.ledger.total_requests() or router.ledger.total_tokens():
-        raise RuntimeError(f"simulation left load in the ledger: {router.in_flight()} requests in flight")
+def run_once(workload: ClosedLoop | OpenLoop, settings: RoutingSettings, cost: CostModel, fleet: Fleet,
+             routers: int = 1, router_state: str = "separate", seed: int = 0) -> Outcome:
+    """One run through ``routers`` gateway routers (``seed`` spreads the requests over them)."""
+    tier = RouterTier(settings, routers, router_state, seed)
+    outcome = simulate(workload, tier, cost, fleet)
+    for router in tier.distinct():
+        if router.in_flight() or router.ledger.total_requests() or router.ledger.total_tokens():
+            raise RuntimeError(f"simulation left load in the ledger: {router.in_flight()} requests in flight")
     return outcome
 
 
@@ -146,7 +156,7 @@ def run_experiment(
         for spec in policies:
             base = {**config.routing, "hash_seed": seed} if source.seeds_hash else config.routing
             settings = parse_policy(spec, base)
-            outcome = run_once(source.make(seed), settings, cost, fleet)
+            outcome = run_once(source.make(seed), settings, cost, fleet, config.routers, config.router_state, seed)
             run_id = f"sim-{source.label}-r{fleet.replicas}-{spec.replace(':', '_').replace(',', '_')}-s{seed}"
             rows = request_rows(outcome.requests, run_id, spec, seed)
             write_records(rows, out_dir / run_id / REQUESTS_FILE)
@@ -173,5 +183,6 @@ def _meta(run_id: str, spec: str, seed: int, source: Source, settings: RoutingSe
         extra={"cost_model": config.cost_model, **({"server": asdict(cost.server)} if cost.server else {}),
                "slots": fleet.slots, "cache_tokens": fleet.cache_tokens,
                "host_cores": fleet.host_cores, "replica_threads": fleet.replica_threads,
+               "routers": config.routers, "router_state": config.router_state,
                "scale": [list(event) for event in fleet.scale], "events": outcome.events},
     )
