@@ -1,9 +1,9 @@
 """`llm-ring bench gateway`: what Envoy and the routing service add to each request.
 
-Side by side in one run, against the same trivial upstream (extproc.service.stub_upstream,
+Side by side in one run, against the same trivial upstream (extproc.bench.stub_upstream,
 3 ports = 3 "replicas"): direct, Envoy alone (the same rendered config without ext_proc),
 Envoy + a do-nothing Python ext_proc server speaking the same protocol (the floor any Python
-grpc.aio ext_proc pays: extproc.service.stub_processor), Envoy + ext_proc (`llm-ring serve`,
+grpc.aio ext_proc pays: extproc.bench.stub_processor), Envoy + ext_proc (`llm-ring serve`,
 llm-aware policy, route_decision logs to a file). At each
 concurrency, closed-loop keep-alive clients send chat requests for a fixed time; the table
 shows p50/p99 latency, req/s, and the latency ext_proc adds over Envoy alone, then the CPU
@@ -29,15 +29,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from extproc.service.envoy import split_host_port, write_endpoints_file
-from extproc.service.processes import (
+from extproc.bench.stubs import start_stub_processor, start_stub_upstream
+from extproc.envoy.contract import split_host_port, write_endpoints_file
+from extproc.stack.processes import (
     Running,
     free_port,
     service_env,
     start_gateway_envoy,
     start_service,
-    start_stub_processor,
-    start_stub_upstream,
     static_discovery,
 )
 

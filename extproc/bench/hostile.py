@@ -1,6 +1,6 @@
 """`llm-ring bench hostile`: normal clients while hostile ones hammer the gateway.
 
-Real Envoy + `llm-ring serve` in front of two stub upstreams (extproc.service.stub_upstream).
+Real Envoy + `llm-ring serve` in front of two stub upstreams (extproc.bench.stub_upstream).
   1. stall: the p50 of --clients closed-loop normal chat clients, alone, then while
      --large-bodies clients keep sending a 3.7 MB body of 90,000 messages each;
   2. soak: for --seconds, the normal clients plus hostile ones cycling through every class of
@@ -32,15 +32,15 @@ from typing import Any
 import httpx
 import psutil
 
+from extproc.bench.stubs import start_stub_upstream
+from extproc.envoy.contract import split_host_port
 from extproc.service.admin_client import AdminClient
-from extproc.service.envoy import split_host_port
-from extproc.service.processes import (
+from extproc.stack.processes import (
     Running,
     free_port,
     service_env,
     start_gateway_envoy,
     start_service,
-    start_stub_upstream,
     static_discovery,
 )
 

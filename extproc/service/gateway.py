@@ -51,6 +51,15 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
+from extproc.envoy.contract import (
+    DESTINATION,
+    OBSERVE,
+    PREDICTED_CACHED,
+    REQUEST_ID,
+    ROUTE_REASON,
+    ROUTED_TO,
+    STREAM_IDLE_TIMEOUT_S,
+)
 from extproc.routing import Decision, Router, RouteRequest, estimate_tokens
 from extproc.service.bodies import (
     BadRequest,
@@ -60,15 +69,6 @@ from extproc.service.bodies import (
     parse_request,
     parse_timings,
     request_blocks,
-)
-from extproc.service.envoy import (
-    DESTINATION,
-    OBSERVE,
-    PREDICTED_CACHED,
-    REQUEST_ID,
-    ROUTE_REASON,
-    ROUTED_TO,
-    STREAM_IDLE_TIMEOUT_S,
 )
 from extproc.service.metrics import Metrics
 from extproc.settings import ServiceSettings

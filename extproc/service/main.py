@@ -29,10 +29,10 @@ from grpc_health.v1.health import aio as health_aio
 from prometheus_client import start_http_server
 
 from extproc.discovery import make_discovery
+from extproc.envoy.contract import split_host_port, write_endpoints_file
 from extproc.routing import Router
 from extproc.service import admin_pb2_grpc
 from extproc.service.admin import AdminService
-from extproc.service.envoy import split_host_port, write_endpoints_file
 from extproc.service.gateway import Gateway
 from extproc.service.metrics import Metrics
 from extproc.service.offload import BodyParser

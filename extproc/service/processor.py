@@ -17,8 +17,8 @@ from envoy.data.accesslog.v3 import accesslog_pb2
 from envoy.service.accesslog.v3 import als_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
+from extproc.envoy.contract import METADATA_NAMESPACE
 from extproc.service.bodies import timings_from_metadata
-from extproc.service.envoy import METADATA_NAMESPACE
 from extproc.service.gateway import Gateway, bounded, immediate
 from extproc.service.offload import BodyParser
 from extproc.service.wire import M, decode_tolerant

@@ -25,13 +25,12 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from extproc.service.processes import envoy_binary, grpc_serving, socket_name
 from extproc.stack import models, replicas
 from extproc.stack.daemons import Daemon, check_ports_free, free_ports, http_ok, spawn, stop
+from extproc.stack.processes import ROUTER_REFERENCE, envoy_binary, grpc_serving, socket_name
 from extproc.stack.replicas import HOST, Replica, ReplicaSettings
 
 REFERENCE_SETTINGS = Path(__file__).with_name("stack.toml")
-ROUTER_REFERENCE = Path(__file__).parents[1] / "service" / "router.toml"
 RUN_ENV = "LLM_RING_RUN"
 Progress = Callable[[str], None]
 
@@ -407,7 +406,8 @@ class Stack:
         progress(f"routing service ({self.state.policy}) on {self.state.router_address}")
 
     def _start_envoy(self, progress: Progress) -> None:
-        from extproc.service.envoy import EndpointsFile, ext_proc_address, render_envoy_config
+        from extproc.envoy.config import render_envoy_config
+        from extproc.envoy.contract import EndpointsFile, ext_proc_address
         from extproc.settings import load_settings
 
         run = Path(self.state.run_dir)

@@ -8,17 +8,17 @@ from pathlib import Path
 
 import pytest
 
-from extproc.service.envoy import (
+from extproc.envoy.config import render_envoy_config
+from extproc.envoy.contract import (
     DESTINATION,
     DnsEndpoints,
     EndpointsFile,
     ext_proc_address,
-    render_envoy_config,
     split_host_port,
     write_endpoints_file,
 )
-from extproc.service.processes import envoy_binary
 from extproc.settings import Settings
+from extproc.stack.processes import envoy_binary
 
 
 def render(tmp_path: Path, **overrides: object) -> str:
@@ -101,10 +101,10 @@ def test_split_host_port() -> None:
 
 
 def test_the_example_in_envoy_dir_is_the_current_rendering() -> None:
-    from extproc.service.envoy import example
+    from extproc.envoy.config import example
 
     committed = Path(__file__).parents[2] / "envoy" / "envoy.example.yaml"
-    assert committed.read_text() == example(), "regenerate: python -m extproc.service.envoy"
+    assert committed.read_text() == example(), "regenerate: python -m extproc.envoy.config"
 
 
 def test_admin_stubs_match_the_proto(tmp_path: Path) -> None:

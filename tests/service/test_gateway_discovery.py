@@ -13,8 +13,8 @@ import pytest
 
 from extproc.discovery import ReplicaListError, checked_replicas, make_discovery
 from extproc.discovery.file import FileDiscovery
-from extproc.service.processes import REFERENCE_SETTINGS, free_port, service_env, static_discovery
 from extproc.settings import DiscoverySettings
+from extproc.stack.processes import ROUTER_REFERENCE, free_port, service_env, static_discovery
 
 
 def settings(**overrides: object) -> DiscoverySettings:
@@ -98,7 +98,7 @@ def test_the_service_exits_non_zero_when_discovery_fails(tmp_path: Path) -> None
     """A supervisor (Kubernetes, the stack) must see that the service gave up."""
     discovery = static_discovery({"llm-0": "not-an-ip:80"})
     env = {**os.environ, **service_env(f"127.0.0.1:{free_port()}", tmp_path / "eds" / "replicas.json", discovery)}
-    command = [sys.executable, "-m", "extproc.cli", "serve", "--config", str(REFERENCE_SETTINGS)]
+    command = [sys.executable, "-m", "extproc.cli", "serve", "--config", str(ROUTER_REFERENCE)]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=30)
     assert result.returncode == 1, result.stdout + result.stderr
     events = [json.loads(line)["event"] for line in result.stdout.splitlines() if line.startswith("{")]

@@ -11,9 +11,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+from extproc.bench.stubs import start_stub_upstream
+from extproc.envoy.contract import write_endpoints_file
 from extproc.routing import REASONS
-from extproc.service.envoy import write_endpoints_file
-from extproc.service.processes import (
+from extproc.stack.processes import (
     Running,
     StartError,
     free_port,
@@ -21,7 +22,6 @@ from extproc.service.processes import (
     socket_name,
     start_gateway_envoy,
     start_service,
-    start_stub_upstream,
     static_discovery,
 )
 from tests.service.gateway_support import Gateway, chat, gateway, post

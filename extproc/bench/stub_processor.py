@@ -4,7 +4,7 @@ It answers like `llm-ring serve` (reads the headers and the body, answers the he
 one fixed pick, lets the body pass, which ends the stream; observer streams and access log
 streams read to the end) but routes nothing, logs nothing and counts nothing: Envoy + this =
 what Envoy + Python grpc.aio cost.
-Run: python -m extproc.service.stub_processor PORT ENDPOINT [SOCKET]  (SOCKET: also listen on
+Run: python -m extproc.bench.stub_processor PORT ENDPOINT [SOCKET]  (SOCKET: also listen on
 that abstract unix socket, as `llm-ring serve` does on service.ext_proc_socket)
 """
 
@@ -19,7 +19,7 @@ from envoy.service.accesslog.v3 import als_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from google.protobuf import struct_pb2
 
-from extproc.service.envoy import DESTINATION, ROUTE_REASON, ROUTED_TO
+from extproc.envoy.contract import DESTINATION, ROUTE_REASON, ROUTED_TO
 from extproc.service.gateway import header_option
 from extproc.service.processor import ACCESS_LOG_SERVICE, BODY_CONTINUE, SERVICE
 
