@@ -85,7 +85,7 @@ async def serve(settings: Settings) -> int:
     gateway = Gateway(Router(settings.routing), service, metrics)
     health = ReplicaHealth(gateway, service.health_probe_seconds)
     gateway.on_replica_failed = health.replica_failed
-    metrics.watch(gateway)
+    metrics.watch(gateway.replica_states)
 
     metrics_host, metrics_port = split_host_port(service.metrics_listen)
     metrics_server, _ = start_http_server(metrics_port, metrics_host, registry=metrics.registry)
