@@ -35,13 +35,7 @@ import httpx
 
 from extproc.cli_input import UsageError, new_folder, parse_seeds
 from extproc.experiments.lab import Lab, LabError, RemoteLab
-from extproc.experiments.records import (
-    JOURNAL_FILE,
-    RunMeta,
-    finalise_run_records,
-    utc_now,
-    write_run_metadata,
-)
+from extproc.records import JOURNAL_FILE, RunMeta, finalise_run_records, utc_now, write_run_metadata
 from extproc.settings import PolicyName, RoutingSettings
 from extproc.traffic import Profile, ProfileError, check_context, generate_conversations
 from extproc.traffic import load_profile as load_traffic_profile
@@ -393,6 +387,10 @@ def connect_lab(gateway: str | None, admin: str | None, run_dir: str | None = No
         return RemoteLab(gateway, admin)
     try:
         from extproc.stack.lab import LocalLab
+        from extproc.stack.stack import StackError
     except ImportError as exc:
         raise LabError(f"the local stack is not available ({exc}); give --gateway and --admin") from None
-    return LocalLab.attach(run_dir, progress=lambda text: print(text, file=sys.stderr, flush=True))
+    try:
+        return LocalLab.attach(run_dir, progress=lambda text: print(text, file=sys.stderr, flush=True))
+    except StackError as exc:
+        raise LabError(str(exc)) from None

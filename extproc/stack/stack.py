@@ -25,6 +25,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from extproc.files import write_atomically
 from extproc.stack import models, replicas
 from extproc.stack.daemons import Daemon, check_ports_free, free_ports, http_ok, spawn, stop
 from extproc.stack.processes import ROUTER_REFERENCE, envoy_binary, grpc_serving, socket_name
@@ -350,7 +351,7 @@ class Stack:
 
     def save(self) -> None:
         path = Path(self.state.run_dir) / "state.json"
-        _write_atomically(path, json.dumps(asdict(self.state), indent=2) + "\n")
+        write_atomically(path, json.dumps(asdict(self.state), indent=2) + "\n")
 
     # -- internals
 
@@ -379,7 +380,7 @@ class Stack:
 
     def _write_replica_list(self) -> None:
         listing = {r.name: r.address for r in self.replica_list}
-        _write_atomically(Path(self.state.run_dir) / "replicas.json", json.dumps(listing, sort_keys=True) + "\n")
+        write_atomically(Path(self.state.run_dir) / "replicas.json", json.dumps(listing, sort_keys=True) + "\n")
 
     def _start_router(self, base_settings: str, progress: Progress) -> None:
         run = Path(self.state.run_dir)
@@ -574,10 +575,3 @@ def _busy(address: str) -> bool:
             return any(slot.get("is_processing") for slot in json.loads(reply.read()))
     except OSError:
         return False
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    partial = path.with_name(f".{path.name}.partial")
-    partial.write_text(text)
-    os.replace(partial, path)
-

@@ -13,6 +13,7 @@ import pytest
 
 from extproc.discovery import ReplicaListError, checked_replicas, make_discovery
 from extproc.discovery.file import FileDiscovery
+from extproc.files import write_atomically
 from extproc.settings import DiscoverySettings
 from extproc.stack.processes import ROUTER_REFERENCE, free_port, service_env, static_discovery
 
@@ -58,9 +59,7 @@ def test_file_discovery_follows_atomic_rewrites_and_keeps_the_last_good_list(tmp
     path = tmp_path / "replicas.json"
 
     def write(content: str) -> None:
-        tmp = tmp_path / "tmp"
-        tmp.write_text(content)
-        os.replace(tmp, path)
+        write_atomically(path, content)
 
     async def scenario() -> list[dict[str, str]]:
         seen: list[dict[str, str]] = []

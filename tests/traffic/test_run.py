@@ -11,13 +11,13 @@ import pytest
 from extproc.analysis.metrics import connect, per_run
 from extproc.cli_input import UsageError
 from extproc.experiments.lab import Lab
-from extproc.experiments.records import read_records, read_run_metadata
 from extproc.experiments.run import (
     ExperimentError,
     parse_policy,
     run_experiment,
     run_order,
 )
+from extproc.records import read_records, read_run_metadata
 from extproc.traffic import generate_conversations, load_profile
 from traffic.labs import DirectLab, free_port
 
