@@ -69,9 +69,9 @@ def render_envoy_config(
     endpoints: Endpoints,
     fail_open: bool,
     max_request_bytes: int,
+    retries: int,
     ext_proc_timeout_ms: int = 2000,
     connect_timeout_ms: int = 1000,
-    retries: int = 2,
 ) -> str:
     """Envoy bootstrap as JSON text (JSON is YAML: save it as envoy.yaml or envoy.json).
 
@@ -80,6 +80,7 @@ def render_envoy_config(
     ext_proc=None renders the same proxy without the routing service (the benchmark's baseline).
     fail_open: when the routing service is unreachable, serve round robin (True) or 500 (False).
     max_request_bytes: the service's service.max_body_bytes: larger bodies get 413 from Envoy.
+    retries: the service's service.fallbacks: Envoy tries that many endpoints after the pick.
     """
     listen_host, listen_port = split_host_port(listen)
     admin_host, admin_port = split_host_port(admin)
@@ -481,6 +482,7 @@ EXAMPLE_ARGUMENTS: dict[str, Any] = {
     "endpoints": EndpointsFile(".llm-ring/envoy/replicas.json"),
     "fail_open": True,
     "max_request_bytes": 4194304,
+    "retries": 2,
 }
 
 

@@ -26,6 +26,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from extproc.envoy.config import render_envoy_config
 from extproc.envoy.contract import EndpointsFile, ext_proc_address, split_host_port
+from extproc.settings import load_settings
 
 ROUTER_REFERENCE = Path(__file__).parents[1] / "service" / "router.toml"  # the reference settings
 
@@ -93,9 +94,15 @@ def start_envoy(config: str, workdir: Path, admin: str, concurrency: int = 2, lo
 
 
 def start_gateway_envoy(
-    workdir: Path, ext_proc: str | None, endpoints_file: Path, fail_open: bool, concurrency: int = 2
+    workdir: Path,
+    ext_proc: str | None,
+    endpoints_file: Path,
+    fail_open: bool,
+    concurrency: int = 2,
+    fallbacks: int | None = None,
 ) -> Running:
-    """Envoy with the gateway configuration (render_envoy_config) on free loopback ports."""
+    """Envoy with the gateway configuration (render_envoy_config) on free loopback ports.
+    fallbacks: service.fallbacks of the service behind it (None: the reference settings')."""
     listen, admin = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
     config = render_envoy_config(
         listen=listen,
@@ -104,6 +111,7 @@ def start_gateway_envoy(
         endpoints=EndpointsFile(str(endpoints_file)),
         fail_open=fail_open,
         max_request_bytes=4 << 20,
+        retries=load_settings(ROUTER_REFERENCE).service.fallbacks if fallbacks is None else fallbacks,
     )
     running = start_envoy(config, workdir, admin, concurrency)
     running.listen = listen

@@ -23,9 +23,10 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import Field, ValidationError
 
 from extproc.files import write_atomically
+from extproc.settings import Strict
 from extproc.stack import models, replicas
 from extproc.stack.daemons import Daemon, check_ports_free, free_ports, http_ok, spawn, stop
 from extproc.stack.processes import ROUTER_REFERENCE, envoy_binary, grpc_serving, socket_name
@@ -42,11 +43,7 @@ class StackError(RuntimeError):
 
 # ---- settings (stack.toml) -------------------------------------------------------------
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class ReplicasSection(_Strict):
+class ReplicasSection(Strict):
     count: int = Field(ge=1, le=64)
     backend: replicas.Backend
     llama_server: str
@@ -58,7 +55,7 @@ class ReplicasSection(_Strict):
     health_timeout_seconds: float = Field(gt=0)
 
 
-class PortsSection(_Strict):
+class PortsSection(Strict):
     """0 = any free port (tests)."""
 
     gateway: int = Field(ge=0, lt=65536)
@@ -68,16 +65,16 @@ class PortsSection(_Strict):
     replica_base: int = Field(ge=0, lt=65536)
 
 
-class RouterSection(_Strict):
+class RouterSection(Strict):
     policy: str
     settings: str
 
 
-class CheckSection(_Strict):
+class CheckSection(Strict):
     profile: str
 
 
-class StackSettings(_Strict):
+class StackSettings(Strict):
     replicas: ReplicasSection
     ports: PortsSection
     router: RouterSection
@@ -419,7 +416,7 @@ class Stack:
             listen=self.state.gateway_url.removeprefix("http://"), admin=self.state.envoy_admin,
             ext_proc=ext_proc_address(self.state.router_address, service.ext_proc_socket),
             endpoints=EndpointsFile(str(endpoints)),
-            fail_open=service.fail_open, max_request_bytes=service.max_body_bytes,
+            fail_open=service.fail_open, max_request_bytes=service.max_body_bytes, retries=service.fallbacks,
         )
         (run / "envoy" / "envoy.yaml").write_text(config)
         envoy = self._spawn_envoy()
