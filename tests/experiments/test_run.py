@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from experiments.labs import DirectLab, free_port
 from extproc.analysis.metrics import connect, per_run
 from extproc.cli_input import UsageError
 from extproc.experiments.lab import Lab
@@ -19,7 +20,6 @@ from extproc.experiments.run import (
 )
 from extproc.records import read_records, read_run_metadata
 from extproc.traffic import generate_conversations, load_profile
-from traffic.labs import DirectLab, free_port
 
 TINY = replace(
     load_profile("quick"), name="tiny", concurrency=2, conversations=2, turns=(2, 2),
@@ -92,7 +92,7 @@ def test_interrupted_run_keeps_its_rows(replica, tmp_path):
     slow = replace(TINY, conversations=4, turns=(4, 4), think_time_s=(0.5, 0.5))
     (tmp_path / "p.json").write_text(json.dumps({**slow.__dict__, "turns": [4, 4]}))
     script = (
-        "import sys; sys.path.insert(0, sys.argv[3]); from traffic.labs import DirectLab; "
+        "import sys; sys.path.insert(0, sys.argv[3]); from experiments.labs import DirectLab; "
         "from extproc.experiments.run import run_experiment, ExperimentInterrupted; "
         "from extproc.traffic import load_profile\n"
         "try: run_experiment(DirectLab(sys.argv[1]), load_profile(sys.argv[2]), ['bounded'], [1], "

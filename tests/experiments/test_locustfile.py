@@ -10,9 +10,9 @@ import time
 
 import httpx
 
+from experiments.labs import free_port
+from experiments.test_run import TINY
 from extproc.experiments.run import LOCUSTFILE
-from traffic.labs import free_port
-from traffic.test_run import TINY
 
 
 def _locust(cwd, host, *extra):
