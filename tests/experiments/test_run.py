@@ -12,12 +12,8 @@ from experiments.labs import DirectLab, free_port
 from extproc.analysis.metrics import connect, per_run
 from extproc.cli_input import UsageError
 from extproc.experiments.lab import Lab
-from extproc.experiments.run import (
-    ExperimentError,
-    parse_policy,
-    run_experiment,
-    run_order,
-)
+from extproc.experiments.run import run_experiment, run_order
+from extproc.policy_spec import ExperimentError
 from extproc.records import read_records, read_run_metadata
 from extproc.traffic import generate_conversations, load_profile
 
@@ -29,18 +25,6 @@ TINY = replace(
 
 def test_order_alternates_between_seeds():
     assert run_order(["a", "b"], [1, 2, 3]) == [("a", 1), ("b", 1), ("b", 2), ("a", 2), ("a", 3), ("b", 3)]
-
-
-def test_policy_specs_with_knobs():
-    assert parse_policy("llm-aware").routing == {"policy": "llm-aware"}
-    spec = parse_policy("bounded:load_unit=tokens,epsilon=0.5")
-    assert spec.routing == {"policy": "bounded", "load_unit": "tokens", "epsilon": 0.5}
-    with pytest.raises(ExperimentError, match="unknown policy 'best'"):
-        parse_policy("best")
-    with pytest.raises(ExperimentError, match="unknown setting colour .valid: virtual_nodes, hash_seed"):
-        parse_policy("bounded:colour=red")
-    with pytest.raises(ExperimentError, match="'epsilon' is not <routing setting>=<value>"):
-        parse_policy("bounded:epsilon")
 
 
 def test_existing_out_dir_is_refused(tmp_path):
