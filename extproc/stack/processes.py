@@ -87,7 +87,7 @@ def start_envoy(config: str, workdir: Path, admin: str, concurrency: int = 2, lo
         log_level,
         "--disable-hot-restart",  # several Envoys side by side, no shared memory
     ]
-    running = spawn("envoy", command, workdir / "envoy.log")
+    running = spawn_child("envoy", command, workdir / "envoy.log")
     wait_until_ready(running, lambda: _http_ok(f"http://{admin}/ready"), 20.0)
     running.address = admin
     return running
@@ -146,7 +146,7 @@ def start_service(workdir: Path, settings_env: Mapping[str, str], config: Path =
     workdir.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, **settings_env}
     command = [sys.executable, "-m", "extproc.cli", "serve", "--config", str(config)]
-    running = spawn("llm-ring serve", command, workdir / "service.log", env)
+    running = spawn_child("llm-ring serve", command, workdir / "service.log", env)
     listen = settings_env.get("LLM_RING__SERVICE__LISTEN", "").strip('"')
     wait_until_ready(running, lambda: grpc_serving(listen), 20.0)
     running.address = listen
@@ -166,7 +166,9 @@ def grpc_serving(address: str, service: str = "") -> bool:
     return reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
-def spawn(name: str, command: list[str], log_path: Path, env: Mapping[str, str] | None = None) -> Running:
+def spawn_child(name: str, command: list[str], log_path: Path, env: Mapping[str, str] | None = None) -> Running:
+    """A child of this process (stopped by Running.stop), its output in ``log_path``; the
+    stack's long-lived processes are detached daemons instead (daemons.spawn)."""
     log: IO[bytes] = open(log_path, "wb")  # noqa: SIM115 - the child owns it
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
     log.close()
