@@ -29,16 +29,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from extproc.bench.stubs import start_stub_processor, start_stub_upstream
-from extproc.envoy.contract import split_host_port, write_endpoints_file
-from extproc.stack.processes import (
-    Running,
-    free_port,
-    service_env,
-    start_gateway_envoy,
-    start_service,
-    static_discovery,
-)
+from extproc.bench.stubs import start_service_on_stubs, start_stub_processor
+from extproc.envoy.contract import split_host_port
+from extproc.stack.processes import Running, free_port, start_gateway_envoy
 
 TARGET_ADDED_P50_MS = 1.0
 TARGET_ADDED_P99_MS = 5.0
@@ -73,17 +66,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     workdir = Path(tempfile.mkdtemp(prefix="llm-ring-bench-gateway-"))
     started: list[Running] = []
     try:
-        ports = [free_port() for _ in range(3)]
-        started.append(start_stub_upstream(ports, workdir))
-        replicas = {f"stub-{i}": f"127.0.0.1:{port}" for i, port in enumerate(ports)}
-        endpoints = workdir / "eds" / "replicas.json"
-        endpoints.parent.mkdir()
-        write_endpoints_file(endpoints, replicas)
-
-        service_listen = f"127.0.0.1:{free_port()}"
-        env = service_env(service_listen, endpoints, static_discovery(replicas))
-        service = start_service(workdir / "service", env)
-        started.append(service)
+        stubbed = start_service_on_stubs(workdir, 3, "stub")
+        started += stubbed.processes
+        service, replicas, endpoints = stubbed.service, stubbed.replicas, stubbed.endpoints
+        ports = [split_host_port(address)[1] for address in replicas.values()]
         stub_processor = start_stub_processor(free_port(), replicas["stub-0"], workdir / "stub_processor")
         started.append(stub_processor)
         targets = {"direct": ports}

@@ -5,10 +5,55 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
-from extproc.envoy.contract import ext_proc_address
-from extproc.stack.processes import Running, accepts, socket_name, spawn_child, wait_until_ready
+from extproc.envoy.contract import ext_proc_address, write_endpoints_file
+from extproc.stack.processes import (
+    Running,
+    accepts,
+    free_port,
+    service_env,
+    socket_name,
+    spawn_child,
+    start_service,
+    static_discovery,
+    wait_until_ready,
+)
+
+
+@dataclass
+class ServiceOnStubs:
+    """`llm-ring serve` routing over stub upstreams, as both gateway benchmarks start it."""
+
+    upstream: Running  # the stub upstream process (all replicas)
+    service: Running
+    replicas: dict[str, str]  # name -> 127.0.0.1:port
+    endpoints: Path  # the EDS file the service writes and Envoy reads
+    env: dict[str, str]  # the service's settings overrides (service_env)
+
+    @property
+    def processes(self) -> list[Running]:
+        return [self.upstream, self.service]
+
+
+def start_service_on_stubs(workdir: Path, replicas: int, prefix: str) -> ServiceOnStubs:
+    """``replicas`` stub upstreams named ``<prefix>-<i>`` and the routing service over them
+    (static discovery); the endpoints file is written before the service starts, so an
+    Envoy without the service (a baseline) reads the same replicas."""
+    ports = [free_port() for _ in range(replicas)]
+    upstream = start_stub_upstream(ports, workdir)
+    try:
+        addresses = {f"{prefix}-{i}": f"127.0.0.1:{port}" for i, port in enumerate(ports)}
+        endpoints = workdir / "eds" / "replicas.json"
+        endpoints.parent.mkdir(parents=True, exist_ok=True)
+        write_endpoints_file(endpoints, addresses)
+        env = service_env(f"127.0.0.1:{free_port()}", endpoints, static_discovery(addresses))
+        service = start_service(workdir / "service", env)
+    except BaseException:
+        upstream.stop()
+        raise
+    return ServiceOnStubs(upstream, service, addresses, endpoints, env)
 
 
 def start_stub_upstream(ports: Sequence[int], workdir: Path) -> Running:
