@@ -26,11 +26,13 @@ LoadUnit = Literal["requests", "tokens"]
 ENV_PREFIX = "LLM_RING__"
 
 
-class _Strict(BaseModel):
+class Strict(BaseModel):
+    """A settings section: unknown keys are refused by name, values are frozen."""
+
     model_config = ConfigDict(extra="forbid", frozen=True, strict=False)
 
 
-class RoutingSettings(_Strict):
+class RoutingSettings(Strict):
     """The policy and its knobs: everything the functional core needs."""
 
     policy: PolicyName
@@ -47,7 +49,7 @@ class RoutingSettings(_Strict):
     memory_capacity: int = Field(ge=2, description="conversations remembered (least recently used forgotten)")
 
 
-class ServiceSettings(_Strict):
+class ServiceSettings(Strict):
     """The ext_proc gRPC service (the shell around the core)."""
 
     listen: str = Field(min_length=1, description="host:port of the ext_proc + admin + health gRPC server")
@@ -71,7 +73,7 @@ class ServiceSettings(_Strict):
     envoy_endpoints_file: str = Field(description="EDS file written for Envoy; empty: Envoy resolves DNS")
     fail_open: bool = Field(description="Envoy: round robin when this service is down (true) or 500 (false)")
 
-class DiscoverySettings(_Strict):
+class DiscoverySettings(Strict):
     """Where the replica list comes from."""
 
     source: Literal["static", "file", "kubernetes"]
@@ -84,7 +86,7 @@ class DiscoverySettings(_Strict):
     kubernetes_backoff_seconds: float = Field(gt=0, description="first retry delay when the API is unreachable")
 
 
-class Settings(_Strict):
+class Settings(Strict):
     routing: RoutingSettings
     service: ServiceSettings
     discovery: DiscoverySettings

@@ -7,7 +7,7 @@ Conversations come from the deterministic generator (extproc.traffic): the same
 profile and seed give the same messages whichever policy runs. Users take the next
 unstarted conversation until the profile's ``conversations`` are done, then the test
 stops by itself. Every turn resends the whole history with ``x-conversation-id`` and
-``x-turn``. Each request becomes one row (extproc.experiments.records): appended to
+``x-turn``. Each request becomes one row (extproc.records): appended to
 ``requests.jsonl`` as it happens, turned into ``requests.parquet`` at test stop, in
 ``--records-dir`` (`llm-ring run` gives one per run). Without ``--records-dir`` no row
 is kept and nothing is written: a plain Locust run leaves the checkout as it was.
@@ -26,7 +26,7 @@ import requests
 from locust import User, constant, events, task
 from locust.exception import StopUser
 
-from extproc.experiments.records import JOURNAL_FILE, finalise_run_records, journal_row
+from extproc.records import JOURNAL_FILE, finalise_run_records, journal_row
 from extproc.traffic import Conversation, Profile, generate_conversations, load_profile
 from extproc.traffic.chat import (
     CHAT_PATH,

@@ -3,7 +3,7 @@
 One module for the CLI (``llm-ring report``), the tests and the notebooks, so a
 number means the same thing everywhere. An experiment folder holds one folder per
 run, ``<run_id>/requests.parquet`` and ``<run_id>/run.json`` (see
-extproc.experiments.records).
+extproc.records).
 
 Definitions (per run; a request is *ok* when status = 200 and error is null):
 
@@ -39,7 +39,7 @@ from typing import Any
 
 import duckdb
 
-from extproc.experiments.records import REQUESTS_FILE, RUN_FILE
+from extproc.records import REQUESTS_FILE, RUN_FILE
 
 DEFAULT_HIT_SHARE = 0.5
 

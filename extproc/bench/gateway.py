@@ -1,9 +1,9 @@
 """`llm-ring bench gateway`: what Envoy and the routing service add to each request.
 
-Side by side in one run, against the same trivial upstream (extproc.service.stub_upstream,
+Side by side in one run, against the same trivial upstream (extproc.bench.stub_upstream,
 3 ports = 3 "replicas"): direct, Envoy alone (the same rendered config without ext_proc),
 Envoy + a do-nothing Python ext_proc server speaking the same protocol (the floor any Python
-grpc.aio ext_proc pays: extproc.service.stub_processor), Envoy + ext_proc (`llm-ring serve`,
+grpc.aio ext_proc pays: extproc.bench.stub_processor), Envoy + ext_proc (`llm-ring serve`,
 llm-aware policy, route_decision logs to a file). At each
 concurrency, closed-loop keep-alive clients send chat requests for a fixed time; the table
 shows p50/p99 latency, req/s, and the latency ext_proc adds over Envoy alone, then the CPU
@@ -29,17 +29,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from extproc.service.envoy import split_host_port, write_endpoints_file
-from extproc.service.processes import (
-    Running,
-    free_port,
-    service_env,
-    start_gateway_envoy,
-    start_service,
-    start_stub_processor,
-    start_stub_upstream,
-    static_discovery,
-)
+from extproc.bench.stubs import start_service_on_stubs, start_stub_processor
+from extproc.envoy.contract import split_host_port
+from extproc.stack.processes import Running, free_port, start_gateway_envoy
 
 TARGET_ADDED_P50_MS = 1.0
 TARGET_ADDED_P99_MS = 5.0
@@ -74,17 +66,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     workdir = Path(tempfile.mkdtemp(prefix="llm-ring-bench-gateway-"))
     started: list[Running] = []
     try:
-        ports = [free_port() for _ in range(3)]
-        started.append(start_stub_upstream(ports, workdir))
-        replicas = {f"stub-{i}": f"127.0.0.1:{port}" for i, port in enumerate(ports)}
-        endpoints = workdir / "eds" / "replicas.json"
-        endpoints.parent.mkdir()
-        write_endpoints_file(endpoints, replicas)
-
-        service_listen = f"127.0.0.1:{free_port()}"
-        env = service_env(service_listen, endpoints, static_discovery(replicas))
-        service = start_service(workdir / "service", env)
-        started.append(service)
+        stubbed = start_service_on_stubs(workdir, 3, "stub")
+        started += stubbed.processes
+        service, replicas, endpoints = stubbed.service, stubbed.replicas, stubbed.endpoints
+        ports = [split_host_port(address)[1] for address in replicas.values()]
         stub_processor = start_stub_processor(free_port(), replicas["stub-0"], workdir / "stub_processor")
         started.append(stub_processor)
         targets = {"direct": ports}

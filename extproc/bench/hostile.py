@@ -1,6 +1,6 @@
 """`llm-ring bench hostile`: normal clients while hostile ones hammer the gateway.
 
-Real Envoy + `llm-ring serve` in front of two stub upstreams (extproc.service.stub_upstream).
+Real Envoy + `llm-ring serve` in front of two stub upstreams (extproc.bench.stub_upstream).
   1. stall: the p50 of --clients closed-loop normal chat clients, alone, then while
      --large-bodies clients keep sending a 3.7 MB body of 90,000 messages each;
   2. soak: for --seconds, the normal clients plus hostile ones cycling through every class of
@@ -32,17 +32,10 @@ from typing import Any
 import httpx
 import psutil
 
+from extproc.bench.stubs import start_service_on_stubs
+from extproc.envoy.contract import split_host_port
 from extproc.service.admin_client import AdminClient
-from extproc.service.envoy import split_host_port
-from extproc.service.processes import (
-    Running,
-    free_port,
-    service_env,
-    start_gateway_envoy,
-    start_service,
-    start_stub_upstream,
-    static_discovery,
-)
+from extproc.stack.processes import Running, start_gateway_envoy
 
 CHAT = "/v1/chat/completions"
 JSON = {"content-type": "application/json"}
@@ -67,15 +60,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     workdir = Path(tempfile.mkdtemp(prefix="llm-ring-bench-hostile-"))
     started: list[Running] = []
     try:
-        ports = [free_port(), free_port()]
-        started.append(start_stub_upstream(ports, workdir))
-        replicas = {f"llm-{i}": f"127.0.0.1:{port}" for i, port in enumerate(ports)}
-        endpoints = workdir / "eds" / "replicas.json"
-        listen = f"127.0.0.1:{free_port()}"
-        env = service_env(listen, endpoints, static_discovery(replicas))
-        service = start_service(workdir / "service", env)
-        started.append(service)
-        envoy = start_gateway_envoy(workdir / "envoy", service.ext_proc, endpoints, True)
+        stubbed = start_service_on_stubs(workdir, 2, "llm")
+        started += stubbed.processes
+        service, env, listen = stubbed.service, stubbed.env, stubbed.service.address
+        envoy = start_gateway_envoy(workdir / "envoy", service.ext_proc, stubbed.endpoints, True)
         started.append(envoy)
         url = f"http://{envoy.listen}"
         metrics = "http://" + env["LLM_RING__SERVICE__METRICS_LISTEN"].strip('"') + "/metrics"

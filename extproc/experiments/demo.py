@@ -43,7 +43,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     from extproc.analysis.report import build_report, combine, render_table
     from extproc.experiments.lab import LabError
-    from extproc.experiments.run import ExperimentError, parse_policy, run_experiment
+    from extproc.experiments.run import run_experiment
+    from extproc.policy_spec import ExperimentError, parse_policy
     from extproc.stack.commands import FAILURES
     from extproc.stack.lab import LocalLab
     from extproc.stack.stack import load_stack_settings

@@ -25,68 +25,28 @@ import subprocess
 import sys
 import threading
 import time
-import tomllib
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, get_args
 
 import httpx
 
 from extproc.cli_input import UsageError, new_folder, parse_seeds
 from extproc.experiments.lab import Lab, LabError, RemoteLab
-from extproc.experiments.records import (
-    JOURNAL_FILE,
-    RunMeta,
-    finalise_run_records,
-    utc_now,
-    write_run_metadata,
-)
-from extproc.settings import PolicyName, RoutingSettings
+from extproc.policy_spec import POLICIES, ExperimentError, PolicySpec, parse_policy
+from extproc.records import JOURNAL_FILE, RunMeta, finalise_run_records, utc_now, write_run_metadata
 from extproc.traffic import Profile, ProfileError, check_context, generate_conversations
 from extproc.traffic import load_profile as load_traffic_profile
 from extproc.traffic.chat import session_tag
 
 LOCUSTFILE = Path(__file__).resolve().parents[2] / "locustfiles" / "chat.py"
-POLICIES = get_args(PolicyName)
-KNOBS = tuple(name for name in RoutingSettings.model_fields if name != "policy")  # settable in a policy spec
 PROGRESS_EVERY_S = 5.0
-
-
-class ExperimentError(UsageError):
-    """Bad input for an experiment (policy, seeds, out-dir, gateway); the message says which."""
 
 
 class ExperimentInterrupted(RuntimeError):
     def __init__(self, run_dir: Path) -> None:
         super().__init__(f"interrupted during {run_dir.name}; rows recorded so far are in {run_dir}")
         self.run_dir = run_dir
-
-
-@dataclasses.dataclass(frozen=True)
-class PolicySpec:
-    """``name`` or ``name:key=value,key=value`` (routing knobs for ablations)."""
-
-    label: str
-    routing: dict[str, Any]
-
-
-def parse_policy(spec: str) -> PolicySpec:
-    name, _, knobs = spec.partition(":")
-    if name not in POLICIES:
-        raise ExperimentError(f"unknown policy {name!r} in {spec!r}; known: {', '.join(POLICIES)}")
-    routing: dict[str, Any] = {"policy": name}
-    for item in filter(None, knobs.split(",")):
-        key, eq, text = item.partition("=")
-        if not eq:
-            raise ExperimentError(f"policy {spec!r}: {item!r} is not <routing setting>=<value>")
-        if key not in KNOBS:
-            raise ExperimentError(f"policy {spec!r}: unknown setting {key} (valid: {', '.join(KNOBS)})")
-        try:
-            routing[key] = tomllib.loads(f"v = {text}")["v"]
-        except tomllib.TOMLDecodeError:
-            routing[key] = text
-    return PolicySpec(label=spec, routing=routing)
 
 
 def run_order(policies: Sequence[str], seeds: Sequence[int]) -> list[tuple[str, int]]:
@@ -393,6 +353,10 @@ def connect_lab(gateway: str | None, admin: str | None, run_dir: str | None = No
         return RemoteLab(gateway, admin)
     try:
         from extproc.stack.lab import LocalLab
+        from extproc.stack.stack import StackError
     except ImportError as exc:
         raise LabError(f"the local stack is not available ({exc}); give --gateway and --admin") from None
-    return LocalLab.attach(run_dir, progress=lambda text: print(text, file=sys.stderr, flush=True))
+    try:
+        return LocalLab.attach(run_dir, progress=lambda text: print(text, file=sys.stderr, flush=True))
+    except StackError as exc:
+        raise LabError(str(exc)) from None

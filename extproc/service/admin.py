@@ -40,13 +40,13 @@ class AdminService(admin_pb2_grpc.AdminServicer):
             routing=admin_pb2.RoutingSettings(**gateway.router.settings.model_dump()),
             replicas=[
                 admin_pb2.ReplicaState(
-                    name=name,
-                    address=gateway.endpoints.get(name, ""),
-                    healthy=name not in gateway.unhealthy,
-                    in_flight_requests=ledger.requests(name),
-                    in_flight_tokens=ledger.tokens(name),
+                    name=replica.name,
+                    address=replica.address,
+                    healthy=replica.healthy,
+                    in_flight_requests=replica.in_flight_requests,
+                    in_flight_tokens=replica.in_flight_tokens,
                 )
-                for name in gateway.router.replicas
+                for replica in gateway.replica_states()
             ],
             in_flight_requests=ledger.total_requests(),
             in_flight_tokens=ledger.total_tokens(),

@@ -40,6 +40,7 @@ from typing import Any
 import orjson
 import xxhash
 
+from extproc.envoy.contract import RESPONSE_METADATA
 from extproc.routing.blocks import prefix_blocks
 
 OPENING_CHARS = 512
@@ -242,16 +243,6 @@ def parse_timings(body: bytes, event_stream: bool) -> Timings | None:
                     return found
         return None
     return _timings_from_json(body)
-
-
-# What Envoy copies from a JSON answer into dynamic metadata for the access log (its
-# json_to_metadata filter; see envoy.py): metadata key -> path in the body.
-RESPONSE_METADATA: dict[str, tuple[str, ...]] = {
-    **{name: ("timings", name) for name in ("cache_n", "prompt_n", "prompt_ms", "predicted_n", "predicted_ms")},
-    "cached_tokens": ("usage", "prompt_tokens_details", "cached_tokens"),
-    "prompt_tokens": ("usage", "prompt_tokens"),
-    "completion_tokens": ("usage", "completion_tokens"),
-}
 
 
 def timings_from_metadata(values: Mapping[str, float]) -> Timings | None:

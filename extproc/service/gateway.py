@@ -1,11 +1,11 @@
 """The gateway's state and per-request logic, between the gRPC streams and the routing core.
 
-One HTTP request meets the service on (see envoy.py):
+One HTTP request meets the service on (see extproc/envoy/config.py):
   - the *route* stream: the request headers with attributes (path, id, content type,
-    x-conversation-id, x-turn) and the whole body -> ``decide`` -> the answer to the headers,
-    pre-serialized and cached per (replica, reason, streamed) so the hot path builds few
-    protobufs; the service lets the body pass and closes the stream (fewer gRPC operations
-    than waiting for Envoy to end it);
+    x-conversation-id, x-turn) and the whole body -> ``route_request`` -> the answer to the
+    headers (answers.py: pre-serialized, cached per (replica, reason, streamed)); the service
+    lets the body pass and closes the stream (fewer gRPC operations than waiting for Envoy
+    to end it);
   - Envoy's access log entry, for every request that got a pick (status, the upstream that
     served, reset flags, the timings Envoy copied from a JSON body) -> ``access_logged``:
     the HTTP request is over;
@@ -43,15 +43,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import orjson
 import structlog
 import xxhash
-from envoy.config.core.v3 import base_pb2
-from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
-from envoy.type.v3 import http_status_pb2
-from google.protobuf import struct_pb2
 
+from extproc.envoy.contract import (
+    STREAM_IDLE_TIMEOUT_S,
+)
 from extproc.routing import Decision, Router, RouteRequest, estimate_tokens
+from extproc.service.answers import AnswerCache, immediate, request_id_header
 from extproc.service.bodies import (
     BadRequest,
     BodyLimits,
@@ -61,23 +60,13 @@ from extproc.service.bodies import (
     parse_timings,
     request_blocks,
 )
-from extproc.service.envoy import (
-    DESTINATION,
-    OBSERVE,
-    PREDICTED_CACHED,
-    REQUEST_ID,
-    ROUTE_REASON,
-    ROUTED_TO,
-    STREAM_IDLE_TIMEOUT_S,
-)
-from extproc.service.metrics import Metrics
+from extproc.service.metrics import Metrics, ReplicaState
 from extproc.settings import ServiceSettings
 
 log = structlog.get_logger("extproc.service")
 
 MAX_JSON_RESPONSE_BYTES = 1 << 20  # larger JSON answers are passed on unread (no timings)
 SSE_TAIL_BYTES = 64 << 10  # the last events of a stream are all we read
-PREDICTED_HEADERS_KEPT = 1 << 16  # serialized x-route-predicted-cached-tokens values kept
 LOST_AFTER_S = 2 * STREAM_IDLE_TIMEOUT_S  # no access log entry by then: it was lost
 BOUNDED_CHARS = 64  # client-chosen ids kept in state and logs: longer ones are cut and hashed
 
@@ -135,8 +124,7 @@ class Gateway:
         self.pending: dict[str, Pending] = {}
         # conversation -> {request id: history} of pending requests not yet shown answered
         self.unanswered: dict[str, dict[str, int]] = {}
-        self._answers: dict[tuple[str, str, bool], bytes] = {}
-        self._predicted_headers: dict[int, bytes] = {}
+        self.answers = AnswerCache()
         self._sequence = 0
         self._id_prefix = secrets.token_hex(3) + "-"  # ids differ across restarts of the service
         self.envoy_ids: dict[str, str] = {}  # Envoy's id -> ours, while pending
@@ -148,22 +136,31 @@ class Gateway:
         self.endpoints = dict(replicas)
         self.router.set_replicas(self.endpoints)
         self.unhealthy &= set(self.endpoints)
-        self._answers.clear()
+        self.answers.forget_routes()
 
     def mark_unhealthy(self, name: str) -> None:
         if name in self.endpoints and name not in self.unhealthy:
             self.unhealthy.add(name)
-            self._answers.clear()
+            self.answers.forget_routes()
             self.on_replica_failed(name)
 
     def mark_healthy(self, name: str) -> None:
         if name in self.unhealthy:
             self.unhealthy.discard(name)
-            self._answers.clear()
+            self.answers.forget_routes()
+
+    def replica_states(self) -> list[ReplicaState]:
+        """Each replica now: address, health, load in flight (for /metrics and the Admin API)."""
+        ledger = self.router.ledger
+        return [
+            ReplicaState(name, self.endpoints.get(name, ""), name not in self.unhealthy,
+                         ledger.requests(name), ledger.tokens(name))
+            for name in self.router.replicas
+        ]  # fmt: skip
 
     # ------------------------------------------------------------------ route stream
 
-    def decide(
+    def route_request(
         self,
         *,
         path: str,
@@ -205,13 +202,9 @@ class Gateway:
         if parsed.history:
             self.unanswered.setdefault(conversation, {})[unique_id] = parsed.history
         self.metrics.decision(decision.trace.policy, decision.reason, time.perf_counter() - started)
-        key = (decision.replica, decision.reason, parsed.stream)
-        answer = self._answers.get(key)
-        if answer is None:
-            answer = self._answers[key] = self._route_answer(*key)
-        answer += self._predicted_header(decision.predicted_cached_tokens)
-        answer += _more_headers([header_option(REQUEST_ID, unique_id)])
-        return answer, True
+        answer = self.answers.route(decision.replica, decision.reason, parsed.stream, self._destination)
+        answer += self.answers.predicted_cached(decision.predicted_cached_tokens)
+        return answer + request_id_header(unique_id), True
 
     def _release_answered(self, conversation: str, answered: frozenset[int]) -> None:
         """Release the pending requests of ``conversation`` that this new body shows answered."""
@@ -412,72 +405,17 @@ class Gateway:
         self._sequence += 1
         return f"{self._id_prefix}{self._sequence:x}"
 
+    def _destination(self, replica: str) -> str:
+        """The pick's endpoint, then up to service.fallbacks healthy others (in name order
+        after it): where Envoy retries when the pick refuses."""
+        names = sorted(self.endpoints)
+        start = names.index(replica)
+        fallbacks = [n for n in names[start + 1 :] + names[:start] if n not in self.unhealthy]
+        return ",".join([self.endpoints[replica]] + [self.endpoints[n] for n in fallbacks[: self.settings.fallbacks]])
+
     def _remember_envoy_id(self, envoy_id: str, request_id: str) -> str:
         """Envoy's id for the request (bounded), mapped to ours until it ends. A client may
         reuse an id: the newest request holds it, an older one ends by its own id (or as lost)."""
         envoy_id = bounded(envoy_id)
         self.envoy_ids[envoy_id] = request_id
         return envoy_id
-
-    def _predicted_header(self, tokens: int) -> bytes:
-        """The serialized header carrying the predicted cached tokens, one per value seen."""
-        header = self._predicted_headers.get(tokens)
-        if header is None:
-            if len(self._predicted_headers) >= PREDICTED_HEADERS_KEPT:
-                self._predicted_headers.clear()
-            header = self._predicted_headers[tokens] = _more_headers([header_option(PREDICTED_CACHED, str(tokens))])
-        return header
-
-    def _route_answer(self, replica: str, reason: str, streamed: bool) -> bytes:
-        """Envoy's answer for a pick: destination (+ fallbacks) in header and metadata; a
-        streamed answer is marked to be observed (envoy.py routes on that header)."""
-        names = sorted(self.endpoints)
-        start = names.index(replica)
-        fallbacks = [n for n in names[start + 1 :] + names[:start] if n not in self.unhealthy]
-        endpoints = ",".join(
-            [self.endpoints[replica]] + [self.endpoints[n] for n in fallbacks[: self.settings.fallbacks]]
-        )
-        headers = [
-            header_option(DESTINATION, endpoints),
-            header_option(ROUTED_TO, replica),
-            header_option(ROUTE_REASON, reason),
-        ]
-        mutation = pb.HeaderMutation(set_headers=headers + ([header_option(OBSERVE, "1")] if streamed else []))
-        metadata = struct_pb2.Struct()
-        metadata.get_or_create_struct("envoy.lb")[DESTINATION] = endpoints
-        return pb.ProcessingResponse(
-            request_headers=pb.HeadersResponse(
-                response=pb.CommonResponse(header_mutation=mutation, clear_route_cache=True)
-            ),
-            dynamic_metadata=metadata,
-        ).SerializeToString()
-
-
-def header_option(name: str, value: str) -> base_pb2.HeaderValueOption:
-    return base_pb2.HeaderValueOption(
-        header=base_pb2.HeaderValue(key=name, raw_value=value.encode()),
-        append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
-    )
-
-
-def _more_headers(headers: list[base_pb2.HeaderValueOption]) -> bytes:
-    """A serialized ProcessingResponse that only sets headers; protobuf merges repeated fields
-    of concatenated messages, so cached answer + this = the answer with these headers added."""
-    return pb.ProcessingResponse(
-        request_headers=pb.HeadersResponse(
-            response=pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=headers))
-        )
-    ).SerializeToString()
-
-
-def immediate(status: int, message: str, **details: Any) -> bytes:
-    """Envoy answers the client itself with this status and a JSON error body."""
-    body = orjson.dumps({"error": message, **details})
-    return pb.ProcessingResponse(
-        immediate_response=pb.ImmediateResponse(
-            status=http_status_pb2.HttpStatus(code=status),
-            headers=pb.HeaderMutation(set_headers=[header_option("content-type", "application/json")]),
-            body=body,
-            details=f"llm_ring_{status}",
-        )
-    ).SerializeToString()

@@ -29,10 +29,10 @@ from grpc_health.v1.health import aio as health_aio
 from prometheus_client import start_http_server
 
 from extproc.discovery import make_discovery
+from extproc.envoy.contract import split_host_port, write_endpoints_file
 from extproc.routing import Router
 from extproc.service import admin_pb2_grpc
 from extproc.service.admin import AdminService
-from extproc.service.envoy import split_host_port, write_endpoints_file
 from extproc.service.gateway import Gateway
 from extproc.service.metrics import Metrics
 from extproc.service.offload import BodyParser
@@ -85,7 +85,7 @@ async def serve(settings: Settings) -> int:
     gateway = Gateway(Router(settings.routing), service, metrics)
     health = ReplicaHealth(gateway, service.health_probe_seconds)
     gateway.on_replica_failed = health.replica_failed
-    metrics.watch(gateway)
+    metrics.watch(gateway.replica_states)
 
     metrics_host, metrics_port = split_host_port(service.metrics_listen)
     metrics_server, _ = start_http_server(metrics_port, metrics_host, registry=metrics.registry)

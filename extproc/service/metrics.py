@@ -10,15 +10,12 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections import Counter
-from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
-
-if TYPE_CHECKING:
-    from extproc.service.gateway import Gateway
 
 # not_applied: Envoy never used the pick (fail-open after ext_proc's timeout) and served round robin
 OUTCOMES = ("ok", "failed_over", "failed", "abandoned", "not_applied")
@@ -31,6 +28,20 @@ ERRORS = (
 STREAMS = ("route", "observe", "access_log")
 DECISION_SECONDS = (25e-6, 50e-6, 100e-6, 200e-6, 400e-6, 800e-6, 1.6e-3, 3.2e-3, 6.4e-3, 0.0128)
 PREDICTION_ERROR = (-4096, -1024, -256, -64, -16, -1, 0, 1, 16, 64, 256, 1024, 4096)
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaState:
+    """One replica as the service sees it now (the gateway's replica_states)."""
+
+    name: str
+    address: str
+    healthy: bool  # False once a request failed there, until /health answers again
+    in_flight_requests: int
+    in_flight_tokens: int
+
+
+LiveState = Callable[[], Sequence[ReplicaState]]
 
 
 class Histogram:
@@ -67,7 +78,7 @@ class Metrics:
         self.released_by_next_turn = 0  # released when a later turn showed the answer (gateway.py)
         self.decision_seconds = Histogram(DECISION_SECONDS)
         self.prediction_error = Histogram(PREDICTION_ERROR)
-        self.gateway: Gateway | None = None  # its live state is read at scrape time (watch)
+        self.live_state: LiveState = tuple  # no replicas until watch() names the source
         self.registry.register(_Collector(self))
 
     def decision(self, policy: str, reason: str, seconds: float) -> None:
@@ -81,9 +92,9 @@ class Metrics:
         self.actual_prompt[replica] += prompt
         self.prediction_error.observe(cached - predicted)
 
-    def watch(self, gateway: Gateway) -> None:
-        """Expose the gateway's live state (in-flight load, health) at scrape time."""
-        self.gateway = gateway
+    def watch(self, live_state: LiveState) -> None:
+        """Expose the replicas' live state (in-flight load, health) at scrape time."""
+        self.live_state = live_state
 
 
 class _Collector(Collector):
@@ -131,8 +142,7 @@ class _Collector(Collector):
         yield m.prediction_error.family(
             "llm_ring_cached_tokens_prediction_error", "actual cache_n minus predicted cached tokens, per request"
         )
-        if m.gateway is not None:
-            yield from _live_state(m.gateway)
+        yield from _live_state(m.live_state())
 
 
 def _counter(
@@ -144,8 +154,7 @@ def _counter(
     return family
 
 
-def _live_state(gateway: Gateway) -> Iterator[Metric]:
-    ledger = gateway.router.ledger
+def _live_state(replicas: Sequence[ReplicaState]) -> Iterator[Metric]:
     requests = GaugeMetricFamily("llm_ring_in_flight_requests", "requests in flight per replica", labels=["replica"])
     tokens = GaugeMetricFamily("llm_ring_in_flight_tokens", "tokens charged in flight per replica", labels=["replica"])
     healthy = GaugeMetricFamily(
@@ -153,10 +162,10 @@ def _live_state(gateway: Gateway) -> Iterator[Metric]:
         "1 unless a request failed there and /health has not answered since",
         labels=["replica"],
     )
-    for name in gateway.router.replicas:
-        requests.add_metric([name], ledger.requests(name))
-        tokens.add_metric([name], ledger.tokens(name))
-        healthy.add_metric([name], 0 if name in gateway.unhealthy else 1)
+    for replica in replicas:
+        requests.add_metric([replica.name], replica.in_flight_requests)
+        tokens.add_metric([replica.name], replica.in_flight_tokens)
+        healthy.add_metric([replica.name], 1 if replica.healthy else 0)
     yield requests
     yield tokens
     yield healthy

@@ -17,9 +17,10 @@ from envoy.data.accesslog.v3 import accesslog_pb2
 from envoy.service.accesslog.v3 import als_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
+from extproc.envoy.contract import METADATA_NAMESPACE
+from extproc.service.answers import BODY_CONTINUE, immediate
 from extproc.service.bodies import timings_from_metadata
-from extproc.service.envoy import METADATA_NAMESPACE
-from extproc.service.gateway import Gateway, bounded, immediate
+from extproc.service.gateway import Gateway, bounded
 from extproc.service.offload import BodyParser
 from extproc.service.wire import M, decode_tolerant
 
@@ -28,7 +29,6 @@ SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 ACCESS_LOG_SERVICE = "envoy.service.accesslog.v3.AccessLogService"
 ATTRIBUTES = "envoy.filters.http.ext_proc"  # the key Envoy files CEL attributes under
 EMPTY_BODY = immediate(400, "empty body: expected a JSON object")
-BODY_CONTINUE = pb.ProcessingResponse(request_body=pb.BodyResponse()).SerializeToString()
 
 
 def handler(gateway: Gateway, parser: BodyParser | None = None) -> grpc.GenericRpcHandler:
@@ -145,7 +145,7 @@ class Processor:
         parsed = None
         if self.parser is not None and self.parser.takes(body):
             parsed = await self.parser.parse(path, content_type, body)
-        answer, routed = self.gateway.decide(
+        answer, routed = self.gateway.route_request(
             path=path,
             content_type=content_type,
             conversation_id=_text(attributes, "request.headers['x-conversation-id']"),

@@ -10,7 +10,7 @@ import asyncio
 
 import structlog
 
-from extproc.service.envoy import split_host_port
+from extproc.envoy.contract import split_host_port
 from extproc.service.gateway import Gateway
 
 log = structlog.get_logger("extproc.service.health")

@@ -1,4 +1,4 @@
-"""Simulated requests as rows of the live runs' schema (``extproc.experiments.records``)."""
+"""Simulated requests as rows of the live runs' schema (``extproc.records``)."""
 
 from __future__ import annotations
 

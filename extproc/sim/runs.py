@@ -9,9 +9,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from extproc.experiments.records import REQUESTS_FILE, RunMeta, write_records, write_run_metadata
-from extproc.experiments.run import ExperimentError
-from extproc.experiments.run import parse_policy as experiment_policy
+from extproc.policy_spec import ExperimentError
+from extproc.policy_spec import parse_policy as experiment_policy
+from extproc.records import REQUESTS_FILE, RunMeta, write_records, write_run_metadata
 from extproc.settings import RoutingSettings, SettingsError, parse_routing
 from extproc.sim.costmodel import CostModel, load_cost_model
 from extproc.sim.engine import ClosedLoop, Fleet, OpenLoop, Outcome, simulate

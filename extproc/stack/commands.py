@@ -7,10 +7,10 @@ import json
 import sys
 from typing import get_args
 
-from extproc.service.processes import StartError
 from extproc.settings import PolicyName
 from extproc.stack import models
 from extproc.stack.daemons import PortInUse
+from extproc.stack.processes import StartError
 from extproc.stack.replicas import ReplicaError
 from extproc.stack.stack import Stack, StackError, load_stack_settings, run_dir
 

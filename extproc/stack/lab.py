@@ -1,7 +1,9 @@
-"""The local stack as the experiment runner's Lab (extproc.experiments.lab.Lab).
+"""The local stack as the experiment runner's Lab (it has the methods of
+extproc.experiments.lab.Lab; the stack imports nothing of the experiments).
 
-``LocalLab.attach()`` drives a stack started by `llm-ring up` (found through its run dir);
-``LocalLab.start(...)`` starts one for the caller and stops it on close (demo, tests).
+``LocalLab.attach()`` drives a stack started by `llm-ring up` (found through its run dir;
+StackError when there is none); ``LocalLab.start(...)`` starts one for the caller and stops
+it on close (demo, tests).
 """
 
 from __future__ import annotations
@@ -9,9 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from extproc.experiments.lab import LabError
 from extproc.stack import models
-from extproc.stack.stack import Progress, Stack, StackError, StackSettings, run_dir
+from extproc.stack.stack import Progress, Stack, StackSettings, run_dir
 
 
 class LocalLab:
@@ -22,10 +23,7 @@ class LocalLab:
 
     @classmethod
     def attach(cls, run: str | Path | None = None, progress: Progress = print) -> LocalLab:
-        try:
-            return cls(Stack.find(run_dir(run)), progress=progress)
-        except StackError as exc:
-            raise LabError(str(exc)) from None
+        return cls(Stack.find(run_dir(run)), progress=progress)
 
     @classmethod
     def start(cls, settings: StackSettings, data: Path | None = None, run: Path | None = None,

@@ -27,6 +27,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Literal
 
+from extproc.files import write_atomically
 from extproc.stack.random_gguf import QWEN25_05B, TINY, Qwen2Shape, WeightType, write_random_qwen2
 
 DATA_ENV = "LLM_RING_DATA"
@@ -238,6 +239,4 @@ def _record(root: Path, prepared: PreparedModel) -> None:
     entries = {name: asdict(entry) for name, entry in manifest(root).items()}
     entries[prepared.name] = asdict(prepared)
     path = root / "models" / "manifest.json"
-    partial = path.with_suffix(".partial")
-    partial.write_text(json.dumps(entries, indent=2, sort_keys=True) + "\n")
-    os.replace(partial, path)
+    write_atomically(path, json.dumps(entries, indent=2, sort_keys=True) + "\n")

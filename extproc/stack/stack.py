@@ -23,15 +23,16 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import Field, ValidationError
 
-from extproc.service.processes import envoy_binary, grpc_serving, socket_name
+from extproc.files import write_atomically
+from extproc.settings import Strict
 from extproc.stack import models, replicas
 from extproc.stack.daemons import Daemon, check_ports_free, free_ports, http_ok, spawn, stop
+from extproc.stack.processes import ROUTER_REFERENCE, envoy_binary, grpc_serving, socket_name
 from extproc.stack.replicas import HOST, Replica, ReplicaSettings
 
 REFERENCE_SETTINGS = Path(__file__).with_name("stack.toml")
-ROUTER_REFERENCE = Path(__file__).parents[1] / "service" / "router.toml"
 RUN_ENV = "LLM_RING_RUN"
 Progress = Callable[[str], None]
 
@@ -42,11 +43,7 @@ class StackError(RuntimeError):
 
 # ---- settings (stack.toml) -------------------------------------------------------------
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class ReplicasSection(_Strict):
+class ReplicasSection(Strict):
     count: int = Field(ge=1, le=64)
     backend: replicas.Backend
     llama_server: str
@@ -58,7 +55,7 @@ class ReplicasSection(_Strict):
     health_timeout_seconds: float = Field(gt=0)
 
 
-class PortsSection(_Strict):
+class PortsSection(Strict):
     """0 = any free port (tests)."""
 
     gateway: int = Field(ge=0, lt=65536)
@@ -68,16 +65,16 @@ class PortsSection(_Strict):
     replica_base: int = Field(ge=0, lt=65536)
 
 
-class RouterSection(_Strict):
+class RouterSection(Strict):
     policy: str
     settings: str
 
 
-class CheckSection(_Strict):
+class CheckSection(Strict):
     profile: str
 
 
-class StackSettings(_Strict):
+class StackSettings(Strict):
     replicas: ReplicasSection
     ports: PortsSection
     router: RouterSection
@@ -351,7 +348,7 @@ class Stack:
 
     def save(self) -> None:
         path = Path(self.state.run_dir) / "state.json"
-        _write_atomically(path, json.dumps(asdict(self.state), indent=2) + "\n")
+        write_atomically(path, json.dumps(asdict(self.state), indent=2) + "\n")
 
     # -- internals
 
@@ -380,7 +377,7 @@ class Stack:
 
     def _write_replica_list(self) -> None:
         listing = {r.name: r.address for r in self.replica_list}
-        _write_atomically(Path(self.state.run_dir) / "replicas.json", json.dumps(listing, sort_keys=True) + "\n")
+        write_atomically(Path(self.state.run_dir) / "replicas.json", json.dumps(listing, sort_keys=True) + "\n")
 
     def _start_router(self, base_settings: str, progress: Progress) -> None:
         run = Path(self.state.run_dir)
@@ -407,7 +404,8 @@ class Stack:
         progress(f"routing service ({self.state.policy}) on {self.state.router_address}")
 
     def _start_envoy(self, progress: Progress) -> None:
-        from extproc.service.envoy import EndpointsFile, ext_proc_address, render_envoy_config
+        from extproc.envoy.config import render_envoy_config
+        from extproc.envoy.contract import EndpointsFile, ext_proc_address
         from extproc.settings import load_settings
 
         run = Path(self.state.run_dir)
@@ -418,7 +416,7 @@ class Stack:
             listen=self.state.gateway_url.removeprefix("http://"), admin=self.state.envoy_admin,
             ext_proc=ext_proc_address(self.state.router_address, service.ext_proc_socket),
             endpoints=EndpointsFile(str(endpoints)),
-            fail_open=service.fail_open, max_request_bytes=service.max_body_bytes,
+            fail_open=service.fail_open, max_request_bytes=service.max_body_bytes, retries=service.fallbacks,
         )
         (run / "envoy" / "envoy.yaml").write_text(config)
         envoy = self._spawn_envoy()
@@ -574,10 +572,3 @@ def _busy(address: str) -> bool:
             return any(slot.get("is_processing") for slot in json.loads(reply.read()))
     except OSError:
         return False
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    partial = path.with_name(f".{path.name}.partial")
-    partial.write_text(text)
-    os.replace(partial, path)
-

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from extproc.experiments.records import RunMeta, write_records, write_run_metadata
+from extproc.records import RunMeta, write_records, write_run_metadata
 
 T0 = 1_800_000_000.0
 

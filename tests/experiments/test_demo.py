@@ -1,4 +1,4 @@
-"""The demo's simulated half and its verdict (the live half is the runner, tested in tests/traffic)."""
+"""The demo's simulated half and its verdict (the live half is the runner, tested in test_run.py)."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@
   or semantic rules: those need `kubectl apply --dry-run=server`, see test_k8s_cluster.py);
 - the Pod Security "restricted" rules the namespace enforces, requests/limits, pinned images;
 - the router ConfigMap against the router's settings schema; the Envoy ConfigMap equals
-  the rendering of extproc.service.envoy and passes `envoy --mode validate`;
+  the rendering of extproc.envoy.config and passes `envoy --mode validate`;
 - the names that must agree across files (Service, port name, ConfigMaps, ports);
 - the router's ServiceAccount is refused everything but reading EndpointSlices
   (enforced by the fake API server from the committed Role/RoleBinding);
@@ -293,7 +293,7 @@ def test_the_replica_file_is_seeded_written_by_the_router_and_read_by_envoy():
 def test_envoy_starts_on_the_seeded_replica_file_with_the_pods_arguments(tmp_path: Path):
     """The seed container's command, then the local Envoy (the pod image's 1.40 release) with
     the envoy container's own arguments validating the config; only paths move to tmp_path."""
-    from extproc.service.processes import envoy_binary
+    from extproc.stack.processes import envoy_binary
 
     replica_dir = str(Path(parse_settings(router_settings_raw()).service.envoy_endpoints_file).parent)
     local_dir = tmp_path / "eds"

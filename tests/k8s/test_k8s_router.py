@@ -15,8 +15,8 @@ from fake_apiserver import Endpoint, endpoint_slice
 from k8s_support import NAMESPACE, ROUTER_TOKEN, find
 
 from extproc.service.admin_client import AdminClient
-from extproc.service.processes import free_port, grpc_serving, start_service
 from extproc.service.processor import SERVICE
+from extproc.stack.processes import free_port, grpc_serving, start_service
 
 pytestmark = pytest.mark.live
 

@@ -14,13 +14,7 @@ from typing import Any
 import httpx
 
 from extproc.service.admin_client import AdminClient
-from extproc.service.processes import (
-    Running,
-    free_port,
-    service_env,
-    start_gateway_envoy,
-    start_service,
-)
+from extproc.stack.processes import Running, free_port, service_env, start_gateway_envoy, start_service
 
 
 @dataclass

@@ -55,7 +55,7 @@ def test_an_edited_history_does_not_count_as_answered(messages: list[dict[str, s
 
 def chat(gateway, messages: list[dict[str, str]], conversation: str = "c-1") -> str:  # noqa: ANN001
     """Decide one chat request; the service's own id for it."""
-    _, routed = gateway.decide(
+    _, routed = gateway.route_request(
         path=CHAT,
         content_type="application/json",
         conversation_id=conversation,
@@ -72,7 +72,7 @@ USER1 = {"role": "user", "content": "first question"}
 
 def test_the_next_turn_releases_the_last_one_before_its_own_decision() -> None:
     gateway = make_gateway()
-    gateway.metrics.watch(gateway)
+    gateway.metrics.watch(gateway.replica_states)
     with capture_logs() as logs:
         t1 = chat(gateway, [USER1])
         endpoint = gateway.pending[t1].endpoint

@@ -5,20 +5,21 @@ from __future__ import annotations
 import json
 import subprocess
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
-from extproc.service.envoy import (
+from extproc.envoy.config import render_envoy_config
+from extproc.envoy.contract import (
     DESTINATION,
     DnsEndpoints,
     EndpointsFile,
     ext_proc_address,
-    render_envoy_config,
     split_host_port,
     write_endpoints_file,
 )
-from extproc.service.processes import envoy_binary
-from extproc.settings import Settings
+from extproc.settings import Settings, load_settings
+from extproc.stack.processes import envoy_binary
 
 
 def render(tmp_path: Path, **overrides: object) -> str:
@@ -29,6 +30,7 @@ def render(tmp_path: Path, **overrides: object) -> str:
         "endpoints": EndpointsFile(str(tmp_path / "replicas.json")),
         "fail_open": True,
         "max_request_bytes": 1 << 20,
+        "retries": 2,
     }
     return render_envoy_config(**(arguments | overrides))
 
@@ -83,6 +85,35 @@ def test_client_routing_headers_are_stripped_before_ext_proc(tmp_path: Path) -> 
     ][0]["typed_config"]["http_filters"][2]["typed_config"]["failure_mode_allow"]
 
 
+@pytest.mark.parametrize("fallbacks", [0, 5])
+def test_every_replica_route_retries_service_fallbacks_times(tmp_path: Path, fallbacks: int) -> None:
+    assert _num_retries(json.loads(render(tmp_path, retries=fallbacks))) == {fallbacks}
+
+
+def test_the_bench_and_test_gateway_retry_service_fallbacks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """start_gateway_envoy renders what the service behind it uses: service.fallbacks of the
+    reference settings unless told otherwise."""
+    import extproc.stack.processes as processes
+
+    rendered: list[dict] = []
+
+    def start_envoy(config: str, *_: object, **__: object) -> SimpleNamespace:
+        rendered.append(json.loads(config))
+        return SimpleNamespace()
+
+    monkeypatch.setattr(processes, "start_envoy", start_envoy)
+    processes.start_gateway_envoy(tmp_path, None, tmp_path / "replicas.json", fail_open=True)
+    processes.start_gateway_envoy(tmp_path, None, tmp_path / "replicas.json", fail_open=True, fallbacks=7)
+    reference = load_settings(processes.ROUTER_REFERENCE).service.fallbacks
+    assert [_num_retries(config) for config in rendered] == [{reference}, {7}]
+
+
+def _num_retries(config: dict) -> set[int]:
+    manager = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    routes = manager["route_config"]["virtual_hosts"][0]["routes"]
+    return {r["route"]["retry_policy"]["num_retries"] for r in routes if "route" in r}
+
+
 def test_endpoints_file_is_replaced_atomically(tmp_path: Path) -> None:
     path = tmp_path / "replicas.json"
     write_endpoints_file(path, {"llm-1": "127.0.0.1:2", "llm-0": "127.0.0.1:1"})
@@ -101,10 +132,10 @@ def test_split_host_port() -> None:
 
 
 def test_the_example_in_envoy_dir_is_the_current_rendering() -> None:
-    from extproc.service.envoy import example
+    from extproc.envoy.config import example
 
     committed = Path(__file__).parents[2] / "envoy" / "envoy.example.yaml"
-    assert committed.read_text() == example(), "regenerate: python -m extproc.service.envoy"
+    assert committed.read_text() == example(), "regenerate: python -m extproc.envoy.config"
 
 
 def test_admin_stubs_match_the_proto(tmp_path: Path) -> None:

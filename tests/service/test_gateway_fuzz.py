@@ -28,8 +28,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from extproc.service.processes import Running, free_port, start_stub_upstream, static_discovery
-from extproc.service.stub_upstream import RESPONSE, request_end
+from extproc.bench.stub_upstream import RESPONSE, request_end
+from extproc.bench.stubs import start_stub_upstream
+from extproc.stack.processes import Running, free_port, static_discovery
 from tests.service.gateway_support import Gateway, chat, gateway
 
 pytestmark = pytest.mark.live

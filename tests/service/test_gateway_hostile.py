@@ -43,7 +43,7 @@ def make_gateway() -> Gateway:
 def decide(
     gateway: Gateway, body: Any, request_id: str = "client-id", conversation_id: str = "c"
 ) -> tuple[bytes, bool]:
-    return gateway.decide(
+    return gateway.route_request(
         path=CHAT,
         content_type="application/json",
         conversation_id=conversation_id,
@@ -253,7 +253,7 @@ def test_large_bodies_are_parsed_in_the_worker_with_the_same_result() -> None:
 def test_the_gateway_decides_on_a_result_parsed_elsewhere() -> None:
     gateway = make_gateway()
     refusal = BadRequest(413, "'messages': too many")
-    answer, routed = gateway.decide(path=CHAT, content_type="", conversation_id="", turn="", request_id="r",
+    answer, routed = gateway.route_request(path=CHAT, content_type="", conversation_id="", turn="", request_id="r",
                                     body=b"never parsed here", parsed_elsewhere=refusal)  # fmt: skip
     assert not routed and immediate_status(answer) == (413, {"error": "'messages': too many"})
 
@@ -300,7 +300,7 @@ def test_a_bug_of_ours_fails_open_with_one_bounded_line_and_a_count() -> None:
             self.aborted = code
 
     gateway = make_gateway()
-    gateway.decide = lambda **_: (_ for _ in ()).throw(KeyError("x" * 10_000))  # type: ignore[method-assign]
+    gateway.route_request = lambda **_: (_ for _ in ()).throw(KeyError("x" * 10_000))  # type: ignore[method-assign]
     headers = pb.ProcessingRequest(request_headers=pb.HttpHeaders())
     body = pb.ProcessingRequest(request_body=pb.HttpBody(body=orjson.dumps(chat()), end_of_stream=True))
     context = Context([headers, body])

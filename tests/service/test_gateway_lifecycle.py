@@ -36,7 +36,7 @@ def make_gateway(grace_ms: int = 200) -> Gateway:
 def decide(gateway: Gateway, request_id: str, stream: bool = False) -> tuple[str, str]:
     """(the service's own id for the request, the pick's endpoint)."""
     body = orjson.dumps({"messages": [{"role": "user", "content": "hello"}], "max_tokens": 8, "stream": stream})
-    gateway.decide(
+    gateway.route_request(
         path="/v1/chat/completions",
         content_type="application/json",
         conversation_id="c-1",
@@ -131,7 +131,7 @@ def test_a_streamed_answer_whose_end_is_not_observed_is_released_after_the_grace
 
 def test_metrics_count_what_happened() -> None:
     gateway = make_gateway()
-    gateway.metrics.watch(gateway)
+    gateway.metrics.watch(gateway.replica_states)
     with capture_logs() as logs:
         r1, endpoint = decide(gateway, "envoy-r1")
         scraped = samples(gateway)
@@ -139,7 +139,7 @@ def test_metrics_count_what_happened() -> None:
         gateway.access_logged(r1, 200, endpoint, cut_off=False, timings=TIMINGS)
         r2, _ = decide(gateway, "envoy-r2")
         gateway.access_logged(r2, 200, endpoint, cut_off=True, timings=None)
-        gateway.decide(path="/v1/chat/completions", content_type="application/json", conversation_id="", turn="",
+        gateway.route_request(path="/v1/chat/completions", content_type="application/json", conversation_id="", turn="",
                        request_id="r3", body=b"{not json")  # fmt: skip
     first = decisions(logs)[0]
     scraped = samples(gateway)

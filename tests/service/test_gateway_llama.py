@@ -15,10 +15,10 @@ import openai
 import pytest
 
 from extproc.routing import REASONS
-from extproc.service.processes import free_port
 from extproc.stack import replicas as stack_replicas
 from extproc.stack.daemons import stop
 from extproc.stack.models import smollm2_gguf
+from extproc.stack.processes import free_port
 from tests.service.gateway_support import Gateway, gateway
 
 pytestmark = pytest.mark.live

@@ -14,9 +14,10 @@ from typing import Any
 import httpx
 import pytest
 
+from extproc.bench.stubs import start_stub_upstream
+from extproc.envoy.contract import write_endpoints_file
 from extproc.routing import REASONS
-from extproc.service.envoy import write_endpoints_file
-from extproc.service.processes import (
+from extproc.stack.processes import (
     Running,
     StartError,
     free_port,
@@ -24,7 +25,6 @@ from extproc.service.processes import (
     socket_name,
     start_gateway_envoy,
     start_service,
-    start_stub_upstream,
     static_discovery,
 )
 from tests.service.gateway_support import Gateway, chat, gateway, post

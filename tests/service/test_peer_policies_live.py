@@ -9,9 +9,10 @@ from typing import Any
 
 import pytest
 
+from extproc.bench.stubs import start_stub_upstream
 from extproc.routing import REASONS
 from extproc.service.admin_client import AdminClient
-from extproc.service.processes import free_port, start_stub_upstream, static_discovery
+from extproc.stack.processes import free_port, static_discovery
 from tests.service.gateway_support import Gateway, gateway, post
 
 pytestmark = pytest.mark.live

@@ -45,7 +45,7 @@ def test_the_gateway_hashes_blocks_only_for_a_policy_that_needs_them(policy: str
     gateway = Gateway(Router(routing), SETTINGS.service, Metrics())
     gateway.set_replicas({"llm-0": "127.0.0.1:9000", "llm-1": "127.0.0.1:9001"})
     body = chat(("user", "hello there, " * 20))
-    _, routed = gateway.decide(path=CHAT, content_type="application/json", conversation_id="", turn="1",
+    _, routed = gateway.route_request(path=CHAT, content_type="application/json", conversation_id="", turn="1",
                                request_id="r1", body=body)
     assert routed
     (pending,) = gateway.pending.values()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from extproc.cli import main
-from extproc.experiments.records import read_records
+from extproc.records import read_records
 from tests.sim.test_mooncake import write
 
 

@@ -40,7 +40,7 @@ def test_unknown_keys_are_refused() -> None:
 
 
 def test_environment_overrides_the_file(tmp_path: Path) -> None:
-    reference = Path(__file__).parents[2] / "extproc" / "service" / "router.toml"
+    reference = Path(__file__).parents[1] / "extproc" / "service" / "router.toml"
     if not reference.exists():
         pytest.skip("reference router.toml not written yet")
     settings = load_settings(reference, environ={"LLM_RING__ROUTING__EPSILON": "0.5",
@@ -55,3 +55,14 @@ def test_missing_file_and_bad_toml_are_clear(tmp_path: Path) -> None:
     bad.write_text("[routing\n")
     with pytest.raises(SettingsError, match=re.escape(str(bad)) + ": not valid TOML"):
         load_settings(bad)
+
+
+def test_the_policy_setting_accepts_exactly_the_registered_policies() -> None:
+    """PolicyName (settings.py) repeats the registry's names (routing/policies/__init__.py):
+    the settings cannot import the core that imports them, so this keeps the two equal."""
+    from typing import get_args
+
+    from extproc.routing import POLICIES
+    from extproc.settings import PolicyName
+
+    assert list(get_args(PolicyName)) == list(POLICIES)

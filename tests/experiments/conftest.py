@@ -1,4 +1,4 @@
-"""A real llama.cpp replica (xllamacpp + SmolLM2) for the live traffic tests."""
+"""A real llama.cpp replica (xllamacpp + SmolLM2) for the live runner tests."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from traffic.labs import free_port
+from experiments.labs import free_port
 
 SERVER = """
 import sys, time, xllamacpp

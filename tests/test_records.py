@@ -2,7 +2,7 @@ from datetime import UTC, datetime
 
 import pytest
 
-from extproc.experiments.records import (
+from extproc.records import (
     JOURNAL_FILE,
     REQUESTS_FILE,
     RecordError,

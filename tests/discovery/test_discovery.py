@@ -13,8 +13,9 @@ import pytest
 
 from extproc.discovery import ReplicaListError, checked_replicas, make_discovery
 from extproc.discovery.file import FileDiscovery
-from extproc.service.processes import REFERENCE_SETTINGS, free_port, service_env, static_discovery
+from extproc.files import write_atomically
 from extproc.settings import DiscoverySettings
+from extproc.stack.processes import ROUTER_REFERENCE, free_port, service_env, static_discovery
 
 
 def settings(**overrides: object) -> DiscoverySettings:
@@ -58,9 +59,7 @@ def test_file_discovery_follows_atomic_rewrites_and_keeps_the_last_good_list(tmp
     path = tmp_path / "replicas.json"
 
     def write(content: str) -> None:
-        tmp = tmp_path / "tmp"
-        tmp.write_text(content)
-        os.replace(tmp, path)
+        write_atomically(path, content)
 
     async def scenario() -> list[dict[str, str]]:
         seen: list[dict[str, str]] = []
@@ -98,7 +97,7 @@ def test_the_service_exits_non_zero_when_discovery_fails(tmp_path: Path) -> None
     """A supervisor (Kubernetes, the stack) must see that the service gave up."""
     discovery = static_discovery({"llm-0": "not-an-ip:80"})
     env = {**os.environ, **service_env(f"127.0.0.1:{free_port()}", tmp_path / "eds" / "replicas.json", discovery)}
-    command = [sys.executable, "-m", "extproc.cli", "serve", "--config", str(REFERENCE_SETTINGS)]
+    command = [sys.executable, "-m", "extproc.cli", "serve", "--config", str(ROUTER_REFERENCE)]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=30)
     assert result.returncode == 1, result.stdout + result.stderr
     events = [json.loads(line)["event"] for line in result.stdout.splitlines() if line.startswith("{")]

@@ -3,7 +3,7 @@
 It answers every request at once with a small fixed JSON body carrying llama.cpp-style
 `timings`, so what a benchmark measures is the gateway, not a model. Raw asyncio (no web
 framework): on 2 shared cores the stub must cost far less than what it measures.
-Run: python -m extproc.service.stub_upstream PORT [PORT ...]
+Run: python -m extproc.bench.stub_upstream PORT [PORT ...]
 """
 
 from __future__ import annotations

@@ -10,9 +10,9 @@ import time
 
 import httpx
 
+from experiments.labs import free_port
+from experiments.test_run import TINY
 from extproc.experiments.run import LOCUSTFILE
-from traffic.labs import free_port
-from traffic.test_run import TINY
 
 
 def _locust(cwd, host, *extra):
@@ -24,7 +24,7 @@ def _locust(cwd, host, *extra):
 def test_records_are_written_only_to_records_dir(tmp_path):
     (tmp_path / "tiny.json").write_text(json.dumps(dataclasses.asdict(TINY)))
     port = free_port()
-    stub = subprocess.Popen([sys.executable, "-m", "extproc.service.stub_upstream", str(port)])
+    stub = subprocess.Popen([sys.executable, "-m", "extproc.bench.stub_upstream", str(port)])
     try:
         deadline = time.monotonic() + 30
         while True:

@@ -27,64 +27,38 @@ service set (``%REQ(..)%``), so the response needs no round trip to the service 
 from __future__ import annotations
 
 import json
-import os
-import tempfile
-from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from extproc.service.bodies import RESPONSE_METADATA
+from extproc.envoy.contract import (
+    CLUSTER,
+    DESTINATION,
+    DOWNSTREAM_IDLE_TIMEOUT_S,
+    EXT_PROC_CLUSTER,
+    MAX_DOWNSTREAM_CONNECTIONS,
+    METADATA_NAMESPACE,
+    OBSERVE,
+    PREDICTED_CACHED,
+    REQUEST_ATTRIBUTES,
+    REQUEST_HEADERS_TIMEOUT_S,
+    REQUEST_ID,
+    REQUEST_TIMEOUT_S,
+    RESPONSE_ATTRIBUTES,
+    RESPONSE_METADATA,
+    ROUTE_REASON,
+    ROUTED_PATHS,
+    ROUTED_TO,
+    SERVED,
+    STREAM_IDLE_TIMEOUT_S,
+    STREAMED_CLUSTER,
+    UPSTREAM_IDLE_TIMEOUT_S,
+    Endpoints,
+    EndpointsFile,
+    socket_address,
+    split_host_port,
+)
 
-DESTINATION = "x-gateway-destination-endpoint"
-SERVED = "x-gateway-destination-endpoint-served"
-ROUTED_TO = "x-routed-to"
-ROUTE_REASON = "x-route-reason"
-PREDICTED_CACHED = "x-route-predicted-cached-tokens"  # the router's guess, compared with cache_n
-REQUEST_ID = "x-request-id"
-OBSERVE = "x-llm-ring-observe"  # set by the service on streamed requests: observe the answer
-ROUTED_PATHS = ("/v1/chat/completions", "/v1/completions", "/completion")
-CLUSTER = "replicas"  # whole JSON answers: keep-alive connections
-STREAMED_CLUSTER = "replicas-streamed"  # the same replicas, one connection per streamed answer
-EXT_PROC_CLUSTER = "ext_proc"
-METADATA_NAMESPACE = "llm-ring"  # where the timings of a JSON answer land (json_to_metadata)
 _T = "type.googleapis.com/"
-# Envoy ends a request that shows no activity (bytes either way) for this long; the service
-# takes a request whose access log entry is this late twice over as lost (gateway.release_lost).
-STREAM_IDLE_TIMEOUT_S = 300
-# Connections to a replica idle this long are closed by Envoy: below the 5 s after which
-# llama.cpp's HTTP server (cpp-httplib, CPPHTTPLIB_KEEPALIVE_TIMEOUT_SECOND) closes them
-# itself. Without it Envoy may reuse a connection the replica is closing: 503 "upstream
-# connection termination" (measured: 1 request in 60 after 5.0 s idle gaps, none at 4.5 s).
-UPSTREAM_IDLE_TIMEOUT_S = 4
-# A client has this long to send its request headers, and this long for the whole request
-# (the body is buffered before the pick: an upload held open holds a buffer of up to
-# max_request_bytes). The timer stops once the request is sent upstream: generations,
-# however long, are not cut (stream_idle_timeout covers a silent one).
-REQUEST_HEADERS_TIMEOUT_S = 10
-REQUEST_TIMEOUT_S = 30
-# A client connection with no request in flight is closed after this long (Envoy's default: 1 h).
-DOWNSTREAM_IDLE_TIMEOUT_S = 60
-# Open client connections, all listeners together (Envoy's overload manager): past it Envoy
-# accepts no more, so held connections cannot exhaust its memory or file descriptors.
-MAX_DOWNSTREAM_CONNECTIONS = 8192
-
-
-@dataclass(frozen=True)
-class EndpointsFile:
-    """Replica endpoints from a file Envoy watches (local stack); see write_endpoints_file."""
-
-    path: str
-
-
-@dataclass(frozen=True)
-class DnsEndpoints:
-    """Replica endpoints from DNS, e.g. a headless Service "llm.llm-ring.svc.cluster.local:8080"."""
-
-    address: str
-
-
-Endpoints = EndpointsFile | DnsEndpoints
 
 
 def render_envoy_config(
@@ -95,9 +69,9 @@ def render_envoy_config(
     endpoints: Endpoints,
     fail_open: bool,
     max_request_bytes: int,
+    retries: int,
     ext_proc_timeout_ms: int = 2000,
     connect_timeout_ms: int = 1000,
-    retries: int = 2,
     stream_idle_timeout_s: int = STREAM_IDLE_TIMEOUT_S,
 ) -> str:
     """Envoy bootstrap as JSON text (JSON is YAML: save it as envoy.yaml or envoy.json).
@@ -107,6 +81,7 @@ def render_envoy_config(
     ext_proc=None renders the same proxy without the routing service (the benchmark's baseline).
     fail_open: when the routing service is unreachable, serve round robin (True) or 500 (False).
     max_request_bytes: the service's service.max_body_bytes: larger bodies get 413 from Envoy.
+    retries: the service's service.fallbacks: Envoy tries that many endpoints after the pick.
     stream_idle_timeout_s: a request with no bytes either way for this long gets 504 (the tests
     shorten it to drill a replica that never answers; the service's lost-entry sweep assumes
     STREAM_IDLE_TIMEOUT_S).
@@ -116,13 +91,13 @@ def render_envoy_config(
     config = {
         # File-based EDS needs a node identity.
         "node": {"id": "llm-ring-gateway", "cluster": "llm-ring"},
-        "admin": {"address": _socket(admin_host, admin_port)},
+        "admin": {"address": socket_address(admin_host, admin_port)},
         "overload_manager": _connection_limit(),
         "static_resources": {
             "listeners": [
                 {
                     "name": "gateway",
-                    "address": _socket(listen_host, listen_port),
+                    "address": socket_address(listen_host, listen_port),
                     # The buffered body must fit: larger ones get Envoy's 413 (as JSON, below).
                     "per_connection_buffer_limit_bytes": max_request_bytes,
                     "filter_chains": [
@@ -160,52 +135,6 @@ def _connection_limit() -> dict[str, Any]:
             }
         ]
     }
-
-
-def ext_proc_address(listen: str, socket: str) -> str:
-    """Where Envoy reaches the service: its abstract unix socket ("@name") when it has one
-    (service.ext_proc_socket), else its TCP address (service.listen)."""
-    return f"@{socket}" if socket else listen
-
-
-def write_endpoints_file(path: str | Path, replicas: Mapping[str, str]) -> None:
-    """Write the replica set as an EDS file Envoy picks up (atomically: tmp + rename)."""
-    path = Path(path)
-    lb_endpoints = []
-    for name in sorted(replicas):
-        host, port = split_host_port(replicas[name])
-        lb_endpoints.append(
-            {
-                "endpoint": {"address": _socket(host, port), "hostname": name},
-                "metadata": {"filter_metadata": {"llm-ring": {"replica": name}}},
-            }
-        )
-    document = {
-        "version_info": str(len(lb_endpoints)),
-        "resources": [
-            {
-                "@type": _T + "envoy.config.endpoint.v3.ClusterLoadAssignment",
-                "cluster_name": CLUSTER,
-                "endpoints": [{"lb_endpoints": lb_endpoints}],
-            }
-        ],
-    }
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".eds-", suffix=".json")
-    with os.fdopen(fd, "w") as out:
-        json.dump(document, out)
-    os.chmod(tmp, 0o644)  # mkstemp makes it 0600: Envoy may run as another user (Kubernetes)
-    os.replace(tmp, path)
-
-
-def split_host_port(address: str) -> tuple[str, int]:
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise ValueError(f"expected host:port, got {address!r}")
-    return host.strip("[]"), int(port)
-
-
-def _socket(host: str, port: int) -> dict[str, Any]:
-    return {"socket_address": {"address": host, "port_value": port}}
 
 
 def _http_connection_manager(
@@ -279,17 +208,6 @@ def _strip_client_routing_headers() -> dict[str, Any]:
             },
         },
     }
-
-
-# What the service reads, sent as CEL attributes with the first message of each side.
-REQUEST_ATTRIBUTES = (
-    "request.url_path",
-    "request.id",
-    "request.headers['content-type']",
-    "request.headers['x-conversation-id']",
-    "request.headers['x-turn']",
-)
-RESPONSE_ATTRIBUTES = ("request.id", "response.code", "upstream.address")
 
 
 def _ext_proc_filter(name: str, fail_open: bool, timeout_ms: int, observe: bool) -> dict[str, Any]:
@@ -532,7 +450,7 @@ def _replicas_cluster(
         cluster["dns_refresh_rate"] = "2s"
         cluster["load_assignment"] = {
             "cluster_name": name,
-            "endpoints": [{"lb_endpoints": [{"endpoint": {"address": _socket(host, port)}}]}],
+            "endpoints": [{"lb_endpoints": [{"endpoint": {"address": socket_address(host, port)}}]}],
         }
     return cluster
 
@@ -545,7 +463,7 @@ def _ext_proc_cluster(address: str, connect_timeout_ms: int) -> dict[str, Any]:
         kind, endpoint = "STATIC", {"pipe": {"path": address}}
     else:
         host, port = split_host_port(address)
-        kind, endpoint = "STRICT_DNS", _socket(host, port)
+        kind, endpoint = "STRICT_DNS", socket_address(host, port)
     return {
         "name": EXT_PROC_CLUSTER,
         "type": kind,
@@ -570,12 +488,13 @@ EXAMPLE_ARGUMENTS: dict[str, Any] = {
     "endpoints": EndpointsFile(".llm-ring/envoy/replicas.json"),
     "fail_open": True,
     "max_request_bytes": 4194304,
+    "retries": 2,
 }
 
 
 def example() -> str:
     """envoy/envoy.example.yaml: the rendering for router.toml's addresses, for reading."""
-    header = "# GENERATED by `python -m extproc.service.envoy` from extproc/service/envoy.py: do not edit.\n"
+    header = "# GENERATED by `python -m extproc.envoy.config` from extproc/envoy/config.py: do not edit.\n"
     return header + render_envoy_config(**EXAMPLE_ARGUMENTS)
 
 

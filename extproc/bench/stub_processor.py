@@ -4,7 +4,7 @@ It answers like `llm-ring serve` (reads the headers and the body, answers the he
 one fixed pick, lets the body pass, which ends the stream; observer streams and access log
 streams read to the end) but routes nothing, logs nothing and counts nothing: Envoy + this =
 what Envoy + Python grpc.aio cost.
-Run: python -m extproc.service.stub_processor PORT ENDPOINT [SOCKET]  (SOCKET: also listen on
+Run: python -m extproc.bench.stub_processor PORT ENDPOINT [SOCKET]  (SOCKET: also listen on
 that abstract unix socket, as `llm-ring serve` does on service.ext_proc_socket)
 """
 
@@ -17,33 +17,13 @@ from typing import Any
 import grpc
 from envoy.service.accesslog.v3 import als_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
-from google.protobuf import struct_pb2
 
-from extproc.service.envoy import DESTINATION, ROUTE_REASON, ROUTED_TO
-from extproc.service.gateway import header_option
-from extproc.service.processor import ACCESS_LOG_SERVICE, BODY_CONTINUE, SERVICE
-
-
-def answer(endpoint: str) -> bytes:
-    metadata = struct_pb2.Struct()
-    metadata.get_or_create_struct("envoy.lb")[DESTINATION] = endpoint
-    mutation = pb.HeaderMutation(
-        set_headers=[
-            header_option(DESTINATION, endpoint),
-            header_option(ROUTED_TO, "stub"),
-            header_option(ROUTE_REASON, "home"),
-        ]
-    )
-    return pb.ProcessingResponse(
-        request_headers=pb.HeadersResponse(
-            response=pb.CommonResponse(header_mutation=mutation, clear_route_cache=True)
-        ),
-        dynamic_metadata=metadata,
-    ).SerializeToString()
+from extproc.service.answers import BODY_CONTINUE, route_answer
+from extproc.service.processor import ACCESS_LOG_SERVICE, SERVICE
 
 
 async def serve(port: int, endpoint: str, socket: str = "") -> None:
-    pick = answer(endpoint)
+    pick = route_answer(endpoint, "stub", "home", streamed=False)
 
     async def process(_requests: Any, context: grpc.aio.ServicerContext) -> None:
         message = await context.read()

@@ -8,18 +8,14 @@ from pathlib import Path
 
 import pytest
 
+from experiments.labs import DirectLab, free_port
 from extproc.analysis.metrics import connect, per_run
 from extproc.cli_input import UsageError
 from extproc.experiments.lab import Lab
-from extproc.experiments.records import read_records, read_run_metadata
-from extproc.experiments.run import (
-    ExperimentError,
-    parse_policy,
-    run_experiment,
-    run_order,
-)
+from extproc.experiments.run import run_experiment, run_order
+from extproc.policy_spec import ExperimentError
+from extproc.records import read_records, read_run_metadata
 from extproc.traffic import generate_conversations, load_profile
-from traffic.labs import DirectLab, free_port
 
 TINY = replace(
     load_profile("quick"), name="tiny", concurrency=2, conversations=2, turns=(2, 2),
@@ -29,18 +25,6 @@ TINY = replace(
 
 def test_order_alternates_between_seeds():
     assert run_order(["a", "b"], [1, 2, 3]) == [("a", 1), ("b", 1), ("b", 2), ("a", 2), ("a", 3), ("b", 3)]
-
-
-def test_policy_specs_with_knobs():
-    assert parse_policy("llm-aware").routing == {"policy": "llm-aware"}
-    spec = parse_policy("bounded:load_unit=tokens,epsilon=0.5")
-    assert spec.routing == {"policy": "bounded", "load_unit": "tokens", "epsilon": 0.5}
-    with pytest.raises(ExperimentError, match="unknown policy 'best'"):
-        parse_policy("best")
-    with pytest.raises(ExperimentError, match="unknown setting colour .valid: virtual_nodes, hash_seed"):
-        parse_policy("bounded:colour=red")
-    with pytest.raises(ExperimentError, match="'epsilon' is not <routing setting>=<value>"):
-        parse_policy("bounded:epsilon")
 
 
 def test_existing_out_dir_is_refused(tmp_path):
@@ -92,7 +76,7 @@ def test_interrupted_run_keeps_its_rows(replica, tmp_path):
     slow = replace(TINY, conversations=4, turns=(4, 4), think_time_s=(0.5, 0.5))
     (tmp_path / "p.json").write_text(json.dumps({**slow.__dict__, "turns": [4, 4]}))
     script = (
-        "import sys; sys.path.insert(0, sys.argv[3]); from traffic.labs import DirectLab; "
+        "import sys; sys.path.insert(0, sys.argv[3]); from experiments.labs import DirectLab; "
         "from extproc.experiments.run import run_experiment, ExperimentInterrupted; "
         "from extproc.traffic import load_profile\n"
         "try: run_experiment(DirectLab(sys.argv[1]), load_profile(sys.argv[2]), ['bounded'], [1], "

@@ -16,7 +16,6 @@ Column meanings (timings come from llama.cpp's ``timings`` object):
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
@@ -25,6 +24,8 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from extproc.files import write_atomically
 
 REQUESTS_FILE = "requests.parquet"
 JOURNAL_FILE = "requests.jsonl"  # rows appended as they happen; survives an interrupted run
@@ -69,9 +70,9 @@ def write_records(rows: Iterable[Mapping[str, Any]], path: str | Path) -> int:
     table = records_table(rows)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    pq.write_table(table, tmp)
-    os.replace(tmp, path)
+    parquet = pa.BufferOutputStream()
+    pq.write_table(table, parquet)
+    write_atomically(path, parquet.getvalue().to_pybytes())
     return table.num_rows
 
 
@@ -170,10 +171,7 @@ class RunMeta:
 def write_run_metadata(meta: RunMeta, run_dir: str | Path) -> Path:
     path = Path(run_dir) / RUN_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(asdict(meta), indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
-    return path
+    return write_atomically(path, json.dumps(asdict(meta), indent=2, sort_keys=True) + "\n")
 
 
 def read_run_metadata(run_dir: str | Path) -> RunMeta:

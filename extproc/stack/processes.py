@@ -1,6 +1,7 @@
-"""Starting and stopping the gateway's processes: Envoy, the routing service, a stub upstream.
+"""Starting and stopping the gateway's processes: Envoy and the routing service (the
+benchmark's stubs start through the same helpers, extproc.bench.stub_*).
 
-Used by `llm-ring bench gateway`, the tests and the local stack. Every start waits until the
+Used by the local stack, `llm-ring bench gateway` and the tests. Every start waits until the
 process answers (Envoy's admin /ready, gRPC health, a TCP accept) and every stop kills what
 it started, so nothing outlives its caller.
 """
@@ -15,7 +16,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
@@ -23,15 +24,11 @@ from typing import IO
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from extproc.service.envoy import (
-    STREAM_IDLE_TIMEOUT_S,
-    EndpointsFile,
-    ext_proc_address,
-    render_envoy_config,
-    split_host_port,
-)
+from extproc.envoy.config import render_envoy_config
+from extproc.envoy.contract import STREAM_IDLE_TIMEOUT_S, EndpointsFile, ext_proc_address, split_host_port
+from extproc.settings import load_settings
 
-REFERENCE_SETTINGS = Path(__file__).with_name("router.toml")
+ROUTER_REFERENCE = Path(__file__).parents[1] / "service" / "router.toml"  # the reference settings
 
 
 class StartError(RuntimeError):
@@ -90,17 +87,23 @@ def start_envoy(config: str, workdir: Path, admin: str, concurrency: int = 2, lo
         log_level,
         "--disable-hot-restart",  # several Envoys side by side, no shared memory
     ]
-    running = _spawn("envoy", command, workdir / "envoy.log")
-    _wait(running, lambda: _http_ok(f"http://{admin}/ready"), 20.0)
+    running = spawn_child("envoy", command, workdir / "envoy.log")
+    wait_until_ready(running, lambda: _http_ok(f"http://{admin}/ready"), 20.0)
     running.address = admin
     return running
 
 
 def start_gateway_envoy(
-    workdir: Path, ext_proc: str | None, endpoints_file: Path, fail_open: bool, concurrency: int = 2,
+    workdir: Path,
+    ext_proc: str | None,
+    endpoints_file: Path,
+    fail_open: bool,
+    concurrency: int = 2,
+    fallbacks: int | None = None,
     stream_idle_timeout_s: int = STREAM_IDLE_TIMEOUT_S,
 ) -> Running:
-    """Envoy with the gateway configuration (render_envoy_config) on free loopback ports."""
+    """Envoy with the gateway configuration (render_envoy_config) on free loopback ports.
+    fallbacks: service.fallbacks of the service behind it (None: the reference settings')."""
     listen, admin = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
     config = render_envoy_config(
         listen=listen,
@@ -109,6 +112,8 @@ def start_gateway_envoy(
         endpoints=EndpointsFile(str(endpoints_file)),
         fail_open=fail_open,
         max_request_bytes=4 << 20,
+        retries=load_settings(ROUTER_REFERENCE).service.fallbacks if fallbacks is None else fallbacks,
+
         stream_idle_timeout_s=stream_idle_timeout_s,
     )
     running = start_envoy(config, workdir, admin, concurrency)
@@ -139,37 +144,17 @@ def static_discovery(replicas: Mapping[str, str]) -> dict[str, str]:
     return {"SOURCE": '"static"', "STATIC": "{" + ", ".join(f'{k} = "{v}"' for k, v in replicas.items()) + "}"}
 
 
-def start_service(workdir: Path, settings_env: Mapping[str, str], config: Path = REFERENCE_SETTINGS) -> Running:
+def start_service(workdir: Path, settings_env: Mapping[str, str], config: Path = ROUTER_REFERENCE) -> Running:
     """`llm-ring serve --config config`, settings overridden by LLM_RING__<SECTION>__<KEY> values."""
     workdir.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, **settings_env}
     command = [sys.executable, "-m", "extproc.cli", "serve", "--config", str(config)]
-    running = _spawn("llm-ring serve", command, workdir / "service.log", env)
+    running = spawn_child("llm-ring serve", command, workdir / "service.log", env)
     listen = settings_env.get("LLM_RING__SERVICE__LISTEN", "").strip('"')
-    _wait(running, lambda: grpc_serving(listen), 20.0)
+    wait_until_ready(running, lambda: grpc_serving(listen), 20.0)
     running.address = listen
     socket = settings_env.get("LLM_RING__SERVICE__EXT_PROC_SOCKET", '""').strip('"')
     running.ext_proc = ext_proc_address(listen, socket)
-    return running
-
-
-def start_stub_upstream(ports: Sequence[int], workdir: Path) -> Running:
-    workdir.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, "-m", "extproc.service.stub_upstream", *map(str, ports)]
-    running = _spawn("stub upstream", command, workdir / "stub.log")
-    _wait(running, lambda: all(_accepts(port) for port in ports), 10.0)
-    return running
-
-
-def start_stub_processor(port: int, endpoint: str, workdir: Path) -> Running:
-    """The do-nothing ext_proc server (benchmark floor), answering every request with endpoint."""
-    workdir.mkdir(parents=True, exist_ok=True)
-    address = f"127.0.0.1:{port}"
-    command = [sys.executable, "-m", "extproc.service.stub_processor", str(port), endpoint, socket_name(address)]
-    running = _spawn("stub ext_proc", command, workdir / "stub_processor.log")
-    _wait(running, lambda: _accepts(port), 10.0)
-    running.address = address
-    running.ext_proc = ext_proc_address(address, socket_name(address))
     return running
 
 
@@ -184,14 +169,16 @@ def grpc_serving(address: str, service: str = "") -> bool:
     return reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
-def _spawn(name: str, command: list[str], log_path: Path, env: Mapping[str, str] | None = None) -> Running:
+def spawn_child(name: str, command: list[str], log_path: Path, env: Mapping[str, str] | None = None) -> Running:
+    """A child of this process (stopped by Running.stop), its output in ``log_path``; the
+    stack's long-lived processes are detached daemons instead (daemons.spawn)."""
     log: IO[bytes] = open(log_path, "wb")  # noqa: SIM115 - the child owns it
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
     log.close()
     return Running(name, process, log_path)
 
 
-def _wait(running: Running, ready: object, timeout: float) -> None:
+def wait_until_ready(running: Running, ready: object, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if running.process.poll() is not None:
@@ -211,7 +198,7 @@ def _http_ok(url: str) -> bool:
         return False
 
 
-def _accepts(port: int) -> bool:
+def accepts(port: int) -> bool:
     with socket.socket() as sock:
         sock.settimeout(0.5)
         return sock.connect_ex(("127.0.0.1", port)) == 0

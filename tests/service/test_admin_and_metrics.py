@@ -1,0 +1,120 @@
+"""The Admin API and the metrics collector read one live state (Gateway.replica_states): the
+same replicas, addresses, health and load in flight, whichever asks; Admin's settings
+changes are checked like the settings file; the histograms count what they are given."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from typing import Any
+
+import grpc
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from extproc.service import admin_pb2
+from extproc.service.admin import AdminService
+from extproc.service.metrics import DECISION_SECONDS, Histogram, Metrics
+from tests.service.test_gateway_lifecycle import ENDPOINTS, decide, make_gateway
+
+
+class AbortingContext:
+    """grpc.aio's context as far as SetRouting uses it: abort raises, as grpc.aio's does."""
+
+    def __init__(self) -> None:
+        self.code: grpc.StatusCode | None = None
+        self.details = ""
+
+    async def abort(self, code: grpc.StatusCode, details: str) -> None:
+        self.code, self.details = code, details
+        raise grpc.RpcError(details)
+
+
+def gauges(metrics: Metrics) -> dict[str, dict[str, float]]:
+    """{gauge name: {replica: value}} of the live-state families in a scrape."""
+    text = generate_latest(metrics.registry).decode()
+    found: dict[str, dict[str, float]] = {}
+    for family in text_string_to_metric_families(text):
+        if family.type == "gauge":
+            for sample in family.samples:
+                found.setdefault(sample.name, {})[sample.labels["replica"]] = sample.value
+    return found
+
+
+def test_admin_state_and_the_scrape_show_the_same_replicas_load_and_health() -> None:
+    gateway = make_gateway()
+    gateway.metrics.watch(gateway.replica_states)
+    request_id, endpoint = decide(gateway, "envoy-1")
+    pick = gateway.pending[request_id].decision.replica
+    other = next(name for name in ENDPOINTS if name != pick)
+    gateway.mark_unhealthy(other)
+
+    state = AdminService(gateway).state()
+    by_name = {replica.name: replica for replica in state.replicas}
+    assert set(by_name) == set(ENDPOINTS)
+    assert by_name[pick].address == endpoint == ENDPOINTS[pick]
+    assert by_name[pick].in_flight_requests == 1 and by_name[pick].in_flight_tokens > 0
+    assert not by_name[other].healthy and by_name[pick].healthy
+    assert state.in_flight_requests == 1 and state.decisions == 1
+
+    scraped = gauges(gateway.metrics)
+    for replica in state.replicas:
+        assert scraped["llm_ring_in_flight_requests"][replica.name] == replica.in_flight_requests
+        assert scraped["llm_ring_in_flight_tokens"][replica.name] == replica.in_flight_tokens
+        assert scraped["llm_ring_replica_healthy"][replica.name] == (1 if replica.healthy else 0)
+
+    gateway.access_logged(request_id, 200, endpoint, cut_off=False, timings=None)
+    assert all(replica.in_flight_requests == 0 for replica in AdminService(gateway).state().replicas)
+    assert set(gauges(gateway.metrics)["llm_ring_in_flight_requests"].values()) == {0}
+
+
+def test_metrics_without_a_live_state_show_no_replicas() -> None:
+    assert gauges(Metrics()) == {}
+
+
+def test_set_routing_changes_only_the_fields_given_and_refuses_bad_values_by_name() -> None:
+    gateway = make_gateway()
+    admin = AdminService(gateway)
+    before = gateway.router.settings
+    answer = asyncio.run(
+        admin.SetRouting(
+            admin_pb2.SetRoutingRequest(routing=admin_pb2.RoutingSettings(epsilon=0.5)),
+            AbortingContext(),  # type: ignore[arg-type]
+        )
+    )
+    assert answer.routing.epsilon == 0.5 and gateway.router.settings.epsilon == 0.5
+    assert gateway.router.settings.policy == before.policy == answer.routing.policy
+
+    context = AbortingContext()
+    with pytest.raises(grpc.RpcError):
+        asyncio.run(
+            admin.SetRouting(
+                admin_pb2.SetRoutingRequest(routing=admin_pb2.RoutingSettings(policy="best")),
+                context,  # type: ignore[arg-type]
+            )
+        )
+    assert context.code == grpc.StatusCode.INVALID_ARGUMENT and "policy" in context.details
+    assert gateway.router.settings.policy == before.policy  # nothing changed
+
+
+def test_reset_forgets_the_load_in_flight() -> None:
+    gateway = make_gateway()
+    decide(gateway, "envoy-1")
+    state = asyncio.run(AdminService(gateway).Reset(admin_pb2.ResetRequest(), None))  # type: ignore[arg-type]
+    assert state.in_flight_requests == 0
+
+
+@given(st.lists(st.sampled_from([*DECISION_SECONDS, 0.0, 1e-6, 1.0]) | st.floats(0, 1), max_size=50))
+def test_a_histogram_counts_each_value_in_the_first_bucket_that_holds_it(values: list[float]) -> None:
+    histogram = Histogram(DECISION_SECONDS)
+    for value in values:
+        histogram.observe(value)
+    family: Any = histogram.family("h", "test")
+    cumulative = {sample.labels["le"]: sample.value for sample in family.samples if sample.name == "h_bucket"}
+    for bound in DECISION_SECONDS:
+        assert cumulative[str(bound)] == sum(1 for value in values if value <= bound)
+    assert cumulative["+Inf"] == len(values)
+    assert math.isclose(histogram.sum, sum(values), abs_tol=1e-9)
