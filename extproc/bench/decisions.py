@@ -32,12 +32,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fleets", type=int, nargs="+", default=list(FLEETS), help="replica counts")
 
 
-def bench_settings(policy: str):
+def bench_settings(policy: str, **knobs: object):
     return parse_routing({
         "policy": policy, "virtual_nodes": 100, "hash_seed": 0, "epsilon": 0.25,
         "load_unit": "tokens", "cache_aware": True, "placement_memory": True,
         "long_stickiness": True, "long_prompt_tokens": 800, "long_load_factor": 2.0,
-        "memory_capacity": 1_000_000,
+        "memory_capacity": 1_000_000, "prefix_index": False, "prefix_feedback": False,
+        "prefix_capacity_tokens": 436_000, **knobs,
     })
 
 

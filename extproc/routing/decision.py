@@ -18,6 +18,8 @@ REASONS: dict[str, str] = {
     "sticky": "llm-aware: where placement memory says the conversation's cache is, not its ring home",
     "home-long": "llm-aware: ring home above the normal cap but within the long-conversation cap",
     "sticky-long": "llm-aware: remembered replica above the normal cap but within the long cap",
+    "prefix": "llm-aware, prefix index: the replica holding the longest prefix of the prompt, not its ring home",
+    "prefix-long": "llm-aware, prefix index: that replica above the normal cap but within the long cap",
     "overflow": "the preferred replica was over its cap; the next one clockwise with room",
     "least-loaded": "no replica fitted under the cap; the one least loaded after this request",
     # the peer policies (docs/peer-policies.md)

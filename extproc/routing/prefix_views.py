@@ -1,9 +1,10 @@
 """What a peer policy remembers about the prefix blocks it sent: pure, bounded data structures.
 
 ``BlockIndex`` is the routers' approximate cache view (llm-d's approximate prefix
-indexer, SGLang's approximate radix tree, Dynamo's approximate KV indexer): the blocks
-routed to each replica, at most ``capacity`` per replica, least recently sent forgotten
-first. Blocks are chained hashes (``extproc.routing.blocks``), so a block names its
+indexer, SGLang's approximate radix tree, Dynamo's approximate KV indexer, llm-aware's
+prefix index): the blocks routed to each replica, at most ``capacity`` per replica (in
+blocks, or in tokens when each block is given its weight), least recently sent
+forgotten first. Blocks are chained hashes (``extproc.routing.blocks``), so a block names its
 whole prefix and a map from block to replicas is a radix tree flattened.
 
 ``ActiveBlocks`` is Dynamo's view of the requests in flight: their blocks (counted once
@@ -20,28 +21,48 @@ _NONE: frozenset[str] = frozenset()
 
 
 class BlockIndex:
-    __slots__ = ("capacity", "_sent", "_holders")
+    """Blocks per replica, at most ``capacity`` units on each (a block weighs ``weight``
+    units: 1 for the peers' block counts, its tokens for llm-aware's token capacity)."""
+
+    __slots__ = ("capacity", "_sent", "_holders", "_used")
 
     def __init__(self, capacity: int) -> None:
         if capacity < 1:
             raise ValueError("a block index holds at least one block per replica")
         self.capacity = capacity
-        self._sent: dict[str, OrderedDict[int, None]] = {}  # replica -> its blocks, least recent first
+        self._sent: dict[str, OrderedDict[int, int]] = {}  # replica -> its blocks (-> weight), least recent first
         self._holders: dict[int, set[str]] = {}  # block -> replicas it was sent to
+        self._used: dict[str, int] = {}  # replica -> units its blocks weigh
 
-    def add(self, replica: str, blocks: Iterable[int]) -> None:
+    def add(self, replica: str, blocks: Iterable[int], weight: int = 1) -> None:
         """Record ``blocks`` as sent to ``replica``, refreshed in the order given (so of
         these, the first is forgotten first); beyond capacity the least recent go."""
         sent = self._sent.setdefault(replica, OrderedDict())
         holders = self._holders
+        used, capacity = self._used.get(replica, 0), self.capacity
         for block in blocks:
             if block in sent:
                 sent.move_to_end(block)
                 continue
-            sent[block] = None
+            sent[block] = weight
             holders.setdefault(block, set()).add(replica)
-            if len(sent) > self.capacity:
-                self._drop(replica, sent.popitem(last=False)[0])
+            used += weight
+            while used > capacity:
+                oldest, oldest_weight = sent.popitem(last=False)
+                used -= oldest_weight
+                self._drop(replica, oldest)
+        self._used[replica] = used
+
+    def forget(self, replica: str, blocks: Iterable[int]) -> None:
+        """``replica`` does not hold ``blocks`` (it said so)."""
+        sent = self._sent.get(replica)
+        if sent is None:
+            return
+        for block in blocks:
+            weight = sent.pop(block, None)
+            if weight is not None:
+                self._used[replica] -= weight
+                self._drop(replica, block)
 
     def holders(self, block: int) -> frozenset[str] | set[str]:
         return self._holders.get(block, _NONE)
@@ -96,10 +117,15 @@ class BlockIndex:
     def size(self, replica: str) -> int:
         return len(self._sent.get(replica, ()))
 
+    def used(self, replica: str) -> int:
+        """Units ``replica``'s blocks weigh (never above ``capacity``)."""
+        return self._used.get(replica, 0)
+
     def set_replicas(self, replicas: Iterable[str]) -> None:
         """Forget replicas that are gone (their caches went with them)."""
         wanted = set(replicas)
         for gone in [name for name in self._sent if name not in wanted]:
+            del self._used[gone]
             for block in self._sent.pop(gone):
                 self._drop(gone, block)
 
