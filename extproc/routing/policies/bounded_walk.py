@@ -9,6 +9,7 @@ the one request of slack its cached replica keeps) comes as one ``Discount`` val
 from __future__ import annotations
 
 import math
+from itertools import chain
 from collections.abc import Iterable, Mapping
 from typing import NamedTuple
 
@@ -23,6 +24,7 @@ class Discount(NamedTuple):
     costs: Mapping[str, int]  # replica -> the request's cost there (its new tokens); elsewhere the full cost
     cached: str | None = None  # the preferred replica, when it holds the cache: one request of slack
     long_cap: float | None = None  # that replica's limit instead of the cap (long stickiness)
+    holders: tuple[str, ...] = ()  # tried after the preferred one, before the ring: most expected reuse first
 
 
 NO_DISCOUNT = Discount({})
@@ -45,6 +47,7 @@ def first_fit(situation: Situation, first: str, loads: Mapping[str, int], cost: 
               discount: Discount = NO_DISCOUNT) -> tuple[str | None, tuple[Check, ...]]:
     """Try ``first``, then the other eligible replicas clockwise, and take the first whose
     load + cost stays within its limit (the cost there: ``discount.costs``, else ``cost``).
+    With ``discount.holders`` (llm-aware's prefix index) those are tried before the ring.
 
     An idle replica always accepts: in tokens a single request can exceed its share of
     the cap on its own, and sending it past an idle home would only lose the cache.
@@ -63,7 +66,10 @@ def first_fit(situation: Situation, first: str, loads: Mapping[str, int], cost: 
     if check.accepted:  # the usual case: the ring is not walked at all
         return first, (check,)
     checks = [check]
-    for name in situation.walk():
+    walk: Iterable[str] = situation.walk()
+    if discount.holders:
+        walk = dict.fromkeys(chain(discount.holders, walk))  # in order, each once
+    for name in walk:
         if name != first:
             check = _check(name, loads, cost, cap, discount)
             checks.append(check)

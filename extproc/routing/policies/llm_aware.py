@@ -63,7 +63,8 @@ class LlmAware:
         long_cap = None
         if self.long_stickiness and cached_on == preferred and prompt >= self.long_prompt_tokens:
             long_cap = self.long_load_factor * average
-        discount = Discount(costs, preferred if self.cache_aware and cached_on == preferred else None, long_cap)
+        discount = Discount(costs, preferred if self.cache_aware and cached_on == preferred else None, long_cap,
+                            self.holders(expected))
         chosen, checks = first_fit(situation, preferred, loads, work, cap, discount)
         if chosen is None:
             chosen, reason = least_loaded(eligible, loads, work, discount), "least-loaded"
@@ -93,6 +94,10 @@ class LlmAware:
             *(seen or NO_PEER_FIELDS),  # prompt_blocks, candidates, figures
         ))
         return new(Decision, (chosen, reason, cost, cost, expected.get(chosen, 0), trace))
+
+    def holders(self, expected: dict[str, int]) -> tuple[str, ...]:
+        """Where to look after the preferred replica, before the ring: here nowhere."""
+        return ()
 
     def where_cached(self, situation: Situation, home: str) -> tuple[str | None, dict[str, int], tuple]:
         """(the replica holding the cache, replica -> cached tokens expected there, the
@@ -136,6 +141,12 @@ class LlmAwarePrefix(LlmAware):
         else:  # ties: the ring home, else the first of them clockwise
             cached_on = home if home in tied else next(name for name in situation.walk() if name in tied)
         return cached_on, expected, seen
+
+    def holders(self, expected: dict[str, int]) -> tuple[str, ...]:
+        """The other replicas holding part of the prompt, most expected reuse first (ties: by name)."""
+        if len(expected) < 2:
+            return ()
+        return tuple(sorted(expected, key=lambda name: (-expected[name], name)))
 
     def routed(self, request: RouteRequest, decision: Decision) -> None:
         blocks = request.prefix_blocks
