@@ -9,8 +9,8 @@ the one request of slack its cached replica keeps) comes as one ``Discount`` val
 from __future__ import annotations
 
 import math
-from itertools import chain
 from collections.abc import Iterable, Mapping
+from itertools import chain
 from typing import NamedTuple
 
 from extproc.routing.decision import Check
