@@ -104,6 +104,33 @@ class BlockIndex:
             counts[replica] = depth
         return counts
 
+    def prefix_closed_matches(self, blocks: Sequence[int]) -> dict[str, int]:
+        """``leading_matches`` for an index whose every replica's blocks are closed under
+        prefixes (each block is held only with all blocks before it in its chain: true when
+        whole prompts are added tail first, so a prefix is always fresher than its tail, and
+        only tails are forgotten). A replica's match is then one past its deepest block, found
+        by binary searches, one per distinct depth, instead of a walk over every block.
+        ``forget`` of a tail can leave a sibling chain's deeper blocks behind a gap; for those
+        the search may credit the blocks past the gap (until they age out or are reported)."""
+        holders = self._holders
+        counts: dict[str, int] = {}
+        high = len(blocks)  # every replica not yet counted holds fewer than ``high`` blocks
+        while high:
+            low, top = 0, high  # the first block in [0, high) no uncounted replica holds
+            while low < top:
+                middle = (low + top) // 2
+                held = holders.get(blocks[middle])
+                if held and not held <= counts.keys():
+                    low = middle + 1
+                else:
+                    top = middle
+            if not low:
+                break
+            for replica in holders[blocks[low - 1]]:
+                counts.setdefault(replica, low)
+            high = low - 1
+        return counts
+
     def held_prefix(self, replica: str, blocks: Sequence[int]) -> int:
         """How many leading blocks ``replica`` holds without a gap."""
         sent = self._sent.get(replica)

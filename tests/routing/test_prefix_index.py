@@ -198,3 +198,21 @@ def test_a_report_at_or_above_the_prediction_or_from_an_unknown_replica_changes_
     router.report_cached(request, decision.replica, 0, 0)
     router.report_cached(request, "gone", 300, 0)
     assert index_of(router).held_prefix(decision.replica, prompt) == 3
+
+
+prompts = st.lists(st.tuples(st.sampled_from(NAMES), st.integers(0, 3), st.integers(0, 6), st.integers(0, 12)),
+                   max_size=40)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 40), prompts)
+def test_whole_prompts_added_tail_first_keep_each_replica_prefix_closed_so_the_binary_search_agrees(
+        capacity: int, log) -> None:
+    index = BlockIndex(capacity)
+    chains = {}
+    for replica, opening, middle, length in log:
+        chain = blocks(f"o{opening}", *(f"m{middle}" for _ in range(3)), *(str(n) for n in range(length)))
+        chains[chain] = None
+        index.add(replica, reversed(chain), 3)
+        for known in chains:
+            assert index.prefix_closed_matches(known) == index.leading_matches(known)

@@ -22,12 +22,15 @@ index off exactly as the seed's llm-aware.
 
 from __future__ import annotations
 
-from extproc.routing.blocks import covered_tokens
+from itertools import islice, takewhile
+
 from extproc.routing.decision import Candidate, Decision, RouteRequest, Trace
 from extproc.routing.policies.bounded_walk import Discount, average_and_cap, first_fit, least_loaded
 from extproc.routing.policies.situation import NO_PEER_FIELDS, Situation, new
 from extproc.routing.prefix_views import BlockIndex
 from extproc.settings import RoutingSettings
+
+CANDIDATES_TRACED = 8  # holders a trace lists, deepest first (its figures count them all)
 
 
 class LlmAware:
@@ -123,19 +126,20 @@ class LlmAwarePrefix(LlmAware):
         blocks = request.prefix_blocks
         if not blocks:
             return super().where_cached(situation, home)
-        matched = self.index.leading_matches(blocks)
+        matched = self.index.prefix_closed_matches(blocks)  # deepest first; ``routed`` adds prompts tail first
         avoid = situation.avoid
         if avoid:
             matched = {name: count for name, count in matched.items() if name not in avoid}
         prompt, count = request.prompt_tokens, len(blocks)
-        expected = {name: covered_tokens(prompt, count, held) for name, held in matched.items()}
+        expected = {name: prompt * held // count for name, held in matched.items()}  # = covered_tokens
         loads = situation.ledger.loads("tokens")
-        candidates = tuple(new(Candidate, (name, held, loads[name], expected[name])) for name, held in matched.items())
-        seen = (count, candidates, (("capacity_tokens", self.index.capacity),))
+        candidates = tuple(new(Candidate, (name, held, loads[name], expected[name]))
+                           for name, held in islice(matched.items(), CANDIDATES_TRACED))
+        seen = (count, candidates, (("capacity_tokens", self.index.capacity), ("holders", len(matched))))
         if not matched:
             return None, {}, seen
-        most = max(matched.values())
-        tied = [name for name, held in matched.items() if held == most]
+        most = next(iter(matched.values()))
+        tied = [name for name, _ in takewhile(lambda item: item[1] == most, matched.items())]
         if len(tied) == 1:
             cached_on = tied[0]
         else:  # ties: the ring home, else the first of them clockwise
@@ -143,10 +147,8 @@ class LlmAwarePrefix(LlmAware):
         return cached_on, expected, seen
 
     def holders(self, expected: dict[str, int]) -> tuple[str, ...]:
-        """The other replicas holding part of the prompt, most expected reuse first (ties: by name)."""
-        if len(expected) < 2:
-            return ()
-        return tuple(sorted(expected, key=lambda name: (-expected[name], name)))
+        """The other replicas holding part of the prompt, most expected reuse first."""
+        return tuple(expected) if len(expected) > 1 else ()  # built deepest first
 
     def routed(self, request: RouteRequest, decision: Decision) -> None:
         blocks = request.prefix_blocks
