@@ -126,7 +126,7 @@ class BlockIndex:
                     top = middle
             if not low:
                 break
-            for replica in holders[blocks[low - 1]]:
+            for replica in sorted(holders[blocks[low - 1]]):  # by name: sets iterate in per-process hash order
                 counts.setdefault(replica, low)
             high = low - 1
         return counts

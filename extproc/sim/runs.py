@@ -12,7 +12,7 @@ from typing import Any
 from extproc.experiments.records import REQUESTS_FILE, RunMeta, write_records, write_run_metadata
 from extproc.experiments.run import ExperimentError
 from extproc.experiments.run import parse_policy as experiment_policy
-from extproc.routing import Router
+from extproc.routing import Router, make_policy
 from extproc.settings import RoutingSettings, SettingsError, parse_routing
 from extproc.sim.costmodel import CostModel, load_cost_model
 from extproc.sim.engine import ClosedLoop, Fleet, OpenLoop, Outcome, simulate
@@ -101,7 +101,7 @@ class Source:
     """Where requests come from: a traffic profile (closed loop) or a trace (open loop)."""
 
     label: str
-    make: Callable[[int], ClosedLoop | OpenLoop]  # seed -> a fresh workload
+    make: Callable[[int, bool], ClosedLoop | OpenLoop]  # (seed, policy needs prefix blocks) -> a fresh workload
     seeds_hash: bool  # traces: the seed varies the ring's hash_seed and the arrival jitter
     profile: Profile | None = None
     trace: list[TraceRequest] | None = None
@@ -109,7 +109,7 @@ class Source:
 
 def profile_source(name_or_path: str) -> Source:
     profile = load_profile(name_or_path)
-    return Source(profile.name, lambda seed: profile_workload(profile, seed), False, profile)
+    return Source(profile.name, lambda seed, blocks: profile_workload(profile, seed, blocks), False, profile)
 
 
 def trace_source(path: str | Path, time_scale: float, jitter_bucket_s: float | None,
@@ -121,7 +121,7 @@ def trace_source(path: str | Path, time_scale: float, jitter_bucket_s: float | N
     if not trace:
         raise TraceError(f"{path}: no requests")
 
-    def make(seed: int) -> OpenLoop:
+    def make(seed: int, _: bool) -> OpenLoop:  # a trace's requests carry its hash ids always
         return requests_from_trace(trace, time_scale, jittered_arrivals(trace, bucket_s, seed))
 
     return Source(Path(path).stem, make, True, trace=trace)
@@ -146,7 +146,7 @@ def run_experiment(
         for spec in policies:
             base = {**config.routing, "hash_seed": seed} if source.seeds_hash else config.routing
             settings = parse_policy(spec, base)
-            outcome = run_once(source.make(seed), settings, cost, fleet)
+            outcome = run_once(source.make(seed, make_policy(settings).needs_prefix_blocks), settings, cost, fleet)
             run_id = f"sim-{source.label}-r{fleet.replicas}-{spec.replace(':', '_').replace(',', '_')}-s{seed}"
             rows = request_rows(outcome.requests, run_id, spec, seed)
             write_records(rows, out_dir / run_id / REQUESTS_FILE)

@@ -27,7 +27,7 @@ def test_fit_from_records_recovers_the_simulated_costs(tmp_path, monkeypatch):
     truth = simple_cost()
     monkeypatch.setattr("extproc.sim.runs.load_cost_model", lambda _: truth)
     quick = load_profile("quick")
-    source = Source("quick", lambda seed: profile_workload(quick, seed), False, quick)
+    source = Source("quick", lambda seed, _: profile_workload(quick, seed), False, quick)
     config = SimConfig(routing={"virtual_nodes": 100, "hash_seed": 0, "epsilon": 0.25, "load_unit": "requests",
                                 "cache_aware": True, "placement_memory": True, "long_stickiness": True,
                                 "long_prompt_tokens": 800, "long_load_factor": 2.0, "memory_capacity": 1000,
