@@ -10,7 +10,6 @@ from extproc.sim.mooncake import TraceRequest, infer_conversations, read_trace
 from extproc.sim.replica import Request
 from extproc.traffic import Profile, generate_conversations
 
-
 # A profile prompt as the block-aware policies see it: the service cuts a prompt's text into
 # blocks of BLOCK_CHARS characters, at its 4 characters a token (router.toml chars_per_token).
 PROFILE_BLOCK_TOKENS = BLOCK_CHARS // 4
