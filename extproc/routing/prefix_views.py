@@ -13,7 +13,7 @@ per replica however many requests share them) and their uncached prompt tokens.
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from collections.abc import Iterable, Mapping, Sequence
 from itertools import chain
 
@@ -52,6 +52,29 @@ class BlockIndex:
                 used -= oldest_weight
                 self._drop(replica, oldest)
         self._used[replica] = used
+
+    def add_prompt(self, replica: str, blocks: Sequence[int], weight: int) -> None:
+        """``add(replica, reversed(blocks), weight)`` where ``replica``'s blocks are closed under
+        prefixes (see ``prefix_closed_matches``): the blocks it holds are the leading ones, found
+        by a binary search; the new tail is added, then the held part refreshed in one C pass."""
+        sent = self._sent.get(replica)
+        if sent is None:
+            self.add(replica, reversed(blocks), weight)
+            return
+        low, top = 0, len(blocks)
+        while low < top:
+            middle = (low + top) // 2
+            if blocks[middle] in sent:
+                low = middle + 1
+            else:
+                top = middle
+        before = len(sent)
+        self.add(replica, reversed(blocks[low:]), weight)
+        held = blocks[low - 1 :: -1] if low else ()
+        if len(sent) == before + len(blocks) - low:  # nothing was forgotten: all of ``held`` is there
+            deque(map(sent.move_to_end, held), maxlen=0)
+        else:
+            self.add(replica, held, weight)
 
     def forget(self, replica: str, blocks: Iterable[int]) -> None:
         """``replica`` does not hold ``blocks`` (it said so)."""
@@ -119,8 +142,8 @@ class BlockIndex:
             low, top = 0, high  # the first block in [0, high) no uncounted replica holds
             while low < top:
                 middle = (low + top) // 2
-                held = holders.get(blocks[middle])
-                if held and not held <= counts.keys():
+                held = holders.get(blocks[middle])  # ⊇ the counted replicas (they hold deeper blocks)
+                if held and len(held) > len(counts):
                     low = middle + 1
                 else:
                     top = middle

@@ -206,13 +206,16 @@ prompts = st.lists(st.tuples(st.sampled_from(NAMES), st.integers(0, 3), st.integ
 
 @settings(max_examples=200, deadline=None)
 @given(st.integers(1, 40), prompts)
-def test_whole_prompts_added_tail_first_keep_each_replica_prefix_closed_so_the_binary_search_agrees(
+def test_whole_prompts_added_tail_first_stay_prefix_closed_so_the_binary_searches_agree_with_the_walks(
         capacity: int, log) -> None:
-    index = BlockIndex(capacity)
+    index, plain = BlockIndex(capacity), BlockIndex(capacity)  # add_prompt against add, tail first
     chains = {}
     for replica, opening, middle, length in log:
         chain = blocks(f"o{opening}", *(f"m{middle}" for _ in range(3)), *(str(n) for n in range(length)))
         chains[chain] = None
-        index.add(replica, reversed(chain), 3)
+        index.add_prompt(replica, chain, 3)
+        plain.add(replica, reversed(chain), 3)
+        for name in NAMES:
+            assert list(index._sent.get(name, {}).items()) == list(plain._sent.get(name, {}).items())
         for known in chains:
             assert index.prefix_closed_matches(known) == index.leading_matches(known)

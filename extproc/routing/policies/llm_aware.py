@@ -153,7 +153,7 @@ class LlmAwarePrefix(LlmAware):
     def routed(self, request: RouteRequest, decision: Decision) -> None:
         blocks = request.prefix_blocks
         if blocks:  # the tail first, so the tail is forgotten first (servers evict a prefix from its end)
-            self.index.add(decision.replica, reversed(blocks), max(1, request.prompt_tokens // len(blocks)))
+            self.index.add_prompt(decision.replica, blocks, max(1, request.prompt_tokens // len(blocks)))
 
     def completed(self, request: RouteRequest, decision: Decision) -> None:
         pass  # what was sent stays in the index until its capacity forgets it
