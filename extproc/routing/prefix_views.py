@@ -68,13 +68,12 @@ class BlockIndex:
                 low = middle + 1
             else:
                 top = middle
-        before = len(sent)
         self.add(replica, reversed(blocks[low:]), weight)
         held = blocks[low - 1 :: -1] if low else ()
-        if len(sent) == before + len(blocks) - low:  # nothing was forgotten: all of ``held`` is there
+        if all(map(sent.__contains__, held)):  # none forgotten meanwhile (nor a gap: a repeated id, a forget)
             deque(map(sent.move_to_end, held), maxlen=0)
         else:
-            self.add(replica, held, weight)
+            self.add(replica, held, weight)  # the same, one block at a time
 
     def forget(self, replica: str, blocks: Iterable[int]) -> None:
         """``replica`` does not hold ``blocks`` (it said so)."""

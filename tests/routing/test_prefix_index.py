@@ -204,18 +204,36 @@ prompts = st.lists(st.tuples(st.sampled_from(NAMES), st.integers(0, 3), st.integ
                    max_size=40)
 
 
-@settings(max_examples=200, deadline=None)
-@given(st.integers(1, 40), prompts)
-def test_whole_prompts_added_tail_first_stay_prefix_closed_so_the_binary_searches_agree_with_the_walks(
-        capacity: int, log) -> None:
-    index, plain = BlockIndex(capacity), BlockIndex(capacity)  # add_prompt against add, tail first
-    chains = {}
+def replay(capacity: int, log, gaps: bool) -> tuple[BlockIndex, BlockIndex, list[tuple[int, ...]]]:
+    """The same prompts through add_prompt and through add (tail first); with ``gaps`` some
+    prompts first lose a middle block (the closed loop's forget) and repeat their first id."""
+    index, plain = BlockIndex(capacity), BlockIndex(capacity)
+    chains = []
     for replica, opening, middle, length in log:
         chain = blocks(f"o{opening}", *(f"m{middle}" for _ in range(3)), *(str(n) for n in range(length)))
-        chains[chain] = None
+        if gaps and length % 3 == 2:
+            index.forget(replica, chain[1:2])
+            plain.forget(replica, chain[1:2])
+            chain = chain + chain[:1]
+        chains.append(chain)
         index.add_prompt(replica, chain, 3)
         plain.add(replica, reversed(chain), 3)
         for name in NAMES:
             assert list(index._sent.get(name, {}).items()) == list(plain._sent.get(name, {}).items())
-        for known in chains:
-            assert index.prefix_closed_matches(known) == index.leading_matches(known)
+            assert index.used(name) == plain.used(name) <= capacity
+    return index, plain, chains
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 40), prompts)
+def test_whole_prompts_added_tail_first_stay_prefix_closed_so_the_binary_searches_agree_with_the_walks(
+        capacity: int, log) -> None:
+    index, _, chains = replay(capacity, log, gaps=False)
+    for known in chains:
+        assert index.prefix_closed_matches(known) == index.leading_matches(known)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 40), prompts)
+def test_add_prompt_is_add_tail_first_even_with_gaps_and_repeated_ids(capacity: int, log) -> None:
+    replay(capacity, log, gaps=True)  # asserts after every prompt
