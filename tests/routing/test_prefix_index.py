@@ -237,3 +237,21 @@ def test_whole_prompts_added_tail_first_stay_prefix_closed_so_the_binary_searche
 @given(st.integers(1, 40), prompts)
 def test_add_prompt_is_add_tail_first_even_with_gaps_and_repeated_ids(capacity: int, log) -> None:
     replay(capacity, log, gaps=True)  # asserts after every prompt
+
+
+def test_the_rendered_trace_names_the_index_as_the_reason_for_the_preference() -> None:
+    router = Router(routing(prefix_index=True), NAMES)
+    first = router.route(RouteRequest("a", "alice", 600, 10, blocks("system", "tools", "alice", "x")))
+    assert first is not None
+    router.complete("a")
+    for number in range(50):  # some conversation whose ring home is elsewhere
+        decision = router.route(RouteRequest(f"b{number}", f"bob{number}", 600, 10,
+                                             blocks("system", "tools", f"bob{number}", "y")))
+        assert decision is not None
+        router.complete(f"b{number}")
+        if decision.trace.home != first.replica:
+            break
+    assert decision.reason == "prefix" and decision.replica == first.replica
+    text = render_trace(decision)
+    assert f"prefix index: {first.replica} holds the longest prefix (300 of 600 tokens; ring home " in text
+    assert f"{first.replica}: matched 2 blocks" in text
