@@ -197,6 +197,8 @@ def test_a_report_at_or_above_the_prediction_or_from_an_unknown_replica_changes_
     router.complete("1")
     router.report_cached(request, decision.replica, 0, 0)
     router.report_cached(request, "gone", 300, 0)
+    router.report_cached(request, decision.replica, 300, -5)  # nonsense from a replica: ignored
+    router.report_cached(request._replace(prompt_tokens=0), decision.replica, 300, 0)
     assert index_of(router).held_prefix(decision.replica, prompt) == 3
 
 

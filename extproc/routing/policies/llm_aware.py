@@ -164,7 +164,7 @@ class LlmAwarePrefix(LlmAware):
     def reported(self, request: RouteRequest, replica: str, predicted: int, cached: int) -> None:
         """``replica`` served ``request`` from ``cached`` cached tokens; ``predicted`` were expected."""
         blocks = request.prefix_blocks
-        if self.feedback and blocks and cached < predicted:
+        if self.feedback and blocks and request.prompt_tokens and 0 <= cached < predicted:
             reused = cached * len(blocks) // request.prompt_tokens  # whole blocks it found
             self.index.forget(replica, blocks[reused:])
 
