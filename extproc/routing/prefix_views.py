@@ -148,8 +148,8 @@ class BlockIndex:
                     top = middle
             if not low:
                 break
-            for replica in sorted(holders[blocks[low - 1]]):  # by name: sets iterate in per-process hash order
-                counts.setdefault(replica, low)
+            # the new ones by name (sets iterate in a per-process hash order)
+            counts.update(dict.fromkeys(sorted(holders[blocks[low - 1]] - counts.keys()), low))
             high = low - 1
         return counts
 
