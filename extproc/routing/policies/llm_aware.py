@@ -54,9 +54,10 @@ class LlmAware:
         work = prompt + max_tokens  # what the request costs where nothing is cached
         home = situation.home()
         assert home is not None  # eligible is not empty
-        cached_on, expected, seen = self.where_cached(situation, home)  # expected: replica -> cached tokens
-        costs = {name: max(1, prompt - tokens) + max_tokens for name, tokens in expected.items()} \
-            if self.cache_aware else {}
+        # expected: replica -> cached tokens there; costs: replica -> the request's new tokens there
+        cached_on, expected, costs, seen = self.where_cached(situation, home)
+        if not self.cache_aware:
+            costs = {}
         by_memory = self.placement_memory and cached_on is not None
         preferred = cached_on if by_memory and cached_on is not None else home
         preferred_cost = costs.get(preferred, work)
@@ -66,8 +67,8 @@ class LlmAware:
         long_cap = None
         if self.long_stickiness and cached_on == preferred and prompt >= self.long_prompt_tokens:
             long_cap = self.long_load_factor * average
-        discount = Discount(costs, preferred if self.cache_aware and cached_on == preferred else None, long_cap,
-                            self.holders(expected))
+        discount = new(Discount, (costs, preferred if self.cache_aware and cached_on == preferred else None,
+                                  long_cap, self.holders(expected) if len(expected) > 1 else ()))
         chosen, checks = first_fit(situation, preferred, loads, work, cap, discount)
         if chosen is None:
             chosen, reason = least_loaded(eligible, loads, work, discount), "least-loaded"
@@ -99,16 +100,20 @@ class LlmAware:
         return new(Decision, (chosen, reason, cost, cost, expected.get(chosen, 0), trace))
 
     def holders(self, expected: dict[str, int]) -> tuple[str, ...]:
-        """Where to look after the preferred replica, before the ring: here nowhere."""
+        """Where to look after the preferred replica, before the ring, when ``expected`` names
+        several replicas (placement memory never does)."""
         return ()
 
-    def where_cached(self, situation: Situation, home: str) -> tuple[str | None, dict[str, int], tuple]:
-        """(the replica holding the cache, replica -> cached tokens expected there, the
-        prefix index's trace fields or ()): here placement memory's one entry."""
+    def where_cached(self, situation: Situation, home: str) -> tuple[str | None, dict[str, int], dict[str, int], tuple]:
+        """(the replica holding the cache, replica -> cached tokens expected there, replica ->
+        the request's cost there (new tokens only), the prefix index's trace fields or ()):
+        here placement memory's one entry."""
         placement = situation.placement
         if placement is None:
-            return None, {}, ()
-        return placement.replica, {placement.replica: min(placement.prompt_tokens, situation.request.prompt_tokens)}, ()
+            return None, {}, {}, ()
+        request = situation.request
+        replica, cached = placement.replica, min(placement.prompt_tokens, request.prompt_tokens)
+        return replica, {replica: cached}, {replica: max(1, request.prompt_tokens - cached) + request.max_tokens}, ()
 
 
 class LlmAwarePrefix(LlmAware):
@@ -121,7 +126,7 @@ class LlmAwarePrefix(LlmAware):
         self.index = BlockIndex(settings.prefix_capacity_tokens)
         self.feedback = settings.prefix_feedback
 
-    def where_cached(self, situation: Situation, home: str) -> tuple[str | None, dict[str, int], tuple]:
+    def where_cached(self, situation: Situation, home: str) -> tuple[str | None, dict[str, int], dict[str, int], tuple]:
         request = situation.request
         blocks = request.prefix_blocks
         if not blocks:
@@ -137,18 +142,20 @@ class LlmAwarePrefix(LlmAware):
                            for name, held in islice(matched.items(), CANDIDATES_TRACED))
         seen = (count, candidates, (("capacity_tokens", self.index.capacity), ("holders", len(matched))))
         if not matched:
-            return None, {}, seen
+            return None, {}, {}, seen
         most = next(iter(matched.values()))
         tied = [name for name, _ in takewhile(lambda item: item[1] == most, matched.items())]
         if len(tied) == 1:
             cached_on = tied[0]
         else:  # ties: the ring home, else the first of them clockwise
             cached_on = home if home in tied else next(name for name in situation.walk() if name in tied)
-        return cached_on, expected, seen
+        max_tokens = request.max_tokens
+        costs = {name: max(1, prompt - tokens) + max_tokens for name, tokens in expected.items()}  # as above
+        return cached_on, expected, costs, seen
 
     def holders(self, expected: dict[str, int]) -> tuple[str, ...]:
         """The other replicas holding part of the prompt, most expected reuse first."""
-        return tuple(expected) if len(expected) > 1 else ()  # built deepest first
+        return tuple(expected)  # built deepest first
 
     def routed(self, request: RouteRequest, decision: Decision) -> None:
         blocks = request.prefix_blocks
