@@ -20,6 +20,10 @@ Definitions (per run; a request is *ok* when status = 200 and error is null):
   previous turn, hit or not.
 - work imbalance: prompt tokens processed (sum of prompt_n) on the busiest replica
   divided by the average over the replicas that served the run.
+- prediction error: over ok requests with both the router's predicted_cached_tokens and
+  the replica's cache_n, the mean absolute error |predicted - cache_n| in tokens, and the
+  share predicted within 10 % of the prompt (|predicted - cache_n| <= 0.1 x (cache_n +
+  prompt_n)). Pooled over seeds: summed errors over summed requests.
 - after scale-up: for each conversation whose previous turn started before the new
   replica was ready and whose next turn started after it, that next turn. Hit rate
   after scale-up = share of those turns that hit; moved share = share of them served
@@ -63,6 +67,8 @@ METRICS: tuple[Metric, ...] = (
     Metric("ttft_p50", "p50 TTFT", "seconds"),
     Metric("ttft_p95", "p95 TTFT", "seconds"),
     Metric("imbalance", "Work imbalance (busiest / average prompt tokens)", "ratio"),
+    Metric("prediction_mae", "Cached tokens prediction error (mean |predicted - cache_n|)", "count"),
+    Metric("prediction_within_10", "Predictions within 10 % of the prompt", "pct"),
     Metric("after_scale_hit_rate", "Hit rate right after the scale-up", "pct"),
     Metric("moved_share", "Conversations moved by the scale-up", "pct"),
     Metric("requests", "Requests per run", "count"),
@@ -106,7 +112,12 @@ SELECT f.*,
     followup AND replica IS DISTINCT FROM prev_replica AS redirected,
     followup AND ru.scale_ready_at IS NOT NULL
         AND prev_started_at < ru.scale_ready_at AND started_at >= ru.scale_ready_at AS after_scale,
-    epoch(started_at - min(started_at) OVER (PARTITION BY run_id)) AS t_s
+    epoch(started_at - min(started_at) OVER (PARTITION BY run_id)) AS t_s,
+    CASE WHEN ok AND cache_n IS NOT NULL AND predicted_cached_tokens IS NOT NULL
+        THEN abs(predicted_cached_tokens - cache_n) END AS prediction_error,
+    CASE WHEN ok AND cache_n IS NOT NULL AND predicted_cached_tokens IS NOT NULL
+        THEN abs(predicted_cached_tokens - cache_n) <= 0.1 * (cache_n + coalesce(prompt_n, 0)) END
+        AS predicted_within_10
 FROM flagged f LEFT JOIN (SELECT run_id, scale_ready_at FROM runs) ru USING (run_id)
 """
 
@@ -135,6 +146,11 @@ SELECT run_id, any_value(policy) AS policy, any_value(seed) AS seed,
     quantile_cont(ttft_s, 0.5) FILTER (ok) AS ttft_p50,
     quantile_cont(ttft_s, 0.95) FILTER (ok) AS ttft_p95,
     any_value(b.imbalance) AS imbalance,
+    count(prediction_error) AS predictions,
+    sum(prediction_error) AS prediction_error_sum,
+    count(*) FILTER (predicted_within_10) AS predictions_within_10,
+    avg(prediction_error) AS prediction_mae,
+    count(*) FILTER (predicted_within_10) / nullif(count(prediction_error), 0) AS prediction_within_10,
     count(*) FILTER (after_scale) AS after_scale_turns,
     count(*) FILTER (after_scale AND hit) / nullif(count(*) FILTER (after_scale), 0)
         AS after_scale_hit_rate,
@@ -162,6 +178,8 @@ SELECT p.policy,
     any_value(q.lat[1]) AS latency_p50, any_value(q.lat[2]) AS latency_p95,
     any_value(q.ttft[1]) AS ttft_p50, any_value(q.ttft[2]) AS ttft_p95,
     avg(imbalance) AS imbalance,
+    sum(prediction_error_sum) / nullif(sum(predictions), 0) AS prediction_mae,
+    sum(predictions_within_10) / nullif(sum(predictions), 0) AS prediction_within_10,
     sum(after_scale_hit_rate * after_scale_turns) / nullif(sum(after_scale_turns), 0)
         AS after_scale_hit_rate,
     sum(moved_share * after_scale_turns) / nullif(sum(after_scale_turns), 0) AS moved_share,

@@ -4,7 +4,8 @@ Drives the real Router with a steady in-flight window (so loads are never all ze
 multi-turn conversations (so placement memory is hit), and times each route() call.
 The peer policies (docs/peer-policies.md) run at PEER_FLEET replicas only, on requests
 carrying the prefix blocks of a prompt of about 2,000 tokens (a shared system prompt, the
-conversation's opening, its turns); hashing those blocks is timed on its own.
+conversation's opening, its turns); hashing those blocks is timed on its own. So does
+llm-aware with its prefix index (docs/prefix-index.md), whose bytes per block are measured too.
 """
 
 from __future__ import annotations
@@ -16,12 +17,15 @@ import statistics
 import time
 import tracemalloc
 
+from extproc.experiments.run import parse_policy
 from extproc.routing import POLICIES, PlacementMemory, Router, RouteRequest, make_policy, stable_hash
 from extproc.routing.blocks import prefix_blocks
+from extproc.routing.prefix_views import BlockIndex
 from extproc.settings import parse_routing
 
 FLEETS = (3, 16, 64, 1000)
 PEER_FLEET = 64
+PREFIX_INDEX = "llm-aware:prefix_index=true"  # timed at PEER_FLEET, on the peers' requests
 SYSTEM_PROMPTS = tuple(f"System prompt {n}: answer as a careful reviewer. " * 100 for n in range(4))  # 4,700 chars
 TARGET_MEDIAN_US = 20.0  # llm-aware at 64 replicas (issue target on 2 cores)
 TARGET_BYTES_PER_CONVERSATION = 200.0
@@ -32,12 +36,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fleets", type=int, nargs="+", default=list(FLEETS), help="replica counts")
 
 
-def bench_settings(policy: str):
+def bench_settings(**knobs: object):
+    """The reference settings, the policy (and any knob) from ``knobs``."""
     return parse_routing({
-        "policy": policy, "virtual_nodes": 100, "hash_seed": 0, "epsilon": 0.25,
+        "virtual_nodes": 100, "hash_seed": 0, "epsilon": 0.25,
         "load_unit": "tokens", "cache_aware": True, "placement_memory": True,
         "long_stickiness": True, "long_prompt_tokens": 800, "long_load_factor": 2.0,
-        "memory_capacity": 1_000_000,
+        "memory_capacity": 1_000_000, "prefix_index": False, "prefix_feedback": False,
+        "prefix_capacity_tokens": 436_000, **knobs,
     })
 
 
@@ -47,8 +53,10 @@ def prompt_text(slot: int, conversation: int, turn: int) -> str:
     return SYSTEM_PROMPTS[slot % len(SYSTEM_PROMPTS)] + opening + "".join(f"turn {t}: " * 40 for t in range(turn))
 
 
-def time_decisions(policy: str, replicas: int, decisions: int) -> dict[str, float]:
-    router = Router(bench_settings(policy), [f"llm-{i}" for i in range(replicas)])
+def time_decisions(spec: str, replicas: int, decisions: int) -> dict[str, float]:
+    """``spec``: a policy name, or name:key=value,... (the runners' syntax)."""
+    knobs = parse_policy(spec).routing
+    router = Router(bench_settings(**knobs), [f"llm-{i}" for i in range(replicas)])
     with_blocks = router.policy.needs_prefix_blocks
     rng = random.Random(1)
     conversations = max(50, replicas * 8)
@@ -105,13 +113,26 @@ def bytes_per_conversation(conversations: int = 200_000) -> float:
     return (after - before) / conversations
 
 
+def bytes_per_block(replicas: int = 8, prompts: int = 400) -> float:
+    """Bytes per block held by a prefix index filled to capacity (2,000-token prompts of 16-token blocks)."""
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    index = BlockIndex(5_000 * 16)
+    for number in range(prompts):
+        text = prompt_text(number % 4, number, 9)
+        index.add(f"llm-{number % replicas}", reversed(prefix_blocks(text)), 16)
+    after = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    return (after - before) / sum(index.size(f"llm-{n}") for n in range(replicas))
+
+
 def main(args: argparse.Namespace) -> int:
     decisions = getattr(args, "decisions", 20_000)
     fleets = getattr(args, "fleets", list(FLEETS))
     results = []
     floor: dict[int, float] = {}  # round-robin's median per fleet: what this machine charges for any decision
     cells = [(policy, replicas) for policy in POLICIES if not _peer(policy) for replicas in fleets]
-    cells += [(policy, PEER_FLEET) for policy in POLICIES if _peer(policy)]
+    cells += [(policy, PEER_FLEET) for policy in POLICIES if _peer(policy)] + [(PREFIX_INDEX, PEER_FLEET)]
     for policy, replicas in cells:
         cell = time_decisions(policy, replicas, decisions)
         floor.setdefault(replicas, cell["median_us"])
@@ -122,11 +143,15 @@ def main(args: argparse.Namespace) -> int:
                   f"  p99 {cell['p99_us']:7.1f} µs  {cell['x_round_robin']:5.2f}× round-robin", flush=True)
     hashed_tokens, hashing_us = block_hashing_us()
     memory_bytes = bytes_per_conversation()
+    block_bytes = bytes_per_block()
     target = next((r for r in results if r["policy"] == "llm-aware" and r["replicas"] == 64), None)
+    indexed = next(r for r in results if r["policy"] == PREFIX_INDEX)
     summary = {
         "decisions": results,
         "bytes_per_remembered_conversation": memory_bytes,
         "block_hashing": {"prompt_tokens": hashed_tokens, "median_us": hashing_us},
+        "bytes_per_prefix_index_block": block_bytes,
+        "prefix_index_64_median_us": indexed["median_us"],
         "llm_aware_64_median_us": target["median_us"] if target else None,
         "targets": {"llm_aware_64_median_us": TARGET_MEDIAN_US,
                     "bytes_per_remembered_conversation": TARGET_BYTES_PER_CONVERSATION},
@@ -134,7 +159,10 @@ def main(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(summary))
         return 0
-    print(f"\n  prefix blocks of a {hashed_tokens}-token prompt: {hashing_us:.1f} µs to hash (peer policies only)")
+    print(f"\n  prefix blocks of a {hashed_tokens}-token prompt: {hashing_us:.1f} µs to hash (block-aware policies)")
+    print(f"  {PREFIX_INDEX} at {PEER_FLEET} replicas: median {indexed['median_us']:.1f} µs + hashing "
+          f"{hashing_us:.1f} µs = {indexed['median_us'] + hashing_us:.1f} µs (target ≤ {TARGET_MEDIAN_US:.0f} µs); "
+          f"{block_bytes:.0f} bytes per indexed block")
     print(f"  placement memory: {memory_bytes:.0f} bytes per remembered conversation "
           f"(target ≤ {TARGET_BYTES_PER_CONVERSATION:.0f}, ratio {memory_bytes / TARGET_BYTES_PER_CONVERSATION:.2f})")
     if target:
@@ -144,4 +172,4 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _peer(policy: str) -> bool:
-    return make_policy(bench_settings(policy)).needs_prefix_blocks
+    return make_policy(bench_settings(policy=policy)).needs_prefix_blocks

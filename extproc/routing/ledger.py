@@ -8,9 +8,8 @@ so an error path that releases "just in case" can never drive a counter negative
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import Literal
 
-LoadUnit = Literal["requests", "tokens"]
+from extproc.settings import LoadUnit
 
 
 class LoadLedger:

@@ -1,9 +1,10 @@
 """What a peer policy remembers about the prefix blocks it sent: pure, bounded data structures.
 
 ``BlockIndex`` is the routers' approximate cache view (llm-d's approximate prefix
-indexer, SGLang's approximate radix tree, Dynamo's approximate KV indexer): the blocks
-routed to each replica, at most ``capacity`` per replica, least recently sent forgotten
-first. Blocks are chained hashes (``extproc.routing.blocks``), so a block names its
+indexer, SGLang's approximate radix tree, Dynamo's approximate KV indexer, llm-aware's
+prefix index): the blocks routed to each replica, at most ``capacity`` per replica (in
+blocks, or in tokens when each block is given its weight), least recently sent
+forgotten first. Blocks are chained hashes (``extproc.routing.blocks``), so a block names its
 whole prefix and a map from block to replicas is a radix tree flattened.
 
 ``ActiveBlocks`` is Dynamo's view of the requests in flight: their blocks (counted once
@@ -12,7 +13,7 @@ per replica however many requests share them) and their uncached prompt tokens.
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from collections.abc import Iterable, Mapping, Sequence
 from itertools import chain
 
@@ -20,28 +21,70 @@ _NONE: frozenset[str] = frozenset()
 
 
 class BlockIndex:
-    __slots__ = ("capacity", "_sent", "_holders")
+    """Blocks per replica, at most ``capacity`` units on each (a block weighs ``weight``
+    units: 1 for the peers' block counts, its tokens for llm-aware's token capacity)."""
+
+    __slots__ = ("capacity", "_sent", "_holders", "_used")
 
     def __init__(self, capacity: int) -> None:
         if capacity < 1:
             raise ValueError("a block index holds at least one block per replica")
         self.capacity = capacity
-        self._sent: dict[str, OrderedDict[int, None]] = {}  # replica -> its blocks, least recent first
+        self._sent: dict[str, OrderedDict[int, int]] = {}  # replica -> its blocks (-> weight), least recent first
         self._holders: dict[int, set[str]] = {}  # block -> replicas it was sent to
+        self._used: dict[str, int] = {}  # replica -> units its blocks weigh
 
-    def add(self, replica: str, blocks: Iterable[int]) -> None:
+    def add(self, replica: str, blocks: Iterable[int], weight: int = 1) -> None:
         """Record ``blocks`` as sent to ``replica``, refreshed in the order given (so of
         these, the first is forgotten first); beyond capacity the least recent go."""
         sent = self._sent.setdefault(replica, OrderedDict())
         holders = self._holders
+        used, capacity = self._used.get(replica, 0), self.capacity
         for block in blocks:
             if block in sent:
                 sent.move_to_end(block)
                 continue
-            sent[block] = None
+            sent[block] = weight
             holders.setdefault(block, set()).add(replica)
-            if len(sent) > self.capacity:
-                self._drop(replica, sent.popitem(last=False)[0])
+            used += weight
+            while used > capacity:
+                oldest, oldest_weight = sent.popitem(last=False)
+                used -= oldest_weight
+                self._drop(replica, oldest)
+        self._used[replica] = used
+
+    def add_prompt(self, replica: str, blocks: Sequence[int], weight: int) -> None:
+        """``add(replica, reversed(blocks), weight)`` where ``replica``'s blocks are closed under
+        prefixes (see ``prefix_closed_matches``): the blocks it holds are the leading ones, found
+        by a binary search; the new tail is added, then the held part refreshed in one C pass."""
+        sent = self._sent.get(replica)
+        if sent is None:
+            self.add(replica, reversed(blocks), weight)
+            return
+        low, top = 0, len(blocks)
+        while low < top:
+            middle = (low + top) // 2
+            if blocks[middle] in sent:
+                low = middle + 1
+            else:
+                top = middle
+        self.add(replica, reversed(blocks[low:]), weight)
+        held = blocks[low - 1 :: -1] if low else ()
+        if all(map(sent.__contains__, held)):  # none forgotten meanwhile (nor a gap: a repeated id, a forget)
+            deque(map(sent.move_to_end, held), maxlen=0)
+        else:
+            self.add(replica, held, weight)  # the same, one block at a time
+
+    def forget(self, replica: str, blocks: Iterable[int]) -> None:
+        """``replica`` does not hold ``blocks`` (it said so)."""
+        sent = self._sent.get(replica)
+        if sent is None:
+            return
+        for block in blocks:
+            weight = sent.pop(block, None)
+            if weight is not None:
+                self._used[replica] -= weight
+                self._drop(replica, block)
 
     def holders(self, block: int) -> frozenset[str] | set[str]:
         return self._holders.get(block, _NONE)
@@ -83,6 +126,33 @@ class BlockIndex:
             counts[replica] = depth
         return counts
 
+    def prefix_closed_matches(self, blocks: Sequence[int]) -> dict[str, int]:
+        """``leading_matches`` for an index whose every replica's blocks are closed under
+        prefixes (each block is held only with all blocks before it in its chain: true when
+        whole prompts are added tail first, so a prefix is always fresher than its tail, and
+        only tails are forgotten). A replica's match is then one past its deepest block, found
+        by binary searches, one per distinct depth, instead of a walk over every block.
+        ``forget`` of a tail can leave a sibling chain's deeper blocks behind a gap; for those
+        the search may credit the blocks past the gap (until they age out or are reported)."""
+        holders = self._holders
+        counts: dict[str, int] = {}
+        high = len(blocks)  # every replica not yet counted holds fewer than ``high`` blocks
+        while high:
+            low, top = 0, high  # the first block in [0, high) no uncounted replica holds
+            while low < top:
+                middle = (low + top) // 2
+                held = holders.get(blocks[middle])  # ⊇ the counted replicas (they hold deeper blocks)
+                if held and len(held) > len(counts):
+                    low = middle + 1
+                else:
+                    top = middle
+            if not low:
+                break
+            # the new ones by name (sets iterate in a per-process hash order)
+            counts.update(dict.fromkeys(sorted(holders[blocks[low - 1]] - counts.keys()), low))
+            high = low - 1
+        return counts
+
     def held_prefix(self, replica: str, blocks: Sequence[int]) -> int:
         """How many leading blocks ``replica`` holds without a gap."""
         sent = self._sent.get(replica)
@@ -96,10 +166,15 @@ class BlockIndex:
     def size(self, replica: str) -> int:
         return len(self._sent.get(replica, ()))
 
+    def used(self, replica: str) -> int:
+        """Units ``replica``'s blocks weigh (never above ``capacity``)."""
+        return self._used.get(replica, 0)
+
     def set_replicas(self, replicas: Iterable[str]) -> None:
         """Forget replicas that are gone (their caches went with them)."""
         wanted = set(replicas)
         for gone in [name for name in self._sent if name not in wanted]:
+            del self._used[gone]
             for block in self._sent.pop(gone):
                 self._drop(gone, block)
 

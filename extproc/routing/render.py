@@ -62,6 +62,9 @@ def _preference_line(trace: Trace) -> str:
         memory = "nothing remembered"
     if trace.preferred_by == "memory":
         return f"  placement memory: {memory} → preferred={trace.preferred}"
+    if trace.preferred_by == "prefix":
+        return (f"  prefix index: {trace.preferred} holds the longest prefix ({trace.cached_tokens} of "
+                f"{trace.prompt_tokens} tokens; ring home {trace.home}) → preferred={trace.preferred}")
     return f"  ring home: {trace.home} ({memory}) → preferred={trace.preferred}"
 
 

@@ -13,7 +13,7 @@ from extproc.routing.decision import Decision, RouteRequest
 from extproc.routing.hashing import hash_bytes, stable_hash
 from extproc.routing.ledger import LoadLedger
 from extproc.routing.placement import PlacementMemory
-from extproc.routing.policies import Policy, SentView, make_policy
+from extproc.routing.policies import CacheReports, Policy, SentView, make_policy
 from extproc.routing.policies.situation import Situation, new
 from extproc.routing.ring import HashRing
 from extproc.settings import RoutingSettings
@@ -28,6 +28,7 @@ class Router:
         self.memory = PlacementMemory(settings.memory_capacity)
         self.policy: Policy = make_policy(settings)
         self._view = _view_of(self.policy)
+        self._learner = _learner_of(self.policy)
         self._ring = HashRing((), settings.virtual_nodes, settings.hash_seed)
         self._members: frozenset[str] = frozenset()
         self._in_flight: dict[str, tuple[RouteRequest, Decision, int]] = {}
@@ -95,6 +96,13 @@ class Router:
             self.memory.remember(key, served or decision.replica, request.prompt_tokens)
         return decision
 
+    def report_cached(self, request: RouteRequest, replica: str, predicted: int, cached: int) -> None:
+        """``replica`` served ``request`` with ``cached`` prompt tokens from its cache (timings.cache_n)
+        where ``predicted`` were expected: a policy that learns from it does. Works after
+        ``complete`` (an answer's timings may arrive after a next turn released it)."""
+        if self._learner is not None and replica in self._members:
+            self._learner.reported(request, replica, predicted, cached)
+
     def reconfigure(self, settings: RoutingSettings) -> None:
         """Switch policy or knobs at run time; in-flight load is kept."""
         old, self.settings = self.settings, settings
@@ -118,10 +126,14 @@ class Router:
     def _set_policy(self, policy: Policy) -> None:
         """A new policy starts with an empty view of the current fleet (in-flight requests
         it did not route are unknown to it; completing them tells it nothing)."""
-        self.policy, self._view = policy, _view_of(policy)
+        self.policy, self._view, self._learner = policy, _view_of(policy), _learner_of(policy)
         if self._view is not None:
             self._view.set_replicas(self._ring.replicas)
 
 
 def _view_of(policy: Policy) -> SentView | None:
     return policy if isinstance(policy, SentView) else None
+
+
+def _learner_of(policy: Policy) -> CacheReports | None:
+    return policy if isinstance(policy, CacheReports) else None

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RoutingSettings(_message.Message):
-    __slots__ = ("policy", "virtual_nodes", "hash_seed", "epsilon", "load_unit", "cache_aware", "placement_memory", "long_stickiness", "long_prompt_tokens", "long_load_factor", "memory_capacity")
+    __slots__ = ("policy", "virtual_nodes", "hash_seed", "epsilon", "load_unit", "cache_aware", "placement_memory", "long_stickiness", "long_prompt_tokens", "long_load_factor", "memory_capacity", "prefix_index", "prefix_feedback", "prefix_capacity_tokens")
     POLICY_FIELD_NUMBER: _ClassVar[int]
     VIRTUAL_NODES_FIELD_NUMBER: _ClassVar[int]
     HASH_SEED_FIELD_NUMBER: _ClassVar[int]
@@ -19,6 +19,9 @@ class RoutingSettings(_message.Message):
     LONG_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LONG_LOAD_FACTOR_FIELD_NUMBER: _ClassVar[int]
     MEMORY_CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_INDEX_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_FEEDBACK_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CAPACITY_TOKENS_FIELD_NUMBER: _ClassVar[int]
     policy: str
     virtual_nodes: int
     hash_seed: int
@@ -30,7 +33,10 @@ class RoutingSettings(_message.Message):
     long_prompt_tokens: int
     long_load_factor: float
     memory_capacity: int
-    def __init__(self, policy: _Optional[str] = ..., virtual_nodes: _Optional[int] = ..., hash_seed: _Optional[int] = ..., epsilon: _Optional[float] = ..., load_unit: _Optional[str] = ..., cache_aware: _Optional[bool] = ..., placement_memory: _Optional[bool] = ..., long_stickiness: _Optional[bool] = ..., long_prompt_tokens: _Optional[int] = ..., long_load_factor: _Optional[float] = ..., memory_capacity: _Optional[int] = ...) -> None: ...
+    prefix_index: bool
+    prefix_feedback: bool
+    prefix_capacity_tokens: int
+    def __init__(self, policy: _Optional[str] = ..., virtual_nodes: _Optional[int] = ..., hash_seed: _Optional[int] = ..., epsilon: _Optional[float] = ..., load_unit: _Optional[str] = ..., cache_aware: _Optional[bool] = ..., placement_memory: _Optional[bool] = ..., long_stickiness: _Optional[bool] = ..., long_prompt_tokens: _Optional[int] = ..., long_load_factor: _Optional[float] = ..., memory_capacity: _Optional[int] = ..., prefix_index: _Optional[bool] = ..., prefix_feedback: _Optional[bool] = ..., prefix_capacity_tokens: _Optional[int] = ...) -> None: ...
 
 class SetRoutingRequest(_message.Message):
     __slots__ = ("routing",)

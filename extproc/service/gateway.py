@@ -341,6 +341,8 @@ class Gateway:
         if pending.observed_end and pending.chunks:
             timings = parse_timings(b"".join(pending.chunks), pending.event_stream)
         if timings is not None and timings.cache_n is not None:
+            self.router.report_cached(pending.request, served_replica, decision.predicted_cached_tokens,
+                                      timings.cache_n)
             self.metrics.cache_tokens(
                 served_replica,
                 decision.predicted_cached_tokens,

@@ -12,6 +12,9 @@ Workloads come in two shapes:
   new turn starts after ``max_duration_s``;
 - open loop (traces): every request arrives at its own ``arrival_s``.
 
+Each answer's simulated cached tokens go back to the router (``report_cached``) as the
+gateway feeds it the replica's timings.cache_n.
+
 Releases follow the gateway (extproc/service/gateway.py): a finished request is released
 ``release_lag_s`` later (Envoy's access log entry), or earlier when the next turn of its
 conversation arrives, which carries its answer and so releases it before its own decision.
@@ -189,9 +192,10 @@ class _Simulation:
         if not replica.running and self.shared_host:
             self._share_host(now, -1)
         lag = self.fleet.release_lag_s
-        complete = self.complete
+        complete, report = self.complete, self.router.report_cached
         for request in finished:
             request.status = 200
+            report(request.route, replica.name, request.predicted_cached or 0, request.cache_n)  # timings.cache_n
             if lag:
                 self.push(now + lag, _RELEASE, request)
             else:

@@ -67,6 +67,12 @@ class RouterTier:
         router = self._owner.pop(request_id, None)
         return router.complete(request_id, ok) if router is not None else None
 
+    def report_cached(self, request: RouteRequest, replica: str, predicted: int, cached: int) -> None:
+        """An answer's cached tokens go to the router that routed it (reported before its release)."""
+        router = self._owner.get(request.request_id)
+        if router is not None:
+            router.report_cached(request, replica, predicted, cached)
+
     def set_replicas(self, replicas: list[str]) -> None:
         for router in self.distinct():  # every router watches the same discovery
             router.set_replicas(replicas)

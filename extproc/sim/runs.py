@@ -12,6 +12,7 @@ from typing import Any
 from extproc.policy_spec import ExperimentError
 from extproc.policy_spec import parse_policy as experiment_policy
 from extproc.records import REQUESTS_FILE, RunMeta, write_records, write_run_metadata
+from extproc.routing import make_policy
 from extproc.settings import RoutingSettings, SettingsError, parse_routing
 from extproc.sim.costmodel import CostModel, load_cost_model
 from extproc.sim.engine import ClosedLoop, Fleet, OpenLoop, Outcome, simulate
@@ -108,7 +109,7 @@ class Source:
     """Where requests come from: a traffic profile (closed loop) or a trace (open loop)."""
 
     label: str
-    make: Callable[[int], ClosedLoop | OpenLoop]  # seed -> a fresh workload
+    make: Callable[[int, bool], ClosedLoop | OpenLoop]  # (seed, policy needs prefix blocks) -> a fresh workload
     seeds_hash: bool  # traces: the seed varies the ring's hash_seed and the arrival jitter
     profile: Profile | None = None
     trace: list[TraceRequest] | None = None
@@ -116,7 +117,7 @@ class Source:
 
 def profile_source(name_or_path: str) -> Source:
     profile = load_profile(name_or_path)
-    return Source(profile.name, lambda seed: profile_workload(profile, seed), False, profile)
+    return Source(profile.name, lambda seed, blocks: profile_workload(profile, seed, blocks), False, profile)
 
 
 def trace_source(path: str | Path, time_scale: float, jitter_bucket_s: float | None,
@@ -128,7 +129,7 @@ def trace_source(path: str | Path, time_scale: float, jitter_bucket_s: float | N
     if not trace:
         raise TraceError(f"{path}: no requests")
 
-    def make(seed: int) -> OpenLoop:
+    def make(seed: int, _: bool) -> OpenLoop:  # a trace's requests carry its hash ids always
         return requests_from_trace(trace, time_scale, jittered_arrivals(trace, bucket_s, seed))
 
     return Source(Path(path).stem, make, True, trace=trace)
@@ -156,7 +157,8 @@ def run_experiment(
         for spec in policies:
             base = {**config.routing, "hash_seed": seed} if source.seeds_hash else config.routing
             settings = parse_policy(spec, base)
-            outcome = run_once(source.make(seed), settings, cost, fleet, config.routers, config.router_state, seed)
+            outcome = run_once(source.make(seed, make_policy(settings).needs_prefix_blocks), settings, cost, fleet,
+                               config.routers, config.router_state, seed)
             run_id = f"sim-{source.label}-r{fleet.replicas}-{spec.replace(':', '_').replace(',', '_')}-s{seed}"
             rows = request_rows(outcome.requests, run_id, spec, seed)
             write_records(rows, out_dir / run_id / REQUESTS_FILE)

@@ -4,13 +4,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from extproc.routing.blocks import BLOCK_CHARS
 from extproc.sim.engine import ClosedLoop, OpenLoop
 from extproc.sim.mooncake import TraceRequest, infer_conversations, read_trace
 from extproc.sim.replica import Request
 from extproc.traffic import Profile, generate_conversations
 
+# A profile prompt as the block-aware policies see it: the service cuts a prompt's text into
+# blocks of BLOCK_CHARS characters, at its 4 characters a token (router.toml chars_per_token).
+PROFILE_BLOCK_TOKENS = BLOCK_CHARS // 4
 
-def profile_workload(profile: Profile, seed: int) -> ClosedLoop:
+
+def profile_workload(profile: Profile, seed: int, prefix_blocks: bool = False) -> ClosedLoop:
     """The seed's conversations, each turn's prompt = whole history with answers at max_tokens.
 
     The prompt size is the generator's estimate (characters / chars_per_token plus
@@ -30,9 +35,11 @@ def profile_workload(profile: Profile, seed: int) -> ClosedLoop:
                 f"{conversation.id}-t{turn_number}", conversation.id, turn_number, number, None,
                 turn.est_prompt_tokens, turn.max_tokens, think_s=turn.think_time_s,
             )
+            if prefix_blocks:
+                _add_blocks(request)
             if turn.parallel:
                 request.sides = tuple(
-                    _side(request, f"{conversation.id}/p{k}", side.est_prompt_tokens)
+                    _side(request, f"{conversation.id}/p{k}", side.est_prompt_tokens, prefix_blocks)
                     for k, side in enumerate(turn.parallel, start=1)
                 )
                 request.waiting = 1 + len(request.sides)
@@ -44,10 +51,18 @@ def profile_workload(profile: Profile, seed: int) -> ClosedLoop:
     return ClosedLoop(firsts, profile.concurrency, profile.spawn_rate, profile.max_duration_s)
 
 
-def _side(turn: Request, recorded_as: str, prompt_tokens: int) -> Request:
+def _add_blocks(request: Request) -> None:
+    key = request.key  # the conversation's number: hashes of int tuples are the same in every process
+    count = request.prompt_tokens // PROFILE_BLOCK_TOKENS
+    request.route = request.route._replace(prefix_blocks=tuple(hash((key, index)) for index in range(count)))
+
+
+def _side(turn: Request, recorded_as: str, prompt_tokens: int, prefix_blocks: bool) -> Request:
     side = Request(f"{turn.request_id}-{recorded_as.rpartition('/')[2]}", recorded_as, turn.turn, turn.key, None,
                    prompt_tokens, turn.max_tokens)  # fmt: skip
     side.route = side.route._replace(conversation=turn.conversation)  # routed as its turn's conversation
+    if prefix_blocks:
+        _add_blocks(side)
     side.head = turn
     return side
 

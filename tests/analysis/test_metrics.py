@@ -94,3 +94,22 @@ def test_chart_queries_stay_small(tmp_path):
 def test_folder_without_records_is_refused(tmp_path):
     with pytest.raises(FileNotFoundError, match="no \\*/requests.parquet"):
         connect(tmp_path)
+
+
+def test_prediction_error_is_the_mean_absolute_error_and_the_share_within_a_tenth_of_the_prompt(tmp_path):
+    r = lambda *a, predicted, **k: {**request(*a, **k), "predicted_cached_tokens": predicted}  # noqa: E731
+    first = [r("p-s1", "p", 1, "a", 1, "llm-0", 0, 100, at=0, predicted=0),  # exact
+             r("p-s1", "p", 1, "a", 2, "llm-0", 90, 30, at=2, predicted=100),  # off by 10 <= 12: within
+             r("p-s1", "p", 1, "b", 1, "llm-1", 0, 200, at=3, predicted=50),  # off by 50 > 20
+             r("p-s1", "p", 1, "b", 2, "llm-1", 0, 10, at=4, predicted=None),  # no prediction: not counted
+             r("p-s1", "p", 1, "c", 1, "llm-1", None, None, at=5, predicted=7, status=500, error="x")]  # failed
+    second = [r("p-s2", "p", 2, "a", 1, "llm-0", 40, 60, at=0, predicted=0)]  # off by 40 > 10
+    write_run(tmp_path, "p-s1", "p", 1, first)
+    write_run(tmp_path, "p-s2", "p", 2, second)
+    con = connect(tmp_path)
+    runs = {run["run_id"]: run for run in per_run(con)}
+    assert runs["p-s1"]["prediction_mae"] == pytest.approx(60 / 3)
+    assert runs["p-s1"]["prediction_within_10"] == pytest.approx(2 / 3)
+    pooled = summary(con)["p"]
+    assert pooled["prediction_mae"]["value"] == pytest.approx(100 / 4)  # pooled over requests, not runs
+    assert pooled["prediction_within_10"]["value"] == pytest.approx(2 / 4)

@@ -16,9 +16,11 @@ def test_the_table_has_every_policy_and_the_peers_at_64_replicas(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(decisions, "bytes_per_conversation", lambda: 120.0)  # its own 200,000 entries: slow
+    monkeypatch.setattr(decisions, "bytes_per_block", lambda: 400.0)
     assert decisions.main(argparse.Namespace(decisions=300, fleets=[3], json=True)) == 0
     summary = json.loads(capsys.readouterr().out)
     cells = {(row["policy"], row["replicas"]) for row in summary["decisions"]}
     peers = {"prefix-affinity", "radix-balance", "chwbl", "kv-cost"}
-    assert cells == {(name, 3) for name in POLICIES if name not in peers} | {(name, 64) for name in peers}
+    assert cells == ({(name, 3) for name in POLICIES if name not in peers} | {(name, 64) for name in peers}
+                     | {(decisions.PREFIX_INDEX, 64)})
     assert 1_300 < summary["block_hashing"]["prompt_tokens"] < 2_200

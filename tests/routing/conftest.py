@@ -17,6 +17,9 @@ BASE: dict[str, Any] = {
     "long_prompt_tokens": 800,
     "long_load_factor": 2.0,
     "memory_capacity": 10_000,
+    "prefix_index": False,
+    "prefix_feedback": False,
+    "prefix_capacity_tokens": 100_000,
 }
 
 

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 import extproc.sim.engine as engine
 from extproc.routing import Router
+from extproc.routing.blocks import covered_tokens
 from extproc.sim.costmodel import CostModel, CostModelError, load_cost_model
 from extproc.sim.engine import Fleet, OpenLoop, simulate
 from extproc.sim.paged import BlockPool, PagedReplica
@@ -175,3 +176,22 @@ def test_a_held_block_named_with_another_size_is_counted_as_stored():
     hit, add = pool.plan([("b", 100), ("n", 480)], 0)
     pool.take([("b", 100), ("n", 480)], 0, add)
     assert (hit, pool.used) == (100, 992) and pool.used <= pool.capacity
+
+
+def test_every_answer_reports_its_simulated_cache_n_to_the_router(monkeypatch: pytest.MonkeyPatch):
+    """The simulator closes llm-aware's loop as the gateway does: each answer's cache_n goes back."""
+    requests = [trace_request("a", (1, 2, 3), 1100, 5, 0.0), trace_request("b", (1, 2, 4, 5), 1600, 5, 30.0)]
+    router = Router(settings("llm-aware:prefix_index=true,prefix_feedback=true"))
+    reports: list[tuple[str, str, int, int]] = []
+    original = router.report_cached
+
+    def record(request, replica, predicted, cached):  # noqa: ANN001, ANN202
+        reports.append((request.request_id, replica, predicted, cached))
+        original(request, replica, predicted, cached)
+
+    monkeypatch.setattr(router, "report_cached", record)
+    done = {r.request_id: r for r in simulate(OpenLoop(requests), router, paged_cost(), Fleet(2, 1, 0)).requests}
+    assert reports == [(name, done[name].replica, done[name].predicted_cached, done[name].cache_n) for name in "ab"]
+    # b holds 3 full blocks, 2 of them a's: predicted as 2/3 of its prompt, found as 2 blocks of 512
+    assert done["b"].replica == done["a"].replica
+    assert (done["b"].predicted_cached, done["b"].cache_n) == (covered_tokens(1600, 3, 2), 2 * 512)

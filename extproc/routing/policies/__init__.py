@@ -15,7 +15,7 @@ from extproc.routing.policies.bounded import Bounded
 from extproc.routing.policies.chwbl import Chwbl
 from extproc.routing.policies.consistent import Consistent
 from extproc.routing.policies.kv_cost import KvCost
-from extproc.routing.policies.llm_aware import LlmAware
+from extproc.routing.policies.llm_aware import LlmAware, make_llm_aware
 from extproc.routing.policies.mod_n import ModN
 from extproc.routing.policies.prefix_affinity import PrefixAffinity
 from extproc.routing.policies.radix_balance import RadixBalance
@@ -47,8 +47,17 @@ class SentView(Protocol):
         """The fleet is now exactly ``replicas``."""
 
 
+@runtime_checkable
+class CacheReports(Protocol):
+    """A policy that learns from the cached tokens the replicas report (timings.cache_n)."""
+
+    def reported(self, request: RouteRequest, replica: str, predicted: int, cached: int) -> None:
+        """``replica`` served ``request`` with ``cached`` prompt tokens from its cache; the
+        decision predicted ``predicted``."""
+
+
 POLICIES: dict[str, Callable[[RoutingSettings], Policy]] = {
-    cls.name: cls
+    cls.name: make_llm_aware if cls is LlmAware else cls  # llm-aware's prefix index is a subclass with a view
     for cls in (RoundRobin, ModN, Consistent, Bounded, LlmAware, PrefixAffinity, RadixBalance, Chwbl, KvCost)
 }
 

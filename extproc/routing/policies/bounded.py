@@ -9,7 +9,8 @@ costs its whole prompt + max_tokens, wherever it goes: the cache is ignored).
 from __future__ import annotations
 
 from extproc.routing.decision import Decision, Trace
-from extproc.routing.policies.situation import NO_PEER_FIELDS, Situation, average_and_cap, first_fit, least_loaded, new
+from extproc.routing.policies.bounded_walk import average_and_cap, first_fit, least_loaded
+from extproc.routing.policies.situation import NO_PEER_FIELDS, Situation, new
 from extproc.settings import RoutingSettings
 
 

@@ -1,21 +1,36 @@
-"""llm-aware: bounded loads in tokens, plus three switchable LLM-specific additions.
+"""llm-aware: bounded loads in tokens, plus switchable LLM-specific additions.
 
-- cache_aware: on the replica holding the conversation's cache a request costs only
-  its new tokens, max(1, prompt - cached) + max_tokens; elsewhere its whole prompt. That
-  replica also keeps one request of slack under the cap (see ``first_fit``).
-- placement_memory: prefer where the conversation was last served (its cache lives
-  there after a redirect) over its ring home, which would pay a second full prefill.
+- cache_aware: where the request's prefix is expected cached it costs only its new
+  tokens, max(1, prompt - cached) + max_tokens; elsewhere its whole prompt. The cached
+  replica, when preferred, also keeps one request of slack under the cap (``first_fit``).
+- placement_memory: prefer where the cache is (the conversation's last replica, or with
+  the prefix index the longest held prefix) over the ring home, which would pay a
+  second full prefill.
 - long_stickiness: a cached conversation of at least long_prompt_tokens may load its
   replica up to long_load_factor × average before being moved: moving it costs most.
+- prefix_index (docs/prefix-index.md): where the cache is comes from a bounded index of
+  the prompt blocks sent to each replica (at most prefix_capacity_tokens each, least
+  recently sent forgotten first), not from placement memory: the expected cached tokens
+  on every replica = its longest held prefix of this prompt; the one holding the most
+  is the cached replica (ties: the ring home, else the first clockwise). Requests
+  without blocks fall back to placement memory. prefix_feedback: a replica that reports
+  fewer cached tokens than predicted forgets the blocks past what it reused.
 
-With all three off it decides exactly as bounded in tokens mode.
+With all of them off it decides exactly as bounded in tokens mode; with the prefix
+index off exactly as the seed's llm-aware.
 """
 
 from __future__ import annotations
 
-from extproc.routing.decision import Decision, Trace
-from extproc.routing.policies.situation import NO_PEER_FIELDS, Situation, average_and_cap, first_fit, least_loaded, new
+from itertools import islice, takewhile
+
+from extproc.routing.decision import Candidate, Decision, RouteRequest, Trace
+from extproc.routing.policies.bounded_walk import Discount, average_and_cap, first_fit, least_loaded
+from extproc.routing.policies.situation import NO_PEER_FIELDS, Situation, new
+from extproc.routing.prefix_views import BlockIndex
 from extproc.settings import RoutingSettings
+
+CANDIDATES_TRACED = 8  # holders a trace lists, deepest first (its figures count them all)
 
 
 class LlmAware:
@@ -37,53 +52,129 @@ class LlmAware:
         request = situation.request
         prompt, max_tokens = request.prompt_tokens, request.max_tokens
         work = prompt + max_tokens  # what the request costs where nothing is cached
-        placement = situation.placement
-        if placement is None:
-            cached_on, cached_tokens, cached_cost = None, 0, work
-        else:
-            cached_on = placement.replica
-            cached_tokens = min(placement.prompt_tokens, prompt)
-            cached_cost = max(1, prompt - cached_tokens) + max_tokens
-        discounted = cached_on if self.cache_aware else None  # where the request costs cached_cost
-
         home = situation.home()
+        assert home is not None  # eligible is not empty
+        # expected: replica -> cached tokens there; costs: replica -> the request's new tokens there
+        cached_on, expected, costs, seen = self.where_cached(situation, home)
+        if not self.cache_aware:
+            costs = {}
         by_memory = self.placement_memory and cached_on is not None
-        preferred = cached_on if by_memory else home
-        assert preferred is not None  # eligible is not empty
-        preferred_cost = cached_cost if preferred == discounted else work
+        preferred = cached_on if by_memory and cached_on is not None else home
+        preferred_cost = costs.get(preferred, work)
         loads = situation.ledger.loads("tokens")
         total = situation.total("tokens") + preferred_cost
         average, cap = average_and_cap(total, len(eligible), self.epsilon, "tokens")
         long_cap = None
         if self.long_stickiness and cached_on == preferred and prompt >= self.long_prompt_tokens:
             long_cap = self.long_load_factor * average
-        cached = discounted if discounted == preferred else None
-        chosen, checks = first_fit(situation, preferred, loads, work, cap,
-                                   discounted, cached_cost, cached, long_cap)
+        discount = new(Discount, (costs, preferred if self.cache_aware and cached_on == preferred else None,
+                                  long_cap, self.holders(expected) if len(expected) > 1 else ()))
+        chosen, checks = first_fit(situation, preferred, loads, work, cap, discount)
         if chosen is None:
-            chosen, reason = least_loaded(eligible, loads, work, discounted, cached_cost), "least-loaded"
+            chosen, reason = least_loaded(eligible, loads, work, discount), "least-loaded"
         elif chosen == preferred:
-            reason = "home" if preferred == home else "sticky"
+            reason = "home" if preferred == home else ("prefix" if seen else "sticky")
             load = loads[chosen]
-            if load and load + preferred_cost > cap and not (cached and load < cap):
+            if load and load + preferred_cost > cap and not (discount.cached and load < cap):
                 reason += "-long"  # only the long cap let it in
         else:
             reason = "overflow"
-        cost = cached_cost if chosen == discounted else work
+        cost = costs.get(chosen, work)
+        placement = situation.placement
         trace = new(Trace, (
             self.name, prompt, max_tokens,
             "tokens",  # unit
             home,
             preferred,
-            "memory" if by_memory else "ring",  # preferred_by
-            cached_on,  # remembered
+            ("prefix" if seen else "memory") if by_memory else "ring",  # preferred_by
+            placement.replica if placement else None,  # remembered
             placement.prompt_tokens if placement else None,  # remembered_tokens
-            cached_tokens if preferred == cached_on else 0,  # cached_tokens
+            expected.get(preferred, 0),  # cached_tokens
             preferred_cost,
             situation.load_items("tokens"),  # loads
             total, average, cap, long_cap,
             self.long_prompt_tokens if long_cap is not None else None,  # long_threshold
             checks,
-            *NO_PEER_FIELDS,  # prompt_blocks, candidates, figures
+            *(seen or NO_PEER_FIELDS),  # prompt_blocks, candidates, figures
         ))
-        return new(Decision, (chosen, reason, cost, cost, cached_tokens if chosen == cached_on else 0, trace))
+        return new(Decision, (chosen, reason, cost, cost, expected.get(chosen, 0), trace))
+
+    def holders(self, expected: dict[str, int]) -> tuple[str, ...]:
+        """Where to look after the preferred replica, before the ring, when ``expected`` names
+        several replicas (placement memory never does)."""
+        return ()
+
+    def where_cached(self, situation: Situation, home: str) -> tuple[str | None, dict[str, int], dict[str, int], tuple]:
+        """(the replica holding the cache, replica -> cached tokens expected there, replica ->
+        the request's cost there (new tokens only), the prefix index's trace fields or ()):
+        here placement memory's one entry."""
+        placement = situation.placement
+        if placement is None:
+            return None, {}, {}, ()
+        request = situation.request
+        replica, cached = placement.replica, min(placement.prompt_tokens, request.prompt_tokens)
+        return replica, {replica: cached}, {replica: max(1, request.prompt_tokens - cached) + request.max_tokens}, ()
+
+
+class LlmAwarePrefix(LlmAware):
+    """llm-aware with the prefix index on (a policy that keeps a view of what it sent)."""
+
+    needs_prefix_blocks = True
+
+    def __init__(self, settings: RoutingSettings) -> None:
+        super().__init__(settings)
+        self.index = BlockIndex(settings.prefix_capacity_tokens)
+        self.feedback = settings.prefix_feedback
+
+    def where_cached(self, situation: Situation, home: str) -> tuple[str | None, dict[str, int], dict[str, int], tuple]:
+        request = situation.request
+        blocks = request.prefix_blocks
+        if not blocks:
+            return super().where_cached(situation, home)
+        matched = self.index.prefix_closed_matches(blocks)  # deepest first; ``routed`` adds prompts tail first
+        avoid = situation.avoid
+        if avoid:
+            matched = {name: count for name, count in matched.items() if name not in avoid}
+        prompt, count = request.prompt_tokens, len(blocks)
+        expected = {name: prompt * held // count for name, held in matched.items()}  # = covered_tokens
+        loads = situation.ledger.loads("tokens")
+        candidates = tuple(new(Candidate, (name, held, loads[name], expected[name]))
+                           for name, held in islice(matched.items(), CANDIDATES_TRACED))
+        seen = (count, candidates, (("capacity_tokens", self.index.capacity), ("holders", len(matched))))
+        if not matched:
+            return None, {}, {}, seen
+        most = next(iter(matched.values()))
+        tied = [name for name, _ in takewhile(lambda item: item[1] == most, matched.items())]
+        if len(tied) == 1:
+            cached_on = tied[0]
+        else:  # ties: the ring home, else the first of them clockwise
+            cached_on = home if home in tied else next(name for name in situation.walk() if name in tied)
+        max_tokens = request.max_tokens
+        costs = {name: max(1, prompt - tokens) + max_tokens for name, tokens in expected.items()}  # as above
+        return cached_on, expected, costs, seen
+
+    def holders(self, expected: dict[str, int]) -> tuple[str, ...]:
+        """The other replicas holding part of the prompt, most expected reuse first."""
+        return tuple(expected)  # built deepest first
+
+    def routed(self, request: RouteRequest, decision: Decision) -> None:
+        blocks = request.prefix_blocks
+        if blocks:  # the tail first, so the tail is forgotten first (servers evict a prefix from its end)
+            self.index.add_prompt(decision.replica, blocks, max(1, request.prompt_tokens // len(blocks)))
+
+    def completed(self, request: RouteRequest, decision: Decision) -> None:
+        pass  # what was sent stays in the index until its capacity forgets it
+
+    def set_replicas(self, replicas: tuple[str, ...]) -> None:
+        self.index.set_replicas(replicas)
+
+    def reported(self, request: RouteRequest, replica: str, predicted: int, cached: int) -> None:
+        """``replica`` served ``request`` from ``cached`` cached tokens; ``predicted`` were expected."""
+        blocks = request.prefix_blocks
+        if self.feedback and blocks and request.prompt_tokens and 0 <= cached < predicted:
+            reused = cached * len(blocks) // request.prompt_tokens  # whole blocks it found
+            self.index.forget(replica, blocks[reused:])
+
+
+def make_llm_aware(settings: RoutingSettings) -> LlmAware:
+    return LlmAwarePrefix(settings) if settings.prefix_index else LlmAware(settings)

@@ -1,16 +1,16 @@
-"""What a policy may look at for one request, and the bounded-load walk they share."""
+"""What a policy may look at for one request, and the decisions of the policies that do not walk the cap."""
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 from extproc.routing.blocks import covered_tokens
-from extproc.routing.decision import Candidate, Check, Decision, RouteRequest, Trace
-from extproc.routing.ledger import LoadLedger, LoadUnit
+from extproc.routing.decision import Candidate, Decision, RouteRequest, Trace
+from extproc.routing.ledger import LoadLedger
 from extproc.routing.placement import Placement
 from extproc.routing.ring import HashRing
+from extproc.settings import LoadUnit
 
 # NamedTuple(...) goes through a Python-level __new__ (with keywords, through a dict too):
 # 0.3-1.2 µs a tuple. On the per-request path tuples are built directly, positionally
@@ -61,84 +61,6 @@ class Situation(NamedTuple):
         if placement is None or placement.replica != replica:
             return 0
         return min(placement.prompt_tokens, self.request.prompt_tokens)
-
-
-def average_and_cap(total: int, replicas: int, epsilon: float, unit: LoadUnit) -> tuple[float, float]:
-    """Mean load including this request, and the bound (1 + ε) × mean.
-
-    In requests the cap rounds up to a whole request (the paper's ⌈(1+ε)·m/n⌉), which
-    guarantees some replica always fits; tokens are fine-grained and are not rounded.
-    """
-    average = total / replicas
-    cap = (1 + epsilon) * average
-    if unit == "requests":
-        cap = math.ceil(cap - 1e-9)  # tolerate float noise: 1.1 * 10 is 11.000000000000002
-    return average, cap
-
-
-def first_fit(
-    situation: Situation,
-    first: str,
-    loads: Mapping[str, int],
-    cost: int,
-    cap: float,
-    discounted: str | None = None,
-    discounted_cost: int = 0,
-    cached: str | None = None,
-    long_cap: float | None = None,
-) -> tuple[str | None, tuple[Check, ...]]:
-    """Try ``first``, then the other eligible replicas clockwise, and take the first whose
-    load + cost stays within its limit.
-
-    The request costs ``cost``, except on ``discounted`` (llm-aware: the replica holding
-    its cache) where it costs ``discounted_cost``.
-
-    An idle replica always accepts: in tokens a single request can exceed its share of
-    the cap on its own, and sending it past an idle home would only lose the cache.
-    This never overrides the cap while some replica fits under it (an idle replica
-    fits whenever any other does, since loads are never negative).
-
-    ``cached`` names the replica holding this request's cache when it is also the
-    preferred one (llm-aware only). Its limit is ``long_cap`` when given, and it has one
-    request of slack: it accepts while its load *before* the request is under its limit.
-    That is the token analogue of the paper's ⌈(1+ε)·m/n⌉, which in requests also lets a
-    replica under the cap take one more; without it one large prefill elsewhere on the
-    replica pushes every small cached follow-up away at light load, each redirect paying
-    a full reprocess.
-    """
-    check = _check(first, loads, cost, cap, discounted, discounted_cost, cached, long_cap)
-    if check.accepted:  # the usual case: the ring is not walked at all
-        return first, (check,)
-    checks = [check]
-    for name in situation.walk():
-        if name != first:
-            check = _check(name, loads, cost, cap, discounted, discounted_cost, cached, long_cap)
-            checks.append(check)
-            if check.accepted:
-                return name, tuple(checks)
-    return None, tuple(checks)
-
-
-def _check(name: str, loads: Mapping[str, int], cost: int, cap: float, discounted: str | None,
-           discounted_cost: int, cached: str | None, long_cap: float | None) -> Check:
-    """Whether ``name`` takes the request (the rules in ``first_fit``)."""
-    cost_here = discounted_cost if name == discounted else cost
-    load = loads[name]
-    if name == cached:
-        is_long = long_cap is not None
-        limit = long_cap if is_long else cap
-        accepted = load == 0 or load + cost_here <= limit or load < limit  # type: ignore[operator]
-    else:
-        is_long, limit = False, cap
-        accepted = load == 0 or load + cost_here <= cap
-    return new(Check, (name, load, cost_here, limit, accepted, is_long))
-
-
-def least_loaded(candidates: Iterable[str], loads: Mapping[str, int], cost: int,
-                 discounted: str | None = None, discounted_cost: int = 0) -> str:
-    """The candidate least loaded once this request is added (ties: by name)."""
-    return min(candidates,
-               key=lambda name: (loads[name] + (discounted_cost if name == discounted else cost), name))
 
 
 def unbounded_decision(policy: str, situation: Situation, replica: str, reason: str,
