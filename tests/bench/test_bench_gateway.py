@@ -17,7 +17,7 @@ def test_every_mode_is_measured_and_ext_proc_really_is_in_the_path() -> None:
     cells = {cell["mode"]: cell for cell in result["cells"]}
     assert set(cells) == set(MODES) and result["rounds"] == 2
     assert all(cell["requests"] > 0 and cell["errors"] == 0 for cell in cells.values())
-    # a routed request costs the service CPU and a gRPC round trip more than Envoy alone
+    # a routed request costs the service CPU
     assert cells["envoy+ext_proc"]["ext_proc_cpu_us_per_request"] > 0
     table = render_table(result)
     assert "targets:" in table and "median of 2 rounds" in table
