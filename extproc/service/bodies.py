@@ -34,7 +34,7 @@ event of a ``text/event-stream`` body that carries them.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import orjson
@@ -57,6 +57,7 @@ class ParsedRequest:
     stream: bool
     history: int = 0  # hash of all messages (chat); 0 for completion bodies
     answered: frozenset[int] = frozenset()  # histories this body shows answered (see above)
+    prefix_blocks: tuple[int, ...] = ()  # only when asked for (parse_request(blocks=True))
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,9 +93,12 @@ class Timings:
         return {name: getattr(self, name) for name in self.__slots__ if getattr(self, name) is not None}
 
 
-def parse_request(path: str, content_type: str, body: bytes, limits: BodyLimits | None = None) -> ParsedRequest:
+def parse_request(
+    path: str, content_type: str, body: bytes, limits: BodyLimits | None = None, blocks: bool = False
+) -> ParsedRequest:
     """Read a request body, or raise BadRequest(status, message) saying what is wrong.
-    limits: the service's; None (tests, offline tools) checks types only."""
+    limits: the service's; None (tests, offline tools) checks types only.
+    blocks: also cut the prompt into prefix blocks (for the policies that need them)."""
     if not body:
         raise BadRequest(400, "empty body: expected a JSON object")
     media = content_type.partition(";")[0].strip().lower()
@@ -110,11 +114,13 @@ def parse_request(path: str, content_type: str, body: bytes, limits: BodyLimits 
     if path in CHAT_PATHS:
         key, chars, history, answered = _chat(data.get("messages"), limits)
         max_tokens = _max_tokens(data, limits, "max_tokens", "max_completion_tokens")
-        return ParsedRequest(key, chars, 0, max_tokens, stream, history, answered)
-    if path in COMPLETION_PATHS:
+        parsed = ParsedRequest(key, chars, 0, max_tokens, stream, history, answered)
+    elif path in COMPLETION_PATHS:
         key, chars, ids = _completion(data.get("prompt"), limits)
-        return ParsedRequest(key, chars, ids, _max_tokens(data, limits, "n_predict", "max_tokens"), stream)
-    raise BadRequest(404, f"unknown path {path!r}")
+        parsed = ParsedRequest(key, chars, ids, _max_tokens(data, limits, "n_predict", "max_tokens"), stream)
+    else:
+        raise BadRequest(404, f"unknown path {path!r}")
+    return replace(parsed, prefix_blocks=prefix_blocks(_prompt_text(path, data))) if blocks else parsed
 
 
 def too_many_messages(body: bytes, limits: BodyLimits) -> BadRequest | None:
@@ -196,14 +202,16 @@ def _completion(prompt: Any, limits: BodyLimits | None) -> tuple[str, int, int]:
 
 def request_blocks(path: str, body: bytes) -> tuple[int, ...]:
     """Prefix blocks of a body that ``parse_request`` accepted (() when it has no prompt text)."""
-    data = orjson.loads(body)
+    return prefix_blocks(_prompt_text(path, orjson.loads(body)))
+
+
+def _prompt_text(path: str, data: dict[str, Any]) -> str:
+    """The prompt as one text, as prefix blocks cut it (the module docstring)."""
     if path in CHAT_PATHS:
-        text = "".join(f"{message.get('role')}\x00{_text(message.get('content'), 'content')}\x00"
+        return "".join(f"{message.get('role')}\x00{_text(message.get('content'), 'content')}\x00"
                        for message in data["messages"])
-    else:
-        prompt = data["prompt"]
-        text = prompt if isinstance(prompt, str) else "".join(f"{token}," for token in prompt)
-    return prefix_blocks(text)
+    prompt = data["prompt"]
+    return prompt if isinstance(prompt, str) else "".join(f"{token}," for token in prompt)
 
 
 UNTIL_CONTEXT_ENDS = -1  # llama.cpp's n_predict (and max_tokens) -1: generate until the context is full

@@ -58,7 +58,6 @@ from extproc.service.bodies import (
     Timings,
     parse_request,
     parse_timings,
-    request_blocks,
 )
 from extproc.service.metrics import Metrics, ReplicaState
 from extproc.settings import ServiceSettings
@@ -185,7 +184,7 @@ class Gateway:
         prompt_tokens = parsed.prompt_token_ids or estimate_tokens(parsed.prompt_chars, self.settings.chars_per_token)
         request = RouteRequest(
             unique_id, conversation, prompt_tokens, parsed.max_tokens or self.settings.default_max_tokens,
-            request_blocks(path, body) if self.router.policy.needs_prefix_blocks else (),
+            parsed.prefix_blocks,
         )
         if parsed.answered:
             self._release_answered(conversation, parsed.answered)
@@ -401,7 +400,9 @@ class Gateway:
     ) -> ParsedRequest:
         if isinstance(done, BadRequest):
             raise done
-        return done if done is not None else parse_request(path, content_type, body, self.limits)
+        if done is not None:
+            return done
+        return parse_request(path, content_type, body, self.limits, self.router.policy.needs_prefix_blocks)
 
     def _request_id(self) -> str:
         self._sequence += 1

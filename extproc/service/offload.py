@@ -23,10 +23,12 @@ MAX_WAITING = 8
 WORKER_TASKS = 64
 
 
-def parse_or_refusal(path: str, content_type: str, body: bytes, limits: BodyLimits) -> ParsedRequest | BadRequest:
+def parse_or_refusal(
+    path: str, content_type: str, body: bytes, limits: BodyLimits, blocks: bool
+) -> ParsedRequest | BadRequest:
     """parse_request's result or its refusal, as a value (it crosses a process boundary)."""
     try:
-        return parse_request(path, content_type, body, limits)
+        return parse_request(path, content_type, body, limits, blocks)
     except BadRequest as exc:
         return exc
 
@@ -43,7 +45,9 @@ class BodyParser:
     def takes(self, body: bytes) -> bool:
         return len(body) >= OFFLOAD_BYTES
 
-    async def parse(self, path: str, content_type: str, body: bytes) -> ParsedRequest | BadRequest:
+    async def parse(
+        self, path: str, content_type: str, body: bytes, blocks: bool = False
+    ) -> ParsedRequest | BadRequest:
         refusal = too_many_messages(body, self.limits) if path in CHAT_PATHS else None
         if refusal is not None:
             return refusal
@@ -52,7 +56,9 @@ class BodyParser:
         self.waiting += 1
         try:
             loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(self.pool, parse_or_refusal, path, content_type, body, self.limits)
+            return await loop.run_in_executor(
+                self.pool, parse_or_refusal, path, content_type, body, self.limits, blocks
+            )
         finally:
             self.waiting -= 1
 

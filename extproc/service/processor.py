@@ -144,7 +144,7 @@ class Processor:
         body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
         parsed = None
         if self.parser is not None and self.parser.takes(body):
-            parsed = await self.parser.parse(path, content_type, body)
+            parsed = await self.parser.parse(path, content_type, body, self.gateway.router.policy.needs_prefix_blocks)
         answer, routed = self.gateway.route_request(
             path=path,
             content_type=content_type,

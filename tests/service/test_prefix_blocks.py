@@ -9,7 +9,7 @@ import pytest
 
 from extproc.routing import Router
 from extproc.routing.blocks import BLOCK_CHARS, prefix_blocks
-from extproc.service.bodies import request_blocks
+from extproc.service.bodies import parse_request, request_blocks
 from extproc.service.gateway import Gateway
 from extproc.service.metrics import Metrics
 from extproc.settings import load_settings
@@ -50,3 +50,9 @@ def test_the_gateway_hashes_blocks_only_for_a_policy_that_needs_them(policy: str
     assert routed
     (pending,) = gateway.pending.values()
     assert pending.request.prefix_blocks == (request_blocks(CHAT, body) if hashed else ())
+
+
+def test_the_blocks_come_from_the_one_parse_of_the_body() -> None:
+    body = chat(("system", "tools " * 30), ("user", "hello there, " * 20))
+    assert parse_request(CHAT, "application/json", body, blocks=True).prefix_blocks == request_blocks(CHAT, body)
+    assert parse_request(CHAT, "application/json", body).prefix_blocks == ()
