@@ -58,8 +58,8 @@ def test_missing_file_and_bad_toml_are_clear(tmp_path: Path) -> None:
 
 
 def test_the_policy_setting_accepts_exactly_the_registered_policies() -> None:
-    """PolicyName (settings.py) repeats the registry's names (routing/policies/__init__.py):
-    the settings cannot import the core that imports them, so this keeps the two equal."""
+    """PolicyName (settings.py) is the one list of names; every policy class is typed to name
+    one member of it, and this checks the registry covers all of them, in the same order."""
     from typing import get_args
 
     from extproc.routing import POLICIES

@@ -16,6 +16,7 @@ import random
 import statistics
 import time
 import tracemalloc
+from typing import Any
 
 from extproc.experiments.run import parse_policy
 from extproc.routing import POLICIES, PlacementMemory, Router, RouteRequest, make_policy, stable_hash
@@ -129,9 +130,10 @@ def bytes_per_block(replicas: int = 8, prompts: int = 400) -> float:
 def main(args: argparse.Namespace) -> int:
     decisions = getattr(args, "decisions", 20_000)
     fleets = getattr(args, "fleets", list(FLEETS))
-    results = []
+    results: list[dict[str, Any]] = []
     floor: dict[int, float] = {}  # round-robin's median per fleet: what this machine charges for any decision
-    cells = [(policy, replicas) for policy in POLICIES if not _peer(policy) for replicas in fleets]
+    cells: list[tuple[str, int]] = [
+        (policy, replicas) for policy in POLICIES if not _peer(policy) for replicas in fleets]
     cells += [(policy, PEER_FLEET) for policy in POLICIES if _peer(policy)] + [(PREFIX_INDEX, PEER_FLEET)]
     for policy, replicas in cells:
         cell = time_decisions(policy, replicas, decisions)

@@ -28,7 +28,7 @@ from extproc.settings import RoutingSettings
 from extproc.sim.costmodel import CostModel, load_cost_model
 from extproc.sim.engine import ClosedLoop, Fleet
 from extproc.sim.mooncake import jittered_arrivals, read_trace
-from extproc.sim.runs import cache_tokens, load_sim_config, parse_policy, run_once
+from extproc.sim.runs import load_sim_config, parse_policy, run_once
 from extproc.sim.workload import profile_workload, requests_from_trace
 from extproc.traffic import load_profile
 
@@ -55,8 +55,7 @@ def main(args: argparse.Namespace) -> int:
 def run(rounds: int, trace_path: Path) -> dict[str, Any]:
     config = load_sim_config()
     cost = load_cost_model(config.cost_model)
-    fleet = Fleet(3, config.slots, cache_tokens(config.cache_ram_mib, cost), release_lag_s=config.release_lag_ms / 1000,
-                  release_by_next_turn=config.release_by_next_turn)
+    fleet = config.fleet(3, cost)
     profile = load_profile("standard")
     workloads = {policy: [profile_workload(profile, seed) for seed in SEEDS] for policy in POLICIES}
     settings = {policy: parse_policy(policy, config.routing) for policy in POLICIES}
@@ -89,8 +88,7 @@ def run(rounds: int, trace_path: Path) -> dict[str, Any]:
         started, cpu = time.perf_counter(), time.process_time()
         trace = read_trace(trace_path)
         requests = 0
-        fleet = Fleet(TRACE_REPLICAS, config.slots, 0, release_lag_s=config.release_lag_ms / 1000,
-                      release_by_next_turn=config.release_by_next_turn)
+        fleet = config.fleet(TRACE_REPLICAS, gpu, cache=False)
         for policy in policies:
             workload = requests_from_trace(trace, 1.0, jittered_arrivals(trace, config.jitter_bucket_s, 1))
             requests += len(run_once(workload, parse_policy(policy, config.routing), gpu,

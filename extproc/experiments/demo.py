@@ -102,13 +102,11 @@ def simulate(profile: str, policies: list[str], seeds: list[int], replicas: int,
     from extproc.analysis.report import SUMMARY_FILE, build_report, render_markdown
     from extproc.sim.cli import paired_differences
     from extproc.sim.costmodel import load_cost_model
-    from extproc.sim.engine import Fleet
-    from extproc.sim.runs import cache_tokens, load_sim_config, profile_source, run_experiment
+    from extproc.sim.runs import load_sim_config, profile_source, run_experiment
 
     config = load_sim_config()
     cost = load_cost_model(config.cost_model)
-    fleet = Fleet(replicas, config.slots, cache_tokens(config.cache_ram_mib, cost), (), float(host_cores),
-                  config.threads)
+    fleet = config.fleet(replicas, cost, host_cores=float(host_cores))
     run_experiment(profile_source(profile), policies, seeds, config, fleet, out)
     report = build_report(out)
     (out / SUMMARY_FILE).write_text(render_markdown(report, with_runs=True))

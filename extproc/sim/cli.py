@@ -20,12 +20,10 @@ from extproc.analysis.report import SUMMARY_FILE, build_report, render_markdown,
 from extproc.cli_input import UsageError, at_least, distinct, new_folder, parse_seeds
 from extproc.sim.arena import arena, ceiling_line
 from extproc.sim.costmodel import CostModelError, load_cost_model
-from extproc.sim.engine import Fleet
 from extproc.sim.mooncake import TraceError, cacheable_ceiling
 from extproc.sim.routers import ROUTER_STATES
 from extproc.sim.runs import (
     SIM_CONFIG,
-    cache_tokens,
     load_sim_config,
     parse_policy,
     profile_source,
@@ -113,8 +111,7 @@ def main(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     for replicas in args.replicas:
         events = scale + ([(args.scale_at, replicas + 1)] if args.scale_at is not None else [])
-        fleet = Fleet(replicas, config.slots, cache_tokens(config.cache_ram_mib, cost), tuple(sorted(events)),
-                      config.host_cores, config.threads, config.release_lag_ms / 1000, config.release_by_next_turn)
+        fleet = config.fleet(replicas, cost, tuple(sorted(events)))
         out_dir = args.out_dir / f"replicas-{replicas}" if len(args.replicas) > 1 else args.out_dir
         run_experiment(source, args.policies, seeds, config, fleet, out_dir,
                        progress=lambda line: print(line, file=sys.stderr))

@@ -37,9 +37,36 @@ class SimConfig:
     release_lag_ms: float
     release_by_next_turn: bool
     routers: int  # gateway routers in front of the fleet (extproc/sim/routers.py)
-    router_state: str  # separate | shared | affinity
+    router_state: str  # separate | shared | affinity | ...
     # traces: arrivals sharing a bucket this wide are spread over it with the seed (None: not read)
     jitter_bucket_s: float | None = None
+
+    def fleet(self, replicas: int, cost: CostModel, scale: tuple[tuple[float, int], ...] = (),
+              host_cores: float | None = None, cache: bool = True) -> Fleet:
+        """The simulated fleet these settings describe (``host_cores`` overrides [host] cores;
+        ``cache=False``: no host-RAM cache, for paged cost models that bring their own pool)."""
+        return Fleet(replicas, self.slots, cache_tokens(self.cache_ram_mib, cost) if cache else 0, scale,
+                     self.host_cores if host_cores is None else host_cores, self.threads,
+                     self.release_lag_ms / 1000, self.release_by_next_turn)
+
+
+# Every key sim.toml holds besides [routing]: (section, key) -> the SimConfig field and its type.
+_LAYOUT: dict[tuple[str, str], tuple[str, Callable[[Any], Any]]] = {
+    ("replica", "slots"): ("slots", int),
+    ("replica", "cache_ram_mib"): ("cache_ram_mib", float),
+    ("replica", "cost_model"): ("cost_model", str),
+    ("replica", "threads"): ("threads", int),
+    ("host", "cores"): ("host_cores", float),
+    ("trace", "time_scale"): ("time_scale", float),
+    ("trace", "jitter_bucket_ms"): ("jitter_bucket_s", lambda ms: float(ms) / 1000.0),
+    ("gateway", "release_lag_ms"): ("release_lag_ms", float),
+    ("gateway", "release_by_next_turn"): ("release_by_next_turn", bool),
+    ("gateway", "routers"): ("routers", int),
+    ("gateway", "router_state"): ("router_state", str),
+}
+_KEYS: dict[str, tuple[str, ...]] = {"routing": tuple(key for key in RoutingSettings.model_fields if key != "policy")}
+for _section, _key in _LAYOUT:
+    _KEYS[_section] = (*_KEYS.get(_section, ()), _key)
 
 
 def load_sim_config(path: str | Path = SIM_CONFIG) -> SimConfig:
@@ -49,45 +76,27 @@ def load_sim_config(path: str | Path = SIM_CONFIG) -> SimConfig:
     except (OSError, tomllib.TOMLDecodeError) as exc:
         raise SettingsError(f"{path}: {exc}") from None
     _check_sim_keys(raw, path)
+    for section, key in (("routing", None), *_LAYOUT):
+        if section not in raw or (key is not None and key not in raw[section]):
+            raise SettingsError(f"{path}: missing setting [{section}] {key or ''}".rstrip())
     try:
-        config = SimConfig(
-            routing=dict(raw["routing"]),
-            slots=int(raw["replica"]["slots"]),
-            cache_ram_mib=float(raw["replica"]["cache_ram_mib"]),
-            cost_model=str(raw["replica"]["cost_model"]),
-            threads=int(raw["replica"]["threads"]),
-            host_cores=float(raw["host"]["cores"]),
-            time_scale=float(raw["trace"]["time_scale"]),
-            release_lag_ms=float(raw["gateway"]["release_lag_ms"]),
-            release_by_next_turn=bool(raw["gateway"]["release_by_next_turn"]),
-            routers=int(raw["gateway"]["routers"]),
-            router_state=str(raw["gateway"]["router_state"]),
-            jitter_bucket_s=float(raw["trace"]["jitter_bucket_ms"]) / 1000.0,
-        )
+        fields = {field: convert(raw[section][key]) for (section, key), (field, convert) in _LAYOUT.items()}
+        config = SimConfig(routing=dict(raw["routing"]), **fields)
         check_router_tier(config.routers, config.router_state)
-    except KeyError as exc:
-        raise SettingsError(f"{path}: missing setting {exc.args[0]!r}") from None
     except (TypeError, ValueError) as exc:
         raise SettingsError(f"{path}: {exc}") from None
     return config
 
 
-# Every key sim.toml may hold ([routing]: the routing knobs, the policy comes from the command line).
-_SIM_KEYS = {"routing": tuple(key for key in RoutingSettings.model_fields if key != "policy"),
-             "replica": ("slots", "cache_ram_mib", "cost_model", "threads"), "host": ("cores",),
-             "trace": ("time_scale", "jitter_bucket_ms"),
-             "gateway": ("release_lag_ms", "release_by_next_turn", "routers", "router_state")}
-
-
 def _check_sim_keys(raw: dict[str, Any], path: Path) -> None:
     """A misspelt key names the file (rather than surfacing later as a missing one, or not at all)."""
     for section, table in raw.items():
-        if section not in _SIM_KEYS:
-            raise SettingsError(f"{path}: unknown section [{section}] (valid: {', '.join(_SIM_KEYS)})")
+        if section not in _KEYS:
+            raise SettingsError(f"{path}: unknown section [{section}] (valid: {', '.join(_KEYS)})")
         for key in table:
-            if key not in _SIM_KEYS[section]:
+            if key not in _KEYS[section]:
                 raise SettingsError(f"{path}: [{section}] unknown setting {key} "
-                                    f"(valid: {', '.join(_SIM_KEYS[section])})")
+                                    f"(valid: {', '.join(_KEYS[section])})")
 
 
 def parse_policy(spec: str, base: dict[str, Any]) -> RoutingSettings:

@@ -21,11 +21,11 @@ from extproc.routing.policies.prefix_affinity import PrefixAffinity
 from extproc.routing.policies.radix_balance import RadixBalance
 from extproc.routing.policies.round_robin import RoundRobin
 from extproc.routing.policies.situation import Situation
-from extproc.settings import RoutingSettings
+from extproc.settings import PolicyName, RoutingSettings
 
 
 class Policy(Protocol):
-    name: str
+    name: PolicyName  # the settings' list of names; each class names one member (mypy checks the spelling)
     needs_prefix_blocks: bool  # requests must carry prefix_blocks (the service hashes them only then)
 
     def decide(self, situation: Situation) -> Decision | None:
@@ -56,7 +56,7 @@ class CacheReports(Protocol):
         decision predicted ``predicted``."""
 
 
-POLICIES: dict[str, Callable[[RoutingSettings], Policy]] = {
+POLICIES: dict[PolicyName, Callable[[RoutingSettings], Policy]] = {
     cls.name: make_llm_aware if cls is LlmAware else cls  # llm-aware's prefix index is a subclass with a view
     for cls in (RoundRobin, ModN, Consistent, Bounded, LlmAware, PrefixAffinity, RadixBalance, Chwbl, KvCost)
 }

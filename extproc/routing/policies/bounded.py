@@ -11,11 +11,11 @@ from __future__ import annotations
 from extproc.routing.decision import Decision, Trace
 from extproc.routing.policies.bounded_walk import average_and_cap, first_fit, least_loaded
 from extproc.routing.policies.situation import NO_PEER_FIELDS, Situation, new
-from extproc.settings import RoutingSettings
+from extproc.settings import PolicyName, RoutingSettings
 
 
 class Bounded:
-    name = "bounded"
+    name: PolicyName = "bounded"
     needs_prefix_blocks = False
 
     def __init__(self, settings: RoutingSettings) -> None:

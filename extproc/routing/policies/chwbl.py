@@ -20,14 +20,14 @@ from __future__ import annotations
 from extproc.routing.decision import Check, Decision
 from extproc.routing.policies.situation import Situation, new, peer_decision
 from extproc.routing.ring import HashRing
-from extproc.settings import RoutingSettings
+from extproc.settings import PolicyName, RoutingSettings
 
 LOAD_FACTOR = 1.25
 REPLICATION = 256
 
 
 class Chwbl:
-    name = "chwbl"
+    name: PolicyName = "chwbl"
     needs_prefix_blocks = True
 
     def __init__(self, settings: RoutingSettings) -> None:

@@ -26,7 +26,7 @@ from extproc.routing.decision import Candidate, Decision, RouteRequest
 from extproc.routing.hashing import stable_hash
 from extproc.routing.policies.situation import Situation, new, peer_decision
 from extproc.routing.prefix_views import ActiveBlocks, BlockIndex
-from extproc.settings import RoutingSettings
+from extproc.settings import PolicyName, RoutingSettings
 
 OVERLAP_SCORE_CREDIT = 1.0
 PREFILL_LOAD_SCALE = 1.0
@@ -39,7 +39,7 @@ def request_blocks(request: RouteRequest) -> tuple[int, ...]:
 
 
 class KvCost:
-    name = "kv-cost"
+    name: PolicyName = "kv-cost"
     needs_prefix_blocks = True
 
     def __init__(self, settings: RoutingSettings, blocks_per_replica: int = INDEX_BLOCKS_PER_REPLICA) -> None:

@@ -28,13 +28,13 @@ from extproc.routing.decision import Candidate, Decision, RouteRequest, Trace
 from extproc.routing.policies.bounded_walk import Discount, average_and_cap, first_fit, least_loaded
 from extproc.routing.policies.situation import NO_PEER_FIELDS, Situation, new
 from extproc.routing.prefix_views import BlockIndex
-from extproc.settings import RoutingSettings
+from extproc.settings import PolicyName, RoutingSettings
 
 CANDIDATES_TRACED = 8  # holders a trace lists, deepest first (its figures count them all)
 
 
 class LlmAware:
-    name = "llm-aware"
+    name: PolicyName = "llm-aware"
     needs_prefix_blocks = False
 
     def __init__(self, settings: RoutingSettings) -> None:

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from extproc.routing.decision import Decision
 from extproc.routing.policies.situation import Situation, unbounded_decision
-from extproc.settings import RoutingSettings
+from extproc.settings import PolicyName, RoutingSettings
 
 
 class ModN:
-    name = "mod-n"
+    name: PolicyName = "mod-n"
     needs_prefix_blocks = False
 
     def __init__(self, settings: RoutingSettings) -> None:

@@ -23,7 +23,7 @@ from __future__ import annotations
 from extproc.routing.decision import Candidate, Decision, RouteRequest
 from extproc.routing.policies.situation import Situation, new, peer_decision
 from extproc.routing.prefix_views import BlockIndex
-from extproc.settings import RoutingSettings
+from extproc.settings import PolicyName, RoutingSettings
 
 PREFIX_WEIGHT, QUEUE_WEIGHT, KV_WEIGHT = 3.0, 2.0, 2.0
 MAX_PREFIX_BLOCKS = 256
@@ -32,7 +32,7 @@ KV_CAPACITY_TOKENS = 500_000
 
 
 class PrefixAffinity:
-    name = "prefix-affinity"
+    name: PolicyName = "prefix-affinity"
     needs_prefix_blocks = True
 
     def __init__(self, settings: RoutingSettings, blocks_per_replica: int = LRU_BLOCKS_PER_REPLICA) -> None:

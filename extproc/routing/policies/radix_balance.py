@@ -23,7 +23,7 @@ from extproc.routing.blocks import BLOCK_CHARS
 from extproc.routing.decision import Candidate, Decision, RouteRequest
 from extproc.routing.policies.situation import Situation, new, peer_decision
 from extproc.routing.prefix_views import BlockIndex
-from extproc.settings import RoutingSettings
+from extproc.settings import PolicyName, RoutingSettings
 
 CACHE_THRESHOLD = 0.3
 BALANCE_ABS_THRESHOLD = 64
@@ -32,7 +32,7 @@ TREE_BLOCKS_PER_REPLICA = 2**26 // BLOCK_CHARS
 
 
 class RadixBalance:
-    name = "radix-balance"
+    name: PolicyName = "radix-balance"
     needs_prefix_blocks = True
 
     def __init__(self, settings: RoutingSettings, blocks_per_replica: int = TREE_BLOCKS_PER_REPLICA) -> None:
