@@ -92,10 +92,17 @@ class DiscoverySettings(Strict):
     kubernetes_backoff_seconds: float = Field(gt=0, description="first retry delay when the API is unreachable")
 
 
+class StoreSettings(Strict):
+    """The shared store the gateway replicas agree through."""
+
+    url: str = Field(description="redis://host:port/db of the shared store; empty: this router's state stays in memory")
+
+
 class Settings(Strict):
     routing: RoutingSettings
     service: ServiceSettings
     discovery: DiscoverySettings
+    store: StoreSettings
 
 
 class SettingsError(UsageError):
