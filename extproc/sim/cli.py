@@ -62,6 +62,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="gateway routers; each request meets one at random (default: [gateway] routers)")
     parser.add_argument("--router-state", choices=ROUTER_STATES,
                         help="separate views, one shared, or conversation affinity (default: [gateway] router_state)")
+    parser.add_argument("--store-lag-ms", type=at_least(0, float),
+                        help="--router-state store: a router's writes reach the others this late "
+                             "(default: [gateway] store_lag_ms)")
     parser.add_argument("--time-scale", type=float, help="traces: multiply arrival times (default: [trace])")
     parser.add_argument("--limit", type=at_least(1), help="traces: only the first N requests")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
@@ -80,6 +83,7 @@ def main(args: argparse.Namespace) -> int:
             time_scale=args.time_scale or config.time_scale,
             routers=args.routers or config.routers,
             router_state=args.router_state or config.router_state,
+            store_lag_ms=config.store_lag_ms if args.store_lag_ms is None else args.store_lag_ms,
         )
         seeds = parse_seeds(args.seeds)
         distinct(args.replicas, "--replicas")
@@ -124,7 +128,8 @@ def main(args: argparse.Namespace) -> int:
         paired = differences[str(replicas)] = paired_differences(report["runs"], args.policies)
         if not args.json:
             print(f"\n{source.label}: {replicas} replicas, {len(seeds)} seeds, "
-                  f"{config.routers} router(s) {config.router_state} ({out_dir})")
+                  f"{config.routers} router(s) {config.router_state}"
+                  f"{f' (lag {config.store_lag_ms:g} ms)' if config.router_state == 'store' else ''} ({out_dir})")
             print(render_stats(results[str(replicas)]))
             if paired:
                 print(f"\npaired by seed, difference to {args.policies[0]}:")

@@ -95,6 +95,9 @@ class _Simulation:
         self.record = self.outcome.requests.append
         self.route, self.complete = router.route, router.complete
         self.shared_host = fleet.host_cores > 0
+        self.now = 0.0
+        if isinstance(router, RouterTier):
+            router.clock = lambda: self.now  # a store's lag is measured in simulated time
         self.pending: Iterator[Request] = iter(())
         self.deadline = float("inf")
         self.busy = 0  # replicas with at least one running request
@@ -122,6 +125,7 @@ class _Simulation:
         now = 0.0
         while heap:
             now, seq, kind, payload = pop(heap)
+            self.now = now
             events += 1
             if kind == _WAKE:
                 if seq == payload.version:  # else a later reschedule replaced this wake-up
@@ -134,6 +138,8 @@ class _Simulation:
                 self.complete(payload.request_id, True)  # a no-op when its next turn released it
             else:
                 self._set_fleet(payload, now)
+        if isinstance(self.router, RouterTier):
+            self.router.settle()
         self.outcome.end_s = now
         self.outcome.events = events
         return self.outcome

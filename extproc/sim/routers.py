@@ -9,7 +9,14 @@ every parallel side of a turn) meets a router of its own:
   turn of a conversation meets the same router while the load still splits;
 - ``shared-load`` and ``affinity-shared-load``: as ``separate`` and ``affinity``, but all
   routers charge one load ledger (an exact, instant load picture: the best any load
-  agreement could give) while placement memory and policy state stay per router.
+  agreement could give) while placement memory and policy state stay per router;
+- ``store``: the routers agree through a shared store (Redis): each keeps its own ledger and
+  placement memory, writes every change to the store without waiting (pipelined), and
+  before each decision and completion reads the other routers' writes as they were
+  ``store_lag_s`` ago, so a decision misses what the others did in the last lag window.
+  Lag 0 gives one router's decisions exactly (while placement memory never forgets).
+  Policy state other than ledger and memory (a prefix index, a peer policy's view) stays
+  per router, as in ``separate``.
 
 The engine drives a tier exactly as it drives one ``Router``.
 """
@@ -17,30 +24,39 @@ The engine drives a tier exactly as it drives one ``Router``.
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 from extproc.routing import Router
 from extproc.routing.decision import Decision, RouteRequest
 from extproc.routing.hashing import stable_hash
+from extproc.routing.ledger import LoadLedger
+from extproc.routing.placement import PlacementMemory
 from extproc.settings import RoutingSettings
 
-ROUTER_STATES = ("separate", "shared", "affinity", "shared-load", "affinity-shared-load")
+ROUTER_STATES = ("separate", "shared", "affinity", "shared-load", "affinity-shared-load", "store")
+_CHARGE, _RELEASE, _REMEMBER = 0, 1, 2
 
 
-def check_router_tier(count: int, state: str) -> None:
+def check_router_tier(count: int, state: str, store_lag_ms: float = 0.0) -> None:
     if count < 1:
         raise ValueError(f"routers: need at least 1 (got {count})")
     if state not in ROUTER_STATES:
         raise ValueError(f"router_state: {state!r} is not one of {', '.join(ROUTER_STATES)}")
+    if store_lag_ms < 0:
+        raise ValueError(f"store_lag_ms: must be >= 0 (got {store_lag_ms:g})")
 
 
 class RouterTier:
-    def __init__(self, settings: RoutingSettings, count: int, state: str, seed: int) -> None:
-        check_router_tier(count, state)
+    def __init__(self, settings: RoutingSettings, count: int, state: str, seed: int,
+                 store_lag_s: float = 0.0) -> None:
+        check_router_tier(count, state, store_lag_s * 1000)
         shared = Router(settings) if state == "shared" else None
         self.routers = [shared or Router(settings) for _ in range(count)]
         if state.endswith("shared-load"):
             for router in self.routers[1:]:
                 router.ledger = self.routers[0].ledger
+        self.store = Store(self.routers, store_lag_s) if state == "store" else None
+        self.clock: Callable[[], float] = lambda: 0.0  # the simulation's time (the engine sets it)
         self.state = state
         self.routed = [0] * count  # requests each router decided
         self._seed = seed
@@ -56,6 +72,8 @@ class RouterTier:
     def route(self, request: RouteRequest) -> Decision | None:
         index = self.pick(request)
         router = self.routers[index]
+        if self.store is not None:
+            self.store.read(index, self.clock())
         decision = router.route(request)
         self.routed[index] += 1
         if decision is not None:
@@ -65,7 +83,11 @@ class RouterTier:
     def complete(self, request_id: str, ok: bool = True) -> Decision | None:
         """Completed by the router that routed it (a no-op for one already completed)."""
         router = self._owner.pop(request_id, None)
-        return router.complete(request_id, ok) if router is not None else None
+        if router is None:
+            return None
+        if self.store is not None:  # the writes before this one, in the order the store got them
+            self.store.read(self.routers.index(router), self.clock())
+        return router.complete(request_id, ok)
 
     def report_cached(self, request: RouteRequest, replica: str, predicted: int, cached: int) -> None:
         """An answer's cached tokens go to the router that routed it (reported before its release)."""
@@ -82,3 +104,92 @@ class RouterTier:
 
     def in_flight(self) -> int:
         return sum(router.in_flight() for router in self.distinct())
+
+    def settle(self) -> None:
+        """Every write reaches every router (the end of a run: the store catches up)."""
+        if self.store is not None:
+            for index in range(len(self.routers)):
+                self.store.take(index, float("inf"))
+
+
+class Store:
+    """The store as the routers see it: each router's ledger and memory write every change
+    to it, stamped with the time and the writer; a router reads the others' writes once
+    they are ``lag_s`` old, in the order they were made."""
+
+    def __init__(self, routers: list[Router], lag_s: float) -> None:
+        self.routers = routers
+        self.lag_s = lag_s
+        self.now = 0.0
+        self.writes: list[tuple[float, int, int, str | int, str, int]] = []  # (at, writer, kind, key, replica, n)
+        self.seen = [0] * len(routers)  # per router: the first write it has not read
+        for index, router in enumerate(routers):
+            publish = self._publisher(index)
+            router.ledger = StoredLedger(publish)
+            router.memory = StoredMemory(router.settings.memory_capacity, publish)
+
+    def _publisher(self, writer: int) -> Callable[[int, str | int, str, int], None]:
+        def publish(kind: int, key: str | int, replica: str, n: int) -> None:
+            self.writes.append((self.now, writer, kind, key, replica, n))
+        return publish
+
+    def read(self, reader: int, now: float) -> None:
+        """``reader`` is about to decide or complete at ``now`` (what it writes next is
+        stamped ``now``): it takes in the other routers' writes made up to ``now - lag_s``."""
+        self.now = now
+        self.take(reader, now - self.lag_s)
+
+    def take(self, reader: int, horizon: float) -> None:
+        writes, position = self.writes, self.seen[reader]
+        ledger, memory = self.routers[reader].ledger, self.routers[reader].memory
+        while position < len(writes) and writes[position][0] <= horizon:
+            _, writer, kind, key, replica, n = writes[position]
+            position += 1
+            if writer == reader:
+                continue  # its own writes are in its state already
+            if kind == _CHARGE:
+                if replica in ledger.loads("requests"):  # else the replica left the fleet meanwhile
+                    LoadLedger.charge(ledger, str(key), replica, n)
+            elif kind == _RELEASE:
+                LoadLedger.release(ledger, str(key))
+            else:
+                PlacementMemory.remember(memory, int(key), replica, n)
+        self.seen[reader] = position
+        done = min(self.seen)
+        if done > 4096:  # every router has read these: forget them
+            del writes[:done]
+            self.seen = [seen - done for seen in self.seen]
+
+
+class StoredLedger(LoadLedger):
+    """A router's own ledger that also writes each charge and release to the store."""
+
+    __slots__ = ("_publish",)
+
+    def __init__(self, publish: Callable[[int, str | int, str, int], None]) -> None:
+        super().__init__()
+        self._publish = publish
+
+    def charge(self, request_id: str, replica: str, tokens: int) -> None:
+        super().charge(request_id, replica, tokens)
+        self._publish(_CHARGE, request_id, replica, tokens)
+
+    def release(self, request_id: str) -> tuple[str, int] | None:
+        charge = super().release(request_id)
+        if charge is not None:
+            self._publish(_RELEASE, request_id, "", 0)
+        return charge
+
+
+class StoredMemory(PlacementMemory):
+    """A router's own placement memory that also writes each placement to the store."""
+
+    __slots__ = ("_publish",)
+
+    def __init__(self, capacity: int, publish: Callable[[int, str | int, str, int], None]) -> None:
+        super().__init__(capacity)
+        self._publish = publish
+
+    def remember(self, key: int, replica: str, prompt_tokens: int) -> None:
+        super().remember(key, replica, prompt_tokens)
+        self._publish(_REMEMBER, key, replica, prompt_tokens)

@@ -37,7 +37,8 @@ class SimConfig:
     release_lag_ms: float
     release_by_next_turn: bool
     routers: int  # gateway routers in front of the fleet (extproc/sim/routers.py)
-    router_state: str  # separate | shared | affinity
+    router_state: str  # separate | shared | affinity | ... | store (extproc/sim/routers.py)
+    store_lag_ms: float  # router_state store: a write reaches the other routers this much later
     # traces: arrivals sharing a bucket this wide are spread over it with the seed (None: not read)
     jitter_bucket_s: float | None = None
 
@@ -62,9 +63,10 @@ def load_sim_config(path: str | Path = SIM_CONFIG) -> SimConfig:
             release_by_next_turn=bool(raw["gateway"]["release_by_next_turn"]),
             routers=int(raw["gateway"]["routers"]),
             router_state=str(raw["gateway"]["router_state"]),
+            store_lag_ms=float(raw["gateway"]["store_lag_ms"]),
             jitter_bucket_s=float(raw["trace"]["jitter_bucket_ms"]) / 1000.0,
         )
-        check_router_tier(config.routers, config.router_state)
+        check_router_tier(config.routers, config.router_state, config.store_lag_ms)
     except KeyError as exc:
         raise SettingsError(f"{path}: missing setting {exc.args[0]!r}") from None
     except (TypeError, ValueError) as exc:
@@ -76,7 +78,7 @@ def load_sim_config(path: str | Path = SIM_CONFIG) -> SimConfig:
 _SIM_KEYS = {"routing": tuple(key for key in RoutingSettings.model_fields if key != "policy"),
              "replica": ("slots", "cache_ram_mib", "cost_model", "threads"), "host": ("cores",),
              "trace": ("time_scale", "jitter_bucket_ms"),
-             "gateway": ("release_lag_ms", "release_by_next_turn", "routers", "router_state")}
+             "gateway": ("release_lag_ms", "release_by_next_turn", "routers", "router_state", "store_lag_ms")}
 
 
 def _check_sim_keys(raw: dict[str, Any], path: Path) -> None:
@@ -136,9 +138,9 @@ def trace_source(path: str | Path, time_scale: float, jitter_bucket_s: float | N
 
 
 def run_once(workload: ClosedLoop | OpenLoop, settings: RoutingSettings, cost: CostModel, fleet: Fleet,
-             routers: int = 1, router_state: str = "separate", seed: int = 0) -> Outcome:
+             routers: int = 1, router_state: str = "separate", seed: int = 0, store_lag_ms: float = 0.0) -> Outcome:
     """One run through ``routers`` gateway routers (``seed`` spreads the requests over them)."""
-    tier = RouterTier(settings, routers, router_state, seed)
+    tier = RouterTier(settings, routers, router_state, seed, store_lag_ms / 1000)
     outcome = simulate(workload, tier, cost, fleet)
     for router in tier.distinct():
         if router.in_flight() or router.ledger.total_requests() or router.ledger.total_tokens():
@@ -158,7 +160,7 @@ def run_experiment(
             base = {**config.routing, "hash_seed": seed} if source.seeds_hash else config.routing
             settings = parse_policy(spec, base)
             outcome = run_once(source.make(seed, make_policy(settings).needs_prefix_blocks), settings, cost, fleet,
-                               config.routers, config.router_state, seed)
+                               config.routers, config.router_state, seed, config.store_lag_ms)
             run_id = f"sim-{source.label}-r{fleet.replicas}-{spec.replace(':', '_').replace(',', '_')}-s{seed}"
             rows = request_rows(outcome.requests, run_id, spec, seed)
             write_records(rows, out_dir / run_id / REQUESTS_FILE)
@@ -186,5 +188,6 @@ def _meta(run_id: str, spec: str, seed: int, source: Source, settings: RoutingSe
                "slots": fleet.slots, "cache_tokens": fleet.cache_tokens,
                "host_cores": fleet.host_cores, "replica_threads": fleet.replica_threads,
                "routers": config.routers, "router_state": config.router_state,
+               **({"store_lag_ms": config.store_lag_ms} if config.router_state == "store" else {}),
                "scale": [list(event) for event in fleet.scale], "events": outcome.events},
     )
