@@ -65,6 +65,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--store-lag-ms", type=at_least(0, float),
                         help="--router-state store: a router's writes reach the others this late "
                              "(default: [gateway] store_lag_ms)")
+    parser.add_argument("--store-handoff", action=argparse.BooleanOptionalAction, default=None,
+                        help="--router-state store: a release by the next turn reaches every router at once "
+                             "(default: [gateway] store_handoff)")
     parser.add_argument("--time-scale", type=float, help="traces: multiply arrival times (default: [trace])")
     parser.add_argument("--limit", type=at_least(1), help="traces: only the first N requests")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
@@ -84,6 +87,7 @@ def main(args: argparse.Namespace) -> int:
             routers=args.routers or config.routers,
             router_state=args.router_state or config.router_state,
             store_lag_ms=config.store_lag_ms if args.store_lag_ms is None else args.store_lag_ms,
+            store_handoff=config.store_handoff if args.store_handoff is None else args.store_handoff,
         )
         seeds = parse_seeds(args.seeds)
         distinct(args.replicas, "--replicas")
@@ -127,9 +131,10 @@ def main(args: argparse.Namespace) -> int:
         results[str(replicas)] = report["summary"]
         paired = differences[str(replicas)] = paired_differences(report["runs"], args.policies)
         if not args.json:
+            store = (f" (lag {config.store_lag_ms:g} ms{', handoff' if config.store_handoff else ''})"
+                     if config.router_state == "store" else "")
             print(f"\n{source.label}: {replicas} replicas, {len(seeds)} seeds, "
-                  f"{config.routers} router(s) {config.router_state}"
-                  f"{f' (lag {config.store_lag_ms:g} ms)' if config.router_state == 'store' else ''} ({out_dir})")
+                  f"{config.routers} router(s) {config.router_state}{store} ({out_dir})")
             print(render_stats(results[str(replicas)]))
             if paired:
                 print(f"\npaired by seed, difference to {args.policies[0]}:")

@@ -23,7 +23,7 @@ conversation arrives, which carries its answer and so releases it before its own
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from heapq import heappush
 
@@ -96,8 +96,11 @@ class _Simulation:
         self.route, self.complete = router.route, router.complete
         self.shared_host = fleet.host_cores > 0
         self.now = 0.0
+        # a request released by the next turn, which carries its answer
+        self.complete_answered: Callable[[str], object] = router.complete
         if isinstance(router, RouterTier):
             router.clock = lambda: self.now  # a store's lag is measured in simulated time
+            self.complete_answered = lambda request_id: router.complete(request_id, True, by_next_turn=True)
         self.pending: Iterator[Request] = iter(())
         self.deadline = float("inf")
         self.busy = 0  # replicas with at least one running request
@@ -152,7 +155,7 @@ class _Simulation:
     def _send(self, request: Request, now: float) -> None:
         request.arrived_at = now
         if request.previous is not None and self.fleet.release_by_next_turn:  # it carries the last answer
-            self.complete(request.previous.request_id, True)
+            self.complete_answered(request.previous.request_id)
         for side in request.sides:
             self._send(side, now)
         decision = self.route(request.route)

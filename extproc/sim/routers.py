@@ -14,7 +14,11 @@ every parallel side of a turn) meets a router of its own:
   placement memory, writes every change to the store without waiting (pipelined), and
   before each decision and completion reads the other routers' writes as they were
   ``store_lag_s`` ago, so a decision misses what the others did in the last lag window.
-  Lag 0 gives one router's decisions exactly (while placement memory never forgets).
+  Lag 0 gives one router's decisions exactly (while placement memory never forgets). With
+  ``store_handoff``, a request released by its conversation's next turn (whose body shows
+  its answer) counts as released, and where it was served as known, for every router at
+  once: the router receiving the next turn releases it in the store itself, and the
+  placement was written when the request was routed.
   Policy state other than ledger and memory (a prefix index, a peer policy's view) stays
   per router, as in ``separate``.
 
@@ -35,6 +39,7 @@ from extproc.settings import RoutingSettings
 
 ROUTER_STATES = ("separate", "shared", "affinity", "shared-load", "affinity-shared-load", "store")
 _CHARGE, _RELEASE, _REMEMBER = 0, 1, 2
+_EVERYONE = -1  # a write every router has already applied
 
 
 def check_router_tier(count: int, state: str, store_lag_ms: float = 0.0) -> None:
@@ -48,7 +53,7 @@ def check_router_tier(count: int, state: str, store_lag_ms: float = 0.0) -> None
 
 class RouterTier:
     def __init__(self, settings: RoutingSettings, count: int, state: str, seed: int,
-                 store_lag_s: float = 0.0) -> None:
+                 store_lag_s: float = 0.0, store_handoff: bool = False) -> None:
         check_router_tier(count, state, store_lag_s * 1000)
         shared = Router(settings) if state == "shared" else None
         self.routers = [shared or Router(settings) for _ in range(count)]
@@ -56,6 +61,7 @@ class RouterTier:
             for router in self.routers[1:]:
                 router.ledger = self.routers[0].ledger
         self.store = Store(self.routers, store_lag_s) if state == "store" else None
+        self.handoff = store_handoff and self.store is not None
         self.clock: Callable[[], float] = lambda: 0.0  # the simulation's time (the engine sets it)
         self.state = state
         self.routed = [0] * count  # requests each router decided
@@ -80,14 +86,20 @@ class RouterTier:
             self._owner[request.request_id] = router
         return decision
 
-    def complete(self, request_id: str, ok: bool = True) -> Decision | None:
-        """Completed by the router that routed it (a no-op for one already completed)."""
+    def complete(self, request_id: str, ok: bool = True, by_next_turn: bool = False) -> Decision | None:
+        """Completed by the router that routed it (a no-op for one already completed);
+        ``by_next_turn``: its conversation's next turn, carrying its answer, has arrived."""
         router = self._owner.pop(request_id, None)
         if router is None:
             return None
-        if self.store is not None:  # the writes before this one, in the order the store got them
-            self.store.read(self.routers.index(router), self.clock())
-        return router.complete(request_id, ok)
+        if self.store is None:
+            return router.complete(request_id, ok)
+        self.store.read(self.routers.index(router), self.clock())  # the writes before these, in order
+        first = len(self.store.writes)
+        decision = router.complete(request_id, ok)
+        if by_next_turn and self.handoff:
+            self.store.share_at_once(first)
+        return decision
 
     def report_cached(self, request: RouteRequest, replica: str, predicted: int, cached: int) -> None:
         """An answer's cached tokens go to the router that routed it (reported before its release)."""
@@ -121,17 +133,30 @@ class Store:
         self.routers = routers
         self.lag_s = lag_s
         self.now = 0.0
-        self.writes: list[tuple[float, int, int, str | int, str, int]] = []  # (at, writer, kind, key, replica, n)
+        self.writes: list[Write] = []
         self.seen = [0] * len(routers)  # per router: the first write it has not read
+        self.ledgers, self.memories = [], []
+        self.released_early: list[set[str]] = [set() for _ in routers]  # handed off before the reader saw the charge
         for index, router in enumerate(routers):
             publish = self._publisher(index)
-            router.ledger = StoredLedger(publish)
-            router.memory = StoredMemory(router.settings.memory_capacity, publish)
+            router.ledger = ledger = StoredLedger(publish)
+            router.memory = memory = StoredMemory(router.settings.memory_capacity, publish, self)
+            self.ledgers.append(ledger)
+            self.memories.append(memory)
 
     def _publisher(self, writer: int) -> Callable[[int, str | int, str, int], None]:
         def publish(kind: int, key: str | int, replica: str, n: int) -> None:
             self.writes.append((self.now, writer, kind, key, replica, n))
         return publish
+
+    def share_at_once(self, first: int) -> None:
+        """The writes from ``first`` on reach every router now (and are not read again)."""
+        for position in range(first, len(self.writes)):
+            write = self.writes[position]
+            for reader in range(len(self.routers)):
+                if reader != write[1]:
+                    self._apply(reader, write, at_once=True)
+            self.writes[position] = (write[0], _EVERYONE, *write[2:])
 
     def read(self, reader: int, now: float) -> None:
         """``reader`` is about to decide or complete at ``now`` (what it writes next is
@@ -141,24 +166,34 @@ class Store:
 
     def take(self, reader: int, horizon: float) -> None:
         writes, position = self.writes, self.seen[reader]
-        ledger, memory = self.routers[reader].ledger, self.routers[reader].memory
         while position < len(writes) and writes[position][0] <= horizon:
-            _, writer, kind, key, replica, n = writes[position]
+            write = writes[position]
             position += 1
-            if writer == reader:
-                continue  # its own writes are in its state already
-            if kind == _CHARGE:
-                if replica in ledger.loads("requests"):  # else the replica left the fleet meanwhile
-                    LoadLedger.charge(ledger, str(key), replica, n)
-            elif kind == _RELEASE:
-                LoadLedger.release(ledger, str(key))
-            else:
-                PlacementMemory.remember(memory, int(key), replica, n)
+            if write[1] != reader and write[1] != _EVERYONE:  # its own writes are in its state already
+                self._apply(reader, write)
         self.seen[reader] = position
         done = min(self.seen)
         if done > 4096:  # every router has read these: forget them
             del writes[:done]
             self.seen = [seen - done for seen in self.seen]
+
+
+    def _apply(self, reader: int, write: Write, at_once: bool = False) -> None:
+        at, _, kind, key, replica, n = write
+        ledger = self.ledgers[reader]
+        if kind == _CHARGE:
+            if str(key) in self.released_early[reader]:
+                self.released_early[reader].discard(str(key))
+            elif replica in ledger.loads("requests"):  # else the replica left the fleet meanwhile
+                LoadLedger.charge(ledger, str(key), replica, n)
+        elif kind == _RELEASE:
+            if LoadLedger.release(ledger, str(key)) is None and at_once:  # its charge is still to be read
+                self.released_early[reader].add(str(key))
+        else:
+            self.memories[reader].take(at, int(key), replica, n)
+
+
+Write = tuple[float, int, int, str | int, str, int]  # (at, writer, kind, key: request id or conversation, replica, n)
 
 
 class StoredLedger(LoadLedger):
@@ -182,14 +217,23 @@ class StoredLedger(LoadLedger):
 
 
 class StoredMemory(PlacementMemory):
-    """A router's own placement memory that also writes each placement to the store."""
+    """A router's own placement memory that also writes each placement to the store. The
+    store keeps a conversation's latest placement: one read after a newer one is ignored."""
 
-    __slots__ = ("_publish",)
+    __slots__ = ("_publish", "_shared", "_written")
 
-    def __init__(self, capacity: int, publish: Callable[[int, str | int, str, int], None]) -> None:
+    def __init__(self, capacity: int, publish: Callable[[int, str | int, str, int], None], store: Store) -> None:
         super().__init__(capacity)
         self._publish = publish
+        self._shared = store
+        self._written: dict[int, float] = {}  # conversation -> when the placement held was written
 
     def remember(self, key: int, replica: str, prompt_tokens: int) -> None:
         super().remember(key, replica, prompt_tokens)
+        self._written[key] = self._shared.now
         self._publish(_REMEMBER, key, replica, prompt_tokens)
+
+    def take(self, at: float, key: int, replica: str, prompt_tokens: int) -> None:
+        if at >= self._written.get(key, at):
+            PlacementMemory.remember(self, key, replica, prompt_tokens)
+            self._written[key] = at

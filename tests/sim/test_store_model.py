@@ -1,6 +1,6 @@
 """The routers' shared store (router_state "store"): lag 0 is one router, an endless lag is
 separate routers, and in between each router sees its own writes at once and the others'
-exactly ``store_lag_ms`` late."""
+exactly ``store_lag_ms`` late; with the handoff, a release by the next turn at once."""
 
 from __future__ import annotations
 
@@ -11,14 +11,16 @@ from hypothesis import strategies as st
 
 from extproc.cli import main
 from extproc.routing import Router
+from extproc.routing.decision import RouteRequest
 from extproc.settings import SettingsError
 from extproc.sim.engine import ClosedLoop, Fleet, simulate
+from extproc.sim.records import request_rows
 from extproc.sim.routers import RouterTier, Store
-from extproc.sim.runs import SIM_CONFIG, load_sim_config
+from extproc.sim.runs import SIM_CONFIG, load_sim_config, run_once
 from extproc.sim.workload import profile_workload
 from tests.sim.helpers import settings as policy_settings
 from tests.sim.helpers import simple_cost
-from tests.sim.test_routers import AGENT, QUICK, rows
+from tests.sim.test_routers import AGENT, FLEET, QUICK, rows
 
 NEVER_MS = 1e15  # later than any run ends: no router ever reads another's writes
 
@@ -44,11 +46,12 @@ def test_a_lagging_store_misses_recent_decisions():
     assert [r["replica"] for r in late] != [r["replica"] for r in exact]
 
 
-@hsettings(max_examples=15, deadline=None)
-@given(st.integers(1, 4), st.floats(0, 500), st.integers(0, 10**6), st.sampled_from(["bounded", "llm-aware"]))
-def test_every_router_ends_empty_whatever_the_lag(count, lag_ms, seed, policy):
+@hsettings(max_examples=30, deadline=None)
+@given(st.integers(1, 4), st.floats(0, 500), st.booleans(), st.integers(0, 10**6),
+       st.sampled_from(["bounded", "llm-aware"]))
+def test_every_router_ends_empty_whatever_the_lag(count, lag_ms, handoff, seed, policy):
     scaled = Fleet(3, 2, 4000, scale=((20.0, 4), (60.0, 2)), release_lag_s=0.02)
-    tier = RouterTier(policy_settings(policy), count, "store", seed, lag_ms / 1000)
+    tier = RouterTier(policy_settings(policy), count, "store", seed, lag_ms / 1000, handoff)
     workload = profile_workload(QUICK, seed % 50)
     outcome = simulate(ClosedLoop(workload.conversations, 4, workload.spawn_rate, 60.0), tier, simple_cost(), scaled)
     assert sum(tier.routed) == len(outcome.requests)
@@ -110,3 +113,52 @@ def test_a_negative_lag_on_the_command_line_is_one_line(tmp_path, capsys):
               "--router-state", "store", "--store-lag-ms", "-5"])
     assert exited.value.code == 2 and "--store-lag-ms" in capsys.readouterr().err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("policy", ["bounded", "llm-aware"])
+def test_a_handoff_without_lag_is_one_router_too(policy):
+    handoff = run_once(profile_workload(AGENT, 3), policy_settings(policy), simple_cost(), FLEET, 3, "store", 3,
+                       0.0, store_handoff=True)
+    assert request_rows(handoff.requests, "run", policy, 3) == rows(AGENT, policy, 3)
+
+
+class Steered(RouterTier):
+    """Each request meets the router its id names ("r1-..." -> router 1)."""
+
+    def pick(self, request: RouteRequest) -> int:
+        return int(request.request_id[1])
+
+
+@pytest.mark.parametrize("handoff", [False, True])
+def test_the_next_turn_on_another_router_sees_the_handoff_at_once_or_lag_late(handoff):
+    tier = Steered(policy_settings("llm-aware"), 2, "store", 0, store_lag_s=1.0, store_handoff=handoff)
+    tier.set_replicas(["llm-0", "llm-1", "llm-2"])
+    tier.clock = lambda: 10.0
+    first = tier.route(RouteRequest("r0-turn1", "c", 400, 8))
+    assert first is not None
+    tier.clock = lambda: 20.0  # answered; the next turn arrives at once, on router 1
+    tier.complete("r0-turn1", True, by_next_turn=True)
+    reader = tier.routers[1]
+    tier.store.read(1, 20.0)  # what router 1 knows as it decides
+    placement = reader.memory.get(reader.conversation_key("c"))
+    if handoff:
+        assert placement is not None and placement.replica == first.replica
+        assert reader.ledger.total_requests() == 0
+    else:  # the charge (10 s old) is read, its release and the placement (written now) are not
+        assert placement is None and reader.ledger.requests(first.replica) == 1
+    tier.store.read(1, 21.0)  # a lag later, the same either way
+    assert reader.ledger.total_requests() == 0
+    assert reader.memory.get(reader.conversation_key("c")).replica == first.replica
+
+
+def test_a_placement_read_late_does_not_replace_a_newer_one():
+    routers = [Router(policy_settings("llm-aware"), ("llm-0", "llm-1")) for _ in range(2)]
+    store = Store(routers, 1.0)
+    store.read(1, 1.0)
+    routers[1].memory.remember(7, "llm-1", 100)  # router 1, at 1.0
+    store.read(0, 1.5)
+    routers[0].memory.remember(7, "llm-0", 200)  # router 0, later, at 1.5
+    store.read(0, 2.1)  # router 1's write (at 1.0) arrives now: the store already holds router 0's
+    assert routers[0].memory.get(7) == ("llm-0", 200)
+    store.read(1, 2.6)
+    assert routers[1].memory.get(7) == ("llm-0", 200)  # and router 1 learns the newer one
