@@ -18,11 +18,14 @@ every parallel side of a turn) meets a router of its own:
   ``store_handoff``, a request released by its conversation's next turn (whose body shows
   its answer) counts as released, and where it was served as known, for every router at
   once: the router receiving the next turn releases it in the store itself, and the
-  placement was written when the request was routed.
+  placement was written when the request was routed (modelled as the completion's writes
+  reaching every router at once: the same placement, since the answer came from the pick).
   Policy state other than ledger and memory (a prefix index, a peer policy's view) stays
   per router, as in ``separate``.
 
-The engine drives a tier exactly as it drives one ``Router``.
+The engine drives a tier as it drives one ``Router``; it also gives it the simulated time
+(``clock``, for the store's lag), says which releases come with the next turn, and lets the
+store catch up at the end of a run (``settle``).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from extproc.settings import RoutingSettings
 ROUTER_STATES = ("separate", "shared", "affinity", "shared-load", "affinity-shared-load", "store")
 _CHARGE, _RELEASE, _REMEMBER = 0, 1, 2
 _EVERYONE = -1  # a write every router has already applied
+Write = tuple[float, int, int, str | int, str, int]  # (at, writer, kind, key: request id or conversation, replica, n)
 
 
 def check_router_tier(count: int, state: str, store_lag_ms: float = 0.0) -> None:
@@ -130,7 +134,6 @@ class Store:
     they are ``lag_s`` old, in the order they were made."""
 
     def __init__(self, routers: list[Router], lag_s: float) -> None:
-        self.routers = routers
         self.lag_s = lag_s
         self.now = 0.0
         self.writes: list[Write] = []
@@ -153,7 +156,7 @@ class Store:
         """The writes from ``first`` on reach every router now (and are not read again)."""
         for position in range(first, len(self.writes)):
             write = self.writes[position]
-            for reader in range(len(self.routers)):
+            for reader in range(len(self.ledgers)):
                 if reader != write[1]:
                     self._apply(reader, write, at_once=True)
             self.writes[position] = (write[0], _EVERYONE, *write[2:])
@@ -177,7 +180,6 @@ class Store:
             del writes[:done]
             self.seen = [seen - done for seen in self.seen]
 
-
     def _apply(self, reader: int, write: Write, at_once: bool = False) -> None:
         at, _, kind, key, replica, n = write
         ledger = self.ledgers[reader]
@@ -191,9 +193,6 @@ class Store:
                 self.released_early[reader].add(str(key))
         else:
             self.memories[reader].take(at, int(key), replica, n)
-
-
-Write = tuple[float, int, int, str | int, str, int]  # (at, writer, kind, key: request id or conversation, replica, n)
 
 
 class StoredLedger(LoadLedger):
