@@ -133,7 +133,8 @@ async def serve(settings: Settings) -> int:
     watcher.add_done_callback(lambda task: _discovery_ended(task, stop))
     try:
         await stop.wait()
-        await drain(lambda: len(gateway.pending), health_service, service.drain_seconds)
+        if not watcher.done():  # a signal, not a failed discovery
+            await drain(lambda: len(gateway.pending), health_service, service.drain_seconds)
     finally:
         log.info("service_stopping", in_flight=gateway.router.ledger.total_requests())
         watcher.cancel()
