@@ -17,7 +17,6 @@ the endpoint's removal to reach every node before Kubernetes sends the router it
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import sys
 import time
@@ -26,6 +25,8 @@ from collections.abc import Callable
 
 import structlog
 from grpc_health.v1.health import aio as health_aio
+
+from extproc.cli_input import OneLineParser, at_least
 
 log = structlog.get_logger("extproc.service")
 POLL_SECONDS = 0.05
@@ -59,13 +60,11 @@ def drain_envoy(admin: str, timeout: float = 2.0) -> None:
 def main(argv: list[str] | None = None) -> int:
     """The preStop hook: drain Envoy, then wait. An unreachable Envoy is reported, not fatal:
     the wait still gives the endpoint's removal its time."""
-    parser = argparse.ArgumentParser(prog="python -m extproc.service.drain", description=main.__doc__)
+    parser = OneLineParser(prog="python -m extproc.service.drain", description=main.__doc__)
     parser.add_argument("--envoy-admin", required=True, metavar="HOST:PORT", help="Envoy's admin address")
-    parser.add_argument("--wait-seconds", type=float, required=True, metavar="S",
+    parser.add_argument("--wait-seconds", type=at_least(0, float), required=True, metavar="S",
                         help="then wait this long (the endpoint's removal reaching every node)")
     args = parser.parse_args(argv)
-    if args.wait_seconds < 0:
-        parser.error(f"--wait-seconds: must be >= 0 (got {args.wait_seconds:g})")
     try:
         drain_envoy(args.envoy_admin)
     except OSError as exc:

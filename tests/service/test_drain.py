@@ -168,3 +168,10 @@ def test_discovery_cannot_turn_a_draining_service_ready_again() -> None:
         return remaining, reply.status
 
     assert asyncio.run(scenario()) == (0, NOT_SERVING)
+
+
+def test_a_bad_prestop_option_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["--envoy-admin", "127.0.0.1:9901", "--wait-seconds", "-1"])
+    error = capsys.readouterr().err
+    assert exited.value.code == 2 and error.count("\n") == 1 and "--wait-seconds" in error and "must be >= 0" in error
