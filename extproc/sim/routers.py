@@ -21,7 +21,10 @@ every parallel side of a turn) meets a router of its own:
   placement was written when the request was routed (modelled as the completion's writes
   reaching every router at once: the same placement, since the answer came from the pick).
   Policy state other than ledger and memory (a prefix index, a peer policy's view) stays
-  per router, as in ``separate``.
+  per router, as in ``separate``. ``store_outage`` = (from, until): the store is down;
+  writes are lost, every router routes on its own state; once it is back each router
+  writes its requests in flight again (what the others held of it before is dropped) and
+  reads on.
 
 The engine drives a tier as it drives one ``Router``; it also gives it the simulated time
 (``clock``, for the store's lag), says which releases come with the next turn, and lets the
@@ -31,7 +34,7 @@ store catch up at the end of a run (``settle``).
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from extproc.routing import Router
 from extproc.routing.decision import Decision, RouteRequest
@@ -57,14 +60,15 @@ def check_router_tier(count: int, state: str, store_lag_ms: float = 0.0) -> None
 
 class RouterTier:
     def __init__(self, settings: RoutingSettings, count: int, state: str, seed: int,
-                 store_lag_s: float = 0.0, store_handoff: bool = False) -> None:
+                 store_lag_s: float = 0.0, store_handoff: bool = False,
+                 store_outage: tuple[float, float] | None = None) -> None:
         check_router_tier(count, state, store_lag_s * 1000)
         shared = Router(settings) if state == "shared" else None
         self.routers = [shared or Router(settings) for _ in range(count)]
         if state.endswith("shared-load"):
             for router in self.routers[1:]:
                 router.ledger = self.routers[0].ledger
-        self.store = Store(self.routers, store_lag_s) if state == "store" else None
+        self.store = Store(self.routers, store_lag_s, store_outage) if state == "store" else None
         self.handoff = store_handoff and self.store is not None
         self.clock: Callable[[], float] = lambda: 0.0  # the simulation's time (the engine sets it)
         self.state = state
@@ -125,6 +129,8 @@ class RouterTier:
         """Every write reaches every router (the end of a run: the store catches up)."""
         if self.store is not None:
             for index in range(len(self.routers)):
+                if not self.store.resynced[index]:  # the run ended during the outage
+                    self.store.resync(index)
                 self.store.take(index, float("inf"))
 
 
@@ -133,13 +139,16 @@ class Store:
     to it, stamped with the time and the writer; a router reads the others' writes once
     they are ``lag_s`` old, in the order they were made."""
 
-    def __init__(self, routers: list[Router], lag_s: float) -> None:
+    def __init__(self, routers: list[Router], lag_s: float, outage: tuple[float, float] | None = None) -> None:
         self.lag_s = lag_s
+        self.outage = outage  # (from, until) in simulated seconds: the store is down
         self.now = 0.0
         self.writes: list[Write] = []
         self.seen = [0] * len(routers)  # per router: the first write it has not read
         self.ledgers, self.memories = [], []
         self.released_early: list[set[str]] = [set() for _ in routers]  # handed off before the reader saw the charge
+        self.remote: list[set[str]] = [set() for _ in routers]  # per router: the others' charges it holds
+        self.resynced = [outage is None for _ in routers]
         for index, router in enumerate(routers):
             publish = self._publisher(index)
             router.ledger = ledger = StoredLedger(publish)
@@ -149,8 +158,12 @@ class Store:
 
     def _publisher(self, writer: int) -> Callable[[int, str | int, str, int], None]:
         def publish(kind: int, key: str | int, replica: str, n: int) -> None:
-            self.writes.append((self.now, writer, kind, key, replica, n))
+            if not self.down(self.now):  # a write to a store that is down is lost
+                self.writes.append((self.now, writer, kind, key, replica, n))
         return publish
+
+    def down(self, at: float) -> bool:
+        return self.outage is not None and self.outage[0] <= at < self.outage[1]
 
     def share_at_once(self, first: int) -> None:
         """The writes from ``first`` on reach every router now (and are not read again)."""
@@ -165,7 +178,30 @@ class Store:
         """``reader`` is about to decide or complete at ``now`` (what it writes next is
         stamped ``now``): it takes in the other routers' writes made up to ``now - lag_s``."""
         self.now = now
+        if self.down(now):
+            return  # on its own state until the store is back
+        if not self.resynced[reader] and self.outage is not None and now >= self.outage[1]:
+            self.resync(reader)
         self.take(reader, now - self.lag_s)
+
+    def resync(self, reader: int) -> None:
+        """The store is back: every router has written its requests in flight again, and the
+        writes from before the outage are gone but for placements (the store keeps them)."""
+        ledger, until = self.ledgers[reader], (self.outage or (0.0, 0.0))[1]
+        for request_id in self.remote[reader]:
+            LoadLedger.release(ledger, request_id)
+        self.remote[reader].clear()
+        for writer, other in enumerate(self.ledgers):
+            if writer != reader:
+                for request_id, (replica, tokens) in other.own.items():
+                    self._apply(reader, (until, writer, _CHARGE, request_id, replica, tokens))
+        writes, position = self.writes, self.seen[reader]
+        while position < len(writes) and writes[position][0] < until:
+            if writes[position][2] == _REMEMBER and writes[position][1] != reader:
+                self._apply(reader, writes[position])
+            position += 1
+        self.seen[reader] = position
+        self.resynced[reader] = True
 
     def take(self, reader: int, horizon: float) -> None:
         writes, position = self.writes, self.seen[reader]
@@ -186,9 +222,11 @@ class Store:
         if kind == _CHARGE:
             if str(key) in self.released_early[reader]:
                 self.released_early[reader].discard(str(key))
-            elif replica in ledger.loads("requests"):  # else the replica left the fleet meanwhile
-                LoadLedger.charge(ledger, str(key), replica, n)
+            elif replica in ledger.loads("requests") and str(key) not in self.remote[reader]:
+                LoadLedger.charge(ledger, str(key), replica, n)  # (else the replica left, or a resync had it)
+                self.remote[reader].add(str(key))
         elif kind == _RELEASE:
+            self.remote[reader].discard(str(key))
             if LoadLedger.release(ledger, str(key)) is None and at_once:  # its charge is still to be read
                 self.released_early[reader].add(str(key))
         else:
@@ -198,19 +236,26 @@ class Store:
 class StoredLedger(LoadLedger):
     """A router's own ledger that also writes each charge and release to the store."""
 
-    __slots__ = ("_publish",)
+    __slots__ = ("_publish", "own")
 
     def __init__(self, publish: Callable[[int, str | int, str, int], None]) -> None:
-        super().__init__()
+        self.own: dict[str, tuple[str, int]] = {}  # this router's requests in flight: id -> (replica, tokens)
+        super().__init__()  # (which calls set_replicas)
         self._publish = publish
+
+    def set_replicas(self, replicas: Iterable[str]) -> None:
+        super().set_replicas(replicas)
+        for request_id in [rid for rid, (replica, _) in self.own.items() if replica not in self.loads("requests")]:
+            del self.own[request_id]
 
     def charge(self, request_id: str, replica: str, tokens: int) -> None:
         super().charge(request_id, replica, tokens)
+        self.own[request_id] = (replica, tokens)
         self._publish(_CHARGE, request_id, replica, tokens)
 
     def release(self, request_id: str) -> tuple[str, int] | None:
         charge = super().release(request_id)
-        if charge is not None:
+        if self.own.pop(request_id, None) is not None:
             self._publish(_RELEASE, request_id, "", 0)
         return charge
 

@@ -162,3 +162,53 @@ def test_a_placement_read_late_does_not_replace_a_newer_one():
     assert routers[0].memory.get(7) == ("llm-0", 200)
     store.read(1, 2.6)
     assert routers[1].memory.get(7) == ("llm-0", 200)  # and router 1 learns the newer one
+
+
+@pytest.mark.parametrize("policy", ["bounded", "llm-aware"])
+def test_a_store_down_for_the_whole_run_is_separate_routers(policy):
+    down = run_once(profile_workload(AGENT, 4), policy_settings(policy), simple_cost(), FLEET, 3, "store", 4,
+                    1.0, store_outage=(0.0, float("inf")))
+    assert request_rows(down.requests, "run", policy, 4) == rows(AGENT, policy, 4, 3, "separate")
+
+
+def test_an_outage_loses_writes_and_the_return_drops_what_they_left_behind():
+    routers = [Router(policy_settings("bounded"), ("llm-0", "llm-1")) for _ in range(2)]
+    store = Store(routers, 0.5, outage=(3.0, 5.0))
+    for router in routers:
+        router.ledger.set_replicas(("llm-0", "llm-1"))
+    store.read(0, 1.0)
+    routers[0].ledger.charge("before", "llm-0", 10)
+    store.read(1, 2.0)
+    assert routers[1].ledger.loads("tokens") == {"llm-0": 10, "llm-1": 0}
+    store.read(0, 3.5)  # the store is down: this release and this charge never reach it
+    routers[0].ledger.release("before")
+    routers[0].ledger.charge("during", "llm-1", 7)
+    store.read(1, 4.5)  # down: router 1 routes on what it had
+    assert routers[1].ledger.loads("tokens") == {"llm-0": 10, "llm-1": 0}
+    store.read(1, 6.0)  # back: router 0 has written its requests in flight again
+    assert routers[1].ledger.loads("tokens") == {"llm-0": 0, "llm-1": 7}
+    store.read(0, 6.5)
+    routers[0].ledger.release("during")
+    store.read(1, 7.5)
+    assert routers[1].ledger.total_tokens() == 0
+
+
+@hsettings(max_examples=30, deadline=None)
+@given(st.integers(2, 4), st.floats(0, 100), st.booleans(), st.floats(0, 80), st.floats(0, 80), st.integers(0, 10**6))
+def test_every_router_ends_empty_whatever_the_outage(count, lag_ms, handoff, at_s, seconds, seed):
+    outage = (at_s, at_s + seconds)
+    tier = RouterTier(policy_settings("llm-aware"), count, "store", seed, lag_ms / 1000, handoff, outage)
+    workload = profile_workload(QUICK, seed % 50)
+    outcome = simulate(ClosedLoop(workload.conversations, 4, workload.spawn_rate, 60.0), tier, simple_cost(), FLEET)
+    assert sum(tier.routed) == len(outcome.requests)
+    assert all(router.in_flight() == 0 and router.ledger.total_tokens() == 0 for router in tier.routers)
+
+
+@pytest.mark.parametrize("value", ["30", "5:-1", "30:x"])
+def test_a_bad_outage_on_the_command_line_is_one_line(tmp_path, capsys, value):
+    out = tmp_path / "o"
+    code = main(["sim", "--profile", "quick", "--policies", "bounded", "--seeds", "1", "--out-dir", str(out),
+                 "--router-state", "store", "--store-outage", value])
+    error = capsys.readouterr().err
+    assert code == 2 and "--store-outage" in error and error.count("\n") == 1
+    assert not out.exists()
