@@ -77,6 +77,7 @@ class ServiceSettings(Strict):
     observe_grace_ms: int = Field(ge=0, le=10_000, description="SSE: wait after the access log entry for the end")
     envoy_endpoints_file: str = Field(description="EDS file written for Envoy; empty: Envoy resolves DNS")
     fail_open: bool = Field(description="Envoy: round robin when this service is down (true) or 500 (false)")
+    drain_seconds: float = Field(ge=0, le=3600, description="SIGTERM: in-flight requests get this long to finish")
 
 class DiscoverySettings(Strict):
     """Where the replica list comes from."""
@@ -91,10 +92,17 @@ class DiscoverySettings(Strict):
     kubernetes_backoff_seconds: float = Field(gt=0, description="first retry delay when the API is unreachable")
 
 
+class StoreSettings(Strict):
+    """The shared store the gateway replicas agree through."""
+
+    url: str = Field(description="redis://host:port/db of the shared store; empty: this router's state stays in memory")
+
+
 class Settings(Strict):
     routing: RoutingSettings
     service: ServiceSettings
     discovery: DiscoverySettings
+    store: StoreSettings
 
 
 class SettingsError(UsageError):

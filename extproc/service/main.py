@@ -7,7 +7,8 @@ service.envoy_endpoints_file is set, the endpoint file Envoy watches).
 
 Health: service "" is SERVING as soon as the server runs (liveness); service
 "envoy.service.ext_proc.v3.ExternalProcessor" is SERVING while at least one replica is
-known (readiness), NOT_SERVING otherwise.
+known (readiness), NOT_SERVING otherwise. On SIGTERM both turn NOT_SERVING for good while
+in-flight requests finish (drain.py, up to service.drain_seconds).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from extproc.envoy.contract import split_host_port, write_endpoints_file
 from extproc.routing import Router
 from extproc.service import admin_pb2_grpc
 from extproc.service.admin import AdminService
+from extproc.service.drain import drain
 from extproc.service.gateway import Gateway
 from extproc.service.metrics import Metrics
 from extproc.service.offload import BodyParser
@@ -79,7 +81,7 @@ def configure_logging(level: str) -> None:
 
 
 async def serve(settings: Settings) -> int:
-    """Serve until SIGTERM/SIGINT (exit status 0) or until discovery fails (1)."""
+    """Serve until SIGTERM/SIGINT (drained, exit status 0) or until discovery fails (1)."""
     service = settings.service
     metrics = Metrics()
     gateway = Gateway(Router(settings.routing), service, metrics)
@@ -131,6 +133,8 @@ async def serve(settings: Settings) -> int:
     watcher.add_done_callback(lambda task: _discovery_ended(task, stop))
     try:
         await stop.wait()
+        if not watcher.done():  # a signal, not a failed discovery
+            await drain(lambda: len(gateway.pending), health_service, service.drain_seconds)
     finally:
         log.info("service_stopping", in_flight=gateway.router.ledger.total_requests())
         watcher.cancel()

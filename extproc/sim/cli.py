@@ -28,6 +28,7 @@ from extproc.sim.runs import (
     parse_policy,
     profile_source,
     run_experiment,
+    store_outage,
     trace_source,
 )
 from extproc.traffic import ProfileError
@@ -60,6 +61,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="gateway routers; each request meets one at random (default: [gateway] routers)")
     parser.add_argument("--router-state", choices=ROUTER_STATES,
                         help="separate views, one shared, or conversation affinity (default: [gateway] router_state)")
+    parser.add_argument("--store-lag-ms", type=at_least(0, float),
+                        help="--router-state store: a router's writes reach the others this late "
+                             "(default: [gateway] store_lag_ms)")
+    parser.add_argument("--store-handoff", action=argparse.BooleanOptionalAction, default=None,
+                        help="--router-state store: a release by the next turn reaches every router at once "
+                             "(default: [gateway] store_handoff)")
+    parser.add_argument("--store-outage", metavar="AT:SECONDS",
+                        help="--router-state store: the store is down from AT for SECONDS simulated seconds "
+                             "(default: [gateway] store_outage_at_s, store_outage_s)")
     parser.add_argument("--time-scale", type=float, help="traces: multiply arrival times (default: [trace])")
     parser.add_argument("--limit", type=at_least(1), help="traces: only the first N requests")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
@@ -78,6 +88,9 @@ def main(args: argparse.Namespace) -> int:
             time_scale=args.time_scale or config.time_scale,
             routers=args.routers or config.routers,
             router_state=args.router_state or config.router_state,
+            store_lag_ms=config.store_lag_ms if args.store_lag_ms is None else args.store_lag_ms,
+            store_handoff=config.store_handoff if args.store_handoff is None else args.store_handoff,
+            store_outage=config.store_outage if args.store_outage is None else parse_outage(args.store_outage),
         )
         seeds = parse_seeds(args.seeds)
         distinct(args.replicas, "--replicas")
@@ -120,8 +133,12 @@ def main(args: argparse.Namespace) -> int:
         results[str(replicas)] = report["summary"]
         paired = differences[str(replicas)] = paired_differences(report["runs"], args.policies)
         if not args.json:
+            outage = config.store_outage
+            store = (f" (lag {config.store_lag_ms:g} ms{', handoff' if config.store_handoff else ''}"
+                     f"{f', down {outage[0]:g}-{outage[1]:g} s' if outage else ''})"
+                     if config.router_state == "store" else "")
             print(f"\n{source.label}: {replicas} replicas, {len(seeds)} seeds, "
-                  f"{config.routers} router(s) {config.router_state} ({out_dir})")
+                  f"{config.routers} router(s) {config.router_state}{store} ({out_dir})")
             print(render_stats(results[str(replicas)]))
             if paired:
                 print(f"\npaired by seed, difference to {args.policies[0]}:")
@@ -158,6 +175,15 @@ def parse_scale(items: list[str]) -> list[tuple[float, int]]:
 
 
 PAIRED = ("hit_rate", "redirects", "latency_p50", "latency_p95", "ttft_p50", "imbalance")
+
+
+def parse_outage(text: str) -> tuple[float, float] | None:
+    """``AT:SECONDS``, both numbers >= 0 (SECONDS 0: no outage)."""
+    at, _, seconds = text.partition(":")
+    try:
+        return store_outage(float(at), float(seconds))
+    except ValueError:
+        raise ValueError(f"--store-outage {text!r}: expected AT:SECONDS, two numbers >= 0") from None
 
 
 def paired_differences(runs: list[dict[str, Any]], policies: list[str]) -> dict[str, dict[str, dict[str, Any]]]:

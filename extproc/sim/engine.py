@@ -23,7 +23,7 @@ conversation arrives, which carries its answer and so releases it before its own
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from heapq import heappush
 
@@ -95,6 +95,12 @@ class _Simulation:
         self.record = self.outcome.requests.append
         self.route, self.complete = router.route, router.complete
         self.shared_host = fleet.host_cores > 0
+        self.now = 0.0
+        # a request released by the next turn, which carries its answer
+        self.complete_answered: Callable[[str], object] = router.complete
+        if isinstance(router, RouterTier):
+            router.clock = lambda: self.now  # a store's lag is measured in simulated time
+            self.complete_answered = lambda request_id: router.complete(request_id, True, by_next_turn=True)
         self.pending: Iterator[Request] = iter(())
         self.deadline = float("inf")
         self.busy = 0  # replicas with at least one running request
@@ -122,6 +128,7 @@ class _Simulation:
         now = 0.0
         while heap:
             now, seq, kind, payload = pop(heap)
+            self.now = now
             events += 1
             if kind == _WAKE:
                 if seq == payload.version:  # else a later reschedule replaced this wake-up
@@ -134,6 +141,8 @@ class _Simulation:
                 self.complete(payload.request_id, True)  # a no-op when its next turn released it
             else:
                 self._set_fleet(payload, now)
+        if isinstance(self.router, RouterTier):
+            self.router.settle()
         self.outcome.end_s = now
         self.outcome.events = events
         return self.outcome
@@ -146,7 +155,7 @@ class _Simulation:
     def _send(self, request: Request, now: float) -> None:
         request.arrived_at = now
         if request.previous is not None and self.fleet.release_by_next_turn:  # it carries the last answer
-            self.complete(request.previous.request_id, True)
+            self.complete_answered(request.previous.request_id)
         for side in request.sides:
             self._send(side, now)
         decision = self.route(request.route)

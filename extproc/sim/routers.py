@@ -9,38 +9,68 @@ every parallel side of a turn) meets a router of its own:
   turn of a conversation meets the same router while the load still splits;
 - ``shared-load`` and ``affinity-shared-load``: as ``separate`` and ``affinity``, but all
   routers charge one load ledger (an exact, instant load picture: the best any load
-  agreement could give) while placement memory and policy state stay per router.
+  agreement could give) while placement memory and policy state stay per router;
+- ``store``: the routers agree through a shared store (Redis): each keeps its own ledger and
+  placement memory, writes every change to the store without waiting (pipelined), and
+  before each decision and completion reads the other routers' writes as they were
+  ``store_lag_s`` ago, so a decision misses what the others did in the last lag window.
+  Lag 0 gives one router's decisions exactly (while placement memory never forgets). With
+  ``store_handoff``, a request released by its conversation's next turn (whose body shows
+  its answer) counts as released, and where it was served as known, for every router at
+  once: the router receiving the next turn releases it in the store itself, and the
+  placement was written when the request was routed (modelled as the completion's writes
+  reaching every router at once: the same placement, since the answer came from the pick).
+  Policy state other than ledger and memory (a prefix index, a peer policy's view) stays
+  per router, as in ``separate``. ``store_outage`` = (from, until): the store is down;
+  writes are lost, every router routes on its own state; once it is back each router
+  writes its requests in flight again (what the others held of it before is dropped) and
+  reads on.
 
-The engine drives a tier exactly as it drives one ``Router``.
+The engine drives a tier as it drives one ``Router``; it also gives it the simulated time
+(``clock``, for the store's lag), says which releases come with the next turn, and lets the
+store catch up at the end of a run (``settle``).
 """
 
 from __future__ import annotations
 
 import random
+from collections.abc import Callable, Iterable
 
 from extproc.routing import Router
 from extproc.routing.decision import Decision, RouteRequest
 from extproc.routing.hashing import stable_hash
+from extproc.routing.ledger import LoadLedger
+from extproc.routing.placement import PlacementMemory
 from extproc.settings import RoutingSettings
 
-ROUTER_STATES = ("separate", "shared", "affinity", "shared-load", "affinity-shared-load")
+ROUTER_STATES = ("separate", "shared", "affinity", "shared-load", "affinity-shared-load", "store")
+_CHARGE, _RELEASE, _REMEMBER = 0, 1, 2
+_EVERYONE = -1  # a write every router has already applied
+Write = tuple[float, int, int, str | int, str, int]  # (at, writer, kind, key: request id or conversation, replica, n)
 
 
-def check_router_tier(count: int, state: str) -> None:
+def check_router_tier(count: int, state: str, store_lag_ms: float = 0.0) -> None:
     if count < 1:
         raise ValueError(f"routers: need at least 1 (got {count})")
     if state not in ROUTER_STATES:
         raise ValueError(f"router_state: {state!r} is not one of {', '.join(ROUTER_STATES)}")
+    if store_lag_ms < 0:
+        raise ValueError(f"store_lag_ms: must be >= 0 (got {store_lag_ms:g})")
 
 
 class RouterTier:
-    def __init__(self, settings: RoutingSettings, count: int, state: str, seed: int) -> None:
-        check_router_tier(count, state)
+    def __init__(self, settings: RoutingSettings, count: int, state: str, seed: int,
+                 store_lag_s: float = 0.0, store_handoff: bool = False,
+                 store_outage: tuple[float, float] | None = None) -> None:
+        check_router_tier(count, state, store_lag_s * 1000)
         shared = Router(settings) if state == "shared" else None
         self.routers = [shared or Router(settings) for _ in range(count)]
         if state.endswith("shared-load"):
             for router in self.routers[1:]:
                 router.ledger = self.routers[0].ledger
+        self.store = Store(self.routers, store_lag_s, store_outage) if state == "store" else None
+        self.handoff = store_handoff and self.store is not None
+        self.clock: Callable[[], float] = lambda: 0.0  # the simulation's time (the engine sets it)
         self.state = state
         self.routed = [0] * count  # requests each router decided
         self._seed = seed
@@ -56,16 +86,28 @@ class RouterTier:
     def route(self, request: RouteRequest) -> Decision | None:
         index = self.pick(request)
         router = self.routers[index]
+        if self.store is not None:
+            self.store.read(index, self.clock())
         decision = router.route(request)
         self.routed[index] += 1
         if decision is not None:
             self._owner[request.request_id] = router
         return decision
 
-    def complete(self, request_id: str, ok: bool = True) -> Decision | None:
-        """Completed by the router that routed it (a no-op for one already completed)."""
+    def complete(self, request_id: str, ok: bool = True, by_next_turn: bool = False) -> Decision | None:
+        """Completed by the router that routed it (a no-op for one already completed);
+        ``by_next_turn``: its conversation's next turn, carrying its answer, has arrived."""
         router = self._owner.pop(request_id, None)
-        return router.complete(request_id, ok) if router is not None else None
+        if router is None:
+            return None
+        if self.store is None:
+            return router.complete(request_id, ok)
+        self.store.read(self.routers.index(router), self.clock())  # the writes before these, in order
+        first = len(self.store.writes)
+        decision = router.complete(request_id, ok)
+        if by_next_turn and self.handoff:
+            self.store.share_at_once(first)
+        return decision
 
     def report_cached(self, request: RouteRequest, replica: str, predicted: int, cached: int) -> None:
         """An answer's cached tokens go to the router that routed it (reported before its release)."""
@@ -82,3 +124,160 @@ class RouterTier:
 
     def in_flight(self) -> int:
         return sum(router.in_flight() for router in self.distinct())
+
+    def settle(self) -> None:
+        """Every write reaches every router (the end of a run: the store catches up)."""
+        if self.store is not None:
+            for index in range(len(self.routers)):
+                if not self.store.resynced[index]:  # the run ended during the outage
+                    self.store.resync(index)
+                self.store.take(index, float("inf"))
+
+
+class Store:
+    """The store as the routers see it: each router's ledger and memory write every change
+    to it, stamped with the time and the writer; a router reads the others' writes once
+    they are ``lag_s`` old, in the order they were made."""
+
+    def __init__(self, routers: list[Router], lag_s: float, outage: tuple[float, float] | None = None) -> None:
+        self.lag_s = lag_s
+        self.outage = outage  # (from, until) in simulated seconds: the store is down
+        self.now = 0.0
+        self.writes: list[Write] = []
+        self.seen = [0] * len(routers)  # per router: the first write it has not read
+        self.ledgers, self.memories = [], []
+        self.released_early: list[set[str]] = [set() for _ in routers]  # handed off before the reader saw the charge
+        self.remote: list[set[str]] = [set() for _ in routers]  # per router: the others' charges it holds
+        self.resynced = [outage is None for _ in routers]
+        for index, router in enumerate(routers):
+            publish = self._publisher(index)
+            router.ledger = ledger = StoredLedger(publish)
+            router.memory = memory = StoredMemory(router.settings.memory_capacity, publish, self)
+            self.ledgers.append(ledger)
+            self.memories.append(memory)
+
+    def _publisher(self, writer: int) -> Callable[[int, str | int, str, int], None]:
+        def publish(kind: int, key: str | int, replica: str, n: int) -> None:
+            if not self.down(self.now):  # a write to a store that is down is lost
+                self.writes.append((self.now, writer, kind, key, replica, n))
+        return publish
+
+    def down(self, at: float) -> bool:
+        return self.outage is not None and self.outage[0] <= at < self.outage[1]
+
+    def share_at_once(self, first: int) -> None:
+        """The writes from ``first`` on reach every router now (and are not read again)."""
+        for position in range(first, len(self.writes)):
+            write = self.writes[position]
+            for reader in range(len(self.ledgers)):
+                if reader != write[1]:
+                    self._apply(reader, write, at_once=True)
+            self.writes[position] = (write[0], _EVERYONE, *write[2:])
+
+    def read(self, reader: int, now: float) -> None:
+        """``reader`` is about to decide or complete at ``now`` (what it writes next is
+        stamped ``now``): it takes in the other routers' writes made up to ``now - lag_s``."""
+        self.now = now
+        if self.down(now):
+            return  # on its own state until the store is back
+        if not self.resynced[reader] and self.outage is not None and now >= self.outage[1]:
+            self.resync(reader)
+        self.take(reader, now - self.lag_s)
+
+    def resync(self, reader: int) -> None:
+        """The store is back: every router has written its requests in flight again, and the
+        writes from before the outage are gone but for placements (the store keeps them)."""
+        ledger, until = self.ledgers[reader], (self.outage or (0.0, 0.0))[1]
+        for request_id in self.remote[reader]:
+            LoadLedger.release(ledger, request_id)
+        self.remote[reader].clear()
+        for writer, other in enumerate(self.ledgers):
+            if writer != reader:
+                for request_id, (replica, tokens) in other.own.items():
+                    self._apply(reader, (until, writer, _CHARGE, request_id, replica, tokens))
+        writes, position = self.writes, self.seen[reader]
+        while position < len(writes) and writes[position][0] < until:
+            if writes[position][2] == _REMEMBER and writes[position][1] != reader:
+                self._apply(reader, writes[position])
+            position += 1
+        self.seen[reader] = position
+        self.resynced[reader] = True
+
+    def take(self, reader: int, horizon: float) -> None:
+        writes, position = self.writes, self.seen[reader]
+        while position < len(writes) and writes[position][0] <= horizon:
+            write = writes[position]
+            position += 1
+            if write[1] != reader and write[1] != _EVERYONE:  # its own writes are in its state already
+                self._apply(reader, write)
+        self.seen[reader] = position
+        done = min(self.seen)
+        if done > 4096:  # every router has read these: forget them
+            del writes[:done]
+            self.seen = [seen - done for seen in self.seen]
+
+    def _apply(self, reader: int, write: Write, at_once: bool = False) -> None:
+        at, _, kind, key, replica, n = write
+        ledger = self.ledgers[reader]
+        if kind == _CHARGE:
+            if str(key) in self.released_early[reader]:
+                self.released_early[reader].discard(str(key))
+            elif replica in ledger.loads("requests") and str(key) not in self.remote[reader]:
+                LoadLedger.charge(ledger, str(key), replica, n)  # (else the replica left, or a resync had it)
+                self.remote[reader].add(str(key))
+        elif kind == _RELEASE:
+            self.remote[reader].discard(str(key))
+            if LoadLedger.release(ledger, str(key)) is None and at_once:  # its charge is still to be read
+                self.released_early[reader].add(str(key))
+        else:
+            self.memories[reader].take(at, int(key), replica, n)
+
+
+class StoredLedger(LoadLedger):
+    """A router's own ledger that also writes each charge and release to the store."""
+
+    __slots__ = ("_publish", "own")
+
+    def __init__(self, publish: Callable[[int, str | int, str, int], None]) -> None:
+        self.own: dict[str, tuple[str, int]] = {}  # this router's requests in flight: id -> (replica, tokens)
+        super().__init__()  # (which calls set_replicas)
+        self._publish = publish
+
+    def set_replicas(self, replicas: Iterable[str]) -> None:
+        super().set_replicas(replicas)
+        for request_id in [rid for rid, (replica, _) in self.own.items() if replica not in self.loads("requests")]:
+            del self.own[request_id]
+
+    def charge(self, request_id: str, replica: str, tokens: int) -> None:
+        super().charge(request_id, replica, tokens)
+        self.own[request_id] = (replica, tokens)
+        self._publish(_CHARGE, request_id, replica, tokens)
+
+    def release(self, request_id: str) -> tuple[str, int] | None:
+        charge = super().release(request_id)
+        if self.own.pop(request_id, None) is not None:
+            self._publish(_RELEASE, request_id, "", 0)
+        return charge
+
+
+class StoredMemory(PlacementMemory):
+    """A router's own placement memory that also writes each placement to the store. The
+    store keeps a conversation's latest placement: one read after a newer one is ignored."""
+
+    __slots__ = ("_publish", "_shared", "_written")
+
+    def __init__(self, capacity: int, publish: Callable[[int, str | int, str, int], None], store: Store) -> None:
+        super().__init__(capacity)
+        self._publish = publish
+        self._shared = store
+        self._written: dict[int, float] = {}  # conversation -> when the placement held was written
+
+    def remember(self, key: int, replica: str, prompt_tokens: int) -> None:
+        super().remember(key, replica, prompt_tokens)
+        self._written[key] = self._shared.now
+        self._publish(_REMEMBER, key, replica, prompt_tokens)
+
+    def take(self, at: float, key: int, replica: str, prompt_tokens: int) -> None:
+        if at >= self._written.get(key, at):
+            PlacementMemory.remember(self, key, replica, prompt_tokens)
+            self._written[key] = at

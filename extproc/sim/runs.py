@@ -37,7 +37,10 @@ class SimConfig:
     release_lag_ms: float
     release_by_next_turn: bool
     routers: int  # gateway routers in front of the fleet (extproc/sim/routers.py)
-    router_state: str  # separate | shared | affinity | ...
+    router_state: str  # separate | shared | affinity | ... | store (extproc/sim/routers.py)
+    store_lag_ms: float  # router_state store: a write reaches the other routers this much later
+    store_handoff: bool  # router_state store: a release by the next turn reaches every router at once
+    store_outage: tuple[float, float] | None  # router_state store: (from, until) s, the store is down
     # traces: arrivals sharing a bucket this wide are spread over it with the seed (None: not read)
     jitter_bucket_s: float | None = None
 
@@ -63,6 +66,10 @@ _LAYOUT: dict[tuple[str, str], tuple[str, Callable[[Any], Any]]] = {
     ("gateway", "release_by_next_turn"): ("release_by_next_turn", bool),
     ("gateway", "routers"): ("routers", int),
     ("gateway", "router_state"): ("router_state", str),
+    ("gateway", "store_lag_ms"): ("store_lag_ms", float),
+    ("gateway", "store_handoff"): ("store_handoff", bool),
+    ("gateway", "store_outage_at_s"): ("store_outage_at_s", float),  # the two make store_outage
+    ("gateway", "store_outage_s"): ("store_outage_s", float),
 }
 _KEYS: dict[str, tuple[str, ...]] = {"routing": tuple(key for key in RoutingSettings.model_fields if key != "policy")}
 for _section, _key in _LAYOUT:
@@ -81,11 +88,19 @@ def load_sim_config(path: str | Path = SIM_CONFIG) -> SimConfig:
             raise SettingsError(f"{path}: missing setting [{section}] {key or ''}".rstrip())
     try:
         fields = {field: convert(raw[section][key]) for (section, key), (field, convert) in _LAYOUT.items()}
+        fields["store_outage"] = store_outage(fields.pop("store_outage_at_s"), fields.pop("store_outage_s"))
         config = SimConfig(routing=dict(raw["routing"]), **fields)
-        check_router_tier(config.routers, config.router_state)
+        check_router_tier(config.routers, config.router_state, config.store_lag_ms)
     except (TypeError, ValueError) as exc:
         raise SettingsError(f"{path}: {exc}") from None
     return config
+
+
+def store_outage(at_s: float, seconds: float) -> tuple[float, float] | None:
+    """The store down from ``at_s`` for ``seconds`` (0: never down)."""
+    if at_s < 0 or seconds < 0:
+        raise ValueError(f"store outage: start and length must be >= 0 (got {at_s:g} s, {seconds:g} s)")
+    return (at_s, at_s + seconds) if seconds else None
 
 
 def _check_sim_keys(raw: dict[str, Any], path: Path) -> None:
@@ -145,9 +160,10 @@ def trace_source(path: str | Path, time_scale: float, jitter_bucket_s: float | N
 
 
 def run_once(workload: ClosedLoop | OpenLoop, settings: RoutingSettings, cost: CostModel, fleet: Fleet,
-             routers: int = 1, router_state: str = "separate", seed: int = 0) -> Outcome:
+             routers: int = 1, router_state: str = "separate", seed: int = 0, store_lag_ms: float = 0.0,
+             store_handoff: bool = False, store_outage: tuple[float, float] | None = None) -> Outcome:
     """One run through ``routers`` gateway routers (``seed`` spreads the requests over them)."""
-    tier = RouterTier(settings, routers, router_state, seed)
+    tier = RouterTier(settings, routers, router_state, seed, store_lag_ms / 1000, store_handoff, store_outage)
     outcome = simulate(workload, tier, cost, fleet)
     for router in tier.distinct():
         if router.in_flight() or router.ledger.total_requests() or router.ledger.total_tokens():
@@ -167,7 +183,8 @@ def run_experiment(
             base = {**config.routing, "hash_seed": seed} if source.seeds_hash else config.routing
             settings = parse_policy(spec, base)
             outcome = run_once(source.make(seed, make_policy(settings).needs_prefix_blocks), settings, cost, fleet,
-                               config.routers, config.router_state, seed)
+                               config.routers, config.router_state, seed, config.store_lag_ms,
+                               config.store_handoff, config.store_outage)
             run_id = f"sim-{source.label}-r{fleet.replicas}-{spec.replace(':', '_').replace(',', '_')}-s{seed}"
             rows = request_rows(outcome.requests, run_id, spec, seed)
             write_records(rows, out_dir / run_id / REQUESTS_FILE)
@@ -195,5 +212,8 @@ def _meta(run_id: str, spec: str, seed: int, source: Source, settings: RoutingSe
                "slots": fleet.slots, "cache_tokens": fleet.cache_tokens,
                "host_cores": fleet.host_cores, "replica_threads": fleet.replica_threads,
                "routers": config.routers, "router_state": config.router_state,
+               **({"store_lag_ms": config.store_lag_ms, "store_handoff": config.store_handoff,
+                   "store_outage": list(config.store_outage) if config.store_outage else None}
+                  if config.router_state == "store" else {}),
                "scale": [list(event) for event in fleet.scale], "events": outcome.events},
     )

@@ -33,7 +33,8 @@ def test_fit_from_records_recovers_the_simulated_costs(tmp_path, monkeypatch):
                                 "long_prompt_tokens": 800, "long_load_factor": 2.0, "memory_capacity": 1000,
                                 "prefix_index": False, "prefix_feedback": False, "prefix_capacity_tokens": 1000},
                        slots=1, cache_ram_mib=0, cost_model="simple", threads=1, host_cores=0, time_scale=1.0,
-                       release_lag_ms=0.0, release_by_next_turn=True, routers=1, router_state="separate")
+                       release_lag_ms=0.0, release_by_next_turn=True, routers=1, router_state="separate",
+                       store_lag_ms=0.0, store_handoff=False, store_outage=None)
     run_experiment(source, ["bounded"], [1, 2], config, Fleet(3, 1, 0), tmp_path / "exp")
     out = tmp_path / "fit.json"
     assert main(parse("--from-records", str(tmp_path / "exp"), "--name", "fit", "--kv-bytes-per-token", "1024",

@@ -26,9 +26,10 @@ QUICK, AGENT = load_profile("quick"), load_profile("agent")
 FLEET = Fleet(3, 2, 4000, release_lag_s=0.02)  # releases come late, as from the access log
 
 
-def rows(profile, policy: str, seed: int, routers: int = 1, state: str = "separate") -> list[dict]:
+def rows(profile, policy: str, seed: int, routers: int = 1, state: str = "separate",
+         store_lag_ms: float = 0.0) -> list[dict]:
     outcome = run_once(profile_workload(profile, seed), policy_settings(policy), simple_cost(), FLEET,
-                       routers, state, seed)  # checks every router's ledger is empty at the end
+                       routers, state, seed, store_lag_ms)  # checks every router's ledger is empty at the end
     return request_rows(outcome.requests, "run", policy, seed)
 
 

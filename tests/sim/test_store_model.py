@@ -1,0 +1,214 @@
+"""The routers' shared store (router_state "store"): lag 0 is one router, an endless lag is
+separate routers, and in between each router sees its own writes at once and the others'
+exactly ``store_lag_ms`` late; with the handoff, a release by the next turn at once."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import settings as hsettings
+from hypothesis import strategies as st
+
+from extproc.cli import main
+from extproc.routing import Router
+from extproc.routing.decision import RouteRequest
+from extproc.settings import SettingsError
+from extproc.sim.engine import ClosedLoop, Fleet, simulate
+from extproc.sim.records import request_rows
+from extproc.sim.routers import RouterTier, Store
+from extproc.sim.runs import SIM_CONFIG, load_sim_config, run_once
+from extproc.sim.workload import profile_workload
+from tests.sim.helpers import settings as policy_settings
+from tests.sim.helpers import simple_cost
+from tests.sim.test_routers import AGENT, FLEET, QUICK, rows
+
+NEVER_MS = 1e15  # later than any run ends: no router ever reads another's writes
+
+
+def store_rows(profile, policy: str, seed: int, lag_ms: float) -> list[dict]:
+    return rows(profile, policy, seed, 3, "store", lag_ms)
+
+
+@pytest.mark.parametrize("policy", ["bounded", "llm-aware"])
+@pytest.mark.parametrize("profile", [QUICK, AGENT], ids=["quick", "agent"])
+def test_a_store_without_lag_is_one_router(profile, policy):
+    assert store_rows(profile, policy, 3, 0.0) == rows(profile, policy, 3, 3, "shared") == rows(profile, policy, 3)
+
+
+@pytest.mark.parametrize("policy", ["bounded", "llm-aware"])
+def test_a_store_never_read_is_separate_routers(policy):
+    assert store_rows(AGENT, policy, 4, NEVER_MS) == rows(AGENT, policy, 4, 3, "separate")
+
+
+def test_a_lagging_store_misses_recent_decisions():
+    exact = store_rows(AGENT, "llm-aware", 8, 0.0)
+    late = store_rows(AGENT, "llm-aware", 8, 2000.0)  # fan-out sides arrive together: far inside 2 s
+    assert [r["replica"] for r in late] != [r["replica"] for r in exact]
+
+
+@hsettings(max_examples=30, deadline=None)
+@given(st.integers(1, 4), st.floats(0, 500), st.booleans(), st.integers(0, 10**6),
+       st.sampled_from(["bounded", "llm-aware"]))
+def test_every_router_ends_empty_whatever_the_lag(count, lag_ms, handoff, seed, policy):
+    scaled = Fleet(3, 2, 4000, scale=((20.0, 4), (60.0, 2)), release_lag_s=0.02)
+    tier = RouterTier(policy_settings(policy), count, "store", seed, lag_ms / 1000, handoff)
+    workload = profile_workload(QUICK, seed % 50)
+    outcome = simulate(ClosedLoop(workload.conversations, 4, workload.spawn_rate, 60.0), tier, simple_cost(), scaled)
+    assert sum(tier.routed) == len(outcome.requests)
+    assert all(router.in_flight() == 0 and router.ledger.total_tokens() == 0 for router in tier.routers)
+
+
+REPLICAS = ("llm-0", "llm-1")
+operations = st.lists(
+    st.tuples(st.floats(0, 0.05), st.integers(0, 2), st.booleans(), st.sampled_from(REPLICAS), st.integers(1, 500)),
+    max_size=60,
+)
+
+
+@hsettings(max_examples=60, deadline=None)
+@given(operations, st.sampled_from([0.0, 0.01, 0.03, 1.0]))
+def test_a_router_sees_its_own_writes_at_once_and_the_others_lag_late(ops, lag_s):
+    """Charges and releases by three routers at random times: after each read, a router's
+    ledger holds exactly its own charges plus the others' made at least ``lag_s`` before."""
+    routers = [Router(policy_settings("bounded"), REPLICAS) for _ in range(3)]
+    store = Store(routers, lag_s)
+    for router in routers:
+        router.ledger.set_replicas(REPLICAS)  # the store's ledgers start as the fleet does
+    made: list[tuple[float, int, str, str, int, bool]] = []  # (at, writer, request id, replica, tokens, release)
+    now = 0.0
+    for number, (step, writer, charge, replica, tokens) in enumerate(ops):
+        now += step
+        store.read(writer, now)
+        expected = {name: 0 for name in REPLICAS}
+        for at, by, _, name, n, release in made:
+            if by == writer or at <= now - lag_s:
+                expected[name] += -n if release else n
+        assert dict(routers[writer].ledger.loads("tokens")) == expected
+        own = [(rid, name, n) for at, by, rid, name, n, release in made if by == writer]
+        open_charges = [c for c in own if sum(1 for x in own if x[0] == c[0]) == 1]  # charged, not released yet
+        if charge or not open_charges:
+            request_id = f"r{number}"
+            routers[writer].ledger.charge(request_id, replica, tokens)
+            made.append((now, writer, request_id, replica, tokens, False))
+        else:
+            request_id, name, n = open_charges[0]
+            routers[writer].ledger.release(request_id)
+            made.append((now, writer, request_id, name, n, True))
+
+
+@pytest.mark.parametrize(("line", "error"), [("\n", r"missing setting \[gateway\] store_lag_ms"),
+                                             ("\nstore_lag_ms = -1\n", "store_lag_ms: must be >= 0")])
+def test_the_lag_is_a_required_setting(tmp_path, line, error):
+    assert load_sim_config().store_lag_ms == 1.0
+    config = tmp_path / "sim.toml"
+    config.write_text(SIM_CONFIG.read_text().replace("\nstore_lag_ms = 1.0\n", line))
+    with pytest.raises(SettingsError, match=error):
+        load_sim_config(config)
+
+
+def test_a_negative_lag_on_the_command_line_is_one_line(tmp_path, capsys):
+    out = tmp_path / "o"
+    with pytest.raises(SystemExit) as exited:
+        main(["sim", "--profile", "quick", "--policies", "bounded", "--seeds", "1", "--out-dir", str(out),
+              "--router-state", "store", "--store-lag-ms", "-5"])
+    assert exited.value.code == 2 and "--store-lag-ms" in capsys.readouterr().err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("policy", ["bounded", "llm-aware"])
+def test_a_handoff_without_lag_is_one_router_too(policy):
+    handoff = run_once(profile_workload(AGENT, 3), policy_settings(policy), simple_cost(), FLEET, 3, "store", 3,
+                       0.0, store_handoff=True)
+    assert request_rows(handoff.requests, "run", policy, 3) == rows(AGENT, policy, 3)
+
+
+class Steered(RouterTier):
+    """Each request meets the router its id names ("r1-..." -> router 1)."""
+
+    def pick(self, request: RouteRequest) -> int:
+        return int(request.request_id[1])
+
+
+@pytest.mark.parametrize("handoff", [False, True])
+def test_the_next_turn_on_another_router_sees_the_handoff_at_once_or_lag_late(handoff):
+    tier = Steered(policy_settings("llm-aware"), 2, "store", 0, store_lag_s=1.0, store_handoff=handoff)
+    tier.set_replicas(["llm-0", "llm-1", "llm-2"])
+    tier.clock = lambda: 10.0
+    first = tier.route(RouteRequest("r0-turn1", "c", 400, 8))
+    assert first is not None
+    tier.clock = lambda: 20.0  # answered; the next turn arrives at once, on router 1
+    tier.complete("r0-turn1", True, by_next_turn=True)
+    reader = tier.routers[1]
+    tier.store.read(1, 20.0)  # what router 1 knows as it decides
+    placement = reader.memory.get(reader.conversation_key("c"))
+    if handoff:
+        assert placement is not None and placement.replica == first.replica
+        assert reader.ledger.total_requests() == 0
+    else:  # the charge (10 s old) is read, its release and the placement (written now) are not
+        assert placement is None and reader.ledger.requests(first.replica) == 1
+    tier.store.read(1, 21.0)  # a lag later, the same either way
+    assert reader.ledger.total_requests() == 0
+    assert reader.memory.get(reader.conversation_key("c")).replica == first.replica
+
+
+def test_a_placement_read_late_does_not_replace_a_newer_one():
+    routers = [Router(policy_settings("llm-aware"), ("llm-0", "llm-1")) for _ in range(2)]
+    store = Store(routers, 1.0)
+    store.read(1, 1.0)
+    routers[1].memory.remember(7, "llm-1", 100)  # router 1, at 1.0
+    store.read(0, 1.5)
+    routers[0].memory.remember(7, "llm-0", 200)  # router 0, later, at 1.5
+    store.read(0, 2.1)  # router 1's write (at 1.0) arrives now: the store already holds router 0's
+    assert routers[0].memory.get(7) == ("llm-0", 200)
+    store.read(1, 2.6)
+    assert routers[1].memory.get(7) == ("llm-0", 200)  # and router 1 learns the newer one
+
+
+@pytest.mark.parametrize("policy", ["bounded", "llm-aware"])
+def test_a_store_down_for_the_whole_run_is_separate_routers(policy):
+    down = run_once(profile_workload(AGENT, 4), policy_settings(policy), simple_cost(), FLEET, 3, "store", 4,
+                    1.0, store_outage=(0.0, float("inf")))
+    assert request_rows(down.requests, "run", policy, 4) == rows(AGENT, policy, 4, 3, "separate")
+
+
+def test_an_outage_loses_writes_and_the_return_drops_what_they_left_behind():
+    routers = [Router(policy_settings("bounded"), ("llm-0", "llm-1")) for _ in range(2)]
+    store = Store(routers, 0.5, outage=(3.0, 5.0))
+    for router in routers:
+        router.ledger.set_replicas(("llm-0", "llm-1"))
+    store.read(0, 1.0)
+    routers[0].ledger.charge("before", "llm-0", 10)
+    store.read(1, 2.0)
+    assert routers[1].ledger.loads("tokens") == {"llm-0": 10, "llm-1": 0}
+    store.read(0, 3.5)  # the store is down: this release and this charge never reach it
+    routers[0].ledger.release("before")
+    routers[0].ledger.charge("during", "llm-1", 7)
+    store.read(1, 4.5)  # down: router 1 routes on what it had
+    assert routers[1].ledger.loads("tokens") == {"llm-0": 10, "llm-1": 0}
+    store.read(1, 6.0)  # back: router 0 has written its requests in flight again
+    assert routers[1].ledger.loads("tokens") == {"llm-0": 0, "llm-1": 7}
+    store.read(0, 6.5)
+    routers[0].ledger.release("during")
+    store.read(1, 7.5)
+    assert routers[1].ledger.total_tokens() == 0
+
+
+@hsettings(max_examples=30, deadline=None)
+@given(st.integers(2, 4), st.floats(0, 100), st.booleans(), st.floats(0, 80), st.floats(0, 80), st.integers(0, 10**6))
+def test_every_router_ends_empty_whatever_the_outage(count, lag_ms, handoff, at_s, seconds, seed):
+    outage = (at_s, at_s + seconds)
+    tier = RouterTier(policy_settings("llm-aware"), count, "store", seed, lag_ms / 1000, handoff, outage)
+    workload = profile_workload(QUICK, seed % 50)
+    outcome = simulate(ClosedLoop(workload.conversations, 4, workload.spawn_rate, 60.0), tier, simple_cost(), FLEET)
+    assert sum(tier.routed) == len(outcome.requests)
+    assert all(router.in_flight() == 0 and router.ledger.total_tokens() == 0 for router in tier.routers)
+
+
+@pytest.mark.parametrize("value", ["30", "5:-1", "30:x"])
+def test_a_bad_outage_on_the_command_line_is_one_line(tmp_path, capsys, value):
+    out = tmp_path / "o"
+    code = main(["sim", "--profile", "quick", "--policies", "bounded", "--seeds", "1", "--out-dir", str(out),
+                 "--router-state", "store", "--store-outage", value])
+    error = capsys.readouterr().err
+    assert code == 2 and "--store-outage" in error and error.count("\n") == 1
+    assert not out.exists()
