@@ -55,7 +55,7 @@ class BlockIndex:
 
     def add_prompt(self, replica: str, blocks: Sequence[int], weight: int) -> None:
         """``add(replica, reversed(blocks), weight)`` where ``replica``'s blocks are closed under
-        prefixes (see ``prefix_closed_matches``): the blocks it holds are the leading ones, found
+        prefixes (see ``holders_by_depth``): the blocks it holds are the leading ones, found
         by a binary search; the new tail is added, then the held part refreshed in one C pass."""
         sent = self._sent.get(replica)
         if sent is None:
@@ -70,10 +70,10 @@ class BlockIndex:
                 top = middle
         self.add(replica, reversed(blocks[low:]), weight)
         held = blocks[low - 1 :: -1] if low else ()
-        if all(map(sent.__contains__, held)):  # none forgotten meanwhile (nor a gap: a repeated id, a forget)
+        try:
             deque(map(sent.move_to_end, held), maxlen=0)
-        else:
-            self.add(replica, held, weight)  # the same, one block at a time
+        except KeyError:  # one was forgotten meanwhile (or a gap: a repeated id, a forget)
+            self.add(replica, held, weight)  # the same, one block at a time (the ones moved move again)
 
     def forget(self, replica: str, blocks: Iterable[int]) -> None:
         """``replica`` does not hold ``blocks`` (it said so)."""
@@ -126,32 +126,35 @@ class BlockIndex:
             counts[replica] = depth
         return counts
 
-    def prefix_closed_matches(self, blocks: Sequence[int]) -> dict[str, int]:
-        """``leading_matches`` for an index whose every replica's blocks are closed under
-        prefixes (each block is held only with all blocks before it in its chain: true when
-        whole prompts are added tail first, so a prefix is always fresher than its tail, and
-        only tails are forgotten). A replica's match is then one past its deepest block, found
-        by binary searches, one per distinct depth, instead of a walk over every block.
-        ``forget`` of a tail can leave a sibling chain's deeper blocks behind a gap; for those
-        the search may credit the blocks past the gap (until they age out or are reported)."""
+    def holders_by_depth(self, blocks: Sequence[int]) -> list[tuple[int, list[str]]]:
+        """``leading_matches`` grouped by depth, deepest first, names sorted within a depth, for
+        an index whose every replica's blocks are closed under prefixes (each block is held only
+        with all blocks before it in its chain: true when whole prompts are added tail first, so
+        a prefix is always fresher than its tail, and only tails are forgotten). A replica's
+        match is then one past its deepest block, found by binary searches, one per distinct
+        depth, instead of a walk over every block. ``forget`` of a tail can leave a sibling
+        chain's deeper blocks behind a gap; for those the search may credit the blocks past the
+        gap (until they age out or are reported)."""
         holders = self._holders
-        counts: dict[str, int] = {}
+        groups: list[tuple[int, list[str]]] = []
+        counted: set[str] = set()
         high = len(blocks)  # every replica not yet counted holds fewer than ``high`` blocks
         while high:
-            low, top = 0, high  # the first block in [0, high) no uncounted replica holds
+            low, top, known = 0, high, len(counted)  # the first block in [0, high) no uncounted replica holds
             while low < top:
                 middle = (low + top) // 2
                 held = holders.get(blocks[middle])  # ⊇ the counted replicas (they hold deeper blocks)
-                if held and len(held) > len(counts):
+                if held and len(held) > known:
                     low = middle + 1
                 else:
                     top = middle
             if not low:
                 break
-            # the new ones by name (sets iterate in a per-process hash order)
-            counts.update(dict.fromkeys(sorted(holders[blocks[low - 1]] - counts.keys()), low))
+            fresh = holders[blocks[low - 1]] - counted
+            groups.append((low, sorted(fresh)))  # by name: sets iterate in a per-process hash order
+            counted |= fresh
             high = low - 1
-        return counts
+        return groups
 
     def held_prefix(self, replica: str, blocks: Sequence[int]) -> int:
         """How many leading blocks ``replica`` holds without a gap."""

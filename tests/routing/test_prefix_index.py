@@ -232,7 +232,7 @@ def test_whole_prompts_added_tail_first_stay_prefix_closed_so_the_binary_searche
         capacity: int, log) -> None:
     index, _, chains = replay(capacity, log, gaps=False)
     for known in chains:
-        assert index.prefix_closed_matches(known) == index.leading_matches(known)
+        assert {name: held for held, names in index.holders_by_depth(known) for name in names} == index.leading_matches(known)
 
 
 @settings(max_examples=200, deadline=None)

@@ -67,8 +67,9 @@ def first_fit(situation: Situation, first: str, loads: Mapping[str, int], cost: 
         return first, (check,)
     checks = [check]
     walk: Iterable[str] = situation.walk()
-    if discount.holders:
-        walk = dict.fromkeys(chain(discount.holders, walk))  # in order, each once
+    if discount.holders:  # in order, each once; the ring walked only as far as needed
+        holders = set(discount.holders)
+        walk = chain(discount.holders, (name for name in walk if name not in holders))
     for name in walk:
         if name != first:
             check = _check(name, loads, cost, cap, discount)

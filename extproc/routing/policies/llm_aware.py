@@ -22,8 +22,6 @@ index off exactly as the seed's llm-aware.
 
 from __future__ import annotations
 
-from itertools import islice, takewhile
-
 from extproc.routing.decision import Candidate, Decision, RouteRequest, Trace
 from extproc.routing.policies.bounded_walk import Discount, average_and_cap, first_fit, least_loaded
 from extproc.routing.policies.situation import NO_PEER_FIELDS, Situation, new
@@ -131,26 +129,31 @@ class LlmAwarePrefix(LlmAware):
         blocks = request.prefix_blocks
         if not blocks:
             return super().where_cached(situation, home)
-        matched = self.index.prefix_closed_matches(blocks)  # deepest first; ``routed`` adds prompts tail first
+        prompt, count, max_tokens = request.prompt_tokens, len(blocks), request.max_tokens
         avoid = situation.avoid
-        if avoid:
-            matched = {name: count for name, count in matched.items() if name not in avoid}
-        prompt, count = request.prompt_tokens, len(blocks)
-        expected = {name: prompt * held // count for name, held in matched.items()}  # = covered_tokens
+        expected: dict[str, int] = {}  # deepest first
+        costs: dict[str, int] = {}
+        traced: list[tuple[str, int]] = []  # (replica, matched blocks) of the first CANDIDATES_TRACED
+        tied: list[str] = []  # the replicas holding the longest prefix
+        for held, names in self.index.holders_by_depth(blocks):  # ``routed`` adds prompts tail first
+            if avoid:
+                names = [name for name in names if name not in avoid]
+            if not names:
+                continue
+            tokens = prompt * held // count  # = covered_tokens
+            expected.update(dict.fromkeys(names, tokens))  # one dict update per depth, not per replica
+            costs.update(dict.fromkeys(names, max(1, prompt - tokens) + max_tokens))  # as above
+            tied = tied or names
+            traced.extend((name, held) for name in names[: CANDIDATES_TRACED - len(traced)])
         loads = situation.ledger.loads("tokens")
-        candidates = tuple(new(Candidate, (name, held, loads[name], expected[name]))
-                           for name, held in islice(matched.items(), CANDIDATES_TRACED))
-        seen = (count, candidates, (("capacity_tokens", self.index.capacity), ("holders", len(matched))))
-        if not matched:
+        candidates = tuple(new(Candidate, (name, held, loads[name], expected[name])) for name, held in traced)
+        seen = (count, candidates, (("capacity_tokens", self.index.capacity), ("holders", len(expected))))
+        if not tied:
             return None, {}, {}, seen
-        most = next(iter(matched.values()))
-        tied = [name for name, _ in takewhile(lambda item: item[1] == most, matched.items())]
         if len(tied) == 1:
             cached_on = tied[0]
         else:  # ties: the ring home, else the first of them clockwise
             cached_on = home if home in tied else next(name for name in situation.walk() if name in tied)
-        max_tokens = request.max_tokens
-        costs = {name: max(1, prompt - tokens) + max_tokens for name, tokens in expected.items()}  # as above
         return cached_on, expected, costs, seen
 
     def holders(self, expected: dict[str, int]) -> tuple[str, ...]:
