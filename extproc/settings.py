@@ -49,8 +49,8 @@ class RoutingSettings(Strict):
     memory_capacity: int = Field(ge=2, description="conversations remembered (least recently used forgotten)")
     # llm-aware's prefix index (docs/prefix-index.md): two more switchable additions and its capacity
     prefix_index: bool = Field(description="expected cache on each replica = its longest held prefix of the prompt")
-    prefix_feedback: bool = Field(description="prefix index: a replica reporting fewer cached tokens than "
-                                              "predicted forgets the blocks past what it reused")
+    prefix_feedback: bool = Field(description="prefix index: a replica reporting whole blocks fewer than "
+                                              "predicted has its capacity lowered by as many tokens")
     prefix_capacity_tokens: int = Field(gt=0, description="prefix index: tokens each replica holds (LRU beyond)")
 
 

@@ -14,7 +14,7 @@
   on every replica = its longest held prefix of this prompt; the one holding the most
   is the cached replica (ties: the ring home, else the first clockwise). Requests
   without blocks fall back to placement memory. prefix_feedback: a replica that reports
-  fewer cached tokens than predicted forgets the blocks past what it reused.
+  whole blocks fewer than predicted has its capacity lowered by as many tokens.
 
 With all of them off it decides exactly as bounded in tokens mode; with the prefix
 index off exactly as the seed's llm-aware.
@@ -25,7 +25,7 @@ from __future__ import annotations
 from extproc.routing.decision import Candidate, Decision, RouteRequest, Trace
 from extproc.routing.policies.bounded_walk import Discount, average_and_cap, first_fit, least_loaded
 from extproc.routing.policies.situation import NO_PEER_FIELDS, Situation, new
-from extproc.routing.prefix_views import BlockIndex
+from extproc.routing.prefix_index import PrefixIndex
 from extproc.settings import RoutingSettings
 
 CANDIDATES_TRACED = 8  # holders a trace lists, deepest first (its figures count them all)
@@ -121,7 +121,7 @@ class LlmAwarePrefix(LlmAware):
 
     def __init__(self, settings: RoutingSettings) -> None:
         super().__init__(settings)
-        self.index = BlockIndex(settings.prefix_capacity_tokens)
+        self.index = PrefixIndex(settings.prefix_capacity_tokens)
         self.feedback = settings.prefix_feedback
 
     def where_cached(self, situation: Situation, home: str) -> tuple[str | None, dict[str, int], dict[str, int], tuple]:
@@ -172,11 +172,20 @@ class LlmAwarePrefix(LlmAware):
         self.index.set_replicas(replicas)
 
     def reported(self, request: RouteRequest, replica: str, predicted: int, cached: int) -> None:
-        """``replica`` served ``request`` from ``cached`` cached tokens; ``predicted`` were expected."""
-        blocks = request.prefix_blocks
-        if self.feedback and blocks and request.prompt_tokens and 0 <= cached < predicted:
-            reused = cached * len(blocks) // request.prompt_tokens  # whole blocks it found
-            self.index.forget(replica, blocks[reused:])
+        """``replica`` served ``request`` from ``cached`` cached tokens; ``predicted`` were expected.
+
+        Whole blocks missing mean the replica forgot them while the index still held them: it
+        holds fewer tokens than the index believes, so its capacity is lowered by as many (the
+        request's own blocks stay: serving it cached them again)."""
+        blocks, prompt = request.prefix_blocks, request.prompt_tokens
+        if not (self.feedback and blocks and prompt and 0 <= cached < predicted):
+            return
+        count = len(blocks)
+        # whole blocks, rounded up: the blocks may cover less than the prompt (a paged server
+        # caches whole blocks only), so rounding down would count one it holds as missing
+        expected, found = -(-predicted * count // prompt), -(-cached * count // prompt)
+        if found < expected:
+            self.index.shrink(replica, (expected - found) * max(1, prompt // count), floor=prompt)
 
 
 def make_llm_aware(settings: RoutingSettings) -> LlmAware:
