@@ -11,8 +11,8 @@ That is what keeps a request cheap however long its prompt: sending a prompt tou
 its new blocks and its last block, a "tip" in the replica's recency order (a block's
 recency is that of the newest tip below it), and a lookup is a binary search per distinct
 depth. Forgetting pops the oldest tip and walks up from it while a block is a leaf that no
-newer prompt ends at. A replica's capacity can be lowered (``shrink``) when it reports
-holding less than the index believed.
+newer prompt ends at. A replica's capacity moves (``resize``) when it reports holding
+less, or more, than the index believed.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ class _Replica:
 
 
 class PrefixIndex:
-    """Per replica, the blocks sent there, at most ``capacity`` tokens each (``shrink`` lowers it)."""
+    """Per replica, the blocks sent there, at most ``capacity`` tokens each (``resize`` moves it below)."""
 
     __slots__ = ("capacity", "_replicas", "_holders")
 
@@ -75,13 +75,21 @@ class PrefixIndex:
         tips.move_to_end(previous)
         self._evict(replica, view)
 
-    def shrink(self, replica: str, tokens: int, floor: int) -> None:
-        """``replica`` holds ``tokens`` fewer than the index believed: lower its capacity by as
-        much (not below ``floor``) and forget its least recent blocks down to it."""
+    def touch(self, replica: str, blocks: Sequence[int]) -> None:
+        """A prompt sent to ``replica`` becomes its most recent, if it still holds all of it."""
         view = self._replicas.get(replica)
-        if view is None or tokens <= 0:
+        if view is not None and blocks and blocks[-1] in view.parent:  # and so every block before it
+            view.tips[blocks[-1]] = None
+            view.tips.move_to_end(blocks[-1])
+
+    def resize(self, replica: str, tokens: int, floor: int) -> None:
+        """``replica`` holds ``tokens`` more (or, negative, fewer) than the index believed: move
+        its capacity by as much, within [``floor``, the capacity it started with], and forget
+        its least recent blocks down to it."""
+        view = self._replicas.get(replica)
+        if view is None or not tokens:
             return
-        view.capacity = max(1, floor, view.capacity - tokens)
+        view.capacity = min(self.capacity, max(1, floor, view.capacity + tokens))
         self._evict(replica, view)
 
     def holders_by_depth(self, blocks: Sequence[int]) -> list[tuple[int, list[str]]]:

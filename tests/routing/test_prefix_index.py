@@ -223,7 +223,7 @@ def test_a_report_at_or_above_the_prediction_or_from_an_unknown_replica_changes_
 
 
 prompts = st.lists(st.tuples(st.sampled_from(NAMES), st.integers(0, 3), st.integers(0, 6), st.integers(0, 12),
-                             st.integers(1, 5), st.integers(0, 30)), max_size=40)
+                             st.integers(1, 5), st.integers(-30, 30)), max_size=40)
 
 
 class LruByBlock:
@@ -231,6 +231,7 @@ class LruByBlock:
     (key: send number, -depth); while over capacity the least recent block goes."""
 
     def __init__(self, capacity: int) -> None:
+        self.start = capacity
         self.capacity = dict.fromkeys(NAMES, capacity)
         self.held: dict[str, dict[int, list[int]]] = {name: {} for name in NAMES}  # block -> [send, -depth, weight]
 
@@ -240,8 +241,8 @@ class LruByBlock:
             held[block] = [send, -depth, held.get(block, [0, 0, weight])[2]]
         self.evict(replica)
 
-    def shrink(self, replica: str, tokens: int, floor: int) -> None:
-        self.capacity[replica] = max(1, floor, self.capacity[replica] - tokens)
+    def resize(self, replica: str, tokens: int, floor: int) -> None:
+        self.capacity[replica] = min(self.start, max(1, floor, self.capacity[replica] + tokens))
         self.evict(replica)
 
     def evict(self, replica: str) -> None:
@@ -256,14 +257,14 @@ def test_the_index_forgets_exactly_what_an_lru_by_block_forgets_and_its_lookups_
         capacity: int, log) -> None:
     index, reference = PrefixIndex(capacity), LruByBlock(capacity)
     chains = []
-    for send, (replica, opening, middle, length, weight, shrink) in enumerate(log):
+    for send, (replica, opening, middle, length, weight, resize) in enumerate(log):
         chain = blocks(f"o{opening}", *(f"m{middle}" for _ in range(3)), *(str(n) for n in range(length)))
         chains.append(chain)
         index.add_prompt(replica, chain, weight)
         reference.add(replica, chain, weight, send)
-        if shrink:
-            index.shrink(replica, shrink, floor=weight)
-            reference.shrink(replica, shrink, floor=weight)
+        if resize:
+            index.resize(replica, resize, floor=weight)
+            reference.resize(replica, resize, floor=weight)
         for name in NAMES:
             assert index.used(name) == sum(weight for _, _, weight in reference.held[name].values())
             assert index.size(name) == len(reference.held[name])
@@ -306,3 +307,20 @@ def test_a_prompt_repeating_a_block_id_is_held_once_and_forgotten_cleanly() -> N
     assert [(depth, names) for depth, names in index.holders_by_depth(chain)] == [(3, ["llm-1"]), (2, ["llm-0"])]
     index.add_prompt("llm-0", blocks("p", "q", "r", "s"), 2)  # nothing of the first prompt is pinned
     assert index.held_prefix("llm-0", chain) == 0 and index.used("llm-0") <= 10
+
+
+def test_a_prompt_still_held_is_refreshed_when_its_request_ends_not_when_it_was_pushed_out() -> None:
+    """A server frees a request's blocks, as its most recent, when it ends: a request sent
+    before another outlives it in the cache; one the index already forgot is not brought back."""
+    first, second, third = blocks("a", "a1"), blocks("b", "b1"), blocks("c", "c1")  # 100 tokens a block
+    for capacity in (400, 300):
+        router = Router(routing(prefix_index=True, prefix_capacity_tokens=capacity), ["llm-0"])
+        router.route(RouteRequest("a", "a", 200, 10, first))
+        router.route(RouteRequest("b", "b", 200, 10, second))  # at 300, the first one's tail goes
+        router.complete("a")
+        router.route(RouteRequest("c", "c", 200, 10, third))
+        index = index_of(router)
+        if capacity == 400:  # the first one ended last: the second one goes
+            assert (index.held_prefix("llm-0", first), index.held_prefix("llm-0", second)) == (2, 0)
+        else:  # the first one was partly forgotten: it is not refreshed, and goes first
+            assert (index.held_prefix("llm-0", first), index.held_prefix("llm-0", second)) == (0, 1)

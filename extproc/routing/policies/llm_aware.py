@@ -14,7 +14,7 @@
   on every replica = its longest held prefix of this prompt; the one holding the most
   is the cached replica (ties: the ring home, else the first clockwise). Requests
   without blocks fall back to placement memory. prefix_feedback: a replica that reports
-  whole blocks fewer than predicted has its capacity lowered by as many tokens.
+  whole blocks fewer (more) than predicted has its capacity lowered (raised) by as many tokens.
 
 With all of them off it decides exactly as bounded in tokens mode; with the prefix
 index off exactly as the seed's llm-aware.
@@ -162,11 +162,14 @@ class LlmAwarePrefix(LlmAware):
 
     def routed(self, request: RouteRequest, decision: Decision) -> None:
         blocks = request.prefix_blocks
-        if blocks:  # the tail first, so the tail is forgotten first (servers evict a prefix from its end)
+        if blocks:
             self.index.add_prompt(decision.replica, blocks, max(1, request.prompt_tokens // len(blocks)))
 
     def completed(self, request: RouteRequest, decision: Decision) -> None:
-        pass  # what was sent stays in the index until its capacity forgets it
+        """A server cannot evict a running request's blocks and frees them, as its most recent,
+        when it ends (vLLM's free-block queue): the prompt is refreshed, if the index still holds
+        it (if not, requests sent after it have taken its place, as in a llama.cpp slot)."""
+        self.index.touch(decision.replica, request.prefix_blocks)
 
     def set_replicas(self, replicas: tuple[str, ...]) -> None:
         self.index.set_replicas(replicas)
@@ -176,16 +179,16 @@ class LlmAwarePrefix(LlmAware):
 
         Whole blocks missing mean the replica forgot them while the index still held them: it
         holds fewer tokens than the index believes, so its capacity is lowered by as many (the
-        request's own blocks stay: serving it cached them again)."""
+        request's own blocks stay: serving it cached them again). Whole blocks more than
+        predicted raise it again (a pool that was full of running requests has room again)."""
         blocks, prompt = request.prefix_blocks, request.prompt_tokens
-        if not (self.feedback and blocks and prompt and 0 <= cached < predicted):
+        if not (self.feedback and blocks and prompt and cached >= 0):
             return
         count = len(blocks)
         # whole blocks, rounded up: the blocks may cover less than the prompt (a paged server
         # caches whole blocks only), so rounding down would count one it holds as missing
         expected, found = -(-predicted * count // prompt), -(-cached * count // prompt)
-        if found < expected:
-            self.index.shrink(replica, (expected - found) * max(1, prompt // count), floor=prompt)
+        self.index.resize(replica, (found - expected) * max(1, prompt // count), floor=prompt)
 
 
 def make_llm_aware(settings: RoutingSettings) -> LlmAware:
