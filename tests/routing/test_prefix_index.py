@@ -129,7 +129,7 @@ def test_a_flood_on_one_system_prompt_stays_under_the_cap_and_reuses_it_where_he
         chosen_count[decision.replica] = chosen_count.get(decision.replica, 0) + 1
         trace = decision.trace
         assert trace.cap is not None
-        chosen = trace.checks[-1] if decision.reason != "least-loaded" else None
+        chosen = trace.checks[-1] if decision.reason not in ("least-loaded", "kept") else None
         if chosen is not None:  # within the cap, or the cached replica's one request of slack
             assert chosen.replica == decision.replica and chosen.accepted
             assert chosen.load == 0 or chosen.load + chosen.cost <= trace.cap or chosen.load < trace.cap
@@ -324,3 +324,24 @@ def test_a_prompt_still_held_is_refreshed_when_its_request_ends_not_when_it_was_
             assert (index.held_prefix("llm-0", first), index.held_prefix("llm-0", second)) == (2, 0)
         else:  # the first one was partly forgotten: it is not refreshed, and goes first
             assert (index.held_prefix("llm-0", first), index.held_prefix("llm-0", second)) == (0, 1)
+
+
+def test_over_the_cap_the_cached_replica_keeps_a_request_unless_another_lands_a_factor_lower() -> None:
+    """llm-aware with the index: alice's follow-up costs 110 tokens where her 1,000 are cached
+    and 1,110 elsewhere. With the cached replica over the cap and the other idle, a redirect
+    happens only if it fits under the cap there or lands (1 + ε) = 1.25 times lower."""
+    opening = blocks(*(f"a{n}" for n in range(10)))
+    follow_up = opening + blocks(*(f"a{n}" for n in range(11)))[10:]
+    for backlog, reason, stays in ((1000, "kept", True), (1500, "least-loaded", False), (2000, "overflow", False)):
+        router = Router(routing(prefix_index=True, long_stickiness=False), ["llm-0", "llm-1"])
+        first = router.route(RouteRequest("1", "alice", 1000, 10, opening))
+        assert first is not None
+        router.complete("1")
+        router.ledger.charge("busy", first.replica, backlog)
+        decision = router.route(RouteRequest("2", "alice", 1100, 10, follow_up))
+        assert decision is not None and decision.reason == reason
+        assert (decision.replica == first.replica) is stays
+        assert decision.cost == (110 if stays else 1110)
+        if stays:
+            text = render_trace(decision)
+            assert f"{first.replica} lands at {backlog + 110}, no other at 1.25x lower (least 1110)" in text

@@ -12,7 +12,9 @@
   the prompt blocks sent to each replica (at most prefix_capacity_tokens each, least
   recently sent forgotten first), not from placement memory: the expected cached tokens
   on every replica = its longest held prefix of this prompt; the one holding the most
-  is the cached replica (ties: the ring home, else the first clockwise). Requests
+  is the cached replica (ties: the ring home, else the first clockwise). Over the
+  cap it keeps the request unless another replica fits under the cap or would land
+  (1 + ε) times lower: a redirect pays the whole prefill again. Requests
   without blocks fall back to placement memory. prefix_feedback: a replica that reports
   whole blocks fewer (more) than predicted has its capacity lowered (raised) by as many tokens.
 
@@ -65,11 +67,13 @@ class LlmAware:
         long_cap = None
         if self.long_stickiness and cached_on == preferred and prompt >= self.long_prompt_tokens:
             long_cap = self.long_load_factor * average
-        discount = new(Discount, (costs, preferred if self.cache_aware and cached_on == preferred else None,
-                                  long_cap, self.holders(expected) if len(expected) > 1 else ()))
+        cached = preferred if self.cache_aware and cached_on == preferred else None
+        discount = new(Discount, (costs, cached, long_cap, self.holders(expected) if len(expected) > 1 else (),
+                                  1 + self.epsilon if seen and cached else None))  # keep_factor: the index's
         chosen, checks = first_fit(situation, preferred, loads, work, cap, discount)
         if chosen is None:
-            chosen, reason = least_loaded(eligible, loads, work, discount), "least-loaded"
+            chosen = least_loaded(eligible, loads, work, discount)
+            reason = "kept" if chosen == cached and discount.keep_factor else "least-loaded"
         elif chosen == preferred:
             reason = "home" if preferred == home else ("prefix" if seen else "sticky")
             load = loads[chosen]
