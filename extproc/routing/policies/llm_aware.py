@@ -24,6 +24,8 @@ index off exactly as the seed's llm-aware.
 
 from __future__ import annotations
 
+from itertools import repeat
+
 from extproc.routing.decision import Candidate, Decision, RouteRequest, Trace
 from extproc.routing.policies.bounded_walk import Discount, average_and_cap, first_fit, least_loaded
 from extproc.routing.policies.situation import NO_PEER_FIELDS, Situation, new
@@ -137,9 +139,10 @@ class LlmAwarePrefix(LlmAware):
         avoid = situation.avoid
         expected: dict[str, int] = {}  # deepest first
         costs: dict[str, int] = {}
-        traced: list[tuple[str, int]] = []  # (replica, matched blocks) of the first CANDIDATES_TRACED
+        traced: list[str] = []  # the first CANDIDATES_TRACED of them
+        matched: list[int] = []  # ... and the blocks each holds
         tied: list[str] = []  # the replicas holding the longest prefix
-        for held, names in self.index.holders_by_depth(blocks):  # ``routed`` adds prompts tail first
+        for held, names in self.index.holders_by_depth(blocks):
             if avoid:
                 names = [name for name in names if name not in avoid]
             if not names:
@@ -148,9 +151,12 @@ class LlmAwarePrefix(LlmAware):
             expected.update(dict.fromkeys(names, tokens))  # one dict update per depth, not per replica
             costs.update(dict.fromkeys(names, max(1, prompt - tokens) + max_tokens))  # as above
             tied = tied or names
-            traced.extend((name, held) for name in names[: CANDIDATES_TRACED - len(traced)])
-        loads = situation.ledger.loads("tokens")
-        candidates = tuple(new(Candidate, (name, held, loads[name], expected[name])) for name, held in traced)
+            shown = names[: CANDIDATES_TRACED - len(traced)]
+            traced += shown
+            matched += [held] * len(shown)
+        loads = situation.ledger.loads("tokens")  # Candidate(replica, matched blocks, load, expected), in C loops:
+        candidates = tuple(map(new, repeat(Candidate), zip(traced, matched, map(loads.__getitem__, traced),
+                                                           map(expected.__getitem__, traced), strict=True)))
         seen = (count, candidates, (("capacity_tokens", self.index.capacity), ("holders", len(expected))))
         if not tied:
             return None, {}, {}, seen
