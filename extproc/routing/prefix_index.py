@@ -1,8 +1,9 @@
 """llm-aware's prefix index: the prompts sent to each replica, as chains of blocks, bounded in tokens.
 
 Each replica holds at most its capacity in tokens (a block weighs the tokens of the prompt
-that brought it ÷ its blocks); beyond it the least recently sent blocks are forgotten, a
-prompt from its end, as a server's LRU frees a finished request's blocks tail first. So a
+that brought it ÷ its blocks); beyond it the least recently used blocks are forgotten (a
+prompt is used when sent, and again when its request ends: ``touch``), a prompt from its
+end, as a server's LRU frees a finished request's blocks tail first. So a
 block is held only with every block before it in its chain (the held blocks are closed under
 prefixes), and a replica's held blocks form a tree whose leaves are the ends of the prompts
 sent there.

@@ -71,7 +71,7 @@ class LlmAware:
             long_cap = self.long_load_factor * average
         cached = preferred if self.cache_aware and cached_on == preferred else None
         discount = new(Discount, (costs, cached, long_cap, self.holders(expected) if len(expected) > 1 else (),
-                                  1 + self.epsilon if seen and cached else None))  # keep_factor: the index's
+                                  1 + self.epsilon if seen and cached else None))  # keep_factor: prefix index only
         chosen, checks = first_fit(situation, preferred, loads, work, cap, discount)
         if chosen is None:
             chosen = least_loaded(eligible, loads, work, discount)
