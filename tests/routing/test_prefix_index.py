@@ -345,3 +345,38 @@ def test_over_the_cap_the_cached_replica_keeps_a_request_unless_another_lands_a_
         if stays:
             text = render_trace(decision)
             assert f"{first.replica} lands at {backlog + 110}, no other at 1.25x lower (least 1110)" in text
+
+
+flood = st.lists(st.tuples(st.integers(0, 3), st.integers(0, 5), st.integers(1, 8), st.integers(10, 3000),
+                           st.booleans()), min_size=1, max_size=80)
+
+
+@settings(max_examples=100, deadline=None)
+@given(flood, st.sampled_from([0.1, 0.25, 1.0]))
+def test_with_the_index_a_replica_goes_over_the_cap_only_when_none_fits_and_kept_only_within_a_factor(
+        sent, epsilon) -> None:
+    """The bounded-load guarantee with the index on: while some replica fits under the cap at
+    its own cost, the pick is within its limit; when none does, the pick lands least loaded,
+    the cached replica's landing counted (1 + ε) times lower."""
+    router = Router(routing(prefix_index=True, epsilon=epsilon), NAMES)
+    for number, (opening, conversation, turns, prompt, done) in enumerate(sent):
+        chain = blocks(f"system-{opening}", f"c{conversation}", *(f"t{n}" for n in range(turns)))
+        decision = router.route(RouteRequest(str(number), f"c{opening}-{conversation}", prompt, 10, chain))
+        assert decision is not None
+        trace = decision.trace
+        assert trace.cap is not None
+        landing = {check.replica: check.load + check.cost for check in trace.checks}
+        fits = {check.replica for check in trace.checks if check.load + check.cost <= check.limit}
+        if decision.reason in ("kept", "least-loaded"):
+            assert not fits and set(landing) == set(NAMES)  # every replica was checked
+            factor = 1 + epsilon if decision.reason == "kept" else 1.0
+            lowest = min(after for name, after in landing.items() if name != decision.replica)
+            assert landing[decision.replica] <= factor * lowest
+            assert (decision.reason == "kept") is (decision.replica == trace.preferred and trace.cached_tokens > 0)
+        else:
+            chosen = trace.checks[-1]
+            assert chosen.replica == decision.replica and chosen.accepted
+            if chosen.replica != trace.preferred:
+                assert chosen.load + chosen.cost <= trace.cap or trace.cached_tokens == 0
+        if done and number:
+            router.complete(str(number - 1))
