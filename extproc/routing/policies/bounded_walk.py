@@ -26,7 +26,7 @@ class Discount(NamedTuple):
     long_cap: float | None = None  # that replica's limit instead of the cap (long stickiness)
     holders: tuple[str, ...] = ()  # tried after the preferred one, before the ring: most expected reuse first
     # the prefix index: over the cap, ``cached`` keeps the request unless another replica fits
-    # under the cap or would land this many times (1 + ε) lower (an idle one does not take it anyway)
+    # under the cap or would land this many times (1 + ε) lower; being idle is not enough
     keep_factor: float | None = None
 
 
