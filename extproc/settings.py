@@ -48,9 +48,10 @@ class RoutingSettings(Strict):
     long_load_factor: float = Field(gt=1, le=100, description="long cap = factor x average")
     memory_capacity: int = Field(ge=2, description="conversations remembered (least recently used forgotten)")
     # llm-aware's prefix index (docs/prefix-index.md): two more switchable additions and its capacity
-    prefix_index: bool = Field(description="expected cache on each replica = its longest held prefix of the prompt")
-    prefix_feedback: bool = Field(description="prefix index: a replica reporting fewer cached tokens than "
-                                              "predicted forgets the blocks past what it reused")
+    prefix_index: bool = Field(description="expected cache on each replica = its longest held prefix of the prompt; "
+                                           "over the cap a redirect must land (1 + epsilon) times lower")
+    prefix_feedback: bool = Field(description="prefix index: a replica reporting whole blocks fewer (more) than "
+                                              "predicted has its capacity lowered (raised) by as many tokens")
     prefix_capacity_tokens: int = Field(gt=0, description="prefix index: tokens each replica holds (LRU beyond)")
 
 

@@ -21,7 +21,7 @@ from typing import Any
 from extproc.experiments.run import parse_policy
 from extproc.routing import POLICIES, PlacementMemory, Router, RouteRequest, make_policy, stable_hash
 from extproc.routing.blocks import prefix_blocks
-from extproc.routing.prefix_views import BlockIndex
+from extproc.routing.prefix_index import PrefixIndex
 from extproc.settings import parse_routing
 
 FLEETS = (3, 16, 64, 1000)
@@ -118,10 +118,10 @@ def bytes_per_block(replicas: int = 8, prompts: int = 400) -> float:
     """Bytes per block held by a prefix index filled to capacity (2,000-token prompts of 16-token blocks)."""
     tracemalloc.start()
     before = tracemalloc.get_traced_memory()[0]
-    index = BlockIndex(5_000 * 16)
+    index = PrefixIndex(5_000 * 16)
     for number in range(prompts):
         text = prompt_text(number % 4, number, 9)
-        index.add(f"llm-{number % replicas}", reversed(prefix_blocks(text)), 16)
+        index.add_prompt(f"llm-{number % replicas}", prefix_blocks(text), 16)
     after = tracemalloc.get_traced_memory()[0]
     tracemalloc.stop()
     return (after - before) / sum(index.size(f"llm-{n}") for n in range(replicas))

@@ -22,10 +22,15 @@ BLOCK_CHARS = 64
 
 def prefix_blocks(text: str, block_chars: int = BLOCK_CHARS) -> tuple[int, ...]:
     """Chained hashes of ``text``'s blocks, oldest first; () for an empty text."""
+    data = text.encode()
+    if len(data) == len(text):  # ASCII: a character is a byte, so the blocks are cut from one encoding
+        pieces = [data[start : start + block_chars] for start in range(0, len(data), block_chars)]
+    else:
+        pieces = [text[start : start + block_chars].encode() for start in range(0, len(text), block_chars)]
     hashes = []
     previous = 0
-    for start in range(0, len(text), block_chars):
-        previous = hash_bytes(text[start : start + block_chars].encode(), previous)
+    for piece in pieces:
+        previous = hash_bytes(piece, previous)
         hashes.append(previous)
     return tuple(hashes)
 

@@ -31,6 +31,7 @@ REASONS: dict[str, str] = {
     "prefix-long": "llm-aware, prefix index: that replica above the normal cap but within the long cap",
     "overflow": "the preferred replica was over its cap; the next one clockwise with room",
     "least-loaded": "no replica fitted under the cap; the one least loaded after this request",
+    "kept": "llm-aware, prefix index: none fitted under the cap; the cached replica, none landing (1 + ε) x lower",
     # the peer policies (docs/peer-policies.md)
     "best-score": "prefix-affinity: highest llm-d score (3 x prefix match + 2 x queue + 2 x KV free)",
     "cache-match": "radix-balance: loads balanced and the longest prefix match is above cache_threshold",

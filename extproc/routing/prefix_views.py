@@ -1,11 +1,12 @@
 """What a peer policy remembers about the prefix blocks it sent: pure, bounded data structures.
 
 ``BlockIndex`` is the routers' approximate cache view (llm-d's approximate prefix
-indexer, SGLang's approximate radix tree, Dynamo's approximate KV indexer, llm-aware's
-prefix index): the blocks routed to each replica, at most ``capacity`` per replica (in
-blocks, or in tokens when each block is given its weight), least recently sent
-forgotten first. Blocks are chained hashes (``extproc.routing.blocks``), so a block names its
-whole prefix and a map from block to replicas is a radix tree flattened.
+indexer, SGLang's approximate radix tree, Dynamo's approximate KV indexer): the blocks
+routed to each replica, at most ``capacity`` per replica (in blocks, or in units when each
+block is given its weight), least recently sent forgotten first (llm-aware's own index,
+bounded in tokens: ``extproc.routing.prefix_index``). Blocks are chained hashes
+(``extproc.routing.blocks``), so a block names its whole prefix and a map from block to
+replicas is a radix tree flattened.
 
 ``ActiveBlocks`` is Dynamo's view of the requests in flight: their blocks (counted once
 per replica however many requests share them) and their uncached prompt tokens.
@@ -13,7 +14,7 @@ per replica however many requests share them) and their uncached prompt tokens.
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict, deque
+from collections import Counter, OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from itertools import chain
 
@@ -21,8 +22,7 @@ _NONE: frozenset[str] = frozenset()
 
 
 class BlockIndex:
-    """Blocks per replica, at most ``capacity`` units on each (a block weighs ``weight``
-    units: 1 for the peers' block counts, its tokens for llm-aware's token capacity)."""
+    """Blocks per replica, at most ``capacity`` units on each (a block weighs ``weight`` units)."""
 
     __slots__ = ("capacity", "_sent", "_holders", "_used")
 
@@ -52,28 +52,6 @@ class BlockIndex:
                 used -= oldest_weight
                 self._drop(replica, oldest)
         self._used[replica] = used
-
-    def add_prompt(self, replica: str, blocks: Sequence[int], weight: int) -> None:
-        """``add(replica, reversed(blocks), weight)`` where ``replica``'s blocks are closed under
-        prefixes (see ``prefix_closed_matches``): the blocks it holds are the leading ones, found
-        by a binary search; the new tail is added, then the held part refreshed in one C pass."""
-        sent = self._sent.get(replica)
-        if sent is None:
-            self.add(replica, reversed(blocks), weight)
-            return
-        low, top = 0, len(blocks)
-        while low < top:
-            middle = (low + top) // 2
-            if blocks[middle] in sent:
-                low = middle + 1
-            else:
-                top = middle
-        self.add(replica, reversed(blocks[low:]), weight)
-        held = blocks[low - 1 :: -1] if low else ()
-        if all(map(sent.__contains__, held)):  # none forgotten meanwhile (nor a gap: a repeated id, a forget)
-            deque(map(sent.move_to_end, held), maxlen=0)
-        else:
-            self.add(replica, held, weight)  # the same, one block at a time
 
     def forget(self, replica: str, blocks: Iterable[int]) -> None:
         """``replica`` does not hold ``blocks`` (it said so)."""
@@ -124,33 +102,6 @@ class BlockIndex:
             depth += 1
         for replica in alive:
             counts[replica] = depth
-        return counts
-
-    def prefix_closed_matches(self, blocks: Sequence[int]) -> dict[str, int]:
-        """``leading_matches`` for an index whose every replica's blocks are closed under
-        prefixes (each block is held only with all blocks before it in its chain: true when
-        whole prompts are added tail first, so a prefix is always fresher than its tail, and
-        only tails are forgotten). A replica's match is then one past its deepest block, found
-        by binary searches, one per distinct depth, instead of a walk over every block.
-        ``forget`` of a tail can leave a sibling chain's deeper blocks behind a gap; for those
-        the search may credit the blocks past the gap (until they age out or are reported)."""
-        holders = self._holders
-        counts: dict[str, int] = {}
-        high = len(blocks)  # every replica not yet counted holds fewer than ``high`` blocks
-        while high:
-            low, top = 0, high  # the first block in [0, high) no uncounted replica holds
-            while low < top:
-                middle = (low + top) // 2
-                held = holders.get(blocks[middle])  # ⊇ the counted replicas (they hold deeper blocks)
-                if held and len(held) > len(counts):
-                    low = middle + 1
-                else:
-                    top = middle
-            if not low:
-                break
-            # the new ones by name (sets iterate in a per-process hash order)
-            counts.update(dict.fromkeys(sorted(holders[blocks[low - 1]] - counts.keys()), low))
-            high = low - 1
         return counts
 
     def held_prefix(self, replica: str, blocks: Sequence[int]) -> int:

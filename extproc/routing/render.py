@@ -23,6 +23,8 @@ def render_trace(decision: Decision) -> str:
             f"cache_likely=True → long_cap={_num(trace.long_cap)}"
         )
     lines.extend(_check_line(check, trace, decision.reason) for check in trace.checks)
+    if decision.reason == "kept":
+        lines.append(_kept_line(decision))
     if trace.prompt_blocks is not None:
         lines.extend(_peer_lines(decision))
     return "\n".join(lines)
@@ -89,6 +91,16 @@ def _load_line(trace: Trace) -> str:
             f"avg={_num(trace.average)}, cap={_num(trace.cap)}"
         )
     return f"  load ({trace.unit}): {loads}; with this request total={trace.total}, cap={_num(trace.cap)}"
+
+
+def _kept_line(decision: Decision) -> str:
+    trace = decision.trace
+    landing = {check.replica: check.load + check.cost for check in trace.checks}
+    others = [after for name, after in landing.items() if name != decision.replica]
+    factor = trace.cap / trace.average if trace.cap is not None and trace.average else 1.0  # = 1 + ε
+    return (f"  none fitted under the cap; {decision.replica} lands at {landing.get(decision.replica)}, "
+            f"no other at {factor:.3g}x lower (least {min(others) if others else '-'}): kept, a redirect pays "
+            f"the whole prefill again")
 
 
 def _check_line(check: Check, trace: Trace, reason: str) -> str:

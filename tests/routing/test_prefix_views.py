@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -97,6 +98,17 @@ def test_blocks_name_their_whole_prefix(head: str, tail: str) -> None:
     assert len(prefix_blocks(head)) == -(-len(head) // BLOCK_CHARS)
     changed = "#" + whole[1:] if whole[0] != "#" else "$" + whole[1:]
     assert not set(prefix_blocks(changed + tail)) & set(prefix_blocks(whole + tail))  # chained: all differ
+
+
+@given(st.text(min_size=65, max_size=400) | st.text(st.characters(max_codepoint=127), min_size=65, max_size=400))
+def test_blocks_are_cut_by_characters_whatever_the_text(text: str) -> None:
+    """The definition, block i = characters [64i, 64i + 64) encoded (ASCII text is cut from
+    its bytes, the same blocks)."""
+    previous, expected = 0, []
+    for start in range(0, len(text), BLOCK_CHARS):
+        previous = xxhash.xxh64_intdigest(text[start : start + BLOCK_CHARS].encode(), previous)
+        expected.append(previous)
+    assert prefix_blocks(text) == tuple(expected) and prefix_blocks("") == ()
 
 
 def test_block_hashes_are_the_same_in_every_process() -> None:

@@ -25,6 +25,9 @@ class Discount(NamedTuple):
     cached: str | None = None  # the preferred replica, when it holds the cache: one request of slack
     long_cap: float | None = None  # that replica's limit instead of the cap (long stickiness)
     holders: tuple[str, ...] = ()  # tried after the preferred one, before the ring: most expected reuse first
+    # the prefix index: over the cap, ``cached`` keeps the request unless another replica fits
+    # under the cap or would land this many times (1 + ε) lower; being idle is not enough
+    keep_factor: float | None = None
 
 
 NO_DISCOUNT = Discount({})
@@ -52,7 +55,10 @@ def first_fit(situation: Situation, first: str, loads: Mapping[str, int], cost: 
     An idle replica always accepts: in tokens a single request can exceed its share of
     the cap on its own, and sending it past an idle home would only lose the cache.
     This never overrides the cap while some replica fits under it (an idle replica
-    fits whenever any other does, since loads are never negative).
+    fits whenever any other does, since loads are never negative). With
+    ``discount.keep_factor`` (the prefix index) an idle replica further on does not take a
+    request whose cached replica is preferred: its whole prefill there can cost more than
+    the cached replica's backlog, and ``least_loaded`` weighs the two.
 
     ``discount.cached`` names the replica holding this request's cache when it is also
     the preferred one (llm-aware only). Its limit is ``discount.long_cap`` when given, and
@@ -67,8 +73,9 @@ def first_fit(situation: Situation, first: str, loads: Mapping[str, int], cost: 
         return first, (check,)
     checks = [check]
     walk: Iterable[str] = situation.walk()
-    if discount.holders:
-        walk = dict.fromkeys(chain(discount.holders, walk))  # in order, each once
+    if discount.holders:  # in order, each once; the ring walked only as far as needed
+        holders = set(discount.holders)
+        walk = chain(discount.holders, (name for name in walk if name not in holders))
     for name in walk:
         if name != first:
             check = _check(name, loads, cost, cap, discount)
@@ -89,12 +96,14 @@ def _check(name: str, loads: Mapping[str, int], cost: int, cap: float, discount:
         accepted = load == 0 or load + cost_here <= limit or load < limit
     else:
         is_long, limit = False, cap
-        accepted = load == 0 or load + cost_here <= cap
+        accepted = load + cost_here <= cap or (load == 0 and (discount.keep_factor is None or discount.cached is None))
     return new(Check, (name, load, cost_here, limit, accepted, is_long))
 
 
 def least_loaded(candidates: Iterable[str], loads: Mapping[str, int], cost: int,
                  discount: Discount = NO_DISCOUNT) -> str:
-    """The candidate least loaded once this request is added (ties: by name)."""
-    costs = discount.costs
-    return min(candidates, key=lambda name: (loads[name] + costs.get(name, cost), name))
+    """The candidate least loaded once this request is added (ties: by name); with
+    ``discount.keep_factor``, the cached replica's load counted that many times lower."""
+    costs, cached, factor = discount.costs, discount.cached, discount.keep_factor or 1.0
+    return min(candidates, key=lambda name: ((loads[name] + costs.get(name, cost)) / (factor if name == cached else 1),
+                                             name))

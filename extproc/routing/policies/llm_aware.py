@@ -12,9 +12,11 @@
   the prompt blocks sent to each replica (at most prefix_capacity_tokens each, least
   recently sent forgotten first), not from placement memory: the expected cached tokens
   on every replica = its longest held prefix of this prompt; the one holding the most
-  is the cached replica (ties: the ring home, else the first clockwise). Requests
+  is the cached replica (ties: the ring home, else the first clockwise). Over the
+  cap it keeps the request unless another replica fits under the cap or would land
+  (1 + ε) times lower: a redirect pays the whole prefill again. Requests
   without blocks fall back to placement memory. prefix_feedback: a replica that reports
-  fewer cached tokens than predicted forgets the blocks past what it reused.
+  whole blocks fewer (more) than predicted has its capacity lowered (raised) by as many tokens.
 
 With all of them off it decides exactly as bounded in tokens mode; with the prefix
 index off exactly as the seed's llm-aware.
@@ -22,12 +24,12 @@ index off exactly as the seed's llm-aware.
 
 from __future__ import annotations
 
-from itertools import islice, takewhile
+from itertools import repeat
 
 from extproc.routing.decision import Candidate, Decision, RouteRequest, Trace
 from extproc.routing.policies.bounded_walk import Discount, average_and_cap, first_fit, least_loaded
 from extproc.routing.policies.situation import NO_PEER_FIELDS, Situation, new
-from extproc.routing.prefix_views import BlockIndex
+from extproc.routing.prefix_index import PrefixIndex
 from extproc.settings import PolicyName, RoutingSettings
 
 CANDIDATES_TRACED = 8  # holders a trace lists, deepest first (its figures count them all)
@@ -67,11 +69,13 @@ class LlmAware:
         long_cap = None
         if self.long_stickiness and cached_on == preferred and prompt >= self.long_prompt_tokens:
             long_cap = self.long_load_factor * average
-        discount = new(Discount, (costs, preferred if self.cache_aware and cached_on == preferred else None,
-                                  long_cap, self.holders(expected) if len(expected) > 1 else ()))
+        cached = preferred if self.cache_aware and cached_on == preferred else None
+        discount = new(Discount, (costs, cached, long_cap, self.holders(expected) if len(expected) > 1 else (),
+                                  1 + self.epsilon if seen and cached else None))  # keep_factor: prefix index only
         chosen, checks = first_fit(situation, preferred, loads, work, cap, discount)
         if chosen is None:
-            chosen, reason = least_loaded(eligible, loads, work, discount), "least-loaded"
+            chosen = least_loaded(eligible, loads, work, discount)
+            reason = "kept" if chosen == cached and discount.keep_factor else "least-loaded"
         elif chosen == preferred:
             reason = "home" if preferred == home else ("prefix" if seen else "sticky")
             load = loads[chosen]
@@ -123,7 +127,7 @@ class LlmAwarePrefix(LlmAware):
 
     def __init__(self, settings: RoutingSettings) -> None:
         super().__init__(settings)
-        self.index = BlockIndex(settings.prefix_capacity_tokens)
+        self.index = PrefixIndex(settings.prefix_capacity_tokens)
         self.feedback = settings.prefix_feedback
 
     def where_cached(self, situation: Situation, home: str) -> tuple[str | None, dict[str, int], dict[str, int], tuple]:
@@ -131,26 +135,35 @@ class LlmAwarePrefix(LlmAware):
         blocks = request.prefix_blocks
         if not blocks:
             return super().where_cached(situation, home)
-        matched = self.index.prefix_closed_matches(blocks)  # deepest first; ``routed`` adds prompts tail first
+        prompt, count, max_tokens = request.prompt_tokens, len(blocks), request.max_tokens
         avoid = situation.avoid
-        if avoid:
-            matched = {name: count for name, count in matched.items() if name not in avoid}
-        prompt, count = request.prompt_tokens, len(blocks)
-        expected = {name: prompt * held // count for name, held in matched.items()}  # = covered_tokens
-        loads = situation.ledger.loads("tokens")
-        candidates = tuple(new(Candidate, (name, held, loads[name], expected[name]))
-                           for name, held in islice(matched.items(), CANDIDATES_TRACED))
-        seen = (count, candidates, (("capacity_tokens", self.index.capacity), ("holders", len(matched))))
-        if not matched:
+        expected: dict[str, int] = {}  # deepest first
+        costs: dict[str, int] = {}
+        traced: list[str] = []  # the first CANDIDATES_TRACED of them
+        matched: list[int] = []  # ... and the blocks each holds
+        tied: list[str] = []  # the replicas holding the longest prefix
+        for held, names in self.index.holders_by_depth(blocks):
+            if avoid:
+                names = [name for name in names if name not in avoid]
+            if not names:
+                continue
+            tokens = prompt * held // count  # = covered_tokens
+            expected.update(dict.fromkeys(names, tokens))  # one dict update per depth, not per replica
+            costs.update(dict.fromkeys(names, max(1, prompt - tokens) + max_tokens))  # as above
+            tied = tied or names
+            shown = names[: CANDIDATES_TRACED - len(traced)]
+            traced += shown
+            matched += [held] * len(shown)
+        loads = situation.ledger.loads("tokens")  # Candidate(replica, matched blocks, load, expected), in C loops:
+        candidates = tuple(map(new, repeat(Candidate), zip(traced, matched, map(loads.__getitem__, traced),
+                                                           map(expected.__getitem__, traced), strict=True)))
+        seen = (count, candidates, (("capacity_tokens", self.index.capacity), ("holders", len(expected))))
+        if not tied:
             return None, {}, {}, seen
-        most = next(iter(matched.values()))
-        tied = [name for name, _ in takewhile(lambda item: item[1] == most, matched.items())]
         if len(tied) == 1:
             cached_on = tied[0]
         else:  # ties: the ring home, else the first of them clockwise
             cached_on = home if home in tied else next(name for name in situation.walk() if name in tied)
-        max_tokens = request.max_tokens
-        costs = {name: max(1, prompt - tokens) + max_tokens for name, tokens in expected.items()}  # as above
         return cached_on, expected, costs, seen
 
     def holders(self, expected: dict[str, int]) -> tuple[str, ...]:
@@ -159,21 +172,33 @@ class LlmAwarePrefix(LlmAware):
 
     def routed(self, request: RouteRequest, decision: Decision) -> None:
         blocks = request.prefix_blocks
-        if blocks:  # the tail first, so the tail is forgotten first (servers evict a prefix from its end)
+        if blocks:
             self.index.add_prompt(decision.replica, blocks, max(1, request.prompt_tokens // len(blocks)))
 
     def completed(self, request: RouteRequest, decision: Decision) -> None:
-        pass  # what was sent stays in the index until its capacity forgets it
+        """A server cannot evict a running request's blocks and frees them, as its most recent,
+        when it ends (vLLM's free-block queue): the prompt is refreshed, if the index still holds
+        it (if not, requests sent after it have taken its place, as in a llama.cpp slot)."""
+        self.index.touch(decision.replica, request.prefix_blocks)
 
     def set_replicas(self, replicas: tuple[str, ...]) -> None:
         self.index.set_replicas(replicas)
 
     def reported(self, request: RouteRequest, replica: str, predicted: int, cached: int) -> None:
-        """``replica`` served ``request`` from ``cached`` cached tokens; ``predicted`` were expected."""
-        blocks = request.prefix_blocks
-        if self.feedback and blocks and request.prompt_tokens and 0 <= cached < predicted:
-            reused = cached * len(blocks) // request.prompt_tokens  # whole blocks it found
-            self.index.forget(replica, blocks[reused:])
+        """``replica`` served ``request`` from ``cached`` cached tokens; ``predicted`` were expected.
+
+        Whole blocks missing mean the replica forgot them while the index still held them: it
+        holds fewer tokens than the index believes, so its capacity is lowered by as many (the
+        request's own blocks stay: serving it cached them again). Whole blocks more than
+        predicted raise it again (a pool that was full of running requests has room again)."""
+        blocks, prompt = request.prefix_blocks, request.prompt_tokens
+        if not (self.feedback and blocks and prompt and cached >= 0):
+            return
+        count = len(blocks)
+        # whole blocks, rounded up: the blocks may cover less than the prompt (a paged server
+        # caches whole blocks only), so rounding down would count one it holds as missing
+        expected, found = -(-predicted * count // prompt), -(-cached * count // prompt)
+        self.index.resize(replica, (found - expected) * max(1, prompt // count), floor=prompt)
 
 
 def make_llm_aware(settings: RoutingSettings) -> LlmAware:

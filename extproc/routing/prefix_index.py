@@ -1,0 +1,188 @@
+"""llm-aware's prefix index: the prompts sent to each replica, as chains of blocks, bounded in tokens.
+
+Each replica holds at most its capacity in tokens (a block weighs the tokens of the prompt
+that brought it ÷ its blocks); beyond it the least recently used blocks are forgotten (a
+prompt is used when sent, and again when its request ends: ``touch``), a prompt from its
+end, as a server's LRU frees a finished request's blocks tail first. So a
+block is held only with every block before it in its chain (the held blocks are closed under
+prefixes), and a replica's held blocks form a tree whose leaves are the ends of the prompts
+sent there.
+
+That is what keeps a request cheap however long its prompt: sending a prompt touches only
+its new blocks and its last block, a "tip" in the replica's recency order (a block's
+recency is that of the newest tip below it), and a lookup is a binary search per distinct
+depth. Forgetting pops the oldest tip and walks up from it while a block is a leaf that no
+newer prompt ends at. A replica's capacity moves (``resize``) when it reports holding
+less, or more, than the index believed.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+
+
+class _Replica:
+    """One replica's view: its held blocks, who each one continues, and its prompts' ends."""
+
+    __slots__ = ("parent", "weight", "children", "tips", "used", "capacity")
+
+    def __init__(self, capacity: int) -> None:
+        self.parent: dict[int, int | None] = {}  # held block -> the block before it (None: the first)
+        self.weight: dict[int, int] = {}  # held block -> its tokens
+        self.children: dict[int, int] = {}  # held block -> held blocks that continue it (absent: none)
+        self.tips: OrderedDict[int, None] = OrderedDict()  # last blocks of the prompts sent, least recent first
+        self.used = 0  # tokens its blocks weigh
+        self.capacity = capacity
+
+
+class PrefixIndex:
+    """Per replica, the blocks sent there, at most ``capacity`` tokens each (``resize`` moves it below)."""
+
+    __slots__ = ("capacity", "_replicas", "_holders")
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 1:
+            raise ValueError("a prefix index holds at least one token per replica")
+        self.capacity = capacity
+        self._replicas: dict[str, _Replica] = {}
+        self._holders: dict[int, set[str]] = {}  # block -> replicas holding it
+
+    def add_prompt(self, replica: str, blocks: Sequence[int], weight: int) -> None:
+        """``replica`` was sent a prompt of ``blocks``, each new one weighing ``weight`` tokens:
+        its held prefix becomes the most recent, its new blocks are added, then the least
+        recent blocks elsewhere are forgotten while it holds more than its capacity."""
+        if not blocks:
+            return
+        view = self._replicas.get(replica)
+        if view is None:
+            view = self._replicas[replica] = _Replica(self.capacity)
+        parent, children, holders = view.parent, view.children, self._holders
+        held = self._held(view, blocks)
+        previous = blocks[held - 1] if held else None
+        for block in blocks[held:]:
+            if block in parent:  # an id repeated within the prompt (a broken client): the chain ends
+                break
+            parent[block] = previous
+            view.weight[block] = weight
+            view.used += weight
+            if previous is not None:
+                children[previous] = children.get(previous, 0) + 1
+            holders.setdefault(block, set()).add(replica)
+            previous = block
+        tips = view.tips
+        assert previous is not None  # blocks[0] was held or added
+        tips[previous] = None  # the prompt's end: its recency
+        tips.move_to_end(previous)
+        self._evict(replica, view)
+
+    def touch(self, replica: str, blocks: Sequence[int]) -> None:
+        """A prompt sent to ``replica`` becomes its most recent, if it still holds all of it."""
+        view = self._replicas.get(replica)
+        if view is not None and blocks and blocks[-1] in view.parent:  # and so every block before it
+            view.tips[blocks[-1]] = None
+            view.tips.move_to_end(blocks[-1])
+
+    def resize(self, replica: str, tokens: int, floor: int) -> None:
+        """``replica`` holds ``tokens`` more (or, negative, fewer) than the index believed: move
+        its capacity by as much, within [``floor``, the capacity it started with], and forget
+        its least recent blocks down to it."""
+        view = self._replicas.get(replica)
+        if view is None or not tokens:
+            return
+        view.capacity = min(self.capacity, max(1, floor, view.capacity + tokens))
+        self._evict(replica, view)
+
+    def holders_by_depth(self, blocks: Sequence[int]) -> list[tuple[int, list[str]]]:
+        """Per replica, how many leading ``blocks`` it holds, grouped by that depth, deepest
+        first, names sorted within a depth. Held blocks are closed under prefixes, so a
+        replica's match is one past its deepest block: one binary search per distinct depth
+        instead of a walk over every block."""
+        holders = self._holders
+        groups: list[tuple[int, list[str]]] = []
+        counted: set[str] = set()
+        high = len(blocks)  # every replica not yet counted holds fewer than ``high`` blocks
+        while high:
+            low, top, known = 0, high, len(counted)  # the first block in [0, high) no uncounted replica holds
+            while low < top:
+                middle = (low + top) // 2
+                held = holders.get(blocks[middle])  # ⊇ the counted replicas (they hold deeper blocks)
+                if held and len(held) > known:
+                    low = middle + 1
+                else:
+                    top = middle
+            if not low:
+                break
+            fresh = holders[blocks[low - 1]] - counted
+            groups.append((low, sorted(fresh)))  # by name: sets iterate in a per-process hash order
+            counted |= fresh
+            high = low - 1
+        return groups
+
+    def held_prefix(self, replica: str, blocks: Sequence[int]) -> int:
+        """How many leading ``blocks`` ``replica`` holds."""
+        view = self._replicas.get(replica)
+        return self._held(view, blocks) if view is not None else 0
+
+    def used(self, replica: str) -> int:
+        """Tokens ``replica``'s blocks weigh (never above its capacity, unless one prompt alone is)."""
+        view = self._replicas.get(replica)
+        return view.used if view is not None else 0
+
+    def capacity_of(self, replica: str) -> int:
+        view = self._replicas.get(replica)
+        return view.capacity if view is not None else self.capacity
+
+    def size(self, replica: str) -> int:
+        """Blocks ``replica`` holds."""
+        view = self._replicas.get(replica)
+        return len(view.parent) if view is not None else 0
+
+    def set_replicas(self, replicas: Iterable[str]) -> None:
+        """Forget replicas that are gone (their caches went with them)."""
+        wanted = set(replicas)
+        for gone in [name for name in self._replicas if name not in wanted]:
+            for block in self._replicas.pop(gone).parent:
+                self._drop(gone, block)
+
+    @staticmethod
+    def _held(view: _Replica, blocks: Sequence[int]) -> int:
+        """The leading blocks ``view`` holds: a binary search (held blocks are closed under prefixes)."""
+        parent = view.parent
+        low, top = 0, len(blocks)
+        while low < top:
+            middle = (low + top) // 2
+            if blocks[middle] in parent:
+                low = middle + 1
+            else:
+                top = middle
+        return low
+
+    def _evict(self, replica: str, view: _Replica) -> None:
+        """Forget least recent blocks while ``view`` holds more than its capacity. The newest
+        prompt goes last, from its end, only when it alone is larger than the capacity."""
+        tips, parent, weight, children = view.tips, view.parent, view.weight, view.children
+        while view.used > view.capacity and tips:
+            block: int | None = tips.popitem(last=False)[0]
+            while block is not None and block not in tips and block not in children:
+                above = parent.pop(block)
+                view.used -= weight.pop(block)
+                self._drop(replica, block)
+                if above is not None:
+                    left = children[above] - 1
+                    if left:
+                        children[above] = left
+                    else:
+                        del children[above]
+                block = above
+                if view.used <= view.capacity:
+                    if block is not None and block not in tips and block not in children:
+                        tips[block] = None  # the rest of that prompt keeps its place: least recent
+                        tips.move_to_end(block, last=False)
+                    return
+
+    def _drop(self, replica: str, block: int) -> None:
+        holders = self._holders[block]
+        holders.discard(replica)
+        if not holders:
+            del self._holders[block]
