@@ -300,21 +300,21 @@ def _close(meta: RunMeta, run_dir: Path, drills: Sequence[_Drill], lab: Lab) -> 
         drill.record(meta)
     meta.rows = finalise_run_records(run_dir)
     if isinstance(lab, GatewayTier):
-        meta.extra["routers_after"] = _settled(lab)
+        meta.extra["routers_after"] = settled(lab)
         if "gateway_kill" in meta.extra:
             meta.extra["gateway_kill"] |= _failures(run_dir, meta.extra["gateway_kill"].get("killed_at"))
     meta.finished_at = utc_now()
     write_run_metadata(meta, run_dir)
 
 
-def _settled(lab: GatewayTier) -> dict[str, dict[str, int]]:
-    """Every router's state once none holds anything in flight, or as it is after SETTLE_S."""
-    deadline = time.monotonic() + SETTLE_S
+def settled(lab: GatewayTier, timeout: float = SETTLE_S) -> dict[str, dict[str, int]]:
+    """Every router's state once none holds anything in flight, or as it is after `timeout`."""
+    deadline = time.monotonic() + timeout
     while True:
         states = lab.router_states()
         if all(s["in_flight_requests"] == 0 for s in states.values()) or time.monotonic() > deadline:
             return states
-        time.sleep(0.2)
+        time.sleep(0.05)
 
 
 def _failures(run_dir: Path, killed_at: float | None) -> dict[str, int]:

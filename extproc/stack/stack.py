@@ -506,8 +506,8 @@ class Stack:
         run = Path(self.state.run_dir)
         base = Path(base_settings) if base_settings else ROUTER_REFERENCE
         several = len(self.state.gateways) > 1
-        if several and "store" not in tomllib.loads(base.read_text()):
-            progress(f"{base} has no [store] section: the gateways keep separate state")
+        if several and gw.name == "gw-0" and "store" not in tomllib.loads(base.read_text()):
+            progress(f"{base} has no [store] section: each gateway's router keeps its own state")
         gw.router_settings.write_text(render_router_settings(
             base,
             policy=self.state.policy,
