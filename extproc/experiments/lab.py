@@ -35,8 +35,9 @@ class GatewayTier(Protocol):
     def routers(self) -> dict[str, str]:
         """Every gateway's routing service: {gateway name: admin gRPC address}."""
 
-    def kill_gateway(self, name: str) -> None:
-        """SIGKILL the gateway's Envoy and routing service; nothing restarts them meanwhile."""
+    def kill_gateway(self, name: str) -> float:
+        """SIGKILL the gateway's Envoy and routing service (nothing restarts them meanwhile);
+        returns the wall-clock time of the signal."""
 
     def restart_gateway(self, name: str) -> None:
         """Start a killed gateway again; returns once it accepts requests."""

@@ -411,8 +411,7 @@ class _GatewayKiller(_Drill):
         self.back_at: float | None = None
 
     def act(self) -> None:
-        self.lab.kill_gateway(self.gateway)
-        self.killed_at = time.time()
+        self.killed_at = self.lab.kill_gateway(self.gateway)
         self.cancelled.wait(self.kill.restart_after_s)  # the run's end cuts the wait short
         self.lab.restart_gateway(self.gateway)
         self.back_at = time.time()

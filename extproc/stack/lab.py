@@ -65,8 +65,8 @@ class LocalLab:
         """Every gateway's routing service: {gateway name: gRPC address}."""
         return {gw.name: gw.router_address for gw in self.stack.gateway_list}
 
-    def kill_gateway(self, name: str) -> None:
-        self.stack.kill_gateway(name)
+    def kill_gateway(self, name: str) -> float:
+        return self.stack.kill_gateway(name)
 
     def restart_gateway(self, name: str) -> None:
         self.stack.restart_gateway(name, self.progress)

@@ -292,14 +292,17 @@ class Stack:
             self.state.replicas = [started.as_dict() if r["name"] == name else r for r in self.state.replicas]
         self.save()
 
-    def kill_gateway(self, name: str) -> None:
+    def kill_gateway(self, name: str) -> float:
         """SIGKILL a gateway's Envoy and routing service (a drill: `llm-ring run
-        --kill-gateway`); the supervisor leaves them down until restart_gateway."""
+        --kill-gateway`); the supervisor leaves them down until restart_gateway. Returns the
+        wall-clock time of the signal."""
         with self.locked():
             gateway = self._gateway(name)
             self.state.held_down += [gateway.router_name, gateway.envoy_name]
             self.save()
+            signalled = time.time()
             kill([d for d in (_daemon(gateway.envoy), _daemon(gateway.router)) if d is not None])
+        return signalled
 
     def restart_gateway(self, name: str, progress: Progress = lambda _: None) -> None:
         """Start a killed gateway again on its ports; returns once its Envoy is ready."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import threading
+import time
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -162,8 +163,9 @@ class FakeTier:
     def routers(self) -> dict[str, str]:
         return {"gw-0": "a:1", "gw-1": "b:1"}
 
-    def kill_gateway(self, name: str) -> None:
+    def kill_gateway(self, name: str) -> float:
         self.calls.append(f"kill {name}")
+        return time.time()
 
     def restart_gateway(self, name: str) -> None:
         self.calls.append(f"restart {name}")
