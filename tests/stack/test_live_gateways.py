@@ -92,3 +92,11 @@ def _ask(lab: LocalLab, conversation: str) -> int:
         reply = client.post(lab.gateway_url + "/v1/chat/completions", headers={"x-conversation-id": conversation},
                             json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
     return reply.status_code
+
+
+def test_down_stops_every_gateway_the_front_and_the_store(lab: LocalLab) -> None:
+    """Last in the file: it stops the module's stack."""
+    processes = lab.stack.processes()
+    assert {"router-0", "envoy-0", "router-1", "envoy-1", "front", "store", "llm-0", "llm-1"} <= set(processes)
+    lab.stack.down()
+    assert [name for name, daemon in processes.items() if daemon.alive()] == []
