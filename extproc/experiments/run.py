@@ -246,7 +246,7 @@ def _run_one(
     if scale_at:
         drills.append(_Scaler(lab, start_replicas + 1, scale_at))
     if kill is not None and isinstance(lab, GatewayTier):
-        drills.append(_GatewayKiller(lab, list(lab.routers())[-1], kill))
+        drills.append(GatewayKiller(lab, list(lab.routers())[-1], kill))
     started = time.monotonic()
     with (run_dir / "locust.log").open("w") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
@@ -302,7 +302,7 @@ def _close(meta: RunMeta, run_dir: Path, drills: Sequence[_Drill], lab: Lab) -> 
     if isinstance(lab, GatewayTier):
         meta.extra["routers_after"] = settled(lab)
         if "gateway_kill" in meta.extra:
-            meta.extra["gateway_kill"] |= _failures(run_dir, meta.extra["gateway_kill"].get("killed_at"))
+            meta.extra["gateway_kill"] |= failures(run_dir, meta.extra["gateway_kill"].get("killed_at"))
     meta.finished_at = utc_now()
     write_run_metadata(meta, run_dir)
 
@@ -317,7 +317,7 @@ def settled(lab: GatewayTier, timeout: float = SETTLE_S) -> dict[str, dict[str, 
         time.sleep(0.05)
 
 
-def _failures(run_dir: Path, killed_at: float | None) -> dict[str, int]:
+def failures(run_dir: Path, killed_at: float | None) -> dict[str, int]:
     """Failed requests of the run, and how many of them were in flight at the kill (started
     before it, ended after it) or started after it."""
     rows = read_records(run_dir / "requests.parquet").select(["status", "error", "started_at", "finished_at"])
@@ -399,7 +399,7 @@ class _Scaler(_Drill):
             meta.extra["scale_error"] = self.error
 
 
-class _GatewayKiller(_Drill):
+class GatewayKiller(_Drill):
     """SIGKILLs one gateway ``kill.at_s`` into the run and starts it again
     ``kill.restart_after_s`` later, or at once when the run ends first."""
 

@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 
 from extproc.cli import main as cli
 from extproc.envoy.config import render_front_config
-from extproc.experiments.run import GatewayKill, _GatewayKiller
-from extproc.records import RunMeta
+from extproc.experiments.run import GatewayKill, GatewayKiller, failures
+from extproc.records import RunMeta, write_records
 from extproc.stack.daemons import Daemon
 from extproc.stack.gateways import PORTS_PER_GATEWAY, layout, port_purposes, redis_command
 from extproc.stack.processes import envoy_binary
@@ -182,7 +182,7 @@ def meta() -> RunMeta:
 
 def test_the_drill_kills_then_restarts_and_records_both() -> None:
     lab = FakeTier()
-    killer = _GatewayKiller(lab, "gw-1", GatewayKill(at_s=0.0, restart_after_s=0.0))
+    killer = GatewayKiller(lab, "gw-1", GatewayKill(at_s=0.0, restart_after_s=0.0))
     killer.start()
     assert lab.restarted.wait(30)
     killer.join()
@@ -195,7 +195,7 @@ def test_the_drill_kills_then_restarts_and_records_both() -> None:
 
 def test_a_run_that_ends_before_the_kill_kills_nothing() -> None:
     lab = FakeTier()
-    killer = _GatewayKiller(lab, "gw-1", GatewayKill(at_s=3600.0, restart_after_s=5.0))
+    killer = GatewayKiller(lab, "gw-1", GatewayKill(at_s=3600.0, restart_after_s=5.0))
     killer.start()
     killer.join()
     run = meta()
@@ -216,3 +216,19 @@ def test_bad_kill_options_stop_the_run_with_one_line(tmp_path: Path, capsys: pyt
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and message in err, err
     assert not (tmp_path / "o").exists()
+
+
+def test_failed_requests_are_told_apart_by_when_they_ran_against_the_kill(tmp_path: Path) -> None:
+    def row(started: float, finished: float, status: int, error: str | None) -> dict[str, Any]:
+        return {"run_id": "r", "policy": "p", "seed": 1, "simulated": False, "conversation": "c", "turn": 1,
+                "status": status, "error": error, "started_at": started, "finished_at": finished}
+
+    write_records([
+        row(90.0, 95.0, 0, "ConnectionError"),  # failed before the kill: not the kill's
+        row(98.0, 100.5, 200, "ChunkedEncodingError"),  # cut by the kill at 100
+        row(99.0, 101.0, 0, "RemoteDisconnected"),  # cut by the kill
+        row(100.01, 100.02, 0, "ConnectionResetError"),  # sent after it
+        row(99.0, 102.0, 200, None),  # in flight, and fine
+    ], tmp_path / "requests.parquet")
+    assert failures(tmp_path, 100.0) == {"failed": 4, "failed_in_flight_at_kill": 2, "failed_started_after_kill": 1}
+    assert failures(tmp_path, None) == {"failed": 4}
