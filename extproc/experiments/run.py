@@ -39,6 +39,7 @@ from extproc.experiments.lab import GatewayTier, Lab, LabError, RemoteLab
 from extproc.policy_spec import POLICIES, ExperimentError, PolicySpec, parse_policy
 from extproc.records import (
     JOURNAL_FILE,
+    REQUESTS_FILE,
     RunMeta,
     finalise_run_records,
     read_records,
@@ -320,7 +321,7 @@ def settled(lab: GatewayTier, timeout: float = SETTLE_S) -> dict[str, dict[str, 
 def failures(run_dir: Path, killed_at: float | None) -> dict[str, int]:
     """Failed requests of the run, and how many of them were in flight at the kill (started
     before it, ended after it) or started after it."""
-    rows = read_records(run_dir / "requests.parquet").select(["status", "error", "started_at", "finished_at"])
+    rows = read_records(run_dir / REQUESTS_FILE).select(["status", "error", "started_at", "finished_at"])
     failed = [(r["started_at"].timestamp(), r["finished_at"].timestamp())
               for r in rows.to_pylist() if r["status"] != 200 or r["error"] is not None]
     counts = {"failed": len(failed)}
