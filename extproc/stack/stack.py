@@ -717,7 +717,11 @@ def _read_state(run: Path) -> StackState | None:
     path = run / "state.json"
     if not path.exists():
         return None
-    return StackState(**json.loads(path.read_text()))
+    try:
+        return StackState(**json.loads(path.read_text()))
+    except (TypeError, ValueError) as exc:  # e.g. written by an llm-ring before --gateways
+        raise StackError(f"{path} is not a state file of this llm-ring ({exc}); stop that stack's processes "
+                         f"by hand and remove the file") from None
 
 
 def _daemon(raw: Mapping[str, Any]) -> Daemon | None:

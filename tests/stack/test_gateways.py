@@ -232,3 +232,13 @@ def test_failed_requests_are_told_apart_by_when_they_ran_against_the_kill(tmp_pa
     ], tmp_path / "requests.parquet")
     assert failures(tmp_path, 100.0) == {"failed": 4, "failed_in_flight_at_kill": 2, "failed_started_after_kill": 1}
     assert failures(tmp_path, None) == {"failed": 4}
+
+
+def test_a_state_file_from_before_several_gateways_is_named_not_a_traceback(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    old = {"run_dir": str(tmp_path), "gateway_url": "http://127.0.0.1:18000", "metrics_url": "",
+           "router_address": "127.0.0.1:18002", "envoy_admin": "", "policy": "llm-aware", "model": "tiny"}
+    (tmp_path / "state.json").write_text(json.dumps(old))
+    assert cli(["status", "--run-dir", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "state.json is not a state file of this llm-ring" in err, err
