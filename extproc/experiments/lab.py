@@ -28,6 +28,24 @@ class Lab(Protocol):
         """The ready replicas: {name: "ip:port"}."""
 
 
+@runtime_checkable
+class GatewayTier(Protocol):
+    """A lab with several gateways behind one front (the local stack with `--gateways N`)."""
+
+    def routers(self) -> dict[str, str]:
+        """Every gateway's routing service: {gateway name: admin gRPC address}."""
+
+    def kill_gateway(self, name: str) -> float:
+        """SIGKILL the gateway's Envoy and routing service (nothing restarts them meanwhile);
+        returns the wall-clock time of the signal."""
+
+    def restart_gateway(self, name: str) -> None:
+        """Start a killed gateway again; returns once it accepts requests."""
+
+    def router_states(self) -> dict[str, dict[str, int]]:
+        """Per gateway: in_flight_requests, in_flight_tokens, decisions of its router."""
+
+
 class LabError(RuntimeError):
     """The lab cannot do what the experiment needs; the message says what and why."""
 

@@ -6,7 +6,9 @@ lab is scaled back, reset (fresh caches, fresh router state) and set to the poli
 every replica answers one short warm-up request directly so that first-inference
 costs stay out of the measurements. Locust runs as a subprocess (its gevent
 monkey-patching stays out of this process) and journals each request; the rows
-already recorded survive an interrupted run. Layout:
+already recorded survive an interrupted run. With several gateways (a GatewayTier lab)
+one of them can be SIGKILLed mid-run and restarted (--kill-gateway, --restart-after);
+after every run each router's in-flight load is read back (run.json: routers_after). Layout:
 
     OUT_DIR/experiment.json, profile.json, summary.md
     OUT_DIR/<policy>-s<seed>/requests.parquet, run.json, locust.log
@@ -28,19 +30,39 @@ import time
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import httpx
 
 from extproc.cli_input import UsageError, new_folder, parse_seeds
-from extproc.experiments.lab import Lab, LabError, RemoteLab
+from extproc.experiments.lab import GatewayTier, Lab, LabError, RemoteLab
 from extproc.policy_spec import POLICIES, ExperimentError, PolicySpec, parse_policy
-from extproc.records import JOURNAL_FILE, RunMeta, finalise_run_records, utc_now, write_run_metadata
+from extproc.records import (
+    JOURNAL_FILE,
+    REQUESTS_FILE,
+    RunMeta,
+    finalise_run_records,
+    read_records,
+    read_run_metadata,
+    utc_now,
+    write_run_metadata,
+)
 from extproc.traffic import Profile, ProfileError, check_context, generate_conversations
 from extproc.traffic import load_profile as load_traffic_profile
 from extproc.traffic.chat import session_tag
 
 LOCUSTFILE = Path(__file__).resolve().parents[2] / "locustfiles" / "chat.py"
 PROGRESS_EVERY_S = 5.0
+SETTLE_S = 10.0  # after a run, how long the routers may take to release what was in flight
+
+
+@dataclasses.dataclass(frozen=True)
+class GatewayKill:
+    """SIGKILL the lab's last gateway at_s seconds into every run, start it again
+    restart_after_s seconds later (at the run's end at the latest)."""
+
+    at_s: float
+    restart_after_s: float
 
 
 class ExperimentInterrupted(RuntimeError):
@@ -66,11 +88,12 @@ def run_experiment(
     out_dir: str | Path,
     scale_at: float | None = None,
     progress: Callable[[str], None] | None = None,
+    kill: GatewayKill | None = None,
 ) -> Path:
     """Run every policy x seed against ``lab``; returns the experiment folder."""
     say = progress or (lambda text: print(text, file=sys.stderr, flush=True))
     out = Path(out_dir)
-    specs = _check_inputs(lab, profile, policies, seeds, out, scale_at)
+    specs = _check_inputs(lab, profile, policies, seeds, out, scale_at, kill)
     expected = {seed: sum(c.requests for c in generate_conversations(profile, seed)) for seed in seeds}
     start_replicas = len(lab.replicas())
     out.mkdir(parents=True)
@@ -86,6 +109,7 @@ def run_experiment(
                 "seeds": list(seeds),
                 "order": [f"{p}-s{s}" for p, s in plan],
                 "scale_at_s": scale_at,
+                "kill_gateway": dataclasses.asdict(kill) if kill else None,
                 "replicas": start_replicas,
                 "started_at": utc_now(),
                 "versions": versions(),
@@ -99,7 +123,7 @@ def run_experiment(
         step = f"[{number}/{len(plan)}]"
         say(f"{step} {label} seed {seed}: preparing")
         _run_one(lab, profile, profile_path, by_label[label], seed, out, scale_at, start_replicas,
-                 expected[seed], functools.partial(_prefixed, say, step))  # fmt: skip
+                 expected[seed], functools.partial(_prefixed, say, step), kill)  # fmt: skip
     if len(lab.replicas()) != start_replicas:
         lab.scale(start_replicas)
     return out
@@ -116,6 +140,7 @@ def _check_inputs(
     seeds: Sequence[int],
     out: Path,
     scale_at: float | None,
+    kill: GatewayKill | None = None,
 ) -> list[PolicySpec]:
     new_folder(out)
     if not policies:
@@ -124,6 +149,8 @@ def _check_inputs(
         raise ExperimentError(f"seeds must be distinct and at least one (got {list(seeds)})")
     if scale_at is not None and scale_at <= 0:
         raise ExperimentError(f"--scale-at must be > 0 seconds (got {scale_at})")
+    if kill is not None:
+        _check_kill(lab, kill)
     specs = [parse_policy(p) for p in policies]
     if len({s.label for s in specs}) != len(specs):
         raise ExperimentError(f"a policy is listed twice: {list(policies)}")
@@ -138,6 +165,17 @@ def _check_inputs(
             except ProfileError as exc:
                 raise ExperimentError(f"replica {name}: {exc}") from None
     return specs
+
+
+def _check_kill(lab: Lab, kill: GatewayKill) -> None:
+    if not kill.at_s > 0:
+        raise ExperimentError(f"--kill-gateway must be > 0 seconds (got {kill.at_s:g})")
+    if not kill.restart_after_s >= 0:
+        raise ExperimentError(f"--restart-after must be >= 0 seconds (got {kill.restart_after_s:g})")
+    gateways = len(lab.routers()) if isinstance(lab, GatewayTier) else 1
+    if gateways < 2:
+        raise ExperimentError(f"--kill-gateway needs a lab with 2 or more gateways (this one has {gateways}; "
+                              "llm-ring up --gateways 2)")
 
 
 def check_gateway(url: str, timeout: float = 3.0) -> None:
@@ -180,6 +218,7 @@ def _run_one(
     start_replicas: int,
     expected: int,
     say: Callable[[str], None],
+    kill: GatewayKill | None = None,
 ) -> None:
     run_id = f"{spec.label}-s{seed}"
     run_dir = out / run_id.replace(":", "_").replace(",", "_").replace("=", "-")
@@ -204,24 +243,30 @@ def _run_one(
         "--policy-label", spec.label, "--run-id", run_id, "--records-dir", str(run_dir),
         "--session", session_tag(run_id, time.time()),
     ]  # fmt: skip
-    scaler = _Scaler(lab, start_replicas + 1, scale_at) if scale_at else None
+    drills: list[_Drill] = []
+    if scale_at:
+        drills.append(_Scaler(lab, start_replicas + 1, scale_at))
+    if kill is not None and isinstance(lab, GatewayTier):
+        drills.append(GatewayKiller(lab, list(lab.routers())[-1], kill))
     started = time.monotonic()
     with (run_dir / "locust.log").open("w") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
         try:
-            if scaler:
-                scaler.start()
+            for drill in drills:
+                drill.start()
             while not _finished(process, PROGRESS_EVERY_S):
                 say(f"{run_id}: {_journal_rows(run_dir)}/{expected} requests, "
                     f"{time.monotonic() - started:.0f} s")  # fmt: skip
         except KeyboardInterrupt:
             _stop(process)
             meta.status = "interrupted"
-            _close(meta, run_dir, scaler)
+            _close(meta, run_dir, drills, lab)
             raise ExperimentInterrupted(run_dir) from None
     meta.status = "finished" if process.returncode == 0 else "failed"
-    _close(meta, run_dir, scaler)
+    _close(meta, run_dir, drills, lab)
     say(f"{run_id}: {meta.rows}/{expected} requests recorded in {time.monotonic() - started:.0f} s")
+    for line in tier_lines(meta):
+        say(f"{run_id}: {line}")
     if meta.rows == 0:
         raise LabError(f"{run_id}: Locust recorded no request; see {run_dir / 'locust.log'}")
 
@@ -250,39 +295,137 @@ def _stop(process: subprocess.Popen) -> None:
         process.wait()
 
 
-def _close(meta: RunMeta, run_dir: Path, scaler: _Scaler | None) -> None:
-    if scaler:
-        scaler.join()
-        meta.scaled_to, meta.scale_ready_at = scaler.target, scaler.ready_at
-        if scaler.error:
-            meta.extra["scale_error"] = scaler.error
+def _close(meta: RunMeta, run_dir: Path, drills: Sequence[_Drill], lab: Lab) -> None:
+    for drill in drills:
+        drill.join()
+        drill.record(meta)
     meta.rows = finalise_run_records(run_dir)
+    if isinstance(lab, GatewayTier):
+        meta.extra["routers_after"] = settled(lab)
+        if "gateway_kill" in meta.extra:
+            meta.extra["gateway_kill"] |= failures(run_dir, meta.extra["gateway_kill"].get("killed_at"))
     meta.finished_at = utc_now()
     write_run_metadata(meta, run_dir)
 
 
-class _Scaler(threading.Thread):
-    """Adds a replica ``delay_s`` into the run and notes when it was ready."""
+def settled(lab: GatewayTier, timeout: float = SETTLE_S) -> dict[str, dict[str, int]]:
+    """Every router's state once none holds anything in flight, or as it is after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        states = lab.router_states()
+        if all(s["in_flight_requests"] == 0 for s in states.values()) or time.monotonic() > deadline:
+            return states
+        time.sleep(0.05)
 
-    def __init__(self, lab: Lab, target: int, delay_s: float) -> None:
+
+def failures(run_dir: Path, killed_at: float | None) -> dict[str, int]:
+    """Failed requests of the run, and how many of them were in flight at the kill (started
+    before it, ended after it) or started after it."""
+    rows = read_records(run_dir / REQUESTS_FILE).select(["status", "error", "started_at", "finished_at"])
+    failed = [(r["started_at"].timestamp(), r["finished_at"].timestamp())
+              for r in rows.to_pylist() if r["status"] != 200 or r["error"] is not None]
+    counts = {"failed": len(failed)}
+    if killed_at is not None:
+        counts["failed_in_flight_at_kill"] = sum(start <= killed_at <= end for start, end in failed)
+        counts["failed_started_after_kill"] = sum(start > killed_at for start, _ in failed)
+    return counts
+
+
+def tier_lines(meta: RunMeta) -> list[str]:
+    """What a run of several gateways went through, for the console."""
+    lines = []
+    kill = meta.extra.get("gateway_kill")
+    if kill:
+        if kill.get("killed_at") is None:
+            lines.append(f"{kill['gateway']} was not killed: {kill.get('error') or 'the run ended first'}")
+        else:
+            back = f"back after {kill['down_s']:.1f} s" if "down_s" in kill else f"not restarted: {kill.get('error')}"
+            lines.append(
+                f"{kill['gateway']} SIGKILLed at {kill['killed_after_s']:.1f} s, {back}; failed requests "
+                f"{kill['failed']} ({kill['failed_in_flight_at_kill']} in flight at the kill, "
+                f"{kill['failed_started_after_kill']} started after it)"
+            )
+    after = meta.extra.get("routers_after")
+    if after:
+        lines.append("in flight after the run: " + ", ".join(
+            f"{name} {s['in_flight_requests']} requests / {s['in_flight_tokens']} tokens "
+            f"({s['decisions']} decisions since its start)" for name, s in after.items()))
+    return lines
+
+
+class _Drill(threading.Thread):
+    """Something done to the lab ``delay_s`` into a run, beside the traffic; an error is
+    recorded in run.json and the run goes on. join() cancels it if it has not begun."""
+
+    def __init__(self, delay_s: float) -> None:
         super().__init__(daemon=True)
-        self.lab, self.target, self.delay_s = lab, target, delay_s
+        self.delay_s = delay_s
         self.cancelled = threading.Event()
-        self.ready_at: str | None = None
         self.error: str | None = None
 
     def run(self) -> None:
         if self.cancelled.wait(self.delay_s):
             return
         try:
-            self.lab.scale(self.target)
-            self.ready_at = datetime.now(UTC).isoformat()
+            self.act()
         except Exception as exc:  # recorded in run.json; the run itself goes on
             self.error = f"{type(exc).__name__}: {exc}"
+
+    def act(self) -> None:
+        raise NotImplementedError
+
+    def record(self, meta: RunMeta) -> None:
+        raise NotImplementedError
 
     def join(self, timeout: float | None = None) -> None:
         self.cancelled.set()
         super().join(timeout)
+
+
+class _Scaler(_Drill):
+    """Adds a replica ``delay_s`` into the run and notes when it was ready."""
+
+    def __init__(self, lab: Lab, target: int, delay_s: float) -> None:
+        super().__init__(delay_s)
+        self.lab, self.target = lab, target
+        self.ready_at: str | None = None
+
+    def act(self) -> None:
+        self.lab.scale(self.target)
+        self.ready_at = datetime.now(UTC).isoformat()
+
+    def record(self, meta: RunMeta) -> None:
+        meta.scaled_to, meta.scale_ready_at = self.target, self.ready_at
+        if self.error:
+            meta.extra["scale_error"] = self.error
+
+
+class GatewayKiller(_Drill):
+    """SIGKILLs one gateway ``kill.at_s`` into the run and starts it again
+    ``kill.restart_after_s`` later, or at once when the run ends first."""
+
+    def __init__(self, lab: GatewayTier, gateway: str, kill: GatewayKill) -> None:
+        super().__init__(kill.at_s)
+        self.lab, self.gateway, self.kill = lab, gateway, kill
+        self.began = time.time()  # wall clock, as the records' started_at
+        self.killed_at: float | None = None
+        self.back_at: float | None = None
+
+    def act(self) -> None:
+        self.killed_at = self.lab.kill_gateway(self.gateway)
+        self.cancelled.wait(self.kill.restart_after_s)  # the run's end cuts the wait short
+        self.lab.restart_gateway(self.gateway)
+        self.back_at = time.time()
+
+    def record(self, meta: RunMeta) -> None:
+        found: dict[str, Any] = {"gateway": self.gateway, **dataclasses.asdict(self.kill), "killed_at": self.killed_at}
+        if self.killed_at is not None:
+            found["killed_after_s"] = self.killed_at - self.began
+            if self.back_at is not None:
+                found["down_s"] = self.back_at - self.killed_at
+        if self.error:
+            found["error"] = self.error
+        meta.extra["gateway_kill"] = found
 
 
 def versions() -> dict[str, str]:
@@ -312,6 +455,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seeds", nargs="+", required=True, metavar="SEED", help="integers or ranges like 1-5")
     parser.add_argument("--scale-at", type=float, default=None, metavar="S",
                         help="add one replica S seconds into every run (default: no scale-up)")  # fmt: skip
+    parser.add_argument("--kill-gateway", type=float, default=None, metavar="S",
+                        help="SIGKILL the last gateway S seconds into every run (a stack with --gateways 2 or more)")
+    parser.add_argument("--restart-after", type=float, default=5.0, metavar="S",
+                        help="with --kill-gateway: start it again S seconds after the kill (default 5)")
     parser.add_argument("--out-dir", type=Path, required=True, help="new folder for this experiment")
     parser.add_argument("--gateway", default=None, metavar="URL",
                         help="a gateway elsewhere (needs --admin); default: the local stack")  # fmt: skip
@@ -328,8 +475,9 @@ def main(args: argparse.Namespace) -> int:
             parse_policy(policy)
         seeds = parse_seeds(args.seeds)
         new_folder(args.out_dir)
+        kill = GatewayKill(args.kill_gateway, args.restart_after) if args.kill_gateway is not None else None
         lab = connect_lab(args.gateway, args.admin, args.run_dir)
-        out = run_experiment(lab, profile, args.policies, seeds, args.out_dir, args.scale_at)
+        out = run_experiment(lab, profile, args.policies, seeds, args.out_dir, args.scale_at, kill=kill)
     except (ProfileError, LabError) as exc:  # bad input or no lab: one line, exit 2
         raise UsageError(str(exc)) from None
     except ExperimentInterrupted as exc:
@@ -343,6 +491,9 @@ def main(args: argparse.Namespace) -> int:
     report = build_report(out)
     (out / SUMMARY_FILE).write_text(render_markdown(report, with_runs=True))
     print(render_table(report), end="")
+    for run in sorted(p for p in out.iterdir() if p.is_dir()):
+        for line in tier_lines(read_run_metadata(run)):
+            print(f"{run.name}: {line}")
     return 0
 
 

@@ -28,6 +28,8 @@ def configure_up(parser: argparse.ArgumentParser) -> None:
     _common(parser)
     parser.add_argument("--settings", metavar="FILE", help="stack settings (default extproc/stack/stack.toml)")
     parser.add_argument("--replicas", type=int, help="replicas to start ([replicas] count)")
+    parser.add_argument("--gateways", type=int, metavar="N",
+                        help="gateway pairs (Envoy + routing service) behind one front listener ([gateways] count)")
     parser.add_argument("--backend", choices=("xllamacpp", "llama-server"), help="[replicas] backend")
     parser.add_argument("--llama-server", metavar="PATH", help="backend llama-server: the binary")
     parser.add_argument("--model", help=f"{' | '.join(models.MODELS)} | a .gguf path ([replicas] model)")
@@ -46,6 +48,7 @@ def main_up(args: argparse.Namespace) -> int:
             "replicas": {"count": args.replicas, "backend": args.backend, "llama_server": args.llama_server,
                          "model": args.model, "ctx_size": args.ctx_size, "parallel": args.parallel,
                          "threads": args.threads, "cache_ram_mib": args.cache_ram},
+            "gateways": {"count": args.gateways},
             "router": {"policy": args.policy},
             "check": {"profile": args.profile},
         })
@@ -55,9 +58,16 @@ def main_up(args: argparse.Namespace) -> int:
         return 1
     status = stack.status()
     print(f"gateway:  {status['gateway_url']}  (POST /v1/chat/completions)")
-    print(f"metrics:  {status['metrics_url']}")
-    print(f"admin:    {status['router_address']} (gRPC)   envoy admin: {status['envoy_admin']}")
-    print(f"logs:     {status['logs']}/ (router.log, envoy.log, llm-N.log)")
+    if "front" in status:
+        for gateway in status["gateways"]:
+            print(f"{gateway['name']}:     http://{gateway['listen']}   metrics {gateway['metrics_url']}   "
+                  f"admin {gateway['router_address']} (gRPC)   envoy admin {gateway['envoy_admin']}")
+        print(f"front:    envoy admin {status['envoy_admin']}   store: {status['store']['url']}")
+        print(f"logs:     {status['logs']}/ (router-N.log, envoy-N.log, front.log, store.log, llm-N.log)")
+    else:
+        print(f"metrics:  {status['metrics_url']}")
+        print(f"admin:    {status['router_address']} (gRPC)   envoy admin: {status['envoy_admin']}")
+        print(f"logs:     {status['logs']}/ (router.log, envoy.log, llm-N.log)")
     print(f"replicas: {', '.join(r['name'] + '=' + r['address'] for r in status['replicas'])}")
     print("stop with: llm-ring down")
     return 0
@@ -83,10 +93,19 @@ def main_status(args: argparse.Namespace) -> int:
         return 0
     print(f"gateway  {status['gateway_url']}   metrics {status['metrics_url']}   policy {status['policy']}"
           f"   model {status['model']}")
-    for name in ("router", "envoy"):
-        process = status[name]
-        print(f"  {name:<8} pid {process.get('pid', '-'):<8} {_state(process['alive'], process.get('ready'))}"
-              f"  restarts {process['restarts']}")
+    several = "front" in status
+    for gateway in status["gateways"]:
+        for kind in ("router", "envoy"):
+            process = gateway[kind]
+            name = f"{kind}-{gateway['name'].removeprefix('gw-')}" if several else kind
+            where = f"  {gateway['router_address'] if kind == 'router' else gateway['listen']}" if several else ""
+            print(f"  {name:<8} pid {process.get('pid', '-'):<8} {_state(process['alive'], process.get('ready'))}"
+                  f"{where}  restarts {process['restarts']}")
+    if several:
+        for name in ("front", "store"):
+            process = status[name]
+            print(f"  {name:<8} pid {process.get('pid', '-'):<8} {_state(process['alive'], process.get('ready'))}"
+                  f"  restarts {process['restarts']}")
     for replica in status["replicas"]:
         print(f"  {replica['name']:<8} pid {replica['pid']:<8} {_state(replica['alive'], replica['healthy'])}"
               f"  {replica['address']}  rss {replica['rss_mib']} MiB  restarts {replica['restarts']}")

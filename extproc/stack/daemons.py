@@ -82,19 +82,30 @@ def spawn(command: Sequence[str], log: Path, env: Mapping[str, str] | None = Non
 
 def stop(daemons: Sequence[Daemon], timeout: float = 5.0) -> None:
     """SIGTERM each process group, then SIGKILL what is left after `timeout` seconds."""
-    live = [d for d in daemons if d.alive()]
-    for daemon in live:
-        _signal_group(daemon.pid, signal.SIGTERM)
-    deadline = time.monotonic() + timeout
-    while any(d.alive() for d in live) and time.monotonic() < deadline:
-        _reap()
-        time.sleep(0.05)
+    live = _signal_and_wait(daemons, signal.SIGTERM, timeout)
     for daemon in live:
         if daemon.alive():
             _signal_group(daemon.pid, signal.SIGKILL)
     for daemon in live:  # the group may hold children of its leader
         _signal_group(daemon.pid, signal.SIGKILL)
     _reap()
+
+
+def kill(daemons: Sequence[Daemon], timeout: float = 5.0) -> None:
+    """SIGKILL each process group at once (a crash drill); returns once they are gone."""
+    _signal_and_wait(daemons, signal.SIGKILL, timeout)
+
+
+def _signal_and_wait(daemons: Sequence[Daemon], sig: signal.Signals, timeout: float) -> list[Daemon]:
+    """Signal the groups of those alive, wait up to `timeout` for them to go; returns them."""
+    live = [d for d in daemons if d.alive()]
+    for daemon in live:
+        _signal_group(daemon.pid, sig)
+    deadline = time.monotonic() + timeout
+    while any(d.alive() for d in live) and time.monotonic() < deadline:
+        _reap()
+        time.sleep(0.05)
+    return live
 
 
 def check_ports_free(ports: Mapping[int, str], wait: float = 0.0) -> None:

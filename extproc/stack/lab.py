@@ -3,7 +3,9 @@ extproc.experiments.lab.Lab; the stack imports nothing of the experiments).
 
 ``LocalLab.attach()`` drives a stack started by `llm-ring up` (found through its run dir;
 StackError when there is none); ``LocalLab.start(...)`` starts one for the caller and stops
-it on close (demo, tests).
+it on close (demo, tests). With several gateways, policy and reset go to every routing
+service, and it has the methods of extproc.experiments.lab.GatewayTier (kill and restart one
+gateway, every router's in-flight load and decisions).
 """
 
 from __future__ import annotations
@@ -38,8 +40,9 @@ class LocalLab:
         return self.stack.state.gateway_url
 
     def set_policy(self, routing: dict[str, Any]) -> None:
-        with self._admin() as admin:
-            admin.set_routing(routing)
+        for address in self.routers().values():
+            with _admin(address) as admin:
+                admin.set_routing(routing)
         if "policy" in routing:
             self.stack.state.policy = str(routing["policy"])
             self.stack.save()
@@ -47,8 +50,9 @@ class LocalLab:
     def reset(self) -> None:
         """Fresh replica caches (see Stack.reset_caches), then fresh router state."""
         seconds = self.stack.reset_caches(self.progress)
-        with self._admin() as admin:
-            admin.reset()
+        for address in self.routers().values():
+            with _admin(address) as admin:
+                admin.reset()
         self.progress(f"caches and router state reset in {seconds:.1f}s")
 
     def scale(self, n: int) -> None:
@@ -56,6 +60,25 @@ class LocalLab:
 
     def replicas(self) -> dict[str, str]:
         return self.stack.healthy_replicas()
+
+    def routers(self) -> dict[str, str]:
+        """Every gateway's routing service: {gateway name: gRPC address}."""
+        return {gw.name: gw.router_address for gw in self.stack.gateway_list}
+
+    def kill_gateway(self, name: str) -> float:
+        return self.stack.kill_gateway(name)
+
+    def restart_gateway(self, name: str) -> None:
+        self.stack.restart_gateway(name, self.progress)
+
+    def router_states(self) -> dict[str, dict[str, int]]:
+        """Per gateway, its router's in-flight requests and tokens and its decisions so far."""
+        found = {}
+        for name, address in self.routers().items():
+            with _admin(address) as admin:
+                state = admin.state()
+            found[name] = {key: int(state[key]) for key in ("in_flight_requests", "in_flight_tokens", "decisions")}
+        return found
 
     def close(self) -> None:
         if self.owned:
@@ -67,7 +90,8 @@ class LocalLab:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _admin(self) -> Any:
-        from extproc.service.admin_client import AdminClient
 
-        return AdminClient(self.stack.state.router_address)
+def _admin(address: str) -> Any:
+    from extproc.service.admin_client import AdminClient
+
+    return AdminClient(address)

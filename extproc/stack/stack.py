@@ -1,8 +1,9 @@
 """The local stack: llama.cpp replicas + the routing service + Envoy, as detached processes.
 
-Start order: replicas (until /health answers) -> replica list file -> `llm-ring serve`
-(until gRPC health) -> Envoy (until its admin /ready) -> the supervisor (supervisor.py), which
-restarts any of them that dies, with backoff, and counts it in the state file. Everything the other commands need
+Start order: replicas (until /health answers) -> replica list file -> [several gateways: the
+store's redis-server] -> per gateway `llm-ring serve` (until gRPC health) and Envoy (until
+its admin /ready) -> [several gateways: the front Envoy] -> the supervisor (supervisor.py),
+which restarts any of them that dies, with backoff, and counts it in the state file. Everything the other commands need
 (pids, ports, URLs, settings) is kept in <run dir>/state.json, so `status`, `scale` and
 `down` work from any shell. The routing service learns the replica set from
 <run dir>/replicas.json (discovery source "file"), which only this module writes, atomically.
@@ -14,6 +15,7 @@ import contextlib
 import fcntl
 import json
 import os
+import shutil
 import sys
 import time
 import tomllib
@@ -28,7 +30,17 @@ from pydantic import Field, ValidationError
 from extproc.files import write_atomically
 from extproc.settings import Strict
 from extproc.stack import models, replicas
-from extproc.stack.daemons import Daemon, check_ports_free, free_ports, http_ok, spawn, stop
+from extproc.stack.daemons import Daemon, check_ports_free, free_ports, http_ok, kill, spawn, stop
+from extproc.stack.gateways import (
+    FRONT,
+    PORTS_PER_GATEWAY,
+    STORE,
+    GatewayState,
+    layout,
+    port_purposes,
+    redis_answers,
+    redis_command,
+)
 from extproc.stack.processes import ROUTER_REFERENCE, envoy_binary, grpc_serving, socket_name
 from extproc.stack.replicas import HOST, Replica, ReplicaSettings
 
@@ -63,6 +75,13 @@ class PortsSection(Strict):
     router: int = Field(ge=0, lt=65536)
     metrics: int = Field(ge=0, lt=65536)
     replica_base: int = Field(ge=0, lt=65536)
+    gateway_base: int = Field(ge=0, lt=65536)
+    store: int = Field(ge=0, lt=65536)
+
+
+class GatewaysSection(Strict):
+    count: int = Field(ge=1, le=16)
+    redis_server: str
 
 
 class RouterSection(Strict):
@@ -76,6 +95,7 @@ class CheckSection(Strict):
 
 class StackSettings(Strict):
     replicas: ReplicasSection
+    gateways: GatewaysSection
     ports: PortsSection
     router: RouterSection
     check: CheckSection
@@ -114,10 +134,8 @@ class StackState:
     """What state.json holds."""
 
     run_dir: str
-    gateway_url: str
-    metrics_url: str
-    router_address: str  # gRPC: ext_proc + Admin + health
-    envoy_admin: str
+    gateway_url: str  # what clients use: the front with several gateways, else the gateway's Envoy
+    envoy_admin: str  # the admin of the Envoy on that port
     policy: str
     model: str
     replica_settings: dict[str, Any]
@@ -126,12 +144,25 @@ class StackState:
     health_timeout: float
     die_with_parent: bool
     replicas: list[dict[str, Any]] = field(default_factory=list)
-    router: dict[str, Any] = field(default_factory=dict)
-    envoy: dict[str, Any] = field(default_factory=dict)
+    gateways: list[dict[str, Any]] = field(default_factory=list)  # GatewayState
+    front: dict[str, Any] = field(default_factory=dict)  # several gateways: the front Envoy
+    store: dict[str, Any] = field(default_factory=dict)  # several gateways: the redis-server
+    store_url: str = ""  # its URL, as written into each routing service's [store] url
+    store_binary: str = ""
     supervisor: dict[str, Any] = field(default_factory=dict)
     restarts: dict[str, dict[str, float]] = field(default_factory=dict)  # process name -> supervisor.Restarts
+    held_down: list[str] = field(default_factory=list)  # killed on purpose: the supervisor leaves them
     started_at: float = 0.0
     startup_seconds: float = 0.0
+
+    @property
+    def router_address(self) -> str:
+        """The first gateway's routing service (the only one with one gateway)."""
+        return str(self.gateways[0]["router_address"])
+
+    @property
+    def metrics_url(self) -> str:
+        return str(self.gateways[0]["metrics_url"])
 
 
 class Stack:
@@ -149,12 +180,17 @@ class Stack:
             raise StackError(f"a stack is already running from {run}: `llm-ring down` first "
                              f"(or use another --run-dir)")
         rs = settings.replicas
-        ports = _ports(settings.ports, rs.count)
-        check_ports_free({
-            ports["gateway"]: "the gateway (Envoy listener)", ports["envoy_admin"]: "Envoy admin",
-            ports["router"]: "the routing service (gRPC)", ports["metrics"]: "the router's metrics",
-            **{port: f"replica {replicas.replica_name(i)}" for i, port in enumerate(ports["replicas"])},
-        })
+        ports = _ports(settings.ports, rs.count, settings.gateways.count)
+        gateways = layout(settings.gateways.count, run, (ports["gateway"], ports["envoy_admin"], ports["router"],
+                          ports["metrics"]), settings.ports.gateway_base, ports["spare"])
+        several = len(gateways) > 1
+        redis = _redis_binary(settings.gateways.redis_server) if several else ""
+        front = [(ports["gateway"], "the front of the gateways"), (ports["envoy_admin"], "the front's Envoy admin"),
+                 (ports["store"], "the gateways' store (redis-server)")]
+        check_ports_free(_distinct([
+            *(front if several else []), *port_purposes(gateways),
+            *((port, f"replica {replicas.replica_name(i)}") for i, port in enumerate(ports["replicas"])),
+        ]))
         replica_settings = ReplicaSettings(
             backend=rs.backend, model="", ctx_size=rs.ctx_size, parallel=rs.parallel,
             threads=rs.threads, cache_ram_mib=rs.cache_ram_mib,
@@ -162,15 +198,16 @@ class Stack:
         )
         check_slot_context(settings.check.profile, replica_settings)
         replica_settings = replace(replica_settings, model=str(models.resolve(rs.model, data, progress)))
-        for sub in ("logs", "envoy"):
-            (run / sub).mkdir(parents=True, exist_ok=True)
+        (run / "logs").mkdir(parents=True, exist_ok=True)
+        for gw in gateways:
+            gw.envoy_dir.mkdir(parents=True, exist_ok=True)
         (run / "replicas.json").unlink(missing_ok=True)
         state = StackState(
             run_dir=str(run), gateway_url=f"http://{HOST}:{ports['gateway']}",
-            metrics_url=f"http://{HOST}:{ports['metrics']}/metrics", router_address=f"{HOST}:{ports['router']}",
             envoy_admin=f"{HOST}:{ports['envoy_admin']}", policy=settings.router.policy, model=rs.model,
             replica_settings=asdict(replica_settings), replica_ports={}, replica_base=settings.ports.replica_base,
             health_timeout=rs.health_timeout_seconds, die_with_parent=die_with_parent, started_at=time.time(),
+            gateways=[asdict(gw) for gw in gateways],
         )
         stack = cls(state)
         try:
@@ -178,8 +215,13 @@ class Stack:
                      f"{rs.parallel} slots, {rs.threads} thread(s), cache-ram {rs.cache_ram_mib} MiB)")
             stack._start_replicas([replicas.replica_name(i) for i in range(rs.count)], ports["replicas"], progress)
             stack._write_replica_list()
-            stack._start_router(settings.router.settings, progress)
-            stack._start_envoy(progress)
+            if several:
+                stack._start_store(redis, ports["store"], progress)
+            for gw in stack.gateway_list:
+                stack._start_router(gw, settings.router.settings, progress)
+                stack._start_envoy(gw, progress)
+            if several:
+                stack._start_front(progress)
             stack._start_supervisor()
         except BaseException:
             stack.down()
@@ -197,8 +239,9 @@ class Stack:
         return cls(state)
 
     def down(self, progress: Progress = lambda _: None) -> None:
-        """Stop the supervisor (first: it would restart the others), Envoy, the router, the
-        replicas (whole process groups); keep the logs."""
+        """Stop the supervisor (first: it would restart the others), then the front, every
+        gateway's Envoy and router, the store and the replicas (whole process groups); keep
+        the logs."""
         supervisor = _daemon(self.state.supervisor)
         if supervisor is not None:
             stop([supervisor])
@@ -221,16 +264,27 @@ class Stack:
             yield True
 
     def processes(self) -> dict[str, Daemon]:
-        """Every supervised process by name: router, envoy, llm-0, ..."""
-        named = {"router": _daemon(self.state.router), "envoy": _daemon(self.state.envoy)}
+        """Every supervised process by name: the front, each gateway's envoy and router (with
+        one gateway "envoy" and "router", else "envoy-0", "router-0", ...), the store, llm-0, ..."""
+        named = {FRONT: _daemon(self.state.front)}
+        for gw in self.gateway_list:
+            named |= {gw.envoy_name: _daemon(gw.envoy), gw.router_name: _daemon(gw.router)}
+        named[STORE] = _daemon(self.state.store)
         return {name: d for name, d in named.items() if d is not None} | {r.name: r.process for r in self.replica_list}
 
     def restart(self, name: str) -> None:
         """Start a process that died again, as it was started (a replica on its port)."""
-        if name == "router":
-            self.state.router = asdict(self._spawn_router())
-        elif name == "envoy":
-            self.state.envoy = asdict(self._spawn_envoy())
+        gateway = next((gw for gw in self.gateway_list if name in (gw.router_name, gw.envoy_name)), None)
+        if gateway is not None and name == gateway.router_name:
+            gateway.router = asdict(self._spawn_router(gateway))
+            self._keep(gateway)
+        elif gateway is not None:
+            gateway.envoy = asdict(self._spawn_envoy(gateway.envoy_dir / "envoy.yaml", gateway.envoy_name))
+            self._keep(gateway)
+        elif name == FRONT:
+            self.state.front = asdict(self._spawn_envoy(Path(self.state.run_dir) / "front" / "envoy.yaml", FRONT))
+        elif name == STORE:
+            self.state.store = asdict(self._spawn_store())
         else:
             replica = next(r for r in self.replica_list if r.name == name)
             (started,) = replicas.start({name: replica.port}, self._settings(), Path(self.state.run_dir),
@@ -238,13 +292,47 @@ class Stack:
             self.state.replicas = [started.as_dict() if r["name"] == name else r for r in self.state.replicas]
         self.save()
 
+    def kill_gateway(self, name: str) -> float:
+        """SIGKILL a gateway's Envoy and routing service (a drill: `llm-ring run
+        --kill-gateway`); the supervisor leaves them down until restart_gateway. Returns the
+        wall-clock time of the signal."""
+        with self.locked():
+            gateway = self._gateway(name)
+            self.state.held_down += [gateway.router_name, gateway.envoy_name]
+            self.save()
+            signalled = time.time()
+            kill([d for d in (_daemon(gateway.envoy), _daemon(gateway.router)) if d is not None])
+        return signalled
+
+    def restart_gateway(self, name: str, progress: Progress = lambda _: None) -> None:
+        """Start a killed gateway again on its ports; returns once its Envoy is ready."""
+        with self.locked():
+            gateway = self._gateway(name)
+            held = {gateway.router_name, gateway.envoy_name}
+            for process in (gateway.router, gateway.envoy):
+                daemon = _daemon(process)
+                if daemon is not None and daemon.alive():
+                    raise StackError(f"{name} is running: kill it first")
+            router = self._spawn_router(gateway)
+            gateway.router = asdict(router)
+            self._keep(gateway)
+            self.state.held_down = [n for n in self.state.held_down if n not in held]
+            self.save()
+            _wait_for(router, lambda: grpc_serving(gateway.router_address), 30.0, f"the routing service of {name}")
+            envoy = self._spawn_envoy(gateway.envoy_dir / "envoy.yaml", gateway.envoy_name)
+            gateway.envoy = asdict(envoy)
+            self._keep(gateway)
+            self.save()
+            _wait_for(envoy, lambda: http_ok(f"http://{gateway.envoy_admin}/ready"), 30.0, f"Envoy of {name}")
+        progress(f"{name} restarted")
+
     def any_alive(self) -> bool:
         supervisor = _daemon(self.state.supervisor)
         return any(d.alive() for d in self._daemons()) or (supervisor is not None and supervisor.alive())
 
     def _daemons(self) -> list[Daemon]:
-        found = [_daemon(self.state.envoy), _daemon(self.state.router)]
-        return [d for d in found if d is not None] + [r.process for r in self.replica_list]
+        """In stopping order: the front first (no new connections), the replicas last."""
+        return list(self.processes().values())
 
     # -- queries
 
@@ -252,12 +340,21 @@ class Stack:
     def replica_list(self) -> list[Replica]:
         return [Replica.from_dict(r) for r in self.state.replicas]
 
+    @property
+    def gateway_list(self) -> list[GatewayState]:
+        return [GatewayState(**gw) for gw in self.state.gateways]
+
     def healthy_replicas(self) -> dict[str, str]:
         return {r.name: r.address for r in self.replica_list if r.process.alive() and replicas.healthy(r.address)}
 
     def status(self) -> dict[str, Any]:
+        """The stack as `status --json` prints it; "router" and "envoy" are the first gateway's
+        (the only one's), "gateways" lists every gateway, "front" and "store" are there with
+        several."""
         self.state = _read_state(Path(self.state.run_dir)) or self.state  # the supervisor may have restarted some
-        router, envoy = _daemon(self.state.router), _daemon(self.state.envoy)
+        gateways = [self._gateway_status(gw) for gw in self.gateway_list]
+        several = len(gateways) > 1
+        front_ready = f"http://{self.state.envoy_admin}/ready"
         return {
             "gateway_url": self.state.gateway_url,
             "metrics_url": self.state.metrics_url,
@@ -268,10 +365,16 @@ class Stack:
             "run_dir": self.state.run_dir,
             "logs": str(Path(self.state.run_dir) / "logs"),
             "startup_seconds": round(self.state.startup_seconds, 2),
-            "router": _process_status(router, lambda: grpc_serving(self.state.router_address))
-            | self._restarts("router"),
-            "envoy": _process_status(envoy, lambda: http_ok(f"http://{self.state.envoy_admin}/ready"))
-            | self._restarts("envoy"),
+            "router": gateways[0]["router"],
+            "envoy": gateways[0]["envoy"],
+            "gateways": gateways,
+            **({
+                "front": _process_status(_daemon(self.state.front), lambda: http_ok(front_ready))
+                | self._restarts(FRONT),
+                "store": {"url": self.state.store_url}
+                | _process_status(_daemon(self.state.store), lambda: redis_answers(_port(self.state.store_url)))
+                | self._restarts(STORE),
+            } if several else {}),
             "supervisor": _process_status(_daemon(self.state.supervisor), lambda: True),
             "replicas": [
                 {
@@ -307,15 +410,17 @@ class Stack:
             self._start_replicas(names, ports, progress, port_wait=5.0)
             self._write_replica_list()
             self.save()
-            self._wait_router_knows(set(names))
-            self._wait_envoy_knows({f"{HOST}:{port}" for port in ports})
+            for gw in self.gateway_list:
+                self._wait_router_knows(set(names), gw.router_address)
+                self._wait_envoy_knows({f"{HOST}:{port}" for port in ports}, gw.envoy_admin)
         elif n < len(current):
             leaving = current[n:]
             progress(f"scaling {len(current)} -> {n}: removing {', '.join(r.name for r in leaving)}")
             self.state.replicas = [r.as_dict() for r in current[:n]]
             self._write_replica_list()
             self.save()
-            self._wait_router_forgets({r.name for r in leaving})
+            for gw in self.gateway_list:
+                self._wait_router_forgets({r.name for r in leaving}, gw.router_address)
             _drain(leaving, drain_timeout, progress)
             replicas.stop_all(leaving)
         self.save()
@@ -355,6 +460,25 @@ class Stack:
     def _restarts(self, name: str) -> dict[str, int]:
         return {"restarts": int(self.state.restarts.get(name, {}).get("count", 0))}
 
+    def _gateway_status(self, gw: GatewayState) -> dict[str, Any]:
+        return {
+            "name": gw.name, "listen": gw.listen, "router_address": gw.router_address,
+            "metrics_url": gw.metrics_url, "envoy_admin": f"http://{gw.envoy_admin}",
+            "router": _process_status(_daemon(gw.router), lambda: grpc_serving(gw.router_address))
+            | self._restarts(gw.router_name),
+            "envoy": _process_status(_daemon(gw.envoy), lambda: http_ok(f"http://{gw.envoy_admin}/ready"))
+            | self._restarts(gw.envoy_name),
+        }
+
+    def _gateway(self, name: str) -> GatewayState:
+        found = next((gw for gw in self.gateway_list if gw.name == name), None)
+        if found is None:
+            raise StackError(f"no gateway {name!r}: this stack has {', '.join(g.name for g in self.gateway_list)}")
+        return found
+
+    def _keep(self, gateway: GatewayState) -> None:
+        self.state.gateways = [asdict(gateway) if gw["name"] == gateway.name else gw for gw in self.state.gateways]
+
     def _settings(self) -> ReplicaSettings:
         return ReplicaSettings(**self.state.replica_settings)
 
@@ -379,62 +503,97 @@ class Stack:
         listing = {r.name: r.address for r in self.replica_list}
         write_atomically(Path(self.state.run_dir) / "replicas.json", json.dumps(listing, sort_keys=True) + "\n")
 
-    def _start_router(self, base_settings: str, progress: Progress) -> None:
-        run = Path(self.state.run_dir)
-        config = run / "router.toml"
-        config.write_text(render_router_settings(
-            Path(base_settings) if base_settings else ROUTER_REFERENCE,
-            policy=self.state.policy,
-            listen=self.state.router_address,
-            metrics_listen=self.state.metrics_url.removeprefix("http://").removesuffix("/metrics"),
-            replicas_file=run / "replicas.json",
-            envoy_endpoints_file=run / "envoy" / "endpoints.json",
-        ))
+    def _start_router(self, gw: GatewayState, base_settings: str, progress: Progress) -> None:
         from extproc.settings import SettingsError, load_settings
 
+        run = Path(self.state.run_dir)
+        base = Path(base_settings) if base_settings else ROUTER_REFERENCE
+        several = len(self.state.gateways) > 1
+        if several and gw.name == "gw-0" and "store" not in tomllib.loads(base.read_text()):
+            progress(f"{base} has no [store] section: each gateway's router keeps its own state")
+        gw.router_settings.write_text(render_router_settings(
+            base,
+            policy=self.state.policy,
+            listen=gw.router_address,
+            metrics_listen=gw.metrics_url.removeprefix("http://").removesuffix("/metrics"),
+            replicas_file=run / "replicas.json",
+            envoy_endpoints_file=gw.envoy_dir / "endpoints.json",
+            store_url=self.state.store_url if several else None,
+        ))
         try:
-            load_settings(config)
+            load_settings(gw.router_settings)
         except SettingsError as exc:
             raise StackError(f"the generated router settings are invalid: {exc}") from None
-        router = self._spawn_router()
-        self.state.router = asdict(router)
+        router = self._spawn_router(gw)
+        gw.router = asdict(router)
+        self._keep(gw)
         self.save()
-        _wait_for(router, lambda: grpc_serving(self.state.router_address), 30.0, "the routing service")
-        self._wait_router_knows({r.name for r in self.replica_list})
-        progress(f"routing service ({self.state.policy}) on {self.state.router_address}")
+        _wait_for(router, lambda: grpc_serving(gw.router_address), 30.0, "the routing service")
+        self._wait_router_knows({r.name for r in self.replica_list}, gw.router_address)
+        progress(f"routing service ({self.state.policy}) on {gw.router_address}")
 
-    def _start_envoy(self, progress: Progress) -> None:
+    def _start_envoy(self, gw: GatewayState, progress: Progress) -> None:
         from extproc.envoy.config import render_envoy_config
         from extproc.envoy.contract import EndpointsFile, ext_proc_address
         from extproc.settings import load_settings
 
-        run = Path(self.state.run_dir)
-        service = load_settings(run / "router.toml").service
+        service = load_settings(gw.router_settings).service
         endpoints = Path(service.envoy_endpoints_file)
         _wait_until(endpoints.exists, 10.0, f"the routing service did not write {endpoints}")
         config = render_envoy_config(
-            listen=self.state.gateway_url.removeprefix("http://"), admin=self.state.envoy_admin,
-            ext_proc=ext_proc_address(self.state.router_address, service.ext_proc_socket),
+            listen=gw.listen, admin=gw.envoy_admin,
+            ext_proc=ext_proc_address(gw.router_address, service.ext_proc_socket),
             endpoints=EndpointsFile(str(endpoints)),
             fail_open=service.fail_open, max_request_bytes=service.max_body_bytes, retries=service.fallbacks,
         )
-        (run / "envoy" / "envoy.yaml").write_text(config)
-        envoy = self._spawn_envoy()
-        self.state.envoy = asdict(envoy)
+        (gw.envoy_dir / "envoy.yaml").write_text(config)
+        envoy = self._spawn_envoy(gw.envoy_dir / "envoy.yaml", gw.envoy_name)
+        gw.envoy = asdict(envoy)
+        self._keep(gw)
         self.save()
-        _wait_for(envoy, lambda: http_ok(f"http://{self.state.envoy_admin}/ready"), 30.0, "Envoy")
-        progress(f"Envoy gateway on {self.state.gateway_url}")
+        _wait_for(envoy, lambda: http_ok(f"http://{gw.envoy_admin}/ready"), 30.0, "Envoy")
+        progress(f"Envoy gateway on http://{gw.listen}" + (f" ({gw.name})" if len(self.state.gateways) > 1 else ""))
 
-    def _spawn_router(self) -> Daemon:
-        run = Path(self.state.run_dir)
-        command = [sys.executable, "-m", "extproc.cli", "serve", "--config", str(run / "router.toml")]
-        return spawn(command, run / "logs" / "router.log", die_with_parent=self.state.die_with_parent)
+    def _start_front(self, progress: Progress) -> None:
+        from extproc.envoy.config import render_front_config
 
-    def _spawn_envoy(self) -> Daemon:
+        config = Path(self.state.run_dir) / "front" / "envoy.yaml"
+        config.parent.mkdir(parents=True, exist_ok=True)
+        config.write_text(render_front_config(
+            listen=self.state.gateway_url.removeprefix("http://"), admin=self.state.envoy_admin,
+            gateways=[(gw.listen, gw.envoy_admin) for gw in self.gateway_list]))
+        front = self._spawn_envoy(config, FRONT)
+        self.state.front = asdict(front)
+        self.save()
+        _wait_for(front, lambda: http_ok(f"http://{self.state.envoy_admin}/ready"), 30.0, "the front Envoy")
+        progress(f"front on {self.state.gateway_url}: connections spread at random over "
+                 f"{len(self.state.gateways)} gateways")
+
+    def _start_store(self, binary: str, port: int, progress: Progress) -> None:
+        from extproc.stack.gateways import store_url
+
+        (Path(self.state.run_dir) / STORE).mkdir(parents=True, exist_ok=True)
+        self.state.store_url, self.state.store_binary = store_url(port), binary
+        store = self._spawn_store()
+        self.state.store = asdict(store)
+        self.save()
+        _wait_for(store, lambda: redis_answers(port), 15.0, "the store (redis-server)")
+        progress(f"store (redis-server) on {self.state.store_url}")
+
+    def _spawn_router(self, gw: GatewayState) -> Daemon:
         run = Path(self.state.run_dir)
-        command = [envoy_binary(), "-c", str(run / "envoy" / "envoy.yaml"), "--concurrency", "2", "-l", "warning",
-                   "--disable-hot-restart"]
-        return spawn(command, run / "logs" / "envoy.log", die_with_parent=self.state.die_with_parent)
+        command = [sys.executable, "-m", "extproc.cli", "serve", "--config", str(gw.router_settings)]
+        return spawn(command, run / "logs" / f"{gw.router_name}.log", die_with_parent=self.state.die_with_parent)
+
+    def _spawn_envoy(self, config: Path, name: str) -> Daemon:
+        run = Path(self.state.run_dir)
+        command = [envoy_binary(), "-c", str(config), "--concurrency", "2", "-l", "warning", "--disable-hot-restart"]
+        return spawn(command, run / "logs" / f"{name}.log", die_with_parent=self.state.die_with_parent)
+
+    def _spawn_store(self) -> Daemon:
+        run = Path(self.state.run_dir)
+        command = redis_command(self.state.store_binary, _port(self.state.store_url), run / STORE)
+        return spawn(command, run / "logs" / f"{STORE}.log", die_with_parent=self.state.die_with_parent)
 
     def _start_supervisor(self) -> None:
         run = Path(self.state.run_dir)
@@ -443,29 +602,30 @@ class Stack:
         self.state.supervisor = asdict(supervisor)
         self.save()
 
-    def _router_replicas(self) -> set[str]:
-        from extproc.service.admin_client import AdminClient
+    def _wait_router_knows(self, names: set[str], router: str) -> None:
+        _wait_until(lambda: names <= _router_replicas(router), 15.0,
+                    f"the routing service on {router} did not pick up {sorted(names)} from replicas.json")
 
-        with AdminClient(self.state.router_address) as admin:
-            return {r["name"] for r in admin.state()["replicas"]}
-
-    def _wait_router_knows(self, names: set[str]) -> None:
-        _wait_until(lambda: names <= self._router_replicas(), 15.0,
-                    f"the routing service did not pick up {sorted(names)} from replicas.json")
-
-    def _wait_envoy_knows(self, addresses: set[str]) -> None:
+    def _wait_envoy_knows(self, addresses: set[str], envoy_admin: str) -> None:
         """Envoy reads the endpoint file a moment after the router writes it; until then a pick
         of the new replica would be served by its fallback."""
         def known() -> bool:
-            with urllib.request.urlopen(f"http://{self.state.envoy_admin}/clusters", timeout=2) as reply:
+            with urllib.request.urlopen(f"http://{envoy_admin}/clusters", timeout=2) as reply:
                 listing = reply.read().decode()
             return all(f"::{address}::" in listing for address in addresses)
 
-        _wait_until(known, 15.0, f"Envoy did not pick up {sorted(addresses)} from the endpoint file")
+        _wait_until(known, 15.0, f"Envoy ({envoy_admin}) did not pick up {sorted(addresses)} from the endpoint file")
 
-    def _wait_router_forgets(self, names: set[str]) -> None:
-        _wait_until(lambda: not names & self._router_replicas(), 15.0,
-                    f"the routing service still lists {sorted(names)}")
+    def _wait_router_forgets(self, names: set[str], router: str) -> None:
+        _wait_until(lambda: not names & _router_replicas(router), 15.0,
+                    f"the routing service on {router} still lists {sorted(names)}")
+
+
+def _router_replicas(router: str) -> set[str]:
+    from extproc.service.admin_client import AdminClient
+
+    with AdminClient(router) as admin:
+        return {r["name"] for r in admin.state()["replicas"]}
 
 
 def check_slot_context(profile_name: str, settings: ReplicaSettings) -> None:
@@ -479,17 +639,21 @@ def check_slot_context(profile_name: str, settings: ReplicaSettings) -> None:
 
 
 def render_router_settings(base: Path, *, policy: str, listen: str, metrics_listen: str, replicas_file: Path,
-                           envoy_endpoints_file: Path) -> str:
-    """The routing service's settings: `base` with this stack's addresses, files and policy."""
+                           envoy_endpoints_file: Path, store_url: str | None = None) -> str:
+    """The routing service's settings: `base` with this stack's addresses, files and policy.
+    store_url (several gateways): their shared store, as [store] url, when `base` has a
+    [store] section (settings without one keep each router's state its own)."""
     raw = tomllib.loads(base.read_text())
     raw["routing"]["policy"] = policy
     raw["service"].update(
         listen=listen,
-        ext_proc_socket=socket_name(listen),  # one per stack: several may run on one machine
+        ext_proc_socket=socket_name(listen),  # one per router: several may run on one machine
         metrics_listen=metrics_listen,
         envoy_endpoints_file=str(envoy_endpoints_file),
     )
     raw["discovery"].update(source="file", file=str(replicas_file))
+    if store_url is not None and "store" in raw:
+        raw["store"]["url"] = store_url
     lines = [f"# generated by `llm-ring up` from {base}"]
     for section, values in raw.items():
         lines.append(f"\n[{section}]")
@@ -511,21 +675,53 @@ def _toml_value(value: Any) -> str:
     raise TypeError(f"cannot write {value!r} as TOML")
 
 
-def _ports(section: PortsSection, count: int) -> dict[str, Any]:
+def _ports(section: PortsSection, count: int, gateways: int) -> dict[str, Any]:
+    """The stack's ports from [ports]: fixed ones as given, 0 ones free now; "spare" holds the
+    free ports left for the gateways when gateway_base is 0 (gateways.layout takes them)."""
     fixed = section.model_dump()
-    needed = sum(1 for v in fixed.values() if v == 0) + (count if section.replica_base == 0 else 0)
+    bases = ("replica_base", "gateway_base")
+    needed = (sum(1 for key, v in fixed.items() if v == 0 and key not in bases)
+              + (count if section.replica_base == 0 else 0)
+              + (PORTS_PER_GATEWAY * gateways if section.gateway_base == 0 and gateways > 1 else 0))
     spare = free_ports(needed)
-    named = {key: (value or spare.pop()) for key, value in fixed.items() if key != "replica_base"}
+    named = {key: (value or spare.pop()) for key, value in fixed.items() if key not in bases}
     base = section.replica_base
     named["replicas"] = [base + i if base else spare.pop() for i in range(count)]
+    named["spare"] = spare
     return named
+
+
+def _distinct(purposes: list[tuple[int, str]]) -> dict[int, str]:
+    """{port: purpose}; one port given two purposes (overlapping [ports]) stops start-up."""
+    found: dict[int, str] = {}
+    for port, what in purposes:
+        if port in found:
+            raise StackError(f"[ports]: port {port} is both for {found[port]} and for {what}")
+        found[port] = what
+    return found
+
+
+def _redis_binary(configured: str) -> str:
+    found = shutil.which(configured or "redis-server")
+    if found is None:
+        raise StackError(f"[gateways] redis_server: {configured or 'redis-server'} not found; several gateways "
+                         "share their state in a redis-server (Debian: apt-get install redis-server)")
+    return found
+
+
+def _port(url: str) -> int:
+    return int(url.rsplit(":", 1)[1].split("/", 1)[0])
 
 
 def _read_state(run: Path) -> StackState | None:
     path = run / "state.json"
     if not path.exists():
         return None
-    return StackState(**json.loads(path.read_text()))
+    try:
+        return StackState(**json.loads(path.read_text()))
+    except (TypeError, ValueError) as exc:  # e.g. written by an llm-ring before --gateways
+        raise StackError(f"{path} is not a state file of this llm-ring ({exc}); stop that stack's processes "
+                         f"by hand and remove the file") from None
 
 
 def _daemon(raw: Mapping[str, Any]) -> Daemon | None:

@@ -1,10 +1,11 @@
 """`python -m extproc.stack.supervisor RUN_DIR`: keeps the local stack's processes running.
 
-Started by `llm-ring up` (stopped first by `llm-ring down`). Every TICK_S it looks at the
-router, Envoy and each replica of the stack in RUN_DIR; one that died is started again as it
-was (a replica on its port): at once the first time, then after 1, 2, 4 ... s, at most
-MAX_DELAY_S, until it has stayed up STABLE_S. Restarts are counted in state.json
-(``restarts``), which `llm-ring status` shows. A restarted router rebuilds its state from
+Started by `llm-ring up` (stopped first by `llm-ring down`). Every TICK_S it looks at each
+gateway's router and Envoy, the front and the store (several gateways) and each replica of
+the stack in RUN_DIR, except those held down on purpose (`llm-ring run --kill-gateway`); one
+that died is started again as it was (a replica on its port): at once the first time, then
+after 1, 2, 4 ... s, at most MAX_DELAY_S, until it has stayed up STABLE_S. Restarts are
+counted in state.json (``restarts``), which `llm-ring status` shows. A restarted router rebuilds its state from
 discovery (the replica list file): in-flight load and placement memory start empty.
 It takes the run dir's lock for each round, so `scale` and `reset` never race it; it exits
 when the stack's state file is gone.
@@ -53,6 +54,8 @@ def supervise_once(stack: Stack, now: float, log: list[str]) -> None:
         if not held:
             return  # `scale` or `reset` is changing the stack: next round
         for name, daemon in stack.processes().items():
+            if name in stack.state.held_down:
+                continue  # killed on purpose (a drill): restarted by whoever killed it
             record = Restarts(**stack.state.restarts.get(name, {}))  # type: ignore[arg-type]
             if daemon.alive():
                 record.still_up(now)

@@ -70,6 +70,55 @@ def gateway(
             running.stop()
 
 
+def back_to_back(url: str, conversation: int, stream: bool, with_header: bool,
+                 new_connections: bool = False) -> list[dict[str, Any]]:
+    """One conversation of 4 turns sent back to back (each the instant the last answer is
+    in, as an agent loop does) to the gateway at `url`: per turn the replica, reason and
+    llama.cpp's timings. new_connections: every request on a connection of its own (behind a
+    front that spreads connections, consecutive turns meet different gateways)."""
+    history: list[dict[str, Any]] = [
+        {"role": "system", "content": f"You are assistant number {conversation}. Answer briefly."},
+    ]
+    turns = []
+    with httpx.Client(timeout=60) as shared:
+        for turn in range(1, 5):
+            history.append({"role": "user", "content": f"Question {turn} of chat {conversation}: name a colour."})
+            body = {"messages": history, "max_tokens": 6, "ignore_eos": True, "stream": stream}
+            headers = {"x-conversation-id": f"b2b-{stream}-{conversation}", "x-turn": str(turn)} if with_header else {}
+            if new_connections:
+                with httpx.Client(timeout=60) as own:
+                    answer, seen = _turn(own, url, body, headers, stream)
+            else:
+                answer, seen = _turn(shared, url, body, headers, stream)
+            turns.append(seen)
+            history.append({"role": "assistant", "content": answer})
+    return turns
+
+
+def _turn(client: httpx.Client, url: str, body: dict[str, Any], headers: dict[str, str],
+          stream: bool) -> tuple[str, dict[str, Any]]:
+    answer, timings = "", {}
+    with client.stream("POST", url + "/v1/chat/completions", json=body, headers=headers) as reply:
+        assert reply.status_code == 200, (reply.read(), dict(reply.headers))
+        if stream:
+            for line in reply.iter_lines():
+                if line.startswith("data: {"):
+                    event = json.loads(line[6:])
+                    answer += (event["choices"][0].get("delta") or {}).get("content") or ""
+                    timings = event.get("timings") or timings
+        else:
+            data = json.loads(reply.read())
+            answer, timings = data["choices"][0]["message"]["content"], data["timings"]
+        return answer, {"replica": reply.headers["x-routed-to"], "reason": reply.headers["x-route-reason"], **timings}
+
+
+def assert_each_turn_reused_the_whole_previous_prompt(turns: list[dict[str, Any]]) -> None:
+    """Every follow-up on the first turn's replica, finding all of the last prompt cached there."""
+    for previous, turn in zip(turns, turns[1:], strict=False):
+        assert turn["replica"] == turns[0]["replica"], turns
+        assert turn["cache_n"] >= previous["cache_n"] + previous["prompt_n"], turns
+
+
 def chat(content: str, **extra: Any) -> dict[str, Any]:
     return {"messages": [{"role": "user", "content": content}], "max_tokens": 4, **extra}
 

@@ -19,7 +19,12 @@ from extproc.stack import replicas as stack_replicas
 from extproc.stack.daemons import stop
 from extproc.stack.models import smollm2_gguf
 from extproc.stack.processes import free_port
-from tests.service.gateway_support import Gateway, gateway
+from tests.service.gateway_support import (
+    Gateway,
+    assert_each_turn_reused_the_whole_previous_prompt,
+    back_to_back,
+    gateway,
+)
 
 pytestmark = pytest.mark.live
 CHAT = "/v1/chat/completions"
@@ -178,35 +183,6 @@ def _until(condition: Any, timeout: float = 5.0) -> None:
 # previous answer releases that request before its own decision).
 
 
-def _back_to_back(gw: Gateway, conversation: int, stream: bool, with_header: bool) -> list[dict[str, Any]]:
-    """One conversation of 4 turns, no pause: per turn the replica, reason and timings."""
-    history: list[dict[str, Any]] = [
-        {"role": "system", "content": f"You are assistant number {conversation}. Answer briefly."},
-    ]
-    turns = []
-    with httpx.Client(timeout=60) as client:
-        for turn in range(1, 5):
-            history.append({"role": "user", "content": f"Question {turn} of chat {conversation}: name a colour."})
-            body = {"messages": history, "max_tokens": 6, "ignore_eos": True, "stream": stream}
-            headers = {"x-conversation-id": f"b2b-{stream}-{conversation}", "x-turn": str(turn)} if with_header else {}
-            answer, timings = "", {}
-            with client.stream("POST", gw.url + CHAT, json=body, headers=headers) as reply:
-                assert reply.status_code == 200, (reply.read(), dict(reply.headers), turns)
-                if stream:
-                    for line in reply.iter_lines():
-                        if line.startswith("data: {"):
-                            event = json.loads(line[6:])
-                            answer += (event["choices"][0].get("delta") or {}).get("content") or ""
-                            timings = event.get("timings") or timings
-                else:
-                    data = json.loads(reply.read())
-                    answer, timings = data["choices"][0]["message"]["content"], data["timings"]
-                turns.append({"replica": reply.headers["x-routed-to"], "reason": reply.headers["x-route-reason"],
-                              **timings})  # fmt: skip
-            history.append({"role": "assistant", "content": answer})
-    return turns
-
-
 @pytest.mark.parametrize(
     "stream, with_header", [(False, True), (True, True), (False, False)], ids=["json", "sse", "no-header"]
 )
@@ -215,10 +191,7 @@ def test_back_to_back_turns_stay_on_their_replica_and_reuse_the_whole_previous_p
 ) -> None:
     gw.wait_idle()
     for conversation in range(8):
-        turns = _back_to_back(gw, conversation, stream, with_header)
-        for previous, turn in zip(turns, turns[1:], strict=False):
-            assert turn["replica"] == turns[0]["replica"], turns
-            assert turn["cache_n"] >= previous["cache_n"] + previous["prompt_n"], turns  # all of the last prompt
+        assert_each_turn_reused_the_whole_previous_prompt(back_to_back(gw.url, conversation, stream, with_header))
     state = gw.wait_idle()
     assert state["in_flight_requests"] == 0 and state["in_flight_tokens"] == 0
 

@@ -1,0 +1,102 @@
+"""The local stack with two gateways, as real processes: 2 xllamacpp replicas of SmolLM2-135M,
+two gateway pairs (Envoy + routing service, llm-aware), the front Envoy that spreads
+connections over them at random, and the store's redis-server. Turns sent back to back on a
+new connection each meet both gateways; a SIGKILLed gateway stops getting connections and
+gets them again once restarted."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from extproc.experiments.run import settled
+from extproc.stack import models
+from extproc.stack.gateways import redis_answers
+from extproc.stack.lab import LocalLab
+from extproc.stack.stack import load_stack_settings
+from tests.service.gateway_support import assert_each_turn_reused_the_whole_previous_prompt, back_to_back
+
+pytestmark = pytest.mark.live
+FREE_PORTS = {"gateway": 0, "envoy_admin": 0, "router": 0, "metrics": 0, "replica_base": 0, "gateway_base": 0,
+              "store": 0}
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalLab]:
+    settings = load_stack_settings(overrides={
+        "replicas": {"count": 2, "model": "smollm2", "ctx_size": 8192, "parallel": 2, "cache_ram_mib": 0},
+        "gateways": {"count": 2},
+        "ports": FREE_PORTS,
+        "router": {"policy": "llm-aware"},
+        "check": {"profile": "quick"},
+    })
+    models.prepare("smollm2", models.data_dir(), progress=lambda _: None)
+    with LocalLab.start(settings, run=tmp_path_factory.mktemp("stack"), progress=lambda _: None) as running:
+        yield running
+
+
+def test_status_lists_every_gateway_the_front_and_the_store(lab: LocalLab) -> None:
+    status = lab.stack.status()
+    assert [g["name"] for g in status["gateways"]] == ["gw-0", "gw-1"]
+    assert all(g[kind]["ready"] for g in status["gateways"] for kind in ("router", "envoy"))
+    assert status["front"]["ready"] and status["store"]["ready"]
+    assert redis_answers(int(status["store"]["url"].rsplit(":", 1)[1].split("/")[0]))
+    assert status["router"] == status["gateways"][0]["router"]  # one-gateway readers see the first
+    front = json.loads((Path(lab.stack.state.run_dir) / "front" / "envoy.yaml").read_text())
+    endpoints = front["static_resources"]["clusters"][0]["load_assignment"]["endpoints"][0]["lb_endpoints"]
+    listening = {f"{e['endpoint']['address']['socket_address']['address']}:"
+                 f"{e['endpoint']['address']['socket_address']['port_value']}" for e in endpoints}
+    assert listening == {g["listen"] for g in status["gateways"]}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+def test_back_to_back_turns_on_new_connections_meet_both_gateways_and_stay_on_their_replica(
+    lab: LocalLab, stream: bool
+) -> None:
+    before = lab.router_states()
+    for conversation in range(8):
+        turns = back_to_back(lab.gateway_url, conversation, stream, with_header=True, new_connections=True)
+        assert_each_turn_reused_the_whole_previous_prompt(turns)
+    after = settled(lab)
+    routed = {name: after[name]["decisions"] - before[name]["decisions"] for name in after}
+    assert sum(routed.values()) == 8 * 4 and min(routed.values()) > 0, routed  # both gateways routed turns
+    assert all(s["in_flight_requests"] == 0 and s["in_flight_tokens"] == 0 for s in after.values()), after
+
+
+def test_a_killed_gateway_stops_getting_connections_and_gets_them_again_once_restarted(lab: LocalLab) -> None:
+    lab.kill_gateway("gw-1")
+    try:
+        # at once, before the front's health check can know: a connection to the dead one is
+        # refused, tried again on another gateway, and the refusal ejects it
+        during = [_ask(lab, f"during-{i}") for i in range(12)]
+        time.sleep(2.0)  # two supervisor rounds: a gateway held down is not restarted by it
+        assert not any(lab.stack.status()["gateways"][1][kind]["alive"] for kind in ("router", "envoy"))
+    finally:
+        lab.restart_gateway("gw-1")
+    assert during == [200] * 12
+    before = lab.router_states()["gw-1"]["decisions"]
+    deadline = time.monotonic() + 60
+    while lab.router_states()["gw-1"]["decisions"] == before:  # the health check lets it back in
+        assert time.monotonic() < deadline, "gw-1 got no request after its restart"
+        assert _ask(lab, "after") == 200
+    assert all(s["in_flight_requests"] == 0 for s in settled(lab).values())
+
+
+def _ask(lab: LocalLab, conversation: str) -> int:
+    with httpx.Client(timeout=60) as client:  # a new connection: the front draws a gateway for it
+        reply = client.post(lab.gateway_url + "/v1/chat/completions", headers={"x-conversation-id": conversation},
+                            json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
+    return reply.status_code
+
+
+def test_down_stops_every_gateway_the_front_and_the_store(lab: LocalLab) -> None:
+    """Last in the file: it stops the module's stack."""
+    processes = lab.stack.processes()
+    assert {"router-0", "envoy-0", "router-1", "envoy-1", "front", "store", "llm-0", "llm-1"} <= set(processes)
+    lab.stack.down()
+    assert [name for name, daemon in processes.items() if daemon.alive()] == []
