@@ -85,15 +85,12 @@ def test_the_gateway_count_is_bounded_and_named(tmp_path: Path, capsys: pytest.C
     assert "gateways.count: Input should be greater than or equal to 1" in capsys.readouterr().err
 
 
-def test_each_router_gets_the_store_url_when_its_settings_have_a_store(tmp_path: Path) -> None:
-    with_store = tmp_path / "router.toml"
-    with_store.write_text(ROUTER_REFERENCE.read_text() + '\n[store]\nurl = ""\n')
+def test_each_router_gets_the_store_url_with_several_gateways(tmp_path: Path) -> None:
     common = {"policy": "llm-aware", "listen": "127.0.0.1:1", "metrics_listen": "127.0.0.1:2",
               "replicas_file": tmp_path / "r.json", "envoy_endpoints_file": tmp_path / "e.json"}
-    rendered = tomllib.loads(render_router_settings(with_store, store_url="redis://127.0.0.1:9/0", **common))
-    assert rendered["store"] == {"url": "redis://127.0.0.1:9/0"}
-    assert tomllib.loads(render_router_settings(with_store, **common))["store"] == {"url": ""}  # one gateway
-    assert "store" not in tomllib.loads(render_router_settings(ROUTER_REFERENCE, store_url="redis://x:1/0", **common))
+    rendered = tomllib.loads(render_router_settings(ROUTER_REFERENCE, store_url="redis://127.0.0.1:9/0", **common))
+    assert rendered["store"]["url"] == "redis://127.0.0.1:9/0"
+    assert tomllib.loads(render_router_settings(ROUTER_REFERENCE, **common))["store"]["url"] == ""  # one gateway
 
 
 def test_the_store_keeps_nothing_on_disk_and_listens_on_loopback(tmp_path: Path) -> None:
