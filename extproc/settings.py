@@ -91,10 +91,26 @@ class DiscoverySettings(Strict):
     kubernetes_backoff_seconds: float = Field(gt=0, description="first retry delay when the API is unreachable")
 
 
+class StoreSettings(Strict):
+    """The state several routers share (docs/several-gateways.md): off when ``url`` is empty."""
+
+    url: str = Field(pattern=r"^$|^(redis|rediss|unix)://",
+                     description="Redis URL of the shared store; empty: this router's own state only")
+    key_prefix: str = Field(pattern=r"^[A-Za-z0-9._-]{1,64}$", description="prefix of every key this router writes")
+    # well under Envoy's ext_proc message timeout (extproc/envoy/config.py, 2 s), which fails open
+    timeout_ms: int = Field(gt=0, le=500, description="a store call taking longer counts as failed")
+    retry_seconds: float = Field(gt=0, le=3600, description="after a failure, local state only for this long")
+    load_ttl_seconds: float = Field(gt=0, le=600, description="a router's published load expires after this "
+                                                               "without a heartbeat (every third of it)")
+    placement_ttl_seconds: int = Field(gt=0, description="a conversation's shared placement is forgotten "
+                                                         "after this long without a turn")
+
+
 class Settings(Strict):
     routing: RoutingSettings
     service: ServiceSettings
     discovery: DiscoverySettings
+    store: StoreSettings
 
 
 class SettingsError(UsageError):

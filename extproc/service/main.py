@@ -16,6 +16,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import secrets
 import signal
 import sys
 import time
@@ -38,6 +39,7 @@ from extproc.service.metrics import Metrics
 from extproc.service.offload import BodyParser
 from extproc.service.processor import SERVICE, access_log_handler, handler
 from extproc.service.replica_health import ReplicaHealth
+from extproc.service.store import SharedStore
 from extproc.settings import Settings, SettingsError, load_settings
 
 log = structlog.get_logger("extproc.service")
@@ -86,6 +88,10 @@ async def serve(settings: Settings) -> int:
     health = ReplicaHealth(gateway, service.health_probe_seconds)
     gateway.on_replica_failed = health.replica_failed
     metrics.watch(gateway.replica_states)
+    if settings.store.url:  # several routers agree through it; a fresh id per start (the old one expires)
+        gateway.store = SharedStore(settings.store, secrets.token_hex(6), gateway.own_loads, metrics,
+                                    gateway.republish_pending)
+        await gateway.store.start()  # not answering: serves on local state, retries in the background
 
     metrics_host, metrics_port = split_host_port(service.metrics_listen)
     metrics_server, _ = start_http_server(metrics_port, metrics_host, registry=metrics.registry)
@@ -137,6 +143,8 @@ async def serve(settings: Settings) -> int:
         sweeper.cancel()
         health.close()
         await server.stop(grace=2)
+        if gateway.store is not None:
+            await gateway.store.close()
         parser.close()
         metrics_server.shutdown()
         with contextlib.suppress(Exception, asyncio.CancelledError):  # a failure is logged: discovery_failed
