@@ -63,7 +63,7 @@ from extproc.service.bodies import (
 )
 from extproc.service.metrics import Metrics, ReplicaState
 from extproc.service.store import SharedStore
-from extproc.settings import ServiceSettings
+from extproc.settings import ServiceSettings, StoreSettings
 
 log = structlog.get_logger("extproc.service")
 
@@ -172,6 +172,12 @@ class Gateway:
                          ledger.requests(name), ledger.tokens(name))
             for name in self.router.replicas
         ]  # fmt: skip
+
+    async def share_state(self, settings: StoreSettings, router_id: str) -> None:
+        """Agree with the other routers on the same store (main.py, when store.url is set). A store
+        that does not answer now leaves this router on its own state until a retry succeeds."""
+        self.store = SharedStore(settings, router_id, self.own_loads, self.metrics, self.republish_pending)
+        await self.store.start()
 
     def own_loads(self) -> dict[str, tuple[int, int]]:
         """This router's own in-flight (requests, tokens) per replica: what it publishes to the store."""

@@ -39,7 +39,6 @@ from extproc.service.metrics import Metrics
 from extproc.service.offload import BodyParser
 from extproc.service.processor import SERVICE, access_log_handler, handler
 from extproc.service.replica_health import ReplicaHealth
-from extproc.service.store import SharedStore
 from extproc.settings import Settings, SettingsError, load_settings
 
 log = structlog.get_logger("extproc.service")
@@ -89,9 +88,7 @@ async def serve(settings: Settings) -> int:
     gateway.on_replica_failed = health.replica_failed
     metrics.watch(gateway.replica_states)
     if settings.store.url:  # several routers agree through it; a fresh id per start (the old one expires)
-        gateway.store = SharedStore(settings.store, secrets.token_hex(6), gateway.own_loads, metrics,
-                                    gateway.republish_pending)
-        await gateway.store.start()  # not answering: serves on local state, retries in the background
+        await gateway.share_state(settings.store, secrets.token_hex(6))
 
     metrics_host, metrics_port = split_host_port(service.metrics_listen)
     metrics_server, _ = start_http_server(metrics_port, metrics_host, registry=metrics.registry)
