@@ -31,6 +31,12 @@ placement remembered, ``Router.complete``) — by construction, whatever the tim
 and SSE answers alike. Such a request still waits in ``pending`` for its access log entry,
 which brings its outcome and timings. Parallel requests on one prefix carry no answer of each
 other: each stays charged until its own end.
+
+Several gateways (store.url set, store.py): a request is decided by ``route_shared``, which
+first reads the other routers' picture from the store in one round trip (their load, the
+conversation's placement, its requests pending on them: peers.py leaves out those this body
+shows answered) and then decides as above; the decision, the release and the placement are
+queued for the store's writer. Without a store ``route_request`` decides on local state alone.
 """
 
 from __future__ import annotations
