@@ -152,10 +152,11 @@ class SharedStore:
         flag, not only cancelled (on Python 3.11.2 a cancellation inside a timeout can be lost)."""
         self._closing = True
         self._wake.set()
-        heartbeat_and_writer = self._tasks
-        heartbeat_and_writer[1].cancel()
-        await asyncio.wait(heartbeat_and_writer, timeout=3 * self.timeout)
-        for task in heartbeat_and_writer:
+        writer_and_heartbeat = self._tasks
+        if writer_and_heartbeat:
+            writer_and_heartbeat[1].cancel()
+            await asyncio.wait(writer_and_heartbeat, timeout=3 * self.timeout)
+        for task in writer_and_heartbeat:
             task.cancel()
         if self.in_use:
             with contextlib.suppress(*FAILURES):
