@@ -149,7 +149,8 @@ class SharedStore:
     async def close(self) -> None:
         """Stop: the writer sends what is queued, then the router says it leaves (its load key goes
         at once rather than by TTL). Bounded: each step by the timeout. The loops are told by a
-        flag, not only cancelled (on Python 3.11.2 a cancellation inside a timeout can be lost)."""
+        flag, not only cancelled: on Debian's Python 3.11.2 the tests saw the writer's cancellation
+        lost (its task left waiting forever), which a flag cannot be."""
         self._closing = True
         self._wake.set()
         writer_and_heartbeat = self._tasks
