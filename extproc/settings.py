@@ -13,8 +13,9 @@ import tomllib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from extproc.cli_input import UsageError
 
@@ -104,6 +105,19 @@ class StoreSettings(Strict):
                                                                "without a heartbeat (every third of it)")
     placement_ttl_seconds: int = Field(gt=0, description="a conversation's shared placement is forgotten "
                                                          "after this long without a turn")
+
+    @field_validator("url")
+    @classmethod
+    def _a_usable_url(cls, url: str) -> str:
+        """Refused here, by key, rather than by the client at start-up."""
+        if url:
+            parts = urlsplit(url)
+            parts.port  # noqa: B018 - raises ValueError for a port that is no number or out of range
+            if parts.scheme != "unix" and not parts.hostname:
+                raise ValueError("a redis:// URL names a host, e.g. redis://127.0.0.1:6379/0")
+            if parts.scheme == "unix" and not parts.path:
+                raise ValueError("a unix:// URL names the socket's path, e.g. unix:///run/redis.sock")
+        return url
 
 
 class Settings(Strict):
