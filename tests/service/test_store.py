@@ -246,7 +246,7 @@ def test_a_slow_store_costs_a_decision_at_most_the_timeout(server: Running) -> N
     async def run() -> None:
         proxy = DelayProxy(server.address)
         address = await proxy.start()
-        a = await sharing(address, "r-a", timeout_ms=100, retry_seconds=0.3)
+        a = await sharing(address, "r-a", timeout_ms=300, retry_seconds=0.3)
         store = a.store
         assert store is not None and store.in_use
         proxy.delay = 0.05  # within the timeout: waited for, the store stays in use
@@ -256,7 +256,7 @@ def test_a_slow_store_costs_a_decision_at_most_the_timeout(server: Running) -> N
         proxy.delay = 5.0  # far over it: the decision gives up after timeout_ms and goes on locally
         started = time.monotonic()
         request_id = await ask(a, [{"role": "user", "content": "b"}], conversation="c-2")
-        assert time.monotonic() - started < 2.0  # 0.1 s bound; the slack is for a busy machine, not the store
+        assert time.monotonic() - started < 2.5  # the bound is 0.3 s; the slack is for a busy machine
         assert not store.in_use and a.metrics.store_errors["read"] >= 1 and request_id in a.pending
         proxy.delay = 0.0
 
