@@ -33,8 +33,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
 
 import orjson
 import redis.asyncio as aioredis
@@ -96,6 +95,19 @@ class Snapshot:
     loads: dict[str, ReplicaLoads]  # other live routers -> replica -> (requests, tokens)
 
 
+@dataclass(slots=True)
+class Batch:
+    """The writes gathered for one pipeline. A request decided and released within one batch is
+    never written at all (most of them, when replicas answer within WRITE_EVERY_S), and a
+    conversation's placement is written once per batch, the latest."""
+
+    pending: dict[tuple[str, str], bytes | None] = field(default_factory=dict)  # (key, request id) -> entry; None: gone
+    placements: dict[str, bytes] = field(default_factory=dict)  # key -> placement
+
+    def __len__(self) -> int:
+        return len(self.pending) + len(self.placements)
+
+
 class SharedStore:
     def __init__(
         self,
@@ -124,7 +136,7 @@ class SharedStore:
         self.client = aioredis.Redis.from_pool(pool)
         self._read_sha = self._publish_sha = ""
         self._retry_at = 0.0  # monotonic: when the heartbeat may reconnect
-        self._writes: list[tuple[Any, ...]] = []
+        self._writes = Batch()
         self._load_dirty = False
         self._seq = 0
         self._wake = asyncio.Event()
@@ -197,8 +209,7 @@ class SharedStore:
             return
         if request.history:
             pending_key = f"{self._pending_prefix}{conversation_key:016x}"
-            self._writes.append(("hset", pending_key, request_id, orjson.dumps(tuple(request))))
-            self._writes.append(("pexpire", pending_key, PENDING_TTL_MS))
+            self._writes.pending[pending_key, request_id] = orjson.dumps(tuple(request))
         self.load_changed()
 
     def completed(self, conversation_key: int, request_id: str, placement: Placement | None) -> None:
@@ -206,10 +217,14 @@ class SharedStore:
         if not self.in_use:
             return
         suffix = f"{conversation_key:016x}"
-        self._writes.append(("hdel", self._pending_prefix + suffix, request_id))
+        pending = self._writes.pending
+        entry = (self._pending_prefix + suffix, request_id)
+        if pending.get(entry) is not None:
+            del pending[entry]  # not sent yet: nothing to take back
+        else:
+            pending[entry] = None
         if placement is not None:
-            self._writes.append(("set", self._place_prefix + suffix, orjson.dumps(tuple(placement)),
-                                 self.settings.placement_ttl_seconds * 1000))
+            self._writes.placements[self._place_prefix + suffix] = orjson.dumps(tuple(placement))
         self.load_changed()
 
     def load_changed(self) -> None:
@@ -225,7 +240,7 @@ class SharedStore:
             if not self._closing:
                 await asyncio.sleep(WRITE_EVERY_S)
             self._wake.clear()
-            writes, self._writes = self._writes, []
+            writes, self._writes = self._writes, Batch()
             if not self.in_use:
                 self._load_dirty = False
                 continue
@@ -233,11 +248,17 @@ class SharedStore:
                 self._failed("write", OverflowError(f"{len(writes)} writes queued"))
                 continue
             pipe = self.client.pipeline(transaction=False)
-            for command, key, *args in writes:
-                if command == "set":
-                    pipe.set(key, args[0], px=args[1])
+            refreshed = set()
+            for (key, request_id), entry in writes.pending.items():
+                if entry is None:
+                    pipe.hdel(key, request_id)
                 else:
-                    getattr(pipe, command)(key, *args)
+                    pipe.hset(key, mapping={request_id: entry})
+                    refreshed.add(key)
+            for key in refreshed:
+                pipe.pexpire(key, PENDING_TTL_MS)
+            for key, placement in writes.placements.items():
+                pipe.set(key, placement, px=self.settings.placement_ttl_seconds * 1000)
             if self._load_dirty:
                 self._load_dirty = False
                 self._seq += 1
@@ -273,7 +294,7 @@ class SharedStore:
             return
         self.metrics.store_in_use = True
         log.info("store_in_use", url=_without_password(self.settings.url), router=self.router_id)
-        self._writes.clear()  # from before the failure: republished below as they are now
+        self._writes = Batch()  # from before the failure: republished below as they are now
         self.on_recovered()
         self.load_changed()
 
@@ -284,7 +305,7 @@ class SharedStore:
             log.warning("store_unavailable", call=call, error=type(exc).__name__, detail=str(exc)[:200],
                         local_state_for_s=self.settings.retry_seconds)
         self.metrics.store_in_use = False
-        self._writes.clear()
+        self._writes = Batch()
         self._load_dirty = False
 
 
