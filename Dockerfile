@@ -12,7 +12,7 @@ COPY constraints.txt ./
 # (tests/k8s/test_k8s_manifests.py checks this list against the service's imports).
 RUN /opt/llm-ring/bin/pip install --no-cache-dir -c constraints.txt \
         grpcio grpcio-health-checking xds-protos protobuf xxhash pydantic structlog \
-        prometheus-client kubernetes orjson
+        prometheus-client kubernetes orjson redis
 COPY pyproject.toml README.md ./
 COPY extproc ./extproc
 RUN /opt/llm-ring/bin/pip install --no-cache-dir --no-deps .

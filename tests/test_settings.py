@@ -1,11 +1,12 @@
 from __future__ import annotations
 
 import re
+import tomllib
 from pathlib import Path
 
 import pytest
 
-from extproc.settings import SettingsError, load_settings, parse_routing
+from extproc.settings import SettingsError, load_settings, parse_routing, parse_settings
 from tests.routing.conftest import BASE
 
 
@@ -66,3 +67,22 @@ def test_the_policy_setting_accepts_exactly_the_registered_policies() -> None:
     from extproc.settings import PolicyName
 
     assert list(get_args(PolicyName)) == list(POLICIES)
+
+
+@pytest.mark.parametrize(
+    ("url", "complaint"),
+    [
+        ("http://127.0.0.1:6379", "should match pattern"),
+        ("redis://127.0.0.1:port/0", "Port could not be cast"),
+        ("redis://127.0.0.1:70000/0", "out of range"),
+        ("redis://", "names a host"),
+        ("unix://", "names the socket's path"),
+    ],
+)
+def test_a_store_url_the_client_could_not_use_is_refused_by_key(url: str, complaint: str) -> None:
+    raw = tomllib.loads((Path(__file__).parents[1] / "extproc" / "service" / "router.toml").read_text())
+    raw["store"]["url"] = url
+    with pytest.raises(SettingsError, match=re.escape("store.url: ") + ".*" + re.escape(complaint)):
+        parse_settings(raw)
+    raw["store"]["url"] = "redis://127.0.0.1:6379/0"
+    assert parse_settings(raw).store.url == "redis://127.0.0.1:6379/0"

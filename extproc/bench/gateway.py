@@ -4,7 +4,9 @@ Side by side in one run, against the same trivial upstream (extproc.bench.stub_u
 3 ports = 3 "replicas"): direct, Envoy alone (the same rendered config without ext_proc),
 Envoy + a do-nothing Python ext_proc server speaking the same protocol (the floor any Python
 grpc.aio ext_proc pays: extproc.bench.stub_processor), Envoy + ext_proc (`llm-ring serve`,
-llm-aware policy, route_decision logs to a file). At each
+llm-aware policy, route_decision logs to a file), and with --store on also Envoy + ext_proc
+sharing its state through a private redis-server (store.url set: one store round trip before
+each decision, writes pipelined; docs/several-gateways.md). At each
 concurrency, closed-loop keep-alive clients send chat requests for a fixed time; the table
 shows p50/p99 latency, req/s, and the latency ext_proc adds over Envoy alone, then the CPU
 time each process spent per request (from /proc: less moved by other work on a busy machine
@@ -29,14 +31,26 @@ import time
 from pathlib import Path
 from typing import Any
 
-from extproc.bench.stubs import start_service_on_stubs, start_stub_processor
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from extproc.bench.stubs import ServiceOnStubs, start_service_on_stubs, start_stub_processor
 from extproc.envoy.contract import split_host_port
-from extproc.stack.processes import Running, free_port, start_gateway_envoy
+from extproc.service.redis_server import redis_server_binary, start_redis
+from extproc.stack.processes import (
+    Running,
+    free_port,
+    service_env,
+    start_gateway_envoy,
+    start_service,
+    static_discovery,
+)
 
 TARGET_ADDED_P50_MS = 1.0
 TARGET_ADDED_P99_MS = 5.0
 TARGET_RPS = 1500.0
 MODES = ("direct", "envoy", "envoy+stub_ext_proc", "envoy+ext_proc")
+STORE_MODE = "envoy+ext_proc+store"
 WARMUP_SECONDS = 0.5
 
 
@@ -47,9 +61,16 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--conversations", type=int, default=200, help="distinct x-conversation-id values")
     parser.add_argument("--envoy-concurrency", type=int, default=2, help="Envoy worker threads")
     parser.add_argument("--keep", action="store_true", help="keep the work directory (logs, configs)")
+    parser.add_argument("--store", nargs="+", choices=["off", "on"], default=["off"],
+                        help="ext_proc without (off) and/or with (on) the shared store: on starts a private "
+                             "redis-server; `--store on off` measures both in one run")
 
 
 def main(args: argparse.Namespace) -> int:
+    if "on" in getattr(args, "store", ()) and redis_server_binary() is None:
+        print("llm-ring bench gateway: --store on needs redis-server (`make setup` installs Debian's package)",
+              file=sys.stderr)
+        return 2
     result = run(args)
     if getattr(args, "json", False):
         print(json.dumps(result))
@@ -63,6 +84,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     seconds = float(getattr(args, "seconds", 2.0))
     rounds = max(1, int(getattr(args, "rounds", 3)))
     conversations = int(getattr(args, "conversations", 200))
+    with_store = "on" in getattr(args, "store", ())
+    modes = (*MODES, STORE_MODE) if with_store else MODES
     workdir = Path(tempfile.mkdtemp(prefix="llm-ring-bench-gateway-"))
     started: list[Running] = []
     try:
@@ -78,11 +101,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "envoy+stub_ext_proc": {"ext_proc": stub_processor},
             "envoy+ext_proc": {"ext_proc": service},
         }
-        for mode, ext_proc in (
-            ("envoy", None),
-            ("envoy+stub_ext_proc", stub_processor.ext_proc),
-            ("envoy+ext_proc", service.ext_proc),
-        ):
+        ext_procs: list[tuple[str, str | None]] = [
+            ("envoy", None), ("envoy+stub_ext_proc", stub_processor.ext_proc), ("envoy+ext_proc", service.ext_proc),
+        ]
+        if with_store:
+            redis_server = start_redis(workdir / "redis")
+            started.append(redis_server)
+            sharing = start_sharing_service(workdir, stubbed, f"redis://{redis_server.address}/0")
+            started.append(sharing)
+            processes[STORE_MODE] = {"ext_proc": sharing}
+            ext_procs.append((STORE_MODE, sharing.ext_proc))
+        for mode, ext_proc in ext_procs:
             envoy = start_gateway_envoy(workdir / mode, ext_proc, endpoints, False, args_envoy_concurrency(args))
             started.append(envoy)
             targets[mode] = [split_host_port(envoy.listen)[1]]
@@ -90,7 +119,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         measured: dict[tuple[str, int], list[dict[str, Any]]] = {}
         for round_number in range(1, rounds + 1):
             for level in concurrency:
-                for mode in MODES:
+                for mode in modes:
                     cell = measure(targets[mode], processes[mode], level, seconds, conversations)
                     measured.setdefault((mode, level), []).append(cell)
                     _progress(
@@ -99,12 +128,34 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         + (f" {cell['errors']} errors ({cell['first_error']})" if cell["errors"] else "")
                     )
         cells = [{"mode": mode, "concurrency": level, **median_cell(runs)} for (mode, level), runs in measured.items()]
-        return summarize(cells, seconds, rounds, str(workdir) if getattr(args, "keep", False) else None)
+        result = summarize(cells, seconds, rounds, str(workdir) if getattr(args, "keep", False) else None)
+        if with_store:
+            result["store"] = store_health(processes[STORE_MODE]["ext_proc"])
+        return result
     finally:
         for running in reversed(started):
             running.stop()
         if not getattr(args, "keep", False):
             shutil.rmtree(workdir, ignore_errors=True)
+
+
+def start_sharing_service(workdir: Path, stubbed: ServiceOnStubs, store_url: str) -> Running:
+    """A second `llm-ring serve` over the same stubs, its state shared through ``store_url``."""
+    listen = f"127.0.0.1:{free_port()}"
+    env = service_env(listen, workdir / "eds-store" / "replicas.json", static_discovery(stubbed.replicas))
+    env["LLM_RING__STORE__URL"] = f'"{store_url}"'
+    running = start_service(workdir / "service-store", env)
+    running.listen = env["LLM_RING__SERVICE__METRICS_LISTEN"].strip('"')  # its /metrics, read at the end
+    return running
+
+
+def store_health(service: Running) -> dict[str, Any]:
+    """Whether the sharing service used its store throughout: its store metrics after the run."""
+    text = httpx.get(f"http://{service.listen}/metrics", timeout=5.0).text
+    values = {(sample.name, sample.labels.get("call", "")): sample.value
+              for family in text_string_to_metric_families(text) for sample in family.samples}
+    errors = sum(value for (name, _), value in values.items() if name == "llm_ring_store_errors_total")
+    return {"errors": int(errors), "in_use_at_end": values.get(("llm_ring_store_in_use", ""), 0) == 1}
 
 
 def measure(
@@ -146,17 +197,25 @@ def summarize(cells: list[dict[str, Any]], seconds: float, rounds: int, workdir:
     added = []
     for level in sorted({cell["concurrency"] for cell in cells}):
         direct, envoy, floor, full = (by[(mode, level)] for mode in MODES)
-        added.append(
-            {
-                "concurrency": level,
-                "envoy_over_direct_p50_ms": round(envoy["p50_ms"] - direct["p50_ms"], 3),
-                "stub_ext_proc_over_envoy_p50_ms": round(floor["p50_ms"] - envoy["p50_ms"], 3),
-                "stub_ext_proc_rps": floor["rps"],
-                "ext_proc_over_envoy_p50_ms": round(full["p50_ms"] - envoy["p50_ms"], 3),
-                "ext_proc_over_envoy_p99_ms": round(full["p99_ms"] - envoy["p99_ms"], 3),
-                "ext_proc_rps": full["rps"],
-            }
-        )
+        row = {
+            "concurrency": level,
+            "envoy_over_direct_p50_ms": round(envoy["p50_ms"] - direct["p50_ms"], 3),
+            "stub_ext_proc_over_envoy_p50_ms": round(floor["p50_ms"] - envoy["p50_ms"], 3),
+            "stub_ext_proc_rps": floor["rps"],
+            "ext_proc_over_envoy_p50_ms": round(full["p50_ms"] - envoy["p50_ms"], 3),
+            "ext_proc_over_envoy_p99_ms": round(full["p99_ms"] - envoy["p99_ms"], 3),
+            "ext_proc_rps": full["rps"],
+            "ext_proc_rps_over_floor": round(full["rps"] / floor["rps"], 3) if floor["rps"] else None,
+        }
+        shared = by.get((STORE_MODE, level))
+        if shared is not None:  # --store on: what the store round trip adds to the same service
+            row.update({
+                "store_over_envoy_p50_ms": round(shared["p50_ms"] - envoy["p50_ms"], 3),
+                "store_over_ext_proc_p50_ms": round(shared["p50_ms"] - full["p50_ms"], 3),
+                "store_rps": shared["rps"],
+                "store_rps_over_floor": round(shared["rps"] / floor["rps"], 3) if floor["rps"] else None,
+            })  # fmt: skip
+        added.append(row)
     low = added[0]
     best_rps = max(row["ext_proc_rps"] for row in added)
     return {
@@ -186,15 +245,16 @@ def summarize(cells: list[dict[str, Any]], seconds: float, rounds: int, workdir:
 def render_table(result: dict[str, Any]) -> str:
     levels = sorted({cell["concurrency"] for cell in result["cells"]})
     by = {(cell["mode"], cell["concurrency"]): cell for cell in result["cells"]}
+    modes = [mode for mode in (*MODES, STORE_MODE) if (mode, levels[0]) in by]
     lines = [
-        f"{'conc':>4} | " + " | ".join(f"{mode:^26}" for mode in MODES) + " | ext_proc adds (p50 / p99)",
-        f"{'':>4} | " + " | ".join(f"{'p50 ms':>8} {'p99 ms':>8} {'req/s':>8}" for _ in MODES) + " |",
+        f"{'conc':>4} | " + " | ".join(f"{mode:^26}" for mode in modes) + " | ext_proc adds (p50 / p99)",
+        f"{'':>4} | " + " | ".join(f"{'p50 ms':>8} {'p99 ms':>8} {'req/s':>8}" for _ in modes) + " |",
     ]
     added = {row["concurrency"]: row for row in result["added"]}
     for level in levels:
         cells = " | ".join(
             f"{by[(m, level)]['p50_ms']:8.3f} {by[(m, level)]['p99_ms']:8.3f} {by[(m, level)]['rps']:8.0f}"
-            for m in MODES
+            for m in modes
         )
         row = added[level]
         added_p50, added_p99 = row["ext_proc_over_envoy_p50_ms"], row["ext_proc_over_envoy_p99_ms"]
@@ -206,10 +266,21 @@ def render_table(result: dict[str, Any]) -> str:
         f"added p99 <= {targets['added_p99_ms']} ms ({'met' if met['added_p99'] else 'MISSED'}) at c={levels[0]}; "
         f">= {targets['ext_proc_rps']:.0f} req/s through ext_proc ({'met' if met['rps'] else 'MISSED'})"
     )
+    if "store" in result:
+        store = result["store"]
+        lines.append(f"the shared store ({STORE_MODE}: one redis round trip before each decision): "
+                     f"{store['errors']} store errors, in use at the end: {'yes' if store['in_use_at_end'] else 'NO'}")
+        for level in levels:
+            row = added[level]
+            lines.append(
+                f"{level:>4} | p50 {row['store_over_ext_proc_p50_ms']:+.3f} ms over ext_proc without it; "
+                f"{row['store_rps']:.0f} req/s = {row['store_rps_over_floor']:.2f} x the floor "
+                f"(without the store {row['ext_proc_rps_over_floor']:.2f} x)"
+            )
     lines.append("CPU per request, us (envoy / ext_proc process):")
     for level in levels:
         parts = []
-        for mode in MODES[1:]:
+        for mode in modes[1:]:
             cell = by[(mode, level)]
             ext_proc = cell.get("ext_proc_cpu_us_per_request")
             parts.append(f"{mode} {cell['envoy_cpu_us_per_request']:.0f}" + (f" / {ext_proc:.0f}" if ext_proc else ""))

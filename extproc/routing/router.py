@@ -2,7 +2,9 @@
 
 Pure and synchronous: the gRPC service, the simulator and the tests all drive this
 same object. One request = ``route`` (charges load) then exactly one ``complete``
-(releases it), whatever happened in between.
+(releases it), whatever happened in between. With several routers, ``route`` may be given
+what the others know (peers.py): their load joins the ledger's elsewhere part, and their
+placement of the conversation is used when it is later than this router's own.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from collections.abc import Collection, Iterable
 from extproc.routing.decision import Decision, RouteRequest
 from extproc.routing.hashing import hash_bytes, stable_hash
 from extproc.routing.ledger import LoadLedger
+from extproc.routing.peers import PeerView, latest
 from extproc.routing.placement import PlacementMemory
 from extproc.routing.policies import CacheReports, Policy, SentView, make_policy
 from extproc.routing.policies.situation import Situation, new
@@ -59,8 +62,11 @@ class Router:
         for request_id in gone:  # their load went with the replica; completing them is a no-op
             del self._in_flight[request_id]
 
-    def route(self, request: RouteRequest, avoid: Collection[str] = ()) -> Decision | None:
-        """Pick a replica for ``request`` and charge it; None when no replica is eligible."""
+    def route(
+        self, request: RouteRequest, avoid: Collection[str] = (), peers: PeerView | None = None
+    ) -> Decision | None:
+        """Pick a replica for ``request`` and charge it; None when no replica is eligible.
+        peers: the other routers' picture for this request (None: this router's state as it is)."""
         request_id = request.request_id
         if request_id in self._in_flight:
             raise ValueError(f"request {request_id!r} is already in flight")
@@ -72,6 +78,12 @@ class Router:
             avoided, eligible = _NOTHING, ring.replicas
         key = hash_bytes(request.conversation.encode(), self.settings.hash_seed)  # = conversation_key()
         placement = self.memory.get(key)
+        if peers is not None:
+            self.ledger.set_elsewhere(peers.elsewhere)
+            shared = latest(placement, peers.placement)
+            if shared is not placement and shared is not None:  # this router learns it too
+                self.memory.remember(key, shared.replica, shared.prompt_tokens)
+                placement = shared
         if placement is not None and (placement.replica not in self._members or placement.replica in avoided):
             placement = None  # that cache is gone or unreachable
         decision = self.policy.decide(new(Situation, (request, key, ring, self.ledger, placement, avoided, eligible)))

@@ -28,6 +28,8 @@ class AdminService(admin_pb2_grpc.AdminServicer):
 
     async def Reset(self, request: admin_pb2.ResetRequest, context: grpc.aio.ServicerContext) -> admin_pb2.State:
         self.gateway.router.reset()
+        if self.gateway.store is not None:  # the others must stop counting what was forgotten here
+            self.gateway.store.load_changed()
         return self.state()
 
     async def GetState(self, request: admin_pb2.StateRequest, context: grpc.aio.ServicerContext) -> admin_pb2.State:

@@ -31,6 +31,12 @@ placement remembered, ``Router.complete``) — by construction, whatever the tim
 and SSE answers alike. Such a request still waits in ``pending`` for its access log entry,
 which brings its outcome and timings. Parallel requests on one prefix carry no answer of each
 other: each stays charged until its own end.
+
+Several gateways (store.url set, store.py): a request is decided by ``route_shared``, which
+first reads the other routers' picture from the store in one round trip (their load, the
+conversation's placement, its requests pending on them: peers.py leaves out those this body
+shows answered) and then decides as above; the decision, the release and the placement are
+queued for the store's writer. Without a store ``route_request`` decides on local state alone.
 """
 
 from __future__ import annotations
@@ -50,6 +56,8 @@ from extproc.envoy.contract import (
     STREAM_IDLE_TIMEOUT_S,
 )
 from extproc.routing import Decision, Router, RouteRequest, estimate_tokens
+from extproc.routing.peers import PeerRequest, PeerView, peer_view
+from extproc.routing.placement import Placement
 from extproc.service.answers import AnswerCache, immediate, request_id_header
 from extproc.service.bodies import (
     BadRequest,
@@ -60,7 +68,8 @@ from extproc.service.bodies import (
     parse_timings,
 )
 from extproc.service.metrics import Metrics, ReplicaState
-from extproc.settings import ServiceSettings
+from extproc.service.store import SharedStore
+from extproc.settings import ServiceSettings, StoreSettings
 
 log = structlog.get_logger("extproc.service")
 
@@ -68,6 +77,7 @@ MAX_JSON_RESPONSE_BYTES = 1 << 20  # larger JSON answers are passed on unread (n
 SSE_TAIL_BYTES = 64 << 10  # the last events of a stream are all we read
 LOST_AFTER_S = 2 * STREAM_IDLE_TIMEOUT_S  # no access log entry by then: it was lost
 BOUNDED_CHARS = 64  # client-chosen ids kept in state and logs: longer ones are cut and hashed
+NO_PEERS = PeerView({}, None)  # the store is configured but not answering: this router's state alone
 
 
 def bounded(value: str, limit: int = BOUNDED_CHARS) -> str:
@@ -76,6 +86,15 @@ def bounded(value: str, limit: int = BOUNDED_CHARS) -> str:
     if len(value) <= limit:
         return value
     return value[: limit - 17] + "~" + xxhash.xxh64_hexdigest(value.encode(errors="replace"))
+
+
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """A request read and ready to be decided."""
+
+    request: RouteRequest
+    parsed: ParsedRequest
+    path: str
 
 
 @dataclass(slots=True)
@@ -128,6 +147,7 @@ class Gateway:
         self._id_prefix = secrets.token_hex(3) + "-"  # ids differ across restarts of the service
         self.envoy_ids: dict[str, str] = {}  # Envoy's id -> ours, while pending
         self.limits = BodyLimits(settings.max_messages, settings.max_prompt_chars, settings.max_output_tokens)
+        self.store: SharedStore | None = None  # several routers' shared state (main.py sets it from [store])
 
     # ------------------------------------------------------------------ replicas
 
@@ -136,6 +156,8 @@ class Gateway:
         self.router.set_replicas(self.endpoints)
         self.unhealthy &= set(self.endpoints)
         self.answers.forget_routes()
+        if self.store is not None:  # in-flight load on a removed replica went with it
+            self.store.load_changed()
 
     def mark_unhealthy(self, name: str) -> None:
         if name in self.endpoints and name not in self.unhealthy:
@@ -157,6 +179,41 @@ class Gateway:
             for name in self.router.replicas
         ]  # fmt: skip
 
+    async def share_state(self, settings: StoreSettings, router_id: str) -> None:
+        """Agree with the other routers on the same store (main.py, when store.url is set). A store
+        that does not answer now leaves this router on its own state until a retry succeeds."""
+        self.store = SharedStore(settings, router_id, self.own_loads, self.metrics, self.republish_pending)
+        await self.store.start()
+
+    def own_loads(self) -> dict[str, tuple[int, int]]:
+        """This router's own in-flight (requests, tokens) per replica: what it publishes to the store."""
+        ledger = self.router.ledger
+        return {name: (ledger.requests(name), ledger.tokens(name)) for name in self.router.replicas
+                if ledger.requests(name)}
+
+    def republish_pending(self) -> None:
+        """The store is back: publish again this router's requests still waiting for an answer."""
+        for waiting in self.unanswered.values():
+            for request_id, history in waiting.items():
+                self._publish_pending(request_id, history)
+
+    def _publish_pending(self, request_id: str, history: int) -> None:
+        assert self.store is not None
+        pending = self.pending[request_id]
+        request, decision = pending.request, pending.decision
+        self.store.routed(
+            self.router.conversation_key(request.conversation), request_id,
+            PeerRequest(self.store.router_id, decision.replica, decision.charged_tokens, request.prompt_tokens,
+                        history),
+        )  # fmt: skip
+
+    def _complete(self, request_id: str, request: RouteRequest, ok: bool, served: str | None = None) -> None:
+        """Release a request's load (Router.complete: once) and tell the store."""
+        decision = self.router.complete(request_id, ok=ok, served=served)
+        if decision is not None and self.store is not None:
+            placement = Placement(served or decision.replica, request.prompt_tokens) if ok else None
+            self.store.completed(self.router.conversation_key(request.conversation), request_id, placement)
+
     # ------------------------------------------------------------------ route stream
 
     def route_request(
@@ -172,13 +229,36 @@ class Gateway:
     ) -> tuple[bytes, bool]:
         """(the serialized ProcessingResponse answering the request headers, routed): the pick
         (True), or an immediate error answer that Envoy sends the client itself (False).
-        parsed_elsewhere: the body's parse_request result (or refusal) from offload.py."""
+        parsed_elsewhere: the body's parse_request result (or refusal) from offload.py.
+        Decided on this router's own state: the service without a store (route_shared with one)."""
         started = time.perf_counter()
+        step = self._prepare(path, content_type, conversation_id, body, parsed_elsewhere)
+        if isinstance(step, bytes):
+            return step, False
+        return self._decide(step, turn, request_id, started, None)
+
+    async def route_shared(
+        self, *, path: str, content_type: str, conversation_id: str, turn: str, request_id: str, body: bytes,
+        parsed_elsewhere: ParsedRequest | BadRequest | None = None,
+    ) -> tuple[bytes, bool]:
+        """route_request with the other routers' picture, read from the store in one round trip
+        (at most store.timeout_ms; then this router's own state)."""
+        started = time.perf_counter()
+        step = self._prepare(path, content_type, conversation_id, body, parsed_elsewhere)
+        if isinstance(step, bytes):
+            return step, False
+        return self._decide(step, turn, request_id, started, await self._peers(step))
+
+    def _prepare(
+        self, path: str, content_type: str, conversation_id: str, body: bytes,
+        parsed_elsewhere: ParsedRequest | BadRequest | None,
+    ) -> Prepared | bytes:
+        """The request as the router sees it, or the answer refusing it."""
         try:
             parsed = self._parse(path, content_type, body, parsed_elsewhere)
         except BadRequest as exc:
             self.metrics.errors["bad_request"] += 1
-            return immediate(exc.status, exc.message), False
+            return immediate(exc.status, exc.message)
         unique_id = self._request_id()
         conversation = bounded(conversation_id) or parsed.opening_key
         prompt_tokens = parsed.prompt_token_ids or estimate_tokens(parsed.prompt_chars, self.settings.chars_per_token)
@@ -186,20 +266,37 @@ class Gateway:
             unique_id, conversation, prompt_tokens, parsed.max_tokens or self.settings.default_max_tokens,
             parsed.prefix_blocks,
         )
+        return Prepared(request, parsed, path)
+
+    async def _peers(self, step: Prepared) -> PeerView:
+        """What the other live routers hold, for this request (nothing while the store is not in use)."""
+        assert self.store is not None
+        snapshot = await self.store.read(self.router.conversation_key(step.request.conversation))
+        if snapshot is None:
+            return NO_PEERS
+        return peer_view(snapshot.loads, snapshot.pending, step.parsed.answered, snapshot.placement)
+
+    def _decide(
+        self, step: Prepared, turn: str, request_id: str, started: float, peers: PeerView | None
+    ) -> tuple[bytes, bool]:
+        request, parsed = step.request, step.parsed
+        conversation, unique_id = request.conversation, request.request_id
         if parsed.answered:
             self._release_answered(conversation, parsed.answered)
         avoid = self.unhealthy if len(self.unhealthy) < len(self.endpoints) else ()
-        decision = self.router.route(request, avoid=avoid)
+        decision = self.router.route(request, avoid=avoid, peers=peers)
         if decision is None:
             self.metrics.errors["no_replica"] += 1
             unhealthy = sorted(self.unhealthy)
             return immediate(503, "no replica available", replicas=len(self.endpoints), unhealthy=unhealthy), False
         self.pending[unique_id] = Pending(
-            request, decision, self.endpoints[decision.replica], path, bounded(turn), parsed.stream, started,
+            request, decision, self.endpoints[decision.replica], step.path, bounded(turn), parsed.stream, started,
             time.monotonic(), envoy_id=self._remember_envoy_id(request_id, unique_id),
         )  # fmt: skip
         if parsed.history:
             self.unanswered.setdefault(conversation, {})[unique_id] = parsed.history
+        if self.store is not None:
+            self._publish_pending(unique_id, parsed.history)
         self.metrics.decision(decision.trace.policy, decision.reason, time.perf_counter() - started)
         answer = self.answers.route(decision.replica, decision.reason, parsed.stream, self._destination)
         answer += self.answers.predicted_cached(decision.predicted_cached_tokens)
@@ -212,8 +309,9 @@ class Gateway:
             return
         for request_id in [rid for rid, history in waiting.items() if history in answered]:
             del waiting[request_id]
-            self.pending[request_id].released_by_next_turn = True
-            self.router.complete(request_id, ok=True)
+            pending = self.pending[request_id]
+            pending.released_by_next_turn = True
+            self._complete(request_id, pending.request, ok=True)
             self.metrics.released_by_next_turn += 1
         if not waiting:
             del self.unanswered[conversation]
@@ -323,8 +421,9 @@ class Gateway:
         waiting = self.unanswered.get(pending.request.conversation)
         if waiting is not None and waiting.pop(request_id, None) is not None and not waiting:
             del self.unanswered[pending.request.conversation]
-        self.router.complete(  # a no-op when a later turn released it already
+        self._complete(  # a no-op when a later turn released it already
             request_id,
+            pending.request,
             ok=succeeded,
             served=served_replica if failed_over and served_replica in self.endpoints else None,
         )

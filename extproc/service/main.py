@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import secrets
 import signal
 import sys
 import time
@@ -88,6 +89,8 @@ async def serve(settings: Settings) -> int:
     health = ReplicaHealth(gateway, service.health_probe_seconds)
     gateway.on_replica_failed = health.replica_failed
     metrics.watch(gateway.replica_states)
+    if settings.store.url:  # several routers agree through it; a fresh id per start (the old one expires)
+        await gateway.share_state(settings.store, secrets.token_hex(6))
 
     metrics_host, metrics_port = split_host_port(service.metrics_listen)
     metrics_server, _ = start_http_server(metrics_port, metrics_host, registry=metrics.registry)
@@ -141,6 +144,8 @@ async def serve(settings: Settings) -> int:
         sweeper.cancel()
         health.close()
         await server.stop(grace=2)
+        if gateway.store is not None:
+            await gateway.store.close()
         parser.close()
         metrics_server.shutdown()
         with contextlib.suppress(Exception, asyncio.CancelledError):  # a failure is logged: discovery_failed

@@ -26,6 +26,8 @@ ERRORS = (
     "undecodable",
 )
 STREAMS = ("route", "observe", "access_log")
+# the shared store (store.py): a read before a decision, a batch of writes, a (re)connection
+STORE_CALLS = ("read", "write", "connect")
 DECISION_SECONDS = (25e-6, 50e-6, 100e-6, 200e-6, 400e-6, 800e-6, 1.6e-3, 3.2e-3, 6.4e-3, 0.0128)
 PREDICTION_ERROR = (-4096, -1024, -256, -64, -16, -1, 0, 1, 16, 64, 256, 1024, 4096)
 
@@ -76,6 +78,8 @@ class Metrics:
         self.actual_cached: Counter[str] = Counter()
         self.actual_prompt: Counter[str] = Counter()
         self.released_by_next_turn = 0  # released when a later turn showed the answer (gateway.py)
+        self.store_errors: Counter[str] = Counter({call: 0 for call in STORE_CALLS})  # failed or timed out
+        self.store_in_use = False  # a store is configured and answering (store.py)
         self.decision_seconds = Histogram(DECISION_SECONDS)
         self.prediction_error = Histogram(PREDICTION_ERROR)
         self.live_state: LiveState = tuple  # no replicas until watch() names the source
@@ -121,6 +125,17 @@ class _Collector(Collector):
             ["stream"],
             m.stream_failures,
         )
+        yield _counter(
+            "llm_ring_store_errors",
+            "calls to the shared store that failed or timed out (then local state only for store.retry_seconds)",
+            ["call"],
+            m.store_errors,
+        )
+        in_use = GaugeMetricFamily(
+            "llm_ring_store_in_use", "1 while decisions use the shared store, 0 on local state alone"
+        )
+        in_use.add_metric([], 1 if m.store_in_use else 0)
+        yield in_use
         yield _counter(
             "llm_ring_predicted_cached_tokens",
             "cached prompt tokens the router predicted (requests with timings)",

@@ -145,15 +145,18 @@ class Processor:
         parsed = None
         if self.parser is not None and self.parser.takes(body):
             parsed = await self.parser.parse(path, content_type, body, self.gateway.router.policy.needs_prefix_blocks)
-        answer, routed = self.gateway.route_request(
-            path=path,
-            content_type=content_type,
-            conversation_id=_text(attributes, "request.headers['x-conversation-id']"),
-            turn=_text(attributes, "request.headers['x-turn']"),
-            request_id=_text(attributes, "request.id"),
-            body=body,
-            parsed_elsewhere=parsed,
-        )
+        conversation_id = _text(attributes, "request.headers['x-conversation-id']")
+        turn, request_id = _text(attributes, "request.headers['x-turn']"), _text(attributes, "request.id")
+        if self.gateway.store is None:
+            answer, routed = self.gateway.route_request(
+                path=path, content_type=content_type, conversation_id=conversation_id, turn=turn,
+                request_id=request_id, body=body, parsed_elsewhere=parsed,
+            )  # fmt: skip
+        else:  # one round trip to the shared store first
+            answer, routed = await self.gateway.route_shared(
+                path=path, content_type=content_type, conversation_id=conversation_id, turn=turn,
+                request_id=request_id, body=body, parsed_elsewhere=parsed,
+            )  # fmt: skip
         await context.write(answer)
         if not routed:  # Envoy answers the client itself: nothing more to say
             return

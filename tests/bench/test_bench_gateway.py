@@ -6,7 +6,8 @@ import argparse
 
 import pytest
 
-from extproc.bench.gateway import MODES, median_cell, render_table, run
+from extproc.bench.gateway import MODES, STORE_MODE, median_cell, render_table, run
+from extproc.service.redis_server import redis_server_binary
 
 pytestmark = pytest.mark.live
 
@@ -31,3 +32,15 @@ def test_a_cell_is_the_median_of_its_rounds() -> None:
     ]
     expected = {"requests": 60, "errors": 1, "first_error": "HTTP/1.1 503", "rps": 200.0, "p50_ms": 2.0, "p99_ms": 4.0}
     assert median_cell(runs) == expected
+
+
+@pytest.mark.skipif(redis_server_binary() is None, reason="no redis-server: `make setup` installs it")
+def test_with_store_on_a_service_sharing_state_through_redis_is_measured_too() -> None:
+    args = argparse.Namespace(concurrency=[2], seconds=0.3, rounds=1, conversations=20, envoy_concurrency=1,
+                              keep=False, store=["on", "off"])
+    result = run(args)
+    cells = {cell["mode"]: cell for cell in result["cells"]}
+    assert set(cells) == {*MODES, STORE_MODE} and cells[STORE_MODE]["errors"] == 0
+    assert cells[STORE_MODE]["ext_proc_cpu_us_per_request"] > 0
+    assert result["store"]["in_use_at_end"] and {"store_rps", "store_over_ext_proc_p50_ms"} <= set(result["added"][0])
+    assert "the shared store" in render_table(result)

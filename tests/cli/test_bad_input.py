@@ -141,3 +141,13 @@ def test_scaling_to_no_replica_is_refused(tmp_path, capsys):
     code, err = run_cli(capsys, *SIM, "--seeds", "1", "--scale", "10:0", "--out-dir", str(tmp_path / "out"))
     assert_refused(code, err, "--scale: '10:0': a fleet needs at least 1 replica")
     assert not (tmp_path / "out").exists()
+
+
+def test_bench_gateway_with_the_store_on_and_no_redis_server_is_refused(capsys, monkeypatch):
+    monkeypatch.setattr("extproc.bench.gateway.redis_server_binary", lambda: None)
+    assert_refused(*run_cli(capsys, "bench", "gateway", "--store", "on", "off"), "--store on needs redis-server")
+
+
+def test_an_unusable_store_url_stops_the_service_naming_the_key(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("LLM_RING__STORE__URL", '"redis://127.0.0.1:port/0"')
+    assert_refused(*run_cli(capsys, "serve", "--config", str(ROUTER_TOML)), "LLM_RING__STORE__URL", "store.url")

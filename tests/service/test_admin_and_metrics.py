@@ -34,12 +34,12 @@ class AbortingContext:
 
 
 def gauges(metrics: Metrics) -> dict[str, dict[str, float]]:
-    """{gauge name: {replica: value}} of the live-state families in a scrape."""
+    """{gauge name: {replica: value}} of the live-state families (per replica) in a scrape."""
     text = generate_latest(metrics.registry).decode()
     found: dict[str, dict[str, float]] = {}
     for family in text_string_to_metric_families(text):
         if family.type == "gauge":
-            for sample in family.samples:
+            for sample in (sample for sample in family.samples if "replica" in sample.labels):
                 found.setdefault(sample.name, {})[sample.labels["replica"]] = sample.value
     return found
 

@@ -1,0 +1,326 @@
+"""Several gateways agreeing through a real redis-server (started here on a free port): turns
+that alternate between routers stay on their replica, a back-to-back turn through another
+router is not charged the answered request, a new router starts warm; the store down, slow,
+or a router killed: routing goes on, the bound holds, no load leaks."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+import redis
+
+from extproc.routing.peers import PeerRequest
+from extproc.service.gateway import Gateway
+from extproc.service.metrics import Metrics
+from extproc.service.redis_server import redis_server_binary, start_redis
+from extproc.service.store import SharedStore
+from extproc.stack.processes import Running
+from tests.service.test_gateway_lifecycle import ENDPOINTS, SETTINGS, make_gateway, samples
+
+pytestmark = pytest.mark.skipif(
+    redis_server_binary() is None,
+    reason="no redis-server on this machine: `make setup` installs Debian's package (as root, apt reachable)",
+)
+CHAT = "/v1/chat/completions"
+USER1 = {"role": "user", "content": "first question"}
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[Running]:
+    running = start_redis(tmp_path / "redis")
+    yield running
+    running.stop()
+
+
+def url(server: Running) -> str:
+    return f"redis://{server.address}/0"
+
+
+async def sharing(address: str, router_id: str, **store: Any) -> Gateway:
+    """A gateway on router.toml's settings sharing state through ``address`` (generous timeout:
+    these machines are busy; the fault tests set their own)."""
+    gateway = make_gateway()
+    gateway.metrics.watch(gateway.replica_states)
+    settings = SETTINGS.store.model_copy(update={"url": address, "timeout_ms": 500, "retry_seconds": 0.2,
+                                                 "load_ttl_seconds": 0.6, **store})
+    await gateway.share_state(settings, router_id)
+    OPEN.append(gateway)
+    return gateway
+
+
+OPEN: list[Gateway] = []
+
+
+def run_closing(main: Callable[[], Awaitable[None]]) -> None:
+    """asyncio.run(main()), every store of ``sharing`` closed at the end, even when main fails."""
+
+    async def closing() -> None:
+        try:
+            await main()
+        finally:
+            while OPEN:
+                await OPEN.pop().store.close()  # type: ignore[union-attr]
+
+    asyncio.run(closing())
+
+
+async def ask(gateway: Gateway, messages: list[dict[str, str]], conversation: str = "c-1") -> str:
+    """One chat request decided through the store; the service's own id for it."""
+    _, routed = await gateway.route_shared(
+        path=CHAT, content_type="application/json", conversation_id=conversation, turn="", request_id="envoy-id",
+        body=orjson.dumps({"messages": messages, "max_tokens": 8}),
+    )
+    assert routed
+    return next(reversed(gateway.pending))
+
+
+def answered(gateway: Gateway, request_id: str, served: str = "") -> None:
+    """Envoy's access log entry: a whole 200 answer (from ``served``, a replica name, if not the pick:
+    the pick refused and is avoided until its probe answers, here at once)."""
+    pick = gateway.pending[request_id].decision.replica
+    gateway.access_logged(request_id, 200, ENDPOINTS[served or pick], cut_off=False, timings=None)
+    gateway.mark_healthy(pick)
+
+
+def follow_up(messages: list[dict[str, str]], answer: str, question: str) -> list[dict[str, str]]:
+    return [*messages, {"role": "assistant", "content": answer}, {"role": "user", "content": question}]
+
+
+async def eventually(condition: Callable[[], Awaitable[bool]], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not await condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.02)
+
+
+def test_turns_that_alternate_between_routers_stay_on_their_replica(server: Running) -> None:
+    async def run() -> None:
+        routers = [await sharing(url(server), "r-a"), await sharing(url(server), "r-b")]
+        for index in range(4):
+            conversation = f"conv-{index}"
+            messages = [{"role": "user", "content": f"question {index}"}]
+            first = await ask(routers[0], messages, conversation)
+            home = routers[0].pending[first].decision.replica
+            elsewhere = next(name for name in sorted(ENDPOINTS) if name != home)
+            answered(routers[0], first, served=elsewhere)  # the pick refused: a fallback holds the cache now
+            await routers[0].store.flushed()  # type: ignore[union-attr]
+            for turn in range(1, 4):
+                messages = follow_up(messages, f"answer {turn}", f"more {turn}")
+                gateway = routers[turn % 2]
+                request_id = await ask(gateway, messages, conversation)
+                assert gateway.pending[request_id].decision.replica == elsewhere, (conversation, turn)
+                answered(gateway, request_id)
+                await gateway.store.flushed()  # type: ignore[union-attr]
+            alone = make_gateway()  # the control: a router that shares nothing goes to the ring home
+            _, routed = alone.route_request(path=CHAT, content_type="application/json", conversation_id=conversation,
+                                            turn="", request_id="x", body=orjson.dumps({"messages": messages}))
+            assert routed and next(reversed(alone.pending.values())).decision.replica == home
+        assert all(gateway.router.ledger.total_requests() == 0 for gateway in routers)
+
+    run_closing(run)
+
+
+def test_a_back_to_back_turn_through_another_router_is_not_charged_the_answered_request(server: Running) -> None:
+    async def run() -> None:
+        a, b = await sharing(url(server), "r-a"), await sharing(url(server), "r-b")
+        t1 = await ask(a, [USER1])
+        still_running = await ask(a, [{"role": "user", "content": "another chat"}], conversation="c-2")
+        await a.store.flushed()  # type: ignore[union-attr]
+        first, other = a.pending[t1].decision, a.pending[still_running].decision
+        # the answer reached the client; Envoy's access log entry has not reached router a yet
+        t2 = await ask(b, follow_up([USER1], "an answer", "and then?"))
+        second = b.pending[t2].decision
+        assert second.replica == first.replica and second.predicted_cached_tokens == a.pending[t1].request.prompt_tokens
+        assert b.router.ledger.elsewhere() == {other.replica: (1, other.charged_tokens)}  # t1 left out, c-2 not
+        answered(a, t1)  # late: router a releases its own request itself
+        answered(a, still_running)
+        answered(b, t2)
+        await a.store.flushed()  # type: ignore[union-attr]
+        await ask(b, [{"role": "user", "content": "a third chat"}], conversation="c-3")
+        assert b.router.ledger.elsewhere() == {}  # nothing of router a's is left counted anywhere
+
+    run_closing(run)
+
+
+def test_a_new_router_starts_warm(server: Running) -> None:
+    async def run() -> None:
+        a = await sharing(url(server), "r-a")
+        t1 = await ask(a, [USER1])
+        home = a.pending[t1].decision.replica
+        moved_to = next(name for name in sorted(ENDPOINTS) if name != home)
+        answered(a, t1, served=moved_to)
+        await a.store.flushed()  # type: ignore[union-attr]
+        late = await sharing(url(server), "r-new")  # started after: an empty memory of its own
+        t2 = await ask(late, follow_up([USER1], "an answer", "more"))
+        assert late.pending[t2].decision.replica == moved_to != home
+
+    run_closing(run)
+
+
+def test_the_store_down_leaves_routing_on_local_state_and_it_recovers_without_leaks(
+    server: Running, tmp_path: Path
+) -> None:
+    port = int(server.address.rsplit(":", 1)[1])
+    raw = redis.Redis.from_url(url(server))
+
+    restarted: list[Running] = []
+
+    async def run() -> None:
+        a = await sharing(url(server), "r-a", timeout_ms=200)
+        store = a.store
+        assert store is not None and store.in_use
+        server.process.kill()  # the store dies
+        server.process.wait()
+        during = [await ask(a, [{"role": "user", "content": f"chat {i}"}], conversation=f"c{i}") for i in range(3)]
+        assert not store.in_use and sum(a.metrics.store_errors.values()) >= 1
+        found = samples(a)
+        assert found["llm_ring_store_in_use", ()] == 0 and sum(
+            value for (name, _), value in found.items() if name == "llm_ring_store_errors_total") >= 1
+        reads_failed = a.metrics.store_errors["read"]
+        await ask(a, [{"role": "user", "content": "no store call now"}], conversation="c-x")
+        assert a.metrics.store_errors["read"] == reads_failed  # local state: no decision asks the store now
+        restarted.append(start_redis(tmp_path / "redis-again", port))
+
+        async def back() -> bool:
+            return store.in_use
+
+        await eventually(back)
+        await store.flushed()
+        own = orjson.loads(raw.hget("llm-ring:load:r-a", "load") or b"{}")
+        assert sum(requests for requests, _ in own.values()) == a.router.ledger.total_requests() == 4
+        pending = raw.hgetall("llm-ring:pending:" + f"{a.router.conversation_key('c0'):016x}")
+        assert list(pending) == [during[0].encode()]  # republished: it is still waiting for its answer
+        for request_id in list(a.pending):
+            answered(a, request_id)
+        await store.flushed()
+        assert orjson.loads(raw.hget("llm-ring:load:r-a", "load") or b"null") == {}
+        assert not raw.keys("llm-ring:pending:*")
+
+    try:
+        run_closing(run)
+    finally:
+        for running in restarted:
+            running.stop()
+
+
+class DelayProxy:
+    """TCP in front of redis, each chunk towards it held ``delay`` seconds (changeable)."""
+
+    def __init__(self, target: str) -> None:
+        self.host, port = target.rsplit(":", 1)
+        self.port = int(port)
+        self.delay = 0.0
+        self.server: asyncio.Server | None = None
+
+    async def start(self) -> str:
+        self.server = await asyncio.start_server(self._connection, "127.0.0.1", 0)
+        return f"redis://127.0.0.1:{self.server.sockets[0].getsockname()[1]}/0"
+
+    async def _connection(self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
+        upstream_reader, upstream_writer = await asyncio.open_connection(self.host, self.port)
+
+        async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, delayed: bool) -> None:
+            try:
+                while chunk := await reader.read(65536):
+                    if delayed and self.delay:
+                        await asyncio.sleep(self.delay)
+                    writer.write(chunk)
+                    await writer.drain()
+            except (ConnectionError, asyncio.CancelledError):
+                pass
+            finally:
+                writer.close()
+
+        await asyncio.gather(pipe(client_reader, upstream_writer, True), pipe(upstream_reader, client_writer, False))
+
+
+def test_a_slow_store_costs_a_decision_at_most_the_timeout(server: Running) -> None:
+    async def run() -> None:
+        proxy = DelayProxy(server.address)
+        address = await proxy.start()
+        a = await sharing(address, "r-a", timeout_ms=300, retry_seconds=0.3)
+        store = a.store
+        assert store is not None and store.in_use
+        proxy.delay = 0.05  # within the timeout: waited for, the store stays in use
+        started = time.monotonic()
+        await ask(a, [USER1])
+        assert time.monotonic() - started >= 0.05 and store.in_use
+        proxy.delay = 5.0  # far over it: the decision gives up after timeout_ms and goes on locally
+        started = time.monotonic()
+        request_id = await ask(a, [{"role": "user", "content": "b"}], conversation="c-2")
+        assert time.monotonic() - started < 2.5  # the bound is 0.3 s; the slack is for a busy machine
+        assert not store.in_use and a.metrics.store_errors["read"] >= 1 and request_id in a.pending
+        proxy.delay = 0.0
+
+        async def back() -> bool:
+            return store.in_use
+
+        await eventually(back)
+
+    run_closing(run)
+
+
+DOOMED_ROUTER = """
+import asyncio, sys
+from tests.service.test_store import ask, sharing
+
+async def main():
+    gateway = await sharing(sys.argv[1], "r-doomed")
+    await ask(gateway, [{"role": "user", "content": "in flight when killed"}], conversation="c-9")
+    await gateway.store.flushed()
+    print("published", flush=True)
+    await asyncio.sleep(3600)
+
+asyncio.run(main())
+"""
+
+
+def test_a_router_killed_with_sigkill_stops_counting_within_its_ttl(server: Running) -> None:
+    doomed = subprocess.Popen([sys.executable, "-c", DOOMED_ROUTER, url(server)], stdout=subprocess.PIPE,
+                              cwd=Path(__file__).parents[2])
+    try:
+        assert doomed.stdout is not None
+        assert b"published\n" in iter(doomed.stdout.readline, b"")  # after its log lines
+
+        async def run() -> None:
+            b = await sharing(url(server), "r-b")
+            await ask(b, [USER1])
+            assert sum(requests for requests, _ in b.router.ledger.elsewhere().values()) == 1
+            doomed.kill()  # no heartbeat, no goodbye
+
+            async def forgotten() -> bool:
+                snapshot = await b.store.read(b.router.conversation_key("c-1"))  # type: ignore[union-attr]
+                return snapshot is not None and "r-doomed" not in snapshot.loads
+
+            await eventually(forgotten)
+            assert redis.Redis.from_url(url(server)).smembers("llm-ring:routers") == {b"r-b"}
+
+        run_closing(run)
+    finally:
+        doomed.kill()
+        doomed.wait()
+
+
+def test_pending_requests_of_a_router_that_is_gone_are_ignored(server: Running) -> None:
+    async def run() -> None:
+        b = await sharing(url(server), "r-b")
+        assert b.store is not None
+        ghost = SharedStore(b.store.settings, "r-ghost", lambda: {"llm-0": (5, 500)}, Metrics())
+        await ghost.start()
+        ghost.routed(b.router.conversation_key("c-1"), "g-1", PeerRequest("r-ghost", "llm-0", 500, 100, 1))
+        await ghost.flushed()
+        await ghost.close()  # left: its load key is gone at once, its pending entry stays until its TTL
+        snapshot = await b.store.read(b.router.conversation_key("c-1"))
+        assert snapshot is not None and snapshot.loads == {} and len(snapshot.pending) == 1
+        await ask(b, [USER1])
+        assert b.router.ledger.elsewhere() == {}
+
+    run_closing(run)

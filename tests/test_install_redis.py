@@ -1,0 +1,45 @@
+"""scripts/install-redis-server (run by `make setup`): installs Debian's package only when the
+server is missing, with apt-get, and leaves the machine without a policy-rc.d it did not have."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).parents[1] / "scripts" / "install-redis-server"
+FAKE_APT = """#!/bin/sh
+echo "$@" >> "$APT_LOG"
+if [ "$1" = install ]; then touch "$REDIS_SERVER" && chmod +x "$REDIS_SERVER"; fi
+"""
+
+
+def run(tmp_path: Path, server: Path) -> tuple[subprocess.CompletedProcess[str], list[str]]:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / "apt-get").write_text(FAKE_APT)
+    (bin_dir / "apt-get").chmod(0o755)
+    log = tmp_path / "apt.log"
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "APT_LOG": str(log), "REDIS_SERVER": str(server)}
+    done = subprocess.run(["sh", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=60)
+    return done, log.read_text().splitlines() if log.exists() else []
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="installing a package needs root")
+def test_a_missing_server_is_installed_with_apt_get_and_its_service_not_started(tmp_path: Path) -> None:
+    policy = Path("/usr/sbin/policy-rc.d")
+    had_policy = policy.exists()
+    server = tmp_path / "redis-server"
+    done, calls = run(tmp_path, server)
+    assert done.returncode == 0, done.stderr
+    assert calls == ["install -y -q --no-install-recommends redis-server"] and server.exists()
+    assert policy.exists() == had_policy  # placed only for the install, then removed
+
+
+def test_a_present_server_is_left_alone(tmp_path: Path) -> None:
+    server = tmp_path / "redis-server"
+    server.touch(mode=0o755)
+    done, calls = run(tmp_path, server)
+    assert done.returncode == 0 and calls == [] and done.stdout == ""
