@@ -35,12 +35,12 @@ class GatewayTier(Protocol):
     def routers(self) -> dict[str, str]:
         """Every gateway's routing service: {gateway name: admin gRPC address}."""
 
-    def kill_gateway(self, name: str) -> float:
-        """SIGKILL the gateway's Envoy and routing service (nothing restarts them meanwhile);
-        returns the wall-clock time of the signal."""
+    def kill_part(self, name: str) -> float:
+        """SIGKILL a gateway's Envoy and routing service, or the store (name "store"); nothing
+        restarts them meanwhile. Returns the wall-clock time of the signal."""
 
-    def restart_gateway(self, name: str) -> None:
-        """Start a killed gateway again; returns once it accepts requests."""
+    def restart_part(self, name: str) -> None:
+        """Start a killed gateway or store again; returns once it accepts requests."""
 
     def router_states(self) -> dict[str, dict[str, int]]:
         """Per gateway: in_flight_requests, in_flight_tokens, decisions of its router."""

@@ -7,7 +7,8 @@ every replica answers one short warm-up request directly so that first-inference
 costs stay out of the measurements. Locust runs as a subprocess (its gevent
 monkey-patching stays out of this process) and journals each request; the rows
 already recorded survive an interrupted run. With several gateways (a GatewayTier lab)
-one of them can be SIGKILLed mid-run and restarted (--kill-gateway, --restart-after);
+one of them, or their store, can be SIGKILLed mid-run and restarted (--kill-gateway,
+--kill-store, --restart-after);
 after every run each router's in-flight load is read back (run.json: routers_after). Layout:
 
     OUT_DIR/experiment.json, profile.json, summary.md
@@ -47,6 +48,7 @@ from extproc.records import (
     utc_now,
     write_run_metadata,
 )
+from extproc.stack.gateways import STORE
 from extproc.traffic import Profile, ProfileError, check_context, generate_conversations
 from extproc.traffic import load_profile as load_traffic_profile
 from extproc.traffic.chat import session_tag
@@ -57,12 +59,17 @@ SETTLE_S = 10.0  # after a run, how long the routers may take to release what wa
 
 
 @dataclasses.dataclass(frozen=True)
-class GatewayKill:
-    """SIGKILL the lab's last gateway at_s seconds into every run, start it again
-    restart_after_s seconds later (at the run's end at the latest)."""
+class Kill:
+    """SIGKILL a part of the lab at_s seconds into every run, start it again restart_after_s
+    seconds later (at the run's end at the latest). part: "gateway" (the last one) or "store"."""
 
     at_s: float
     restart_after_s: float
+    part: str = "gateway"
+
+    @property
+    def option(self) -> str:
+        return f"--kill-{self.part}"
 
 
 class ExperimentInterrupted(RuntimeError):
@@ -88,7 +95,7 @@ def run_experiment(
     out_dir: str | Path,
     scale_at: float | None = None,
     progress: Callable[[str], None] | None = None,
-    kill: GatewayKill | None = None,
+    kill: Kill | None = None,
 ) -> Path:
     """Run every policy x seed against ``lab``; returns the experiment folder."""
     say = progress or (lambda text: print(text, file=sys.stderr, flush=True))
@@ -109,7 +116,7 @@ def run_experiment(
                 "seeds": list(seeds),
                 "order": [f"{p}-s{s}" for p, s in plan],
                 "scale_at_s": scale_at,
-                "kill_gateway": dataclasses.asdict(kill) if kill else None,
+                "kill": dataclasses.asdict(kill) if kill else None,
                 "replicas": start_replicas,
                 "started_at": utc_now(),
                 "versions": versions(),
@@ -140,7 +147,7 @@ def _check_inputs(
     seeds: Sequence[int],
     out: Path,
     scale_at: float | None,
-    kill: GatewayKill | None = None,
+    kill: Kill | None = None,
 ) -> list[PolicySpec]:
     new_folder(out)
     if not policies:
@@ -167,14 +174,16 @@ def _check_inputs(
     return specs
 
 
-def _check_kill(lab: Lab, kill: GatewayKill) -> None:
+def _check_kill(lab: Lab, kill: Kill) -> None:
+    if kill.part not in ("gateway", "store"):
+        raise ExperimentError(f"kill: part must be gateway or store (got {kill.part!r})")
     if not kill.at_s > 0:
-        raise ExperimentError(f"--kill-gateway must be > 0 seconds (got {kill.at_s:g})")
+        raise ExperimentError(f"{kill.option} must be > 0 seconds (got {kill.at_s:g})")
     if not kill.restart_after_s >= 0:
         raise ExperimentError(f"--restart-after must be >= 0 seconds (got {kill.restart_after_s:g})")
     gateways = len(lab.routers()) if isinstance(lab, GatewayTier) else 1
     if gateways < 2:
-        raise ExperimentError(f"--kill-gateway needs a lab with 2 or more gateways (this one has {gateways}; "
+        raise ExperimentError(f"{kill.option} needs a lab with 2 or more gateways (this one has {gateways}; "
                               "llm-ring up --gateways 2)")
 
 
@@ -218,7 +227,7 @@ def _run_one(
     start_replicas: int,
     expected: int,
     say: Callable[[str], None],
-    kill: GatewayKill | None = None,
+    kill: Kill | None = None,
 ) -> None:
     run_id = f"{spec.label}-s{seed}"
     run_dir = out / run_id.replace(":", "_").replace(",", "_").replace("=", "-")
@@ -247,7 +256,7 @@ def _run_one(
     if scale_at:
         drills.append(_Scaler(lab, start_replicas + 1, scale_at))
     if kill is not None and isinstance(lab, GatewayTier):
-        drills.append(GatewayKiller(lab, list(lab.routers())[-1], kill))
+        drills.append(Killer(lab, STORE if kill.part == "store" else list(lab.routers())[-1], kill))
     started = time.monotonic()
     with (run_dir / "locust.log").open("w") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
@@ -302,8 +311,8 @@ def _close(meta: RunMeta, run_dir: Path, drills: Sequence[_Drill], lab: Lab) -> 
     meta.rows = finalise_run_records(run_dir)
     if isinstance(lab, GatewayTier):
         meta.extra["routers_after"] = settled(lab)
-        if "gateway_kill" in meta.extra:
-            meta.extra["gateway_kill"] |= failures(run_dir, meta.extra["gateway_kill"].get("killed_at"))
+        if "kill" in meta.extra:
+            meta.extra["kill"] |= failures(run_dir, meta.extra["kill"].get("killed_at"))
     meta.finished_at = utc_now()
     write_run_metadata(meta, run_dir)
 
@@ -334,14 +343,14 @@ def failures(run_dir: Path, killed_at: float | None) -> dict[str, int]:
 def tier_lines(meta: RunMeta) -> list[str]:
     """What a run of several gateways went through, for the console."""
     lines = []
-    kill = meta.extra.get("gateway_kill")
+    kill = meta.extra.get("kill")
     if kill:
         if kill.get("killed_at") is None:
-            lines.append(f"{kill['gateway']} was not killed: {kill.get('error') or 'the run ended first'}")
+            lines.append(f"{kill['name']} was not killed: {kill.get('error') or 'the run ended first'}")
         else:
             back = f"back after {kill['down_s']:.1f} s" if "down_s" in kill else f"not restarted: {kill.get('error')}"
             lines.append(
-                f"{kill['gateway']} SIGKILLed at {kill['killed_after_s']:.1f} s, {back}; failed requests "
+                f"{kill['name']} SIGKILLed at {kill['killed_after_s']:.1f} s, {back}; failed requests "
                 f"{kill['failed']} ({kill['failed_in_flight_at_kill']} in flight at the kill, "
                 f"{kill['failed_started_after_kill']} started after it)"
             )
@@ -400,32 +409,32 @@ class _Scaler(_Drill):
             meta.extra["scale_error"] = self.error
 
 
-class GatewayKiller(_Drill):
-    """SIGKILLs one gateway ``kill.at_s`` into the run and starts it again
-    ``kill.restart_after_s`` later, or at once when the run ends first."""
+class Killer(_Drill):
+    """SIGKILLs one part of the lab (a gateway, or the store: ``name``) ``kill.at_s`` into the
+    run and starts it again ``kill.restart_after_s`` later, or at once when the run ends first."""
 
-    def __init__(self, lab: GatewayTier, gateway: str, kill: GatewayKill) -> None:
+    def __init__(self, lab: GatewayTier, name: str, kill: Kill) -> None:
         super().__init__(kill.at_s)
-        self.lab, self.gateway, self.kill = lab, gateway, kill
+        self.lab, self.name, self.kill = lab, name, kill
         self.began = time.time()  # wall clock, as the records' started_at
         self.killed_at: float | None = None
         self.back_at: float | None = None
 
     def act(self) -> None:
-        self.killed_at = self.lab.kill_gateway(self.gateway)
+        self.killed_at = self.lab.kill_part(self.name)
         self.cancelled.wait(self.kill.restart_after_s)  # the run's end cuts the wait short
-        self.lab.restart_gateway(self.gateway)
+        self.lab.restart_part(self.name)
         self.back_at = time.time()
 
     def record(self, meta: RunMeta) -> None:
-        found: dict[str, Any] = {"gateway": self.gateway, **dataclasses.asdict(self.kill), "killed_at": self.killed_at}
+        found: dict[str, Any] = {"name": self.name, **dataclasses.asdict(self.kill), "killed_at": self.killed_at}
         if self.killed_at is not None:
             found["killed_after_s"] = self.killed_at - self.began
             if self.back_at is not None:
                 found["down_s"] = self.back_at - self.killed_at
         if self.error:
             found["error"] = self.error
-        meta.extra["gateway_kill"] = found
+        meta.extra["kill"] = found
 
 
 def versions() -> dict[str, str]:
@@ -457,6 +466,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="add one replica S seconds into every run (default: no scale-up)")  # fmt: skip
     parser.add_argument("--kill-gateway", type=float, default=None, metavar="S",
                         help="SIGKILL the last gateway S seconds into every run (a stack with --gateways 2 or more)")
+    parser.add_argument("--kill-store", type=float, default=None, metavar="S",
+                        help="SIGKILL the gateways' store (redis-server) S seconds into every run")
     parser.add_argument("--restart-after", type=float, default=5.0, metavar="S",
                         help="with --kill-gateway: start it again S seconds after the kill (default 5)")
     parser.add_argument("--out-dir", type=Path, required=True, help="new folder for this experiment")
@@ -475,7 +486,7 @@ def main(args: argparse.Namespace) -> int:
             parse_policy(policy)
         seeds = parse_seeds(args.seeds)
         new_folder(args.out_dir)
-        kill = GatewayKill(args.kill_gateway, args.restart_after) if args.kill_gateway is not None else None
+        kill = _kill_option(args)
         lab = connect_lab(args.gateway, args.admin, args.run_dir)
         out = run_experiment(lab, profile, args.policies, seeds, args.out_dir, args.scale_at, kill=kill)
     except (ProfileError, LabError) as exc:  # bad input or no lab: one line, exit 2
@@ -495,6 +506,14 @@ def main(args: argparse.Namespace) -> int:
         for line in tier_lines(read_run_metadata(run)):
             print(f"{run.name}: {line}")
     return 0
+
+
+def _kill_option(args: argparse.Namespace) -> Kill | None:
+    if args.kill_gateway is not None and args.kill_store is not None:
+        raise ExperimentError("--kill-gateway and --kill-store: one drill a run")
+    if args.kill_store is not None:
+        return Kill(args.kill_store, args.restart_after, "store")
+    return Kill(args.kill_gateway, args.restart_after) if args.kill_gateway is not None else None
 
 
 def connect_lab(gateway: str | None, admin: str | None, run_dir: str | None = None) -> Lab:

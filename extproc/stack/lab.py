@@ -65,11 +65,11 @@ class LocalLab:
         """Every gateway's routing service: {gateway name: gRPC address}."""
         return {gw.name: gw.router_address for gw in self.stack.gateway_list}
 
-    def kill_gateway(self, name: str) -> float:
-        return self.stack.kill_gateway(name)
+    def kill_part(self, name: str) -> float:
+        return self.stack.kill_part(name)
 
-    def restart_gateway(self, name: str) -> None:
-        self.stack.restart_gateway(name, self.progress)
+    def restart_part(self, name: str) -> None:
+        self.stack.restart_part(name, self.progress)
 
     def router_states(self) -> dict[str, dict[str, int]]:
         """Per gateway, its router's in-flight requests and tokens and its decisions so far."""

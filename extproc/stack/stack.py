@@ -292,20 +292,28 @@ class Stack:
             self.state.replicas = [started.as_dict() if r["name"] == name else r for r in self.state.replicas]
         self.save()
 
-    def kill_gateway(self, name: str) -> float:
-        """SIGKILL a gateway's Envoy and routing service (a drill: `llm-ring run
-        --kill-gateway`); the supervisor leaves them down until restart_gateway. Returns the
-        wall-clock time of the signal."""
+    def kill_part(self, name: str) -> float:
+        """SIGKILL a gateway's Envoy and routing service, or the store (name STORE): a drill,
+        `llm-ring run --kill-gateway|--kill-store`; the supervisor leaves them down until
+        restart_part. Returns the wall-clock time of the signal."""
         with self.locked():
-            gateway = self._gateway(name)
-            self.state.held_down += [gateway.router_name, gateway.envoy_name]
+            if name == STORE and _daemon(self.state.store) is not None:
+                held, daemons = [STORE], [_daemon(self.state.store)]
+            else:
+                gateway = self._gateway(name)
+                held = [gateway.router_name, gateway.envoy_name]
+                daemons = [_daemon(gateway.envoy), _daemon(gateway.router)]
+            self.state.held_down += held
             self.save()
             signalled = time.time()
-            kill([d for d in (_daemon(gateway.envoy), _daemon(gateway.router)) if d is not None])
+            kill([d for d in daemons if d is not None])
         return signalled
 
-    def restart_gateway(self, name: str, progress: Progress = lambda _: None) -> None:
-        """Start a killed gateway again on its ports; returns once its Envoy is ready."""
+    def restart_part(self, name: str, progress: Progress = lambda _: None) -> None:
+        """Start a killed gateway or store again on its ports; returns once it answers."""
+        if name == STORE:
+            self._restart_store(progress)
+            return
         with self.locked():
             gateway = self._gateway(name)
             held = {gateway.router_name, gateway.envoy_name}
@@ -577,6 +585,18 @@ class Stack:
         self.save()
         _wait_for(store, lambda: redis_answers(port), 15.0, "the store (redis-server)")
         progress(f"store (redis-server) on {self.state.store_url}")
+
+    def _restart_store(self, progress: Progress) -> None:
+        with self.locked():
+            old = _daemon(self.state.store)
+            if old is None or old.alive():
+                raise StackError("the store is running (or this stack has none): kill it first")
+            store = self._spawn_store()
+            self.state.store = asdict(store)
+            self.state.held_down = [n for n in self.state.held_down if n != STORE]
+            self.save()
+            _wait_for(store, lambda: redis_answers(_port(self.state.store_url)), 15.0, "the store (redis-server)")
+        progress("store restarted")
 
     def _spawn_router(self, gw: GatewayState) -> Daemon:
         run = Path(self.state.run_dir)

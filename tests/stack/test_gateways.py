@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from extproc.cli import main as cli
 from extproc.envoy.config import render_front_config
-from extproc.experiments.run import GatewayKill, GatewayKiller, failures
+from extproc.experiments.run import Kill, Killer, failures
 from extproc.records import RunMeta, write_records
 from extproc.stack.daemons import Daemon
 from extproc.stack.gateways import PORTS_PER_GATEWAY, layout, port_purposes, redis_command
@@ -160,11 +160,11 @@ class FakeTier:
     def routers(self) -> dict[str, str]:
         return {"gw-0": "a:1", "gw-1": "b:1"}
 
-    def kill_gateway(self, name: str) -> float:
+    def kill_part(self, name: str) -> float:
         self.calls.append(f"kill {name}")
         return time.time()
 
-    def restart_gateway(self, name: str) -> None:
+    def restart_part(self, name: str) -> None:
         self.calls.append(f"restart {name}")
         self.restarted.set()
 
@@ -179,25 +179,25 @@ def meta() -> RunMeta:
 
 def test_the_drill_kills_then_restarts_and_records_both() -> None:
     lab = FakeTier()
-    killer = GatewayKiller(lab, "gw-1", GatewayKill(at_s=0.0, restart_after_s=0.0))
+    killer = Killer(lab, "gw-1", Kill(at_s=0.0, restart_after_s=0.0))
     killer.start()
     assert lab.restarted.wait(30)
     killer.join()
     run = meta()
     killer.record(run)
     assert lab.calls == ["kill gw-1", "restart gw-1"]
-    kill = run.extra["gateway_kill"]
-    assert kill["gateway"] == "gw-1" and kill["killed_after_s"] >= 0 and kill["down_s"] >= 0 and "error" not in kill
+    kill = run.extra["kill"]
+    assert kill["name"] == "gw-1" and kill["killed_after_s"] >= 0 and kill["down_s"] >= 0 and "error" not in kill
 
 
 def test_a_run_that_ends_before_the_kill_kills_nothing() -> None:
     lab = FakeTier()
-    killer = GatewayKiller(lab, "gw-1", GatewayKill(at_s=3600.0, restart_after_s=5.0))
+    killer = Killer(lab, "gw-1", Kill(at_s=3600.0, restart_after_s=5.0))
     killer.start()
     killer.join()
     run = meta()
     killer.record(run)
-    assert lab.calls == [] and run.extra["gateway_kill"]["killed_at"] is None
+    assert lab.calls == [] and run.extra["kill"]["killed_at"] is None
 
 
 @pytest.mark.parametrize("options, message", [
@@ -205,6 +205,9 @@ def test_a_run_that_ends_before_the_kill_kills_nothing() -> None:
     (["--kill-gateway", "nan"], "--kill-gateway must be > 0 seconds (got nan)"),
     (["--kill-gateway", "5", "--restart-after", "-1"], "--restart-after must be >= 0 seconds (got -1)"),
     (["--kill-gateway", "5"], "--kill-gateway needs a lab with 2 or more gateways (this one has 1"),
+    (["--kill-store", "0"], "--kill-store must be > 0 seconds (got 0)"),
+    (["--kill-store", "5"], "--kill-store needs a lab with 2 or more gateways (this one has 1"),
+    (["--kill-store", "5", "--kill-gateway", "5"], "--kill-gateway and --kill-store: one drill a run"),
 ])
 def test_bad_kill_options_stop_the_run_with_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                      options: list[str], message: str) -> None:

@@ -2,13 +2,14 @@
 two gateway pairs (Envoy + routing service, llm-aware), the front Envoy that spreads
 connections over them at random, and the store's redis-server. Turns sent back to back on a
 new connection each meet both gateways; a SIGKILLed gateway stops getting connections and
-gets them again once restarted."""
+gets them again once restarted; a SIGKILLed store leaves each router on its own state until
+it is back."""
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -69,7 +70,7 @@ def test_back_to_back_turns_on_new_connections_meet_both_gateways_and_stay_on_th
 
 
 def test_a_killed_gateway_stops_getting_connections_and_gets_them_again_once_restarted(lab: LocalLab) -> None:
-    lab.kill_gateway("gw-1")
+    lab.kill_part("gw-1")
     try:
         # at once, before the front's health check can know: a connection to the dead one is
         # refused, tried again on another gateway, and the refusal ejects it
@@ -77,7 +78,7 @@ def test_a_killed_gateway_stops_getting_connections_and_gets_them_again_once_res
         time.sleep(2.0)  # two supervisor rounds: a gateway held down is not restarted by it
         assert not any(lab.stack.status()["gateways"][1][kind]["alive"] for kind in ("router", "envoy"))
     finally:
-        lab.restart_gateway("gw-1")
+        lab.restart_part("gw-1")
     assert during == [200] * 12
     before = lab.router_states()["gw-1"]["decisions"]
     deadline = time.monotonic() + 60
@@ -85,6 +86,34 @@ def test_a_killed_gateway_stops_getting_connections_and_gets_them_again_once_res
         assert time.monotonic() < deadline, "gw-1 got no request after its restart"
         assert _ask(lab, "after") == 200
     assert all(s["in_flight_requests"] == 0 for s in settled(lab).values())
+
+
+def test_a_killed_store_leaves_each_router_on_its_own_state_until_the_store_is_back(lab: LocalLab) -> None:
+    metrics = [g["metrics_url"] for g in lab.stack.status()["gateways"]]
+    assert all(_store_in_use(url) == 1 for url in metrics)
+    lab.kill_part("store")
+    try:
+        during = [_ask(lab, f"store-down-{i}") for i in range(8)]
+        assert not lab.stack.status()["store"]["alive"]
+        _wait_until(lambda: all(_store_in_use(url) == 0 for url in metrics), "a router still uses the dead store")
+    finally:
+        lab.restart_part("store")
+    assert during == [200] * 8  # routing went on
+    # each router's heartbeat reconnects store.retry_seconds after the failure
+    _wait_until(lambda: all(_store_in_use(url) == 1 for url in metrics), "a router did not take the store back")
+    assert all(s["in_flight_requests"] == 0 and s["in_flight_tokens"] == 0 for s in settled(lab).values())
+
+
+def _store_in_use(metrics_url: str) -> float:
+    text = httpx.get(metrics_url, timeout=10).text
+    return next(float(line.split()[-1]) for line in text.splitlines() if line.startswith("llm_ring_store_in_use "))
+
+
+def _wait_until(condition: Callable[[], bool], failure: str, seconds: float = 60.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, failure
+        time.sleep(0.5)
 
 
 def _ask(lab: LocalLab, conversation: str) -> int:
