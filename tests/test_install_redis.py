@@ -45,10 +45,10 @@ def test_a_present_server_is_left_alone(tmp_path: Path) -> None:
     assert done.returncode == 0 and calls == [] and done.stdout == ""
 
 
-@pytest.mark.skipif(os.environ.get("LLM_RING_REQUIRE_SERVERS") != "1", reason="only where .ci/run asks for every server")
+@pytest.mark.skipif(os.environ.get("LLM_RING_REQUIRE_SERVERS") != "1", reason="only where .ci/run asks for it")
 def test_ci_has_the_redis_server_so_no_store_test_is_skipped() -> None:
     """The store tests skip without redis-server; in CI (.ci/run) that would hide them, so
     there its absence fails here."""
-    from extproc.service.redis_server import redis_server_binary
+    from extproc.stack.redis_server import redis_server_binary
 
     assert redis_server_binary() is not None, "scripts/install-redis-server did not install redis-server"

@@ -36,7 +36,6 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from extproc.bench.stubs import ServiceOnStubs, start_service_on_stubs, start_stub_processor
 from extproc.envoy.contract import split_host_port
-from extproc.service.redis_server import redis_server_binary, start_redis
 from extproc.stack.processes import (
     Running,
     free_port,
@@ -45,6 +44,7 @@ from extproc.stack.processes import (
     start_service,
     static_discovery,
 )
+from extproc.stack.redis_server import redis_server_binary, start_redis
 
 TARGET_ADDED_P50_MS = 1.0
 TARGET_ADDED_P99_MS = 5.0

@@ -11,7 +11,6 @@ redis-server on [ports] store whose URL every routing service gets as [store] ur
 
 from __future__ import annotations
 
-import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -87,22 +86,5 @@ def port_purposes(gateways: list[GatewayState]) -> list[tuple[int, str]]:
 
 # ---- the store: one redis-server, nothing kept on disk ---------------------------------
 
-def redis_command(binary: str, port: int, folder: Path) -> list[str]:
-    """A redis-server for the gateways' shared state: loopback only, no snapshots, no
-    append-only file (the state is rebuilt by the routers; a restart starts empty)."""
-    return [binary, "--port", str(port), "--bind", HOST, "--dir", str(folder), "--save", "",
-            "--appendonly", "no", "--daemonize", "no", "--protected-mode", "yes"]
-
-
 def store_url(port: int) -> str:
     return f"redis://{HOST}:{port}/0"
-
-
-def redis_answers(port: int, timeout: float = 1.0) -> bool:
-    """The server on `port` answers PING with +PONG."""
-    try:
-        with socket.create_connection((HOST, port), timeout=timeout) as sock:
-            sock.sendall(b"PING\r\n")
-            return sock.recv(16).startswith(b"+PONG")
-    except OSError:
-        return False

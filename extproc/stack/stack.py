@@ -38,10 +38,9 @@ from extproc.stack.gateways import (
     GatewayState,
     layout,
     port_purposes,
-    redis_answers,
-    redis_command,
 )
 from extproc.stack.processes import ROUTER_REFERENCE, envoy_binary, grpc_serving, socket_name
+from extproc.stack.redis_server import redis_answers, redis_command
 from extproc.stack.replicas import HOST, Replica, ReplicaSettings
 
 REFERENCE_SETTINGS = Path(__file__).with_name("stack.toml")

@@ -7,7 +7,7 @@ import argparse
 import pytest
 
 from extproc.bench.gateway import MODES, STORE_MODE, median_cell, render_table, run
-from extproc.service.redis_server import redis_server_binary
+from extproc.stack.redis_server import redis_server_binary
 
 pytestmark = pytest.mark.live
 

@@ -20,9 +20,9 @@ import redis
 from extproc.routing.peers import PeerRequest
 from extproc.service.gateway import Gateway
 from extproc.service.metrics import Metrics
-from extproc.service.redis_server import redis_server_binary, start_redis
 from extproc.service.store import SharedStore
 from extproc.stack.processes import Running
+from extproc.stack.redis_server import redis_server_binary, start_redis
 from tests.service.test_gateway_lifecycle import ENDPOINTS, SETTINGS, make_gateway, samples
 
 pytestmark = pytest.mark.skipif(

@@ -13,8 +13,8 @@ import redis
 
 from extproc.bench.stubs import start_stub_upstream
 from extproc.routing import Router
-from extproc.service.redis_server import redis_server_binary, start_redis
 from extproc.stack.processes import Running, free_port, static_discovery
+from extproc.stack.redis_server import redis_server_binary, start_redis
 from tests.service.gateway_support import chat, gateway, post
 from tests.service.test_gateway_lifecycle import SETTINGS
 

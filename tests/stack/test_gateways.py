@@ -21,8 +21,9 @@ from extproc.envoy.config import render_front_config
 from extproc.experiments.run import Kill, Killer, failures
 from extproc.records import RunMeta, write_records
 from extproc.stack.daemons import Daemon
-from extproc.stack.gateways import PORTS_PER_GATEWAY, layout, port_purposes, redis_command
+from extproc.stack.gateways import PORTS_PER_GATEWAY, layout, port_purposes
 from extproc.stack.processes import envoy_binary
+from extproc.stack.redis_server import redis_command
 from extproc.stack.stack import (
     ROUTER_REFERENCE,
     Stack,
@@ -97,7 +98,8 @@ def test_the_store_keeps_nothing_on_disk_and_listens_on_loopback(tmp_path: Path)
     command = redis_command("/usr/bin/redis-server", 6400, tmp_path)
     options = dict(zip(command[1::2], command[2::2], strict=True))
     assert options == {"--port": "6400", "--bind": "127.0.0.1", "--dir": str(tmp_path), "--save": "",
-                       "--appendonly": "no", "--daemonize": "no", "--protected-mode": "yes"}
+                       "--appendonly": "no", "--maxmemory": "256mb", "--maxmemory-policy": "volatile-lru",
+                       "--daemonize": "no", "--protected-mode": "yes"}
 
 
 def front(gateways: int = 2) -> dict[str, Any]:

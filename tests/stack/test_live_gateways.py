@@ -17,8 +17,8 @@ import pytest
 
 from extproc.experiments.run import settled
 from extproc.stack import models
-from extproc.stack.gateways import redis_answers
 from extproc.stack.lab import LocalLab
+from extproc.stack.redis_server import redis_answers
 from extproc.stack.stack import load_stack_settings
 from tests.service.gateway_support import assert_each_turn_reused_the_whole_previous_prompt, back_to_back
 
