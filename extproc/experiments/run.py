@@ -469,7 +469,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kill-store", type=float, default=None, metavar="S",
                         help="SIGKILL the gateways' store (redis-server) S seconds into every run")
     parser.add_argument("--restart-after", type=float, default=5.0, metavar="S",
-                        help="with --kill-gateway: start it again S seconds after the kill (default 5)")
+                        help="with --kill-gateway or --kill-store: start it again S seconds after the kill (default 5)")
     parser.add_argument("--out-dir", type=Path, required=True, help="new folder for this experiment")
     parser.add_argument("--gateway", default=None, metavar="URL",
                         help="a gateway elsewhere (needs --admin); default: the local stack")  # fmt: skip

@@ -40,7 +40,7 @@ from extproc.stack.gateways import (
     port_purposes,
 )
 from extproc.stack.processes import ROUTER_REFERENCE, envoy_binary, grpc_serving, socket_name
-from extproc.stack.redis_server import redis_answers, redis_command
+from extproc.stack.redis_server import redis_answers, redis_command, redis_server_binary
 from extproc.stack.replicas import HOST, Replica, ReplicaSettings
 
 REFERENCE_SETTINGS = Path(__file__).with_name("stack.toml")
@@ -579,10 +579,7 @@ class Stack:
 
         (Path(self.state.run_dir) / STORE).mkdir(parents=True, exist_ok=True)
         self.state.store_url, self.state.store_binary = store_url(port), binary
-        store = self._spawn_store()
-        self.state.store = asdict(store)
-        self.save()
-        _wait_for(store, lambda: redis_answers(port), 15.0, "the store (redis-server)")
+        self._run_store()
         progress(f"store (redis-server) on {self.state.store_url}")
 
     def _restart_store(self, progress: Progress) -> None:
@@ -590,12 +587,16 @@ class Stack:
             old = _daemon(self.state.store)
             if old is None or old.alive():
                 raise StackError("the store is running (or this stack has none): kill it first")
-            store = self._spawn_store()
-            self.state.store = asdict(store)
             self.state.held_down = [n for n in self.state.held_down if n != STORE]
-            self.save()
-            _wait_for(store, lambda: redis_answers(_port(self.state.store_url)), 15.0, "the store (redis-server)")
+            self._run_store()
         progress("store restarted")
+
+    def _run_store(self) -> None:
+        """Start the store's redis-server as the state says and wait until it answers."""
+        store = self._spawn_store()
+        self.state.store = asdict(store)
+        self.save()
+        _wait_for(store, lambda: redis_answers(_port(self.state.store_url)), 15.0, "the store (redis-server)")
 
     def _spawn_router(self, gw: GatewayState) -> Daemon:
         run = Path(self.state.run_dir)
@@ -718,7 +719,7 @@ def _distinct(purposes: list[tuple[int, str]]) -> dict[int, str]:
 
 
 def _redis_binary(configured: str) -> str:
-    found = shutil.which(configured or "redis-server")
+    found = shutil.which(configured) if configured else redis_server_binary()
     if found is None:
         raise StackError(f"[gateways] redis_server: {configured or 'redis-server'} not found; several gateways "
                          "share their state in a redis-server (Debian: apt-get install redis-server)")
