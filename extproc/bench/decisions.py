@@ -20,7 +20,8 @@ from typing import Any
 
 from extproc.experiments.run import parse_policy
 from extproc.routing import POLICIES, PlacementMemory, Router, RouteRequest, make_policy, stable_hash
-from extproc.routing.blocks import prefix_blocks
+from extproc.routing.blocks import BLOCK_CHARS, prefix_blocks
+from extproc.routing.policies.llm_aware import INDEX_BLOCK_CHARS
 from extproc.routing.prefix_index import PrefixIndex
 from extproc.settings import parse_routing
 
@@ -58,7 +59,7 @@ def time_decisions(spec: str, replicas: int, decisions: int) -> dict[str, float]
     """``spec``: a policy name, or name:key=value,... (the runners' syntax)."""
     knobs = parse_policy(spec).routing
     router = Router(bench_settings(**knobs), [f"llm-{i}" for i in range(replicas)])
-    with_blocks = router.policy.needs_prefix_blocks
+    block_chars = router.policy.prefix_block_chars
     rng = random.Random(1)
     conversations = max(50, replicas * 8)
     turns = [0] * conversations
@@ -74,9 +75,9 @@ def time_decisions(spec: str, replicas: int, decisions: int) -> dict[str, float]
     route, complete = router.route, router.complete
     for request_id, slot, conversation, turn, prompt in requests:
         key = f"conversation-{slot}-{conversation}"
-        if with_blocks:  # built outside the timed call: the blocks arrive with the request
+        if block_chars:  # built outside the timed call: the blocks arrive with the request
             text = prompt_text(slot, conversation, turn)
-            request = RouteRequest(request_id, key, len(text) // 4, 64, prefix_blocks(text))
+            request = RouteRequest(request_id, key, len(text) // 4, 64, prefix_blocks(text, block_chars))
         else:
             request = RouteRequest(request_id, key, prompt, 64)
         start = clock()
@@ -91,15 +92,15 @@ def time_decisions(spec: str, replicas: int, decisions: int) -> dict[str, float]
     }
 
 
-def block_hashing_us(repeats: int = 2_000) -> tuple[int, float]:
-    """(prompt tokens, median µs) of prefix_blocks() on a 9-turn prompt."""
+def block_hashing_us(block_chars: int, repeats: int = 2_000) -> tuple[int, int, float]:
+    """(prompt tokens, blocks, median µs) of prefix_blocks() on a 9-turn prompt."""
     text = prompt_text(1, 0, 9)
     samples = []
     for _ in range(repeats):
         start = time.perf_counter_ns()
-        prefix_blocks(text)
+        prefix_blocks(text, block_chars)
         samples.append(time.perf_counter_ns() - start)
-    return len(text) // 4, statistics.median(samples) / 1000
+    return len(text) // 4, len(prefix_blocks(text, block_chars)), statistics.median(samples) / 1000
 
 
 def bytes_per_conversation(conversations: int = 200_000) -> float:
@@ -115,13 +116,14 @@ def bytes_per_conversation(conversations: int = 200_000) -> float:
 
 
 def bytes_per_block(replicas: int = 8, prompts: int = 400) -> float:
-    """Bytes per block held by a prefix index filled to capacity (2,000-token prompts of 16-token blocks)."""
+    """Bytes per block held by a prefix index filled to capacity (2,000-token prompts of 16-token blocks:
+    the bytes go with the number of blocks, not their size)."""
     tracemalloc.start()
     before = tracemalloc.get_traced_memory()[0]
     index = PrefixIndex(5_000 * 16)
     for number in range(prompts):
         text = prompt_text(number % 4, number, 9)
-        index.add_prompt(f"llm-{number % replicas}", prefix_blocks(text), 16)
+        index.add_prompt(f"llm-{number % replicas}", prefix_blocks(text, BLOCK_CHARS), 16)
     after = tracemalloc.get_traced_memory()[0]
     tracemalloc.stop()
     return (after - before) / sum(index.size(f"llm-{n}") for n in range(replicas))
@@ -143,7 +145,8 @@ def main(args: argparse.Namespace) -> int:
         if not args.json:
             print(f"  {policy:<15} {replicas:>5} replicas  median {cell['median_us']:6.1f} µs"
                   f"  p99 {cell['p99_us']:7.1f} µs  {cell['x_round_robin']:5.2f}× round-robin", flush=True)
-    hashed_tokens, hashing_us = block_hashing_us()
+    hashed_tokens, peer_blocks, peer_hashing_us = block_hashing_us(BLOCK_CHARS)
+    _, index_blocks, hashing_us = block_hashing_us(INDEX_BLOCK_CHARS)
     memory_bytes = bytes_per_conversation()
     block_bytes = bytes_per_block()
     target = next((r for r in results if r["policy"] == "llm-aware" and r["replicas"] == 64), None)
@@ -151,7 +154,10 @@ def main(args: argparse.Namespace) -> int:
     summary = {
         "decisions": results,
         "bytes_per_remembered_conversation": memory_bytes,
-        "block_hashing": {"prompt_tokens": hashed_tokens, "median_us": hashing_us},
+        "block_hashing": {"prompt_tokens": hashed_tokens,
+                          "prefix_index": {"block_chars": INDEX_BLOCK_CHARS, "blocks": index_blocks,
+                                           "median_us": hashing_us},
+                          "peers": {"block_chars": BLOCK_CHARS, "blocks": peer_blocks, "median_us": peer_hashing_us}},
         "bytes_per_prefix_index_block": block_bytes,
         "prefix_index_64_median_us": indexed["median_us"],
         "llm_aware_64_median_us": target["median_us"] if target else None,
@@ -161,7 +167,9 @@ def main(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(summary))
         return 0
-    print(f"\n  prefix blocks of a {hashed_tokens}-token prompt: {hashing_us:.1f} µs to hash (block-aware policies)")
+    print(f"\n  prefix blocks of a {hashed_tokens}-token prompt: {hashing_us:.1f} µs to hash for the index "
+          f"({index_blocks} blocks of {INDEX_BLOCK_CHARS} characters), {peer_hashing_us:.1f} µs for the peers "
+          f"({peer_blocks} of {BLOCK_CHARS})")
     print(f"  {PREFIX_INDEX} at {PEER_FLEET} replicas: median {indexed['median_us']:.1f} µs + hashing "
           f"{hashing_us:.1f} µs = {indexed['median_us'] + hashing_us:.1f} µs (target ≤ {TARGET_MEDIAN_US:.0f} µs); "
           f"{block_bytes:.0f} bytes per indexed block")
@@ -174,4 +182,4 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _peer(policy: str) -> bool:
-    return make_policy(bench_settings(policy=policy)).needs_prefix_blocks
+    return make_policy(bench_settings(policy=policy)).prefix_block_chars > 0

@@ -14,12 +14,17 @@ recency is that of the newest tip below it), and a lookup is a binary search per
 depth. Forgetting pops the oldest tip and walks up from it while a block is a leaf that no
 newer prompt ends at. A replica's capacity moves (``resize``) when it reports holding
 less, or more, than the index believed.
+
+Which replicas hold a block is one int, a bit per replica: a lookup's probe is one dict
+get and one ``&``, whatever the fleet's size, and a depth's holders become names only when
+listed.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+from itertools import compress
 
 
 class _Replica:
@@ -39,14 +44,18 @@ class _Replica:
 class PrefixIndex:
     """Per replica, the blocks sent there, at most ``capacity`` tokens each (``resize`` moves it below)."""
 
-    __slots__ = ("capacity", "_replicas", "_holders")
+    __slots__ = ("capacity", "_replicas", "_holders", "_bits", "_known", "_by_name", "_named")
 
     def __init__(self, capacity: int) -> None:
         if capacity < 1:
             raise ValueError("a prefix index holds at least one token per replica")
         self.capacity = capacity
         self._replicas: dict[str, _Replica] = {}
-        self._holders: dict[int, set[str]] = {}  # block -> replicas holding it
+        self._holders: dict[int, int] = {}  # block -> the bits of the replicas holding it
+        self._bits: dict[str, int] = {}  # replica -> its bit
+        self._known = 0  # the bits of every replica in the index
+        self._by_name: tuple[tuple[str, ...], tuple[int, ...]] = ((), ())  # names sorted, their bits
+        self._named: dict[int, tuple[str]] = {}  # bit -> (its replica,)
 
     def add_prompt(self, replica: str, blocks: Sequence[int], weight: int) -> None:
         """``replica`` was sent a prompt of ``blocks``, each new one weighing ``weight`` tokens:
@@ -56,8 +65,8 @@ class PrefixIndex:
             return
         view = self._replicas.get(replica)
         if view is None:
-            view = self._replicas[replica] = _Replica(self.capacity)
-        parent, children, holders = view.parent, view.children, self._holders
+            view = self._add_replica(replica)
+        parent, children, holders, bit = view.parent, view.children, self._holders, self._bits[replica]
         held = self._held(view, blocks)
         previous = blocks[held - 1] if held else None
         for block in blocks[held:]:
@@ -68,7 +77,7 @@ class PrefixIndex:
             view.used += weight
             if previous is not None:
                 children[previous] = children.get(previous, 0) + 1
-            holders.setdefault(block, set()).add(replica)
+            holders[block] = holders.get(block, 0) | bit
             previous = block
         tips = view.tips
         assert previous is not None  # blocks[0] was held or added
@@ -93,29 +102,29 @@ class PrefixIndex:
         view.capacity = min(self.capacity, max(1, floor, view.capacity + tokens))
         self._evict(replica, view)
 
-    def holders_by_depth(self, blocks: Sequence[int]) -> list[tuple[int, list[str]]]:
-        """Per replica, how many leading ``blocks`` it holds, grouped by that depth, deepest
-        first, names sorted within a depth. Held blocks are closed under prefixes, so a
-        replica's match is one past its deepest block: one binary search per distinct depth
-        instead of a walk over every block."""
+    def lookup(self, blocks: Sequence[int], avoid: Iterable[str] = ()) -> list[tuple[int, int]]:
+        """The replicas (but ``avoid``) holding a leading part of ``blocks``, grouped by how
+        many blocks they hold: (blocks held, the bits of the replicas holding that many),
+        deepest first (``names`` turns bits into names). Held blocks are closed under
+        prefixes, so a replica's match is one past its deepest block: one binary search per
+        distinct depth instead of a walk over every block."""
         holders = self._holders
-        groups: list[tuple[int, list[str]]] = []
-        counted: set[str] = set()
-        high = len(blocks)  # every replica not yet counted holds fewer than ``high`` blocks
-        while high:
-            low, top, known = 0, high, len(counted)  # the first block in [0, high) no uncounted replica holds
+        groups: list[tuple[int, int]] = []
+        left = self._known  # the replicas not yet counted: each holds fewer than ``high`` blocks
+        for name in avoid:
+            left &= ~self._bits.get(name, 0)
+        high = len(blocks)
+        while high and left and holders.get(blocks[0], 0) & left:  # some replica left holds the first block
+            low, top = 1, high  # the first block in [0, high) no replica in ``left`` holds
             while low < top:
                 middle = (low + top) // 2
-                held = holders.get(blocks[middle])  # ⊇ the counted replicas (they hold deeper blocks)
-                if held and len(held) > known:
+                if holders.get(blocks[middle], 0) & left:
                     low = middle + 1
                 else:
                     top = middle
-            if not low:
-                break
-            fresh = holders[blocks[low - 1]] - counted
-            groups.append((low, sorted(fresh)))  # by name: sets iterate in a per-process hash order
-            counted |= fresh
+            fresh = holders[blocks[low - 1]] & left
+            groups.append((low, fresh))
+            left ^= fresh
             high = low - 1
         return groups
 
@@ -144,6 +153,33 @@ class PrefixIndex:
         for gone in [name for name in self._replicas if name not in wanted]:
             for block in self._replicas.pop(gone).parent:
                 self._drop(gone, block)
+            self._known &= ~self._bits.pop(gone)  # its bit is free for a replica that comes later
+        self._sort_names()
+
+    def _add_replica(self, replica: str) -> _Replica:
+        bit = 1
+        while bit & self._known:  # the lowest free bit
+            bit <<= 1
+        self._bits[replica] = bit
+        self._known |= bit
+        view = self._replicas[replica] = _Replica(self.capacity)
+        self._sort_names()
+        return view
+
+    def _sort_names(self) -> None:
+        ordered = sorted(self._bits.items())
+        self._by_name = (tuple(name for name, _ in ordered), tuple(bit for _, bit in ordered))
+        self._named = {bit: (name,) for name, bit in ordered}
+
+    def names(self, bits: int) -> tuple[str, ...]:
+        """The names of the replicas in ``bits``, sorted."""
+        if not bits & (bits - 1):  # one replica (or none)
+            return self._named.get(bits, ())
+        names, each = self._by_name
+        return tuple(compress(names, map(bits.__and__, each)))  # C loops, no Python per replica
+
+    def bit(self, replica: str) -> int:
+        return self._bits.get(replica, 0)
 
     @staticmethod
     def _held(view: _Replica, blocks: Sequence[int]) -> int:
@@ -182,7 +218,9 @@ class PrefixIndex:
                     return
 
     def _drop(self, replica: str, block: int) -> None:
-        holders = self._holders[block]
-        holders.discard(replica)
-        if not holders:
+        left = self._holders[block] & ~self._bits[replica]
+        if left:
+            self._holders[block] = left
+        else:
             del self._holders[block]
+

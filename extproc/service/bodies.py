@@ -41,7 +41,7 @@ import orjson
 import xxhash
 
 from extproc.envoy.contract import RESPONSE_METADATA
-from extproc.routing.blocks import prefix_blocks
+from extproc.routing.blocks import BLOCK_CHARS, prefix_blocks
 
 OPENING_CHARS = 512
 CHAT_PATHS = frozenset({"/v1/chat/completions"})
@@ -57,7 +57,7 @@ class ParsedRequest:
     stream: bool
     history: int = 0  # hash of all messages (chat); 0 for completion bodies
     answered: frozenset[int] = frozenset()  # histories this body shows answered (see above)
-    prefix_blocks: tuple[int, ...] = ()  # only when asked for (parse_request(blocks=True))
+    prefix_blocks: tuple[int, ...] = ()  # only when asked for (parse_request(block_chars=...))
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,11 +94,12 @@ class Timings:
 
 
 def parse_request(
-    path: str, content_type: str, body: bytes, limits: BodyLimits | None = None, blocks: bool = False
+    path: str, content_type: str, body: bytes, limits: BodyLimits | None = None, block_chars: int = 0
 ) -> ParsedRequest:
     """Read a request body, or raise BadRequest(status, message) saying what is wrong.
     limits: the service's; None (tests, offline tools) checks types only.
-    blocks: also cut the prompt into prefix blocks (for the policies that need them)."""
+    block_chars: also cut the prompt into prefix blocks of that many characters (for the
+    policies that need them; 0: no blocks)."""
     if not body:
         raise BadRequest(400, "empty body: expected a JSON object")
     media = content_type.partition(";")[0].strip().lower()
@@ -120,7 +121,9 @@ def parse_request(
         parsed = ParsedRequest(key, chars, ids, _max_tokens(data, limits, "n_predict", "max_tokens"), stream)
     else:
         raise BadRequest(404, f"unknown path {path!r}")
-    return replace(parsed, prefix_blocks=prefix_blocks(_prompt_text(path, data))) if blocks else parsed
+    if not block_chars:
+        return parsed
+    return replace(parsed, prefix_blocks=prefix_blocks(_prompt_text(path, data), block_chars))
 
 
 def too_many_messages(body: bytes, limits: BodyLimits) -> BadRequest | None:
@@ -200,9 +203,9 @@ def _completion(prompt: Any, limits: BodyLimits | None) -> tuple[str, int, int]:
     raise BadRequest(400, "'prompt' must be a non-empty string or a list of token ids")
 
 
-def request_blocks(path: str, body: bytes) -> tuple[int, ...]:
+def request_blocks(path: str, body: bytes, block_chars: int = BLOCK_CHARS) -> tuple[int, ...]:
     """Prefix blocks of a body that ``parse_request`` accepted (() when it has no prompt text)."""
-    return prefix_blocks(_prompt_text(path, orjson.loads(body)))
+    return prefix_blocks(_prompt_text(path, orjson.loads(body)), block_chars)
 
 
 def _prompt_text(path: str, data: dict[str, Any]) -> str:

@@ -501,7 +501,7 @@ class Gateway:
             raise done
         if done is not None:
             return done
-        return parse_request(path, content_type, body, self.limits, self.router.policy.needs_prefix_blocks)
+        return parse_request(path, content_type, body, self.limits, self.router.policy.prefix_block_chars)
 
     def _request_id(self) -> str:
         self._sequence += 1

@@ -24,11 +24,11 @@ WORKER_TASKS = 64
 
 
 def parse_or_refusal(
-    path: str, content_type: str, body: bytes, limits: BodyLimits, blocks: bool
+    path: str, content_type: str, body: bytes, limits: BodyLimits, block_chars: int
 ) -> ParsedRequest | BadRequest:
     """parse_request's result or its refusal, as a value (it crosses a process boundary)."""
     try:
-        return parse_request(path, content_type, body, limits, blocks)
+        return parse_request(path, content_type, body, limits, block_chars)
     except BadRequest as exc:
         return exc
 
@@ -46,7 +46,7 @@ class BodyParser:
         return len(body) >= OFFLOAD_BYTES
 
     async def parse(
-        self, path: str, content_type: str, body: bytes, blocks: bool = False
+        self, path: str, content_type: str, body: bytes, block_chars: int = 0
     ) -> ParsedRequest | BadRequest:
         refusal = too_many_messages(body, self.limits) if path in CHAT_PATHS else None
         if refusal is not None:
@@ -57,7 +57,7 @@ class BodyParser:
         try:
             loop = asyncio.get_running_loop()
             return await loop.run_in_executor(
-                self.pool, parse_or_refusal, path, content_type, body, self.limits, blocks
+                self.pool, parse_or_refusal, path, content_type, body, self.limits, block_chars
             )
         finally:
             self.waiting -= 1

@@ -144,7 +144,7 @@ class Processor:
         body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
         parsed = None
         if self.parser is not None and self.parser.takes(body):
-            parsed = await self.parser.parse(path, content_type, body, self.gateway.router.policy.needs_prefix_blocks)
+            parsed = await self.parser.parse(path, content_type, body, self.gateway.router.policy.prefix_block_chars)
         conversation_id = _text(attributes, "request.headers['x-conversation-id']")
         turn, request_id = _text(attributes, "request.headers['x-turn']"), _text(attributes, "request.id")
         if self.gateway.store is None:

@@ -133,7 +133,7 @@ class Source:
     """Where requests come from: a traffic profile (closed loop) or a trace (open loop)."""
 
     label: str
-    make: Callable[[int, bool], ClosedLoop | OpenLoop]  # (seed, policy needs prefix blocks) -> a fresh workload
+    make: Callable[[int, int], ClosedLoop | OpenLoop]  # (seed, the policy's prefix_block_chars) -> a fresh workload
     seeds_hash: bool  # traces: the seed varies the ring's hash_seed and the arrival jitter
     profile: Profile | None = None
     trace: list[TraceRequest] | None = None
@@ -153,7 +153,7 @@ def trace_source(path: str | Path, time_scale: float, jitter_bucket_s: float | N
     if not trace:
         raise TraceError(f"{path}: no requests")
 
-    def make(seed: int, _: bool) -> OpenLoop:  # a trace's requests carry its hash ids always
+    def make(seed: int, _: int) -> OpenLoop:  # a trace's requests carry its hash ids always
         return requests_from_trace(trace, time_scale, jittered_arrivals(trace, bucket_s, seed))
 
     return Source(Path(path).stem, make, True, trace=trace)
@@ -182,7 +182,7 @@ def run_experiment(
         for spec in policies:
             base = {**config.routing, "hash_seed": seed} if source.seeds_hash else config.routing
             settings = parse_policy(spec, base)
-            outcome = run_once(source.make(seed, make_policy(settings).needs_prefix_blocks), settings, cost, fleet,
+            outcome = run_once(source.make(seed, make_policy(settings).prefix_block_chars), settings, cost, fleet,
                                config.routers, config.router_state, seed, config.store_lag_ms,
                                config.store_handoff, config.store_outage)
             run_id = f"sim-{source.label}-r{fleet.replicas}-{spec.replace(':', '_').replace(',', '_')}-s{seed}"

@@ -4,19 +4,20 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from extproc.routing.blocks import BLOCK_CHARS
 from extproc.sim.engine import ClosedLoop, OpenLoop
 from extproc.sim.mooncake import TraceRequest, infer_conversations, read_trace
 from extproc.sim.replica import Request
 from extproc.traffic import Profile, generate_conversations
 
 # A profile prompt as the block-aware policies see it: the service cuts a prompt's text into
-# blocks of BLOCK_CHARS characters, at its 4 characters a token (router.toml chars_per_token).
-PROFILE_BLOCK_TOKENS = BLOCK_CHARS // 4
+# blocks of the policy's prefix_block_chars characters, at 4 characters a token (router.toml
+# chars_per_token).
+CHARS_PER_TOKEN = 4
 
 
-def profile_workload(profile: Profile, seed: int, prefix_blocks: bool = False) -> ClosedLoop:
-    """The seed's conversations, each turn's prompt = whole history with answers at max_tokens.
+def profile_workload(profile: Profile, seed: int, block_chars: int = 0) -> ClosedLoop:
+    """The seed's conversations, each turn's prompt = whole history with answers at max_tokens;
+    with ``block_chars``, each prompt carries its prefix blocks of that many characters.
 
     The prompt size is the generator's estimate (characters / chars_per_token plus
     chat-template tokens), used both as what the router sees and as what the replica
@@ -27,6 +28,7 @@ def profile_workload(profile: Profile, seed: int, prefix_blocks: bool = False) -
     its turn; the simulated cache credits it with its turn's length (the short side message
     is over-credited).
     """
+    block_tokens = block_chars // CHARS_PER_TOKEN
     firsts = []
     for number, conversation in enumerate(generate_conversations(profile, seed)):
         previous = None
@@ -35,11 +37,11 @@ def profile_workload(profile: Profile, seed: int, prefix_blocks: bool = False) -
                 f"{conversation.id}-t{turn_number}", conversation.id, turn_number, number, None,
                 turn.est_prompt_tokens, turn.max_tokens, think_s=turn.think_time_s,
             )
-            if prefix_blocks:
-                _add_blocks(request)
+            if block_tokens:
+                _add_blocks(request, block_tokens)
             if turn.parallel:
                 request.sides = tuple(
-                    _side(request, f"{conversation.id}/p{k}", side.est_prompt_tokens, prefix_blocks)
+                    _side(request, f"{conversation.id}/p{k}", side.est_prompt_tokens, block_tokens)
                     for k, side in enumerate(turn.parallel, start=1)
                 )
                 request.waiting = 1 + len(request.sides)
@@ -51,18 +53,18 @@ def profile_workload(profile: Profile, seed: int, prefix_blocks: bool = False) -
     return ClosedLoop(firsts, profile.concurrency, profile.spawn_rate, profile.max_duration_s)
 
 
-def _add_blocks(request: Request) -> None:
+def _add_blocks(request: Request, block_tokens: int) -> None:
     key = request.key  # the conversation's number: hashes of int tuples are the same in every process
-    count = request.prompt_tokens // PROFILE_BLOCK_TOKENS
+    count = request.prompt_tokens // block_tokens
     request.route = request.route._replace(prefix_blocks=tuple(hash((key, index)) for index in range(count)))
 
 
-def _side(turn: Request, recorded_as: str, prompt_tokens: int, prefix_blocks: bool) -> Request:
+def _side(turn: Request, recorded_as: str, prompt_tokens: int, block_tokens: int) -> Request:
     side = Request(f"{turn.request_id}-{recorded_as.rpartition('/')[2]}", recorded_as, turn.turn, turn.key, None,
                    prompt_tokens, turn.max_tokens)  # fmt: skip
     side.route = side.route._replace(conversation=turn.conversation)  # routed as its turn's conversation
-    if prefix_blocks:
-        _add_blocks(side)
+    if block_tokens:
+        _add_blocks(side, block_tokens)
     side.head = turn
     return side
 

@@ -24,3 +24,7 @@ def test_the_table_has_every_policy_and_the_peers_at_64_replicas(
     assert cells == ({(name, 3) for name in POLICIES if name not in peers} | {(name, 64) for name in peers}
                      | {(decisions.PREFIX_INDEX, 64)})
     assert 1_300 < summary["block_hashing"]["prompt_tokens"] < 2_200
+    hashing = summary["block_hashing"]
+    assert hashing["prefix_index"]["block_chars"] == 4 * hashing["peers"]["block_chars"]  # the index's coarser blocks
+    index_blocks, peer_blocks = hashing["prefix_index"]["blocks"], hashing["peers"]["blocks"]
+    assert 4 * (index_blocks - 1) < peer_blocks <= 4 * index_blocks

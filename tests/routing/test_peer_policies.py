@@ -48,7 +48,7 @@ def test_route_then_complete_leaves_nothing_charged_and_every_reason_is_document
     for index in range(54, 60):
         router.complete(str(index))
     assert router.ledger.total_requests() == router.ledger.total_tokens() == router.in_flight() == 0
-    assert router.policy.needs_prefix_blocks
+    assert router.policy.prefix_block_chars
 
 
 @pytest.mark.parametrize("policy", PEERS)

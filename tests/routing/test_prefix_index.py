@@ -25,6 +25,10 @@ def blocks(*names: str) -> tuple[int, ...]:
     return prefix_blocks("".join(name.ljust(64, ".")[:64] for name in names))
 
 
+def holders_by_depth(index: PrefixIndex, chain: tuple[int, ...]) -> list[tuple[int, tuple[str, ...]]]:
+    return [(depth, index.names(bits)) for depth, bits in index.lookup(chain)]
+
+
 def index_of(router: Router) -> PrefixIndex:
     assert isinstance(router.policy, LlmAwarePrefix)
     return router.policy.index
@@ -272,10 +276,10 @@ def test_the_index_forgets_exactly_what_an_lru_by_block_forgets_and_its_lookups_
     for known in chains:
         walked = {name: next((depth for depth, block in enumerate(known) if block not in reference.held[name]),
                              len(known)) for name in NAMES}
-        grouped = index.holders_by_depth(known)
+        grouped = holders_by_depth(index, known)
         assert {name: depth for depth, names in grouped for name in names} == {n: d for n, d in walked.items() if d}
         assert [depth for depth, _ in grouped] == sorted({depth for depth, _ in grouped}, reverse=True)
-        assert all(names == sorted(names) for _, names in grouped)
+        assert all(list(names) == sorted(names) for _, names in grouped)
 
 
 def test_the_rendered_trace_names_the_index_as_the_reason_for_the_preference() -> None:
@@ -304,7 +308,7 @@ def test_a_prompt_repeating_a_block_id_is_held_once_and_forgotten_cleanly() -> N
     index.add_prompt("llm-1", chain, 2)
     index.add_prompt("llm-0", blocks("x", "y", "z"), 2)  # 12 > 10: the oldest prompt goes, from its end
     assert index.held_prefix("llm-0", chain) == 2 and index.used("llm-0") == 10
-    assert [(depth, names) for depth, names in index.holders_by_depth(chain)] == [(3, ["llm-1"]), (2, ["llm-0"])]
+    assert [(depth, names) for depth, names in holders_by_depth(index, chain)] == [(3, ("llm-1",)), (2, ("llm-0",))]
     index.add_prompt("llm-0", blocks("p", "q", "r", "s"), 2)  # nothing of the first prompt is pinned
     assert index.held_prefix("llm-0", chain) == 0 and index.used("llm-0") <= 10
 

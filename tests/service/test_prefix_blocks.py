@@ -54,5 +54,6 @@ def test_the_gateway_hashes_blocks_only_for_a_policy_that_needs_them(policy: str
 
 def test_the_blocks_come_from_the_one_parse_of_the_body() -> None:
     body = chat(("system", "tools " * 30), ("user", "hello there, " * 20))
-    assert parse_request(CHAT, "application/json", body, blocks=True).prefix_blocks == request_blocks(CHAT, body)
+    parsed = parse_request(CHAT, "application/json", body, block_chars=BLOCK_CHARS)
+    assert parsed.prefix_blocks == request_blocks(CHAT, body)
     assert parse_request(CHAT, "application/json", body).prefix_blocks == ()

@@ -26,7 +26,7 @@ from extproc.settings import PolicyName, RoutingSettings
 
 class Policy(Protocol):
     name: PolicyName  # the settings' list of names; each class names one member (mypy checks the spelling)
-    needs_prefix_blocks: bool  # requests must carry prefix_blocks (the service hashes them only then)
+    prefix_block_chars: int  # > 0: requests must carry prefix_blocks of blocks this long (hashed only then)
 
     def decide(self, situation: Situation) -> Decision | None:
         """Pick a replica (None when none is eligible). Must not change the ledger."""

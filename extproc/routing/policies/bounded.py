@@ -16,7 +16,7 @@ from extproc.settings import PolicyName, RoutingSettings
 
 class Bounded:
     name: PolicyName = "bounded"
-    needs_prefix_blocks = False
+    prefix_block_chars = 0
 
     def __init__(self, settings: RoutingSettings) -> None:
         self.epsilon = settings.epsilon

@@ -17,6 +17,7 @@ under it), so it is not here.
 
 from __future__ import annotations
 
+from extproc.routing.blocks import BLOCK_CHARS
 from extproc.routing.decision import Check, Decision
 from extproc.routing.policies.situation import Situation, new, peer_decision
 from extproc.routing.ring import HashRing
@@ -28,7 +29,7 @@ REPLICATION = 256
 
 class Chwbl:
     name: PolicyName = "chwbl"
-    needs_prefix_blocks = True
+    prefix_block_chars = BLOCK_CHARS  # llm-d's approximate scorer's block
 
     def __init__(self, settings: RoutingSettings) -> None:
         self._seed = settings.hash_seed

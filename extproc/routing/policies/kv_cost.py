@@ -22,6 +22,7 @@ tokens stay until the request completes and the index keeps 31,250 blocks per re
 
 from __future__ import annotations
 
+from extproc.routing.blocks import BLOCK_CHARS
 from extproc.routing.decision import Candidate, Decision, RouteRequest
 from extproc.routing.hashing import stable_hash
 from extproc.routing.policies.situation import Situation, new, peer_decision
@@ -40,7 +41,7 @@ def request_blocks(request: RouteRequest) -> tuple[int, ...]:
 
 class KvCost:
     name: PolicyName = "kv-cost"
-    needs_prefix_blocks = True
+    prefix_block_chars = BLOCK_CHARS  # llm-d's approximate scorer's block
 
     def __init__(self, settings: RoutingSettings, blocks_per_replica: int = INDEX_BLOCKS_PER_REPLICA) -> None:
         self.index = BlockIndex(blocks_per_replica)

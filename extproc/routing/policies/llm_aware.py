@@ -32,12 +32,19 @@ from extproc.routing.policies.situation import NO_PEER_FIELDS, Situation, new
 from extproc.routing.prefix_index import PrefixIndex
 from extproc.settings import PolicyName, RoutingSettings
 
+# (where the cache is, replica -> cached tokens there, replica -> cost there, trace fields,
+# the holders most expected reuse first)
+WhereCached = tuple[str | None, dict[str, int], dict[str, int], tuple, tuple[str, ...]]
 CANDIDATES_TRACED = 8  # holders a trace lists, deepest first (its figures count them all)
+# The index's blocks: 256 characters, about 64 tokens. Four times the peers' 16-token block:
+# hashing a 2,000-token prompt costs 6 µs instead of 19 (docs/prefix-index.md), and a
+# prediction misses at most the part of a prompt past its last whole block.
+INDEX_BLOCK_CHARS = 256
 
 
 class LlmAware:
     name: PolicyName = "llm-aware"
-    needs_prefix_blocks = False
+    prefix_block_chars = 0
 
     def __init__(self, settings: RoutingSettings) -> None:
         self.epsilon = settings.epsilon
@@ -57,7 +64,7 @@ class LlmAware:
         home = situation.home()
         assert home is not None  # eligible is not empty
         # expected: replica -> cached tokens there; costs: replica -> the request's new tokens there
-        cached_on, expected, costs, seen = self.where_cached(situation, home)
+        cached_on, expected, costs, seen, holders = self.where_cached(situation, home)
         if not self.cache_aware:
             costs = {}
         by_memory = self.placement_memory and cached_on is not None
@@ -70,7 +77,7 @@ class LlmAware:
         if self.long_stickiness and cached_on == preferred and prompt >= self.long_prompt_tokens:
             long_cap = self.long_load_factor * average
         cached = preferred if self.cache_aware and cached_on == preferred else None
-        discount = new(Discount, (costs, cached, long_cap, self.holders(expected) if len(expected) > 1 else (),
+        discount = new(Discount, (costs, cached, long_cap, holders,
                                   1 + self.epsilon if seen and cached else None))  # keep_factor: prefix index only
         chosen, checks = first_fit(situation, preferred, loads, work, cap, discount)
         if chosen is None:
@@ -103,72 +110,62 @@ class LlmAware:
         ))
         return new(Decision, (chosen, reason, cost, cost, expected.get(chosen, 0), trace))
 
-    def holders(self, expected: dict[str, int]) -> tuple[str, ...]:
-        """Where to look after the preferred replica, before the ring, when ``expected`` names
-        several replicas (placement memory never does)."""
-        return ()
-
-    def where_cached(self, situation: Situation, home: str) -> tuple[str | None, dict[str, int], dict[str, int], tuple]:
+    def where_cached(self, situation: Situation, home: str) -> WhereCached:
         """(the replica holding the cache, replica -> cached tokens expected there, replica ->
-        the request's cost there (new tokens only), the prefix index's trace fields or ()):
-        here placement memory's one entry."""
+        the request's cost there (new tokens only), the prefix index's trace fields or (), the
+        replicas to try after the preferred one, before the ring): here placement memory's one
+        entry."""
         placement = situation.placement
         if placement is None:
-            return None, {}, {}, ()
+            return None, {}, {}, (), ()
         request = situation.request
         replica, cached = placement.replica, min(placement.prompt_tokens, request.prompt_tokens)
-        return replica, {replica: cached}, {replica: max(1, request.prompt_tokens - cached) + request.max_tokens}, ()
+        cost = max(1, request.prompt_tokens - cached) + request.max_tokens
+        return replica, {replica: cached}, {replica: cost}, (), ()
 
 
 class LlmAwarePrefix(LlmAware):
     """llm-aware with the prefix index on (a policy that keeps a view of what it sent)."""
 
-    needs_prefix_blocks = True
+    prefix_block_chars = INDEX_BLOCK_CHARS
 
     def __init__(self, settings: RoutingSettings) -> None:
         super().__init__(settings)
         self.index = PrefixIndex(settings.prefix_capacity_tokens)
         self.feedback = settings.prefix_feedback
 
-    def where_cached(self, situation: Situation, home: str) -> tuple[str | None, dict[str, int], dict[str, int], tuple]:
+    def where_cached(self, situation: Situation, home: str) -> WhereCached:
         request = situation.request
         blocks = request.prefix_blocks
         if not blocks:
             return super().where_cached(situation, home)
         prompt, count, max_tokens = request.prompt_tokens, len(blocks), request.max_tokens
-        avoid = situation.avoid
         expected: dict[str, int] = {}  # deepest first
         costs: dict[str, int] = {}
         traced: list[str] = []  # the first CANDIDATES_TRACED of them
         matched: list[int] = []  # ... and the blocks each holds
-        tied: list[str] = []  # the replicas holding the longest prefix
-        for held, names in self.index.holders_by_depth(blocks):
-            if avoid:
-                names = [name for name in names if name not in avoid]
-            if not names:
-                continue
-            tokens = prompt * held // count  # = covered_tokens
+        groups = self.index.lookup(blocks, situation.avoid)
+        for depth, bits in groups:
+            names = self.index.names(bits)
+            tokens = prompt * depth // count  # = covered_tokens
             expected.update(dict.fromkeys(names, tokens))  # one dict update per depth, not per replica
             costs.update(dict.fromkeys(names, max(1, prompt - tokens) + max_tokens))  # as above
-            tied = tied or names
             shown = names[: CANDIDATES_TRACED - len(traced)]
             traced += shown
-            matched += [held] * len(shown)
+            matched += [depth] * len(shown)
         loads = situation.ledger.loads("tokens")  # Candidate(replica, matched blocks, load, expected), in C loops:
         candidates = tuple(map(new, repeat(Candidate), zip(traced, matched, map(loads.__getitem__, traced),
                                                            map(expected.__getitem__, traced), strict=True)))
         seen = (count, candidates, (("capacity_tokens", self.index.capacity), ("holders", len(expected))))
-        if not tied:
-            return None, {}, {}, seen
-        if len(tied) == 1:
-            cached_on = tied[0]
+        if not groups:
+            return None, {}, {}, seen, ()
+        tied = groups[0][1]  # the replicas holding the longest prefix
+        if not tied & (tied - 1):  # one replica
+            cached_on = traced[0]
         else:  # ties: the ring home, else the first of them clockwise
-            cached_on = home if home in tied else next(name for name in situation.walk() if name in tied)
-        return cached_on, expected, costs, seen
-
-    def holders(self, expected: dict[str, int]) -> tuple[str, ...]:
-        """The other replicas holding part of the prompt, most expected reuse first."""
-        return tuple(expected)  # built deepest first
+            bit = self.index.bit
+            cached_on = home if bit(home) & tied else next(name for name in situation.walk() if bit(name) & tied)
+        return cached_on, expected, costs, seen, tuple(expected) if len(expected) > 1 else ()
 
     def routed(self, request: RouteRequest, decision: Decision) -> None:
         blocks = request.prefix_blocks

@@ -10,7 +10,7 @@ from extproc.settings import PolicyName, RoutingSettings
 
 class ModN:
     name: PolicyName = "mod-n"
-    needs_prefix_blocks = False
+    prefix_block_chars = 0
 
     def __init__(self, settings: RoutingSettings) -> None:
         pass

@@ -20,6 +20,7 @@ llm-d breaks ties at random; here the tied replica at key_hash mod ties (determi
 
 from __future__ import annotations
 
+from extproc.routing.blocks import BLOCK_CHARS
 from extproc.routing.decision import Candidate, Decision, RouteRequest
 from extproc.routing.policies.situation import Situation, new, peer_decision
 from extproc.routing.prefix_views import BlockIndex
@@ -33,7 +34,7 @@ KV_CAPACITY_TOKENS = 500_000
 
 class PrefixAffinity:
     name: PolicyName = "prefix-affinity"
-    needs_prefix_blocks = True
+    prefix_block_chars = BLOCK_CHARS  # llm-d's approximate scorer's block
 
     def __init__(self, settings: RoutingSettings, blocks_per_replica: int = LRU_BLOCKS_PER_REPLICA) -> None:
         self.index = BlockIndex(blocks_per_replica)

@@ -33,7 +33,7 @@ TREE_BLOCKS_PER_REPLICA = 2**26 // BLOCK_CHARS
 
 class RadixBalance:
     name: PolicyName = "radix-balance"
-    needs_prefix_blocks = True
+    prefix_block_chars = BLOCK_CHARS  # llm-d's approximate scorer's block
 
     def __init__(self, settings: RoutingSettings, blocks_per_replica: int = TREE_BLOCKS_PER_REPLICA) -> None:
         self.tree = BlockIndex(blocks_per_replica)

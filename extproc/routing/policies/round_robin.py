@@ -9,7 +9,7 @@ from extproc.settings import PolicyName, RoutingSettings
 
 class RoundRobin:
     name: PolicyName = "round-robin"
-    needs_prefix_blocks = False
+    prefix_block_chars = 0
 
     def __init__(self, settings: RoutingSettings) -> None:
         self._turn = 0
