@@ -9,6 +9,7 @@ import pytest
 
 from extproc.routing import Router
 from extproc.routing.blocks import BLOCK_CHARS, prefix_blocks
+from extproc.routing.policies.llm_aware import INDEX_BLOCK_CHARS
 from extproc.service.bodies import parse_request, request_blocks
 from extproc.service.gateway import Gateway
 from extproc.service.metrics import Metrics
@@ -39,17 +40,22 @@ def test_completion_prompts_as_text_or_token_ids() -> None:
     assert ids == prefix_blocks("1,22,333," * 30)
 
 
-@pytest.mark.parametrize(("policy", "hashed"), [("kv-cost", True), ("radix-balance", True), ("llm-aware", False)])
-def test_the_gateway_hashes_blocks_only_for_a_policy_that_needs_them(policy: str, hashed: bool) -> None:
-    routing = SETTINGS.routing.model_copy(update={"policy": policy})
+@pytest.mark.parametrize(("policy", "prefix_index", "block_chars"), [
+    ("kv-cost", False, BLOCK_CHARS), ("radix-balance", False, BLOCK_CHARS), ("llm-aware", False, 0),
+    ("llm-aware", True, INDEX_BLOCK_CHARS)])
+def test_the_gateway_hashes_blocks_only_for_a_policy_that_needs_them_and_as_long_as_it_asks(
+        policy: str, prefix_index: bool, block_chars: int) -> None:
+    routing = SETTINGS.routing.model_copy(update={"policy": policy, "prefix_index": prefix_index})
     gateway = Gateway(Router(routing), SETTINGS.service, Metrics())
     gateway.set_replicas({"llm-0": "127.0.0.1:9000", "llm-1": "127.0.0.1:9001"})
-    body = chat(("user", "hello there, " * 20))
+    body = chat(("user", "hello there, " * 60))
     _, routed = gateway.route_request(path=CHAT, content_type="application/json", conversation_id="", turn="1",
                                request_id="r1", body=body)
     assert routed
     (pending,) = gateway.pending.values()
-    assert pending.request.prefix_blocks == (request_blocks(CHAT, body) if hashed else ())
+    assert pending.request.prefix_blocks == (request_blocks(CHAT, body, block_chars) if block_chars else ())
+    if block_chars:  # the rendered prompt: role NUL content NUL
+        assert len(pending.request.prefix_blocks) == -(-len("user\x00" + "hello there, " * 60 + "\x00") // block_chars)
 
 
 def test_the_blocks_come_from_the_one_parse_of_the_body() -> None:
