@@ -158,6 +158,9 @@ class LlmAwarePrefix(LlmAware):
                                                            map(expected.__getitem__, traced), strict=True)))
         seen = (count, candidates, (("capacity_tokens", self.index.capacity), ("holders", len(expected))))
         if not groups:
+            placement = situation.placement
+            if placement is not None and placement.prompt_tokens * count < prompt:  # shorter than a block:
+                return super().where_cached(situation, home)  # the index never saw it, placement memory did
             return None, {}, {}, seen, ()
         tied = groups[0][1]  # the replicas holding the longest prefix
         if not tied & (tied - 1):  # one replica
