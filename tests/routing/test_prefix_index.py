@@ -95,6 +95,30 @@ def test_expected_cache_is_the_longest_held_prefix_on_each_candidate_and_the_tra
     assert "blocks" in render_trace(decision)
 
 
+def test_a_turn_after_one_too_short_for_a_block_keeps_to_placement_memory() -> None:
+    """The index never saw a prompt shorter than a block; placement memory did."""
+    router = Router(routing(prefix_index=True), NAMES)
+    first = router.route(RouteRequest("b1", "bob", 12, 10, ()))  # too short for one block
+    assert first is not None
+    router.complete("b1")
+    home = router.ring.home(router.conversation_key("bob"))
+    others = [name for name in NAMES if name != first.replica]
+    for number, name in enumerate(others):  # the other replicas hold something, bob's replica nothing
+        router.route(RouteRequest(f"x{number}", f"x{number}", 400, 10, blocks(f"x{number}", "1")))
+        router.complete(f"x{number}")
+    follow_up = router.route(RouteRequest("b2", "bob", 300, 10, blocks("bob", "b1")))  # 2 blocks of 150 tokens
+    assert follow_up is not None
+    assert follow_up.replica == first.replica and follow_up.predicted_cached_tokens == 12
+    assert follow_up.trace.preferred_by == "memory"
+    assert follow_up.reason == ("home" if first.replica == home else "sticky")
+    # once the last prompt had a block, only the index speaks: here it holds none of it
+    router.complete("b2")
+    router.set_replicas([name for name in NAMES if name != first.replica])
+    router.set_replicas(NAMES)  # the replica came back empty; placement memory still names it
+    again = router.route(RouteRequest("b3", "bob", 400, 10, blocks("bob", "b1", "b2")))
+    assert again is not None and again.predicted_cached_tokens == 0
+
+
 def test_an_evicted_prefix_is_not_predicted_while_placement_memory_still_claims_it() -> None:
     capacity = 1000
     router = Router(routing(prefix_index=True, prefix_capacity_tokens=capacity), ["llm-0"])
