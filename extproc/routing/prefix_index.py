@@ -46,6 +46,8 @@ class PrefixIndex:
 
     __slots__ = ("capacity", "_replicas", "_holders", "_bits", "_known", "_by_name", "_named")
 
+    NAMED_SETS = 4_096  # sets of replicas whose names are remembered (a fleet meets few), then afresh
+
     def __init__(self, capacity: int) -> None:
         if capacity < 1:
             raise ValueError("a prefix index holds at least one token per replica")
@@ -55,7 +57,7 @@ class PrefixIndex:
         self._bits: dict[str, int] = {}  # replica -> its bit
         self._known = 0  # the bits of every replica in the index
         self._by_name: tuple[tuple[str, ...], tuple[int, ...]] = ((), ())  # names sorted, their bits
-        self._named: dict[int, tuple[str]] = {}  # bit -> (its replica,)
+        self._named: dict[int, tuple[str, ...]] = {}  # bits -> those replicas' names, sorted
 
     def add_prompt(self, replica: str, blocks: Sequence[int], weight: int) -> None:
         """``replica`` was sent a prompt of ``blocks``, each new one weighing ``weight`` tokens:
@@ -66,24 +68,28 @@ class PrefixIndex:
         view = self._replicas.get(replica)
         if view is None:
             view = self._add_replica(replica)
-        parent, children, holders, bit = view.parent, view.children, self._holders, self._bits[replica]
+        parent, children, weights, holders = view.parent, view.children, view.weight, self._holders
         held = self._held(view, blocks)
         previous = blocks[held - 1] if held else None
-        for block in blocks[held:]:
-            if block in parent:  # an id repeated within the prompt (a broken client): the chain ends
-                break
-            parent[block] = previous
-            view.weight[block] = weight
-            view.used += weight
-            if previous is not None:
-                children[previous] = children.get(previous, 0) + 1
-            holders[block] = holders.get(block, 0) | bit
-            previous = block
+        if held < len(blocks):
+            bit, added = self._bits[replica], 0
+            for block in blocks[held:]:
+                if block in parent:  # an id repeated within the prompt (a broken client): the chain ends
+                    break
+                parent[block] = previous
+                weights[block] = weight
+                if previous is not None:
+                    children[previous] = children.get(previous, 0) + 1
+                holders[block] = holders.get(block, 0) | bit
+                previous = block
+                added += 1
+            view.used += added * weight
         tips = view.tips
         assert previous is not None  # blocks[0] was held or added
         tips[previous] = None  # the prompt's end: its recency
         tips.move_to_end(previous)
-        self._evict(replica, view)
+        if view.used > view.capacity:
+            self._evict(replica, view)
 
     def touch(self, replica: str, blocks: Sequence[int]) -> None:
         """A prompt sent to ``replica`` becomes its most recent, if it still holds all of it."""
@@ -169,14 +175,17 @@ class PrefixIndex:
     def _sort_names(self) -> None:
         ordered = sorted(self._bits.items())
         self._by_name = (tuple(name for name, _ in ordered), tuple(bit for _, bit in ordered))
-        self._named = {bit: (name,) for name, bit in ordered}
+        self._named = {}
 
     def names(self, bits: int) -> tuple[str, ...]:
         """The names of the replicas in ``bits``, sorted."""
-        if not bits & (bits - 1):  # one replica (or none)
-            return self._named.get(bits, ())
-        names, each = self._by_name
-        return tuple(compress(names, map(bits.__and__, each)))  # C loops, no Python per replica
+        named = self._named.get(bits)
+        if named is None:
+            if len(self._named) >= self.NAMED_SETS:
+                self._named.clear()
+            names, each = self._by_name
+            named = self._named[bits] = tuple(compress(names, map(bits.__and__, each)))
+        return named
 
     def bit(self, replica: str) -> int:
         return self._bits.get(replica, 0)
