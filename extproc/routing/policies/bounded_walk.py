@@ -9,7 +9,7 @@ the one request of slack its cached replica keeps) comes as one ``Discount`` val
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from itertools import chain
 from typing import NamedTuple
 
@@ -24,7 +24,9 @@ class Discount(NamedTuple):
     costs: Mapping[str, int]  # replica -> the request's cost there (its new tokens); elsewhere the full cost
     cached: str | None = None  # the preferred replica, when it holds the cache: one request of slack
     long_cap: float | None = None  # that replica's limit instead of the cap (long stickiness)
-    holders: tuple[str, ...] = ()  # tried after the preferred one, before the ring: most expected reuse first
+    # the replicas tried after the preferred one, before the ring, most expected reuse first:
+    # called only then (it may enter their costs)
+    holders: Callable[[], tuple[str, ...]] | None = None
     # the prefix index: over the cap, ``cached`` keeps the request unless another replica fits
     # under the cap or would land this many times (1 + ε) lower; being idle is not enough
     keep_factor: float | None = None
@@ -73,9 +75,10 @@ def first_fit(situation: Situation, first: str, loads: Mapping[str, int], cost: 
         return first, (check,)
     checks = [check]
     walk: Iterable[str] = situation.walk()
-    if discount.holders:  # in order, each once; the ring walked only as far as needed
-        holders = set(discount.holders)
-        walk = chain(discount.holders, (name for name in walk if name not in holders))
+    if discount.holders is not None:  # in order, each once; the ring walked only as far as needed
+        listed = discount.holders()
+        holders = set(listed)
+        walk = chain(listed, (name for name in walk if name not in holders))
     for name in walk:
         if name != first:
             check = _check(name, loads, cost, cap, discount)

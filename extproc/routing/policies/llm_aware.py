@@ -24,6 +24,8 @@ index off exactly as the seed's llm-aware.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
 from itertools import repeat
 
 from extproc.routing.decision import Candidate, Decision, RouteRequest, Trace
@@ -33,8 +35,8 @@ from extproc.routing.prefix_index import PrefixIndex
 from extproc.settings import PolicyName, RoutingSettings
 
 # (where the cache is, replica -> cached tokens there, replica -> cost there, trace fields,
-# the holders most expected reuse first)
-WhereCached = tuple[str | None, dict[str, int], dict[str, int], tuple, tuple[str, ...]]
+# the holders to try after the preferred replica, most expected reuse first: asked for only then)
+WhereCached = tuple[str | None, dict[str, int], dict[str, int], tuple, Callable[[], tuple[str, ...]] | None]
 CANDIDATES_TRACED = 8  # holders a trace lists, deepest first (its figures count them all)
 # The index's blocks: 256 characters, about 64 tokens. Four times the peers' 16-token block:
 # hashing a 2,000-token prompt costs 6 µs instead of 19 (docs/prefix-index.md), and a
@@ -117,11 +119,11 @@ class LlmAware:
         entry."""
         placement = situation.placement
         if placement is None:
-            return None, {}, {}, (), ()
+            return None, {}, {}, (), None
         request = situation.request
         replica, cached = placement.replica, min(placement.prompt_tokens, request.prompt_tokens)
         cost = max(1, request.prompt_tokens - cached) + request.max_tokens
-        return replica, {replica: cached}, {replica: cost}, (), ()
+        return replica, {replica: cached}, {replica: cost}, (), None
 
 
 class LlmAwarePrefix(LlmAware):
@@ -135,40 +137,52 @@ class LlmAwarePrefix(LlmAware):
         self.feedback = settings.prefix_feedback
 
     def where_cached(self, situation: Situation, home: str) -> WhereCached:
+        """The index's lookup. Entered at once: the holders a trace lists (deepest first), the
+        cached replica and, without placement memory, the home; the other holders only when
+        the walk past the preferred replica asks for them (``holders``), which most decisions
+        never do (64 replicas can hold one system prompt)."""
         request = situation.request
         blocks = request.prefix_blocks
         if not blocks:
             return super().where_cached(situation, home)
-        prompt, count, max_tokens = request.prompt_tokens, len(blocks), request.max_tokens
-        expected: dict[str, int] = {}  # deepest first
-        costs: dict[str, int] = {}
-        traced: list[str] = []  # the first CANDIDATES_TRACED of them
-        matched: list[int] = []  # ... and the blocks each holds
-        groups = self.index.lookup(blocks, situation.avoid)
+        prompt, count = request.prompt_tokens, len(blocks)
+        index = self.index
+        groups = index.lookup(blocks, situation.avoid)
+        expected: dict[str, int] = {}  # replica -> cached tokens there, deepest first
+        costs: dict[str, int] = {}  # replica -> the request's new tokens there
+        enter = partial(_enter, expected, costs, prompt, count, request.max_tokens)
+        candidates: list[Candidate] = []  # Candidate(replica, matched blocks, load, expected)
+        loads = situation.ledger.loads("tokens")
         for depth, bits in groups:
-            names = self.index.names(bits)
-            tokens = prompt * depth // count  # = covered_tokens
-            expected.update(dict.fromkeys(names, tokens))  # one dict update per depth, not per replica
-            costs.update(dict.fromkeys(names, max(1, prompt - tokens) + max_tokens))  # as above
-            shown = names[: CANDIDATES_TRACED - len(traced)]
-            traced += shown
-            matched += [depth] * len(shown)
-        loads = situation.ledger.loads("tokens")  # Candidate(replica, matched blocks, load, expected), in C loops:
-        candidates = tuple(map(new, repeat(Candidate), zip(traced, matched, map(loads.__getitem__, traced),
-                                                           map(expected.__getitem__, traced), strict=True)))
-        seen = (count, candidates, (("capacity_tokens", self.index.capacity), ("holders", len(expected))))
+            shown = index.names(bits)[: CANDIDATES_TRACED - len(candidates)]
+            candidates += map(new, repeat(Candidate), zip(shown, repeat(depth), map(loads.__getitem__, shown),
+                                                          repeat(enter(depth, shown))))
+            if len(candidates) == CANDIDATES_TRACED:
+                break
+        holding = sum(bits.bit_count() for _, bits in groups)
+        seen = (count, tuple(candidates), (("capacity_tokens", index.capacity), ("holders", holding)))
         if not groups:
             placement = situation.placement
             if placement is not None and placement.prompt_tokens * count < prompt:  # shorter than a block:
                 return super().where_cached(situation, home)  # the index never saw it, placement memory did
-            return None, {}, {}, seen, ()
-        tied = groups[0][1]  # the replicas holding the longest prefix
+            return None, {}, {}, seen, None
+        depth, tied = groups[0]  # the replicas holding the longest prefix
         if not tied & (tied - 1):  # one replica
-            cached_on = traced[0]
+            cached_on = candidates[0].replica
         else:  # ties: the ring home, else the first of them clockwise
-            bit = self.index.bit
+            bit = index.bit
             cached_on = home if bit(home) & tied else next(name for name in situation.walk() if bit(name) & tied)
-        return cached_on, expected, costs, seen, tuple(expected) if len(expected) > 1 else ()
+            enter(depth, (cached_on,))
+        if not self.placement_memory and home not in expected:  # then home is preferred
+            enter(next((depth for depth, bits in groups if bits & index.bit(home)), 0), (home,))
+
+        def holders() -> tuple[str, ...]:  # every holder, deepest first, each entered
+            named = [(depth, index.names(bits)) for depth, bits in groups]
+            for depth, names in named:
+                enter(depth, names)
+            return tuple(name for _, names in named for name in names)
+
+        return cached_on, expected, costs, seen, holders if holding > 1 else None
 
     def routed(self, request: RouteRequest, decision: Decision) -> None:
         blocks = request.prefix_blocks
@@ -199,6 +213,17 @@ class LlmAwarePrefix(LlmAware):
         # caches whole blocks only), so rounding down would count one it holds as missing
         expected, found = -(-predicted * count // prompt), -(-cached * count // prompt)
         self.index.resize(replica, (found - expected) * max(1, prompt // count), floor=prompt)
+
+
+def _enter(expected: dict[str, int], costs: dict[str, int], prompt: int, blocks: int, max_tokens: int,
+           depth: int, names: tuple[str, ...]) -> int:
+    """Enter ``names``, each holding ``depth`` of the prompt's ``blocks`` (0: none): the tokens
+    expected cached there (returned) and the request's new tokens there."""
+    tokens = prompt * depth // blocks  # = covered_tokens
+    if depth:
+        expected.update(dict.fromkeys(names, tokens))  # one dict update per depth, not per replica
+        costs.update(dict.fromkeys(names, max(1, prompt - tokens) + max_tokens))
+    return tokens
 
 
 def make_llm_aware(settings: RoutingSettings) -> LlmAware:
