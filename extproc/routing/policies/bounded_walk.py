@@ -28,6 +28,9 @@ class Discount(NamedTuple):
     # the prefix index: over the cap, ``cached`` keeps the request unless another replica fits
     # under the cap or would land this many times (1 + ε) lower; being idle is not enough
     keep_factor: float | None = None
+    # the prefix index: ``cached`` is within the cap in requests, ⌈(1 + ε) × average⌉, and takes the
+    # request over its limit in tokens (it brings only its new tokens there)
+    within_requests: bool = False
 
 
 NO_DISCOUNT = Discount({})
@@ -63,7 +66,8 @@ def first_fit(situation: Situation, first: str, loads: Mapping[str, int], cost: 
     ``discount.cached`` names the replica holding this request's cache when it is also
     the preferred one (llm-aware only). Its limit is ``discount.long_cap`` when given, and
     it has one request of slack: it accepts while its load *before* the request is under
-    its limit. That is the token analogue of the paper's ⌈(1+ε)·m/n⌉, which in requests
+    its limit, or (``discount.within_requests``, the prefix index) while its requests in
+    flight stay within the cap in requests. That is the token analogue of the paper's ⌈(1+ε)·m/n⌉, which in requests
     also lets a replica under the cap take one more; without it one large prefill
     elsewhere on the replica pushes every small cached follow-up away at light load,
     each redirect paying a full reprocess.
@@ -93,7 +97,7 @@ def _check(name: str, loads: Mapping[str, int], cost: int, cap: float, discount:
         long_cap = discount.long_cap
         is_long = long_cap is not None
         limit = long_cap if long_cap is not None else cap
-        accepted = load == 0 or load + cost_here <= limit or load < limit
+        accepted = load == 0 or load + cost_here <= limit or load < limit or discount.within_requests
     else:
         is_long, limit = False, cap
         accepted = load + cost_here <= cap or (load == 0 and (discount.keep_factor is None or discount.cached is None))
