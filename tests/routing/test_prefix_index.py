@@ -358,10 +358,10 @@ def test_over_its_limit_in_tokens_the_cached_replica_keeps_a_request_while_withi
     """alice's follow-up brings 110 new tokens where her 1,000 are cached. Her replica runs one
     3,000-token request, the other replica nothing: over the cap in tokens, but 2 requests are
     within ⌈1.25 × 2 / 2⌉ = 2, so it stays there. The same 3,000 tokens as two requests (3 > 2) and
-    she goes to the idle replica, which lands more than 1.25 times lower (1,110 against 3,110)."""
+    she goes to the idle replica, where 1,110 tokens fit under the cap."""
     opening = blocks(*(f"a{n}" for n in range(10)))
     follow_up = opening + blocks(*(f"a{n}" for n in range(11)))[10:]
-    for parts, reason, stays in ((1, "-requests", True), (2, "least-loaded", False)):
+    for parts, reason, stays in ((1, "-requests", True), (2, "overflow", False)):
         router = Router(routing(prefix_index=True, long_stickiness=False), ["llm-0", "llm-1"])
         first = router.route(RouteRequest("1", "alice", 1000, 10, opening))
         assert first is not None
