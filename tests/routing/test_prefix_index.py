@@ -378,6 +378,27 @@ def test_over_its_limit_in_tokens_the_cached_replica_keeps_a_request_while_withi
             assert "3000+110=3110 > 1943.8 but 2 requests ≤ the cap in requests 2: cached" in render_trace(decision)
 
 
+def test_with_the_index_the_long_cap_is_measured_against_the_cached_prefix_when_that_is_larger() -> None:
+    """alice's 1,000 tokens are cached on her replica; it runs five other requests of B tokens in
+    all, three replicas are idle. The average, (B + 110) / 4, is below her prefix: the long cap
+    is 2 × 1,000 (what a move computes again), not 2 × the average. B = 1,500: 1,610 ≤ 2,000,
+    she stays (2 × the average, 805, would have sent her away); B = 2,500: 2,610 > 2,000, she goes."""
+    names = ["llm-0", "llm-1", "llm-2", "llm-3"]
+    opening = blocks(*(f"a{n}" for n in range(10)))
+    follow_up = opening + blocks(*(f"a{n}" for n in range(11)))[10:]
+    for backlog, stays in ((1500, True), (2500, False)):
+        router = Router(routing(prefix_index=True), names)
+        first = router.route(RouteRequest("1", "alice", 1000, 10, opening))
+        assert first is not None
+        router.complete("1")
+        for part in range(5):  # 5 requests: over the cap in requests too (5 > ⌈1.25 × 6 / 4⌉ = 2)
+            router.ledger.charge(f"busy-{part}", first.replica, backlog // 5)
+        decision = router.route(RouteRequest("2", "alice", 1100, 10, follow_up))
+        assert decision is not None and decision.trace.long_cap == 2000
+        assert (decision.replica == first.replica) is stays
+        assert decision.reason == (decision.reason.partition("-")[0] + "-long" if stays else "least-loaded")
+
+
 flood = st.lists(st.tuples(st.integers(0, 3), st.integers(0, 5), st.integers(1, 8), st.integers(10, 3000),
                            st.booleans()), min_size=1, max_size=80)
 
@@ -398,6 +419,8 @@ def test_with_the_index_a_replica_goes_over_the_cap_only_when_none_fits_and_kept
         assert trace.cap is not None
         landing = {check.replica: check.load + check.cost for check in trace.checks}
         fits = {check.replica for check in trace.checks if check.load + check.cost <= check.limit}
+        if trace.long_cap is not None:  # 2 x the larger of the average and the prefix cached on the preferred
+            assert trace.average is not None and trace.long_cap == 2.0 * max(trace.average, trace.cached_tokens)
         if decision.reason in ("kept", "least-loaded"):
             assert not fits and set(landing) == set(NAMES)  # every replica was checked
             factor = 1 + epsilon if decision.reason == "kept" else 1.0

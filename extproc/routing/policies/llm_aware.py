@@ -16,7 +16,8 @@
   cap it keeps the request unless another replica fits under the cap or would land
   (1 + ε) times lower: a redirect pays the whole prefill again. The cached replica also
   takes it while within the cap in requests, ⌈(1 + ε) × average⌉: there it brings only its
-  new tokens, and a popular prefix still spreads by count. Requests
+  new tokens, and a popular prefix still spreads by count. The long cap is long_load_factor
+  × the larger of the average and the prefix cached there (what a move computes again). Requests
   without blocks fall back to placement memory. prefix_feedback: a replica that reports
   whole blocks fewer (more) than predicted has its capacity lowered (raised) by as many tokens.
 
@@ -70,7 +71,8 @@ class LlmAware:
         average, cap = average_and_cap(total, len(eligible), self.epsilon, "tokens")
         long_cap = None
         if self.long_stickiness and cached_on == preferred and prompt >= self.long_prompt_tokens:
-            long_cap = self.long_load_factor * average
+            # with the index, against the prefix cached there when that is larger: what a move computes again
+            long_cap = self.long_load_factor * (max(average, expected[preferred]) if seen else average)
         cached = preferred if self.cache_aware and cached_on == preferred else None
         within_requests = False  # the prefix index only: the cached replica within the cap in requests
         if seen and cached:
