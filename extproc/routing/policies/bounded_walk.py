@@ -66,11 +66,11 @@ def first_fit(situation: Situation, first: str, loads: Mapping[str, int], cost: 
     ``discount.cached`` names the replica holding this request's cache when it is also
     the preferred one (llm-aware only). Its limit is ``discount.long_cap`` when given, and
     it has one request of slack: it accepts while its load *before* the request is under
-    its limit, or (``discount.within_requests``, the prefix index) while its requests in
-    flight stay within the cap in requests. That is the token analogue of the paper's ⌈(1+ε)·m/n⌉, which in requests
+    its limit. That is the token analogue of the paper's ⌈(1+ε)·m/n⌉, which in requests
     also lets a replica under the cap take one more; without it one large prefill
     elsewhere on the replica pushes every small cached follow-up away at light load,
-    each redirect paying a full reprocess.
+    each redirect paying a full reprocess. With ``discount.within_requests`` (the prefix
+    index) it also accepts while its requests in flight stay within the cap in requests.
     """
     check = _check(first, loads, cost, cap, discount)
     if check.accepted:  # the usual case: the ring is not walked at all
