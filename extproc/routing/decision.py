@@ -29,6 +29,8 @@ REASONS: dict[str, str] = {
     "sticky-long": "llm-aware: remembered replica above the normal cap but within the long cap",
     "prefix": "llm-aware, prefix index: the replica holding the longest prefix of the prompt, not its ring home",
     "prefix-long": "llm-aware, prefix index: that replica above the normal cap but within the long cap",
+    "home-requests": "llm-aware, prefix index: the cached home over its limit in tokens, within the cap in requests",
+    "prefix-requests": "llm-aware, prefix index: that replica over its limit in tokens, within the cap in requests",
     "overflow": "the preferred replica was over its cap; the next one clockwise with room",
     "least-loaded": "no replica fitted under the cap; the one least loaded after this request",
     "kept": "llm-aware, prefix index: none fitted under the cap; the cached replica, none landing (1 + ε) x lower",

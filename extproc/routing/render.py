@@ -111,6 +111,10 @@ def _check_line(check: Check, trace: Trace, reason: str) -> str:
         return f"{head} > {limit} → skip"
     if after > check.limit and check.load == 0:
         return f"{head} > {limit} but idle → {reason}"
+    if after > check.limit and check.load >= check.limit:  # the prefix index's cap in requests let it in
+        figures = dict(trace.figures)
+        return (f"{head} > {limit} but {int(figures['requests']) + 1} requests ≤ the cap in requests "
+                f"{_num(figures['requests_cap'])}: cached → {reason}")
     if after > check.limit:
         return f"{head} > {limit} but {check.load} < {limit}: cached, one request of slack → {reason}"
     if check.long_limit and trace.cap is not None and after > trace.cap:

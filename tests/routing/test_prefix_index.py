@@ -9,7 +9,7 @@ import tracemalloc
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from extproc.routing import Router, RouteRequest, render_trace
+from extproc.routing import REASONS, Router, RouteRequest, Trace, render_trace
 from extproc.routing.blocks import covered_tokens, prefix_blocks
 from extproc.routing.policies.llm_aware import LlmAwarePrefix
 from extproc.routing.prefix_index import PrefixIndex
@@ -157,9 +157,10 @@ def test_a_flood_on_one_system_prompt_stays_under_the_cap_and_reuses_it_where_he
         trace = decision.trace
         assert trace.cap is not None
         chosen = trace.checks[-1] if decision.reason not in ("least-loaded", "kept") else None
-        if chosen is not None:  # within the cap, or the cached replica's one request of slack
+        if chosen is not None:  # within the cap, the cached replica's one request of slack, or its cap in requests
             assert chosen.replica == decision.replica and chosen.accepted
-            assert chosen.load == 0 or chosen.load + chosen.cost <= trace.cap or chosen.load < trace.cap
+            assert chosen.load == 0 or chosen.load + chosen.cost <= trace.cap or chosen.load < trace.cap or (
+                decision.reason.endswith("-requests") and within_requests_cap(trace))
             assert chosen.limit == trace.cap
         assert decision.predicted_cached_tokens == covered_tokens(800, 8, held[decision.replica])
         if held[decision.replica] >= 6:
@@ -364,7 +365,8 @@ def test_over_the_cap_the_cached_replica_keeps_a_request_unless_another_lands_a_
         first = router.route(RouteRequest("1", "alice", 1000, 10, opening))
         assert first is not None
         router.complete("1")
-        router.ledger.charge("busy", first.replica, backlog)
+        for part in ("busy-1", "busy-2"):  # two requests: the cached replica is over the cap in requests too
+            router.ledger.charge(part, first.replica, backlog // 2)
         decision = router.route(RouteRequest("2", "alice", 1100, 10, follow_up))
         assert decision is not None and decision.reason == reason
         assert (decision.replica == first.replica) is stays
@@ -372,6 +374,56 @@ def test_over_the_cap_the_cached_replica_keeps_a_request_unless_another_lands_a_
         if stays:
             text = render_trace(decision)
             assert f"{first.replica} lands at {backlog + 110}, no other at 1.25x lower (least 1110)" in text
+
+
+def within_requests_cap(trace: Trace) -> bool:
+    figures = dict(trace.figures)
+    return figures["requests"] + 1 <= figures["requests_cap"]
+
+
+def test_over_its_limit_in_tokens_the_cached_replica_keeps_a_request_while_within_the_cap_in_requests() -> None:
+    """alice's follow-up brings 110 new tokens where her 1,000 are cached. Her replica runs one
+    3,000-token request, the other replica nothing: over the cap in tokens, but 2 requests are
+    within ⌈1.25 × 2 / 2⌉ = 2, so it stays there. The same 3,000 tokens as two requests (3 > 2) and
+    she goes to the idle replica, where 1,110 tokens fit under the cap."""
+    opening = blocks(*(f"a{n}" for n in range(10)))
+    follow_up = opening + blocks(*(f"a{n}" for n in range(11)))[10:]
+    for parts, reason, stays in ((1, "-requests", True), (2, "overflow", False)):
+        router = Router(routing(prefix_index=True, long_stickiness=False), ["llm-0", "llm-1"])
+        first = router.route(RouteRequest("1", "alice", 1000, 10, opening))
+        assert first is not None
+        router.complete("1")
+        for part in range(parts):
+            router.ledger.charge(f"busy-{part}", first.replica, 3000 // parts)
+        decision = router.route(RouteRequest("2", "alice", 1100, 10, follow_up))
+        assert decision is not None and decision.reason.endswith(reason)
+        assert (decision.replica == first.replica) is stays
+        assert decision.cost == (110 if stays else 1110)
+        assert dict(decision.trace.figures)["requests"] == parts
+        if stays:
+            assert decision.reason in REASONS and within_requests_cap(decision.trace)
+            assert "3000+110=3110 > 1943.8 but 2 requests ≤ the cap in requests 2: cached" in render_trace(decision)
+
+
+def test_with_the_index_the_long_cap_is_measured_against_the_cached_prefix_when_that_is_larger() -> None:
+    """alice's 1,000 tokens are cached on her replica; it runs five other requests of B tokens in
+    all, three replicas are idle. The average, (B + 110) / 4, is below her prefix: the long cap
+    is 2 × 1,000 (what a move computes again), not 2 × the average. B = 1,500: 1,610 ≤ 2,000,
+    she stays (2 × the average, 805, would have sent her away); B = 2,500: 2,610 > 2,000, she goes."""
+    names = ["llm-0", "llm-1", "llm-2", "llm-3"]
+    opening = blocks(*(f"a{n}" for n in range(10)))
+    follow_up = opening + blocks(*(f"a{n}" for n in range(11)))[10:]
+    for backlog, stays in ((1500, True), (2500, False)):
+        router = Router(routing(prefix_index=True), names)
+        first = router.route(RouteRequest("1", "alice", 1000, 10, opening))
+        assert first is not None
+        router.complete("1")
+        for part in range(5):  # 5 requests: over the cap in requests too (5 > ⌈1.25 × 6 / 4⌉ = 2)
+            router.ledger.charge(f"busy-{part}", first.replica, backlog // 5)
+        decision = router.route(RouteRequest("2", "alice", 1100, 10, follow_up))
+        assert decision is not None and decision.trace.long_cap == 2000
+        assert (decision.replica == first.replica) is stays
+        assert decision.reason == (decision.reason.partition("-")[0] + "-long" if stays else "least-loaded")
 
 
 flood = st.lists(st.tuples(st.integers(0, 3), st.integers(0, 5), st.integers(1, 8), st.integers(10, 3000),
@@ -394,6 +446,8 @@ def test_with_the_index_a_replica_goes_over_the_cap_only_when_none_fits_and_kept
         assert trace.cap is not None
         landing = {check.replica: check.load + check.cost for check in trace.checks}
         fits = {check.replica for check in trace.checks if check.load + check.cost <= check.limit}
+        if trace.long_cap is not None:  # 2 x the larger of the average and the prefix cached on the preferred
+            assert trace.average is not None and trace.long_cap == 2.0 * max(trace.average, trace.cached_tokens)
         if decision.reason in ("kept", "least-loaded"):
             assert not fits and set(landing) == set(NAMES)  # every replica was checked
             factor = 1 + epsilon if decision.reason == "kept" else 1.0
@@ -405,5 +459,9 @@ def test_with_the_index_a_replica_goes_over_the_cap_only_when_none_fits_and_kept
             assert chosen.replica == decision.replica and chosen.accepted
             if chosen.replica != trace.preferred:
                 assert chosen.load + chosen.cost <= trace.cap or trace.cached_tokens == 0
+            elif chosen.load and chosen.load + chosen.cost > chosen.limit and chosen.load >= chosen.limit:
+                # over its limit in tokens, without slack: only the cached replica, within the cap in requests
+                assert decision.reason.endswith("-requests") and trace.cached_tokens > 0
+                assert within_requests_cap(trace)
         if done and number:
             router.complete(str(number - 1))

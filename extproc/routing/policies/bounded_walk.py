@@ -30,6 +30,9 @@ class Discount(NamedTuple):
     # the prefix index: over the cap, ``cached`` keeps the request unless another replica fits
     # under the cap or would land this many times (1 + ε) lower; being idle is not enough
     keep_factor: float | None = None
+    # the prefix index: ``cached`` is within the cap in requests, ⌈(1 + ε) × average⌉, and takes the
+    # request over its limit in tokens (it brings only its new tokens there)
+    within_requests: bool = False
 
 
 NO_DISCOUNT = Discount({})
@@ -68,7 +71,8 @@ def first_fit(situation: Situation, first: str, loads: Mapping[str, int], cost: 
     its limit. That is the token analogue of the paper's ⌈(1+ε)·m/n⌉, which in requests
     also lets a replica under the cap take one more; without it one large prefill
     elsewhere on the replica pushes every small cached follow-up away at light load,
-    each redirect paying a full reprocess.
+    each redirect paying a full reprocess. With ``discount.within_requests`` (the prefix
+    index) it also accepts while its requests in flight stay within the cap in requests.
     """
     check = _check(first, loads, cost, cap, discount)
     if check.accepted:  # the usual case: the ring is not walked at all
@@ -96,7 +100,7 @@ def _check(name: str, loads: Mapping[str, int], cost: int, cap: float, discount:
         long_cap = discount.long_cap
         is_long = long_cap is not None
         limit = long_cap if long_cap is not None else cap
-        accepted = load == 0 or load + cost_here <= limit or load < limit
+        accepted = load == 0 or load + cost_here <= limit or load < limit or discount.within_requests
     else:
         is_long, limit = False, cap
         accepted = load + cost_here <= cap or (load == 0 and (discount.keep_factor is None or discount.cached is None))

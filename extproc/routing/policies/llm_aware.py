@@ -14,7 +14,10 @@
   on every replica = its longest held prefix of this prompt; the one holding the most
   is the cached replica (ties: the ring home, else the first clockwise). Over the
   cap it keeps the request unless another replica fits under the cap or would land
-  (1 + ε) times lower: a redirect pays the whole prefill again. Requests
+  (1 + ε) times lower: a redirect pays the whole prefill again. The cached replica also
+  takes it while within the cap in requests, ⌈(1 + ε) × average⌉: there it brings only its
+  new tokens, and a popular prefix still spreads by count. The long cap is long_load_factor
+  × the larger of the average and the prefix cached there (what a move computes again). Requests
   without blocks fall back to placement memory. prefix_feedback: a replica that reports
   whole blocks fewer (more) than predicted has its capacity lowered (raised) by as many tokens.
 
@@ -77,10 +80,18 @@ class LlmAware:
         average, cap = average_and_cap(total, len(eligible), self.epsilon, "tokens")
         long_cap = None
         if self.long_stickiness and cached_on == preferred and prompt >= self.long_prompt_tokens:
-            long_cap = self.long_load_factor * average
+            # with the index, against the prefix cached there when that is larger: what a move computes again
+            long_cap = self.long_load_factor * (max(average, expected[preferred]) if seen else average)
         cached = preferred if self.cache_aware and cached_on == preferred else None
+        within_requests = False  # the prefix index only: the cached replica within the cap in requests
+        if seen and cached:
+            running = situation.ledger.loads("requests")[cached]
+            requests_cap = average_and_cap(situation.total("requests") + 1, len(eligible), self.epsilon, "requests")[1]
+            within_requests = running + 1 <= requests_cap
+            seen = (*seen[:2], (*seen[2], ("requests", running), ("requests_cap", requests_cap)))
         discount = new(Discount, (costs, cached, long_cap, holders,
-                                  1 + self.epsilon if seen and cached else None))  # keep_factor: prefix index only
+                                  1 + self.epsilon if seen and cached else None,  # keep_factor: prefix index only
+                                  within_requests))
         chosen, checks = first_fit(situation, preferred, loads, work, cap, discount)
         if chosen is None:
             chosen = least_loaded(eligible, loads, work, discount)
@@ -89,7 +100,8 @@ class LlmAware:
             reason = "home" if preferred == home else ("prefix" if seen else "sticky")
             load = loads[chosen]
             if load and load + preferred_cost > cap and not (discount.cached and load < cap):
-                reason += "-long"  # only the long cap let it in
+                first = checks[0]  # only the long cap let it in, or only the cap in requests
+                reason += "-long" if first.load + first.cost <= first.limit or first.load < first.limit else "-requests"
         else:
             reason = "overflow"
         cost = costs.get(chosen, work)
