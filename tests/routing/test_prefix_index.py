@@ -465,3 +465,44 @@ def test_with_the_index_a_replica_goes_over_the_cap_only_when_none_fits_and_kept
                 assert within_requests_cap(trace)
         if done and number:
             router.complete(str(number - 1))
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.sampled_from([2, 5, 12, 16]), st.lists(st.tuples(st.integers(0, 2), st.integers(0, 30), st.integers(0, 6),
+                                              st.integers(200, 4_000), st.booleans()), min_size=1, max_size=80),
+       st.booleans(), st.sets(st.integers(0, 15), max_size=3))
+def test_every_pick_is_charged_and_predicted_what_the_index_holds_there(
+        replicas: int, sent, placement_memory: bool, avoided: set[int]) -> None:
+    """Only some holders are entered into a decision at once (the rest when the walk asks):
+    whatever the path, the pick's predicted cache and charge are what the index holds there."""
+    names = [f"llm-{i}" for i in range(replicas)]
+    router = Router(routing(prefix_index=True, placement_memory=placement_memory), names)
+    index = index_of(router)
+    avoid = [names[i] for i in avoided if i < replicas - 1]
+    for number, (opening, conversation, turns, prompt, done) in enumerate(sent):
+        chain = blocks(f"system-{opening}", f"c{conversation}", *(f"t{n}" for n in range(turns)))
+        held = {name: index.held_prefix(name, chain) for name in names}  # before the request is sent
+        decision = router.route(RouteRequest(str(number), f"c{opening}-{conversation}", prompt, 10, chain), avoid)
+        assert decision is not None and decision.replica not in avoid
+        cached = covered_tokens(prompt, len(chain), held[decision.replica])
+        assert decision.predicted_cached_tokens == cached
+        assert decision.charged_tokens == (max(1, prompt - cached) + 10 if cached else prompt + 10)
+        assert dict(decision.trace.figures)["holders"] == sum(1 for name in names if held[name] and name not in avoid)
+        if done:
+            router.complete(str(number))
+
+
+def test_a_tie_among_more_holders_than_a_trace_lists_is_charged_as_cached_wherever_it_lands() -> None:
+    names = [f"llm-{i:02d}" for i in range(16)]
+    router = Router(routing(prefix_index=True), names)
+    system = blocks("system", "tools")
+    for name in names:  # every replica holds the system prompt: a tie of 16, a trace lists 8
+        index_of(router).add_prompt(name, system, 100)
+    for number in range(40):  # new conversations: each lands on its ring home, half past the 8 listed
+        chain = system + blocks("system", "tools", f"user-{number}")[2:]
+        decision = router.route(RouteRequest(str(number), f"user-{number}", 300, 10, chain))
+        assert decision is not None
+        assert decision.replica == router.ring.home(router.conversation_key(f"user-{number}"))
+        assert decision.predicted_cached_tokens == 200 and decision.charged_tokens == 300 - 200 + 10
+        assert len(decision.trace.candidates) == 8 and dict(decision.trace.figures)["holders"] == 16
+        router.complete(str(number))
