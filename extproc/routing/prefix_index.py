@@ -25,17 +25,20 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from itertools import compress
+from typing import Any
+
+
+PARENT, TOKENS, CHILDREN = 0, 1, 2  # a held block's node: [the block before it (None: the first),
+# its tokens, how many held blocks continue it] (a list: one dict entry a block, built fast)
 
 
 class _Replica:
     """One replica's view: its held blocks, who each one continues, and its prompts' ends."""
 
-    __slots__ = ("parent", "weight", "children", "tips", "used", "capacity")
+    __slots__ = ("nodes", "tips", "used", "capacity")
 
     def __init__(self, capacity: int) -> None:
-        self.parent: dict[int, int | None] = {}  # held block -> the block before it (None: the first)
-        self.weight: dict[int, int] = {}  # held block -> its tokens
-        self.children: dict[int, int] = {}  # held block -> held blocks that continue it (absent: none)
+        self.nodes: dict[int, list[Any]] = {}  # held block -> its node
         self.tips: OrderedDict[int, None] = OrderedDict()  # last blocks of the prompts sent, least recent first
         self.used = 0  # tokens its blocks weigh
         self.capacity = capacity
@@ -68,20 +71,20 @@ class PrefixIndex:
         view = self._replicas.get(replica)
         if view is None:
             view = self._add_replica(replica)
-        parent, children, weights, holders = view.parent, view.children, view.weight, self._holders
+        nodes, holders = view.nodes, self._holders
         held = self._held(view, blocks)
         previous = blocks[held - 1] if held else None
         if held < len(blocks):
             bit, added = self._bits[replica], 0
+            above = nodes[previous] if previous is not None else None
             for block in blocks[held:]:
-                if block in parent:  # an id repeated within the prompt (a broken client): the chain ends
+                if block in nodes:  # an id repeated within the prompt (a broken client): the chain ends
                     break
-                parent[block] = previous
-                weights[block] = weight
-                if previous is not None:
-                    children[previous] = children.get(previous, 0) + 1
+                node = nodes[block] = [previous, weight, 0]
+                if above is not None:
+                    above[CHILDREN] += 1
                 holders[block] = holders.get(block, 0) | bit
-                previous = block
+                previous, above = block, node
                 added += 1
             view.used += added * weight
         tips = view.tips
@@ -94,7 +97,7 @@ class PrefixIndex:
     def touch(self, replica: str, blocks: Sequence[int]) -> None:
         """A prompt sent to ``replica`` becomes its most recent, if it still holds all of it."""
         view = self._replicas.get(replica)
-        if view is not None and blocks and blocks[-1] in view.parent:  # and so every block before it
+        if view is not None and blocks and blocks[-1] in view.nodes:  # and so every block before it
             view.tips[blocks[-1]] = None
             view.tips.move_to_end(blocks[-1])
 
@@ -151,13 +154,13 @@ class PrefixIndex:
     def size(self, replica: str) -> int:
         """Blocks ``replica`` holds."""
         view = self._replicas.get(replica)
-        return len(view.parent) if view is not None else 0
+        return len(view.nodes) if view is not None else 0
 
     def set_replicas(self, replicas: Iterable[str]) -> None:
         """Forget replicas that are gone (their caches went with them)."""
         wanted = set(replicas)
         for gone in [name for name in self._replicas if name not in wanted]:
-            for block in self._replicas.pop(gone).parent:
+            for block in self._replicas.pop(gone).nodes:
                 self._drop(gone, block)
             self._known &= ~self._bits.pop(gone)  # its bit is free for a replica that comes later
         self._sort_names()
@@ -193,11 +196,11 @@ class PrefixIndex:
     @staticmethod
     def _held(view: _Replica, blocks: Sequence[int]) -> int:
         """The leading blocks ``view`` holds: a binary search (held blocks are closed under prefixes)."""
-        parent = view.parent
+        nodes = view.nodes
         low, top = 0, len(blocks)
         while low < top:
             middle = (low + top) // 2
-            if blocks[middle] in parent:
+            if blocks[middle] in nodes:
                 low = middle + 1
             else:
                 top = middle
@@ -206,22 +209,18 @@ class PrefixIndex:
     def _evict(self, replica: str, view: _Replica) -> None:
         """Forget least recent blocks while ``view`` holds more than its capacity. The newest
         prompt goes last, from its end, only when it alone is larger than the capacity."""
-        tips, parent, weight, children = view.tips, view.parent, view.weight, view.children
+        tips, nodes = view.tips, view.nodes
         while view.used > view.capacity and tips:
             block: int | None = tips.popitem(last=False)[0]
-            while block is not None and block not in tips and block not in children:
-                above = parent.pop(block)
-                view.used -= weight.pop(block)
+            while block is not None and block not in tips and not nodes[block][CHILDREN]:
+                above, tokens, _ = nodes.pop(block)
+                view.used -= tokens
                 self._drop(replica, block)
                 if above is not None:
-                    left = children[above] - 1
-                    if left:
-                        children[above] = left
-                    else:
-                        del children[above]
+                    nodes[above][CHILDREN] -= 1
                 block = above
                 if view.used <= view.capacity:
-                    if block is not None and block not in tips and block not in children:
+                    if block is not None and block not in tips and not nodes[block][CHILDREN]:
                         tips[block] = None  # the rest of that prompt keeps its place: least recent
                         tips.move_to_end(block, last=False)
                     return
