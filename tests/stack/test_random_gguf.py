@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 
+from extproc.stack.models import ModelError, kv_bytes_per_token
 from extproc.stack.random_gguf import QWEN25_05B, TINY, Qwen2Shape, VocabGGUF, write_random_qwen2
 
 TOKENS = [f"tok{i}" for i in range(96)] + ["\u0120caf\u00e9", "<|im_start|>", "<|im_end|>", "<|endoftext|>"]
@@ -100,3 +101,12 @@ def test_qwen25_shapes_match_the_real_model() -> None:
     assert (QWEN25_05B.n_layer, QWEN25_05B.n_embd, QWEN25_05B.n_head, QWEN25_05B.n_head_kv, QWEN25_05B.n_ff) == (
         24, 896, 14, 2, 4864)
     assert QWEN25_05B.kv_bytes_per_token() == 12 * 1024
+
+
+def test_a_tokens_kv_bytes_come_from_the_models_shapes(tmp_path: Path, vocab: Path) -> None:
+    """`llm-ring up` sizes the prefix index from them (ctx_size + cache-ram / these bytes)."""
+    assert kv_bytes_per_token(write(tmp_path, vocab)) == TINY.n_layer * TINY.n_head_kv * 2 * TINY.head_dim * 2
+    not_gguf = tmp_path / "notes.gguf"
+    not_gguf.write_bytes(b"not a model")
+    with pytest.raises(ModelError, match="notes.gguf: cannot read its GGUF metadata"):
+        kv_bytes_per_token(not_gguf)

@@ -66,6 +66,13 @@ def test_router_settings_are_the_reference_with_this_stacks_addresses(tmp_path: 
     assert settings.discovery.source == "file"
     assert settings.discovery.file == str(tmp_path / "replicas.json")
     assert settings.service.envoy_endpoints_file == str(tmp_path / "eds.json")
+    assert settings.routing.prefix_capacity_tokens == reference.routing.prefix_capacity_tokens
+    sized = tmp_path / "sized.toml"
+    sized.write_text(render_router_settings(
+        ROUTER_REFERENCE, policy="llm-aware", listen="127.0.0.1:1234", metrics_listen="127.0.0.1:1235",
+        replicas_file=tmp_path / "replicas.json", envoy_endpoints_file=tmp_path / "eds.json",
+        prefix_capacity_tokens=4096))
+    assert load_settings(sized, environ={}).routing.prefix_capacity_tokens == 4096  # what the replicas hold
 
 
 @pytest.mark.parametrize("port_key", ["gateway", "replica_base"])
