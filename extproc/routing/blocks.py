@@ -15,6 +15,10 @@ takes a trace's hash_ids, and the peer policies only compare these numbers.
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
+from xxhash import xxh3_64_intdigest as digest
+
 from extproc.routing.hashing import hash_bytes
 
 BLOCK_CHARS = 64
@@ -24,15 +28,61 @@ def prefix_blocks(text: str, block_chars: int = BLOCK_CHARS) -> tuple[int, ...]:
     """Chained hashes of ``text``'s blocks, oldest first; () for an empty text."""
     data = text.encode()
     if len(data) == len(text):  # ASCII: a character is a byte, so the blocks are cut from one encoding
-        pieces = [data[start : start + block_chars] for start in range(0, len(data), block_chars)]
-    else:
-        pieces = [text[start : start + block_chars].encode() for start in range(0, len(text), block_chars)]
+        return tuple(_chain(data, 0, block_chars, 0))
+    return tuple(_chain_characters(text, block_chars))
+
+
+_NONE: tuple[int, ...] = ()
+
+
+class BlockMemory:
+    """Prefix blocks as ``prefix_blocks`` cuts them, remembered per conversation: a next turn
+    resends the last prompt, so only its new blocks are hashed. What is reused is checked (a
+    digest of the remembered part of the text), so a conversation key shared by two chats only
+    costs a full hashing. At most ``conversations`` are remembered, the least recent forgotten;
+    a text with non-ASCII characters is hashed in full."""
+
+    __slots__ = ("block_chars", "conversations", "_last")
+
+    def __init__(self, block_chars: int, conversations: int = 1_024) -> None:
+        self.block_chars = block_chars
+        self.conversations = conversations
+        self._last: OrderedDict[str, tuple[int, int, tuple[int, ...]]] = OrderedDict()  # key -> (bytes, digest, blocks)
+
+    def blocks(self, key: str, text: str) -> tuple[int, ...]:
+        data = text.encode()
+        if len(data) != len(text):
+            return prefix_blocks(text, self.block_chars)
+        size, view, last = self.block_chars, memoryview(data), self._last
+        remembered = last.get(key)
+        start, known = 0, _NONE
+        if remembered is not None and remembered[0] <= len(data) and digest(view[: remembered[0]]) == remembered[1]:
+            start, known = remembered[0], remembered[2]
+        hashes = known + tuple(_chain(data, start, size, known[-1] if known else 0))
+        whole = len(data) // size
+        last[key] = (whole * size, digest(view[: whole * size]), hashes[:whole])
+        last.move_to_end(key)
+        if len(last) > self.conversations:
+            last.popitem(last=False)
+        return hashes
+
+
+def _chain(data: bytes, start: int, block_chars: int, previous: int) -> list[int]:
+    """The chained hashes of ``data``'s blocks from byte ``start``, after the hash ``previous``."""
     hashes = []
-    previous = 0
-    for piece in pieces:
+    for piece in [data[at : at + block_chars] for at in range(start, len(data), block_chars)]:
         previous = hash_bytes(piece, previous)
         hashes.append(previous)
-    return tuple(hashes)
+    return hashes
+
+
+def _chain_characters(text: str, block_chars: int) -> list[int]:
+    hashes = []
+    previous = 0
+    for piece in [text[at : at + block_chars].encode() for at in range(0, len(text), block_chars)]:
+        previous = hash_bytes(piece, previous)
+        hashes.append(previous)
+    return hashes
 
 
 def covered_tokens(prompt_tokens: int, blocks: int, matched: int) -> int:

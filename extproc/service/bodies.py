@@ -41,7 +41,7 @@ import orjson
 import xxhash
 
 from extproc.envoy.contract import RESPONSE_METADATA
-from extproc.routing.blocks import BLOCK_CHARS, prefix_blocks
+from extproc.routing.blocks import BLOCK_CHARS, BlockMemory, prefix_blocks
 
 OPENING_CHARS = 512
 CHAT_PATHS = frozenset({"/v1/chat/completions"})
@@ -94,12 +94,14 @@ class Timings:
 
 
 def parse_request(
-    path: str, content_type: str, body: bytes, limits: BodyLimits | None = None, block_chars: int = 0
+    path: str, content_type: str, body: bytes, limits: BodyLimits | None = None, block_chars: int = 0,
+    memory: BlockMemory | None = None,
 ) -> ParsedRequest:
     """Read a request body, or raise BadRequest(status, message) saying what is wrong.
     limits: the service's; None (tests, offline tools) checks types only.
     block_chars: also cut the prompt into prefix blocks of that many characters (for the
-    policies that need them; 0: no blocks)."""
+    policies that need them; 0: no blocks), with ``memory`` (of that block size) hashing only
+    what the conversation's last prompt did not hold."""
     if not body:
         raise BadRequest(400, "empty body: expected a JSON object")
     media = content_type.partition(";")[0].strip().lower()
@@ -123,7 +125,10 @@ def parse_request(
         raise BadRequest(404, f"unknown path {path!r}")
     if not block_chars:
         return parsed
-    return replace(parsed, prefix_blocks=prefix_blocks(_prompt_text(path, data), block_chars))
+    text = _prompt_text(path, data)
+    if memory is not None and memory.block_chars == block_chars:
+        return replace(parsed, prefix_blocks=memory.blocks(parsed.opening_key, text))
+    return replace(parsed, prefix_blocks=prefix_blocks(text, block_chars))
 
 
 def too_many_messages(body: bytes, limits: BodyLimits) -> BadRequest | None:

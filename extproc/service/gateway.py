@@ -56,6 +56,7 @@ from extproc.envoy.contract import (
     STREAM_IDLE_TIMEOUT_S,
 )
 from extproc.routing import Decision, Router, RouteRequest, estimate_tokens
+from extproc.routing.blocks import BlockMemory
 from extproc.routing.peers import PeerRequest, PeerView, peer_view
 from extproc.routing.placement import Placement
 from extproc.service.answers import AnswerCache, immediate, request_id_header
@@ -148,6 +149,7 @@ class Gateway:
         self.envoy_ids: dict[str, str] = {}  # Envoy's id -> ours, while pending
         self.limits = BodyLimits(settings.max_messages, settings.max_prompt_chars, settings.max_output_tokens)
         self.store: SharedStore | None = None  # several routers' shared state (main.py sets it from [store])
+        self.block_memory: BlockMemory | None = None  # the last prompt's blocks per conversation, when hashed
 
     # ------------------------------------------------------------------ replicas
 
@@ -501,7 +503,10 @@ class Gateway:
             raise done
         if done is not None:
             return done
-        return parse_request(path, content_type, body, self.limits, self.router.policy.prefix_block_chars)
+        block_chars = self.router.policy.prefix_block_chars
+        if block_chars and (self.block_memory is None or self.block_memory.block_chars != block_chars):
+            self.block_memory = BlockMemory(block_chars)
+        return parse_request(path, content_type, body, self.limits, block_chars, self.block_memory)
 
     def _request_id(self) -> str:
         self._sequence += 1

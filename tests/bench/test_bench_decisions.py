@@ -28,3 +28,4 @@ def test_the_table_has_every_policy_and_the_peers_at_64_replicas(
     assert hashing["prefix_index"]["block_chars"] == 4 * hashing["peers"]["block_chars"]  # the index's coarser blocks
     index_blocks, peer_blocks = hashing["prefix_index"]["blocks"], hashing["peers"]["blocks"]
     assert 4 * (index_blocks - 1) < peer_blocks <= 4 * index_blocks
+    assert hashing["prefix_index"]["next_turn_median_us"] > 0  # a next turn: its new blocks only

@@ -6,9 +6,12 @@ from pathlib import Path
 
 import orjson
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+import extproc.routing.blocks as blocks_module
 from extproc.routing import Router
-from extproc.routing.blocks import BLOCK_CHARS, prefix_blocks
+from extproc.routing.blocks import BLOCK_CHARS, BlockMemory, prefix_blocks
 from extproc.routing.policies.llm_aware import INDEX_BLOCK_CHARS
 from extproc.service.bodies import parse_request, request_blocks
 from extproc.service.gateway import Gateway
@@ -63,3 +66,45 @@ def test_the_blocks_come_from_the_one_parse_of_the_body() -> None:
     parsed = parse_request(CHAT, "application/json", body, block_chars=BLOCK_CHARS)
     assert parsed.prefix_blocks == request_blocks(CHAT, body)
     assert parse_request(CHAT, "application/json", body).prefix_blocks == ()
+
+
+# mostly ASCII (blocks remembered), sometimes not (hashed in full)
+texts = st.one_of(st.text(alphabet="ab c\x00", max_size=700), st.text(alphabet="abé", max_size=40))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["k1", "k2"]), texts, st.booleans()), min_size=1, max_size=30),
+       st.sampled_from([4, 64, 256]))
+def test_remembered_blocks_are_the_blocks_however_the_texts_change(calls, block_chars: int) -> None:
+    """BlockMemory hashes only a next turn's new blocks; whatever comes (a turn that resends
+    the last prompt, one that changes or drops it, another chat under the same key, non-ASCII),
+    its blocks are prefix_blocks'."""
+    memory = BlockMemory(block_chars, conversations=1)
+    last: dict[str, str] = {}
+    for key, text, extends in calls:
+        if extends and key in last:
+            text = last[key] + text  # a next turn: the last prompt, resent, and more
+        assert memory.blocks(key, text) == prefix_blocks(text, block_chars)
+        last[key] = text
+
+
+def test_the_gateway_hashes_a_next_turn_once_per_new_block(monkeypatch: pytest.MonkeyPatch) -> None:
+    routing = SETTINGS.routing.model_copy(update={"policy": "llm-aware", "prefix_index": True})
+    gateway = Gateway(Router(routing), SETTINGS.service, Metrics())
+    gateway.set_replicas({"llm-0": "127.0.0.1:9000"})
+    hashed: list[bytes] = []
+    real = blocks_module.hash_bytes
+    monkeypatch.setattr(blocks_module, "hash_bytes", lambda piece, seed: hashed.append(piece) or real(piece, seed))
+    first = chat(("system", "tools " * 200), ("user", "hello there, " * 20))
+    gateway.route_request(path=CHAT, content_type="application/json", conversation_id="", turn="1",
+                          request_id="r1", body=first)
+    whole = len(hashed)
+    later = chat(("system", "tools " * 200), ("user", "hello there, " * 20), ("assistant", "hi"),
+                 ("user", "more " * 100))
+    gateway.route_request(path=CHAT, content_type="application/json", conversation_id="", turn="2",
+                          request_id="r2", body=later)
+    second = len(hashed) - whole
+    before, now = request_blocks(CHAT, first, INDEX_BLOCK_CHARS), request_blocks(CHAT, later, INDEX_BLOCK_CHARS)
+    assert whole == len(before) and len(now) > len(before)
+    assert list(gateway.pending.values())[-1].request.prefix_blocks == now
+    assert second == len(now) - (len(before) - 1)  # the first turn's whole blocks were not hashed again
