@@ -405,6 +405,32 @@ def test_over_its_limit_in_tokens_the_cached_replica_keeps_a_request_while_withi
             assert "3000+110=3110 > 1943.8 but 2 requests ≤ the cap in requests 2: cached" in render_trace(decision)
 
 
+def test_below_one_request_a_replica_a_follow_up_stays_beside_one_long_prefill_a_new_conversation_does_not() -> None:
+    """alice's replica runs one 20,000-token request, seven replicas are idle: with her follow-up
+    2 requests in flight, ⌈1.25 × 2 / 8⌉ = 1. As the follow-up of her last turn there she may be
+    the second request on it (110 new tokens, not 1,110 on an idle replica); bob, a new
+    conversation opening with the same blocks, spreads to an idle replica as before."""
+    opening = blocks(*(f"a{n}" for n in range(10)))
+    follow_up = opening + blocks(*(f"a{n}" for n in range(11)))[10:]
+    for conversation, stays in (("alice", True), ("bob", False)):
+        router = Router(routing(prefix_index=True, long_stickiness=False), REPLICAS)
+        first = router.route(RouteRequest("1", "alice", 1000, 10, opening))
+        assert first is not None
+        router.complete("1")
+        router.ledger.charge("busy", first.replica, 20_000)
+        decision = router.route(RouteRequest("2", conversation, 1100, 10, follow_up))
+        assert decision is not None and decision.predicted_cached_tokens == (1000 if stays else 0)
+        assert (decision.replica == first.replica) is stays
+        assert decision.cost == (110 if stays else 1110)
+        figures = dict(decision.trace.figures)
+        assert (figures["requests"], figures["requests_cap"]) == (1, 2 if stays else 1)
+        if stays:
+            assert decision.reason == "prefix-requests" or decision.reason == "home-requests"
+            assert "but 2 requests ≤ the cap in requests 2: cached" in render_trace(decision)
+        else:
+            assert decision.reason == "overflow"
+
+
 def test_with_the_index_the_long_cap_is_measured_against_the_cached_prefix_when_that_is_larger() -> None:
     """alice's 1,000 tokens are cached on her replica; it runs five other requests of B tokens in
     all, three replicas are idle. The average, (B + 110) / 4, is below her prefix: the long cap

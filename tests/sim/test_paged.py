@@ -15,6 +15,7 @@ from extproc.sim.engine import Fleet, OpenLoop, simulate
 from extproc.sim.paged import BlockPool, PagedReplica
 from extproc.sim.records import request_rows
 from extproc.sim.replica import Request
+from extproc.sim.runs import load_sim_config
 from tests.sim.helpers import POLICIES, settings, simple_cost
 
 
@@ -195,3 +196,12 @@ def test_every_answer_reports_its_simulated_cache_n_to_the_router(monkeypatch: p
     # b holds 3 full blocks, 2 of them a's: predicted as 2/3 of its prompt, found as 2 blocks of 512
     assert done["b"].replica == done["a"].replica
     assert (done["b"].predicted_cached, done["b"].cache_n) == (covered_tokens(1600, 3, 2), 2 * 512)
+
+
+def test_the_simulated_index_believes_the_arena_pool_holds_what_it_does():
+    """llm-aware's index is as large as the arena's KV pool: a larger one would keep conversations
+    sticky to caches the pool has evicted, a smaller one forget what it still holds (on the arena,
+    seed 1, both track within a block: about 435,700 of 436,000 tokens used on every replica)."""
+    pool = load_cost_model("llama31-8b-h100-vllm").server
+    assert pool is not None
+    assert load_sim_config().routing["prefix_capacity_tokens"] == pool.kv_capacity_tokens

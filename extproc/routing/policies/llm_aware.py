@@ -15,9 +15,10 @@
   is the cached replica (ties: the ring home, else the first clockwise). Over the
   cap it keeps the request unless another replica fits under the cap or would land
   (1 + ε) times lower: a redirect pays the whole prefill again. The cached replica also
-  takes it while within the cap in requests, ⌈(1 + ε) × average⌉: there it brings only its
-  new tokens, and a popular prefix still spreads by count. The long cap is long_load_factor
-  × the larger of the average and the prefix cached there (what a move computes again). Requests
+  takes it while within the cap in requests, ⌈(1 + ε) × average⌉ (at least 2 for a follow-up on
+  the replica of its last turn): there it brings only its new tokens, and a popular prefix still
+  spreads by count. The long cap is long_load_factor × the larger of the average and the
+  prefix cached there (what a move computes again). Requests
   without blocks fall back to placement memory. prefix_feedback: a replica that reports
   whole blocks fewer (more) than predicted has its capacity lowered (raised) by as many tokens.
 
@@ -45,6 +46,11 @@ CANDIDATES_TRACED = 8  # holders a trace lists, deepest first (its figures count
 # hashing a 2,000-token prompt costs 6 µs instead of 19 (docs/prefix-index.md), and a
 # prediction misses at most the part of a prompt past its last whole block.
 INDEX_BLOCK_CHARS = 256
+# For a conversation's follow-up on the replica of its last turn the cap in requests is at least 2:
+# below one request per replica on average ⌈(1 + ε) × average⌉ is 1 whatever ε, and a replica
+# running one long prefill would send the follow-up to an idle replica to prefill it whole. New
+# conversations on a popular prefix do not get it: they still spread one a replica.
+FOLLOW_UP_REQUESTS_FLOOR = 2
 
 
 class LlmAware:
@@ -87,6 +93,9 @@ class LlmAware:
         if seen and cached:
             running = situation.ledger.loads("requests")[cached]
             requests_cap = average_and_cap(situation.total("requests") + 1, len(eligible), self.epsilon, "requests")[1]
+            placement = situation.placement
+            if placement is not None and placement.replica == cached:  # the conversation's follow-up
+                requests_cap = max(FOLLOW_UP_REQUESTS_FLOOR, requests_cap)
             within_requests = running + 1 <= requests_cap
             seen = (*seen[:2], (*seen[2], ("requests", running), ("requests_cap", requests_cap)))
         discount = new(Discount, (costs, cached, long_cap, holders,
