@@ -91,13 +91,8 @@ class LlmAware:
         cached = preferred if self.cache_aware and cached_on == preferred else None
         within_requests = False  # the prefix index only: the cached replica within the cap in requests
         if seen and cached:
-            running = situation.ledger.loads("requests")[cached]
-            requests_cap = average_and_cap(situation.total("requests") + 1, len(eligible), self.epsilon, "requests")[1]
-            placement = situation.placement
-            if placement is not None and placement.replica == cached:  # the conversation's follow-up
-                requests_cap = max(FOLLOW_UP_REQUESTS_FLOOR, requests_cap)
-            within_requests = running + 1 <= requests_cap
-            seen = (*seen[:2], (*seen[2], ("requests", running), ("requests_cap", requests_cap)))
+            within_requests, figures = self.cap_in_requests(situation, cached)
+            seen = (*seen[:2], (*seen[2], *figures))
         discount = new(Discount, (costs, cached, long_cap, holders,
                                   1 + self.epsilon if seen and cached else None,  # keep_factor: prefix index only
                                   within_requests))
@@ -132,6 +127,17 @@ class LlmAware:
             *(seen or NO_PEER_FIELDS),  # prompt_blocks, candidates, figures
         ))
         return new(Decision, (chosen, reason, cost, cost, expected.get(chosen, 0), trace))
+
+    def cap_in_requests(self, situation: Situation, cached: str) -> tuple[bool, tuple[tuple[str, float], ...]]:
+        """Whether ``cached`` takes the request within the cap in requests, ⌈(1 + ε) × average⌉
+        (at least FOLLOW_UP_REQUESTS_FLOOR for the conversation's follow-up there), and the
+        trace's figures for it."""
+        running = situation.ledger.loads("requests")[cached]
+        cap = average_and_cap(situation.total("requests") + 1, len(situation.eligible), self.epsilon, "requests")[1]
+        placement = situation.placement
+        if placement is not None and placement.replica == cached:  # the conversation's follow-up
+            cap = max(FOLLOW_UP_REQUESTS_FLOOR, cap)
+        return running + 1 <= cap, (("requests", running), ("requests_cap", cap))
 
     def where_cached(self, situation: Situation, home: str) -> WhereCached:
         """(the replica holding the cache, replica -> cached tokens expected there, replica ->
