@@ -27,8 +27,9 @@ from collections.abc import Iterable, Sequence
 from itertools import compress
 from typing import Any
 
-PARENT, TOKENS, CHILDREN = 0, 1, 2  # a held block's node: [the block before it (None: the first),
-# its tokens, how many held blocks continue it] (a list: one dict entry a block, built fast)
+# A held block's node is a list [the block before it (None: the first), its tokens, how many
+# held blocks continue it]: one dict entry a block, built fast.
+CHILDREN = 2
 
 
 class _Replica:
