@@ -39,32 +39,40 @@ class BlockMemory:
     """Prefix blocks as ``prefix_blocks`` cuts them, remembered per conversation: a next turn
     resends the last prompt, so only its new blocks are hashed. What is reused is checked (a
     digest of the remembered part of the text), so a conversation key shared by two chats only
-    costs a full hashing. At most ``conversations`` are remembered, the least recent forgotten;
-    a text with non-ASCII characters is hashed in full."""
+    costs a full hashing. At most ``max_blocks`` blocks are remembered (46 bytes each: 12 MB),
+    the least recent conversations forgotten first; a text with non-ASCII characters is hashed
+    in full."""
 
-    __slots__ = ("block_chars", "conversations", "_last")
+    __slots__ = ("block_chars", "max_blocks", "_last", "_held")
 
-    def __init__(self, block_chars: int, conversations: int = 1_024) -> None:
+    def __init__(self, block_chars: int, max_blocks: int = 262_144) -> None:
         self.block_chars = block_chars
-        self.conversations = conversations
+        self.max_blocks = max_blocks
         self._last: OrderedDict[str, tuple[int, int, tuple[int, ...]]] = OrderedDict()  # key -> (bytes, digest, blocks)
+        self._held = 0  # blocks remembered
 
     def blocks(self, key: str, text: str) -> tuple[int, ...]:
         data = text.encode()
         if len(data) != len(text):
             return prefix_blocks(text, self.block_chars)
         size, view, last = self.block_chars, memoryview(data), self._last
-        remembered = last.get(key)
+        remembered = last.pop(key, None)
         start, known = 0, _NONE
-        if remembered is not None and remembered[0] <= len(data) and digest(view[: remembered[0]]) == remembered[1]:
-            start, known = remembered[0], remembered[2]
+        if remembered is not None:
+            self._held -= len(remembered[2])
+            if remembered[0] <= len(data) and digest(view[: remembered[0]]) == remembered[1]:
+                start, known = remembered[0], remembered[2]
         hashes = known + tuple(_chain(data, start, size, known[-1] if known else 0))
         whole = len(data) // size
         last[key] = (whole * size, digest(view[: whole * size]), hashes[:whole])
-        last.move_to_end(key)
-        if len(last) > self.conversations:
-            last.popitem(last=False)
+        self._held += whole
+        while self._held > self.max_blocks:  # the least recent first (a prompt over the whole budget: itself)
+            self._held -= len(last.popitem(last=False)[1][2])
         return hashes
+
+    def held(self) -> int:
+        """Blocks remembered."""
+        return self._held
 
 
 def _chain(data: bytes, start: int, block_chars: int, previous: int) -> list[int]:

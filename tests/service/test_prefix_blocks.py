@@ -79,13 +79,14 @@ def test_remembered_blocks_are_the_blocks_however_the_texts_change(calls, block_
     """BlockMemory hashes only a next turn's new blocks; whatever comes (a turn that resends
     the last prompt, one that changes or drops it, another chat under the same key, non-ASCII),
     its blocks are prefix_blocks'."""
-    memory = BlockMemory(block_chars, conversations=1)
+    memory = BlockMemory(block_chars, max_blocks=20)
     last: dict[str, str] = {}
     for key, text, extends in calls:
         if extends and key in last:
             text = last[key] + text  # a next turn: the last prompt, resent, and more
         assert memory.blocks(key, text) == prefix_blocks(text, block_chars)
         last[key] = text
+        assert memory.held() <= 20  # bounded in blocks, whatever the prompts' lengths
 
 
 def test_the_gateway_hashes_a_next_turn_once_per_new_block(monkeypatch: pytest.MonkeyPatch) -> None:
