@@ -28,8 +28,8 @@ def prefix_blocks(text: str, block_chars: int = BLOCK_CHARS) -> tuple[int, ...]:
     """Chained hashes of ``text``'s blocks, oldest first; () for an empty text."""
     data = text.encode()
     if len(data) == len(text):  # ASCII: a character is a byte, so the blocks are cut from one encoding
-        return tuple(_chain(data, 0, block_chars, 0))
-    return tuple(_chain_characters(text, block_chars))
+        return tuple(_chain(_cut(data, 0, block_chars), 0))
+    return tuple(_chain([text[at : at + block_chars].encode() for at in range(0, len(text), block_chars)], 0))
 
 
 _NONE: tuple[int, ...] = ()
@@ -62,7 +62,7 @@ class BlockMemory:
             self._held -= len(remembered[2])
             if remembered[0] <= len(data) and digest(view[: remembered[0]]) == remembered[1]:
                 start, known = remembered[0], remembered[2]
-        hashes = known + tuple(_chain(data, start, size, known[-1] if known else 0))
+        hashes = known + tuple(_chain(_cut(data, start, size), known[-1] if known else 0))
         whole = len(data) // size
         last[key] = (whole * size, digest(view[: whole * size]), hashes[:whole])
         self._held += whole
@@ -75,19 +75,14 @@ class BlockMemory:
         return self._held
 
 
-def _chain(data: bytes, start: int, block_chars: int, previous: int) -> list[int]:
-    """The chained hashes of ``data``'s blocks from byte ``start``, after the hash ``previous``."""
-    hashes = []
-    for piece in [data[at : at + block_chars] for at in range(start, len(data), block_chars)]:
-        previous = hash_bytes(piece, previous)
-        hashes.append(previous)
-    return hashes
+def _cut(data: bytes, start: int, block_chars: int) -> list[bytes]:
+    return [data[at : at + block_chars] for at in range(start, len(data), block_chars)]
 
 
-def _chain_characters(text: str, block_chars: int) -> list[int]:
+def _chain(pieces: list[bytes], previous: int) -> list[int]:
+    """The chained hashes of ``pieces``, after the hash ``previous``."""
     hashes = []
-    previous = 0
-    for piece in [text[at : at + block_chars].encode() for at in range(0, len(text), block_chars)]:
+    for piece in pieces:
         previous = hash_bytes(piece, previous)
         hashes.append(previous)
     return hashes
