@@ -193,6 +193,10 @@ class PrefixIndex:
     def bit(self, replica: str) -> int:
         return self._bits.get(replica, 0)
 
+    def holder_bits(self, block: int) -> int:
+        """The bits of the replicas holding ``block``."""
+        return self._holders.get(block, 0)
+
     @staticmethod
     def _held(view: _Replica, blocks: Sequence[int]) -> int:
         """The leading blocks ``view`` holds: a binary search (held blocks are closed under prefixes)."""

@@ -167,14 +167,17 @@ class LlmAwarePrefix(LlmAware):
         """The index's lookup. Entered at once: the holders a trace lists (deepest first), the
         cached replica and, without placement memory, the home; the other holders only when
         the walk past the preferred replica asks for them (``holders``), which most decisions
-        never do (64 replicas can hold one system prompt)."""
+        never do (64 replicas can hold one system prompt). A follow-up whose last replica holds
+        more of the prompt than any other replica skips the lookup: that replica is the one
+        deepest holder, and the others are looked up only when the walk asks."""
         request = situation.request
         blocks = request.prefix_blocks
         if not blocks:
             return super().where_cached(situation, home)
         prompt, count = request.prompt_tokens, len(blocks)
         index = self.index
-        groups = index.lookup(blocks, situation.avoid)
+        own = self.deepest_on_its_replica(situation, blocks)
+        groups = [own] if own else index.lookup(blocks, situation.avoid)
         expected: dict[str, int] = {}  # replica -> cached tokens there, deepest first
         costs: dict[str, int] = {}  # replica -> the request's new tokens there
         enter = partial(_enter, expected, costs, prompt, count, request.max_tokens)
@@ -186,7 +189,7 @@ class LlmAwarePrefix(LlmAware):
                                                           repeat(enter(depth, shown))))
             if len(candidates) == CANDIDATES_TRACED:
                 break
-        holding = sum(bits.bit_count() for _, bits in groups)
+        holding = index.holder_bits(blocks[0]).bit_count() if own else sum(bits.bit_count() for _, bits in groups)
         seen = (count, tuple(candidates), (("capacity_tokens", index.capacity), ("holders", holding)))
         if not groups:
             placement = situation.placement
@@ -204,12 +207,23 @@ class LlmAwarePrefix(LlmAware):
             enter(next((depth for depth, bits in groups if bits & index.bit(home)), 0), (home,))
 
         def holders() -> tuple[str, ...]:  # every holder, deepest first, each entered
-            named = [(depth, index.names(bits)) for depth, bits in groups]
+            named = [(depth, index.names(bits)) for depth, bits in (index.lookup(blocks) if own else groups)]
             for depth, names in named:
                 enter(depth, names)
             return tuple(name for _, names in named for name in names)
 
         return cached_on, expected, costs, seen, holders if holding > 1 else None
+
+    def deepest_on_its_replica(self, situation: Situation, blocks: tuple[int, ...]) -> tuple[int, int] | None:
+        """(blocks held, bit) of the conversation's last replica, when no other replica holds as
+        many of ``blocks`` (one probe past its held prefix: the index is closed under prefixes);
+        with placement memory and every replica eligible only."""
+        placement = situation.placement
+        if placement is None or situation.avoid or not self.placement_memory:
+            return None
+        index = self.index
+        depth, bit = index.held_prefix(placement.replica, blocks), index.bit(placement.replica)
+        return (depth, bit) if depth and not index.holder_bits(blocks[depth - 1]) & ~bit else None
 
     def routed(self, request: RouteRequest, decision: Decision) -> None:
         blocks = request.prefix_blocks
