@@ -62,17 +62,19 @@ class PrefixIndex:
         self._by_name: tuple[tuple[str, ...], tuple[int, ...]] = ((), ())  # names sorted, their bits
         self._named: dict[int, tuple[str, ...]] = {}  # bits -> those replicas' names, sorted
 
-    def add_prompt(self, replica: str, blocks: Sequence[int], weight: int) -> None:
+    def add_prompt(self, replica: str, blocks: Sequence[int], weight: int, held: int | None = None) -> None:
         """``replica`` was sent a prompt of ``blocks``, each new one weighing ``weight`` tokens:
-        its held prefix becomes the most recent, its new blocks are added, then the least
-        recent blocks elsewhere are forgotten while it holds more than its capacity."""
+        its held prefix (``held`` blocks, when a lookup just counted them) becomes the most
+        recent, its new blocks are added, then the least recent blocks elsewhere are forgotten
+        while it holds more than its capacity."""
         if not blocks:
             return
         view = self._replicas.get(replica)
         if view is None:
             view = self._add_replica(replica)
         nodes, holders = view.nodes, self._holders
-        held = self._held(view, blocks)
+        if held is None:
+            held = self._held(view, blocks)
         previous = blocks[held - 1] if held else None
         if held < len(blocks):
             bit, added = self._bits[replica], 0

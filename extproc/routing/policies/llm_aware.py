@@ -228,7 +228,9 @@ class LlmAwarePrefix(LlmAware):
     def routed(self, request: RouteRequest, decision: Decision) -> None:
         blocks = request.prefix_blocks
         if blocks:
-            self.index.add_prompt(decision.replica, blocks, max(1, request.prompt_tokens // len(blocks)))
+            listed = decision.trace.candidates  # deepest first: the pick's held blocks when it heads them
+            held = listed[0].matched_blocks if listed and listed[0].replica == decision.replica else None
+            self.index.add_prompt(decision.replica, blocks, max(1, request.prompt_tokens // len(blocks)), held)
 
     def completed(self, request: RouteRequest, decision: Decision) -> None:
         """A server cannot evict a running request's blocks and frees them, as its most recent,
