@@ -176,19 +176,24 @@ class LlmAwarePrefix(LlmAware):
             return super().where_cached(situation, home)
         prompt, count = request.prompt_tokens, len(blocks)
         index = self.index
-        own = self.deepest_on_its_replica(situation, blocks)
-        groups = [own] if own else index.lookup(blocks, situation.avoid)
         expected: dict[str, int] = {}  # replica -> cached tokens there, deepest first
         costs: dict[str, int] = {}  # replica -> the request's new tokens there
         enter = partial(_enter, expected, costs, prompt, count, request.max_tokens)
         candidates: list[Candidate] = []  # Candidate(replica, matched blocks, load, expected)
         loads = situation.ledger.loads("tokens")
-        for depth, bits in groups:
-            shown = index.names(bits)[: CANDIDATES_TRACED - len(candidates)]
-            candidates += map(new, repeat(Candidate), zip(shown, repeat(depth), map(loads.__getitem__, shown),
-                                                          repeat(enter(depth, shown))))
-            if len(candidates) == CANDIDATES_TRACED:
-                break
+        own = self.deepest_on_its_replica(situation, blocks)
+        if own:  # one replica, one candidate
+            replica, depth, bit = own
+            groups = [(depth, bit)]
+            candidates.append(new(Candidate, (replica, depth, loads[replica], enter(depth, (replica,)))))
+        else:
+            groups = index.lookup(blocks, situation.avoid)
+            for depth, bits in groups:
+                shown = index.names(bits)[: CANDIDATES_TRACED - len(candidates)]
+                candidates += map(new, repeat(Candidate), zip(shown, repeat(depth), map(loads.__getitem__, shown),
+                                                              repeat(enter(depth, shown))))
+                if len(candidates) == CANDIDATES_TRACED:
+                    break
         holding = index.holder_bits(blocks[0]).bit_count() if own else sum(bits.bit_count() for _, bits in groups)
         seen = (count, tuple(candidates), (("capacity_tokens", index.capacity), ("holders", holding)))
         if not groups:
@@ -200,8 +205,8 @@ class LlmAwarePrefix(LlmAware):
         if not tied & (tied - 1):  # one replica
             cached_on = candidates[0].replica
         else:  # ties: the ring home, else the first of them clockwise
-            bit = index.bit
-            cached_on = home if bit(home) & tied else next(name for name in situation.walk() if bit(name) & tied)
+            bit_of = index.bit
+            cached_on = home if bit_of(home) & tied else next(name for name in situation.walk() if bit_of(name) & tied)
             enter(depth, (cached_on,))
         if not self.placement_memory and home not in expected:  # then home is preferred
             enter(next((depth for depth, bits in groups if bits & index.bit(home)), 0), (home,))
@@ -214,16 +219,16 @@ class LlmAwarePrefix(LlmAware):
 
         return cached_on, expected, costs, seen, holders if holding > 1 else None
 
-    def deepest_on_its_replica(self, situation: Situation, blocks: tuple[int, ...]) -> tuple[int, int] | None:
-        """(blocks held, bit) of the conversation's last replica, when no other replica holds as
-        many of ``blocks`` (one probe past its held prefix: the index is closed under prefixes);
-        with placement memory and every replica eligible only."""
+    def deepest_on_its_replica(self, situation: Situation, blocks: tuple[int, ...]) -> tuple[str, int, int] | None:
+        """(replica, blocks held, bit) of the conversation's last replica, when no other replica
+        holds as many of ``blocks`` (one probe past its held prefix: the index is closed under
+        prefixes); with placement memory and every replica eligible only."""
         placement = situation.placement
         if placement is None or situation.avoid or not self.placement_memory:
             return None
-        index = self.index
-        depth, bit = index.held_prefix(placement.replica, blocks), index.bit(placement.replica)
-        return (depth, bit) if depth and not index.holder_bits(blocks[depth - 1]) & ~bit else None
+        index, replica = self.index, placement.replica
+        depth, bit = index.held_prefix(replica, blocks), index.bit(replica)
+        return (replica, depth, bit) if depth and not index.holder_bits(blocks[depth - 1]) & ~bit else None
 
     def routed(self, request: RouteRequest, decision: Decision) -> None:
         blocks = request.prefix_blocks
