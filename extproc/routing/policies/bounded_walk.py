@@ -30,9 +30,9 @@ class Discount(NamedTuple):
     # the prefix index: over the cap, ``cached`` keeps the request unless another replica fits
     # under the cap or would land this many times (1 + ε) lower; being idle is not enough
     keep_factor: float | None = None
-    # the prefix index: ``cached`` is within the cap in requests, ⌈(1 + ε) × average⌉, and takes the
-    # request over its limit in tokens (it brings only its new tokens there)
-    within_requests: bool = False
+    # the prefix index: whether ``cached`` is within the cap in requests, ⌈(1 + ε) × average⌉, and
+    # takes the request over its limit in tokens (it brings only its new tokens there): asked only then
+    within_requests: Callable[[], bool] | None = None
 
 
 NO_DISCOUNT = Discount({})
@@ -100,7 +100,8 @@ def _check(name: str, loads: Mapping[str, int], cost: int, cap: float, discount:
         long_cap = discount.long_cap
         is_long = long_cap is not None
         limit = long_cap if long_cap is not None else cap
-        accepted = load == 0 or load + cost_here <= limit or load < limit or discount.within_requests
+        accepted = (load == 0 or load + cost_here <= limit or load < limit
+                    or (discount.within_requests is not None and discount.within_requests()))
     else:
         is_long, limit = False, cap
         accepted = load + cost_here <= cap or (load == 0 and (discount.keep_factor is None or discount.cached is None))

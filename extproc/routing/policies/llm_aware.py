@@ -89,14 +89,14 @@ class LlmAware:
             # with the index, against the prefix cached there when that is larger: what a move computes again
             long_cap = self.long_load_factor * (max(average, expected[preferred]) if seen else average)
         cached = preferred if self.cache_aware and cached_on == preferred else None
-        within_requests = False  # the prefix index only: the cached replica within the cap in requests
-        if seen and cached:
-            within_requests, figures = self.cap_in_requests(situation, cached)
-            seen = (*seen[:2], (*seen[2], *figures))
+        asked: list[tuple[str, float]] = []  # the cap in requests' figures, once first_fit asks it
+        within_requests = partial(self.cap_in_requests, situation, cached, asked) if seen and cached else None
         discount = new(Discount, (costs, cached, long_cap, holders,
                                   1 + self.epsilon if seen and cached else None,  # keep_factor: prefix index only
                                   within_requests))
         chosen, checks = first_fit(situation, preferred, loads, work, cap, discount)
+        if asked:
+            seen = (*seen[:2], (*seen[2], *asked))
         if chosen is None:
             chosen = least_loaded(eligible, loads, work, discount)
             reason = "kept" if chosen == cached and discount.keep_factor else "least-loaded"
@@ -128,16 +128,17 @@ class LlmAware:
         ))
         return new(Decision, (chosen, reason, cost, cost, expected.get(chosen, 0), trace))
 
-    def cap_in_requests(self, situation: Situation, cached: str) -> tuple[bool, tuple[tuple[str, float], ...]]:
+    def cap_in_requests(self, situation: Situation, cached: str, figures: list[tuple[str, float]]) -> bool:
         """Whether ``cached`` takes the request within the cap in requests, ⌈(1 + ε) × average⌉
-        (at least FOLLOW_UP_REQUESTS_FLOOR for the conversation's follow-up there), and the
-        trace's figures for it."""
+        (at least FOLLOW_UP_REQUESTS_FLOOR for the conversation's follow-up there); the trace's
+        figures for it go to ``figures``."""
         running = situation.ledger.loads("requests")[cached]
         cap = average_and_cap(situation.total("requests") + 1, len(situation.eligible), self.epsilon, "requests")[1]
         placement = situation.placement
         if placement is not None and placement.replica == cached:  # the conversation's follow-up
             cap = max(FOLLOW_UP_REQUESTS_FLOOR, cap)
-        return running + 1 <= cap, (("requests", running), ("requests_cap", cap))
+        figures += (("requests", running), ("requests_cap", cap))
+        return running + 1 <= cap
 
     def where_cached(self, situation: Situation, home: str) -> WhereCached:
         """(the replica holding the cache, replica -> cached tokens expected there, replica ->
