@@ -32,9 +32,6 @@ def prefix_blocks(text: str, block_chars: int = BLOCK_CHARS) -> tuple[int, ...]:
     return tuple(_chain([text[at : at + block_chars].encode() for at in range(0, len(text), block_chars)], 0))
 
 
-_NONE: tuple[int, ...] = ()
-
-
 class BlockMemory:
     """Prefix blocks as ``prefix_blocks`` cuts them, remembered per conversation: a next turn
     resends the last prompt, so only its new blocks are hashed. What is reused is checked (a
@@ -57,7 +54,8 @@ class BlockMemory:
             return prefix_blocks(text, self.block_chars)
         size, view, last = self.block_chars, memoryview(data), self._last
         remembered = last.pop(key, None)
-        start, known = 0, _NONE
+        known: tuple[int, ...] = ()
+        start = 0
         if remembered is not None:
             self._held -= len(remembered[2])
             if remembered[0] <= len(data) and digest(view[: remembered[0]]) == remembered[1]:

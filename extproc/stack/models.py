@@ -27,6 +27,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Literal
 
+from gguf import GGUFReader
+
 from extproc.files import write_atomically
 from extproc.stack.random_gguf import QWEN25_05B, TINY, Qwen2Shape, WeightType, write_random_qwen2
 
@@ -177,8 +179,6 @@ def resolve(name_or_path: str, root: Path, progress: Progress = print) -> Path:
 def kv_bytes_per_token(path: str | Path) -> int:
     """Bytes one token takes in llama.cpp's KV cache at its default f16: layers x KV heads x
     (key + value size) x 2, read from the GGUF's metadata (smollm2: 30 x 3 x 128 x 2 = 23,040)."""
-    from gguf import GGUFReader  # numpy-backed reader: only `llm-ring up` needs it
-
     try:
         reader = GGUFReader(path)
     except (OSError, ValueError) as exc:
@@ -188,7 +188,10 @@ def kv_bytes_per_token(path: str | Path) -> int:
         found = reader.fields.get(key)
         return None if found is None else int(found.contents())
 
-    architecture = str(reader.fields["general.architecture"].contents())
+    named = reader.fields.get("general.architecture")
+    if named is None:
+        raise ModelError(f"{path}: its GGUF metadata names no general.architecture")
+    architecture = str(named.contents())
     layers, heads = number(f"{architecture}.block_count"), number(f"{architecture}.attention.head_count")
     width = number(f"{architecture}.embedding_length")
     if layers is None or heads is None or width is None:

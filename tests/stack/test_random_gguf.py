@@ -110,3 +110,11 @@ def test_a_tokens_kv_bytes_come_from_the_models_shapes(tmp_path: Path, vocab: Pa
     not_gguf.write_bytes(b"not a model")
     with pytest.raises(ModelError, match="notes.gguf: cannot read its GGUF metadata"):
         kv_bytes_per_token(not_gguf)
+    nameless = tmp_path / "nameless.gguf"  # a GGUF without the architecture its shapes are keyed by
+    writer = GGUFWriter(nameless, "qwen2")
+    writer.kv_data[0].pop("general.architecture")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    with pytest.raises(ModelError, match="nameless.gguf: its GGUF metadata names no general.architecture"):
+        kv_bytes_per_token(nameless)

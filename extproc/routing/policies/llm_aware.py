@@ -32,6 +32,7 @@ from collections.abc import Callable
 from functools import partial
 from itertools import repeat
 
+from extproc.routing.blocks import covered_tokens
 from extproc.routing.decision import Candidate, Decision, RouteRequest, Trace
 from extproc.routing.policies.bounded_walk import Discount, average_and_cap, first_fit, least_loaded
 from extproc.routing.policies.situation import NO_PEER_FIELDS, Situation, new
@@ -268,7 +269,7 @@ def _enter(expected: dict[str, int], costs: dict[str, int], prompt: int, blocks:
            depth: int, names: tuple[str, ...]) -> int:
     """Enter ``names``, each holding ``depth`` of the prompt's ``blocks`` (0: none): the tokens
     expected cached there (returned) and the request's new tokens there."""
-    tokens = prompt * depth // blocks  # = covered_tokens
+    tokens = covered_tokens(prompt, blocks, depth)
     if depth:
         expected.update(dict.fromkeys(names, tokens))  # one dict update per depth, not per replica
         costs.update(dict.fromkeys(names, max(1, prompt - tokens) + max_tokens))
