@@ -17,6 +17,8 @@ stays. The peer policies, slower by far for other reasons, use keywords
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any, NamedTuple
 
 # reason code -> meaning (documented in the README's table; the peer policies' in docs/peer-policies.md)
@@ -99,7 +101,7 @@ class Trace(NamedTuple):
     remembered_tokens: int | None = None  # ... and the prompt size served there
     cached_tokens: int = 0  # predicted cached prefix on the preferred replica
     preferred_cost: int | None = None
-    loads: tuple[tuple[str, int], ...] = ()
+    loads: Mapping[str, int] = MappingProxyType({})  # the eligible replicas' loads at the decision (a copy)
     total: int | None = None
     average: float | None = None
     cap: float | None = None

@@ -35,7 +35,7 @@ def _peer_lines(decision: Decision) -> list[str]:
     lines = [f"  prompt: {trace.prompt_blocks} blocks; predicted cached on the pick: {decision.predicted_cached_tokens}"
              f" of {trace.prompt_tokens} tokens"]
     if trace.cap is None:  # chwbl shows its loads with the cap already
-        lines.append("  in flight (requests): " + " ".join(f"{name}={load}" for name, load in trace.loads))
+        lines.append("  in flight (requests): " + " ".join(f"{name}={load}" for name, load in trace.loads.items()))
     if trace.figures:
         lines.append("  " + " ".join(f"{name}={value:.3g}" for name, value in trace.figures))
     ranked = sorted(trace.candidates, key=lambda c: c.score, reverse=trace.policy not in LOWEST_WINS)
@@ -84,7 +84,7 @@ def _cost_line(trace: Trace) -> str:
 
 
 def _load_line(trace: Trace) -> str:
-    loads = " ".join(f"{name}={load}" for name, load in trace.loads)
+    loads = " ".join(f"{name}={load}" for name, load in trace.loads.items())
     if trace.preferred_by is not None:  # llm-aware: cost depends on the replica
         return (
             f"  load ({trace.unit}): {loads}; +{trace.preferred_cost} → total={trace.total}, "

@@ -43,7 +43,7 @@ class Bounded:
         trace = new(Trace, (
             self.name, request.prompt_tokens, request.max_tokens, unit, home,
             None, None, None, None, 0, None,  # preferred, preferred_by, remembered, remembered_tokens, cached, cost
-            situation.load_items(unit), total, average, cap,
+            situation.load_copy(unit), total, average, cap,
             None, None,  # long_cap, long_threshold
             checks,
             *NO_PEER_FIELDS,  # prompt_blocks, candidates, figures

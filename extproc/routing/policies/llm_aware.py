@@ -121,7 +121,7 @@ class LlmAware:
             placement.prompt_tokens if placement else None,  # remembered_tokens
             expected.get(preferred, 0),  # cached_tokens
             preferred_cost,
-            situation.load_items("tokens"),  # loads
+            situation.load_copy("tokens"),  # loads
             total, average, cap, long_cap,
             self.long_prompt_tokens if long_cap is not None else None,  # long_threshold
             checks,
@@ -181,23 +181,24 @@ class LlmAwarePrefix(LlmAware):
         expected: dict[str, int] = {}  # replica -> cached tokens there, deepest first
         costs: dict[str, int] = {}  # replica -> the request's new tokens there
         enter = partial(_enter, expected, costs, prompt, count, request.max_tokens)
-        candidates: list[Candidate] = []  # Candidate(replica, matched blocks, load, expected)
         loads = situation.ledger.loads("tokens")
         own = self.deepest_on_its_replica(situation, blocks)
         if own:  # one replica, one candidate
-            replica, depth, bit = own
-            groups = [(depth, bit)]
-            candidates.append(new(Candidate, (replica, depth, loads[replica], enter(depth, (replica,)))))
-        else:
-            groups = index.lookup(blocks, situation.avoid)
-            for depth, bits in groups:
-                shown = index.names(bits)[: CANDIDATES_TRACED - len(candidates)]
-                candidates += map(new, repeat(Candidate), zip(shown, repeat(depth), map(loads.__getitem__, shown),
-                                                              repeat(enter(depth, shown))))
-                if len(candidates) == CANDIDATES_TRACED:
-                    break
-        holding = index.holder_bits(blocks[0]).bit_count() if own else sum(bits.bit_count() for _, bits in groups)
-        seen = (count, tuple(candidates), (("capacity_tokens", index.capacity), ("holders", holding)))
+            replica, depth = own
+            candidate = new(Candidate, (replica, depth, loads[replica], enter(depth, (replica,))))
+            holding = index.holder_bits(blocks[0]).bit_count()
+            later = partial(self.enter_holders, blocks, None, enter) if holding > 1 else None
+            return replica, expected, costs, (count, (candidate,), self.figures(holding)), later
+        groups = index.lookup(blocks, situation.avoid)
+        candidates: list[Candidate] = []  # Candidate(replica, matched blocks, load, expected)
+        for depth, bits in groups:
+            shown = index.names(bits)[: CANDIDATES_TRACED - len(candidates)]
+            candidates += map(new, repeat(Candidate), zip(shown, repeat(depth), map(loads.__getitem__, shown),
+                                                          repeat(enter(depth, shown))))
+            if len(candidates) == CANDIDATES_TRACED:
+                break
+        holding = sum(bits.bit_count() for _, bits in groups)
+        seen = (count, tuple(candidates), self.figures(holding))
         if not groups:
             placement = situation.placement
             if placement is not None and placement.prompt_tokens * count < prompt:  # shorter than a block:
@@ -212,25 +213,33 @@ class LlmAwarePrefix(LlmAware):
             enter(depth, (cached_on,))
         if not self.placement_memory and home not in expected:  # then home is preferred
             enter(next((depth for depth, bits in groups if bits & index.bit(home)), 0), (home,))
+        later = partial(self.enter_holders, blocks, groups, enter) if holding > 1 else None
+        return cached_on, expected, costs, seen, later
 
-        def holders() -> tuple[str, ...]:  # every holder, deepest first, each entered
-            named = [(depth, index.names(bits)) for depth, bits in (index.lookup(blocks) if own else groups)]
-            for depth, names in named:
-                enter(depth, names)
-            return tuple(name for _, names in named for name in names)
+    def figures(self, holding: int) -> tuple[tuple[str, float], ...]:
+        """The trace's figures of the index: its capacity, the replicas holding part of the prompt."""
+        return ("capacity_tokens", self.index.capacity), ("holders", holding)
 
-        return cached_on, expected, costs, seen, holders if holding > 1 else None
+    def enter_holders(self, blocks: tuple[int, ...], groups: list[tuple[int, int]] | None,
+                      enter: Callable[[int, tuple[str, ...]], int]) -> tuple[str, ...]:
+        """Every replica holding part of ``blocks``, deepest first, each entered (``groups``: the
+        lookup's, None: looked up now)."""
+        index = self.index
+        named = [(depth, index.names(bits)) for depth, bits in (index.lookup(blocks) if groups is None else groups)]
+        for depth, names in named:
+            enter(depth, names)
+        return tuple(name for _, names in named for name in names)
 
-    def deepest_on_its_replica(self, situation: Situation, blocks: tuple[int, ...]) -> tuple[str, int, int] | None:
-        """(replica, blocks held, bit) of the conversation's last replica, when no other replica
+    def deepest_on_its_replica(self, situation: Situation, blocks: tuple[int, ...]) -> tuple[str, int] | None:
+        """(replica, blocks held) of the conversation's last replica, when no other replica
         holds as many of ``blocks`` (one probe past its held prefix: the index is closed under
         prefixes); with placement memory and every replica eligible only."""
         placement = situation.placement
         if placement is None or situation.avoid or not self.placement_memory:
             return None
         index, replica = self.index, placement.replica
-        depth, bit = index.held_prefix(replica, blocks), index.bit(replica)
-        return (replica, depth, bit) if depth and not index.holder_bits(blocks[depth - 1]) & ~bit else None
+        depth = index.held_prefix(replica, blocks)
+        return (replica, depth) if depth and not index.holder_bits(blocks[depth - 1]) & ~index.bit(replica) else None
 
     def routed(self, request: RouteRequest, decision: Decision) -> None:
         blocks = request.prefix_blocks
