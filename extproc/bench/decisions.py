@@ -6,18 +6,25 @@ The peer policies (docs/peer-policies.md) run at PEER_FLEET replicas only, on re
 carrying the prefix blocks of a prompt of about 2,000 tokens (a shared system prompt, the
 conversation's opening, its turns); hashing those blocks is timed on its own. So does
 llm-aware with its prefix index (docs/prefix-index.md), whose bytes per block are measured too.
+With the compiled routing core (extproc/compiled.py) the index's figures are also taken from
+the same core run as Python, in a child process, pairs alternated.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
+import subprocess
+import sys
 import time
 import tracemalloc
 from typing import Any
 
+import extproc
+from extproc import compiled
 from extproc.experiments.run import parse_policy
 from extproc.routing import POLICIES, PlacementMemory, Router, RouteRequest, make_policy, stable_hash
 from extproc.routing.blocks import BLOCK_CHARS, BlockMemory, prefix_blocks
@@ -116,6 +123,28 @@ def next_turn_hashing_us(block_chars: int, repeats: int = 2_000) -> float:
     return statistics.median(samples) / 1000
 
 
+def index_figures(decisions: int) -> dict[str, float]:
+    """The index at PEER_FLEET replicas: its median decision, the hashing of a first and of a next turn."""
+    return {"median_us": time_decisions(PREFIX_INDEX, PEER_FLEET, decisions)["median_us"],
+            "hashing_us": block_hashing_us(INDEX_BLOCK_CHARS)[2],
+            "next_turn_us": next_turn_hashing_us(INDEX_BLOCK_CHARS)}
+
+
+def compiled_against_python(decisions: int, rounds: int = 3) -> dict[str, dict[str, float]]:
+    """index_figures with the compiled core (here) and as Python (a child process), ``rounds``
+    pairs alternated: medians of each side and the median of the pairs' ratios."""
+    code = f"import json, extproc.bench.decisions as d; print(json.dumps(d.index_figures({decisions})))"
+    child = {**os.environ, compiled.ENV: "python"}
+    pairs = []
+    for _ in range(rounds):
+        here = index_figures(decisions)
+        done = subprocess.run([sys.executable, "-c", code], env=child, capture_output=True, text=True, check=True)
+        pairs.append((here, json.loads(done.stdout)))
+    return {name: {"compiled": statistics.median(a[name] for a, _ in pairs),
+                   "python": statistics.median(b[name] for _, b in pairs),
+                   "ratio": statistics.median(a[name] / b[name] for a, b in pairs)} for name in pairs[0][0]}
+
+
 def bytes_per_conversation(conversations: int = 200_000) -> float:
     tracemalloc.start()
     before = tracemalloc.get_traced_memory()[0]
@@ -146,6 +175,8 @@ def main(args: argparse.Namespace) -> int:
     decisions = getattr(args, "decisions", 20_000)
     fleets = getattr(args, "fleets", list(FLEETS))
     results: list[dict[str, Any]] = []
+    if not args.json:
+        print(f"  routing core: {compiled.describe(extproc.CORE)}", flush=True)
     floor: dict[int, float] = {}  # round-robin's median per fleet: what this machine charges for any decision
     cells: list[tuple[str, int]] = [
         (policy, replicas) for policy in POLICIES if not _peer(policy) for replicas in fleets]
@@ -165,7 +196,10 @@ def main(args: argparse.Namespace) -> int:
     block_bytes = bytes_per_block()
     target = next((r for r in results if r["policy"] == "llm-aware" and r["replicas"] == 64), None)
     indexed = next(r for r in results if r["policy"] == PREFIX_INDEX)
+    versus = compiled_against_python(decisions) if extproc.CORE == "compiled" else None
     summary = {
+        "core": extproc.CORE,
+        "compiled_against_python": versus,
         "decisions": results,
         "bytes_per_remembered_conversation": memory_bytes,
         "block_hashing": {"prompt_tokens": hashed_tokens,
@@ -190,12 +224,19 @@ def main(args: argparse.Namespace) -> int:
           f"{decided + hashing_us:.1f} µs, a next turn {decided + next_turn_us:.1f} µs (target ≤ "
           f"{TARGET_MEDIAN_US:.0f} µs, ratio {(decided + hashing_us) / TARGET_MEDIAN_US:.2f}); "
           f"{block_bytes:.0f} bytes per indexed block")
+    if versus is not None:
+        print(f"  the same, compiled against Python (3 pairs alternated): decision {_versus(versus['median_us'])}, "
+              f"hashing {_versus(versus['hashing_us'])}, a next turn's {_versus(versus['next_turn_us'])}")
     print(f"  placement memory: {memory_bytes:.0f} bytes per remembered conversation "
           f"(target ≤ {TARGET_BYTES_PER_CONVERSATION:.0f}, ratio {memory_bytes / TARGET_BYTES_PER_CONVERSATION:.2f})")
     if target:
         print(f"  llm-aware at 64 replicas: median {target['median_us']:.1f} µs "
               f"(target ≤ {TARGET_MEDIAN_US:.0f} µs, ratio {target['median_us'] / TARGET_MEDIAN_US:.2f})")
     return 0
+
+
+def _versus(figures: dict[str, float]) -> str:
+    return f"{figures['compiled']:.1f} against {figures['python']:.1f} µs ({figures['ratio']:.2f}×)"
 
 
 def _peer(policy: str) -> bool:

@@ -15,9 +15,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
+from mypy_extensions import mypyc_attr
+
 from extproc.settings import LoadUnit
 
 
+# compiled (extproc/compiled.py); the simulator's store-backed ledger extends it (extproc/sim/routers.py)
+@mypyc_attr(allow_interpreted_subclasses=True)
 class LoadLedger:
     __slots__ = ("_requests", "_tokens", "_charges", "_total_requests", "_total_tokens",
                  "_elsewhere", "_seen_requests", "_seen_tokens", "_elsewhere_requests", "_elsewhere_tokens")

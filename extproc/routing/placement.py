@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from mypy_extensions import mypyc_attr
+
 _REPLICA_BITS = 20  # up to ~1 M distinct replica names over a router's lifetime
 _REPLICA_MASK = (1 << _REPLICA_BITS) - 1
 _new = tuple.__new__  # builds a Placement without NamedTuple's Python-level __new__ (3x faster)
@@ -24,6 +26,8 @@ class Placement(NamedTuple):
     prompt_tokens: int
 
 
+# compiled (extproc/compiled.py); the simulator's store-backed memory extends it (extproc/sim/routers.py)
+@mypyc_attr(allow_interpreted_subclasses=True)
 class PlacementMemory:
     __slots__ = ("capacity", "_young", "_old", "_generation_size", "_names", "_ids")
 

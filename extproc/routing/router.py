@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterable
 
+from mypy_extensions import mypyc_attr
+
 from extproc.routing.decision import Decision, RouteRequest
 from extproc.routing.hashing import hash_bytes, stable_hash
 from extproc.routing.ledger import LoadLedger
@@ -24,6 +26,8 @@ from extproc.settings import RoutingSettings
 _NOTHING: frozenset[str] = frozenset()
 
 
+# compiled (extproc/compiled.py); tests extend it to watch its calls
+@mypyc_attr(allow_interpreted_subclasses=True)
 class Router:
     def __init__(self, settings: RoutingSettings, replicas: Iterable[str] = ()) -> None:
         self.settings = settings

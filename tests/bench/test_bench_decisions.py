@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+import extproc
 from extproc.bench import decisions
 from extproc.routing import POLICIES
 
@@ -29,3 +30,10 @@ def test_the_table_has_every_policy_and_the_peers_at_64_replicas(
     index_blocks, peer_blocks = hashing["prefix_index"]["blocks"], hashing["peers"]["blocks"]
     assert 4 * (index_blocks - 1) < peer_blocks <= 4 * index_blocks
     assert hashing["prefix_index"]["next_turn_median_us"] > 0  # a next turn: its new blocks only
+    assert summary["core"] == extproc.CORE
+    versus = summary["compiled_against_python"]
+    if extproc.CORE == "compiled":  # the index's figures again with the core run as Python, side by side
+        assert set(versus) == {"median_us", "hashing_us", "next_turn_us"}
+        assert all(row["compiled"] > 0 and row["python"] > 0 and row["ratio"] > 0 for row in versus.values())
+    else:
+        assert versus is None

@@ -368,7 +368,8 @@ def test_router_token_is_refused_everything_but_reading_endpointslices(apiserver
 
 def dockerfile_distributions() -> set[str]:
     text = (REPO / "Dockerfile").read_text().replace("\\\n", " ")
-    (install,) = [line for line in text.splitlines() if "pip install" in line and "-c constraints.txt" in line]
+    (install,) = [line for line in text.splitlines()  # the image's venv (the build stage has one of its own)
+                  if "/opt/llm-ring/bin/pip install" in line and "-c constraints.txt" in line]
     words = install.split("-c constraints.txt", 1)[1].split()
     return {importlib.metadata.distribution(w).metadata["Name"].lower() for w in words if not w.startswith("-")}
 

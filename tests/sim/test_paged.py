@@ -179,18 +179,24 @@ def test_a_held_block_named_with_another_size_is_counted_as_stored():
     assert (hit, pool.used) == (100, 992) and pool.used <= pool.capacity
 
 
-def test_every_answer_reports_its_simulated_cache_n_to_the_router(monkeypatch: pytest.MonkeyPatch):
+class ReportingRouter(Router):
+    """Records every cached-token report it is given (the routing core is compiled: its
+    methods are extended by a subclass, not patched on an instance)."""
+
+    def __init__(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003
+        super().__init__(*args, **kwargs)
+        self.reports: list[tuple[str, str, int, int]] = []
+
+    def report_cached(self, request, replica, predicted, cached) -> None:  # noqa: ANN001
+        self.reports.append((request.request_id, replica, predicted, cached))
+        super().report_cached(request, replica, predicted, cached)
+
+
+def test_every_answer_reports_its_simulated_cache_n_to_the_router():
     """The simulator closes llm-aware's loop as the gateway does: each answer's cache_n goes back."""
     requests = [trace_request("a", (1, 2, 3), 1100, 5, 0.0), trace_request("b", (1, 2, 4, 5), 1600, 5, 30.0)]
-    router = Router(settings("llm-aware:prefix_index=true,prefix_feedback=true"))
-    reports: list[tuple[str, str, int, int]] = []
-    original = router.report_cached
-
-    def record(request, replica, predicted, cached):  # noqa: ANN001, ANN202
-        reports.append((request.request_id, replica, predicted, cached))
-        original(request, replica, predicted, cached)
-
-    monkeypatch.setattr(router, "report_cached", record)
+    router = ReportingRouter(settings("llm-aware:prefix_index=true,prefix_feedback=true"))
+    reports = router.reports
     done = {r.request_id: r for r in simulate(OpenLoop(requests), router, paged_cost(), Fleet(2, 1, 0)).requests}
     assert reports == [(name, done[name].replica, done[name].predicted_cached, done[name].cache_n) for name in "ab"]
     # b holds 3 full blocks, 2 of them a's: predicted as 2/3 of its prompt, found as 2 blocks of 512

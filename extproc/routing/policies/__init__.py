@@ -8,7 +8,7 @@ chwbl (KubeAI), kv-cost (Dynamo).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol, runtime_checkable
+from typing import ClassVar, Protocol, runtime_checkable
 
 from extproc.routing.decision import Decision, RouteRequest
 from extproc.routing.policies.bounded import Bounded
@@ -25,8 +25,8 @@ from extproc.settings import PolicyName, RoutingSettings
 
 
 class Policy(Protocol):
-    name: PolicyName  # the settings' list of names; each class names one member (mypy checks the spelling)
-    prefix_block_chars: int  # > 0: requests must carry prefix_blocks of blocks this long (hashed only then)
+    name: ClassVar[PolicyName]  # the settings' list of names; each class names one member (mypy checks the spelling)
+    prefix_block_chars: ClassVar[int]  # > 0: requests must carry prefix_blocks of blocks this long (hashed only then)
 
     def decide(self, situation: Situation) -> Decision | None:
         """Pick a replica (None when none is eligible). Must not change the ledger."""

@@ -8,6 +8,8 @@ costs its whole prompt + max_tokens, wherever it goes: the cache is ignored).
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from extproc.routing.decision import Decision, Trace
 from extproc.routing.policies.bounded_walk import average_and_cap, first_fit, least_loaded
 from extproc.routing.policies.situation import NO_PEER_FIELDS, Situation, new
@@ -15,8 +17,8 @@ from extproc.settings import PolicyName, RoutingSettings
 
 
 class Bounded:
-    name: PolicyName = "bounded"
-    prefix_block_chars = 0
+    name: ClassVar[PolicyName] = "bounded"
+    prefix_block_chars: ClassVar[int] = 0
 
     def __init__(self, settings: RoutingSettings) -> None:
         self.epsilon = settings.epsilon

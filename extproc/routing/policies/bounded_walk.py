@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Mapping
-from itertools import chain
+from itertools import chain, filterfalse
 from typing import NamedTuple
 
 from extproc.routing.decision import Check
@@ -47,7 +47,7 @@ def average_and_cap(total: int, replicas: int, epsilon: float, unit: LoadUnit) -
     average = total / replicas
     cap = (1 + epsilon) * average
     if unit == "requests":
-        cap = math.ceil(cap - 1e-9)  # tolerate float noise: 1.1 * 10 is 11.000000000000002
+        cap = float(math.ceil(cap - 1e-9))  # tolerate float noise: 1.1 * 10 is 11.000000000000002
     return average, cap
 
 
@@ -82,7 +82,7 @@ def first_fit(situation: Situation, first: str, loads: Mapping[str, int], cost: 
     if discount.holders is not None:  # in order, each once; the ring walked only as far as needed
         listed = discount.holders()
         holders = set(listed)
-        walk = chain(listed, (name for name in walk if name not in holders))
+        walk = chain(listed, filterfalse(holders.__contains__, walk))
     for name in walk:
         if name != first:
             check = _check(name, loads, cost, cap, discount)

@@ -17,6 +17,8 @@ under it), so it is not here.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from extproc.routing.blocks import BLOCK_CHARS
 from extproc.routing.decision import Check, Decision
 from extproc.routing.policies.situation import Situation, new, peer_decision
@@ -28,8 +30,8 @@ REPLICATION = 256
 
 
 class Chwbl:
-    name: PolicyName = "chwbl"
-    prefix_block_chars = BLOCK_CHARS  # llm-d's approximate scorer's block
+    name: ClassVar[PolicyName] = "chwbl"
+    prefix_block_chars: ClassVar[int] = BLOCK_CHARS  # llm-d's approximate scorer's block
 
     def __init__(self, settings: RoutingSettings) -> None:
         self._seed = settings.hash_seed

@@ -3,14 +3,16 @@ but a hot replica keeps receiving its conversations however busy it is."""
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from extproc.routing.decision import Decision
 from extproc.routing.policies.situation import Situation, unbounded_decision
 from extproc.settings import PolicyName, RoutingSettings
 
 
 class Consistent:
-    name: PolicyName = "consistent"
-    prefix_block_chars = 0
+    name: ClassVar[PolicyName] = "consistent"
+    prefix_block_chars: ClassVar[int] = 0
 
     def __init__(self, settings: RoutingSettings) -> None:
         pass

@@ -22,6 +22,8 @@ tokens stay until the request completes and the index keeps 31,250 blocks per re
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from extproc.routing.blocks import BLOCK_CHARS
 from extproc.routing.decision import Candidate, Decision, RouteRequest
 from extproc.routing.hashing import stable_hash
@@ -40,8 +42,8 @@ def request_blocks(request: RouteRequest) -> tuple[int, ...]:
 
 
 class KvCost:
-    name: PolicyName = "kv-cost"
-    prefix_block_chars = BLOCK_CHARS  # llm-d's approximate scorer's block
+    name: ClassVar[PolicyName] = "kv-cost"
+    prefix_block_chars: ClassVar[int] = BLOCK_CHARS  # llm-d's approximate scorer's block
 
     def __init__(self, settings: RoutingSettings, blocks_per_replica: int = INDEX_BLOCKS_PER_REPLICA) -> None:
         self.index = BlockIndex(blocks_per_replica)

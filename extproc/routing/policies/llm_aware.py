@@ -31,6 +31,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from functools import partial
 from itertools import repeat
+from typing import ClassVar
 
 from extproc.routing.blocks import covered_tokens
 from extproc.routing.decision import Candidate, Decision, RouteRequest, Trace
@@ -55,8 +56,8 @@ FOLLOW_UP_REQUESTS_FLOOR = 2
 
 
 class LlmAware:
-    name: PolicyName = "llm-aware"
-    prefix_block_chars = 0
+    name: ClassVar[PolicyName] = "llm-aware"
+    prefix_block_chars: ClassVar[int] = 0
 
     def __init__(self, settings: RoutingSettings) -> None:
         self.epsilon = settings.epsilon
@@ -158,7 +159,7 @@ class LlmAware:
 class LlmAwarePrefix(LlmAware):
     """llm-aware with the prefix index on (a policy that keeps a view of what it sent)."""
 
-    prefix_block_chars = INDEX_BLOCK_CHARS
+    prefix_block_chars: ClassVar[int] = INDEX_BLOCK_CHARS
 
     def __init__(self, settings: RoutingSettings) -> None:
         super().__init__(settings)

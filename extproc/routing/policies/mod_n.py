@@ -3,14 +3,16 @@ then most conversations move (3 → 4 replicas moves about 3/4 of them)."""
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from extproc.routing.decision import Decision
 from extproc.routing.policies.situation import Situation, unbounded_decision
 from extproc.settings import PolicyName, RoutingSettings
 
 
 class ModN:
-    name: PolicyName = "mod-n"
-    prefix_block_chars = 0
+    name: ClassVar[PolicyName] = "mod-n"
+    prefix_block_chars: ClassVar[int] = 0
 
     def __init__(self, settings: RoutingSettings) -> None:
         pass

@@ -20,6 +20,8 @@ llm-d breaks ties at random; here the tied replica at key_hash mod ties (determi
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from extproc.routing.blocks import BLOCK_CHARS
 from extproc.routing.decision import Candidate, Decision, RouteRequest
 from extproc.routing.policies.situation import Situation, new, peer_decision
@@ -33,8 +35,8 @@ KV_CAPACITY_TOKENS = 500_000
 
 
 class PrefixAffinity:
-    name: PolicyName = "prefix-affinity"
-    prefix_block_chars = BLOCK_CHARS  # llm-d's approximate scorer's block
+    name: ClassVar[PolicyName] = "prefix-affinity"
+    prefix_block_chars: ClassVar[int] = BLOCK_CHARS  # llm-d's approximate scorer's block
 
     def __init__(self, settings: RoutingSettings, blocks_per_replica: int = LRU_BLOCKS_PER_REPLICA) -> None:
         self.index = BlockIndex(blocks_per_replica)

@@ -19,6 +19,8 @@ matched node; here the first by name, and the holder at key_hash mod holders.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from extproc.routing.blocks import BLOCK_CHARS
 from extproc.routing.decision import Candidate, Decision, RouteRequest
 from extproc.routing.policies.situation import Situation, new, peer_decision
@@ -32,8 +34,8 @@ TREE_BLOCKS_PER_REPLICA = 2**26 // BLOCK_CHARS
 
 
 class RadixBalance:
-    name: PolicyName = "radix-balance"
-    prefix_block_chars = BLOCK_CHARS  # llm-d's approximate scorer's block
+    name: ClassVar[PolicyName] = "radix-balance"
+    prefix_block_chars: ClassVar[int] = BLOCK_CHARS  # llm-d's approximate scorer's block
 
     def __init__(self, settings: RoutingSettings, blocks_per_replica: int = TREE_BLOCKS_PER_REPLICA) -> None:
         self.tree = BlockIndex(blocks_per_replica)

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from extproc.routing.decision import Decision
 from extproc.routing.policies.situation import Situation, unbounded_decision
 from extproc.settings import PolicyName, RoutingSettings
 
 
 class RoundRobin:
-    name: PolicyName = "round-robin"
-    prefix_block_chars = 0
+    name: ClassVar[PolicyName] = "round-robin"
+    prefix_block_chars: ClassVar[int] = 0
 
     def __init__(self, settings: RoutingSettings) -> None:
         self._turn = 0
