@@ -101,7 +101,7 @@ def install() -> str:
     why = stale()
     if why is not None:
         if choice == "compiled":
-            raise CoreError(f"{ENV}=compiled but the compiled routing core is {why}: run `make setup`")
+            raise CoreError(f"{ENV}=compiled but the compiled routing core is {why}: run 'make setup'")
         return "python"
     if not any(isinstance(finder, _CompiledCore) for finder in sys.meta_path):
         sys.meta_path.insert(0, _CompiledCore())

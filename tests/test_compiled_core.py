@@ -148,4 +148,4 @@ def test_without_a_build_auto_runs_python_and_compiled_refuses(tmp_path: Path) -
     required = import_extproc(tmp_path, "compiled")
     assert required.returncode == 2 and required.stdout == ""
     assert required.stderr == ("llm-ring: LLM_RING_CORE=compiled but the compiled routing core is not built "
-                               "(extproc/_compiled/manifest.json missing or unreadable): run `make setup`\n")
+                               "(extproc/_compiled/manifest.json missing or unreadable): run 'make setup'\n")
