@@ -103,6 +103,32 @@ class PrefixIndex:
             view.tips[blocks[-1]] = None
             view.tips.move_to_end(blocks[-1])
 
+    def forget(self, replica: str, blocks: Sequence[int], held: int) -> None:
+        """``replica`` did not cache the prompt of ``blocks`` (its request failed): forget its blocks
+        past the first ``held`` (those it held before), from its end, while no other prompt ends at
+        or continues them. The block left at its end, a leaf again, takes the least recent place."""
+        view = self._replicas.get(replica)
+        if view is None:
+            return
+        nodes, tips = view.nodes, view.tips
+        end = position = len(blocks)
+        while position > held:
+            block = blocks[position - 1]
+            node = nodes.get(block)
+            if node is None or node[CHILDREN] or (position < end and block in tips):
+                break
+            tips.pop(block, None)
+            del nodes[block]
+            view.used -= node[1]
+            self._drop(replica, block)
+            if node[0] is not None:
+                nodes[node[0]][CHILDREN] -= 1
+            position -= 1
+        left = blocks[position - 1] if position < end and position else None
+        if left is not None and left not in tips and not nodes[left][CHILDREN]:
+            tips[left] = None
+            tips.move_to_end(left, last=False)
+
     def resize(self, replica: str, tokens: int, floor: int) -> None:
         """``replica`` holds ``tokens`` more (or, negative, fewer) than the index believed: move
         its capacity by as much, within [``floor``, the capacity it started with], and forget

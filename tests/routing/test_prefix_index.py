@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import tracemalloc
 
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from extproc.routing import REASONS, Router, RouteRequest, Trace, render_trace
@@ -250,6 +250,11 @@ def test_a_report_at_or_above_the_prediction_or_from_an_unknown_replica_changes_
     assert index_of(router).held_prefix(decision.replica, prompt) == 3
 
 
+def chain_of(opening: int, middle: int, length: int) -> tuple[int, ...]:
+    """A prompt of the ``prompts`` strategy: one of a few openings, a shared middle, its own tail."""
+    return blocks(f"o{opening}", *(f"m{middle}" for _ in range(3)), *(str(n) for n in range(length)))
+
+
 prompts = st.lists(st.tuples(st.sampled_from(NAMES), st.integers(0, 3), st.integers(0, 6), st.integers(0, 12),
                              st.integers(1, 5), st.integers(-30, 30)), max_size=40)
 
@@ -286,7 +291,7 @@ def test_the_index_forgets_exactly_what_an_lru_by_block_forgets_and_its_lookups_
     index, reference = PrefixIndex(capacity), LruByBlock(capacity)
     chains = []
     for send, (replica, opening, middle, length, weight, resize) in enumerate(log):
-        chain = blocks(f"o{opening}", *(f"m{middle}" for _ in range(3)), *(str(n) for n in range(length)))
+        chain = chain_of(opening, middle, length)
         chains.append(chain)
         index.add_prompt(replica, chain, weight)
         reference.add(replica, chain, weight, send)
@@ -304,6 +309,66 @@ def test_the_index_forgets_exactly_what_an_lru_by_block_forgets_and_its_lookups_
         assert {name: depth for depth, names in grouped for name in names} == {n: d for n, d in walked.items() if d}
         assert [depth for depth, _ in grouped] == sorted({depth for depth, _ in grouped}, reverse=True)
         assert all(list(names) == sorted(names) for _, names in grouped)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 60), prompts, st.tuples(st.sampled_from(NAMES), st.integers(0, 3), st.integers(0, 6),
+                                              st.integers(0, 12), st.integers(1, 5)), prompts)
+def test_a_failed_prompt_forgotten_leaves_the_index_as_if_it_had_never_been_sent(capacity: int, before, failed,
+                                                                                 after) -> None:
+    """Unless sending it made the replica forget something (that is not undone)."""
+    sent, never = PrefixIndex(capacity), PrefixIndex(capacity)
+    chains = []
+
+    def both(log) -> None:
+        for replica, opening, middle, length, weight, resize in log:
+            chains.append(chain_of(opening, middle, length))
+            for index in (sent, never):
+                index.add_prompt(replica, chains[-1], weight)
+                if resize:
+                    index.resize(replica, resize, floor=weight)
+            agree()
+
+    def agree() -> None:
+        for name in NAMES:
+            assert (sent.used(name), sent.size(name), sent.capacity_of(name)) == (
+                never.used(name), never.size(name), never.capacity_of(name))
+        for known in chains:
+            assert holders_by_depth(sent, known) == holders_by_depth(never, known)
+
+    both(before)
+    replica, opening, middle, length, weight = failed
+    chain = chain_of(opening, middle, length)
+    held = sent.held_prefix(replica, chain)
+    assume(sent.used(replica) + (len(chain) - held) * weight <= sent.capacity_of(replica))
+    sent.add_prompt(replica, chain, weight, held)
+    sent.forget(replica, chain, held)
+    chains.append(chain)
+    agree()
+    both(after)
+
+
+def test_a_failed_request_leaves_only_what_its_replica_held_before_it() -> None:
+    """A replica that refused a prompt (longer than its context) cached none of it: the blocks it
+    brought are forgotten, the turn before it is still held, and a retry is predicted as much."""
+    first, second = blocks("system", "alice"), blocks("system", "alice", "a long paste", "more")
+    router = Router(routing(prefix_index=True), NAMES)
+    decision = router.route(RouteRequest("1", "alice", 200, 10, first))
+    assert decision is not None
+    router.complete("1")
+    failed = router.route(RouteRequest("2", "alice", 400, 10, second))
+    assert failed is not None and failed.replica == decision.replica
+    assert index_of(router).held_prefix(decision.replica, second) == 4  # sent: believed held until it fails
+    router.complete("2", ok=False)
+    index = index_of(router)
+    assert index.held_prefix(decision.replica, second) == 2 and index.used(decision.replica) == 200
+    retry = router.route(RouteRequest("3", "alice", 400, 10, second))
+    assert retry is not None and retry.predicted_cached_tokens == 200
+    router.complete("3", ok=False)
+    lone = router.route(RouteRequest("4", "bob", 400, 10, blocks("bob", "b1", "b2", "b3")))
+    assert lone is not None
+    router.complete("4", ok=False)  # nothing held before it: nothing left of it
+    assert index.size(lone.replica) == (2 if lone.replica == decision.replica else 0)
 
 
 def test_the_rendered_trace_names_the_index_as_the_reason_for_the_preference() -> None:

@@ -164,6 +164,7 @@ class LlmAwarePrefix(LlmAware):
         super().__init__(settings)
         self.index = PrefixIndex(settings.prefix_capacity_tokens)
         self.feedback = settings.prefix_feedback
+        self.held_before: dict[str, int] = {}  # request in flight -> blocks its replica held before it
 
     def where_cached(self, situation: Situation, home: str) -> WhereCached:
         """The index's lookup. Entered at once: the holders a trace lists (deepest first), the
@@ -237,13 +238,22 @@ class LlmAwarePrefix(LlmAware):
         if blocks:
             listed = decision.trace.candidates  # deepest first: the pick's held blocks when it heads them
             held = listed[0].matched_blocks if listed and listed[0].replica == decision.replica else None
+            if held is None:
+                held = self.index.held_prefix(decision.replica, blocks)
+            self.held_before[request.request_id] = held
             self.index.add_prompt(decision.replica, blocks, max(1, request.prompt_tokens // len(blocks)), held)
 
-    def completed(self, request: RouteRequest, decision: Decision) -> None:
+    def completed(self, request: RouteRequest, decision: Decision, ok: bool) -> None:
         """A server cannot evict a running request's blocks and frees them, as its most recent,
         when it ends (vLLM's free-block queue): the prompt is refreshed, if the index still holds
-        it (if not, requests sent after it have taken its place, as in a llama.cpp slot)."""
-        self.index.touch(decision.replica, request.prefix_blocks)
+        it (if not, requests sent after it have taken its place, as in a llama.cpp slot). A failed
+        request cached nothing (a prompt longer than the context is refused whole): its new blocks
+        are forgotten, as placement memory remembers only a success."""
+        held = self.held_before.pop(request.request_id, None)
+        if ok:
+            self.index.touch(decision.replica, request.prefix_blocks)
+        elif held is not None:
+            self.index.forget(decision.replica, request.prefix_blocks, held)
 
     def set_replicas(self, replicas: tuple[str, ...]) -> None:
         self.index.set_replicas(replicas)
