@@ -14,7 +14,7 @@ from extproc.routing.blocks import covered_tokens, prefix_blocks
 from extproc.routing.policies.llm_aware import LlmAwarePrefix
 from extproc.routing.prefix_index import PrefixIndex
 from extproc.routing.prefix_views import BlockIndex
-from tests.routing.conftest import routing
+from tests.routing.conftest import key_with_walk, routing
 
 NAMES = ["llm-0", "llm-1", "llm-2"]
 REPLICAS = [f"llm-{i}" for i in range(8)]
@@ -369,6 +369,31 @@ def test_a_failed_request_leaves_only_what_its_replica_held_before_it() -> None:
     assert lone is not None
     router.complete("4", ok=False)  # nothing held before it: nothing left of it
     assert index.size(lone.replica) == (2 if lone.replica == decision.replica else 0)
+
+
+def test_a_prompt_no_replica_holds_goes_where_the_fleet_forgets_its_least_recent_prompt() -> None:
+    """While replicas have room, a new prompt goes to the first of them clockwise (it evicts
+    nothing); once all are full, to the one under the cap whose least recent prompt is oldest."""
+    router = Router(routing(prefix_index=True, prefix_capacity_tokens=400), NAMES)
+    placed = []
+    for name in ("a", "b", "c"):
+        decision = router.route(RouteRequest(name, name, 400, 10, blocks(name, "1", "2", "3")))
+        assert decision is not None
+        placed.append(decision.replica)
+    assert sorted(placed) == NAMES  # each one where there was room
+    for name in ("c", "a", "b"):  # c's replica now holds the least recently used prompt
+        router.complete(name)
+    oldest, next_oldest = placed[2], placed[0]
+    key = key_with_walk(router, next(name for name in NAMES if name != oldest))  # its ring home is elsewhere
+    decision = router.route(RouteRequest("d", key, 400, 10, blocks("d", "1", "2", "3")))
+    assert decision is not None and decision.replica == oldest and decision.reason == "least-recent"
+    assert decision.trace.preferred_by == "lru" and ("least_recent_use", 4) in decision.trace.figures
+    assert f"under the cap {oldest}'s least recent prompt is the oldest (use 4)" in render_trace(decision)
+    router.complete("d")
+    busy = router.route(RouteRequest("d2", key, 800, 10, blocks("d", "1", "2", "3", "4", "5", "6", "7")))
+    assert busy is not None and busy.replica == oldest  # its follow-up, in flight: over the cap there now
+    decision = router.route(RouteRequest("e", key_with_walk(router, oldest), 400, 10, blocks("e", "1", "2", "3")))
+    assert decision is not None and decision.replica == next_oldest
 
 
 def test_the_rendered_trace_names_the_index_as_the_reason_for_the_preference() -> None:

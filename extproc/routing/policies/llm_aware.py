@@ -28,7 +28,7 @@ index off exactly as the seed's llm-aware.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from functools import partial
 from itertools import repeat
 
@@ -85,6 +85,10 @@ class LlmAware:
         loads = situation.ledger.loads("tokens")
         total = situation.total("tokens") + preferred_cost
         average, cap = average_and_cap(total, len(eligible), self.epsilon, "tokens")
+        least_recent = self.least_recent_fit(situation, loads, work, cap) if seen and cached_on is None else None
+        if least_recent is not None:  # a prompt no replica holds: where the fleet forgets its least recent
+            preferred = least_recent[0]
+            seen = (*seen[:2], (*seen[2], ("least_recent_use", least_recent[1])))
         long_cap = None
         if self.long_stickiness and cached_on == preferred and prompt >= self.long_prompt_tokens:
             # with the index, against the prefix cached there when that is larger: what a move computes again
@@ -102,7 +106,8 @@ class LlmAware:
             chosen = least_loaded(eligible, loads, work, discount)
             reason = "kept" if chosen == cached and discount.keep_factor else "least-loaded"
         elif chosen == preferred:
-            reason = "home" if preferred == home else ("prefix" if seen else "sticky")
+            reason = ("home" if preferred == home else "least-recent" if least_recent
+                      else "prefix" if seen else "sticky")
             load = loads[chosen]
             if load and load + preferred_cost > cap and not (discount.cached and load < cap):
                 first = checks[0]  # only the long cap let it in, or only the cap in requests
@@ -116,7 +121,7 @@ class LlmAware:
             "tokens",  # unit
             home,
             preferred,
-            ("prefix" if seen else "memory") if by_memory else "ring",  # preferred_by
+            ("prefix" if seen else "memory") if by_memory else ("lru" if least_recent else "ring"),  # preferred_by
             placement.replica if placement else None,  # remembered
             placement.prompt_tokens if placement else None,  # remembered_tokens
             expected.get(preferred, 0),  # cached_tokens
@@ -128,6 +133,11 @@ class LlmAware:
             *(seen or NO_PEER_FIELDS),  # prompt_blocks, candidates, figures
         ))
         return new(Decision, (chosen, reason, cost, cost, expected.get(chosen, 0), trace))
+
+    def least_recent_fit(self, situation: Situation, loads: Mapping[str, int], work: int,
+                         cap: float) -> tuple[str, int] | None:
+        """Placement memory knows nothing of what the replicas forget (the prefix index does)."""
+        return None
 
     def cap_in_requests(self, situation: Situation, cached: str, figures: list[tuple[str, float]]) -> bool:
         """Whether ``cached`` takes the request within the cap in requests, ⌈(1 + ε) × average⌉
@@ -221,6 +231,22 @@ class LlmAwarePrefix(LlmAware):
             return tuple(name for _, names in named for name in names)
 
         return cached_on, expected, costs, seen, holders if holding > 1 else None
+
+    def least_recent_fit(self, situation: Situation, loads: Mapping[str, int], work: int,
+                         cap: float) -> tuple[str, int] | None:
+        """(replica, when its least recent prompt was used) for a prompt no replica holds: of the
+        replicas where it fits under the cap, the one whose least recent prompt is oldest, so the
+        fleet's caches forget as one least-recently-used cache; one with room for it forgets
+        nothing and comes first (ties: clockwise from the ring home). None if none fits."""
+        tokens, last_use = situation.request.prompt_tokens, self.index.least_recent_use
+        uses = {name: last_use(name, tokens) for name in situation.eligible
+                if loads[name] + work <= cap or not loads[name]}
+        if not uses:
+            return None
+        oldest = min(uses, key=uses.__getitem__)
+        if uses[oldest] < 0:  # room on some: the first of them clockwise
+            oldest = next(name for name in situation.walk() if uses.get(name, 0) < 0)
+        return oldest, uses[oldest]
 
     def deepest_on_its_replica(self, situation: Situation, blocks: tuple[int, ...]) -> tuple[str, int, int] | None:
         """(replica, blocks held, bit) of the conversation's last replica, when no other replica
