@@ -18,7 +18,10 @@
   takes it while within the cap in requests, ⌈(1 + ε) × average⌉ (at least 2 for a follow-up on
   the replica of its last turn): there it brings only its new tokens, and a popular prefix still
   spreads by count. The long cap is long_load_factor × the larger of the average and the
-  prefix cached there (what a move computes again). Requests
+  prefix cached there (what a move computes again). A prompt no replica holds goes, of the
+  replicas where it fits under the cap, to the one whose least recent prompt is oldest (one
+  with room first, clockwise): the fleet's caches forget as one least-recently-used cache.
+  A failed request's new blocks are forgotten (it cached nothing). Requests
   without blocks fall back to placement memory. prefix_feedback: a replica that reports
   whole blocks fewer (more) than predicted has its capacity lowered (raised) by as many tokens.
 
