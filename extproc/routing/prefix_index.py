@@ -109,7 +109,8 @@ class PrefixIndex:
     def forget(self, replica: str, blocks: Sequence[int], held: int) -> None:
         """``replica`` did not cache the prompt of ``blocks`` (its request failed): forget its blocks
         past the first ``held`` (those it held before), from its end, while no other prompt ends at
-        or continues them. The block left at its end, a leaf again, takes the least recent place."""
+        or continues them. The block left at its end, a leaf again, takes the least recent place.
+        What sending it made the replica forget, and the refresh of a prompt it held whole, stay."""
         view = self._replicas.get(replica)
         if view is None:
             return

@@ -316,7 +316,8 @@ def test_the_index_forgets_exactly_what_an_lru_by_block_forgets_and_its_lookups_
                                               st.integers(0, 12), st.integers(1, 5)), prompts)
 def test_a_failed_prompt_forgotten_leaves_the_index_as_if_it_had_never_been_sent(capacity: int, before, failed,
                                                                                  after) -> None:
-    """Unless sending it made the replica forget something (that is not undone)."""
+    """When it brought new blocks, and unless sending it made the replica forget something (that
+    is not undone; nor is the refresh of a prompt the replica held whole)."""
     sent, never = PrefixIndex(capacity), PrefixIndex(capacity)
     chains = []
 
@@ -340,7 +341,7 @@ def test_a_failed_prompt_forgotten_leaves_the_index_as_if_it_had_never_been_sent
     replica, opening, middle, length, weight = failed
     chain = chain_of(opening, middle, length)
     held = sent.held_prefix(replica, chain)
-    assume(sent.used(replica) + (len(chain) - held) * weight <= sent.capacity_of(replica))
+    assume(held < len(chain) and sent.used(replica) + (len(chain) - held) * weight <= sent.capacity_of(replica))
     sent.add_prompt(replica, chain, weight, held)
     sent.forget(replica, chain, held)
     chains.append(chain)
