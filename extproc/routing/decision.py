@@ -33,6 +33,8 @@ REASONS: dict[str, str] = {
     "prefix-long": "llm-aware, prefix index: that replica above the normal cap but within the long cap",
     "home-requests": "llm-aware, prefix index: the cached home over its limit in tokens, within the cap in requests",
     "prefix-requests": "llm-aware, prefix index: that replica over its limit in tokens, within the cap in requests",
+    "least-recent": "llm-aware, prefix index: a prompt no replica holds; under the cap, the replica whose least "
+                    "recent prompt is oldest",
     "overflow": "the preferred replica was over its cap; the next one clockwise with room",
     "least-loaded": "no replica fitted under the cap; the one least loaded after this request",
     "kept": "llm-aware, prefix index: none fitted under the cap; the cached replica, none landing (1 + ε) x lower",
@@ -96,7 +98,7 @@ class Trace(NamedTuple):
     unit: str | None = None  # "requests" or "tokens" for load-aware policies
     home: str | None = None  # ring home (or mod-n pick)
     preferred: str | None = None
-    preferred_by: str | None = None  # "ring" | "memory"
+    preferred_by: str | None = None  # "ring" | "memory" | "prefix" | "lru"
     remembered: str | None = None  # placement memory: last replica
     remembered_tokens: int | None = None  # ... and the prompt size served there
     cached_tokens: int = 0  # predicted cached prefix on the preferred replica

@@ -39,7 +39,7 @@ class _Replica:
 
     def __init__(self, capacity: int) -> None:
         self.nodes: dict[int, list[Any]] = {}  # held block -> its node
-        self.tips: OrderedDict[int, None] = OrderedDict()  # last blocks of the prompts sent, least recent first
+        self.tips: OrderedDict[int, int] = OrderedDict()  # prompts' last blocks -> when used, least recent first
         self.used = 0  # tokens its blocks weigh
         self.capacity = capacity
 
@@ -47,7 +47,7 @@ class _Replica:
 class PrefixIndex:
     """Per replica, the blocks sent there, at most ``capacity`` tokens each (``resize`` moves it below)."""
 
-    __slots__ = ("capacity", "_replicas", "_holders", "_bits", "_known", "_by_name", "_named")
+    __slots__ = ("capacity", "_replicas", "_holders", "_bits", "_known", "_by_name", "_named", "_uses")
 
     NAMED_SETS = 4_096  # sets of replicas whose names are remembered (a fleet meets few), then afresh
 
@@ -61,6 +61,7 @@ class PrefixIndex:
         self._known = 0  # the bits of every replica in the index
         self._by_name: tuple[tuple[str, ...], tuple[int, ...]] = ((), ())  # names sorted, their bits
         self._named: dict[int, tuple[str, ...]] = {}  # bits -> those replicas' names, sorted
+        self._uses = 0  # prompts sent or refreshed so far, on every replica: a tip's recency (a count, not a clock)
 
     def add_prompt(self, replica: str, blocks: Sequence[int], weight: int, held: int | None = None) -> None:
         """``replica`` was sent a prompt of ``blocks``, each new one weighing ``weight`` tokens:
@@ -91,7 +92,8 @@ class PrefixIndex:
             view.used += added * weight
         tips = view.tips
         assert previous is not None  # blocks[0] was held or added
-        tips[previous] = None  # the prompt's end: its recency
+        self._uses += 1
+        tips[previous] = self._uses  # the prompt's end: its recency
         tips.move_to_end(previous)
         if view.used > view.capacity:
             self._evict(replica, view)
@@ -100,8 +102,36 @@ class PrefixIndex:
         """A prompt sent to ``replica`` becomes its most recent, if it still holds all of it."""
         view = self._replicas.get(replica)
         if view is not None and blocks and blocks[-1] in view.nodes:  # and so every block before it
-            view.tips[blocks[-1]] = None
+            self._uses += 1
+            view.tips[blocks[-1]] = self._uses
             view.tips.move_to_end(blocks[-1])
+
+    def forget(self, replica: str, blocks: Sequence[int], held: int) -> None:
+        """``replica`` did not cache the prompt of ``blocks`` (its request failed): forget its blocks
+        past the first ``held`` (those it held before), from its end, while no other prompt ends at
+        or continues them. The block left at its end, a leaf again, takes the least recent place.
+        What sending it made the replica forget, and the refresh of a prompt it held whole, stay."""
+        view = self._replicas.get(replica)
+        if view is None:
+            return
+        nodes, tips = view.nodes, view.tips
+        end = position = len(blocks)
+        while position > held:
+            block = blocks[position - 1]
+            node = nodes.get(block)
+            if node is None or node[CHILDREN] or (position < end and block in tips):
+                break
+            tips.pop(block, None)
+            del nodes[block]
+            view.used -= node[1]
+            self._drop(replica, block)
+            if node[0] is not None:
+                nodes[node[0]][CHILDREN] -= 1
+            position -= 1
+        left = blocks[position - 1] if position < end and position else None
+        if left is not None and left not in tips and not nodes[left][CHILDREN]:
+            tips[left] = next(iter(tips.values()), 0)
+            tips.move_to_end(left, last=False)
 
     def resize(self, replica: str, tokens: int, floor: int) -> None:
         """``replica`` holds ``tokens`` more (or, negative, fewer) than the index believed: move
@@ -148,6 +178,14 @@ class PrefixIndex:
         """Tokens ``replica``'s blocks weigh (never above its capacity, unless one prompt alone is)."""
         view = self._replicas.get(replica)
         return view.used if view is not None else 0
+
+    def least_recent_use(self, replica: str, tokens: int) -> int:
+        """When ``replica``'s least recent prompt, what ``tokens`` more make it forget first, was last
+        used (a count over every replica); -1 while it has room for them (it forgets nothing)."""
+        view = self._replicas.get(replica)
+        if view is None or view.used + tokens <= view.capacity or not view.tips:
+            return -1
+        return next(iter(view.tips.values()))
 
     def capacity_of(self, replica: str) -> int:
         view = self._replicas.get(replica)
@@ -217,7 +255,8 @@ class PrefixIndex:
         prompt goes last, from its end, only when it alone is larger than the capacity."""
         tips, nodes = view.tips, view.nodes
         while view.used > view.capacity and tips:
-            block: int | None = tips.popitem(last=False)[0]
+            block: int | None
+            block, last_use = tips.popitem(last=False)
             while block is not None and block not in tips and not nodes[block][CHILDREN]:
                 above, tokens, _ = nodes.pop(block)
                 view.used -= tokens
@@ -227,7 +266,7 @@ class PrefixIndex:
                 block = above
                 if view.used <= view.capacity:
                     if block is not None and block not in tips and not nodes[block][CHILDREN]:
-                        tips[block] = None  # the rest of that prompt keeps its place: least recent
+                        tips[block] = last_use  # the rest of that prompt keeps its place: least recent
                         tips.move_to_end(block, last=False)
                     return
 

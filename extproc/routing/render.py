@@ -67,6 +67,11 @@ def _preference_line(trace: Trace) -> str:
     if trace.preferred_by == "prefix":
         return (f"  prefix index: {trace.preferred} holds the longest prefix ({trace.cached_tokens} of "
                 f"{trace.prompt_tokens} tokens; ring home {trace.home}) → preferred={trace.preferred}")
+    if trace.preferred_by == "lru":
+        use = dict(trace.figures or ()).get("least_recent_use")
+        oldest = "has room for it" if use is not None and use < 0 else f"least recent prompt is the oldest (use {use})"
+        return (f"  prefix index: no replica holds any of the prompt; under the cap {trace.preferred}'s {oldest}"
+                f" (ring home {trace.home}) → preferred={trace.preferred}")
     return f"  ring home: {trace.home} ({memory}) → preferred={trace.preferred}"
 
 

@@ -107,7 +107,7 @@ class Router:
         request, decision, key = entry
         self.ledger.release(request_id)
         if self._view is not None:
-            self._view.completed(request, decision)
+            self._view.completed(request, decision, ok)
         if ok:
             self.memory.remember(key, served or decision.replica, request.prompt_tokens)
         return decision

@@ -127,7 +127,7 @@ def test_kv_cost_is_prefill_blocks_after_overlap_plus_active_decode_blocks() -> 
     policy.set_replicas(router.replicas)
     first = RouteRequest("1", "c", 400, 10, blocks("p1", "p2", "p3", "p4"))  # 100 tokens a block
     policy.routed(first, sent("llm-a"))
-    policy.completed(first, sent("llm-a"))
+    policy.completed(first, sent("llm-a"), True)
     follow_up = RouteRequest("2", "c", 800, 10, blocks("p1", "p2", "p3", "p4", "p5", "p6", "p7", "p8"))
     decision = policy.decide(situation(router, follow_up))
     assert decision is not None and decision.replica == "llm-a"

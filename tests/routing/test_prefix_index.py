@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import tracemalloc
 
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from extproc.routing import REASONS, Router, RouteRequest, Trace, render_trace
@@ -14,7 +14,7 @@ from extproc.routing.blocks import covered_tokens, prefix_blocks
 from extproc.routing.policies.llm_aware import LlmAwarePrefix
 from extproc.routing.prefix_index import PrefixIndex
 from extproc.routing.prefix_views import BlockIndex
-from tests.routing.conftest import routing
+from tests.routing.conftest import key_with_walk, routing
 
 NAMES = ["llm-0", "llm-1", "llm-2"]
 REPLICAS = [f"llm-{i}" for i in range(8)]
@@ -250,6 +250,11 @@ def test_a_report_at_or_above_the_prediction_or_from_an_unknown_replica_changes_
     assert index_of(router).held_prefix(decision.replica, prompt) == 3
 
 
+def chain_of(opening: int, middle: int, length: int) -> tuple[int, ...]:
+    """A prompt of the ``prompts`` strategy: one of a few openings, a shared middle, its own tail."""
+    return blocks(f"o{opening}", *(f"m{middle}" for _ in range(3)), *(str(n) for n in range(length)))
+
+
 prompts = st.lists(st.tuples(st.sampled_from(NAMES), st.integers(0, 3), st.integers(0, 6), st.integers(0, 12),
                              st.integers(1, 5), st.integers(-30, 30)), max_size=40)
 
@@ -286,7 +291,7 @@ def test_the_index_forgets_exactly_what_an_lru_by_block_forgets_and_its_lookups_
     index, reference = PrefixIndex(capacity), LruByBlock(capacity)
     chains = []
     for send, (replica, opening, middle, length, weight, resize) in enumerate(log):
-        chain = blocks(f"o{opening}", *(f"m{middle}" for _ in range(3)), *(str(n) for n in range(length)))
+        chain = chain_of(opening, middle, length)
         chains.append(chain)
         index.add_prompt(replica, chain, weight)
         reference.add(replica, chain, weight, send)
@@ -304,6 +309,111 @@ def test_the_index_forgets_exactly_what_an_lru_by_block_forgets_and_its_lookups_
         assert {name: depth for depth, names in grouped for name in names} == {n: d for n, d in walked.items() if d}
         assert [depth for depth, _ in grouped] == sorted({depth for depth, _ in grouped}, reverse=True)
         assert all(list(names) == sorted(names) for _, names in grouped)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 60), prompts, st.tuples(st.sampled_from(NAMES), st.integers(0, 3), st.integers(0, 6),
+                                              st.integers(0, 12), st.integers(1, 5)), prompts)
+def test_a_failed_prompt_forgotten_leaves_the_index_as_if_it_had_never_been_sent(capacity: int, before, failed,
+                                                                                 after) -> None:
+    """When it brought new blocks, and unless sending it made the replica forget something (that
+    is not undone; nor is the refresh of a prompt the replica held whole)."""
+    sent, never = PrefixIndex(capacity), PrefixIndex(capacity)
+    chains = []
+
+    def both(log) -> None:
+        for replica, opening, middle, length, weight, resize in log:
+            chains.append(chain_of(opening, middle, length))
+            for index in (sent, never):
+                index.add_prompt(replica, chains[-1], weight)
+                if resize:
+                    index.resize(replica, resize, floor=weight)
+            agree()
+
+    def agree() -> None:
+        for name in NAMES:
+            assert (sent.used(name), sent.size(name), sent.capacity_of(name)) == (
+                never.used(name), never.size(name), never.capacity_of(name))
+        for known in chains:
+            assert holders_by_depth(sent, known) == holders_by_depth(never, known)
+
+    both(before)
+    replica, opening, middle, length, weight = failed
+    chain = chain_of(opening, middle, length)
+    held = sent.held_prefix(replica, chain)
+    assume(held < len(chain) and sent.used(replica) + (len(chain) - held) * weight <= sent.capacity_of(replica))
+    sent.add_prompt(replica, chain, weight, held)
+    sent.forget(replica, chain, held)
+    chains.append(chain)
+    agree()
+    both(after)
+
+
+def test_a_failed_request_leaves_only_what_its_replica_held_before_it() -> None:
+    """A replica that refused a prompt (longer than its context) cached none of it: the blocks it
+    brought are forgotten, the turn before it is still held, and a retry is predicted as much."""
+    first, second = blocks("system", "alice"), blocks("system", "alice", "a long paste", "more")
+    router = Router(routing(prefix_index=True), NAMES)
+    decision = router.route(RouteRequest("1", "alice", 200, 10, first))
+    assert decision is not None
+    router.complete("1")
+    failed = router.route(RouteRequest("2", "alice", 400, 10, second))
+    assert failed is not None and failed.replica == decision.replica
+    assert index_of(router).held_prefix(decision.replica, second) == 4  # sent: believed held until it fails
+    router.complete("2", ok=False)
+    index = index_of(router)
+    assert index.held_prefix(decision.replica, second) == 2 and index.used(decision.replica) == 200
+    retry = router.route(RouteRequest("3", "alice", 400, 10, second))
+    assert retry is not None and retry.predicted_cached_tokens == 200
+    router.complete("3", ok=False)
+    lone = router.route(RouteRequest("4", "bob", 400, 10, blocks("bob", "b1", "b2", "b3")))
+    assert lone is not None
+    router.complete("4", ok=False)  # nothing held before it: nothing left of it
+    assert index.size(lone.replica) == (2 if lone.replica == decision.replica else 0)
+
+
+def test_requests_in_flight_on_a_replica_that_left_are_not_remembered() -> None:
+    """The router drops the requests of a replica that left without completing them: the policy
+    forgets what it kept for them (their replica's blocks before them), and only for them."""
+    router = Router(routing(prefix_index=True), NAMES)
+    policy = router.policy
+    assert isinstance(policy, LlmAwarePrefix)
+    picks = {}
+    for number in range(12):
+        decision = router.route(RouteRequest(str(number), f"c{number}", 200, 10, blocks(f"c{number}", "x")))
+        assert decision is not None
+        picks[str(number)] = decision.replica
+    gone = picks["0"]
+    router.set_replicas([name for name in NAMES if name != gone])
+    assert set(policy.held_before) == {number for number, replica in picks.items() if replica != gone}
+    for number in picks:
+        router.complete(number)
+    assert policy.held_before == {}
+
+
+def test_a_prompt_no_replica_holds_goes_where_the_fleet_forgets_its_least_recent_prompt() -> None:
+    """While replicas have room, a new prompt goes to the first of them clockwise (it evicts
+    nothing); once all are full, to the one under the cap whose least recent prompt is oldest."""
+    router = Router(routing(prefix_index=True, prefix_capacity_tokens=400), NAMES)
+    placed = []
+    for name in ("a", "b", "c"):
+        decision = router.route(RouteRequest(name, name, 400, 10, blocks(name, "1", "2", "3")))
+        assert decision is not None
+        placed.append(decision.replica)
+    assert sorted(placed) == NAMES  # each one where there was room
+    for name in ("c", "a", "b"):  # c's replica now holds the least recently used prompt
+        router.complete(name)
+    oldest, next_oldest = placed[2], placed[0]
+    key = key_with_walk(router, next(name for name in NAMES if name != oldest))  # its ring home is elsewhere
+    decision = router.route(RouteRequest("d", key, 400, 10, blocks("d", "1", "2", "3")))
+    assert decision is not None and decision.replica == oldest and decision.reason == "least-recent"
+    assert decision.trace.preferred_by == "lru" and ("least_recent_use", 4) in decision.trace.figures
+    assert f"under the cap {oldest}'s least recent prompt is the oldest (use 4)" in render_trace(decision)
+    router.complete("d")
+    busy = router.route(RouteRequest("d2", key, 800, 10, blocks("d", "1", "2", "3", "4", "5", "6", "7")))
+    assert busy is not None and busy.replica == oldest  # its follow-up, in flight: over the cap there now
+    decision = router.route(RouteRequest("e", key_with_walk(router, oldest), 400, 10, blocks("e", "1", "2", "3")))
+    assert decision is not None and decision.replica == next_oldest
 
 
 def test_the_rendered_trace_names_the_index_as_the_reason_for_the_preference() -> None:

@@ -40,8 +40,8 @@ class SentView(Protocol):
     def routed(self, request: RouteRequest, decision: Decision) -> None:
         """``decision`` was charged: the request is on its way to ``decision.replica``."""
 
-    def completed(self, request: RouteRequest, decision: Decision) -> None:
-        """The request is over (served, failed or abandoned)."""
+    def completed(self, request: RouteRequest, decision: Decision, ok: bool) -> None:
+        """The request is over: served (``ok``), failed or abandoned."""
 
     def set_replicas(self, replicas: tuple[str, ...]) -> None:
         """The fleet is now exactly ``replicas``."""

@@ -78,7 +78,7 @@ class KvCost:
         self.active.add(request.request_id, decision.replica, request_blocks(request), uncached)
         self.index.add(decision.replica, reversed(request.prefix_blocks))
 
-    def completed(self, request: RouteRequest, decision: Decision) -> None:
+    def completed(self, request: RouteRequest, decision: Decision, ok: bool) -> None:
         self.active.remove(request.request_id)
 
     def set_replicas(self, replicas: tuple[str, ...]) -> None:

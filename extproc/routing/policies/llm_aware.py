@@ -18,7 +18,10 @@
   takes it while within the cap in requests, ⌈(1 + ε) × average⌉ (at least 2 for a follow-up on
   the replica of its last turn): there it brings only its new tokens, and a popular prefix still
   spreads by count. The long cap is long_load_factor × the larger of the average and the
-  prefix cached there (what a move computes again). Requests
+  prefix cached there (what a move computes again). A prompt no replica holds goes, of the
+  replicas where it fits under the cap, to the one whose least recent prompt is oldest (one
+  with room first, clockwise): the fleet's caches forget as one least-recently-used cache.
+  A failed request's new blocks are forgotten (it cached nothing). Requests
   without blocks fall back to placement memory. prefix_feedback: a replica that reports
   whole blocks fewer (more) than predicted has its capacity lowered (raised) by as many tokens.
 
@@ -28,7 +31,7 @@ index off exactly as the seed's llm-aware.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from functools import partial
 from itertools import repeat
 from typing import ClassVar
@@ -86,6 +89,10 @@ class LlmAware:
         loads = situation.ledger.loads("tokens")
         total = situation.total("tokens") + preferred_cost
         average, cap = average_and_cap(total, len(eligible), self.epsilon, "tokens")
+        least_recent = self.least_recent_fit(situation, loads, work, cap) if seen and cached_on is None else None
+        if least_recent is not None:  # a prompt no replica holds: where the fleet forgets its least recent
+            preferred = least_recent[0]
+            seen = (*seen[:2], (*seen[2], ("least_recent_use", least_recent[1])))
         long_cap = None
         if self.long_stickiness and cached_on == preferred and prompt >= self.long_prompt_tokens:
             # with the index, against the prefix cached there when that is larger: what a move computes again
@@ -103,7 +110,8 @@ class LlmAware:
             chosen = least_loaded(eligible, loads, work, discount)
             reason = "kept" if chosen == cached and discount.keep_factor else "least-loaded"
         elif chosen == preferred:
-            reason = "home" if preferred == home else ("prefix" if seen else "sticky")
+            reason = ("home" if preferred == home else "least-recent" if least_recent
+                      else "prefix" if seen else "sticky")
             load = loads[chosen]
             if load and load + preferred_cost > cap and not (discount.cached and load < cap):
                 first = checks[0]  # only the long cap let it in, or only the cap in requests
@@ -117,7 +125,7 @@ class LlmAware:
             "tokens",  # unit
             home,
             preferred,
-            ("prefix" if seen else "memory") if by_memory else "ring",  # preferred_by
+            ("prefix" if seen else "memory") if by_memory else ("lru" if least_recent else "ring"),  # preferred_by
             placement.replica if placement else None,  # remembered
             placement.prompt_tokens if placement else None,  # remembered_tokens
             expected.get(preferred, 0),  # cached_tokens
@@ -130,6 +138,11 @@ class LlmAware:
         ))
         return new(Decision, (chosen, reason, cost, cost, expected.get(chosen, 0), trace))
 
+    def least_recent_fit(self, situation: Situation, loads: Mapping[str, int], work: int,
+                         cap: float) -> tuple[str, int] | None:
+        """Placement memory knows nothing of what the replicas forget (the prefix index does)."""
+        return None
+
     def cap_in_requests(self, situation: Situation, cached: str, figures: list[tuple[str, float]]) -> bool:
         """Whether ``cached`` takes the request within the cap in requests, ⌈(1 + ε) × average⌉
         (at least FOLLOW_UP_REQUESTS_FLOOR for the conversation's follow-up there); the trace's
@@ -138,7 +151,7 @@ class LlmAware:
         cap = average_and_cap(situation.total("requests") + 1, len(situation.eligible), self.epsilon, "requests")[1]
         placement = situation.placement
         if placement is not None and placement.replica == cached:  # the conversation's follow-up
-            cap = max(FOLLOW_UP_REQUESTS_FLOOR, cap)
+            cap = max(float(FOLLOW_UP_REQUESTS_FLOOR), cap)
         figures += (("requests", running), ("requests_cap", cap))
         return running + 1 <= cap
 
@@ -165,6 +178,8 @@ class LlmAwarePrefix(LlmAware):
         super().__init__(settings)
         self.index = PrefixIndex(settings.prefix_capacity_tokens)
         self.feedback = settings.prefix_feedback
+        # request in flight -> (its replica, the blocks that replica held before it)
+        self.held_before: dict[str, tuple[str, int]] = {}
 
     def where_cached(self, situation: Situation, home: str) -> WhereCached:
         """The index's lookup. Entered at once: the holders a trace lists (deepest first), the
@@ -231,6 +246,22 @@ class LlmAwarePrefix(LlmAware):
             enter(depth, names)
         return tuple(name for _, names in named for name in names)
 
+    def least_recent_fit(self, situation: Situation, loads: Mapping[str, int], work: int,
+                         cap: float) -> tuple[str, int] | None:
+        """(replica, when its least recent prompt was used) for a prompt no replica holds: of the
+        replicas where it fits under the cap, the one whose least recent prompt is oldest, so the
+        fleet's caches forget as one least-recently-used cache; one with room for it forgets
+        nothing and comes first (ties: clockwise from the ring home). None if none fits."""
+        tokens, last_use = situation.request.prompt_tokens, self.index.least_recent_use
+        uses = {name: last_use(name, tokens) for name in situation.eligible
+                if loads[name] + work <= cap or not loads[name]}
+        if not uses:
+            return None
+        oldest = min(uses, key=uses.__getitem__)
+        if uses[oldest] < 0:  # room on some: the first of them clockwise
+            oldest = next(name for name in situation.walk() if uses.get(name, 0) < 0)
+        return oldest, uses[oldest]
+
     def deepest_on_its_replica(self, situation: Situation, blocks: tuple[int, ...]) -> tuple[str, int] | None:
         """(replica, blocks held) of the conversation's last replica, when no other replica
         holds as many of ``blocks`` (one probe past its held prefix: the index is closed under
@@ -247,16 +278,28 @@ class LlmAwarePrefix(LlmAware):
         if blocks:
             listed = decision.trace.candidates  # deepest first: the pick's held blocks when it heads them
             held = listed[0].matched_blocks if listed and listed[0].replica == decision.replica else None
+            if held is None:
+                held = self.index.held_prefix(decision.replica, blocks)
+            self.held_before[request.request_id] = (decision.replica, held)
             self.index.add_prompt(decision.replica, blocks, max(1, request.prompt_tokens // len(blocks)), held)
 
-    def completed(self, request: RouteRequest, decision: Decision) -> None:
+    def completed(self, request: RouteRequest, decision: Decision, ok: bool) -> None:
         """A server cannot evict a running request's blocks and frees them, as its most recent,
         when it ends (vLLM's free-block queue): the prompt is refreshed, if the index still holds
-        it (if not, requests sent after it have taken its place, as in a llama.cpp slot)."""
-        self.index.touch(decision.replica, request.prefix_blocks)
+        it (if not, requests sent after it have taken its place, as in a llama.cpp slot). A failed
+        request cached nothing (a prompt longer than the context is refused whole): its new blocks
+        are forgotten, as placement memory remembers only a success."""
+        before = self.held_before.pop(request.request_id, None)
+        if ok:
+            self.index.touch(decision.replica, request.prefix_blocks)
+        elif before is not None:
+            self.index.forget(decision.replica, request.prefix_blocks, before[1])
 
     def set_replicas(self, replicas: tuple[str, ...]) -> None:
+        """The requests in flight on a replica that left are never completed (the router drops them)."""
         self.index.set_replicas(replicas)
+        kept = set(replicas)
+        self.held_before = {request: before for request, before in self.held_before.items() if before[0] in kept}
 
     def reported(self, request: RouteRequest, replica: str, predicted: int, cached: int) -> None:
         """``replica`` served ``request`` from ``cached`` cached tokens; ``predicted`` were expected.

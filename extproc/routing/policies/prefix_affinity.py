@@ -71,7 +71,7 @@ class PrefixAffinity:
     def routed(self, request: RouteRequest, decision: Decision) -> None:
         self.index.add(decision.replica, request.prefix_blocks[:MAX_PREFIX_BLOCKS])  # llm-d: PreRequest
 
-    def completed(self, request: RouteRequest, decision: Decision) -> None:
+    def completed(self, request: RouteRequest, decision: Decision, ok: bool) -> None:
         pass  # llm-d keeps a request's blocks until its LRU forgets them
 
     def set_replicas(self, replicas: tuple[str, ...]) -> None:

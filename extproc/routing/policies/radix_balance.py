@@ -68,7 +68,7 @@ class RadixBalance:
     def routed(self, request: RouteRequest, decision: Decision) -> None:
         self.tree.add(decision.replica, reversed(request.prefix_blocks))  # deepest forgotten first
 
-    def completed(self, request: RouteRequest, decision: Decision) -> None:
+    def completed(self, request: RouteRequest, decision: Decision, ok: bool) -> None:
         pass  # the tree keeps what was sent until evicted
 
     def set_replicas(self, replicas: tuple[str, ...]) -> None:
