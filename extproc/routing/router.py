@@ -106,8 +106,8 @@ class Router:
             return None
         request, decision, key = entry
         self.ledger.release(request_id)
-        if self._view is not None:
-            self._view.completed(request, decision, ok)
+        if self._view is not None:  # answered by another replica: the pick refused it and cached nothing
+            self._view.completed(request, decision, ok and served in (None, decision.replica))
         if ok:
             self.memory.remember(key, served or decision.replica, request.prompt_tokens)
         return decision

@@ -372,6 +372,20 @@ def test_a_failed_request_leaves_only_what_its_replica_held_before_it() -> None:
     assert index.size(lone.replica) == (2 if lone.replica == decision.replica else 0)
 
 
+def test_a_request_answered_by_a_fallback_leaves_nothing_new_on_its_pick() -> None:
+    """The proxy failed over (the pick refused): the pick cached none of the prompt's new blocks."""
+    router = Router(routing(prefix_index=True), NAMES)
+    first = router.route(RouteRequest("1", "alice", 200, 10, blocks("system", "alice")))
+    assert first is not None
+    router.complete("1")
+    longer = blocks("system", "alice", "turn 2")
+    second = router.route(RouteRequest("2", "alice", 300, 10, longer))
+    assert second is not None and second.replica == first.replica
+    fallback = next(name for name in NAMES if name != first.replica)
+    router.complete("2", served=fallback)
+    assert index_of(router).held_prefix(first.replica, longer) == 2
+
+
 def test_requests_in_flight_on_a_replica_that_left_are_not_remembered() -> None:
     """The router drops the requests of a replica that left without completing them: the policy
     forgets what it kept for them (their replica's blocks before them), and only for them."""

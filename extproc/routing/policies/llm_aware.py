@@ -21,7 +21,8 @@
   prefix cached there (what a move computes again). A prompt no replica holds goes, of the
   replicas where it fits under the cap, to the one whose least recent prompt is oldest (one
   with room first, clockwise): the fleet's caches forget as one least-recently-used cache.
-  A failed request's new blocks are forgotten (it cached nothing). Requests
+  A failed request's new blocks are forgotten (it cached nothing; so did a pick whose request
+  a fallback answered). Requests
   without blocks fall back to placement memory. prefix_feedback: a replica that reports
   whole blocks fewer (more) than predicted has its capacity lowered (raised) by as many tokens.
 
