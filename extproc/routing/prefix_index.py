@@ -122,16 +122,10 @@ class PrefixIndex:
             if node is None or node[CHILDREN] or (position < end and block in tips):
                 break
             tips.pop(block, None)
-            del nodes[block]
-            view.used -= node[1]
-            self._drop(replica, block)
-            if node[0] is not None:
-                nodes[node[0]][CHILDREN] -= 1
+            self._remove_leaf(replica, view, block)
             position -= 1
-        left = blocks[position - 1] if position < end and position else None
-        if left is not None and left not in tips and not nodes[left][CHILDREN]:
-            tips[left] = next(iter(tips.values()), 0)
-            tips.move_to_end(left, last=False)
+        if position < end and position:
+            self._end_least_recent(view, blocks[position - 1], next(iter(tips.values()), 0))
 
     def resize(self, replica: str, tokens: int, floor: int) -> None:
         """``replica`` holds ``tokens`` more (or, negative, fewer) than the index believed: move
@@ -258,17 +252,27 @@ class PrefixIndex:
             block: int | None
             block, last_use = tips.popitem(last=False)
             while block is not None and block not in tips and not nodes[block][CHILDREN]:
-                above, tokens, _ = nodes.pop(block)
-                view.used -= tokens
-                self._drop(replica, block)
-                if above is not None:
-                    nodes[above][CHILDREN] -= 1
-                block = above
+                block = self._remove_leaf(replica, view, block)
                 if view.used <= view.capacity:
-                    if block is not None and block not in tips and not nodes[block][CHILDREN]:
-                        tips[block] = last_use  # the rest of that prompt keeps its place: least recent
-                        tips.move_to_end(block, last=False)
+                    self._end_least_recent(view, block, last_use)  # the rest of that prompt keeps its place
                     return
+
+    def _remove_leaf(self, replica: str, view: _Replica, block: int) -> int | None:
+        """Forget ``block``, a leaf of ``view``'s tree; returns the block before it (None: none)."""
+        above, tokens, _ = view.nodes.pop(block)
+        view.used -= tokens
+        self._drop(replica, block)
+        if above is not None:
+            view.nodes[above][CHILDREN] -= 1
+        return above
+
+    @staticmethod
+    def _end_least_recent(view: _Replica, block: int | None, use: int) -> None:
+        """``block``, a leaf again once the blocks after it were forgotten, ends a prompt: the
+        least recent one (last used at ``use``), unless a prompt ends there already."""
+        if block is not None and block not in view.tips and not view.nodes[block][CHILDREN]:
+            view.tips[block] = use
+            view.tips.move_to_end(block, last=False)
 
     def _drop(self, replica: str, block: int) -> None:
         left = self._holders[block] & ~self._bits[replica]
