@@ -126,6 +126,7 @@ def service_env(listen: str, endpoints_file: Path, discovery: Mapping[str, str],
     env = {
         "LLM_RING__SERVICE__LISTEN": f'"{listen}"',
         "LLM_RING__SERVICE__EXT_PROC_SOCKET": f'"{socket_name(listen)}"',
+        "LLM_RING__SERVICE__ADMIN_LISTEN": f'"127.0.0.1:{free_port()}"',
         "LLM_RING__SERVICE__METRICS_LISTEN": f'"127.0.0.1:{free_port()}"',
         "LLM_RING__SERVICE__ENVOY_ENDPOINTS_FILE": f'"{endpoints_file}"',
     }
@@ -150,9 +151,10 @@ def start_service(workdir: Path, settings_env: Mapping[str, str], config: Path =
     env = {**os.environ, **settings_env}
     command = [sys.executable, "-m", "extproc.cli", "serve", "--config", str(config)]
     running = spawn_child("llm-ring serve", command, workdir / "service.log", env)
+    admin = settings_env.get("LLM_RING__SERVICE__ADMIN_LISTEN", "").strip('"')
+    wait_until_ready(running, lambda: grpc_serving(admin), 20.0)
+    running.address = admin  # the Admin API and health
     listen = settings_env.get("LLM_RING__SERVICE__LISTEN", "").strip('"')
-    wait_until_ready(running, lambda: grpc_serving(listen), 20.0)
-    running.address = listen
     socket = settings_env.get("LLM_RING__SERVICE__EXT_PROC_SOCKET", '""').strip('"')
     running.ext_proc = ext_proc_address(listen, socket)
     return running
