@@ -86,6 +86,8 @@ class ServiceSettings(Strict):
     envoy_endpoints_file: str = Field(description="EDS file written for Envoy; empty: Envoy resolves DNS")
     fail_open: bool = Field(description="Envoy: round robin when this service is down (true) or 500 (false)")
     drain_seconds: float = Field(ge=0, le=3600, description="SIGTERM: in-flight requests get this long to finish")
+    shed_requests_per_replica: int = Field(ge=0, description="429 when every eligible replica has this many requests "
+                                                             "in flight (0: never shed)")
 
     @model_validator(mode="after")
     def _reachable(self) -> ServiceSettings:

@@ -59,7 +59,14 @@ from extproc.routing import Decision, Router, RouteRequest, estimate_tokens
 from extproc.routing.blocks import BlockMemory
 from extproc.routing.peers import PeerRequest, PeerView, peer_view
 from extproc.routing.placement import Placement
-from extproc.service.answers import RESPONSE_HEADERS_CONTINUE, AnswerCache, Phase, immediate, request_id_header
+from extproc.service.answers import (
+    RESPONSE_HEADERS_CONTINUE,
+    AnswerCache,
+    Phase,
+    immediate,
+    request_id_header,
+    route_answer,
+)
 from extproc.service.bodies import (
     BadRequest,
     BodyLimits,
@@ -267,7 +274,7 @@ class Gateway:
         self._pass_turn += 1
         replica = eligible[self._pass_turn % len(eligible)]
         self.metrics.passed_through += 1
-        return self.answers.route(replica, PASS_THROUGH, False, self._destination, phase)
+        return self._pick_answer(replica, PASS_THROUGH, False, phase, subset)
 
     def _eligible(self, subset: frozenset[str] | None) -> list[str]:
         """The replicas a pick may land on: the healthy ones (all when none is) of the subset."""
@@ -276,6 +283,13 @@ class Gateway:
             names = [name for name in names if self.endpoints[name] in subset]
         healthy = [name for name in names if name not in self.unhealthy]
         return healthy or names
+
+    def _to_shed(self, avoid: Collection[str]) -> bool:
+        limit = self.settings.shed_requests_per_replica
+        if not limit:
+            return False
+        ledger = self.router.ledger
+        return all(ledger.requests(name) >= limit for name in self.endpoints if name not in avoid)
 
     def _no_replica(self, subset: frozenset[str] | None) -> bytes:
         self.metrics.errors["no_replica"] += 1
@@ -324,6 +338,9 @@ class Gateway:
         else:
             allowed = self._eligible(subset)
             avoid = [name for name in self.endpoints if name not in allowed]
+        if self._to_shed(avoid):
+            self.metrics.errors["shed"] += 1
+            return immediate(429, "every replica is at service.shed_requests_per_replica requests in flight"), None
         decision = self.router.route(request, avoid=avoid, peers=peers) if len(avoid) < len(self.endpoints) else None
         if decision is None:
             return self._no_replica(subset), None
@@ -338,7 +355,7 @@ class Gateway:
         if self.store is not None:
             self._publish_pending(unique_id, parsed.history)
         self.metrics.decision(decision.trace.policy, decision.reason, time.perf_counter() - started)
-        answer = self.answers.route(decision.replica, decision.reason, parsed.stream, self._destination, phase)
+        answer = self._pick_answer(decision.replica, decision.reason, parsed.stream, phase, subset)
         answer += self.answers.predicted_cached(decision.predicted_cached_tokens, phase)
         if phase == "own":  # our id, for Envoy's access log entry; a gateway's own id is left alone
             answer += request_id_header(unique_id)
@@ -566,12 +583,22 @@ class Gateway:
         self._sequence += 1
         return f"{self._id_prefix}{self._sequence:x}"
 
-    def _destination(self, replica: str) -> str:
+    def _pick_answer(
+        self, replica: str, reason: str, streamed: bool, phase: Phase, subset: frozenset[str] | None
+    ) -> bytes:
+        """The answer for a pick: kept for reuse, unless the gateway named a subset (the
+        fallbacks must come from it too)."""
+        if subset is None:
+            return self.answers.route(replica, reason, streamed, self._destination, phase)
+        return route_answer(self._destination(replica, subset), replica, reason, streamed, phase)
+
+    def _destination(self, replica: str, subset: frozenset[str] | None = None) -> str:
         """The pick's endpoint, then up to service.fallbacks healthy others (in name order
-        after it): where Envoy retries when the pick refuses."""
+        after it, of the subset when one is named): where Envoy retries when the pick refuses."""
         names = sorted(self.endpoints)
         start = names.index(replica)
-        fallbacks = [n for n in names[start + 1 :] + names[:start] if n not in self.unhealthy]
+        fallbacks = [n for n in names[start + 1 :] + names[:start]
+                     if n not in self.unhealthy and (subset is None or self.endpoints[n] in subset)]
         return ",".join([self.endpoints[replica]] + [self.endpoints[n] for n in fallbacks[: self.settings.fallbacks]])
 
     def _remember_envoy_id(self, envoy_id: str, request_id: str) -> str:

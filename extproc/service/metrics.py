@@ -23,7 +23,7 @@ OUTCOMES = ("ok", "failed_over", "failed", "abandoned", "not_applied")
 # see wire.py); undecodable: a message that was no protobuf at all (dropped)
 ERRORS = (
     "bad_request", "no_replica", "replica_failed", "replica_timed_out", "access_log_lost", "non_utf8_repaired",
-    "undecodable",
+    "undecodable", "shed",
 )
 STREAMS = ("route", "observe", "access_log", "picker")
 # the shared store (store.py): a read before a decision, a batch of writes, a (re)connection

@@ -62,7 +62,7 @@ def gateway(
         idle = {"stream_idle_timeout_s": envoy_idle_timeout_s} if envoy_idle_timeout_s else {}
         envoy = start_gateway_envoy(workdir / "envoy", started[0].ext_proc, endpoints_file, fail_open, 1, **idle)
         started.append(envoy)
-        gw = Gateway(f"http://{envoy.listen}", listen, started[0].log_path, endpoints_file, started)
+        gw = Gateway(f"http://{envoy.listen}", started[0].address, started[0].log_path, endpoints_file, started)
         _wait_for(lambda: _has_endpoints(envoy.address), 5.0)
         yield gw
     finally:
