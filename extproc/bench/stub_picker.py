@@ -22,11 +22,15 @@ from cryptography.x509.oid import NameOID
 from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
 
 from extproc.envoy.contract import DESTINATION
 from extproc.service.processor import SERVICE
 
 FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
+# the health services the Endpoint Picker protocol lists (docs/proposals/004-endpoint-picker-protocol)
+PICKER_HEALTH_SERVICES = ("", "liveness", "readiness", "envoy.service.ext_proc.v3.ExternalProcessor")
 
 
 def self_signed(host: str) -> tuple[bytes, bytes]:
@@ -87,8 +91,12 @@ async def serve(port: int, endpoint: str) -> None:
         process, request_deserializer=pb.ProcessingRequest.FromString, response_serializer=lambda b: b
     )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {"Process": handler}),))
+    health = health_aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
     server.add_secure_port(f"127.0.0.1:{port}", grpc.ssl_server_credentials([self_signed("127.0.0.1")]))
     await server.start()
+    for name in PICKER_HEALTH_SERVICES:
+        await health.set(name, health_pb2.HealthCheckResponse.SERVING)
     print(f"stub endpoint picker (TLS) on 127.0.0.1:{port} -> {endpoint}", flush=True)
     await server.wait_for_termination()
 
