@@ -43,6 +43,7 @@ UPSTREAM_HEADER = "x-upstream-host"
 PICKER_CLUSTER = "endpoint-picker"
 POOL_CLUSTER = "inference-pool"
 PICKER_FILTER = "envoy.filters.http.ext_proc/endpoint-picker"
+_HCM = _T + "envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
 _BODY_MODES = {"duplex": "FULL_DUPLEX_STREAMED", "buffered": "BUFFERED"}
 
 
@@ -162,7 +163,7 @@ def render_inference_gateway_config(
                 "filter_chains": [{"filters": [{
                     "name": "envoy.filters.network.http_connection_manager",
                     "typed_config": {
-                        "@type": _T + "envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+                        "@type": _HCM,
                         "stat_prefix": "gateway",
                         "codec_type": "AUTO",
                         "route_config": _route_config(gateway, pool_endpoints, hints, report_served, show_upstream),

@@ -160,7 +160,8 @@ def test_a_fan_out_on_one_prefix_is_answered_whole_and_its_follow_up_finds_its_c
     def ask(task: int) -> dict[str, Any]:
         messages = [*shared, {"role": "user", "content": f"Task {task}: go."}]
         reply = post(plane, {"messages": messages, "max_tokens": 16, "ignore_eos": True})
-        return {"messages": messages, "reply": reply.json(), "replica": plane.replica_of[reply.headers[UPSTREAM_HEADER]]}
+        replica = plane.replica_of[reply.headers[UPSTREAM_HEADER]]
+        return {"messages": messages, "reply": reply.json(), "replica": replica}
 
     with ThreadPoolExecutor(3) as pool:
         answers = list(pool.map(ask, range(3)))
