@@ -120,7 +120,8 @@ class Pending:
     last_seen: float  # monotonic: the decision, then each observed chunk
     status: int = 0
     served: str = ""
-    logged: bool = False  # Envoy's access log entry came: the HTTP request is over
+    logged: bool = False  # no access log entry to wait for: it came (the HTTP request is over), or none
+    # will (an Endpoint Picker's stream, whose own end says when the request is over)
     answered: bool = False  # the whole answer passed (per the access log, or the observer saw its end)
     observed_end: bool = False  # streamed: the observer saw the last chunk
     lost: bool = False  # released by release_lost: the access log entry never came
