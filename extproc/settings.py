@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from extproc.cli_input import UsageError
 
@@ -59,11 +59,17 @@ class RoutingSettings(Strict):
 class ServiceSettings(Strict):
     """The ext_proc gRPC service (the shell around the core)."""
 
-    listen: str = Field(min_length=1, description="host:port of the ext_proc + admin + health gRPC server")
+    listen: str = Field(description="host:port of the picker port: ext_proc + access log + health, what the gateway "
+                                    "reaches (empty: only ext_proc_socket)")
     ext_proc_socket: str = Field(
         pattern=r"^[A-Za-z0-9._-]{0,100}$",
         description="abstract unix socket name the same server also listens on, for Envoy (empty: Envoy uses listen)",
     )
+    tls: str = Field(description='the picker port over TLS: "" plaintext, "self-signed" (a certificate made '
+                                 'at start-up) or a folder holding tls.crt and tls.key (a mounted kubernetes.io/tls '
+                                 'Secret)')
+    admin_listen: str = Field(min_length=1, description="host:port of the Admin API + health (plaintext; never the "
+                                                        "picker port: keep it on loopback or a pod-local address)")
     metrics_listen: str = Field(min_length=1, description="host:port of the Prometheus /metrics endpoint")
     chars_per_token: float = Field(gt=0, description="prompt token estimate = characters / chars_per_token")
     max_body_bytes: int = Field(gt=0, description="larger request bodies are refused with 413")
@@ -80,6 +86,17 @@ class ServiceSettings(Strict):
     envoy_endpoints_file: str = Field(description="EDS file written for Envoy; empty: Envoy resolves DNS")
     fail_open: bool = Field(description="Envoy: round robin when this service is down (true) or 500 (false)")
     drain_seconds: float = Field(ge=0, le=3600, description="SIGTERM: in-flight requests get this long to finish")
+    shed_requests_per_replica: int = Field(ge=0, description="429 when every eligible replica has this many requests "
+                                                             "in flight (0: never shed)")
+
+    @model_validator(mode="after")
+    def _reachable(self) -> ServiceSettings:
+        if not self.listen and not self.ext_proc_socket:
+            raise ValueError("listen and ext_proc_socket are both empty: the gateway could not reach the service")
+        if self.listen and self.listen == self.admin_listen:
+            raise ValueError("admin_listen must differ from listen: the gateway must not reach the Admin API")
+        return self
+
 
 class DiscoverySettings(Strict):
     """Where the replica list comes from."""

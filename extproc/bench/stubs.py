@@ -18,6 +18,7 @@ from extproc.stack.processes import (
     spawn_child,
     start_service,
     static_discovery,
+    tls_grpc_serving,
     wait_until_ready,
 )
 
@@ -74,4 +75,15 @@ def start_stub_processor(port: int, endpoint: str, workdir: Path) -> Running:
     wait_until_ready(running, lambda: accepts(port), 10.0)
     running.address = address
     running.ext_proc = ext_proc_address(address, socket_name(address))
+    return running
+
+
+def start_stub_picker(port: int, endpoint: str, workdir: Path) -> Running:
+    """The do-nothing InferencePool picker (stub_picker.py, gRPC over TLS), picking endpoint."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, "-m", "extproc.bench.stub_picker", str(port), endpoint]
+    running = spawn_child("stub picker", command, workdir / "stub_picker.log")
+    address = f"127.0.0.1:{port}"
+    wait_until_ready(running, lambda: tls_grpc_serving(address, "readiness"), 10.0)
+    running.address = running.ext_proc = address
     return running

@@ -17,6 +17,13 @@ from extproc.files import write_atomically
 
 DESTINATION = "x-gateway-destination-endpoint"
 SERVED = "x-gateway-destination-endpoint-served"
+# The Endpoint Picker protocol (gateway-api-inference-extension, docs/proposals/004-endpoint-picker-protocol):
+# the pick's metadata namespace and the fallback key in it (site-src/guides/implementers.md), and where a
+# gateway may name the subset of endpoints the picker must choose from.
+LB_NAMESPACE = "envoy.lb"
+DESTINATION_FALLBACK = "x-gateway-destination-endpoint-fallback"
+SUBSET_NAMESPACE = "envoy.lb.subset_hint"
+SUBSET = "x-gateway-destination-endpoint-subset"
 ROUTED_TO = "x-routed-to"
 ROUTE_REASON = "x-route-reason"
 PREDICTED_CACHED = "x-route-predicted-cached-tokens"  # the router's guess, compared with cache_n

@@ -1,15 +1,22 @@
 """The service's answers to Envoy, as serialized ProcessingResponses (the wire encoding).
 
-The hot path builds few protobufs: a pick's answer is cached per (replica, reason, streamed)
-and the per-request headers (the predicted cached tokens, the request id) are appended as
-bytes. Protobuf merges repeated fields of concatenated messages, so cached answer + a
-headers-only message = the answer with those headers added.
+The hot path builds few protobufs: a pick's answer is cached per (replica, reason, streamed,
+phase) and the per-request headers (the predicted cached tokens, the request id) are appended
+as bytes. Protobuf merges repeated fields of concatenated messages, so cached answer + a
+headers-only message of the same phase = the answer with those headers added.
+
+Two shapes of pick (``Phase``): "own", for the Envoy llm-ring renders (the endpoint list
+"pick,fallback,..." in header and metadata, which its cluster reads with Override Host; the
+streamed-answer mark; our request id), and the Endpoint Picker protocol's, answering the
+request headers ("headers") or, in BUFFERED body mode, the request body ("body"): ONE endpoint
+in the header and in ``envoy.lb`` (an ORIGINAL_DST cluster reading the header answers 503 to
+a list), the next one as ``x-gateway-destination-endpoint-fallback`` in ``envoy.lb``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import orjson
 from envoy.config.core.v3 import base_pb2
@@ -17,7 +24,16 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
-from extproc.envoy.contract import DESTINATION, OBSERVE, PREDICTED_CACHED, REQUEST_ID, ROUTE_REASON, ROUTED_TO
+from extproc.envoy.contract import (
+    DESTINATION,
+    DESTINATION_FALLBACK,
+    LB_NAMESPACE,
+    OBSERVE,
+    PREDICTED_CACHED,
+    REQUEST_ID,
+    ROUTE_REASON,
+    ROUTED_TO,
+)
 
 PREDICTED_HEADERS_KEPT = 1 << 16  # serialized x-route-predicted-cached-tokens values kept
 
@@ -25,28 +41,52 @@ PREDICTED_HEADERS_KEPT = 1 << 16  # serialized x-route-predicted-cached-tokens v
 BODY_CONTINUE = pb.ProcessingResponse(request_body=pb.BodyResponse()).SerializeToString()
 
 
-def route_answer(destination: str, replica: str, reason: str, streamed: bool) -> bytes:
-    """Envoy's answer for a pick: ``destination`` (the endpoint, then its fallbacks,
-    comma-separated) in header and metadata; a streamed answer is marked to be observed
-    (the Envoy config routes on that header)."""
-    headers = [
-        header_option(DESTINATION, destination),
-        header_option(ROUTED_TO, replica),
-        header_option(ROUTE_REASON, reason),
-    ]
-    mutation = pb.HeaderMutation(set_headers=headers + ([header_option(OBSERVE, "1")] if streamed else []))
+Phase = Literal["own", "headers", "body"]
+
+
+def route_answer(destination: str, replica: str, reason: str, streamed: bool, phase: Phase = "own") -> bytes:
+    """Envoy's answer for a pick. ``destination``: the endpoint, then its fallbacks,
+    comma-separated. Our own Envoy gets the whole list in header and metadata, and a streamed
+    answer is marked to be observed (its config routes on that header); an Endpoint Picker's
+    gateway gets the shape of the protocol (module docstring)."""
+    endpoint, _, fallbacks = destination.partition(",")
     metadata = struct_pb2.Struct()
-    metadata.get_or_create_struct("envoy.lb")[DESTINATION] = destination
+    lb = metadata.get_or_create_struct(LB_NAMESPACE)
+    headers = [header_option(ROUTED_TO, replica), header_option(ROUTE_REASON, reason)]
+    if phase == "own":
+        headers.append(header_option(DESTINATION, destination))
+        headers += [header_option(OBSERVE, "1")] if streamed else []
+        lb[DESTINATION] = destination
+    else:
+        headers.append(header_option(DESTINATION, endpoint))
+        lb[DESTINATION] = endpoint
+        if fallbacks:
+            lb[DESTINATION_FALLBACK] = fallbacks.partition(",")[0]
+    common = pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=headers), clear_route_cache=True)
+    return _answer(common, phase, dynamic_metadata=metadata)
+
+
+RESPONSE_HEADERS_CONTINUE = pb.ProcessingResponse(response_headers=pb.HeadersResponse()).SerializeToString()
+
+
+def response_route_headers(replica: str, reason: str) -> bytes:
+    """The answer to a picked request's response headers: the client sees where it went and why."""
+    headers = [header_option(ROUTED_TO, replica), header_option(ROUTE_REASON, reason)]
+    mutation = pb.HeaderMutation(set_headers=headers)
     return pb.ProcessingResponse(
-        request_headers=pb.HeadersResponse(
-            response=pb.CommonResponse(header_mutation=mutation, clear_route_cache=True)
-        ),
-        dynamic_metadata=metadata,
+        response_headers=pb.HeadersResponse(response=pb.CommonResponse(header_mutation=mutation))
     ).SerializeToString()
 
 
 def request_id_header(request_id: str) -> bytes:
     return more_headers([header_option(REQUEST_ID, request_id)])
+
+
+def _answer(common: pb.CommonResponse, phase: Phase, **extra: Any) -> bytes:
+    """A ProcessingResponse carrying ``common`` as the answer to the request headers or body."""
+    if phase == "body":
+        return pb.ProcessingResponse(request_body=pb.BodyResponse(response=common), **extra).SerializeToString()
+    return pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common), **extra).SerializeToString()
 
 
 def immediate(status: int, message: str, **details: Any) -> bytes:
@@ -69,39 +109,48 @@ def header_option(name: str, value: str) -> base_pb2.HeaderValueOption:
     )
 
 
-def more_headers(headers: list[base_pb2.HeaderValueOption]) -> bytes:
-    """A serialized ProcessingResponse that only sets headers (appended to a cached answer)."""
-    return pb.ProcessingResponse(
-        request_headers=pb.HeadersResponse(
-            response=pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=headers))
-        )
-    ).SerializeToString()
+def more_headers(headers: list[base_pb2.HeaderValueOption], phase: Phase = "own") -> bytes:
+    """A serialized ProcessingResponse that only sets headers (appended to a cached answer of
+    the same phase: the answer's oneof must not change)."""
+    return _answer(pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=headers)), phase)
 
 
 class AnswerCache:
-    """Serialized answers kept for reuse: a pick's answer per (replica, reason, streamed),
+    """Serialized answers kept for reuse: a pick's answer per (replica, reason, streamed, phase),
     valid until the replica set or its health changes (``forget_routes``), and the
-    predicted-cached-tokens header per value seen (at most PREDICTED_HEADERS_KEPT)."""
+    predicted-cached-tokens header per (value, phase) seen (at most PREDICTED_HEADERS_KEPT)."""
 
     def __init__(self) -> None:
-        self._routes: dict[tuple[str, str, bool], bytes] = {}
-        self._predicted: dict[int, bytes] = {}
+        self._routes: dict[tuple[str, str, bool, Phase], bytes] = {}
+        self._predicted: dict[tuple[int, Phase], bytes] = {}
+        self._responses: dict[tuple[str, str], bytes] = {}
 
-    def route(self, replica: str, reason: str, streamed: bool, destination: Callable[[str], str]) -> bytes:
+    def route(
+        self, replica: str, reason: str, streamed: bool, destination: Callable[[str], str], phase: Phase = "own"
+    ) -> bytes:
         """The answer for a pick; ``destination(replica)`` gives its endpoints when not cached."""
-        key = (replica, reason, streamed)
+        key = (replica, reason, streamed, phase)
         answer = self._routes.get(key)
         if answer is None:
-            answer = self._routes[key] = route_answer(destination(replica), replica, reason, streamed)
+            answer = self._routes[key] = route_answer(destination(replica), replica, reason, streamed, phase)
+        return answer
+
+    def response(self, replica: str, reason: str) -> bytes:
+        """response_route_headers, kept per (replica, reason)."""
+        answer = self._responses.get((replica, reason))
+        if answer is None:
+            answer = self._responses[replica, reason] = response_route_headers(replica, reason)
         return answer
 
     def forget_routes(self) -> None:
         self._routes.clear()
+        self._responses.clear()
 
-    def predicted_cached(self, tokens: int) -> bytes:
-        header = self._predicted.get(tokens)
+    def predicted_cached(self, tokens: int, phase: Phase = "own") -> bytes:
+        key = (tokens, phase)
+        header = self._predicted.get(key)
         if header is None:
             if len(self._predicted) >= PREDICTED_HEADERS_KEPT:
                 self._predicted.clear()
-            header = self._predicted[tokens] = more_headers([header_option(PREDICTED_CACHED, str(tokens))])
+            header = self._predicted[key] = more_headers([header_option(PREDICTED_CACHED, str(tokens))], phase)
         return header

@@ -45,7 +45,7 @@ import asyncio
 import secrets
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,7 +59,14 @@ from extproc.routing import Decision, Router, RouteRequest, estimate_tokens
 from extproc.routing.blocks import BlockMemory
 from extproc.routing.peers import PeerRequest, PeerView, peer_view
 from extproc.routing.placement import Placement
-from extproc.service.answers import AnswerCache, immediate, request_id_header
+from extproc.service.answers import (
+    RESPONSE_HEADERS_CONTINUE,
+    AnswerCache,
+    Phase,
+    immediate,
+    request_id_header,
+    route_answer,
+)
 from extproc.service.bodies import (
     BadRequest,
     BodyLimits,
@@ -78,6 +85,7 @@ MAX_JSON_RESPONSE_BYTES = 1 << 20  # larger JSON answers are passed on unread (n
 SSE_TAIL_BYTES = 64 << 10  # the last events of a stream are all we read
 LOST_AFTER_S = 2 * STREAM_IDLE_TIMEOUT_S  # no access log entry by then: it was lost
 BOUNDED_CHARS = 64  # client-chosen ids kept in state and logs: longer ones are cut and hashed
+PASS_THROUGH = "pass-through"  # the reason of a pick for a request that is no generation
 NO_PEERS = PeerView({}, None)  # the store is configured but not answering: this router's state alone
 
 
@@ -112,7 +120,8 @@ class Pending:
     last_seen: float  # monotonic: the decision, then each observed chunk
     status: int = 0
     served: str = ""
-    logged: bool = False  # Envoy's access log entry came: the HTTP request is over
+    logged: bool = False  # no access log entry to wait for: it came (the HTTP request is over), or none
+    # will (an Endpoint Picker's stream, whose own end says when the request is over)
     answered: bool = False  # the whole answer passed (per the access log, or the observer saw its end)
     observed_end: bool = False  # streamed: the observer saw the last chunk
     lost: bool = False  # released by release_lost: the access log entry never came
@@ -145,6 +154,7 @@ class Gateway:
         self.unanswered: dict[str, dict[str, int]] = {}
         self.answers = AnswerCache()
         self._sequence = 0
+        self._pass_turn = 0  # pass_through's rotation
         self._id_prefix = secrets.token_hex(3) + "-"  # ids differ across restarts of the service
         self.envoy_ids: dict[str, str] = {}  # Envoy's id -> ours, while pending
         self.limits = BodyLimits(settings.max_messages, settings.max_prompt_chars, settings.max_output_tokens)
@@ -228,28 +238,66 @@ class Gateway:
         request_id: str,
         body: bytes,
         parsed_elsewhere: ParsedRequest | BadRequest | None = None,
-    ) -> tuple[bytes, bool]:
-        """(the serialized ProcessingResponse answering the request headers, routed): the pick
-        (True), or an immediate error answer that Envoy sends the client itself (False).
+        phase: Phase = "own",
+        subset: frozenset[str] | None = None,
+    ) -> tuple[bytes, str | None]:
+        """(the serialized ProcessingResponse answering the request, our id of the routed request):
+        the pick, or an immediate error answer that Envoy sends the client itself (id None).
         parsed_elsewhere: the body's parse_request result (or refusal) from offload.py.
+        phase: the answer's shape (answers.py); subset: the endpoints a gateway allows (None: all).
         Decided on this router's own state: the service without a store (route_shared with one)."""
         started = time.perf_counter()
         step = self._prepare(path, content_type, conversation_id, body, parsed_elsewhere)
         if isinstance(step, bytes):
-            return step, False
-        return self._decide(step, turn, request_id, started, None)
+            return step, None
+        return self._decide(step, turn, request_id, started, None, phase, subset)
 
     async def route_shared(
         self, *, path: str, content_type: str, conversation_id: str, turn: str, request_id: str, body: bytes,
-        parsed_elsewhere: ParsedRequest | BadRequest | None = None,
-    ) -> tuple[bytes, bool]:
+        parsed_elsewhere: ParsedRequest | BadRequest | None = None, phase: Phase = "own",
+        subset: frozenset[str] | None = None,
+    ) -> tuple[bytes, str | None]:
         """route_request with the other routers' picture, read from the store in one round trip
         (at most store.timeout_ms; then this router's own state)."""
         started = time.perf_counter()
         step = self._prepare(path, content_type, conversation_id, body, parsed_elsewhere)
         if isinstance(step, bytes):
-            return step, False
-        return self._decide(step, turn, request_id, started, await self._peers(step))
+            return step, None
+        return self._decide(step, turn, request_id, started, await self._peers(step), phase, subset)
+
+    def pass_through(self, phase: Phase, subset: frozenset[str] | None) -> bytes:
+        """The answer for a request that is no generation (an Endpoint Picker sees every request
+        of its route: GET /v1/models, /health, ...): the next eligible replica in turn, no load
+        charged, nothing tracked."""
+        eligible = self._eligible(subset)
+        if not eligible:
+            return self._no_replica(subset)
+        self._pass_turn += 1
+        replica = eligible[self._pass_turn % len(eligible)]
+        self.metrics.passed_through += 1
+        return self._pick_answer(replica, PASS_THROUGH, False, phase, subset)
+
+    def _eligible(self, subset: frozenset[str] | None) -> list[str]:
+        """The replicas a pick may land on: the healthy ones (all when none is) of the subset."""
+        names = sorted(self.endpoints)
+        if subset is not None:
+            names = [name for name in names if self.endpoints[name] in subset]
+        healthy = [name for name in names if name not in self.unhealthy]
+        return healthy or names
+
+    def _to_shed(self, avoid: Collection[str]) -> bool:
+        limit = self.settings.shed_requests_per_replica
+        if not limit:
+            return False
+        ledger = self.router.ledger
+        return all(ledger.requests(name) >= limit for name in self.endpoints if name not in avoid)
+
+    def _no_replica(self, subset: frozenset[str] | None) -> bytes:
+        self.metrics.errors["no_replica"] += 1
+        if subset is not None:
+            return immediate(503, "no replica of the gateway's subset is available", replicas=len(self.endpoints),
+                             subset=sorted(subset)[:16])  # fmt: skip
+        return immediate(503, "no replica available", replicas=len(self.endpoints), unhealthy=sorted(self.unhealthy))
 
     def _prepare(
         self, path: str, content_type: str, conversation_id: str, body: bytes,
@@ -279,30 +327,40 @@ class Gateway:
         return peer_view(snapshot.loads, snapshot.pending, step.parsed.answered, snapshot.placement)
 
     def _decide(
-        self, step: Prepared, turn: str, request_id: str, started: float, peers: PeerView | None
-    ) -> tuple[bytes, bool]:
+        self, step: Prepared, turn: str, request_id: str, started: float, peers: PeerView | None,
+        phase: Phase = "own", subset: frozenset[str] | None = None,
+    ) -> tuple[bytes, str | None]:
         request, parsed = step.request, step.parsed
         conversation, unique_id = request.conversation, request.request_id
         if parsed.answered:
             self._release_answered(conversation, parsed.answered)
-        avoid = self.unhealthy if len(self.unhealthy) < len(self.endpoints) else ()
-        decision = self.router.route(request, avoid=avoid, peers=peers)
+        if subset is None:
+            avoid: Collection[str] = self.unhealthy if len(self.unhealthy) < len(self.endpoints) else ()
+        else:
+            allowed = self._eligible(subset)
+            avoid = [name for name in self.endpoints if name not in allowed]
+        if self._to_shed(avoid):
+            self.metrics.errors["shed"] += 1
+            return immediate(429, "every replica is at service.shed_requests_per_replica requests in flight"), None
+        decision = self.router.route(request, avoid=avoid, peers=peers) if len(avoid) < len(self.endpoints) else None
         if decision is None:
-            self.metrics.errors["no_replica"] += 1
-            unhealthy = sorted(self.unhealthy)
-            return immediate(503, "no replica available", replicas=len(self.endpoints), unhealthy=unhealthy), False
+            return self._no_replica(subset), None
+        # Behind an Endpoint Picker's gateway no access log comes: the stream itself says when
+        # the request is over (stream_ended), as if logged at once.
         self.pending[unique_id] = Pending(
             request, decision, self.endpoints[decision.replica], step.path, bounded(turn), parsed.stream, started,
-            time.monotonic(), envoy_id=self._remember_envoy_id(request_id, unique_id),
+            time.monotonic(), envoy_id=self._remember_envoy_id(request_id, unique_id), logged=phase != "own",
         )  # fmt: skip
         if parsed.history:
             self.unanswered.setdefault(conversation, {})[unique_id] = parsed.history
         if self.store is not None:
             self._publish_pending(unique_id, parsed.history)
         self.metrics.decision(decision.trace.policy, decision.reason, time.perf_counter() - started)
-        answer = self.answers.route(decision.replica, decision.reason, parsed.stream, self._destination)
-        answer += self.answers.predicted_cached(decision.predicted_cached_tokens)
-        return answer + request_id_header(unique_id), True
+        answer = self._pick_answer(decision.replica, decision.reason, parsed.stream, phase, subset)
+        answer += self.answers.predicted_cached(decision.predicted_cached_tokens, phase)
+        if phase == "own":  # our id, for Envoy's access log entry; a gateway's own id is left alone
+            answer += request_id_header(unique_id)
+        return answer, unique_id
 
     def _release_answered(self, conversation: str, answered: frozenset[int]) -> None:
         """Release the pending requests of ``conversation`` that this new body shows answered."""
@@ -395,6 +453,20 @@ class Gateway:
                 if pending.timer is not None:
                     pending.timer.cancel()
                 self._finish(request_id)
+
+    def response_headers_answer(self, request_id: str | None) -> bytes:
+        """An Endpoint Picker's answer to the response headers (x-routed-to, x-route-reason
+        added for a tracked request)."""
+        pending = self.pending.get(request_id) if request_id is not None else None
+        if pending is None:
+            return RESPONSE_HEADERS_CONTINUE
+        return self.answers.response(pending.decision.replica, pending.decision.reason)
+
+    def stream_ended(self, request_id: str) -> None:
+        """An Endpoint Picker's stream for the request closed (Envoy ends it with the HTTP
+        request): over, as abandoned unless its answer passed whole."""
+        if request_id in self.pending:
+            self._finish(request_id)
 
     # ------------------------------------------------------------------ the end
 
@@ -512,12 +584,22 @@ class Gateway:
         self._sequence += 1
         return f"{self._id_prefix}{self._sequence:x}"
 
-    def _destination(self, replica: str) -> str:
+    def _pick_answer(
+        self, replica: str, reason: str, streamed: bool, phase: Phase, subset: frozenset[str] | None
+    ) -> bytes:
+        """The answer for a pick: kept for reuse, unless the gateway named a subset (the
+        fallbacks must come from it too)."""
+        if subset is None:
+            return self.answers.route(replica, reason, streamed, self._destination, phase)
+        return route_answer(self._destination(replica, subset), replica, reason, streamed, phase)
+
+    def _destination(self, replica: str, subset: frozenset[str] | None = None) -> str:
         """The pick's endpoint, then up to service.fallbacks healthy others (in name order
-        after it): where Envoy retries when the pick refuses."""
+        after it, of the subset when one is named): where Envoy retries when the pick refuses."""
         names = sorted(self.endpoints)
         start = names.index(replica)
-        fallbacks = [n for n in names[start + 1 :] + names[:start] if n not in self.unhealthy]
+        fallbacks = [n for n in names[start + 1 :] + names[:start]
+                     if n not in self.unhealthy and (subset is None or self.endpoints[n] in subset)]
         return ",".join([self.endpoints[replica]] + [self.endpoints[n] for n in fallbacks[: self.settings.fallbacks]])
 
     def _remember_envoy_id(self, envoy_id: str, request_id: str) -> str:

@@ -1,14 +1,17 @@
 """`llm-ring serve --config FILE`: the ext_proc routing service.
 
-One grpc.aio server on service.listen carries the ExternalProcessor (Envoy), the Admin
-service (proto/admin.proto) and gRPC health; Prometheus metrics are on
-service.metrics_listen. Discovery snapshots update the router (and, when
-service.envoy_endpoints_file is set, the endpoint file Envoy watches).
+Two grpc.aio servers. The picker port (service.listen, over TLS when service.tls is set, and
+the abstract socket service.ext_proc_socket) carries what a gateway talks to: the
+ExternalProcessor, the access log service and gRPC health. The Admin service
+(proto/admin.proto) and gRPC health are on service.admin_listen only, so nothing that reaches
+the picker port can change the routing. Prometheus metrics are on service.metrics_listen.
+Discovery snapshots update the router (and, when service.envoy_endpoints_file is set, the
+endpoint file Envoy watches).
 
-Health: service "" is SERVING as soon as the server runs (liveness); service
-"envoy.service.ext_proc.v3.ExternalProcessor" is SERVING while at least one replica is
-known (readiness), NOT_SERVING otherwise. On SIGTERM both turn NOT_SERVING for good while
-in-flight requests finish (drain.py, up to service.drain_seconds).
+Health, with the service names of the Endpoint Picker protocol: "" and "liveness" are SERVING
+as soon as the servers run; "readiness" and "envoy.service.ext_proc.v3.ExternalProcessor" are
+SERVING while at least one replica is known, NOT_SERVING otherwise. On SIGTERM all turn
+NOT_SERVING for good while in-flight requests finish (drain.py, up to service.drain_seconds).
 """
 
 from __future__ import annotations
@@ -41,10 +44,13 @@ from extproc.service.metrics import Metrics
 from extproc.service.offload import BodyParser
 from extproc.service.processor import SERVICE, access_log_handler, handler
 from extproc.service.replica_health import ReplicaHealth
+from extproc.service.tls import SELF_SIGNED, TlsError, server_credentials
 from extproc.settings import Settings, SettingsError, load_settings
 
 log = structlog.get_logger("extproc.service")
 LOST_SWEEP_SECONDS = 30.0
+LIVE = ("", "liveness")  # SERVING while the process serves
+READY = ("readiness", SERVICE)  # SERVING while a replica is known
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -84,6 +90,11 @@ def configure_logging(level: str) -> None:
 async def serve(settings: Settings) -> int:
     """Serve until SIGTERM/SIGINT (drained, exit status 0) or until discovery fails (1)."""
     service = settings.service
+    try:
+        credentials = server_credentials(service.tls)
+    except TlsError as exc:
+        print(f"llm-ring serve: {exc}", file=sys.stderr)
+        return 2
     metrics = Metrics()
     gateway = Gateway(Router(settings.routing), service, metrics)
     health = ReplicaHealth(gateway, service.health_probe_seconds)
@@ -97,31 +108,29 @@ async def serve(settings: Settings) -> int:
 
     # A buffered body up to max_body_bytes comes in one message (plus its envelope).
     max_message = service.max_body_bytes + (64 << 10)
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", max_message)])
+    picker = grpc.aio.server(options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", max_message)])
     parser = BodyParser(gateway.limits)
-    server.add_generic_rpc_handlers((handler(gateway, parser), access_log_handler(gateway)))
-    admin_pb2_grpc.add_AdminServicer_to_server(AdminService(gateway), server)
+    picker.add_generic_rpc_handlers((handler(gateway, parser), access_log_handler(gateway)))
+    admin = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    admin_pb2_grpc.add_AdminServicer_to_server(AdminService(gateway), admin)
     health_service = health_aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_service, server)
-    port = server.add_insecure_port(service.listen)
-    if port == 0:
-        raise SystemExit(f"llm-ring serve: cannot listen on service.listen={service.listen!r}")
-    if service.ext_proc_socket:
-        try:
-            server.add_insecure_port(f"unix-abstract:{service.ext_proc_socket}")
-        except RuntimeError:
-            raise SystemExit(
-                f"llm-ring serve: cannot listen on service.ext_proc_socket={service.ext_proc_socket!r} "
-                "(in use by another process?)"
-            ) from None
-    await server.start()
-    await health_service.set("", health_pb2.HealthCheckResponse.SERVING)
-    await health_service.set(SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
-    host = split_host_port(service.listen)[0]
+    for server in (picker, admin):
+        health_pb2_grpc.add_HealthServicer_to_server(health_service, server)
+    listen = _listen_picker(picker, service.listen, service.ext_proc_socket, credentials)
+    if admin.add_insecure_port(service.admin_listen) == 0:
+        raise SystemExit(f"llm-ring serve: cannot listen on service.admin_listen={service.admin_listen!r}")
+    await picker.start()
+    await admin.start()
+    for name in LIVE:
+        await health_service.set(name, health_pb2.HealthCheckResponse.SERVING)
+    for name in READY:
+        await health_service.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     log.info(
         "service_started",
-        listen=f"{host}:{port}",
+        listen=listen,
+        tls=_tls_kind(service.tls),
         ext_proc_socket=service.ext_proc_socket,
+        admin=service.admin_listen,
         metrics=f"{metrics_host}:{metrics_server.server_port}",
         policy=settings.routing.policy,
         discovery=settings.discovery.source,
@@ -143,7 +152,7 @@ async def serve(settings: Settings) -> int:
         watcher.cancel()
         sweeper.cancel()
         health.close()
-        await server.stop(grace=2)
+        await asyncio.gather(picker.stop(grace=2), admin.stop(grace=2))
         if gateway.store is not None:
             await gateway.store.close()
         parser.close()
@@ -163,9 +172,33 @@ async def _follow_discovery(settings: Settings, gateway: Gateway, health: health
         if endpoints_file:
             write_endpoints_file(endpoints_file, replicas)
         status = health_pb2.HealthCheckResponse.SERVING if replicas else health_pb2.HealthCheckResponse.NOT_SERVING
-        await health.set(SERVICE, status)
+        for name in READY:
+            await health.set(name, status)
         # Not "replicas_changed": that is discovery's own event (kubernetes.py), with another shape.
         log.info("replicas_applied", replicas=replicas)
+
+
+def _listen_picker(server: grpc.aio.Server, listen: str, socket: str, tls: grpc.ServerCredentials | None) -> str:
+    """Bind the picker port (TLS when asked) and the abstract socket (plaintext: only this host
+    or pod reaches it); returns where it listens."""
+    where = []
+    if listen:
+        port = server.add_secure_port(listen, tls) if tls is not None else server.add_insecure_port(listen)
+        if port == 0:
+            raise SystemExit(f"llm-ring serve: cannot listen on service.listen={listen!r}")
+        where.append(f"{split_host_port(listen)[0]}:{port}")
+    if socket:
+        try:
+            server.add_insecure_port(f"unix-abstract:{socket}")
+        except RuntimeError:
+            raise SystemExit(
+                f"llm-ring serve: cannot listen on service.ext_proc_socket={socket!r} (in use by another process?)"
+            ) from None
+    return " ".join(where)
+
+
+def _tls_kind(setting: str) -> str:
+    return "" if not setting else SELF_SIGNED if setting == SELF_SIGNED else "files"
 
 
 async def _release_lost(gateway: Gateway) -> None:

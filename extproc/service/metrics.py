@@ -23,9 +23,9 @@ OUTCOMES = ("ok", "failed_over", "failed", "abandoned", "not_applied")
 # see wire.py); undecodable: a message that was no protobuf at all (dropped)
 ERRORS = (
     "bad_request", "no_replica", "replica_failed", "replica_timed_out", "access_log_lost", "non_utf8_repaired",
-    "undecodable",
+    "undecodable", "shed",
 )
-STREAMS = ("route", "observe", "access_log")
+STREAMS = ("route", "observe", "access_log", "picker")
 # the shared store (store.py): a read before a decision, a batch of writes, a (re)connection
 STORE_CALLS = ("read", "write", "connect")
 DECISION_SECONDS = (25e-6, 50e-6, 100e-6, 200e-6, 400e-6, 800e-6, 1.6e-3, 3.2e-3, 6.4e-3, 0.0128)
@@ -78,6 +78,7 @@ class Metrics:
         self.actual_cached: Counter[str] = Counter()
         self.actual_prompt: Counter[str] = Counter()
         self.released_by_next_turn = 0  # released when a later turn showed the answer (gateway.py)
+        self.passed_through = 0  # requests that are no generation, sent on untracked (gateway.pass_through)
         self.store_errors: Counter[str] = Counter({call: 0 for call in STORE_CALLS})  # failed or timed out
         self.store_in_use = False  # a store is configured and answering (store.py)
         self.decision_seconds = Histogram(DECISION_SECONDS)
@@ -119,6 +120,13 @@ class _Collector(Collector):
         )
         released.add_metric([], m.released_by_next_turn)
         yield released
+        passed = CounterMetricFamily(
+            "llm_ring_passed_through",
+            "requests that are no generation (behind an Endpoint Picker's gateway: GET /v1/models, ...), "
+            "sent to a replica in turn, no load charged",
+        )
+        passed.add_metric([], m.passed_through)
+        yield passed
         yield _counter(
             "llm_ring_stream_failures",
             "gRPC streams (or access log entries) the service failed on: a bug; Envoy fails open",

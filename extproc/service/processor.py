@@ -22,6 +22,7 @@ from extproc.service.answers import BODY_CONTINUE, immediate
 from extproc.service.bodies import timings_from_metadata
 from extproc.service.gateway import Gateway, bounded
 from extproc.service.offload import BodyParser
+from extproc.service.picker import PickerStream, route_body
 from extproc.service.wire import M, decode_tolerant
 
 log = structlog.get_logger("extproc.service")
@@ -118,7 +119,11 @@ class Processor:
                 stream = "observe"
                 await self._observe(message, context)
             elif message.WhichOneof("request") == "request_headers":
-                await self._route(message, context)
+                if ATTRIBUTES in message.attributes:  # our own Envoy (extproc/envoy/config.py) asks for them
+                    await self._route(message, context)
+                else:  # an Endpoint Picker's gateway: one stream carries the whole request (picker.py)
+                    stream = "picker"
+                    await PickerStream(self.gateway, self.parser, context).serve(message)
         except Exception as exc:  # a bug of ours: counted, and Envoy applies fail_open
             _stream_failed(self.gateway, stream, exc)
             await context.abort(grpc.StatusCode.INTERNAL, "llm-ring: routing failed")
@@ -139,26 +144,15 @@ class Processor:
             chunks.append(message.request_body.body)
             if message.request_body.end_of_stream:
                 break
-        path = _text(attributes, "request.url_path")
-        content_type = _text(attributes, "request.headers['content-type']")
-        body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-        parsed = None
-        if self.parser is not None and self.parser.takes(body):
-            parsed = await self.parser.parse(path, content_type, body, self.gateway.router.policy.prefix_block_chars)
-        conversation_id = _text(attributes, "request.headers['x-conversation-id']")
-        turn, request_id = _text(attributes, "request.headers['x-turn']"), _text(attributes, "request.id")
-        if self.gateway.store is None:
-            answer, routed = self.gateway.route_request(
-                path=path, content_type=content_type, conversation_id=conversation_id, turn=turn,
-                request_id=request_id, body=body, parsed_elsewhere=parsed,
-            )  # fmt: skip
-        else:  # one round trip to the shared store first
-            answer, routed = await self.gateway.route_shared(
-                path=path, content_type=content_type, conversation_id=conversation_id, turn=turn,
-                request_id=request_id, body=body, parsed_elsewhere=parsed,
-            )  # fmt: skip
+        answer, routed_id = await route_body(
+            self.gateway, self.parser, path=_text(attributes, "request.url_path"),
+            content_type=_text(attributes, "request.headers['content-type']"),
+            conversation_id=_text(attributes, "request.headers['x-conversation-id']"),
+            turn=_text(attributes, "request.headers['x-turn']"), request_id=_text(attributes, "request.id"),
+            body=chunks[0] if len(chunks) == 1 else b"".join(chunks),
+        )  # fmt: skip
         await context.write(answer)
-        if not routed:  # Envoy answers the client itself: nothing more to say
+        if routed_id is None:  # Envoy answers the client itself: nothing more to say
             return
         for _ in chunks:  # each streamed chunk is answered, in order: pass it on unchanged
             await context.write(BODY_CONTINUE)

@@ -31,7 +31,7 @@ class GatewayState:
     files: str  # folder of its router.toml and envoy/ (the run dir itself with one gateway)
     listen: str  # its Envoy's listener, host:port
     envoy_admin: str
-    router_address: str  # gRPC: ext_proc + Admin + health
+    router_address: str  # gRPC: the Admin API + health (Envoy reaches ext_proc on its abstract socket)
     metrics_url: str
     router: dict[str, Any] = field(default_factory=dict)  # a daemons.Daemon
     envoy: dict[str, Any] = field(default_factory=dict)

@@ -12,6 +12,7 @@ import contextlib
 import os
 import shutil
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -19,13 +20,15 @@ import urllib.request
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import grpc
+from cryptography import x509
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from extproc.envoy.config import render_envoy_config
 from extproc.envoy.contract import STREAM_IDLE_TIMEOUT_S, EndpointsFile, ext_proc_address, split_host_port
+from extproc.envoy.inference_gateways import InferenceGateway, render_inference_gateway_config
 from extproc.settings import load_settings
 
 ROUTER_REFERENCE = Path(__file__).parents[1] / "service" / "router.toml"  # the reference settings
@@ -121,11 +124,27 @@ def start_gateway_envoy(
     return running
 
 
+def start_inference_gateway_envoy(
+    workdir: Path, gateway: InferenceGateway, picker: str, pool_endpoints: list[str], concurrency: int = 2,
+    **options: Any,
+) -> Running:
+    """Envoy with ``gateway``'s InferencePool data plane (render_inference_gateway_config, its
+    keyword options) on free loopback ports, the picker at ``picker`` (host:port, TLS)."""
+    listen, admin = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    config = render_inference_gateway_config(
+        gateway, listen=listen, admin=admin, picker=picker, pool_endpoints=pool_endpoints, **options
+    )
+    running = start_envoy(config, workdir, admin, concurrency)
+    running.listen = listen
+    return running
+
+
 def service_env(listen: str, endpoints_file: Path, discovery: Mapping[str, str], **service: str) -> dict[str, str]:
     """Settings overrides for start_service: addresses, the EDS file, discovery (TOML values)."""
     env = {
         "LLM_RING__SERVICE__LISTEN": f'"{listen}"',
         "LLM_RING__SERVICE__EXT_PROC_SOCKET": f'"{socket_name(listen)}"',
+        "LLM_RING__SERVICE__ADMIN_LISTEN": f'"127.0.0.1:{free_port()}"',
         "LLM_RING__SERVICE__METRICS_LISTEN": f'"127.0.0.1:{free_port()}"',
         "LLM_RING__SERVICE__ENVOY_ENDPOINTS_FILE": f'"{endpoints_file}"',
     }
@@ -150,12 +169,63 @@ def start_service(workdir: Path, settings_env: Mapping[str, str], config: Path =
     env = {**os.environ, **settings_env}
     command = [sys.executable, "-m", "extproc.cli", "serve", "--config", str(config)]
     running = spawn_child("llm-ring serve", command, workdir / "service.log", env)
+    admin = settings_env.get("LLM_RING__SERVICE__ADMIN_LISTEN", "").strip('"')
+    wait_until_ready(running, lambda: grpc_serving(admin), 20.0)
+    running.address = admin  # the Admin API and health
     listen = settings_env.get("LLM_RING__SERVICE__LISTEN", "").strip('"')
-    wait_until_ready(running, lambda: grpc_serving(listen), 20.0)
-    running.address = listen
     socket = settings_env.get("LLM_RING__SERVICE__EXT_PROC_SOCKET", '""').strip('"')
     running.ext_proc = ext_proc_address(listen, socket)
     return running
+
+
+def start_picker_service(workdir: Path, replicas: Mapping[str, str], **service: str) -> Running:
+    """`llm-ring serve` as an InferencePool gateway's Endpoint Picker, configured as the
+    gateway guide says (static replicas, gRPC over TLS with a self-signed certificate, no
+    unix socket, no EDS file) and nothing else; ``service``: more LLM_RING__SERVICE__ values.
+    Running.ext_proc is the picker port (TLS), Running.address the loopback Admin API."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    listen, admin = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    settings = {
+        "LLM_RING__SERVICE__LISTEN": f'"{listen}"',
+        "LLM_RING__SERVICE__ADMIN_LISTEN": f'"{admin}"',
+        "LLM_RING__SERVICE__METRICS_LISTEN": f'"127.0.0.1:{free_port()}"',
+        "LLM_RING__SERVICE__EXT_PROC_SOCKET": '""',
+        "LLM_RING__SERVICE__ENVOY_ENDPOINTS_FILE": '""',
+        "LLM_RING__SERVICE__TLS": '"self-signed"',
+        **{f"LLM_RING__SERVICE__{key.upper()}": value for key, value in service.items()},
+        **{f"LLM_RING__DISCOVERY__{key.upper()}": value for key, value in static_discovery(replicas).items()},
+    }
+    command = [sys.executable, "-m", "extproc.cli", "serve", "--config", str(ROUTER_REFERENCE)]
+    running = spawn_child("llm-ring serve (picker)", command, workdir / "service.log", {**os.environ, **settings})
+    wait_until_ready(running, lambda: tls_grpc_serving(listen, "readiness"), 20.0)
+    running.address, running.ext_proc = admin, listen
+    return running
+
+
+def tls_grpc_serving(address: str, service: str = "") -> bool:
+    """gRPC health over TLS, trusting whatever certificate the server shows (as the gateways
+    do: no validation), under the name the certificate carries."""
+    host, port = split_host_port(address)
+    try:
+        pem = ssl.get_server_certificate((host, port), timeout=1.0)
+    except OSError:
+        return False
+    certificate = x509.load_pem_x509_certificate(pem.encode())
+    try:
+        names = certificate.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        name = ([str(n) for n in names.get_values_for_type(x509.DNSName)]
+                or [str(n) for n in names.get_values_for_type(x509.IPAddress)])[0]
+    except (x509.ExtensionNotFound, IndexError):
+        name = str(certificate.subject.get_attributes_for_oid(x509.NameOID.COMMON_NAME)[0].value)
+    credentials = grpc.ssl_channel_credentials(root_certificates=pem.encode())
+    try:
+        with grpc.secure_channel(address, credentials, options=[("grpc.ssl_target_name_override", name)]) as channel:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=1.0
+            )
+    except grpc.RpcError:
+        return False
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
 def grpc_serving(address: str, service: str = "") -> bool:

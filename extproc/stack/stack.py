@@ -524,7 +524,7 @@ class Stack:
         gw.router_settings.write_text(render_router_settings(
             base,
             policy=self.state.policy,
-            listen=gw.router_address,
+            admin_listen=gw.router_address,
             metrics_listen=gw.metrics_url.removeprefix("http://").removesuffix("/metrics"),
             replicas_file=run / "replicas.json",
             envoy_endpoints_file=gw.envoy_dir / "endpoints.json",
@@ -662,7 +662,7 @@ def check_slot_context(profile_name: str, settings: ReplicaSettings) -> None:
         raise StackError(f"[check] profile: {exc}") from None
 
 
-def render_router_settings(base: Path, *, policy: str, listen: str, metrics_listen: str, replicas_file: Path,
+def render_router_settings(base: Path, *, policy: str, admin_listen: str, metrics_listen: str, replicas_file: Path,
                            envoy_endpoints_file: Path, store_url: str | None = None,
                            prefix_capacity_tokens: int | None = None) -> str:
     """The routing service's settings: `base` with this stack's addresses, files and policy.
@@ -672,9 +672,10 @@ def render_router_settings(base: Path, *, policy: str, listen: str, metrics_list
     raw["routing"]["policy"] = policy
     if prefix_capacity_tokens is not None:
         raw["routing"]["prefix_capacity_tokens"] = prefix_capacity_tokens
-    raw["service"].update(
-        listen=listen,
-        ext_proc_socket=socket_name(listen),  # one per router: several may run on one machine
+    raw["service"].update(  # Envoy reaches ext_proc on the socket alone
+        listen="",
+        admin_listen=admin_listen,
+        ext_proc_socket=socket_name(admin_listen),  # one per router: several may run on one machine
         metrics_listen=metrics_listen,
         envoy_endpoints_file=str(envoy_endpoints_file),
     )

@@ -32,9 +32,10 @@ def test_router_follows_endpointslices_and_survives_the_api_restarting(apiserver
     kubeconfig(ROUTER_TOKEN)
     config = tmp_path / "router.toml"
     config.write_text(find("ConfigMap", "router-config")["data"]["router.toml"])  # the ConfigMap, verbatim
-    listen = f"127.0.0.1:{free_port()}"
+    listen, admin_listen = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
     env = {
         "LLM_RING__SERVICE__LISTEN": f'"{listen}"',
+        "LLM_RING__SERVICE__ADMIN_LISTEN": f'"{admin_listen}"',
         "LLM_RING__SERVICE__METRICS_LISTEN": f'"127.0.0.1:{free_port()}"',
         "LLM_RING__DISCOVERY__KUBERNETES_BACKOFF_SECONDS": "0.05",
         "LLM_RING__SERVICE__ENVOY_ENDPOINTS_FILE": f'"{tmp_path / "eds" / "replicas.json"}"',
@@ -42,7 +43,7 @@ def test_router_follows_endpointslices_and_survives_the_api_restarting(apiserver
     apiserver.apply(endpoint_slice("llm-a", "llm", [Endpoint("llm-0", "10.0.0.10", ready=False)], namespace=NAMESPACE))
     service = start_service(tmp_path, env, config)
     try:
-        with AdminClient(listen) as admin:
+        with AdminClient(admin_listen) as admin:
 
             def replicas() -> dict[str, str]:
                 return {r["name"]: r["address"] for r in admin.state()["replicas"]}

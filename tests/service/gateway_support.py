@@ -13,8 +13,17 @@ from typing import Any
 
 import httpx
 
+from extproc.envoy.inference_gateways import AI_GATEWAY, UPSTREAM_HEADER
 from extproc.service.admin_client import AdminClient
-from extproc.stack.processes import Running, free_port, service_env, start_gateway_envoy, start_service
+from extproc.stack.processes import (
+    Running,
+    free_port,
+    service_env,
+    start_gateway_envoy,
+    start_inference_gateway_envoy,
+    start_picker_service,
+    start_service,
+)
 
 
 @dataclass
@@ -24,6 +33,14 @@ class Gateway:
     log: Path  # the service's stdout: structlog JSON lines
     endpoints_file: Path
     running: list[Running] = field(default_factory=list)
+    # an InferencePool data plane: no x-routed-to; the upstream address (x-upstream-host) names the replica
+    replica_of: dict[str, str] = field(default_factory=dict)
+
+    def routed_to(self, reply: httpx.Response) -> str:
+        """The replica that answered (empty: none)."""
+        if self.replica_of:
+            return self.replica_of.get(reply.headers.get(UPSTREAM_HEADER, ""), "")
+        return reply.headers.get("x-routed-to", "")
 
     def decisions(self) -> list[dict[str, Any]]:
         return [
@@ -62,12 +79,31 @@ def gateway(
         idle = {"stream_idle_timeout_s": envoy_idle_timeout_s} if envoy_idle_timeout_s else {}
         envoy = start_gateway_envoy(workdir / "envoy", started[0].ext_proc, endpoints_file, fail_open, 1, **idle)
         started.append(envoy)
-        gw = Gateway(f"http://{envoy.listen}", listen, started[0].log_path, endpoints_file, started)
+        gw = Gateway(f"http://{envoy.listen}", started[0].address, started[0].log_path, endpoints_file, started)
         _wait_for(lambda: _has_endpoints(envoy.address), 5.0)
         yield gw
     finally:
         for running in reversed(started):
             running.stop()
+
+
+@contextmanager
+def inference_pool_gateway(workdir: Path, replicas: Mapping[str, str], **service: str) -> Iterator[Gateway]:
+    """`llm-ring serve` as a TLS Endpoint Picker behind Envoy AI Gateway's InferencePool data
+    plane (full duplex), the upstream shown in x-upstream-host; everything stopped on exit."""
+    picker = start_picker_service(workdir / "picker", replicas, health_probe_seconds="0.2", **service)
+    try:
+        envoy = start_inference_gateway_envoy(workdir / "envoy", AI_GATEWAY, picker.ext_proc, sorted(replicas.values()),
+                                              1, show_upstream=True)
+    except BaseException:
+        picker.stop()
+        raise
+    try:
+        yield Gateway(f"http://{envoy.listen}", picker.address, picker.log_path, Path(), [picker, envoy],
+                      {address: name for name, address in replicas.items()})
+    finally:
+        envoy.stop()
+        picker.stop()
 
 
 def back_to_back(url: str, conversation: int, stream: bool, with_header: bool,

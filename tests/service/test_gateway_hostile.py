@@ -11,6 +11,7 @@ from typing import Any
 
 import orjson
 import pytest
+from envoy.config.core.v3 import base_pb2
 from envoy.data.accesslog.v3 import accesslog_pb2
 from envoy.service.accesslog.v3 import als_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
@@ -281,7 +282,9 @@ def test_counting_roles_in_the_bytes_never_refuses_a_body_within_the_limit(
             parse_request(CHAT, "", body, LIMITS)
 
 
-def test_a_bug_of_ours_fails_open_with_one_bounded_line_and_a_count() -> None:
+@pytest.mark.parametrize("stream", ["route", "picker"])
+def test_a_bug_of_ours_fails_open_with_one_bounded_line_and_a_count(stream: str) -> None:
+    """Both kinds of stream: our own Envoy's (CEL attributes) and an Endpoint Picker gateway's."""
     import grpc
 
     from extproc.service.processor import Processor
@@ -301,7 +304,10 @@ def test_a_bug_of_ours_fails_open_with_one_bounded_line_and_a_count() -> None:
 
     gateway = make_gateway()
     gateway.route_request = lambda **_: (_ for _ in ()).throw(KeyError("x" * 10_000))  # type: ignore[method-assign]
-    headers = pb.ProcessingRequest(request_headers=pb.HttpHeaders())
+    path = base_pb2.HeaderValue(key=":path", raw_value=CHAT.encode())
+    headers = pb.ProcessingRequest(request_headers=pb.HttpHeaders(headers=base_pb2.HeaderMap(headers=[path])))
+    if stream == "route":
+        headers.attributes[ATTRIBUTES].update({"request.url_path": CHAT})
     body = pb.ProcessingRequest(request_body=pb.HttpBody(body=orjson.dumps(chat()), end_of_stream=True))
     context = Context([headers, body])
     with capture_logs() as logs:
@@ -310,4 +316,4 @@ def test_a_bug_of_ours_fails_open_with_one_bounded_line_and_a_count() -> None:
     assert line["event"] == "ext_proc_stream_failed" and line["error"] == "KeyError"
     assert "exc_info" not in line and len(orjson.dumps(line)) < 400
     assert context.aborted == grpc.StatusCode.INTERNAL  # Envoy applies fail_open
-    assert gateway.metrics.stream_failures["route"] == 1
+    assert gateway.metrics.stream_failures[stream] == 1

@@ -22,7 +22,6 @@ from extproc.stack.processes import (
     StartError,
     free_port,
     service_env,
-    socket_name,
     start_gateway_envoy,
     start_service,
     static_discovery,
@@ -295,7 +294,7 @@ def _decision(gw: Gateway, request_id: str, timeout: float = 3.0) -> dict:
 def test_a_socket_name_in_use_stops_the_service_naming_the_key(gw: Gateway, tmp_path: Path) -> None:
     listen = f"127.0.0.1:{free_port()}"
     env = service_env(listen, tmp_path / "eds.json", static_discovery({"llm-0": "127.0.0.1:9"}))
-    env["LLM_RING__SERVICE__EXT_PROC_SOCKET"] = f'"{socket_name(gw.admin)}"'  # the running service's
+    env["LLM_RING__SERVICE__EXT_PROC_SOCKET"] = f'"{gw.running[0].ext_proc.removeprefix("@")}"'  # the running service's
     with pytest.raises(StartError, match="service.ext_proc_socket"):
         start_service(tmp_path / "second", env)
     assert post(gw.url + URL, chat("still served")).status_code == 200

@@ -87,7 +87,7 @@ def test_the_gateway_count_is_bounded_and_named(tmp_path: Path, capsys: pytest.C
 
 
 def test_each_router_gets_the_store_url_with_several_gateways(tmp_path: Path) -> None:
-    common = {"policy": "llm-aware", "listen": "127.0.0.1:1", "metrics_listen": "127.0.0.1:2",
+    common = {"policy": "llm-aware", "admin_listen": "127.0.0.1:1", "metrics_listen": "127.0.0.1:2",
               "replicas_file": tmp_path / "r.json", "envoy_endpoints_file": tmp_path / "e.json"}
     rendered = tomllib.loads(render_router_settings(ROUTER_REFERENCE, store_url="redis://127.0.0.1:9/0", **common))
     assert rendered["store"]["url"] == "redis://127.0.0.1:9/0"

@@ -1,0 +1,219 @@
+"""The Endpoint Picker's stream: llm-ring behind a Gateway API Inference Extension gateway.
+
+Such a gateway (Envoy AI Gateway, kgateway, Istio, ...) configures the ext_proc filter itself
+(docs/inference-gateway.md): no CEL attributes, no access log, often every phase sent and the
+bodies FULL_DUPLEX_STREAMED or BUFFERED. So one stream carries one whole HTTP request:
+
+  request headers (path, content type, ids read from the header map; the subset hint from the
+  metadata context) -> the body, read whole (chunks in full-duplex mode, one message buffered)
+  -> the pick (answers.py, the protocol's shape), answering the headers, or the body when
+  Envoy waits for the headers' answer before it sends a buffered body -> the body given back:
+  each chunk as a streamed_response in full-duplex mode -> trailers answered -> the response
+  headers (status, the endpoint that served it from ``envoy.lb``) and every body chunk,
+  answered as they come (an SSE stream is never held) and watched for the answer's end and
+  its timings -> the stream closes: the request is over (``Gateway.stream_ended``).
+
+A request that is no generation (another path) is passed to a replica in turn, untracked.
+The protocol's modes come with the first message (``protocol_config``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import grpc
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+
+from extproc.envoy.contract import LB_NAMESPACE, ROUTED_PATHS, SERVED, SUBSET, SUBSET_NAMESPACE
+from extproc.service.answers import Phase, immediate
+from extproc.service.gateway import Gateway
+from extproc.service.offload import BodyParser
+
+Mode = processing_mode_pb2.ProcessingMode
+FULL_DUPLEX = Mode.FULL_DUPLEX_STREAMED
+BUFFERED = Mode.BUFFERED
+NO_BODY = Mode.NONE
+WANTED = (":path", "content-type", "x-conversation-id", "x-turn", "x-request-id")
+
+HEADERS_CONTINUE = pb.ProcessingResponse(request_headers=pb.HeadersResponse()).SerializeToString()
+REQUEST_BODY_CONTINUE = pb.ProcessingResponse(request_body=pb.BodyResponse()).SerializeToString()
+REQUEST_TRAILERS_CONTINUE = pb.ProcessingResponse(request_trailers=pb.TrailersResponse()).SerializeToString()
+RESPONSE_BODY_CONTINUE = pb.ProcessingResponse(response_body=pb.BodyResponse()).SerializeToString()
+RESPONSE_TRAILERS_CONTINUE = pb.ProcessingResponse(response_trailers=pb.TrailersResponse()).SerializeToString()
+
+
+def request_body_answer(mode: int, chunk: bytes, end_of_stream: bool) -> bytes:
+    """Full-duplex mode: Envoy forwards only what the processor streams back; else: continue."""
+    if mode != FULL_DUPLEX:
+        return REQUEST_BODY_CONTINUE
+    return pb.ProcessingResponse(request_body=_streamed(chunk, end_of_stream)).SerializeToString()
+
+
+def response_body_answer(mode: int, chunk: bytes, end_of_stream: bool) -> bytes:
+    if mode != FULL_DUPLEX:
+        return RESPONSE_BODY_CONTINUE
+    return pb.ProcessingResponse(response_body=_streamed(chunk, end_of_stream)).SerializeToString()
+
+
+def _streamed(chunk: bytes, end_of_stream: bool) -> pb.BodyResponse:
+    mutation = pb.BodyMutation(streamed_response=pb.StreamedBodyResponse(body=chunk, end_of_stream=end_of_stream))
+    return pb.BodyResponse(response=pb.CommonResponse(body_mutation=mutation))
+
+
+def header_values(headers: pb.HttpHeaders, wanted: Iterable[str]) -> dict[str, str]:
+    """The wanted headers of an ext_proc header map (values in raw_value since Envoy 1.27, else value)."""
+    names = set(wanted)
+    return {
+        header.key: header.raw_value.decode("utf-8", "replace") if header.raw_value else header.value
+        for header in headers.headers.headers
+        if header.key in names
+    }
+
+
+def subset_hint(message: pb.ProcessingRequest) -> frozenset[str] | None:
+    """The endpoints the gateway allows (``envoy.lb.subset_hint``), or None when it names none."""
+    namespace = message.metadata_context.filter_metadata.get(SUBSET_NAMESPACE)
+    value = namespace.fields.get(SUBSET) if namespace is not None else None
+    if value is None:
+        return None
+    if value.WhichOneof("kind") == "list_value":
+        return frozenset(item.string_value for item in value.list_value.values if item.string_value)
+    return frozenset(part.strip() for part in value.string_value.split(",") if part.strip())
+
+
+def served_endpoint(message: pb.ProcessingRequest) -> str:
+    """``envoy.lb`` / ``x-gateway-destination-endpoint-served``, when the gateway reports it."""
+    namespace = message.metadata_context.filter_metadata.get(LB_NAMESPACE)
+    value = namespace.fields.get(SERVED) if namespace is not None else None
+    return value.string_value if value is not None else ""
+
+
+async def route_body(gateway: Gateway, parser: BodyParser | None, **request: Any) -> tuple[bytes, str | None]:
+    """Gateway.route_request (or route_shared, with a store) for a whole body; a large body is
+    parsed off the event loop first (offload.py). Both kinds of stream decide through here."""
+    body, path, content_type = request["body"], request["path"], request["content_type"]
+    if parser is not None and parser.takes(body):
+        block_chars = gateway.router.policy.prefix_block_chars
+        request["parsed_elsewhere"] = await parser.parse(path, content_type, body, block_chars)
+    if gateway.store is None:
+        return gateway.route_request(**request)
+    return await gateway.route_shared(**request)  # one round trip to the shared store first
+
+
+class PickerStream:
+    """One HTTP request's ext_proc stream from an Endpoint Picker's gateway (module docstring)."""
+
+    def __init__(self, gateway: Gateway, parser: BodyParser | None, context: grpc.aio.ServicerContext) -> None:
+        self.gateway = gateway
+        self.parser = parser
+        self.context = context
+        self.request_mode = NO_BODY
+        self.response_mode = NO_BODY
+        self.request_id: str | None = None  # ours, while the request is tracked
+
+    async def serve(self, first: pb.ProcessingRequest) -> None:
+        self.request_mode = first.protocol_config.request_body_mode
+        self.response_mode = first.protocol_config.response_body_mode
+        try:
+            if await self._request(first):
+                await self._rest()
+        finally:  # whatever ended the stream (its close, a cancel, a reset) ends the request
+            if self.request_id is not None:
+                self.gateway.stream_ended(self.request_id)
+
+    async def _request(self, first: pb.ProcessingRequest) -> bool:
+        """Answer the request's headers and body; False when the answer ended the request."""
+        values = header_values(first.request_headers, WANTED)
+        path = values.get(":path", "").partition("?")[0]
+        subset = subset_hint(first)
+        if path not in ROUTED_PATHS:
+            await self.context.write(self.gateway.pass_through("headers", subset))
+            return True
+        # BUFFERED: Envoy sends the body only once the headers are answered (unless told not to wait)
+        config = first.protocol_config
+        waits = self.request_mode == BUFFERED and not config.send_body_without_waiting_for_header_response
+        if waits:
+            await self.context.write(HEADERS_CONTINUE)
+        chunks, trailers = await self._read_body(first.request_headers.end_of_stream)
+        if chunks is None:
+            return False
+        phase: Phase = "body" if waits else "headers"
+        answer, self.request_id = await self._route(values, path, b"".join(chunks), phase, subset)
+        await self.context.write(answer)
+        if self.request_id is None:  # refused: Envoy answers the client itself
+            return False
+        if not waits and self.request_mode != NO_BODY:
+            for index, chunk in enumerate(chunks):
+                last = index == len(chunks) - 1 and not trailers
+                await self.context.write(request_body_answer(self.request_mode, chunk, last))
+        if trailers:
+            await self.context.write(REQUEST_TRAILERS_CONTINUE)
+        return True
+
+    async def _read_body(self, headers_end: bool) -> tuple[list[bytes] | None, bool]:
+        """(the body's chunks, whether it ended with trailers); None when refused (413, or the stream ended)."""
+        chunks: list[bytes] = []
+        size, limit = 0, self.gateway.settings.max_body_bytes
+        if headers_end or self.request_mode == NO_BODY:
+            return chunks, False
+        while True:
+            message = await self.context.read()
+            if message is grpc.aio.EOF:
+                return None, False
+            kind = message.WhichOneof("request")
+            if kind == "request_trailers":
+                return chunks, True
+            if kind != "request_body":
+                return None, False
+            chunk = message.request_body.body
+            size += len(chunk)
+            if size > limit:
+                self.gateway.metrics.errors["bad_request"] += 1
+                await self.context.write(immediate(413, f"request body over {limit} bytes (service.max_body_bytes)"))
+                return None, False
+            chunks.append(chunk)
+            if message.request_body.end_of_stream:
+                return chunks, False
+
+    async def _route(
+        self, values: dict[str, str], path: str, body: bytes, phase: Phase, subset: frozenset[str] | None
+    ) -> tuple[bytes, str | None]:
+        return await route_body(
+            self.gateway, self.parser, path=path, content_type=values.get("content-type", ""),
+            conversation_id=values.get("x-conversation-id", ""), turn=values.get("x-turn", ""),
+            request_id=values.get("x-request-id", ""), body=body, phase=phase, subset=subset,
+        )  # fmt: skip
+
+    async def _rest(self) -> None:
+        """Every later phase, answered as it comes; the response watched for its end."""
+        gateway, context = self.gateway, self.context
+        while True:
+            message = await context.read()
+            if message is grpc.aio.EOF:
+                return
+            kind = message.WhichOneof("request")
+            tracked = self.request_id
+            if kind == "request_body":  # a passed-through request's body
+                body = message.request_body
+                await context.write(request_body_answer(self.request_mode, body.body, body.end_of_stream))
+            elif kind == "request_trailers":
+                await context.write(REQUEST_TRAILERS_CONTINUE)
+            elif kind == "response_headers":
+                headers = message.response_headers
+                await context.write(gateway.response_headers_answer(tracked))
+                if tracked is not None:
+                    status = header_values(headers, (":status",)).get(":status", "")
+                    gateway.observe_start(tracked, int(status) if status.isdigit() else 0, served_endpoint(message))
+                    if headers.end_of_stream:
+                        gateway.observe_body(tracked, b"", True)
+            elif kind == "response_body":
+                body = message.response_body
+                await context.write(response_body_answer(self.response_mode, body.body, body.end_of_stream))
+                if tracked is not None:
+                    gateway.observe_body(tracked, body.body, body.end_of_stream)
+            elif kind == "response_trailers":
+                await context.write(RESPONSE_TRAILERS_CONTINUE)
+                if tracked is not None:
+                    gateway.observe_body(tracked, b"", True)

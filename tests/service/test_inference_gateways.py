@@ -1,0 +1,304 @@
+"""`llm-ring serve` as the Endpoint Picker of InferencePool gateways: real Envoy with each
+gateway's data plane (extproc.envoy.inference_gateways: Envoy AI Gateway full-duplex and
+buffered, kgateway full-duplex; the picker over TLS), real llama.cpp replicas
+(xllamacpp + SmolLM2-135M, 2 replicas). The picker is configured as a gateway user would
+(start_picker_service: static replicas, self-signed TLS, nothing else).
+
+Each plane: JSON and SSE turns back to back, the openai SDK with no custom header, a fan-out
+on one prefix, the subset hint (honoured; 503 when nothing in it is eligible), a stream the
+client abandons, and bodies of 200 KiB both ways through an echo upstream. Every follow-up
+must land on its replica with the previous prompt cached there, and the picker's in-flight
+load must be back to 0 after each test (its Admin API on service.admin_listen).
+The variants: AI Gateway duplex exactly as generated (no served-endpoint metadata), AI
+Gateway buffered and kgateway with the served endpoint reported on the response.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from extproc.envoy.inference_gateways import (
+    AI_GATEWAY,
+    KGATEWAY,
+    TEST_SUBSET_HEADER,
+    UPSTREAM_HEADER,
+    BodyMode,
+    InferenceGateway,
+)
+from extproc.service.admin_client import AdminClient
+from extproc.stack import replicas as stack_replicas
+from extproc.stack.daemons import stop
+from extproc.stack.models import smollm2_gguf
+from extproc.stack.processes import (
+    Running,
+    free_port,
+    start_inference_gateway_envoy,
+    start_picker_service,
+    tls_grpc_serving,
+)
+
+pytestmark = pytest.mark.live
+CHAT = "/v1/chat/completions"
+PLANES = [(AI_GATEWAY, "duplex", False), (AI_GATEWAY, "buffered", True), (KGATEWAY, "duplex", True)]
+PLANE_IDS = [f"{gateway.name}-{mode}" + ("-served" if served else "") for gateway, mode, served in PLANES]
+
+
+@dataclass
+class Plane:
+    url: str
+    picker: Running  # .address: its Admin API
+    replica_of: dict[str, str]  # upstream address -> replica name
+
+    def state(self) -> dict[str, Any]:
+        with AdminClient(self.picker.address) as admin:
+            return admin.state()
+
+    def assert_idle(self, timeout: float = 5.0) -> None:
+        """In-flight load back to 0 (the picker releases from the response phases, no access log)."""
+        deadline = time.monotonic() + timeout
+        while (state := self.state())["in_flight_requests"] or state["in_flight_tokens"]:
+            assert time.monotonic() < deadline, f"load still charged: {state['in_flight_requests']} requests"
+            time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    settings = stack_replicas.ReplicaSettings(
+        backend="xllamacpp", model=str(smollm2_gguf()), ctx_size=2048, parallel=2, threads=1, cache_ram_mib=0
+    )
+    run = tmp_path_factory.mktemp("replicas")
+    started = stack_replicas.start({"llm-0": free_port(), "llm-1": free_port()}, settings, run)
+    try:
+        stack_replicas.wait_healthy(started, timeout=120, progress=lambda _: None)
+        yield {replica.name: replica.address for replica in started}
+    finally:
+        stop([replica.process for replica in started])
+
+
+@pytest.fixture(scope="module")
+def picker(llama: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
+    running = start_picker_service(tmp_path_factory.mktemp("picker"), llama, health_probe_seconds="0.2",
+                                   log_level='"debug"')
+    try:
+        yield running
+    finally:
+        running.stop()
+
+
+@pytest.fixture(scope="module", params=PLANES, ids=PLANE_IDS)
+def plane(request: pytest.FixtureRequest, llama: dict[str, str], picker: Running,
+          tmp_path_factory: pytest.TempPathFactory) -> Iterator[Plane]:
+    gateway, mode, served = request.param
+    envoy = start_plane(tmp_path_factory.mktemp("envoy"), gateway, mode, served, picker, llama)
+    try:
+        yield Plane(f"http://{envoy.listen}", picker, {address: name for name, address in llama.items()})
+    finally:
+        envoy.stop()
+
+
+def start_plane(workdir: Path, gateway: InferenceGateway, mode: BodyMode, served: bool, picker: Running,
+                replicas: dict[str, str]) -> Running:
+    hints = {"first": [replicas["llm-0"]], "nowhere": ["127.0.0.1:1"]}
+    return start_inference_gateway_envoy(
+        workdir, gateway, picker.ext_proc, sorted(replicas.values()), 1, body_mode=mode, subset_hints=hints,
+        report_served=served, show_upstream=True,
+    )
+
+
+def test_the_picker_serves_the_protocol_health_names_over_tls(picker: Running) -> None:
+    for name in ("liveness", "readiness", "envoy.service.ext_proc.v3.ExternalProcessor"):
+        assert tls_grpc_serving(picker.ext_proc, name), name
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+def test_back_to_back_turns_land_on_their_replica_with_the_previous_prompt_cached(
+    plane: Plane, stream: bool
+) -> None:
+    for conversation in range(3):
+        turns = conversation_turns(plane, f"{conversation}-{stream}", stream, turns=4)
+        for previous, turn in zip(turns, turns[1:], strict=False):
+            assert turn["replica"] == turns[0]["replica"], turns
+            assert turn["cache_n"] >= previous["cache_n"] + previous["prompt_n"], turns
+    plane.assert_idle()
+
+
+def test_the_openai_sdk_with_no_custom_header_stays_on_its_cache(plane: Plane) -> None:
+    client = openai.OpenAI(base_url=plane.url + "/v1", api_key="unused", max_retries=0)
+    messages: list[Any] = [{"role": "user", "content": "Say something about rivers."}]
+    replicas, cached = [], []
+    for _ in range(3):
+        raw = client.chat.completions.with_raw_response.create(
+            model="smollm2", messages=messages, max_tokens=6, extra_body={"ignore_eos": True}
+        )
+        completion = raw.parse()
+        replicas.append(plane.replica_of[raw.headers[UPSTREAM_HEADER]])
+        cached.append(completion.usage.prompt_tokens_details.cached_tokens if completion.usage else None)
+        messages += [{"role": "assistant", "content": completion.choices[0].message.content},
+                     {"role": "user", "content": "And then?"}]  # fmt: skip
+    assert len(set(replicas)) == 1, replicas
+    assert cached[1] and cached[2] and cached[2] > cached[1], cached
+    plane.assert_idle()
+
+
+def test_a_fan_out_on_one_prefix_is_answered_whole_and_its_follow_up_finds_its_cache(plane: Plane) -> None:
+    shared = [{"role": "system", "content": "You plan tasks. " * 20}, {"role": "user", "content": "Plan."},
+              {"role": "assistant", "content": "OK."}]  # fmt: skip
+
+    def ask(task: int) -> dict[str, Any]:
+        messages = [*shared, {"role": "user", "content": f"Task {task}: go."}]
+        reply = post(plane, {"messages": messages, "max_tokens": 16, "ignore_eos": True})
+        replica = plane.replica_of[reply.headers[UPSTREAM_HEADER]]
+        return {"messages": messages, "reply": reply.json(), "replica": replica}
+
+    with ThreadPoolExecutor(3) as pool:
+        answers = list(pool.map(ask, range(3)))
+    assert all(answer["reply"]["timings"]["predicted_n"] == 16 for answer in answers)
+    first = answers[0]
+    follow = [*first["messages"], first["reply"]["choices"][0]["message"], {"role": "user", "content": "Next."}]
+    reply = post(plane, {"messages": follow, "max_tokens": 2})
+    assert plane.replica_of[reply.headers[UPSTREAM_HEADER]] == first["replica"]
+    timings = first["reply"]["timings"]
+    assert reply.json()["timings"]["cache_n"] >= timings["cache_n"] + timings["prompt_n"]
+    plane.assert_idle()
+
+
+def test_the_subset_hint_is_honoured_and_an_empty_subset_is_503(plane: Plane) -> None:
+    for conversation in range(4):
+        body = {"messages": [{"role": "user", "content": f"Subset chat {conversation}."}], "max_tokens": 2}
+        reply = post(plane, body, {TEST_SUBSET_HEADER: "first"})
+        assert plane.replica_of[reply.headers[UPSTREAM_HEADER]] == "llm-0"
+    body = {"messages": [{"role": "user", "content": "Nowhere to go."}], "max_tokens": 2}
+    refused = httpx.post(plane.url + CHAT, json=body, headers={TEST_SUBSET_HEADER: "nowhere"}, timeout=30)
+    assert refused.status_code == 503, refused.text
+    plane.assert_idle()
+
+
+def test_an_abandoned_stream_releases_its_load(plane: Plane) -> None:
+    body = {"messages": [{"role": "user", "content": "Write a long poem about the sea."}], "max_tokens": 400,
+            "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", plane.url + CHAT, json=body, timeout=60) as reply:
+        assert reply.status_code == 200
+        chunks = reply.iter_raw()  # kept: a dropped iterator would hang up before the check below
+        next(chunks)
+        assert plane.state()["in_flight_requests"] == 1
+    plane.assert_idle()
+
+
+# ------------------------------------------------------------- large bodies, both ways
+
+
+class _Echo(BaseHTTPRequestHandler):
+    """Answers a POST with its own body, in 16 KiB chunks; GET /health for the picker's probes."""
+
+    protocol_version = "HTTP/1.1"
+
+    def do_GET(self) -> None:  # noqa: N802 - the http.server API
+        self._answer(b'{"status": "ok"}', chunked=False)
+
+    def do_POST(self) -> None:  # noqa: N802
+        if self.headers.get("transfer-encoding", "").lower() == "chunked":
+            body = b""
+            while size := int(self.rfile.readline().split(b";")[0], 16):
+                body += self.rfile.read(size)
+                self.rfile.readline()
+            self.rfile.readline()
+        else:
+            body = self.rfile.read(int(self.headers.get("content-length", 0)))
+        self._answer(body, chunked=True)
+
+    def _answer(self, body: bytes, chunked: bool) -> None:
+        self.send_response(200)
+        self.send_header("content-type", "application/json")
+        self.send_header("transfer-encoding" if chunked else "content-length", "chunked" if chunked else str(len(body)))
+        self.end_headers()
+        if not chunked:
+            self.wfile.write(body)
+            return
+        for start in range(0, len(body), 16384):
+            piece = body[start:start + 16384]
+            self.wfile.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+        self.wfile.write(b"0\r\n\r\n")
+
+    def log_message(self, *_: Any) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def echo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[dict[str, str], Running]]:
+    """An echo upstream as the only replica of a second picker."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Echo)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    replicas = {"echo-0": f"127.0.0.1:{server.server_address[1]}"}
+    running = start_picker_service(tmp_path_factory.mktemp("echo-picker"), replicas)
+    try:
+        yield replicas, running
+    finally:
+        running.stop()
+        server.shutdown()
+
+
+@pytest.mark.parametrize("gateway, mode, served", PLANES, ids=PLANE_IDS)
+def test_bodies_of_200_kib_arrive_whole_and_in_order_both_ways(
+    tmp_path: Path, echo: tuple[dict[str, str], Running], gateway: InferenceGateway, mode: BodyMode, served: bool
+) -> None:
+    replicas, echo_picker = echo
+    envoy = start_plane(tmp_path, gateway, mode, served, echo_picker, {"llm-0": replicas["echo-0"]})
+    try:
+        words = " ".join(f"w{i:06d}" for i in range(200 * 1024 // 8))  # numbered: any reordering shows
+        body = json.dumps({"messages": [{"role": "user", "content": words}], "max_tokens": 1}).encode()
+        reply = httpx.post(f"http://{envoy.listen}{CHAT}", content=body,
+                           headers={"content-type": "application/json"}, timeout=30)
+        assert reply.status_code == 200, reply.text[:200]
+        assert len(reply.content) == len(body) >= 200 * 1024
+        assert hashlib.sha256(reply.content).digest() == hashlib.sha256(body).digest()
+        Plane("", echo_picker, {}).assert_idle()
+    finally:
+        envoy.stop()
+
+
+# ------------------------------------------------------------------------- helpers
+
+
+def post(plane: Plane, body: dict[str, Any], headers: dict[str, str] | None = None) -> httpx.Response:
+    reply = httpx.post(plane.url + CHAT, json=body, headers=headers or {}, timeout=60)
+    assert reply.status_code == 200, reply.text
+    return reply
+
+
+def conversation_turns(plane: Plane, name: str, stream: bool, turns: int) -> list[dict[str, Any]]:
+    """One conversation sent back to back (each turn the instant the last answer is in, as an
+    agent loop does), no custom header: per turn the replica and llama.cpp's timings."""
+    history: list[dict[str, Any]] = [{"role": "system", "content": f"You are assistant {name}. Answer briefly."}]
+    seen = []
+    with httpx.Client(timeout=60) as client:
+        for turn in range(1, turns + 1):
+            history.append({"role": "user", "content": f"Question {turn} of chat {name}: name a colour."})
+            body = {"messages": history, "max_tokens": 6, "ignore_eos": True, "stream": stream}
+            answer, timings = "", {}
+            with client.stream("POST", plane.url + CHAT, json=body) as reply:
+                assert reply.status_code == 200, reply.read()
+                if stream:
+                    lines = [line for line in reply.iter_lines() if line.startswith("data: ")]
+                    assert lines[-1] == "data: [DONE]", lines[-3:]  # the stream came whole
+                    events = [json.loads(line[6:]) for line in lines[:-1]]
+                    answer = "".join((e["choices"][0].get("delta") or {}).get("content") or "" for e in events)
+                    timings = next(e["timings"] for e in reversed(events) if e.get("timings"))
+                else:
+                    data = json.loads(reply.read())
+                    answer, timings = data["choices"][0]["message"]["content"], data["timings"]
+                seen.append({"replica": plane.replica_of[reply.headers[UPSTREAM_HEADER]], **timings})
+            history.append({"role": "assistant", "content": answer})
+    return seen
