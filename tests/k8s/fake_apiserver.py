@@ -182,6 +182,65 @@ def endpoint_slice(
     }
 
 
+def pod(
+    name: str,
+    ip: str | None,
+    labels: Mapping[str, str],
+    *,
+    ready: bool = True,
+    deleting: bool = False,
+    namespace: str = "llm-ring",
+    ports: Iterable[int] = (8080,),
+) -> dict[str, Any]:
+    """A Pod as the kubelet reports it: scheduled, running, Ready or not; ``deleting``: its
+    deletionTimestamp is set (terminating, still running its preStop)."""
+    metadata: dict[str, Any] = {"name": name, "namespace": namespace, "labels": dict(labels), "uid": f"uid-{name}"}
+    if deleting:
+        metadata |= {"deletionTimestamp": "2026-01-01T00:00:00Z", "deletionGracePeriodSeconds": 60}
+    status: dict[str, Any] = {
+        "phase": "Running",
+        "conditions": [
+            {"type": "PodScheduled", "status": "True"},
+            {"type": "Initialized", "status": "True"},
+            {"type": "ContainersReady", "status": str(ready)},
+            {"type": "Ready", "status": str(ready)},
+        ],
+    }
+    if ip is not None:
+        status |= {"podIP": ip, "podIPs": [{"ip": ip}]}
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": metadata,
+        "spec": {
+            "containers": [
+                {
+                    "name": "llama",
+                    "image": "ghcr.io/ggml-org/llama.cpp:server",
+                    "ports": [{"containerPort": port, "protocol": "TCP"} for port in ports],
+                }
+            ]
+        },
+        "status": status,
+    }
+
+
+def inference_pool(
+    name: str, match_labels: Mapping[str, str], ports: Iterable[int], *, namespace: str = "llm-ring"
+) -> dict[str, Any]:
+    """An InferencePool (inference.networking.k8s.io/v1) whose picker is the Service ``<name>-picker``."""
+    return {
+        "apiVersion": "inference.networking.k8s.io/v1",
+        "kind": "InferencePool",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {
+            "selector": {"matchLabels": dict(match_labels)},
+            "targetPorts": [{"number": port} for port in ports],
+            "endpointPickerRef": {"name": f"{name}-picker", "port": {"number": 9002}},
+        },
+    }
+
+
 @dataclass
 class Request:
     method: str
