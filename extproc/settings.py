@@ -101,14 +101,16 @@ class ServiceSettings(Strict):
 class DiscoverySettings(Strict):
     """Where the replica list comes from."""
 
-    source: Literal["static", "file", "kubernetes"]
+    source: Literal["static", "file", "kubernetes", "inference-pool"]
     static: dict[str, str] = Field(description="source=static: replica name -> ip:port")
     file: str = Field(description="source=file: JSON file {name: ip:port}, watched for changes")
     file_poll_seconds: float = Field(gt=0)
-    kubernetes_namespace: str
+    kubernetes_namespace: str = Field(description="source=kubernetes or inference-pool: the namespace watched")
     kubernetes_service: str = Field(description="EndpointSlices labelled kubernetes.io/service-name=<this>")
     kubernetes_port_name: str = Field(description="named port of the replicas in the EndpointSlice")
     kubernetes_backoff_seconds: float = Field(gt=0, description="first retry delay when the API is unreachable")
+    inference_pool: str = Field(description="source=inference-pool: name of the InferencePool whose pods are the "
+                                            "replicas (in kubernetes_namespace)")
 
 
 class StoreSettings(Strict):

@@ -1,4 +1,5 @@
-"""Where the replica list comes from: a static list, a watched JSON file, or Kubernetes.
+"""Where the replica list comes from: a static list, a watched JSON file, or Kubernetes
+(a Service's EndpointSlices, or an InferencePool's pods).
 
 Every source speaks one protocol: ``snapshots()`` is an async iterator yielding the full
 current set {replica name: "ip:port"} each time it changes (the first yield is the initial
@@ -28,6 +29,10 @@ def make_discovery(settings: DiscoverySettings) -> Discovery:
         from extproc.discovery.file import FileDiscovery
 
         return FileDiscovery(settings.file, settings.file_poll_seconds)
+    if settings.source == "inference-pool":
+        from extproc.discovery.inference_pool import InferencePoolDiscovery
+
+        return InferencePoolDiscovery(settings)
     from extproc.discovery.kubernetes import KubernetesDiscovery
 
     return KubernetesDiscovery(settings)

@@ -5,8 +5,9 @@ The replicas are the ready, not terminating endpoints of the EndpointSlices labe
 so that a replica keeps its place on the hash ring across restarts and IP changes.
 A terminating endpoint leaves at once: it gets no new conversations while it drains.
 
-The ``kubernetes`` client is synchronous, so the list/watch loop runs in one daemon
-thread, the only user of the ApiClient; it hands each new full snapshot to the asyncio side,
+The ``kubernetes`` client is synchronous, so each list/watch loop runs in a daemon thread
+(one here; InferencePool discovery, inference_pool.py, runs two on one ApiClient, whose
+connection pool is thread-safe); it hands each new full snapshot to the asyncio side,
 which yields it from ``snapshots()``. The grpc.aio loop never blocks on the API.
 
 Loop: list (full state, resourceVersion) → watch from that version, again and again,
@@ -132,17 +133,66 @@ def default_api_client() -> client.ApiClient:
 
 
 @dataclass(frozen=True)
-class WatchConfig:
-    namespace: str
-    service: str
-    port_name: str
+class WatchTiming:
     backoff_seconds: float
     max_backoff_seconds: float
     watch_timeout_seconds: int
 
-    @property
-    def selector(self) -> str:
-        return f"{SERVICE_NAME_LABEL}={self.service}"
+
+def watch_timing(settings: DiscoverySettings, watch_timeout_seconds: int, max_backoff_seconds: float) -> WatchTiming:
+    return WatchTiming(
+        backoff_seconds=settings.kubernetes_backoff_seconds,
+        max_backoff_seconds=max(max_backoff_seconds, settings.kubernetes_backoff_seconds),
+        watch_timeout_seconds=watch_timeout_seconds,
+    )
+
+
+Publish = Callable[[dict[str, str]], None]
+
+
+async def threaded_snapshots(
+    api_client: client.ApiClient | None, start_loops: Callable[[client.ApiClient, Publish], list[ListWatchLoop]]
+) -> AsyncIterator[dict[str, str]]:
+    """The Discovery protocol over blocking list/watch loops, one daemon thread each.
+
+    ``start_loops`` builds the loops on an ApiClient (``api_client``, else one from
+    ``credentials()``, closed at the end) and a thread-safe ``publish``; every published
+    snapshot that differs from the last one yielded is yielded. The loops stop when the
+    iteration is closed or cancelled.
+    """
+    loop = asyncio.get_running_loop()
+    changed = asyncio.Event()
+    latest: list[dict[str, str]] = [{}]  # one slot, written on the loop thread only
+
+    def deliver(snapshot: dict[str, str]) -> None:
+        latest[0] = snapshot
+        changed.set()
+
+    def publish(snapshot: dict[str, str]) -> None:  # called from the watch threads
+        with contextlib.suppress(RuntimeError):  # the loop closed as a thread finished
+            loop.call_soon_threadsafe(deliver, snapshot)
+
+    owned = api_client is None
+    api = await asyncio.to_thread(credentials) if api_client is None else api_client
+    workers = start_loops(api, publish)
+    threads = [threading.Thread(target=w.run, name="k8s-discovery", daemon=True) for w in workers]
+    for thread in threads:
+        thread.start()
+    last: dict[str, str] | None = None
+    try:
+        while True:
+            await changed.wait()
+            changed.clear()
+            if latest[0] != last:
+                last = latest[0]
+                yield dict(last)
+    finally:
+        for worker in workers:
+            worker.stopped.set()  # all stop at once, then each is joined
+        for worker, thread in zip(workers, threads, strict=True):
+            await asyncio.to_thread(worker.stop_and_join, thread, CONNECT_TIMEOUT_SECONDS)
+        if owned:
+            api.close()
 
 
 class KubernetesDiscovery:
@@ -161,65 +211,52 @@ class KubernetesDiscovery:
         watch_timeout_seconds: int = WATCH_TIMEOUT_SECONDS,
         max_backoff_seconds: float = MAX_BACKOFF_SECONDS,
     ) -> None:
-        self.config = WatchConfig(
-            namespace=settings.kubernetes_namespace,
-            service=settings.kubernetes_service,
-            port_name=settings.kubernetes_port_name,
-            backoff_seconds=settings.kubernetes_backoff_seconds,
-            max_backoff_seconds=max(max_backoff_seconds, settings.kubernetes_backoff_seconds),
-            watch_timeout_seconds=watch_timeout_seconds,
-        )
+        self.namespace = settings.kubernetes_namespace
+        self.service = settings.kubernetes_service
+        self.port_name = settings.kubernetes_port_name
+        self.timing = watch_timing(settings, watch_timeout_seconds, max_backoff_seconds)
         self._api_client = api_client
 
-    async def snapshots(self) -> AsyncIterator[dict[str, str]]:
-        loop = asyncio.get_running_loop()
-        changed = asyncio.Event()
-        latest: list[dict[str, str]] = [{}]  # one slot, written on the loop thread only
-
-        def deliver(snapshot: dict[str, str]) -> None:
-            latest[0] = snapshot
-            changed.set()
-
-        def publish(snapshot: dict[str, str]) -> None:  # called from the watch thread
-            with contextlib.suppress(RuntimeError):  # the loop closed as the thread finished
-                loop.call_soon_threadsafe(deliver, snapshot)
-
-        owned = self._api_client is None
-        api_client = await asyncio.to_thread(credentials) if self._api_client is None else self._api_client
-        worker = _WatchLoop(self.config, api_client, publish)
-        thread = threading.Thread(target=worker.run, name="k8s-discovery", daemon=True)
-        thread.start()
-        last: dict[str, str] | None = None
-        try:
-            while True:
-                await changed.wait()
-                changed.clear()
-                if latest[0] != last:
-                    last = latest[0]
-                    yield dict(last)
-        finally:
-            await asyncio.to_thread(worker.stop_and_join, thread, CONNECT_TIMEOUT_SECONDS)
-            if owned:
-                api_client.close()
+    def snapshots(self) -> AsyncIterator[dict[str, str]]:
+        return threaded_snapshots(self._api_client, lambda api, publish: [_SliceLoop(self, api, publish)])
 
 
-class _WatchLoop:
-    """The blocking list/watch loop; runs in its own thread, the only user of the ApiClient."""
+class ListWatchLoop:
+    """The blocking list/watch loop of one resource; runs in its own thread.
 
-    def __init__(
-        self, cfg: WatchConfig, api_client: client.ApiClient, publish: Callable[[dict[str, str]], None]
-    ) -> None:
-        self._cfg = cfg
-        self._api = client.DiscoveryV1Api(api_client)
-        self._publish = publish
-        self._stopped = threading.Event()
+    List (full state, resourceVersion) → watch from that version, again and again,
+    resuming from the last version seen (events and bookmarks) → on 410 Gone relist at
+    once; on any other failure keep what is known, back off and relist. A relist replaces
+    the whole state, so a dropped watch neither loses nor duplicates an object.
+    Subclasses name the list call and say what the list and each event change.
+    """
+
+    resource = ""  # names the log events
+
+    def __init__(self, timing: WatchTiming) -> None:
+        self._timing = timing
+        self.stopped = threading.Event()
         self._watch: watch.Watch | None = None
-        self._slices: dict[str, Any] = {}
-        self._published: dict[str, str] | None = None
+
+    def list_call(self) -> tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]:
+        """The list function, its positional arguments and its selectors."""
+        raise NotImplementedError
+
+    def replace(self, items: list[Any]) -> None:
+        """A list's full state."""
+        raise NotImplementedError
+
+    def apply(self, kind: str, obj: Any) -> None:
+        """One ADDED, MODIFIED or DELETED event."""
+        raise NotImplementedError
+
+    def serving(self) -> list[str]:
+        """The replicas in service, for the failure log lines."""
+        raise NotImplementedError
 
     def stop_and_join(self, thread: threading.Thread, timeout: float) -> None:
         deadline = time.monotonic() + timeout
-        self._stopped.set()
+        self.stopped.set()
         while thread.is_alive() and time.monotonic() < deadline:
             # Shuts the watch socket down, unblocking a read in progress. Repeated: a watch
             # whose response headers have not arrived yet has no socket to shut down.
@@ -229,90 +266,119 @@ class _WatchLoop:
             thread.join(0.05)
 
     def run(self) -> None:
-        api = self._api
-        backoff = self._cfg.backoff_seconds
-        while not self._stopped.is_set():
+        backoff = self._timing.backoff_seconds
+        while not self.stopped.is_set():
             try:
-                version = self._list(api)
-                backoff = self._cfg.backoff_seconds
-                while not self._stopped.is_set():
-                    version = self._watch_once(api, version)
+                version = self._list()
+                backoff = self._timing.backoff_seconds
+                while not self.stopped.is_set():
+                    version = self._watch_once(version)
             except ApiException as exc:
                 if exc.status == HTTP_GONE:
-                    log.info("endpointslice_watch_expired", action="relist")
+                    log.info(f"{self.resource}_watch_expired", action="relist")
                     continue
                 log.warning(
                     "kubernetes_api_error",
+                    resource=self.resource,
                     status=exc.status,
                     reason=str(exc.reason),
                     retry_in_s=backoff,
-                    serving=sorted(self._published or {}),
+                    serving=self.serving(),
                 )
             except Exception as exc:  # unreachable, reset, timed out, malformed reply
-                if self._stopped.is_set():
+                if self.stopped.is_set():
                     break
                 log.warning(
                     "kubernetes_api_unreachable",
+                    resource=self.resource,
                     error=f"{type(exc).__name__}: {exc}",
                     retry_in_s=backoff,
-                    serving=sorted(self._published or {}),
+                    serving=self.serving(),
                 )
-            self._stopped.wait(backoff)
-            backoff = min(backoff * 2, self._cfg.max_backoff_seconds)
+            self.stopped.wait(backoff)
+            backoff = min(backoff * 2, self._timing.max_backoff_seconds)
 
-    def _list(self, api: client.DiscoveryV1Api) -> str:
-        result = api.list_namespaced_endpoint_slice(
-            self._cfg.namespace,
-            label_selector=self._cfg.selector,
-            _request_timeout=(CONNECT_TIMEOUT_SECONDS, LIST_TIMEOUT_SECONDS),
-        )
-        self._slices = {str(item.metadata.name): item for item in result.items or () if item.metadata}
-        self._emit()
-        if result.metadata is None or not result.metadata.resource_version:
-            raise ValueError("EndpointSlice list without a resourceVersion: cannot watch from it")
-        return str(result.metadata.resource_version)
+    def _list(self) -> str:
+        function, args, selectors = self.list_call()
+        result = function(*args, **selectors, _request_timeout=(CONNECT_TIMEOUT_SECONDS, LIST_TIMEOUT_SECONDS))
+        if isinstance(result, dict):  # custom objects come as plain JSON
+            items, version = result.get("items") or [], (result.get("metadata") or {}).get("resourceVersion")
+        else:
+            items, version = result.items or [], result.metadata and result.metadata.resource_version
+        self.replace(list(items))
+        if not version:
+            raise ValueError(f"{self.resource} list without a resourceVersion: cannot watch from it")
+        return str(version)
 
-    def _watch_once(self, api: client.DiscoveryV1Api, version: str) -> str:
+    def _watch_once(self, version: str) -> str:
         """One watch request; returns the version to resume from (events and bookmarks)."""
-        cfg = self._cfg
+        function, args, selectors = self.list_call()
+        timeout = self._timing.watch_timeout_seconds
         self._watch = current = watch.Watch()
         try:
             for event in current.stream(
-                api.list_namespaced_endpoint_slice,
-                cfg.namespace,
-                label_selector=cfg.selector,
+                function,
+                *args,
+                **selectors,
                 resource_version=version,
                 allow_watch_bookmarks=True,
-                timeout_seconds=cfg.watch_timeout_seconds,
+                timeout_seconds=timeout,
                 # the client gives up one timeout later: a silently dead connection ends too
-                _request_timeout=(
-                    CONNECT_TIMEOUT_SECONDS,
-                    cfg.watch_timeout_seconds + CONNECT_TIMEOUT_SECONDS,
-                ),
+                _request_timeout=(CONNECT_TIMEOUT_SECONDS, timeout + CONNECT_TIMEOUT_SECONDS),
             ):
-                kind = event["type"]
-                if kind in ("ADDED", "MODIFIED"):
-                    self._slices[event["object"].metadata.name] = event["object"]
-                elif kind == "DELETED":
-                    self._slices.pop(event["object"].metadata.name, None)
-                if kind != "BOOKMARK":
-                    self._emit()
+                if event["type"] in ("ADDED", "MODIFIED", "DELETED"):
+                    self.apply(event["type"], event["object"])
         finally:
             self._watch = None
         return str(current.resource_version or version)
 
+
+class _SliceLoop(ListWatchLoop):
+    """The EndpointSlices of one Service; each change publishes the replicas they hold."""
+
+    resource = "endpointslice"
+
+    def __init__(self, source: KubernetesDiscovery, api_client: client.ApiClient, publish: Publish) -> None:
+        super().__init__(source.timing)
+        self._source = source
+        self._api = client.DiscoveryV1Api(api_client)
+        self._publish = publish
+        self._slices: dict[str, Any] = {}
+        self._published: dict[str, str] | None = None
+
+    def list_call(self) -> tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]:
+        selector = f"{SERVICE_NAME_LABEL}={self._source.service}"
+        return self._api.list_namespaced_endpoint_slice, (self._source.namespace,), {"label_selector": selector}
+
+    def replace(self, items: list[Any]) -> None:
+        self._slices = {str(item.metadata.name): item for item in items if item.metadata}
+        self._emit()
+
+    def apply(self, kind: str, obj: Any) -> None:
+        if kind == "DELETED":
+            self._slices.pop(obj.metadata.name, None)
+        else:
+            self._slices[obj.metadata.name] = obj
+        self._emit()
+
+    def serving(self) -> list[str]:
+        return sorted(self._published or {})
+
     def _emit(self) -> None:
-        snapshot = replicas_from_slices(self._slices.values(), self._cfg.port_name)
+        snapshot = replicas_from_slices(self._slices.values(), self._source.port_name)
         if snapshot == self._published:
             return
-        previous = self._published or {}
+        log_change(self._published or {}, snapshot, service=f"{self._source.namespace}/{self._source.service}")
         self._published = snapshot
-        log.info(
-            "replicas_changed",
-            replicas=sorted(snapshot),
-            added=sorted(set(snapshot) - set(previous)),
-            removed=sorted(set(previous) - set(snapshot)),
-            endpoints=snapshot,
-            service=f"{self._cfg.namespace}/{self._cfg.service}",
-        )
         self._publish(snapshot)
+
+
+def log_change(previous: dict[str, str], snapshot: dict[str, str], **source: str) -> None:
+    log.info(
+        "replicas_changed",
+        replicas=sorted(snapshot),
+        added=sorted(set(snapshot) - set(previous)),
+        removed=sorted(set(previous) - set(snapshot)),
+        endpoints=snapshot,
+        **source,
+    )

@@ -28,6 +28,7 @@ def settings(**overrides: object) -> DiscoverySettings:
         "kubernetes_service": "s",
         "kubernetes_port_name": "http",
         "kubernetes_backoff_seconds": 1.0,
+        "inference_pool": "",
     }
     return DiscoverySettings.model_validate(base | overrides)
 

@@ -1,32 +1,36 @@
-"""A small fake Kubernetes API server for EndpointSlice discovery tests.
+"""A small fake Kubernetes API server for the discovery tests (EndpointSlices, InferencePools, pods).
 
 It speaks the real HTTP/JSON wire protocol of the parts the router uses, so the
 official ``kubernetes`` client talks to it unmodified:
 
-- ``GET /apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices``: list (returns the
+- ``GET /apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices``,
+  ``/apis/inference.networking.k8s.io/v1/namespaces/{ns}/inferencepools`` and
+  ``/api/v1/namespaces/{ns}/pods``: get, list (returns the
   current resourceVersion) and ``?watch=true`` (chunked JSON event lines from a given
   resourceVersion, ``timeoutSeconds``, ``BOOKMARK`` events when ``allowWatchBookmarks``);
   a watch from a version older than the compaction point gets HTTP 200 and an ``ERROR``
   event with a 410 ``Expired`` Status, as the real server does;
-- equality label selectors (``a=b,c=d``);
+- equality label selectors (``a=b,c=d``) and the field selector ``metadata.name=<name>``;
 - bearer tokens: an unknown token gets 401; a known one is authorised by RBAC rules
-  (apiGroups/resources/verbs, namespaced Roles), else 403 with a Status naming the user;
-  an "admin" token may do everything;
-- a few other paths (core pods, services, secrets, cluster-wide endpointslices) only
+  (apiGroups/resources/verbs/resourceNames, namespaced Roles), else 403 with a Status naming
+  the user; as the real authoriser does, a rule with resourceNames allows a list or watch only
+  when its ``metadata.name`` field selector names one of them; an "admin" token may do everything;
+- a few other paths (services, secrets, endpoints, cluster-wide endpointslices) only
   so that authorisation can be checked on them;
 - HTTPS when started with a TLS context (the in-cluster path: CA file + token file);
 - ``stop()``/``start()``: the API vanishes (listener closed, open streams cut) and
   comes back on the same port with the same state, like an apiserver restart over etcd.
 
 What it does NOT model: client certificates, authentication webhooks, the real
-authoriser (ClusterRoles, aggregation, resourceNames, impersonation), admission, the
+authoriser (ClusterRoles, aggregation, impersonation), admission and CRD schema validation
+(tests validate their InferencePools against the vendored CRD schema), the
 watch cache's periodic bookmarks (bookmarks are sent only when a test asks), object
 labels changing out of a selector during a watch (no synthetic DELETED), set-based
-selectors, field selectors, pagination (limit/continue), list resourceVersion
+selectors, other field selectors, pagination (limit/continue), list resourceVersion
 semantics (a list always returns the latest state), resourceVersionMatch,
 sendInitialEvents/streaming lists, protobuf, HTTP/2, rate limiting (429) and
 priority-and-fairness, and the EndpointSlice controller itself: tests write the
-slices that the controller would write.
+slices that the controller would write, and the kubelet: tests write pod statuses.
 """
 
 from __future__ import annotations
@@ -57,8 +61,20 @@ _PATHS = [
         "endpointslices",
     ),
     (re.compile(r"^/apis/discovery\.k8s\.io/v1/endpointslices()(?:/([^/]+))?$"), "discovery.k8s.io", "endpointslices"),
+    (
+        re.compile(r"^/apis/inference\.networking\.k8s\.io/v1/namespaces/([^/]+)/inferencepools(?:/([^/]+))?$"),
+        "inference.networking.k8s.io",
+        "inferencepools",
+    ),
     (re.compile(r"^/api/v1/namespaces/([^/]+)/(pods|services|secrets|endpoints)(?:/([^/]+))?$"), "", None),
 ]
+# what the fake stores and serves: kind -> (resource, apiVersion)
+_STORED = {
+    "EndpointSlice": ("endpointslices", "discovery.k8s.io/v1"),
+    "InferencePool": ("inferencepools", "inference.networking.k8s.io/v1"),
+    "Pod": ("pods", "v1"),
+}
+_RESOURCES = {resource: (kind, api_version) for kind, (resource, api_version) in _STORED.items()}
 
 
 @dataclass(frozen=True)
@@ -66,12 +82,14 @@ class Rule:
     api_groups: frozenset[str]
     resources: frozenset[str]
     verbs: frozenset[str]
+    resource_names: frozenset[str] = frozenset()  # empty: every name
 
-    def allows(self, group: str, resource: str, verb: str) -> bool:
+    def allows(self, group: str, resource: str, verb: str, name: str | None) -> bool:
         return (
             (group in self.api_groups or "*" in self.api_groups)
             and (resource in self.resources or "*" in self.resources)
             and (verb in self.verbs or "*" in self.verbs)
+            and (not self.resource_names or name in self.resource_names)
         )
 
 
@@ -106,6 +124,7 @@ def identity_from_manifests(docs: Iterable[Mapping[str, Any]], namespace: str, a
                         frozenset(rule.get("apiGroups", [])),
                         frozenset(rule.get("resources", [])),
                         frozenset(rule.get("verbs", [])),
+                        frozenset(rule.get("resourceNames", [])),
                     ),
                 )
             )
@@ -163,6 +182,65 @@ def endpoint_slice(
     }
 
 
+def pod(
+    name: str,
+    ip: str | None,
+    labels: Mapping[str, str],
+    *,
+    ready: bool = True,
+    deleting: bool = False,
+    namespace: str = "llm-ring",
+    ports: Iterable[int] = (8080,),
+) -> dict[str, Any]:
+    """A Pod as the kubelet reports it: scheduled, running, Ready or not; ``deleting``: its
+    deletionTimestamp is set (terminating, still running its preStop)."""
+    metadata: dict[str, Any] = {"name": name, "namespace": namespace, "labels": dict(labels), "uid": f"uid-{name}"}
+    if deleting:
+        metadata |= {"deletionTimestamp": "2026-01-01T00:00:00Z", "deletionGracePeriodSeconds": 60}
+    status: dict[str, Any] = {
+        "phase": "Running",
+        "conditions": [
+            {"type": "PodScheduled", "status": "True"},
+            {"type": "Initialized", "status": "True"},
+            {"type": "ContainersReady", "status": str(ready)},
+            {"type": "Ready", "status": str(ready)},
+        ],
+    }
+    if ip is not None:
+        status |= {"podIP": ip, "podIPs": [{"ip": ip}]}
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": metadata,
+        "spec": {
+            "containers": [
+                {
+                    "name": "llama",
+                    "image": "ghcr.io/ggml-org/llama.cpp:server",
+                    "ports": [{"containerPort": port, "protocol": "TCP"} for port in ports],
+                }
+            ]
+        },
+        "status": status,
+    }
+
+
+def inference_pool(
+    name: str, match_labels: Mapping[str, str], ports: Iterable[int], *, namespace: str = "llm-ring"
+) -> dict[str, Any]:
+    """An InferencePool (inference.networking.k8s.io/v1) whose picker is the Service ``<name>-picker``."""
+    return {
+        "apiVersion": "inference.networking.k8s.io/v1",
+        "kind": "InferencePool",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {
+            "selector": {"matchLabels": dict(match_labels)},
+            "targetPorts": [{"number": port} for port in ports],
+            "endpointPickerRef": {"name": f"{name}-picker", "port": {"number": 9002}},
+        },
+    }
+
+
 @dataclass
 class Request:
     method: str
@@ -172,10 +250,30 @@ class Request:
     status: int
 
 
+@dataclass(frozen=True)
+class Query:
+    """What a list or watch asks for: a resource, in a namespace (None: all), by labels, by name."""
+
+    resource: str
+    namespace: str | None
+    labels: Mapping[str, str]
+    name: str | None = None
+
+    def matches(self, obj: Mapping[str, Any]) -> bool:
+        meta = obj["metadata"]
+        if _STORED[obj["kind"]][0] != self.resource:
+            return False
+        if self.namespace is not None and meta["namespace"] != self.namespace:
+            return False
+        if self.name is not None and meta["name"] != self.name:
+            return False
+        labels = meta.get("labels") or {}
+        return all(labels.get(k) == v for k, v in self.labels.items())
+
+
 @dataclass
 class _Watcher:
-    namespace: str | None
-    selector: dict[str, str]
+    query: Query
     bookmarks: bool
     events: queue.Queue[Any] = field(default_factory=queue.Queue)
 
@@ -185,7 +283,7 @@ class FakeApiServer:
         self.identities = dict(identities)  # bearer token -> identity (ADMIN allows all)
         self.requests: list[Request] = []
         self._lock = threading.Lock()
-        self._objects: dict[tuple[str, str], dict[str, Any]] = {}
+        self._objects: dict[tuple[str, str, str], dict[str, Any]] = {}  # (resource, namespace, name)
         self._history: list[tuple[int, str, dict[str, Any]]] = []
         self._version = 100
         self._compacted = 0  # a watch from a version below this gets 410 Gone
@@ -236,17 +334,18 @@ class FakeApiServer:
 
     # ------------------------------------------------------------------ state changes
     def apply(self, obj: Mapping[str, Any]) -> int:
+        """Create or replace an EndpointSlice, InferencePool or Pod (by kind, namespace, name)."""
         obj = copy.deepcopy(dict(obj))
         meta = obj["metadata"]
-        key = (meta["namespace"], meta["name"])
+        key = (_STORED[obj["kind"]][0], meta["namespace"], meta["name"])
         with self._lock:
             kind = "MODIFIED" if key in self._objects else "ADDED"
             return self._record(kind, key, obj)
 
-    def delete(self, namespace: str, name: str) -> int:
+    def delete(self, namespace: str, name: str, kind: str = "EndpointSlice") -> int:
+        key = (_STORED[kind][0], namespace, name)
         with self._lock:
-            obj = self._objects[(namespace, name)]
-            return self._record("DELETED", (namespace, name), copy.deepcopy(obj))
+            return self._record("DELETED", key, copy.deepcopy(self._objects[key]))
 
     def bookmark(self) -> int:
         """Send a BOOKMARK with the current version to every watch that asked for them."""
@@ -254,14 +353,13 @@ class FakeApiServer:
             event = {
                 "type": "BOOKMARK",
                 "object": {
-                    "kind": "EndpointSlice",
-                    "apiVersion": "discovery.k8s.io/v1",
                     "metadata": {"resourceVersion": str(self._version)},
                 },
             }
             for watcher in self._watchers:
                 if watcher.bookmarks:
-                    watcher.events.put(event)
+                    kind, api_version = _RESOURCES[watcher.query.resource]
+                    watcher.events.put(event | {"object": event["object"] | {"kind": kind, "apiVersion": api_version}})
             return self._version
 
     def compact(self) -> int:
@@ -289,7 +387,7 @@ class FakeApiServer:
         with self._lock:
             return len(self._watchers)
 
-    def _record(self, kind: str, key: tuple[str, str], obj: dict[str, Any]) -> int:
+    def _record(self, kind: str, key: tuple[str, str, str], obj: dict[str, Any]) -> int:
         self._version += 1
         obj["metadata"]["resourceVersion"] = str(self._version)
         if kind == "DELETED":
@@ -299,21 +397,22 @@ class FakeApiServer:
         self._history.append((self._version, kind, obj))
         event = {"type": kind, "object": obj}
         for watcher in self._watchers:
-            if _matches(obj, watcher.namespace, watcher.selector):
+            if watcher.query.matches(obj):
                 watcher.events.put(event)
         return self._version
 
     # ------------------------------------------------------------------ requests
     def authorize(
-        self, token: str | None, namespace: str | None, group: str, resource: str, verb: str
+        self, token: str | None, namespace: str | None, group: str, resource: str, verb: str, name: str | None = None
     ) -> tuple[int, dict[str, Any] | None]:
+        """``name``: the object's (get, delete) or the metadata.name field selector's (list, watch)."""
         identity = self.identities.get(token or "")
         if token == ADMIN:
             return 200, None
         if identity is None:
             return 401, _status(401, "Unauthorized", "Unauthorized")
         for rule_ns, rule in identity.rules:
-            if rule_ns == namespace and rule.allows(group, resource, verb):
+            if rule_ns == namespace and rule.allows(group, resource, verb, name):
                 return 200, None
         where = f' in the namespace "{namespace}"' if namespace else " at the cluster scope"
         full = f"{resource}.{group}" if group else resource
@@ -323,18 +422,19 @@ class FakeApiServer:
         )
         return 403, _status(403, "Forbidden", message, {"group": group, "kind": resource})
 
-    def list_body(self, namespace: str | None, selector: dict[str, str]) -> dict[str, Any]:
+    def list_body(self, query: Query) -> dict[str, Any]:
         with self._lock:
-            items = [copy.deepcopy(o) for o in self._objects.values() if _matches(o, namespace, selector)]
+            items = [copy.deepcopy(o) for o in self._objects.values() if query.matches(o)]
+            kind, api_version = _RESOURCES[query.resource]
             return {
-                "kind": "EndpointSliceList",
-                "apiVersion": "discovery.k8s.io/v1",
+                "kind": f"{kind}List",
+                "apiVersion": api_version,
                 "metadata": {"resourceVersion": str(self._version)},
                 "items": items,
             }
 
     def open_watch(
-        self, namespace: str | None, selector: dict[str, str], since: str | None, bookmarks: bool
+        self, query: Query, since: str | None, bookmarks: bool
     ) -> tuple[_Watcher | None, list[dict[str, Any]]]:
         """Register a watch; returns it and the backlog, or (None, [410 ERROR event])."""
         self._admitting.wait(10)
@@ -343,7 +443,7 @@ class FakeApiServer:
                 backlog = [
                     {"type": "ADDED", "object": copy.deepcopy(o)}
                     for o in self._objects.values()
-                    if _matches(o, namespace, selector)
+                    if query.matches(o)
                 ]
             else:
                 version = int(since)
@@ -353,23 +453,15 @@ class FakeApiServer:
                 backlog = [
                     {"type": kind, "object": copy.deepcopy(obj)}
                     for v, kind, obj in self._history
-                    if v > version and _matches(obj, namespace, selector)
+                    if v > version and query.matches(obj)
                 ]
-            watcher = _Watcher(namespace, selector, bookmarks)
+            watcher = _Watcher(query, bookmarks)
             self._watchers.append(watcher)
             return watcher, backlog
 
     def close_watch(self, watcher: _Watcher) -> None:
         with self._lock:
             self._watchers.remove(watcher)
-
-
-def _matches(obj: Mapping[str, Any], namespace: str | None, selector: Mapping[str, str]) -> bool:
-    meta = obj["metadata"]
-    if namespace is not None and meta["namespace"] != namespace:
-        return False
-    labels = meta.get("labels") or {}
-    return all(labels.get(k) == v for k, v in selector.items())
 
 
 def _peer_closed(conn: socket.socket) -> bool:
@@ -405,6 +497,16 @@ def _selector(text: str) -> dict[str, str]:
     if any(len(p) != 2 or p[0].endswith("!") for p in pairs):
         raise ValueError(f"only equality selectors are modelled: {text!r}")
     return {k.strip(): v.strip().lstrip("=") for k, v in pairs}
+
+
+def _field_name(text: str) -> str | None:
+    """The name a ``metadata.name=<name>`` field selector asks for (the only one modelled)."""
+    if not text:
+        return None
+    key, sep, value = text.partition("=")
+    if key.strip() != "metadata.name" or not sep or "," in value:
+        raise ValueError(f"only the field selector metadata.name=<name> is modelled: {text!r}")
+    return value.strip().lstrip("=")
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -455,23 +557,24 @@ class _Handler(BaseHTTPRequestHandler):
         auth = self.headers.get("Authorization", "")
         scheme, _, credentials = auth.partition(" ")
         token = credentials.strip() if scheme.lower() == "bearer" else None  # the scheme is case-insensitive
-        code, denial = self.api.authorize(token, namespace, group, resource, verb)
+        field_name = _field_name(query.get("fieldSelector", ""))
+        code, denial = self.api.authorize(token, namespace, group, resource, verb, name or field_name)
         if denial is not None:
             return self._reply(method, url.path, query, verb, code, denial)
-        if resource != "endpointslices" or method != "GET":
+        if resource not in _RESOURCES or method != "GET":
             kind = "List" if not name else resource
             return self._reply(
                 method, url.path, query, verb, 200, {"kind": kind, "apiVersion": "v1", "metadata": {}, "items": []}
             )
-        selector = _selector(query.get("labelSelector", ""))
+        wanted = Query(resource, namespace, _selector(query.get("labelSelector", "")), name or field_name)
         if verb == "list":
-            return self._reply(method, url.path, query, verb, 200, self.api.list_body(namespace, selector))
+            return self._reply(method, url.path, query, verb, 200, self.api.list_body(wanted))
         if verb == "get":
-            items = [o for o in self.api.list_body(namespace, {})["items"] if o["metadata"]["name"] == name]
+            items = self.api.list_body(wanted)["items"]
             if not items:
                 return self._reply(method, url.path, query, verb, 404, _status(404, "NotFound", f"{name} not found"))
             return self._reply(method, url.path, query, verb, 200, items[0])
-        self._watch(url.path, query, namespace, selector)
+        self._watch(url.path, query, wanted)
 
     def _reply(
         self, method: str, path: str, query: dict[str, str], verb: str, code: int, body: Mapping[str, Any]
@@ -484,9 +587,9 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(data)
 
-    def _watch(self, path: str, query: dict[str, str], namespace: str | None, selector: dict[str, str]) -> None:
+    def _watch(self, path: str, query: dict[str, str], wanted: Query) -> None:
         watcher, backlog = self.api.open_watch(
-            namespace, selector, query.get("resourceVersion"), query.get("allowWatchBookmarks") in ("true", "1")
+            wanted, query.get("resourceVersion"), query.get("allowWatchBookmarks") in ("true", "1")
         )
         self.api.requests.append(Request("GET", path, query, "watch", 200))
         self.send_response(200)
