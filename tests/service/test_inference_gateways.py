@@ -163,8 +163,9 @@ def test_a_fan_out_on_one_prefix_is_answered_whole_and_its_follow_up_finds_its_c
         replica = plane.replica_of[reply.headers[UPSTREAM_HEADER]]
         return {"messages": messages, "reply": reply.json(), "replica": replica}
 
-    with ThreadPoolExecutor(3) as pool:
-        answers = list(pool.map(ask, range(3)))
+    # two: a replica's two slots hold both prompts, so the follow-up's prefix is still in one
+    with ThreadPoolExecutor(2) as pool:
+        answers = list(pool.map(ask, range(2)))
     assert all(answer["reply"]["timings"]["predicted_n"] == 16 for answer in answers)
     first = answers[0]
     follow = [*first["messages"], first["reply"]["choices"][0]["message"], {"role": "user", "content": "Next."}]
