@@ -50,10 +50,11 @@ def self_signed(host: str) -> tuple[bytes, bytes]:
 
 
 def answers(endpoint: str) -> dict[str, bytes]:
-    """The fixed answers, serialized once: the pick, and a plain continue for every other phase."""
+    """The fixed answers, serialized once: the pick, and a plain continue for every other phase.
+    An empty endpoint picks nothing (what the data plane does with a request the picker let pass)."""
     pick = pb.HeadersResponse(response=pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=[
         base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=DESTINATION, raw_value=endpoint.encode()))
-    ])))
+    ] if endpoint else [])))
     return {
         "request_headers": pb.ProcessingResponse(request_headers=pick).SerializeToString(),
         "response_headers": pb.ProcessingResponse(response_headers=pb.HeadersResponse()).SerializeToString(),

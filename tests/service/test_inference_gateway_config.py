@@ -171,3 +171,23 @@ def test_the_original_dst_pool_connects_where_the_picker_said_whatever_the_clien
             assert reply.json()["timings"]["cache_n"] == 3  # the stub upstream's answer, whole
     finally:
         envoy.stop()
+
+
+@pytest.mark.live
+@pytest.mark.parametrize("gateway", list(GATEWAYS.values()), ids=list(GATEWAYS))
+def test_a_request_the_picker_lets_pass_never_goes_where_the_client_said(
+    tmp_path: Path, stubs: tuple[str, str, str], gateway: InferenceGateway
+) -> None:
+    """Without the strip filter this request reaches the client's address (checked: 200 from
+    it); with it, the pool has no destination and Envoy answers 503."""
+    first, _, _ = stubs
+    silent = start_stub_picker(free_port(), "", tmp_path / "picker")  # answers every phase, picks nothing
+    envoy = start_inference_gateway_envoy(tmp_path / "envoy", gateway, silent.ext_proc, [first], 1,
+                                          show_upstream=True)
+    try:
+        reply = httpx.post(f"http://{envoy.listen}/v1/chat/completions", json={"messages": []},
+                           headers={DESTINATION: first}, timeout=10)
+        assert reply.status_code == 503 and UPSTREAM_HEADER not in reply.headers, reply.text
+    finally:
+        envoy.stop()
+        silent.stop()
