@@ -74,24 +74,24 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             started.append(service)
             envoy = start_inference_gateway_envoy(workdir / "envoy", AI_GATEWAY, service.ext_proc,
                                                   sorted(stubbed.replicas.values()), show_upstream=True)
-            listen, metrics, args.routed_header = service.address, f"http://{service.listen}/metrics", UPSTREAM_HEADER
+            listen, metrics, routed_header = service.address, f"http://{service.listen}/metrics", UPSTREAM_HEADER
         else:
             service, listen = stubbed.service, stubbed.service.address
             envoy = start_gateway_envoy(workdir / "envoy", service.ext_proc, stubbed.endpoints, True)
             metrics = "http://" + stubbed.env["LLM_RING__SERVICE__METRICS_LISTEN"].strip('"') + "/metrics"
-            args.routed_header = "x-routed-to"
+            routed_header = "x-routed-to"
         started.append(envoy)
         url = f"http://{envoy.listen}"
         time.sleep(1.0)  # Envoy reads the endpoint file
         rss_at_start = _rss_mib(service)
-        result: dict[str, Any] = {"stall": asyncio.run(_stall(url, args))}
+        result: dict[str, Any] = {"stall": asyncio.run(_stall(url, args, routed_header))}
         rss_before = _rss_mib(service)
-        soak = asyncio.run(_soak(url, args))
+        soak = asyncio.run(_soak(url, args, routed_header))
         rss_end = _rss_mib(service)
         time.sleep(10.0)
         with AdminClient(listen) as admin:
             in_flight = admin.state()["in_flight_requests"]
-        routed = httpx.post(url + CHAT, json=_chat("still routed?"), timeout=10).headers.get(args.routed_header, "")
+        routed = httpx.post(url + CHAT, json=_chat("still routed?"), timeout=10).headers.get(routed_header, "")
         result["soak"] = {
             **soak,
             "rss_mib": {
@@ -144,7 +144,7 @@ def _send_large(url: str, seconds: float, senders: int, answers: Any) -> None:
     answers.put(dict(asyncio.run(all_senders())))
 
 
-async def _stall(url: str, args: argparse.Namespace) -> dict[str, Any]:
+async def _stall(url: str, args: argparse.Namespace, routed_header: str) -> dict[str, Any]:
     figures: dict[str, Any] = {}
     context = multiprocessing.get_context("spawn")
     for label, large in (("alone", 0), ("with_large_bodies", args.large_bodies)):
@@ -156,7 +156,7 @@ async def _stall(url: str, args: argparse.Namespace) -> dict[str, Any]:
             await asyncio.sleep(1.0)  # the large bodies are arriving
         until = time.monotonic() + args.stall_seconds
         async with httpx.AsyncClient(timeout=30) as client:
-            await asyncio.gather(*[_normal(client, url, until, latencies, f"normal-{i}", args.routed_header)
+            await asyncio.gather(*[_normal(client, url, until, latencies, f"normal-{i}", routed_header)
                                    for i in range(args.clients)])
         figures[label] = {
             "normal_requests": len(latencies),
@@ -215,11 +215,11 @@ def _hostile_requests(routed_header: str) -> list[tuple[str, Callable[[httpx.Asy
     ]
 
 
-async def _soak(url: str, args: argparse.Namespace) -> dict[str, Any]:
+async def _soak(url: str, args: argparse.Namespace, routed_header: str) -> dict[str, Any]:
     until = time.monotonic() + args.seconds
     latencies: list[float] = []
     outcomes: Counter[tuple[str, str]] = Counter()
-    requests = _hostile_requests(args.routed_header)
+    requests = _hostile_requests(routed_header)
 
     async def hostile(offset: int) -> None:
         for index in itertools.count(offset):
@@ -233,7 +233,7 @@ async def _soak(url: str, args: argparse.Namespace) -> dict[str, Any]:
 
     async with httpx.AsyncClient(timeout=30, limits=httpx.Limits(max_connections=200)) as client:
         await asyncio.gather(
-            *[_normal(client, url, until, latencies, f"soak-{i}", args.routed_header) for i in range(args.clients)],
+            *[_normal(client, url, until, latencies, f"soak-{i}", routed_header) for i in range(args.clients)],
             *[hostile(i * 7) for i in range(args.hostile)],
         )
     by_class: dict[str, dict[str, int]] = {}
