@@ -1,6 +1,6 @@
 """`llm-ring serve` as the Endpoint Picker of InferencePool gateways: real Envoy with each
 gateway's data plane (extproc.envoy.inference_gateways: Envoy AI Gateway full-duplex and
-buffered, kgateway full-duplex; the picker over TLS), real llama.cpp replicas
+buffered, kgateway and Istio full-duplex; the picker over TLS), real llama.cpp replicas
 (xllamacpp + SmolLM2-135M, 2 replicas). The picker is configured as a gateway user would
 (start_picker_service: static replicas, self-signed TLS, nothing else).
 
@@ -10,7 +10,8 @@ client abandons, and bodies of 200 KiB both ways through an echo upstream. Every
 must land on its replica with the previous prompt cached there, and the picker's in-flight
 load must be back to 0 after each test (its Admin API on service.admin_listen).
 The variants: AI Gateway duplex exactly as generated (no served-endpoint metadata), AI
-Gateway buffered and kgateway with the served endpoint reported on the response.
+Gateway buffered and kgateway with the served endpoint reported on the response by the test
+option, Istio as generated (its override_host pool reports the served endpoint itself).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import pytest
 
 from extproc.envoy.inference_gateways import (
     AI_GATEWAY,
+    ISTIO,
     KGATEWAY,
     TEST_SUBSET_HEADER,
     UPSTREAM_HEADER,
@@ -52,7 +54,9 @@ from extproc.stack.processes import (
 
 pytestmark = pytest.mark.live
 CHAT = "/v1/chat/completions"
-PLANES = [(AI_GATEWAY, "duplex", False), (AI_GATEWAY, "buffered", True), (KGATEWAY, "duplex", True)]
+# (gateway, body mode, the served endpoint reported by the test option); Istio reports it itself
+PLANES = [(AI_GATEWAY, "duplex", False), (AI_GATEWAY, "buffered", True), (KGATEWAY, "duplex", True),
+          (ISTIO, "duplex", False)]
 PLANE_IDS = [f"{gateway.name}-{mode}" + ("-served" if served else "") for gateway, mode, served in PLANES]
 
 
