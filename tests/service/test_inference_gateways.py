@@ -127,6 +127,23 @@ def test_the_picker_serves_the_protocol_health_names_over_tls(picker: Running) -
         assert tls_grpc_serving(picker.ext_proc, name), name
 
 
+def test_the_picker_serves_a_gateway_with_only_the_settings_the_guide_names(
+    tmp_path: Path, llama: dict[str, str]
+) -> None:
+    """Static replicas, the ports, no socket, no EDS file, self-signed TLS: nothing else set."""
+    minimal = start_picker_service(tmp_path / "picker", llama, private_admin=False)
+    try:
+        envoy = start_plane(tmp_path / "envoy", AI_GATEWAY, "duplex", False, minimal, llama)
+        try:
+            reply = httpx.post(f"http://{envoy.listen}{CHAT}", timeout=60,
+                               json={"messages": [{"role": "user", "content": "Hello?"}], "max_tokens": 2})
+            assert reply.status_code == 200 and reply.headers[UPSTREAM_HEADER] in llama.values(), reply.text
+        finally:
+            envoy.stop()
+    finally:
+        minimal.stop()
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
 def test_back_to_back_turns_land_on_their_replica_with_the_previous_prompt_cached(
     plane: Plane, stream: bool
