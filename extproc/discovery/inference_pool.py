@@ -33,7 +33,6 @@ from extproc.discovery.kubernetes import (
     WATCH_TIMEOUT_SECONDS,
     ListWatchLoop,
     Publish,
-    WatchTiming,
     log_change,
     threaded_snapshots,
     watch_timing,
