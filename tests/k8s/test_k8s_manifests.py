@@ -31,6 +31,7 @@ import kubernetes_validate
 import pytest
 from k8s_support import (
     K8S,
+    KIND_CONFIG,
     NAMESPACE,
     REPO,
     ROUTER_TOKEN,
@@ -40,29 +41,13 @@ from k8s_support import (
     load_docs,
     manifest_files,
     router_settings_raw,
+    schema_version,
 )
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from extproc.settings import SettingsError, parse_settings
 from extproc.traffic.profile import available_profiles, check_context, load_profile
-
-KIND_CONFIG = REPO / "kind" / "kind-config.yaml"
-
-
-def kind_kubernetes_version() -> str:
-    nodes = load_docs(KIND_CONFIG)[0]["nodes"]
-    images = {node["image"] for node in nodes}
-    assert len(images) == 1, f"all kind nodes must run one image, got {images}"
-    match = re.fullmatch(r"kindest/node:v(\d+\.\d+\.\d+)@sha256:[0-9a-f]{64}", images.pop())
-    assert match, "pin the kind node image by tag and digest, as kind's release notes ask"
-    return match.group(1)
-
-
-def schema_version() -> str:
-    """kubernetes-validate ships schemas per minor version (x.y.0)."""
-    major, minor, _ = kind_kubernetes_version().split(".")
-    return f"{major}.{minor}.0"
 
 
 def pod_specs() -> list[tuple[str, dict[str, Any]]]:
