@@ -303,10 +303,11 @@ def test_a_dropped_watch_relists_and_neither_loses_nor_duplicates_replicas(apise
     assert reader.snapshots[-2:] == [relisted, after]
     for snapshot in reader.snapshots[1:]:
         assert not {"llm-0", "llm-1"} & set(snapshot), snapshot
-    assert len(lists_of(apiserver, "pods")) == len(lists_of(apiserver, "inferencepools")) == 2, "one relist each"
     if drop == "410 Gone":
+        assert len(lists_of(apiserver, "pods")) == len(lists_of(apiserver, "inferencepools")) == 2, "one relist each"
         assert {"pod_watch_expired", "inferencepool_watch_expired"} <= {e["event"] for e in logs}
-    else:
+    else:  # a watch that reconnects after the restart resumes from its version: it need not relist
+        assert 1 <= len(lists_of(apiserver, "pods")) <= 2 and 1 <= len(lists_of(apiserver, "inferencepools")) <= 2
         outages = [e for e in logs if e["event"] == "kubernetes_api_unreachable"]
         assert outages and outages[0]["serving"] == sorted(before), "the last known set keeps serving"
 
