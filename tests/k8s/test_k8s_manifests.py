@@ -40,6 +40,7 @@ from k8s_support import (
     find,
     load_docs,
     manifest_files,
+    picker_docs,
     router_settings_raw,
     schema_version,
 )
@@ -53,7 +54,7 @@ from extproc.traffic.profile import available_profiles, check_context, load_prof
 def pod_specs() -> list[tuple[str, dict[str, Any]]]:
     return [
         (f"{d['kind']}/{d['metadata']['name']}", d["spec"]["template"]["spec"])
-        for d in all_docs()
+        for d in all_docs() + picker_docs()  # k8s/ and k8s/inference-pool/: one namespace, one policy
         if d["kind"] in ("Deployment", "StatefulSet", "DaemonSet", "Job")
     ]
 
