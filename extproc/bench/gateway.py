@@ -34,13 +34,16 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from extproc.bench.stubs import ServiceOnStubs, start_service_on_stubs, start_stub_processor
+from extproc.bench.stubs import ServiceOnStubs, start_service_on_stubs, start_stub_picker, start_stub_processor
 from extproc.envoy.contract import split_host_port
+from extproc.envoy.inference_gateways import AI_GATEWAY
 from extproc.stack.processes import (
     Running,
     free_port,
     service_env,
     start_gateway_envoy,
+    start_inference_gateway_envoy,
+    start_picker_service,
     start_service,
     static_discovery,
 )
@@ -51,6 +54,12 @@ TARGET_ADDED_P99_MS = 5.0
 TARGET_RPS = 1500.0
 MODES = ("direct", "envoy", "envoy+stub_ext_proc", "envoy+ext_proc")
 STORE_MODE = "envoy+ext_proc+store"
+# --mode pool: the same through an InferencePool gateway's data plane (Envoy AI Gateway's,
+# full duplex, the picker over TLS; extproc.envoy.inference_gateways), with its own floor:
+# a do-nothing TLS picker answering every phase (extproc.bench.stub_picker)
+POOL_FLOOR = "pool+stub_picker"
+POOL_MODE = "pool+ext_proc"
+POOL_MODES = (POOL_FLOOR, POOL_MODE)
 WARMUP_SECONDS = 0.5
 
 
@@ -61,6 +70,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--conversations", type=int, default=200, help="distinct x-conversation-id values")
     parser.add_argument("--envoy-concurrency", type=int, default=2, help="Envoy worker threads")
     parser.add_argument("--keep", action="store_true", help="keep the work directory (logs, configs)")
+    parser.add_argument("--mode", nargs="+", choices=["own", "pool"], default=["own"],
+                        help="own: through the gateway's own Envoy configuration (always measured); pool: also "
+                             "through an InferencePool gateway's (Envoy AI Gateway's data plane, full duplex, TLS "
+                             "to the picker); `--mode own pool` measures both in one run, each against its floor")
     parser.add_argument("--store", nargs="+", choices=["off", "on"], default=["off"],
                         help="ext_proc without (off) and/or with (on) the shared store: on starts a private "
                              "redis-server; `--store on off` measures both in one run")
@@ -85,7 +98,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     rounds = max(1, int(getattr(args, "rounds", 3)))
     conversations = int(getattr(args, "conversations", 200))
     with_store = "on" in getattr(args, "store", ())
-    modes = (*MODES, STORE_MODE) if with_store else MODES
+    with_pool = "pool" in getattr(args, "mode", ("own",))
+    modes = (*MODES, *((STORE_MODE,) if with_store else ()), *(POOL_MODES if with_pool else ()))
     workdir = Path(tempfile.mkdtemp(prefix="llm-ring-bench-gateway-"))
     started: list[Running] = []
     try:
@@ -116,6 +130,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             started.append(envoy)
             targets[mode] = [split_host_port(envoy.listen)[1]]
             processes.setdefault(mode, {})["envoy"] = envoy
+        if with_pool:
+            stub_picker = start_stub_picker(free_port(), replicas["stub-0"], workdir / "stub_picker")
+            started.append(stub_picker)
+            picker = start_picker_service(workdir / "picker", replicas)
+            started.append(picker)
+            for mode, running in ((POOL_FLOOR, stub_picker), (POOL_MODE, picker)):
+                envoy = start_inference_gateway_envoy(workdir / mode, AI_GATEWAY, running.ext_proc,
+                                                      sorted(replicas.values()), args_envoy_concurrency(args))
+                started.append(envoy)
+                targets[mode] = [split_host_port(envoy.listen)[1]]
+                processes[mode] = {"envoy": envoy, "ext_proc": running}
         measured: dict[tuple[str, int], list[dict[str, Any]]] = {}
         for round_number in range(1, rounds + 1):
             for level in concurrency:
@@ -197,7 +222,7 @@ def summarize(cells: list[dict[str, Any]], seconds: float, rounds: int, workdir:
     added = []
     for level in sorted({cell["concurrency"] for cell in cells}):
         direct, envoy, floor, full = (by[(mode, level)] for mode in MODES)
-        row = {
+        row: dict[str, Any] = {
             "concurrency": level,
             "envoy_over_direct_p50_ms": round(envoy["p50_ms"] - direct["p50_ms"], 3),
             "stub_ext_proc_over_envoy_p50_ms": round(floor["p50_ms"] - envoy["p50_ms"], 3),
@@ -215,6 +240,11 @@ def summarize(cells: list[dict[str, Any]], seconds: float, rounds: int, workdir:
                 "store_rps": shared["rps"],
                 "store_rps_over_floor": round(shared["rps"] / floor["rps"], 3) if floor["rps"] else None,
             })  # fmt: skip
+        row.update({"own_" + key: value for key, value in floor_ratios(floor, full).items()})
+        if (POOL_MODE, level) in by:  # --mode pool: the InferencePool data plane, against its own floor
+            pool_floor, pool = by[(POOL_FLOOR, level)], by[(POOL_MODE, level)]
+            row.update({"pool_" + key: value for key, value in floor_ratios(pool_floor, pool).items()})
+            row["pool_rps"], row["pool_floor_rps"] = pool["rps"], pool_floor["rps"]
         added.append(row)
     low = added[0]
     best_rps = max(row["ext_proc_rps"] for row in added)
@@ -242,10 +272,18 @@ def summarize(cells: list[dict[str, Any]], seconds: float, rounds: int, workdir:
     }
 
 
+def floor_ratios(floor: dict[str, Any], measured: dict[str, Any]) -> dict[str, float | None]:
+    """The service's figures as ratios to the do-nothing floor of the same data plane and run."""
+    def ratio(key: str) -> float | None:
+        return round(measured[key] / floor[key], 3) if floor[key] else None
+
+    return {"p50_over_floor": ratio("p50_ms"), "p99_over_floor": ratio("p99_ms"), "rps_over_floor": ratio("rps")}
+
+
 def render_table(result: dict[str, Any]) -> str:
     levels = sorted({cell["concurrency"] for cell in result["cells"]})
     by = {(cell["mode"], cell["concurrency"]): cell for cell in result["cells"]}
-    modes = [mode for mode in (*MODES, STORE_MODE) if (mode, levels[0]) in by]
+    modes = [mode for mode in (*MODES, STORE_MODE, *POOL_MODES) if (mode, levels[0]) in by]
     lines = [
         f"{'conc':>4} | " + " | ".join(f"{mode:^26}" for mode in modes) + " | ext_proc adds (p50 / p99)",
         f"{'':>4} | " + " | ".join(f"{'p50 ms':>8} {'p99 ms':>8} {'req/s':>8}" for _ in modes) + " |",
@@ -277,6 +315,14 @@ def render_table(result: dict[str, Any]) -> str:
                 f"{row['store_rps']:.0f} req/s = {row['store_rps_over_floor']:.2f} x the floor "
                 f"(without the store {row['ext_proc_rps_over_floor']:.2f} x)"
             )
+    if (POOL_MODE, levels[0]) in by:
+        lines.append("ratios to the floor of the same data plane and run (ext_proc / do-nothing stub; "
+                     "p50, p99, req/s): own Envoy config | InferencePool data plane (AI Gateway, full duplex, TLS)")
+        for level in levels:
+            row = added[level]
+            own, pool = (" ".join(f"{row[f'{side}_{key}_over_floor']:.2f}x" for key in ("p50", "p99", "rps"))
+                         for side in ("own", "pool"))
+            lines.append(f"{level:>4} | {own} | {pool}")
     lines.append("CPU per request, us (envoy / ext_proc process):")
     for level in levels:
         parts = []

@@ -10,6 +10,9 @@ Real Envoy + `llm-ring serve` in front of two stub upstreams (extproc.bench.stub
      service's RSS before / at the end / 10 s later, what is left in flight, the stream
      failures the service counted, and whether a valid chat is still routed. RSS is read at
      start, after the large bodies (before the soak), at the soak's end and 10 s later.
+--mode pool runs the same through an InferencePool gateway's data plane instead (Envoy AI
+Gateway's, full duplex; `llm-ring serve` as its TLS picker): "routed" is then an answer from
+a model server the picker chose (x-upstream-host), not x-routed-to.
 """
 
 from __future__ import annotations
@@ -34,8 +37,9 @@ import psutil
 
 from extproc.bench.stubs import start_service_on_stubs
 from extproc.envoy.contract import split_host_port
+from extproc.envoy.inference_gateways import AI_GATEWAY, UPSTREAM_HEADER
 from extproc.service.admin_client import AdminClient
-from extproc.stack.processes import Running, start_gateway_envoy
+from extproc.stack.processes import Running, start_gateway_envoy, start_inference_gateway_envoy, start_picker_service
 
 CHAT = "/v1/chat/completions"
 JSON = {"content-type": "application/json"}
@@ -48,6 +52,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--clients", type=int, default=4, help="normal closed-loop chat clients")
     parser.add_argument("--large-bodies", type=int, default=24, help="clients sending large bodies (stall)")
     parser.add_argument("--hostile", type=int, default=4, help="hostile clients during the soak")
+    parser.add_argument("--mode", choices=["own", "pool"], default="own",
+                        help="own: the gateway's own Envoy configuration; pool: an InferencePool gateway's "
+                             "data plane (Envoy AI Gateway's, full duplex, the service as its TLS picker)")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -62,21 +69,29 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     try:
         stubbed = start_service_on_stubs(workdir, 2, "llm")
         started += stubbed.processes
-        service, env, listen = stubbed.service, stubbed.env, stubbed.service.address
-        envoy = start_gateway_envoy(workdir / "envoy", service.ext_proc, stubbed.endpoints, True)
+        if getattr(args, "mode", "own") == "pool":
+            service = start_picker_service(workdir / "picker", stubbed.replicas)
+            started.append(service)
+            envoy = start_inference_gateway_envoy(workdir / "envoy", AI_GATEWAY, service.ext_proc,
+                                                  sorted(stubbed.replicas.values()), show_upstream=True)
+            listen, metrics, routed_header = service.address, f"http://{service.listen}/metrics", UPSTREAM_HEADER
+        else:
+            service, listen = stubbed.service, stubbed.service.address
+            envoy = start_gateway_envoy(workdir / "envoy", service.ext_proc, stubbed.endpoints, True)
+            metrics = "http://" + stubbed.env["LLM_RING__SERVICE__METRICS_LISTEN"].strip('"') + "/metrics"
+            routed_header = "x-routed-to"
         started.append(envoy)
         url = f"http://{envoy.listen}"
-        metrics = "http://" + env["LLM_RING__SERVICE__METRICS_LISTEN"].strip('"') + "/metrics"
         time.sleep(1.0)  # Envoy reads the endpoint file
         rss_at_start = _rss_mib(service)
-        result: dict[str, Any] = {"stall": asyncio.run(_stall(url, args))}
+        result: dict[str, Any] = {"stall": asyncio.run(_stall(url, args, routed_header))}
         rss_before = _rss_mib(service)
-        soak = asyncio.run(_soak(url, args))
+        soak = asyncio.run(_soak(url, args, routed_header))
         rss_end = _rss_mib(service)
         time.sleep(10.0)
         with AdminClient(listen) as admin:
             in_flight = admin.state()["in_flight_requests"]
-        routed = httpx.post(url + CHAT, json=_chat("still routed?"), timeout=10).headers.get("x-routed-to", "")
+        routed = httpx.post(url + CHAT, json=_chat("still routed?"), timeout=10).headers.get(routed_header, "")
         result["soak"] = {
             **soak,
             "rss_mib": {
@@ -100,13 +115,15 @@ def _chat(text: str, **extra: Any) -> dict[str, Any]:
     return {"messages": [{"role": "user", "content": text}], "max_tokens": 8, **extra}
 
 
-async def _normal(client: httpx.AsyncClient, url: str, until: float, latencies: list[float], name: str) -> None:
+async def _normal(
+    client: httpx.AsyncClient, url: str, until: float, latencies: list[float], name: str, routed_header: str
+) -> None:
     for turn in itertools.count():
         if time.monotonic() > until:
             return
         began = time.perf_counter()
         reply = await client.post(url + CHAT, json=_chat(f"{name} turn {turn}"), headers={"x-conversation-id": name})
-        if reply.status_code == 200 and reply.headers.get("x-routed-to"):
+        if reply.status_code == 200 and reply.headers.get(routed_header):
             latencies.append(time.perf_counter() - began)
 
 
@@ -127,7 +144,7 @@ def _send_large(url: str, seconds: float, senders: int, answers: Any) -> None:
     answers.put(dict(asyncio.run(all_senders())))
 
 
-async def _stall(url: str, args: argparse.Namespace) -> dict[str, Any]:
+async def _stall(url: str, args: argparse.Namespace, routed_header: str) -> dict[str, Any]:
     figures: dict[str, Any] = {}
     context = multiprocessing.get_context("spawn")
     for label, large in (("alone", 0), ("with_large_bodies", args.large_bodies)):
@@ -139,7 +156,8 @@ async def _stall(url: str, args: argparse.Namespace) -> dict[str, Any]:
             await asyncio.sleep(1.0)  # the large bodies are arriving
         until = time.monotonic() + args.stall_seconds
         async with httpx.AsyncClient(timeout=30) as client:
-            await asyncio.gather(*[_normal(client, url, until, latencies, f"normal-{i}") for i in range(args.clients)])
+            await asyncio.gather(*[_normal(client, url, until, latencies, f"normal-{i}", routed_header)
+                                   for i in range(args.clients)])
         figures[label] = {
             "normal_requests": len(latencies),
             "normal_p50_ms": round(statistics.median(latencies) * 1000, 2) if latencies else None,
@@ -150,13 +168,13 @@ async def _stall(url: str, args: argparse.Namespace) -> dict[str, Any]:
     return figures
 
 
-def _hostile_requests() -> list[tuple[str, Callable[[httpx.AsyncClient, str], Any]]]:
+def _hostile_requests(routed_header: str) -> list[tuple[str, Callable[[httpx.AsyncClient, str], Any]]]:
     """(class, send) for every kind of bad input; each send returns an outcome label."""
 
     def post(body: bytes, headers: list[tuple[bytes, bytes]]) -> Callable[[httpx.AsyncClient, str], Any]:
         async def send(client: httpx.AsyncClient, url: str) -> str:
             reply = await client.post(url + CHAT, content=body, headers=headers)
-            routed = reply.headers.get("x-routed-to", "")
+            routed = reply.headers.get(routed_header, "")
             return "routed" if reply.status_code == 200 and routed else str(reply.status_code)
 
         return send
@@ -197,11 +215,11 @@ def _hostile_requests() -> list[tuple[str, Callable[[httpx.AsyncClient, str], An
     ]
 
 
-async def _soak(url: str, args: argparse.Namespace) -> dict[str, Any]:
+async def _soak(url: str, args: argparse.Namespace, routed_header: str) -> dict[str, Any]:
     until = time.monotonic() + args.seconds
     latencies: list[float] = []
     outcomes: Counter[tuple[str, str]] = Counter()
-    requests = _hostile_requests()
+    requests = _hostile_requests(routed_header)
 
     async def hostile(offset: int) -> None:
         for index in itertools.count(offset):
@@ -215,7 +233,7 @@ async def _soak(url: str, args: argparse.Namespace) -> dict[str, Any]:
 
     async with httpx.AsyncClient(timeout=30, limits=httpx.Limits(max_connections=200)) as client:
         await asyncio.gather(
-            *[_normal(client, url, until, latencies, f"soak-{i}") for i in range(args.clients)],
+            *[_normal(client, url, until, latencies, f"soak-{i}", routed_header) for i in range(args.clients)],
             *[hostile(i * 7) for i in range(args.hostile)],
         )
     by_class: dict[str, dict[str, int]] = {}

@@ -22,6 +22,7 @@ from cryptography.x509.oid import NameOID
 from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from google.protobuf import struct_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
@@ -50,12 +51,17 @@ def self_signed(host: str) -> tuple[bytes, bytes]:
 
 
 def answers(endpoint: str) -> dict[str, bytes]:
-    """The fixed answers, serialized once: the pick, and a plain continue for every other phase."""
+    """The fixed answers, serialized once: the pick, and a plain continue for every other phase.
+    An empty endpoint picks nothing (what the data plane does with a request the picker let pass)."""
     pick = pb.HeadersResponse(response=pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=[
         base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=DESTINATION, raw_value=endpoint.encode()))
-    ])))
+    ] if endpoint else [])))
+    # the pick in envoy.lb metadata too, as the protocol asks (what an override_host pool reads)
+    metadata = struct_pb2.Struct()
+    if endpoint:
+        metadata.update({"envoy.lb": {DESTINATION: endpoint}})
     return {
-        "request_headers": pb.ProcessingResponse(request_headers=pick).SerializeToString(),
+        "request_headers": pb.ProcessingResponse(request_headers=pick, dynamic_metadata=metadata).SerializeToString(),
         "response_headers": pb.ProcessingResponse(response_headers=pb.HeadersResponse()).SerializeToString(),
         "request_body": pb.ProcessingResponse(request_body=pb.BodyResponse()).SerializeToString(),
         "response_body": pb.ProcessingResponse(response_body=pb.BodyResponse()).SerializeToString(),

@@ -55,12 +55,22 @@ class InferenceGateway:
     source: str  # repository@commit: files followed
     body_modes: tuple[BodyMode, ...]  # what the gateway can generate; the first is its default
     message_timeout_s: int
-    grpc_timeout_s: int | None  # the picker call's gRPC deadline (None: Envoy's default, none)
+    listener_grpc_timeout_s: int | None  # the picker call's gRPC deadline (None: none)
     listener_fail_open: bool  # the listener-level filter's failure_mode_allow
-    route_fail_open: bool | None  # a per-route override of it (None: no per-route override)
-    metadata_namespaces: bool  # forwards envoy.lb.subset_hint, receives envoy.lb
+    # the pool route's ExtProcPerRoute overrides: failure_mode_allow (None: no override at all),
+    # the gRPC deadline there, and whether the processing mode is set there (the listener
+    # filter then sends the headers of no other route)
+    route_fail_open: bool | None
+    route_grpc_timeout_s: int | None
+    route_processing_mode: bool
+    forwarding: tuple[str, ...]  # metadata namespaces sent to the picker
+    receiving: tuple[str, ...]  # metadata namespaces accepted from the picker
     destination_to_metadata: bool  # copies the picked header into envoy.lb metadata
-    route_timeout_s: int | None  # None: not set (Envoy's default, 15 s)
+    route_timeout_s: int | None  # None: not set (Envoy's default, 15 s); 0: none
+    route_retries: int  # Istio's default retry policy (0: no retry policy)
+    # the pool: ORIGINAL_DST reading the header, or the pool's endpoints with override_host
+    # reading envoy.lb metadata and recording the host it chose (Istio)
+    pool: Literal["original_dst", "override_host"]
     pool_connect_timeout_s: int
     pool_circuit_breaker: int | None  # max connections/pending/requests (None: Envoy's defaults)
     route_subset_match: bool  # the pool's endpoints as the route's envoy.lb.subset_hint metadata_match
@@ -79,12 +89,17 @@ AI_GATEWAY = InferenceGateway(
     # aigateway.envoyproxy.io/processing-body-mode: "duplex" (default) or "buffered"
     body_modes=("duplex", "buffered"),
     message_timeout_s=300,
-    grpc_timeout_s=None,
+    listener_grpc_timeout_s=None,
     listener_fail_open=False,
     route_fail_open=None,
-    metadata_namespaces=False,  # no metadata_options: nothing forwarded, nothing received
+    route_grpc_timeout_s=None,
+    route_processing_mode=False,
+    forwarding=(),  # no metadata_options: nothing forwarded, nothing received
+    receiving=(),
     destination_to_metadata=False,
     route_timeout_s=60,
+    route_retries=0,
+    pool="original_dst",
     pool_connect_timeout_s=10,
     pool_circuit_breaker=None,
     route_subset_match=False,
@@ -100,20 +115,51 @@ KGATEWAY = InferenceGateway(
     ),
     body_modes=("duplex",),
     message_timeout_s=5,
-    grpc_timeout_s=10,  # set in the per-route override
+    listener_grpc_timeout_s=None,
     # the listener-level filter fails open so unmatched routes still 404; the pool's route
     # overrides it with the pool's failure mode (FailClose unless the pool says FailOpen)
     listener_fail_open=True,
     route_fail_open=False,
-    metadata_namespaces=True,
+    route_grpc_timeout_s=10,
+    route_processing_mode=False,
+    forwarding=(SUBSET_NAMESPACE,),
+    receiving=(LB_NAMESPACE,),
     destination_to_metadata=True,  # header_to_metadata, before the router
     route_timeout_s=None,
+    route_retries=0,
+    pool="original_dst",
     pool_connect_timeout_s=1000,
     pool_circuit_breaker=40000,
     route_subset_match=True,
 )
 
-GATEWAYS = {gateway.name: gateway for gateway in (AI_GATEWAY, KGATEWAY)}
+ISTIO = InferenceGateway(
+    name="istio",
+    source=(
+        "istio/istio@86c9f01fd735fb01d8192f5bcaf0d424afb7f14c: pilot/pkg/xds/filters/filters.go "
+        "(InferencePoolExtProc), pilot/pkg/networking/core/route/route.go (the pool route's "
+        "ExtProcPerRoute; setTimeout: no route timeout), route/retry/retry.go (DefaultPolicy), "
+        "pilot/pkg/networking/core/cluster_builder.go (applyOverrideHostPolicy)"
+    ),
+    body_modes=("duplex",),
+    message_timeout_s=1000,
+    listener_grpc_timeout_s=10,
+    listener_fail_open=True,
+    route_fail_open=False,  # the pool's failure mode: FailClose unless it says FailOpen
+    route_grpc_timeout_s=None,
+    route_processing_mode=True,  # the listener filter skips the headers; the pool route sends all
+    forwarding=(LB_NAMESPACE,),
+    receiving=(LB_NAMESPACE,),
+    destination_to_metadata=False,
+    route_timeout_s=0,
+    route_retries=2,
+    pool="override_host",
+    pool_connect_timeout_s=10,  # the mesh default connectTimeout
+    pool_circuit_breaker=None,
+    route_subset_match=False,
+)
+
+GATEWAYS = {gateway.name: gateway for gateway in (AI_GATEWAY, KGATEWAY, ISTIO)}
 
 
 def render_inference_gateway_config(
@@ -141,7 +187,8 @@ def render_inference_gateway_config(
     admin_host, admin_port = split_host_port(admin)
     hints = dict(subset_hints or {})
     forwarding = sorted(
-        ({SUBSET_NAMESPACE} if gateway.metadata_namespaces or hints else set())
+        set(gateway.forwarding)
+        | ({SUBSET_NAMESPACE} if hints else set())
         | ({LB_NAMESPACE} if report_served else set())
     )
     http_filters = [
@@ -166,12 +213,13 @@ def render_inference_gateway_config(
                         "@type": _HCM,
                         "stat_prefix": "gateway",
                         "codec_type": "AUTO",
-                        "route_config": _route_config(gateway, pool_endpoints, hints, report_served, show_upstream),
+                        "route_config": _route_config(gateway, mode, pool_endpoints, hints, report_served,
+                                                      show_upstream),
                         "http_filters": http_filters,
                     },
                 }]}],
             }],
-            "clusters": [_pool_cluster(gateway), _picker_cluster(picker)],
+            "clusters": [_pool_cluster(gateway, pool_endpoints), _picker_cluster(picker)],
         },
     }
     return json.dumps(config, indent=2) + "\n"
@@ -191,29 +239,39 @@ def _strip_client_destination() -> dict[str, Any]:
 def _picker_filter(
     gateway: InferenceGateway, mode: BodyMode, allow_mode_override: bool, forwarding: list[str]
 ) -> dict[str, Any]:
-    body = _BODY_MODES[mode]
     config: dict[str, Any] = {
         "@type": _T + "envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
-        "grpc_service": {"envoy_grpc": {"cluster_name": PICKER_CLUSTER, "authority": "endpoint-picker.llm-ring.svc"}},
-        "processing_mode": {
-            "request_header_mode": "SEND",
-            "request_body_mode": body,
-            "request_trailer_mode": "SEND",
-            "response_header_mode": "SEND",
-            "response_body_mode": body,
-            "response_trailer_mode": "SEND",
-        },
+        "grpc_service": _picker_service(gateway.listener_grpc_timeout_s),
+        "processing_mode": (
+            {"request_header_mode": "SKIP", "response_header_mode": "SKIP"} if gateway.route_processing_mode
+            else _every_phase(mode)
+        ),
         "message_timeout": f"{gateway.message_timeout_s}s",
         "failure_mode_allow": gateway.listener_fail_open,
         "allow_mode_override": allow_mode_override,
     }
-    receiving = [LB_NAMESPACE] if gateway.metadata_namespaces else []
+    receiving = list(gateway.receiving)
     if forwarding or receiving:
         config["metadata_options"] = {
             **({"forwarding_namespaces": {"untyped": forwarding}} if forwarding else {}),
             **({"receiving_namespaces": {"untyped": receiving}} if receiving else {}),
         }
     return {"name": PICKER_FILTER, "typed_config": config}
+
+
+def _every_phase(mode: BodyMode) -> dict[str, str]:
+    body = _BODY_MODES[mode]
+    return {
+        "request_header_mode": "SEND", "request_body_mode": body, "request_trailer_mode": "SEND",
+        "response_header_mode": "SEND", "response_body_mode": body, "response_trailer_mode": "SEND",
+    }
+
+
+def _picker_service(timeout_s: int | None) -> dict[str, Any]:
+    return {
+        "envoy_grpc": {"cluster_name": PICKER_CLUSTER, "authority": "endpoint-picker.llm-ring.svc"},
+        **({"timeout": f"{timeout_s}s"} if timeout_s else {}),
+    }
 
 
 def _destination_to_metadata() -> dict[str, Any]:
@@ -262,20 +320,22 @@ def _subset_hint_filter(name: str, endpoints: Sequence[str]) -> dict[str, Any]:
 
 
 def _route_config(
-    gateway: InferenceGateway, pool_endpoints: Sequence[str], hints: Mapping[str, Sequence[str]],
+    gateway: InferenceGateway, mode: BodyMode, pool_endpoints: Sequence[str], hints: Mapping[str, Sequence[str]],
     report_served: bool, show_upstream: bool,
 ) -> dict[str, Any]:
     action: dict[str, Any] = {"cluster": POOL_CLUSTER, "auto_host_rewrite": False}
     if gateway.route_timeout_s is not None:
         action["timeout"] = f"{gateway.route_timeout_s}s"
+    if gateway.route_retries:
+        action["retry_policy"] = _istio_default_retries(gateway.route_retries)
     if gateway.route_subset_match:
         action["metadata_match"] = {"filter_metadata": {SUBSET_NAMESPACE: {SUBSET_KEY: list(pool_endpoints)}}}
     per_filter: dict[str, Any] = {}
     if gateway.route_fail_open is not None:
-        overrides: dict[str, Any] = {"failure_mode_allow": gateway.route_fail_open}
-        overrides["grpc_service"] = {
-            "envoy_grpc": {"cluster_name": PICKER_CLUSTER, "authority": "endpoint-picker.llm-ring.svc"},
-            **({"timeout": f"{gateway.grpc_timeout_s}s"} if gateway.grpc_timeout_s else {}),
+        overrides: dict[str, Any] = {
+            "failure_mode_allow": gateway.route_fail_open,
+            "grpc_service": _picker_service(gateway.route_grpc_timeout_s),
+            **({"processing_mode": _every_phase(mode)} if gateway.route_processing_mode else {}),
         }
         per_filter[PICKER_FILTER] = {
             "@type": _T + "envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute", "overrides": overrides,
@@ -308,15 +368,52 @@ def _add_header(name: str, value: str) -> dict[str, Any]:
     return {"header": {"key": name, "value": value}, "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}
 
 
-def _pool_cluster(gateway: InferenceGateway) -> dict[str, Any]:
-    """ORIGINAL_DST: Envoy connects to the address in x-gateway-destination-endpoint."""
-    cluster: dict[str, Any] = {
-        "name": POOL_CLUSTER,
-        "type": "ORIGINAL_DST",
-        "lb_policy": "CLUSTER_PROVIDED",
-        "connect_timeout": f"{gateway.pool_connect_timeout_s}s",
-        "original_dst_lb_config": {"use_http_header": True, "http_header_name": DESTINATION},
+def _istio_default_retries(retries: int) -> dict[str, Any]:
+    """Istio's retry policy for a route that names none: other hosts, never the one that failed."""
+    return {
+        "retry_on": "connect-failure,refused-stream,unavailable,cancelled,retriable-status-codes",
+        "num_retries": retries,
+        "retry_host_predicate": [{
+            "name": "envoy.retry_host_predicates.previous_hosts",
+            "typed_config": {"@type": _T + "envoy.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate"},
+        }],
+        "host_selection_retry_max_attempts": 5,
     }
+
+
+def _pool_cluster(gateway: InferenceGateway, pool_endpoints: Sequence[str]) -> dict[str, Any]:
+    """ORIGINAL_DST: Envoy connects to the address in x-gateway-destination-endpoint;
+    override_host: one of the pool's endpoints, the one named in envoy.lb metadata (Istio)."""
+    cluster: dict[str, Any] = {"name": POOL_CLUSTER, "connect_timeout": f"{gateway.pool_connect_timeout_s}s"}
+    if gateway.pool == "original_dst":
+        cluster.update({
+            "type": "ORIGINAL_DST",
+            "lb_policy": "CLUSTER_PROVIDED",
+            "original_dst_lb_config": {"use_http_header": True, "http_header_name": DESTINATION},
+        })
+    else:
+        def lb_key(key: str) -> dict[str, Any]:
+            return {"key": LB_NAMESPACE, "path": [{"key": key}]}
+
+        round_robin = {"typed_extension_config": {
+            "name": "envoy.load_balancing_policies.round_robin",
+            "typed_config": {"@type": _T + "envoy.extensions.load_balancing_policies.round_robin.v3.RoundRobin"},
+        }}
+        cluster.update({
+            "type": "STATIC",
+            "load_assignment": {"cluster_name": POOL_CLUSTER, "endpoints": [{"lb_endpoints": [
+                {"endpoint": {"address": socket_address(*split_host_port(endpoint))}} for endpoint in pool_endpoints
+            ]}]},
+            "load_balancing_policy": {"policies": [{"typed_extension_config": {
+                "name": "envoy.load_balancing_policies.override_host",
+                "typed_config": {
+                    "@type": _T + "envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost",
+                    "override_host_sources": [{"metadata": lb_key(DESTINATION)}],
+                    "selected_host_key": lb_key(SERVED),
+                    "fallback_policy": {"policies": [round_robin]},
+                },
+            }}]},
+        })
     if gateway.pool_circuit_breaker is not None:
         limit = gateway.pool_circuit_breaker
         cluster["circuit_breakers"] = {

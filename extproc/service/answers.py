@@ -59,6 +59,10 @@ def route_answer(destination: str, replica: str, reason: str, streamed: bool, ph
         lb[DESTINATION] = destination
     else:
         headers.append(header_option(DESTINATION, endpoint))
+        # llama.cpp closes a connection right after a streamed answer, unannounced: a gateway's
+        # pool cluster (keep-alive) would send the next turn on it and get a 503. Asked to close,
+        # it says so, and Envoy opens a fresh connection (docs/inference-gateway.md)
+        headers += [header_option("connection", "close")] if streamed else []
         lb[DESTINATION] = endpoint
         if fallbacks:
             lb[DESTINATION_FALLBACK] = fallbacks.partition(",")[0]

@@ -131,12 +131,14 @@ class PickerStream:
         if path not in ROUTED_PATHS:
             await self.context.write(self.gateway.pass_through("headers", subset))
             return True
-        # BUFFERED: Envoy sends the body only once the headers are answered (unless told not to wait)
-        config = first.protocol_config
-        waits = self.request_mode == BUFFERED and not config.send_body_without_waiting_for_header_response
+        # BUFFERED: Envoy sends the body only once the headers are answered (unless told not to wait);
+        # a request without a body is decided on its headers (it is refused: a generation has a body)
+        config, headers_end = first.protocol_config, first.request_headers.end_of_stream
+        waits = (self.request_mode == BUFFERED and not config.send_body_without_waiting_for_header_response
+                 and not headers_end)
         if waits:
             await self.context.write(HEADERS_CONTINUE)
-        chunks, trailers = await self._read_body(first.request_headers.end_of_stream)
+        chunks, trailers = await self._read_body(headers_end)
         if chunks is None:
             return False
         phase: Phase = "body" if waits else "headers"

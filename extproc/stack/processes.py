@@ -178,17 +178,21 @@ def start_service(workdir: Path, settings_env: Mapping[str, str], config: Path =
     return running
 
 
-def start_picker_service(workdir: Path, replicas: Mapping[str, str], **service: str) -> Running:
+def start_picker_service(
+    workdir: Path, replicas: Mapping[str, str], private_admin: bool = True, **service: str
+) -> Running:
     """`llm-ring serve` as an InferencePool gateway's Endpoint Picker, configured as the
     gateway guide says (static replicas, gRPC over TLS with a self-signed certificate, no
     unix socket, no EDS file) and nothing else; ``service``: more LLM_RING__SERVICE__ values.
-    Running.ext_proc is the picker port (TLS), Running.address the loopback Admin API."""
+    private_admin: the Admin API on a free port of its own (tests and benchmarks read it);
+    False leaves service.admin_listen as the reference settings have it (and .address empty).
+    Running.ext_proc is the picker port (TLS), .address the loopback Admin API, .listen /metrics."""
     workdir.mkdir(parents=True, exist_ok=True)
-    listen, admin = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    listen, admin, metrics = (f"127.0.0.1:{free_port()}" for _ in range(3))
     settings = {
         "LLM_RING__SERVICE__LISTEN": f'"{listen}"',
-        "LLM_RING__SERVICE__ADMIN_LISTEN": f'"{admin}"',
-        "LLM_RING__SERVICE__METRICS_LISTEN": f'"127.0.0.1:{free_port()}"',
+        **({"LLM_RING__SERVICE__ADMIN_LISTEN": f'"{admin}"'} if private_admin else {}),
+        "LLM_RING__SERVICE__METRICS_LISTEN": f'"{metrics}"',
         "LLM_RING__SERVICE__EXT_PROC_SOCKET": '""',
         "LLM_RING__SERVICE__ENVOY_ENDPOINTS_FILE": '""',
         "LLM_RING__SERVICE__TLS": '"self-signed"',
@@ -198,7 +202,7 @@ def start_picker_service(workdir: Path, replicas: Mapping[str, str], **service: 
     command = [sys.executable, "-m", "extproc.cli", "serve", "--config", str(ROUTER_REFERENCE)]
     running = spawn_child("llm-ring serve (picker)", command, workdir / "service.log", {**os.environ, **settings})
     wait_until_ready(running, lambda: tls_grpc_serving(listen, "readiness"), 20.0)
-    running.address, running.ext_proc = admin, listen
+    running.address, running.ext_proc, running.listen = admin if private_admin else "", listen, metrics
     return running
 
 

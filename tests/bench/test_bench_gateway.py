@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from extproc.bench.gateway import MODES, STORE_MODE, median_cell, render_table, run
+from extproc.bench.gateway import MODES, POOL_MODES, STORE_MODE, median_cell, render_table, run
 from extproc.stack.redis_server import redis_server_binary
 
 pytestmark = pytest.mark.live
@@ -44,3 +44,16 @@ def test_with_store_on_a_service_sharing_state_through_redis_is_measured_too() -
     assert cells[STORE_MODE]["ext_proc_cpu_us_per_request"] > 0
     assert result["store"]["in_use_at_end"] and {"store_rps", "store_over_ext_proc_p50_ms"} <= set(result["added"][0])
     assert "the shared store" in render_table(result)
+
+
+def test_with_mode_pool_the_inference_pool_data_plane_is_measured_against_its_own_floor() -> None:
+    args = argparse.Namespace(concurrency=[2], seconds=0.3, rounds=1, conversations=20, envoy_concurrency=1,
+                              keep=False, mode=["own", "pool"])
+    result = run(args)
+    cells = {cell["mode"]: cell for cell in result["cells"]}
+    assert set(cells) == {*MODES, *POOL_MODES}
+    assert all(cells[mode]["requests"] > 0 and cells[mode]["errors"] == 0 for mode in POOL_MODES)
+    assert cells["pool+ext_proc"]["ext_proc_cpu_us_per_request"] > 0
+    row = result["added"][0]
+    assert row["pool_rps_over_floor"] and row["own_rps_over_floor"]
+    assert "ratios to the floor of the same data plane and run" in render_table(result)

@@ -18,6 +18,7 @@ from extproc.envoy.contract import DESTINATION, SERVED
 from extproc.envoy.inference_gateways import (
     AI_GATEWAY,
     GATEWAYS,
+    ISTIO,
     KGATEWAY,
     LB_NAMESPACE,
     PICKER_FILTER,
@@ -70,19 +71,17 @@ def test_envoy_validates_each_data_plane(
 
 
 @pytest.mark.parametrize("gateway, mode", VARIANTS, ids=IDS)
-def test_every_phase_is_sent_to_a_picker_over_tls_and_http2_and_the_pool_is_original_dst(
-    gateway: InferenceGateway, mode: str
-) -> None:
+def test_every_phase_is_sent_to_a_picker_over_tls_and_http2(gateway: InferenceGateway, mode: str) -> None:
     config = render(gateway, body_mode=mode)
-    processing = picker_filter(config)["processing_mode"]
+    (route,) = routes(config)
+    override = route.get("typed_per_filter_config", {}).get(PICKER_FILTER, {}).get("overrides", {})
+    processing = override.get("processing_mode") or picker_filter(config)["processing_mode"]
     body = {"duplex": "FULL_DUPLEX_STREAMED", "buffered": "BUFFERED"}[mode]
     assert processing == {
         "request_header_mode": "SEND", "request_body_mode": body, "request_trailer_mode": "SEND",
         "response_header_mode": "SEND", "response_body_mode": body, "response_trailer_mode": "SEND",
     }
-    pool, picker = clusters(config)["inference-pool"], clusters(config)["endpoint-picker"]
-    assert pool["type"] == "ORIGINAL_DST" and pool["lb_policy"] == "CLUSTER_PROVIDED"
-    assert pool["original_dst_lb_config"] == {"use_http_header": True, "http_header_name": DESTINATION}
+    picker = clusters(config)["endpoint-picker"]
     assert picker["type"] == "STRICT_DNS" and picker["lb_policy"] == "LEAST_REQUEST"
     tls = picker["transport_socket"]["typed_config"]
     assert tls["common_tls_context"] == {"validation_context": {}}  # no certificate validation
@@ -92,6 +91,13 @@ def test_every_phase_is_sent_to_a_picker_over_tls_and_http2_and_the_pool_is_orig
     hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
     first = hcm["http_filters"][0]["typed_config"]["mutations"]["request_mutations"]
     assert {"remove": DESTINATION} in first
+
+
+@pytest.mark.parametrize("gateway", [AI_GATEWAY, KGATEWAY], ids=["envoy-ai-gateway", "kgateway"])
+def test_the_pool_is_an_original_dst_cluster_reading_the_header(gateway: InferenceGateway) -> None:
+    pool = clusters(render(gateway))["inference-pool"]
+    assert pool["type"] == "ORIGINAL_DST" and pool["lb_policy"] == "CLUSTER_PROVIDED"
+    assert pool["original_dst_lb_config"] == {"use_http_header": True, "http_header_name": DESTINATION}
 
 
 def test_envoy_ai_gateway_as_its_extension_server_writes_it() -> None:
@@ -125,6 +131,26 @@ def test_kgateway_as_its_endpoint_picker_plugin_writes_it() -> None:
         render(KGATEWAY, body_mode="buffered")
 
 
+def test_istio_as_its_route_and_cluster_builders_write_it() -> None:
+    config = render(ISTIO)
+    extproc = picker_filter(config)
+    assert extproc["processing_mode"] == {"request_header_mode": "SKIP", "response_header_mode": "SKIP"}
+    assert extproc["message_timeout"] == "1000s" and extproc["grpc_service"]["timeout"] == "10s"
+    assert extproc["failure_mode_allow"] is True
+    assert extproc["metadata_options"] == {
+        "forwarding_namespaces": {"untyped": [LB_NAMESPACE]}, "receiving_namespaces": {"untyped": [LB_NAMESPACE]},
+    }
+    (route,) = routes(config)
+    override = route["typed_per_filter_config"][PICKER_FILTER]["overrides"]
+    assert override["failure_mode_allow"] is False and "timeout" not in override["grpc_service"]
+    assert route["route"]["timeout"] == "0s" and route["route"]["retry_policy"]["num_retries"] == 2
+    policy = clusters(config)["inference-pool"]["load_balancing_policy"]["policies"][0]["typed_extension_config"]
+    override_host = policy["typed_config"]
+    pick = {"key": LB_NAMESPACE, "path": [{"key": DESTINATION}]}
+    assert override_host["override_host_sources"] == [{"metadata": pick}]
+    assert override_host["selected_host_key"] == {"key": LB_NAMESPACE, "path": [{"key": SERVED}]}
+
+
 def test_test_extras_forward_the_subset_hint_and_the_served_endpoint() -> None:
     config = render(AI_GATEWAY, subset_hints={"one": ["127.0.0.1:8001"]}, report_served=True, show_upstream=True)
     assert picker_filter(config)["metadata_options"] == {
@@ -156,7 +182,7 @@ def stubs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str, 
 
 @pytest.mark.live
 @pytest.mark.parametrize("gateway, mode", VARIANTS, ids=IDS)
-def test_the_original_dst_pool_connects_where_the_picker_said_whatever_the_client_sent(
+def test_the_pool_connects_where_the_picker_said_whatever_the_client_sent(
     tmp_path: Path, stubs: tuple[str, str, str], gateway: InferenceGateway, mode: str
 ) -> None:
     first, second, picker = stubs
@@ -171,3 +197,23 @@ def test_the_original_dst_pool_connects_where_the_picker_said_whatever_the_clien
             assert reply.json()["timings"]["cache_n"] == 3  # the stub upstream's answer, whole
     finally:
         envoy.stop()
+
+
+@pytest.mark.live
+@pytest.mark.parametrize("gateway", [AI_GATEWAY, KGATEWAY], ids=["envoy-ai-gateway", "kgateway"])
+def test_a_request_the_picker_lets_pass_never_goes_where_the_client_said(
+    tmp_path: Path, stubs: tuple[str, str, str], gateway: InferenceGateway
+) -> None:
+    """Without the strip filter this request reaches the client's address (checked: 200 from
+    it); with it, the pool has no destination and Envoy answers 503."""
+    first, _, _ = stubs
+    silent = start_stub_picker(free_port(), "", tmp_path / "picker")  # answers every phase, picks nothing
+    envoy = start_inference_gateway_envoy(tmp_path / "envoy", gateway, silent.ext_proc, [first], 1,
+                                          show_upstream=True)
+    try:
+        reply = httpx.post(f"http://{envoy.listen}/v1/chat/completions", json={"messages": []},
+                           headers={DESTINATION: first}, timeout=10)
+        assert reply.status_code == 503 and UPSTREAM_HEADER not in reply.headers, reply.text
+    finally:
+        envoy.stop()
+        silent.stop()

@@ -301,3 +301,18 @@ def test_a_tls_folder_without_its_files_stops_the_service_in_one_line(tmp_path: 
     assert done.returncode == 2
     missing = tmp_path / "tls.key"
     assert done.stderr.strip() == f"llm-ring serve: service.tls: cannot read {missing}: No such file or directory"
+
+
+@pytest.mark.parametrize("mode", [Mode.BUFFERED, Mode.FULL_DUPLEX_STREAMED])
+def test_a_generation_without_a_body_is_refused_on_its_headers(picker: Running, mode: int):
+    async def exchange() -> pb.ProcessingResponse:
+        async with secure_channel(picker.listen) as channel:
+            x = Exchange(channel)
+            await x.send(first_message(CHAT, mode, end_of_stream=True))
+            answer = await x.answer()
+            await x.call.done_writing()
+            return answer
+
+    answer = run(exchange())  # not a "continue" first: the request would go upstream at once
+    assert answer.immediate_response.status.code == 400
+    assert in_flight(picker) == 0
