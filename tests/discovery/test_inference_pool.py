@@ -10,6 +10,7 @@ the Kubernetes schemas (kubernetes-validate, strict): the API server would store
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 from collections.abc import Mapping
 from typing import Any
@@ -358,3 +359,32 @@ def test_the_picker_role_is_exactly_what_discovery_reads():
     ]
     identity = identity_from_manifests(picker_docs(), NAMESPACE, "picker")
     assert {ns for ns, _ in identity.rules} == {NAMESPACE}, "its namespace only"
+
+
+def test_a_pool_it_may_not_read_publishes_nothing_and_recovers_when_granted(apiserver, kubeconfig):
+    """A Role naming another pool: the pods list, the pool is refused; no half-known set is
+    published (the service stays not ready), and the corrected Role is picked up alone."""
+    kubeconfig(PICKER_TOKEN)
+    docs = copy.deepcopy(picker_docs())
+    role = next(d for d in docs if d["kind"] == "Role")
+    role["rules"][0]["resourceNames"] = ["another-pool"]
+    apiserver.identities[PICKER_TOKEN] = identity_from_manifests(docs, NAMESPACE, "picker")
+    apiserver.apply(pool_of())
+    apiserver.apply(pod_of("llm-0", "10.0.0.10"))
+
+    async def scenario() -> Reader:
+        reader = pool_reader()
+        try:
+            await wait(lambda: len(requests_of(apiserver, "list", 403)) >= 3)
+            assert reader.snapshots == []
+            apiserver.identities[PICKER_TOKEN] = identity_from_manifests(picker_docs(), NAMESPACE, "picker")
+            await reader.until({"llm-0": "10.0.0.10:8080"})
+        finally:
+            await reader.close()
+        return reader
+
+    with capture_logs() as logs:
+        reader = asyncio.run(scenario())
+    assert reader.snapshots == [{"llm-0": "10.0.0.10:8080"}]
+    refused = [e for e in logs if e["event"] == "kubernetes_api_error"]
+    assert refused and {(e["resource"], e["status"]) for e in refused} == {("inferencepool", 403)}
