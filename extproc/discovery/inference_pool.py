@@ -95,7 +95,7 @@ def _accepts_traffic(pod: Any) -> bool:
 def _pod_host(pod: Any) -> str | None:
     """The pod's address, IPv4 first on a dual-stack pod; IPv6 in brackets."""
     status = pod.status
-    addresses = [a.ip for a in status.pod_i_ps or () if a.ip] or ([status.pod_ip] if status.pod_ip else [])
+    addresses = [a.ip for a in status.pod_ips or () if a.ip] or ([status.pod_ip] if status.pod_ip else [])
     parsed = []
     for address in addresses:
         try:
@@ -141,7 +141,8 @@ class InferencePoolDiscovery:
 
 
 class _PoolState:
-    """The pool and the pods as the two loops last saw them; each change publishes the replicas."""
+    """The pool and the pods as the two loops last saw them; each change publishes the replicas,
+    from the moment both have listed once (before, half the state would publish a false set)."""
 
     def __init__(self, pool_name: str, publish: Publish) -> None:
         self._name = pool_name
@@ -149,9 +150,10 @@ class _PoolState:
         self._lock = threading.Lock()  # two writer threads
         self._pool: dict[str, Any] | None = None
         self._pods: dict[str, Any] = {}
+        self._listed: set[str] = set()  # "pool", "pods": which have listed once
         self._published: dict[str, str] | None = None
 
-    def set_pool(self, pool: dict[str, Any] | None) -> None:
+    def set_pool(self, pool: dict[str, Any] | None, *, listed: bool = False) -> None:
         if pool is not None:
             try:
                 pool_targets(pool)
@@ -160,11 +162,14 @@ class _PoolState:
                 pool = None
         with self._lock:
             self._pool = pool
+            if listed:
+                self._listed.add("pool")
             self._emit()
 
     def replace_pods(self, pods: Iterable[Any]) -> None:
         with self._lock:
             self._pods = {str(pod.metadata.name): pod for pod in pods if pod.metadata}
+            self._listed.add("pods")
             self._emit()
 
     def apply_pod(self, kind: str, pod: Any) -> None:
@@ -180,6 +185,8 @@ class _PoolState:
             return sorted(self._published or {})
 
     def _emit(self) -> None:
+        if len(self._listed) < 2:
+            return
         snapshot = replicas_from_pool(self._pool, self._pods.values())
         if snapshot == self._published:
             return
@@ -210,7 +217,7 @@ class _PoolLoop(ListWatchLoop):
         pool = next((item for item in items if item["metadata"]["name"] == self._source.pool), None)
         if pool is None:
             log.warning("inference_pool_missing", pool=f"{self._source.namespace}/{self._source.pool}")
-        self._state.set_pool(pool)
+        self._state.set_pool(pool, listed=True)
 
     def apply(self, kind: str, obj: Any) -> None:
         self._state.set_pool(None if kind == "DELETED" else obj)

@@ -9,13 +9,11 @@ cluster when KUBECONFIG is set.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import shutil
 import ssl
 import subprocess
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -23,6 +21,7 @@ from fake_apiserver import Endpoint, FakeApiServer, endpoint_slice, identity_fro
 from k8s_support import NAMESPACE, ROUTER_TOKEN, UNBOUND_TOKEN, all_docs, router_settings
 from kubernetes.config import incluster_config
 from structlog.testing import capture_logs
+from watch_support import Reader, requests_of, wait
 
 from extproc.discovery.kubernetes import KubernetesCredentialsError, KubernetesDiscovery
 
@@ -38,56 +37,12 @@ def slice_of(name: str, *endpoints: Endpoint, service: str = "llm") -> dict[str,
     return endpoint_slice(name, service, endpoints, namespace=NAMESPACE)
 
 
-class Reader:
-    """Consumes discovery.snapshots() in a task; also measures the loop's worst stall."""
-
-    def __init__(self, discovery: KubernetesDiscovery) -> None:
-        self.snapshots: list[dict[str, str]] = []
-        self.max_stall = 0.0
-        self._task = asyncio.create_task(self._read(discovery))
-        self._ticker = asyncio.create_task(self._tick())
-
-    async def _read(self, discovery: KubernetesDiscovery) -> None:
-        async for snapshot in discovery.snapshots():
-            self.snapshots.append(snapshot)
-
-    async def _tick(self) -> None:
-        while True:
-            start = time.monotonic()
-            await asyncio.sleep(0.01)
-            self.max_stall = max(self.max_stall, time.monotonic() - start - 0.01)
-
-    async def until(self, expected: dict[str, str], timeout: float = 10.0) -> None:
-        deadline = time.monotonic() + timeout
-        while not self.snapshots or self.snapshots[-1] != expected:
-            if time.monotonic() > deadline:
-                raise AssertionError(f"waited {timeout}s for {expected}; got {self.snapshots}")
-            await asyncio.sleep(0.01)
-
-    async def close(self) -> None:
-        for task in (self._task, self._ticker):
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-
-
-async def wait(condition: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        await asyncio.sleep(0.01)
-
-
 async def watching(apiserver: FakeApiServer, expected: dict[str, str]) -> Reader:
     """A reader whose discovery has listed ``expected`` and holds its watch open."""
     reader = Reader(KubernetesDiscovery(discovery_settings(), **FAST))
     await reader.until(expected)
     await wait(lambda: apiserver.watch_count() == 1)
     return reader
-
-
-def requests_of(server: FakeApiServer, verb: str, status: int | None = None) -> list[Any]:
-    return [r for r in server.requests if r.verb == verb and (status is None or r.status == status)]
 
 
 def test_replicas_join_when_ready_and_leave_when_not_ready_or_terminating(apiserver, kubeconfig):

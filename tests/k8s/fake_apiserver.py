@@ -292,6 +292,7 @@ class FakeApiServer:
         self._admitting = threading.Event()  # cleared: new watch requests wait
         self._admitting.set()
         self._server: ThreadingHTTPServer | None = None
+        self._serving = False  # False while stopped: a request a stopping server still took opens no watch
         self._thread: threading.Thread | None = None
         self.port = 0
         self.scheme = "http"
@@ -306,6 +307,7 @@ class FakeApiServer:
             self._server.socket = tls.wrap_socket(self._server.socket, server_side=True)
         self.scheme = "https" if tls is not None else "http"
         self.port = self._server.server_address[1]
+        self._serving = True
         self._thread = threading.Thread(
             target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, name="fake-apiserver", daemon=True
         )
@@ -319,6 +321,7 @@ class FakeApiServer:
         self._server.shutdown()
         self._server.server_close()
         with self._lock:
+            self._serving = False
             for watcher in self._watchers:
                 watcher.events.put(_CLOSE)
             for conn in list(self._connections):
@@ -439,6 +442,8 @@ class FakeApiServer:
         """Register a watch; returns it and the backlog, or (None, [410 ERROR event])."""
         self._admitting.wait(10)
         with self._lock:
+            if not self._serving:
+                return None, []
             if since in (None, "", "0"):
                 backlog = [
                     {"type": "ADDED", "object": copy.deepcopy(o)}

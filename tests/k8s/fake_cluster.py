@@ -9,13 +9,14 @@ from pathlib import Path
 import pytest
 import yaml
 from fake_apiserver import ADMIN, FakeApiServer, identity_from_manifests
-from k8s_support import NAMESPACE, ROUTER_TOKEN, UNBOUND_TOKEN, all_docs
+from k8s_support import NAMESPACE, PICKER_TOKEN, ROUTER_TOKEN, UNBOUND_TOKEN, all_docs, picker_docs
 
 
 @pytest.fixture
 def apiserver() -> Iterator[FakeApiServer]:
     identities = {
         ROUTER_TOKEN: identity_from_manifests(all_docs(), NAMESPACE, "router"),
+        PICKER_TOKEN: identity_from_manifests(picker_docs(), NAMESPACE, "picker"),
         UNBOUND_TOKEN: identity_from_manifests([], NAMESPACE, "unbound"),
         ADMIN: identity_from_manifests([], "kube-system", "admin"),
     }

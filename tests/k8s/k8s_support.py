@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import re
 import tomllib
 from pathlib import Path
 from types import ModuleType
@@ -21,10 +22,25 @@ K8S = REPO / "k8s"
 NAMESPACE = "llm-ring"
 ROUTER_TOKEN = "router-sa-token"
 UNBOUND_TOKEN = "unbound-sa-token"  # a ServiceAccount no RoleBinding names
+INFERENCE_POOL = K8S / "inference-pool"  # llm-ring as an InferencePool's picker
+GATEWAY_FOLDERS = ("envoy-ai-gateway", "kgateway")  # one per gateway, beside INFERENCE_POOL's files
+PICKER_TOKEN = "picker-sa-token"
+KIND_CONFIG = REPO / "kind" / "kind-config.yaml"
 
 
 def manifest_files() -> list[Path]:
     return sorted(K8S.glob("*.yaml"))
+
+
+def picker_manifest_files(folder: Path = INFERENCE_POOL) -> list[Path]:
+    """What `kubectl apply -f <folder>` reads: its *.yaml, not its subfolders."""
+    return sorted(folder.glob("*.yaml"))
+
+
+@functools.cache
+def picker_docs() -> list[dict[str, Any]]:
+    """Every object in k8s/inference-pool/ (not its gateway folders)."""
+    return [doc for path in picker_manifest_files() for doc in load_docs(path)]
 
 
 def load_docs(path: Path) -> list[dict[str, Any]]:
@@ -43,12 +59,36 @@ def find(kind: str, name: str) -> dict[str, Any]:
     return matches[0]
 
 
+def kind_kubernetes_version() -> str:
+    nodes = load_docs(KIND_CONFIG)[0]["nodes"]
+    images = {node["image"] for node in nodes}
+    assert len(images) == 1, f"all kind nodes must run one image, got {images}"
+    match = re.fullmatch(r"kindest/node:v(\d+\.\d+\.\d+)@sha256:[0-9a-f]{64}", images.pop())
+    assert match, "pin the kind node image by tag and digest, as kind's release notes ask"
+    return match.group(1)
+
+
+def schema_version() -> str:
+    """kubernetes-validate ships schemas per minor version (x.y.0)."""
+    major, minor, _ = kind_kubernetes_version().split(".")
+    return f"{major}.{minor}.0"
+
+
 def router_settings_raw() -> dict[str, Any]:
     return tomllib.loads(find("ConfigMap", "router-config")["data"]["router.toml"])
 
 
 def router_settings() -> Settings:
     return parse_settings(router_settings_raw(), source="k8s/41-router-config.yaml")
+
+
+def picker_settings_raw() -> dict[str, Any]:
+    (configmap,) = [d for d in picker_docs() if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "picker-config"]
+    return tomllib.loads(configmap["data"]["router.toml"])
+
+
+def picker_settings() -> Settings:
+    return parse_settings(picker_settings_raw(), source="k8s/inference-pool/20-picker-config.yaml")
 
 
 def envoy_configmap() -> ModuleType:

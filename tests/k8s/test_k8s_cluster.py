@@ -2,6 +2,7 @@
 
     kind create cluster --config kind/kind-config.yaml
     kubectl apply -f k8s/                       # for the discovery test: replicas running
+    kubectl apply -f k8s/inference-pool/        # with the InferencePool CRD installed: the picker's tests
     KUBECONFIG=~/.kube/config .venv/bin/python -m pytest tests/k8s -m cluster
 
 `kubectl apply --dry-run=server` runs the API server's admission (Pod Security
@@ -20,8 +21,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from k8s_support import K8S, NAMESPACE, router_settings
+from k8s_support import GATEWAY_FOLDERS, INFERENCE_POOL, K8S, NAMESPACE, picker_settings, router_settings
 
+from extproc.discovery import Discovery
+from extproc.discovery.inference_pool import InferencePoolDiscovery
 from extproc.discovery.kubernetes import KubernetesDiscovery, default_api_client
 
 pytestmark = [
@@ -61,7 +64,7 @@ def test_router_service_account_may_read_endpointslices_and_nothing_else():
     assert can("list", "endpointslices.discovery.k8s.io", "default") == "no"
 
 
-def test_discovery_finds_the_ready_replicas():
+def ready_replicas() -> set[str]:
     pods = json.loads(kubectl("get", "pods", "-n", NAMESPACE, "-l", "app.kubernetes.io/name=llm", "-o", "json").stdout)
     ready = {
         p["metadata"]["name"]
@@ -71,12 +74,61 @@ def test_discovery_finds_the_ready_replicas():
     }
     if not ready:
         pytest.skip(f"no ready llm replica in namespace {NAMESPACE}: kubectl apply -f k8s/ first")
+    return ready
 
-    async def first_snapshot() -> dict[str, str]:
-        snapshots = KubernetesDiscovery(router_settings().discovery, default_api_client()).snapshots()
+
+def first_snapshot(discovery: Discovery) -> dict[str, str]:
+    async def first() -> dict[str, str]:
+        snapshots = discovery.snapshots()
         try:
             return await asyncio.wait_for(anext(snapshots), timeout=30)
         finally:
             await snapshots.aclose()
 
-    assert set(asyncio.run(first_snapshot())) == ready
+    return asyncio.run(first())
+
+
+def test_discovery_finds_the_ready_replicas():
+    ready = ready_replicas()
+    assert set(first_snapshot(KubernetesDiscovery(router_settings().discovery, default_api_client()))) == ready
+
+
+def needs_the_inference_pool_crd() -> None:
+    if kubectl("get", "crd", "inferencepools.inference.networking.k8s.io", check=False).returncode != 0:
+        pytest.skip("the InferencePool CRD is not installed (a Gateway API Inference Extension release)")
+
+
+@pytest.mark.parametrize("folder", ["", *GATEWAY_FOLDERS])
+def test_server_side_dry_run_accepts_the_inference_pool_manifests(folder: str):
+    needs_the_inference_pool_crd()
+    kubectl("apply", "-f", str(K8S / "00-namespace.yaml"))
+    result = kubectl("apply", "--dry-run=server", "-f", str(INFERENCE_POOL / folder), check=False)
+    if "no matches for kind" in result.stderr:
+        pytest.skip(f"a CRD or GatewayClass this folder needs is missing: {result.stderr.strip()[-300:]}")
+    assert result.returncode == 0, result.stderr
+    assert "Warning" not in result.stderr, result.stderr
+
+
+def test_picker_service_account_may_read_its_pool_and_pods_and_nothing_else():
+    def can(verb: str, resource: str, namespace: str = NAMESPACE) -> str:
+        account = f"system:serviceaccount:{NAMESPACE}:picker"
+        result = kubectl("auth", "can-i", verb, resource, "-n", namespace, "--as", account, check=False)
+        return result.stdout.strip()
+
+    if kubectl("get", "role", "inference-pool-reader", "-n", NAMESPACE, check=False).returncode != 0:
+        pytest.skip("kubectl apply -f k8s/inference-pool/ first")
+    pool = f"inferencepools.inference.networking.k8s.io/{picker_settings().discovery.inference_pool}"
+    for verb in ("list", "watch"):
+        assert can(verb, "pods") == "yes" and can(verb, pool) == "yes"
+    assert can("list", "inferencepools.inference.networking.k8s.io") == "no", "only its pool, by name"
+    assert can("get", "pods") == "no" and can("get", "secrets") == "no"
+    assert can("list", "pods", "default") == "no"
+
+
+def test_inference_pool_discovery_finds_the_ready_replicas():
+    needs_the_inference_pool_crd()
+    ready = ready_replicas()
+    settings = picker_settings().discovery
+    if kubectl("get", "inferencepool", settings.inference_pool, "-n", NAMESPACE, check=False).returncode != 0:
+        pytest.skip("kubectl apply -f k8s/inference-pool/ first")
+    assert set(first_snapshot(InferencePoolDiscovery(settings, default_api_client()))) == ready

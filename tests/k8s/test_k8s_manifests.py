@@ -31,6 +31,7 @@ import kubernetes_validate
 import pytest
 from k8s_support import (
     K8S,
+    KIND_CONFIG,
     NAMESPACE,
     REPO,
     ROUTER_TOKEN,
@@ -39,7 +40,9 @@ from k8s_support import (
     find,
     load_docs,
     manifest_files,
+    picker_docs,
     router_settings_raw,
+    schema_version,
 )
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
@@ -47,28 +50,11 @@ from kubernetes.client.exceptions import ApiException
 from extproc.settings import SettingsError, parse_settings
 from extproc.traffic.profile import available_profiles, check_context, load_profile
 
-KIND_CONFIG = REPO / "kind" / "kind-config.yaml"
-
-
-def kind_kubernetes_version() -> str:
-    nodes = load_docs(KIND_CONFIG)[0]["nodes"]
-    images = {node["image"] for node in nodes}
-    assert len(images) == 1, f"all kind nodes must run one image, got {images}"
-    match = re.fullmatch(r"kindest/node:v(\d+\.\d+\.\d+)@sha256:[0-9a-f]{64}", images.pop())
-    assert match, "pin the kind node image by tag and digest, as kind's release notes ask"
-    return match.group(1)
-
-
-def schema_version() -> str:
-    """kubernetes-validate ships schemas per minor version (x.y.0)."""
-    major, minor, _ = kind_kubernetes_version().split(".")
-    return f"{major}.{minor}.0"
-
 
 def pod_specs() -> list[tuple[str, dict[str, Any]]]:
     return [
         (f"{d['kind']}/{d['metadata']['name']}", d["spec"]["template"]["spec"])
-        for d in all_docs()
+        for d in all_docs() + picker_docs()  # k8s/ and k8s/inference-pool/: one namespace, one policy
         if d["kind"] in ("Deployment", "StatefulSet", "DaemonSet", "Job")
     ]
 
