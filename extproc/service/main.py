@@ -4,7 +4,8 @@ Two grpc.aio servers. The picker port (service.listen, over TLS when service.tls
 the abstract socket service.ext_proc_socket) carries what a gateway talks to: the
 ExternalProcessor, the access log service and gRPC health. The Admin service
 (proto/admin.proto) and gRPC health are on service.admin_listen only, so nothing that reaches
-the picker port can change the routing. Prometheus metrics are on service.metrics_listen.
+the picker port can change the routing. Prometheus metrics, and HTTP probes /livez and /readyz,
+are on service.metrics_listen (http_probes.py).
 Discovery snapshots update the router (and, when service.envoy_endpoints_file is set, the
 endpoint file Envoy watches).
 
@@ -31,7 +32,6 @@ import orjson
 import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
-from prometheus_client import start_http_server
 
 from extproc.discovery import make_discovery
 from extproc.envoy.contract import split_host_port, write_endpoints_file
@@ -40,6 +40,7 @@ from extproc.service import admin_pb2_grpc
 from extproc.service.admin import AdminService
 from extproc.service.drain import drain
 from extproc.service.gateway import Gateway
+from extproc.service.http_probes import Readiness, start_metrics_server
 from extproc.service.metrics import Metrics
 from extproc.service.offload import BodyParser
 from extproc.service.processor import SERVICE, access_log_handler, handler
@@ -104,7 +105,8 @@ async def serve(settings: Settings) -> int:
         await gateway.share_state(settings.store, secrets.token_hex(6))
 
     metrics_host, metrics_port = split_host_port(service.metrics_listen)
-    metrics_server, _ = start_http_server(metrics_port, metrics_host, registry=metrics.registry)
+    readiness = Readiness()
+    metrics_server = start_metrics_server(metrics_host, metrics_port, metrics.registry, readiness)
 
     # A buffered body up to max_body_bytes comes in one message (plus its envelope).
     max_message = service.max_body_bytes + (64 << 10)
@@ -140,12 +142,13 @@ async def serve(settings: Settings) -> int:
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
-    watcher = loop.create_task(_follow_discovery(settings, gateway, health_service))
+    watcher = loop.create_task(_follow_discovery(settings, gateway, health_service, readiness))
     sweeper = loop.create_task(_release_lost(gateway))
     watcher.add_done_callback(lambda task: _discovery_ended(task, stop))
     try:
         await stop.wait()
         if not watcher.done():  # a signal, not a failed discovery
+            readiness.draining = True
             await drain(lambda: len(gateway.pending), health_service, service.drain_seconds)
     finally:
         log.info("service_stopping", in_flight=gateway.router.ledger.total_requests())
@@ -163,7 +166,9 @@ async def serve(settings: Settings) -> int:
     return 1 if not watcher.cancelled() and watcher.exception() is not None else 0
 
 
-async def _follow_discovery(settings: Settings, gateway: Gateway, health: health_aio.HealthServicer) -> None:
+async def _follow_discovery(
+    settings: Settings, gateway: Gateway, health: health_aio.HealthServicer, readiness: Readiness
+) -> None:
     endpoints_file = settings.service.envoy_endpoints_file
     if endpoints_file:
         Path(endpoints_file).parent.mkdir(parents=True, exist_ok=True)
@@ -174,6 +179,7 @@ async def _follow_discovery(settings: Settings, gateway: Gateway, health: health
         status = health_pb2.HealthCheckResponse.SERVING if replicas else health_pb2.HealthCheckResponse.NOT_SERVING
         for name in READY:
             await health.set(name, status)
+        readiness.replicas_known = bool(replicas)
         # Not "replicas_changed": that is discovery's own event (kubernetes.py), with another shape.
         log.info("replicas_applied", replicas=replicas)
 

@@ -27,6 +27,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+import httpx
 import jsonschema
 import kubernetes_validate
 import pytest
@@ -186,12 +187,12 @@ def test_the_picker_serves_as_the_gateway_guide_says():
     assert service.ext_proc_socket == "" and service.envoy_endpoints_file == "", "no Envoy of its own"
     ports = container_ports()
     assert port_of(service.listen) == ports["grpc"]
-    assert port_of(service.admin_listen) == ports["admin"]
+    assert service.admin_listen.startswith("127.0.0.1:"), "the Admin API on the pod's loopback only"
     assert port_of(service.metrics_listen) == ports["metrics"]
     container = picker_container()
-    # the kubelet speaks no TLS: it probes the plaintext health of the admin port, EPP names
-    assert container["readinessProbe"]["grpc"] == {"port": ports["admin"], "service": "readiness"}
-    assert container["livenessProbe"]["grpc"] == {"port": ports["admin"], "service": "liveness"}
+    # the kubelet's gRPC probes speak no TLS: it probes the metrics port's HTTP /readyz and /livez
+    assert container["readinessProbe"]["httpGet"] == {"port": "metrics", "path": "/readyz"}
+    assert container["livenessProbe"]["httpGet"] == {"port": "metrics", "path": "/livez"}
     config_path = Path(container["args"][container["args"].index("--config") + 1])
     spec = picker_deployment()["spec"]["template"]["spec"]
     (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == str(config_path.parent)]
@@ -244,7 +245,7 @@ def admitted(policy: dict[str, Any]) -> list[tuple[str, list[dict[str, Any]]]]:
     return [(p["port"], rule.get("from", [])) for rule in policy["spec"]["ingress"] for p in rule["ports"]]
 
 
-def test_only_the_gateways_data_plane_reaches_the_picker_port_and_no_pod_the_admin_port():
+def test_only_the_gateways_data_plane_reaches_the_picker_port_and_the_admin_api_has_no_port():
     labels = picker_deployment()["spec"]["template"]["metadata"]["labels"]
     metrics = one(picker_docs(), "NetworkPolicy", "picker-metrics")
     assert admitted(metrics) == [("metrics", [])], "metrics apart, from any pod"
@@ -269,7 +270,7 @@ def test_only_the_gateways_data_plane_reaches_the_picker_port_and_no_pod_the_adm
         assert policy["spec"]["podSelector"]["matchLabels"].items() <= labels.items()
         assert policy["spec"]["policyTypes"] == ["Ingress"]
         assert "admin" not in [port for port, _ in admitted(policy)]
-    assert set(container_ports()) == {"grpc", "admin", "metrics"}
+    assert set(container_ports()) == {"grpc", "metrics"}
 
 
 # ----------------------------------------------------------------------------- live
@@ -284,11 +285,11 @@ def test_llm_ring_serve_with_the_picker_configmap_serves_tls_and_follows_the_poo
     kubeconfig(PICKER_TOKEN)
     config = tmp_path / "router.toml"
     config.write_text(one(picker_docs(), "ConfigMap", "picker-config")["data"]["router.toml"])  # verbatim
-    listen, admin = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    listen, admin, metrics = (f"127.0.0.1:{free_port()}" for _ in range(3))
     env = {e["name"]: e["value"] for e in picker_container()["env"]} | {  # only the addresses move
         "LLM_RING__SERVICE__LISTEN": f'"{listen}"',
         "LLM_RING__SERVICE__ADMIN_LISTEN": f'"{admin}"',
-        "LLM_RING__SERVICE__METRICS_LISTEN": f'"127.0.0.1:{free_port()}"',
+        "LLM_RING__SERVICE__METRICS_LISTEN": f'"{metrics}"',
         "LLM_RING__DISCOVERY__KUBERNETES_BACKOFF_SECONDS": "0.05",
     }
     pool = inference_pool("llm", {"app.kubernetes.io/name": "llm"}, [8080], namespace=NAMESPACE)
@@ -298,6 +299,7 @@ def test_llm_ring_serve_with_the_picker_configmap_serves_tls_and_follows_the_poo
     service = start_service(tmp_path, env, config)
     try:
         assert not grpc_serving(admin, "readiness"), "not ready while no replica of the pool is"
+        assert httpx.get(f"http://{metrics}/readyz", timeout=5).status_code == 503
         apiserver.apply(pod("llm-0", "10.0.0.10", {"app.kubernetes.io/name": "llm"}, namespace=NAMESPACE))
         deadline = time.monotonic() + 10
         while not grpc_serving(admin, "readiness"):
@@ -305,5 +307,6 @@ def test_llm_ring_serve_with_the_picker_configmap_serves_tls_and_follows_the_poo
             time.sleep(0.05)
         assert tls_grpc_serving(listen, "envoy.service.ext_proc.v3.ExternalProcessor"), "the picker port speaks TLS"
         assert not grpc_serving(listen), "and nothing but TLS"
+        assert httpx.get(f"http://{metrics}/readyz", timeout=5).status_code == 200, "the kubelet's probe"
     finally:
         service.stop()

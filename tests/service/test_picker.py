@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import httpx
 import pytest
 from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
@@ -292,6 +293,14 @@ def test_the_picker_port_serves_tls_and_health_but_not_the_admin_api(picker: Run
     with grpc.insecure_channel(picker.listen) as plain, pytest.raises(grpc.RpcError):
         health_pb2_grpc.HealthStub(plain).Check(health_pb2.HealthCheckRequest(service="liveness"), timeout=2)
     assert in_flight(picker) == 0  # the Admin API answers on admin_listen
+
+
+def test_the_metrics_port_answers_the_kubelets_http_probes(picker: Running):
+    started = next(json.loads(line) for line in picker.log_path.read_text().splitlines() if "service_started" in line)
+    metrics = started["metrics"]
+    assert httpx.get(f"http://{metrics}/livez", timeout=5).status_code == 200
+    assert httpx.get(f"http://{metrics}/readyz", timeout=5).status_code == 200  # replicas are known
+    assert "llm_ring_decisions_total" in httpx.get(f"http://{metrics}/metrics", timeout=5).text
 
 
 def test_a_tls_folder_without_its_files_stops_the_service_in_one_line(tmp_path: Path):
