@@ -35,8 +35,8 @@ Failures cost as little as they can:
   - a lost link (refused, reset, the scripts gone after a restart, auth refused) puts the
     router on its own state (``llm_ring_store_in_use`` 0, reads return None at once) and it
     reconnects every store.retry_seconds;
-  - after a reconnection, or when the store is found emptied (the own load key gone before its
-    TTL: a restart without persistence, a FLUSHALL), the router publishes again its load, its
+  - after a reconnection, or when the store is found emptied (this router missing from
+    ``<prefix>:present``: a restart without persistence, a FLUSHALL), the router publishes again its load, its
     pending requests and the placements it wrote that have not expired (at most REPUBLISHED).
 """
 
@@ -99,22 +99,22 @@ end
 return {redis.call('GET', KEYS[1]), redis.call('HGETALL', KEYS[2]), loads}
 """
 
-# KEYS: own load key, routers set. ARGV: seq, load, ttl ms, own router id.
-# -> 1 when the load key was there before, 0 when not (first publish, or the store lost it)
+# KEYS: own load key, routers set, present hash. ARGV: seq, load, ttl ms, own router id, present ttl ms.
+# -> 1 when the store knew this router already, 0 when not (first publish, or the store lost its
+# state: restarted empty, flushed). The present hash (router -> 1) lives as long as a placement,
+# so eviction (volatile-ttl) takes it last.
 PUBLISH_SCRIPT = """
-local known = redis.call('HGET', KEYS[1], 'seq')
-if tonumber(ARGV[1]) > tonumber(known or '-1') then
+local seq = tonumber(redis.call('HGET', KEYS[1], 'seq') or '-1')
+if tonumber(ARGV[1]) > seq then
   redis.call('HSET', KEYS[1], 'seq', ARGV[1], 'load', ARGV[2])
 end
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
 redis.call('SADD', KEYS[2], ARGV[4])
 redis.call('PEXPIRE', KEYS[2], 10 * tonumber(ARGV[3]))
-if known then return 1 end
-return 0
+local new = redis.call('HSETNX', KEYS[3], ARGV[4], '1')
+redis.call('PEXPIRE', KEYS[3], ARGV[5])
+return 1 - new
 """
-
-# every command this module sends (the ACL user of docs/several-gateways.md allows these only)
-COMMANDS = ("evalsha", "script|load", "hset", "hdel", "pexpire", "set", "del", "srem", "ping")
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,6 +172,7 @@ class SharedStore:
         self.timeout = settings.timeout_ms / 1000
         prefix = settings.key_prefix
         self._routers_key = f"{prefix}:routers"
+        self._present_key = f"{prefix}:present"
         self._load_prefix = f"{prefix}:load:"
         self._load_key = self._load_prefix + router_id
         self._place_prefix = f"{prefix}:place:"
@@ -232,6 +233,7 @@ class SharedStore:
                     pipe = self.client.pipeline(transaction=False)
                     pipe.delete(self._load_key)
                     pipe.srem(self._routers_key, self.router_id)
+                    pipe.hdel(self._present_key, self.router_id)
                     await pipe.execute()
         await self.client.aclose()
 
@@ -336,12 +338,13 @@ class SharedStore:
             self._seq += 1
             load = orjson.dumps(dict(self.own_loads()))
             ttl_ms = int(self.settings.load_ttl_seconds * 1000)
-            pipe.execute_command("EVALSHA", self._publish_sha, 2, self._load_key, self._routers_key, self._seq,
-                                 load, ttl_ms, self.router_id)
+            pipe.execute_command("EVALSHA", self._publish_sha, 3, self._load_key, self._routers_key,
+                                 self._present_key, self._seq, load, ttl_ms, self.router_id,
+                                 self.settings.placement_ttl_seconds * 1000)
         async with asyncio.timeout(self._budget() + self.timeout * len(writes) / 1000):
             results = await pipe.execute()
         if load_dirty:
-            if results[-1] == 0 and self._published:  # gone before its TTL: the store lost its state
+            if results[-1] == 0 and self._published:  # this router unknown: the store lost its state
                 log.warning("store_emptied", router=self.router_id)
                 self._republish()
             self._published = True
