@@ -245,12 +245,16 @@ class SharedStore:
         if not self.in_use:
             return None
         suffix = f"{conversation_key:016x}"
+        command = ("EVALSHA", self._read_sha, 3, self._place_prefix + suffix, self._pending_prefix + suffix,
+                   self._routers_key, self._load_prefix, self.router_id, MAX_ROUTERS)  # fmt: skip
         try:
             async with asyncio.timeout(self._budget()):
-                reply = await self.client.execute_command(
-                    "EVALSHA", self._read_sha, 3, self._place_prefix + suffix, self._pending_prefix + suffix,
-                    self._routers_key, self._load_prefix, self.router_id, MAX_ROUTERS,
-                )  # fmt: skip
+                try:
+                    reply = await self.client.execute_command(*command)
+                except NoScriptError:  # the store restarted: load the scripts, publish again, read
+                    await self._load_scripts()
+                    self._republish()
+                    reply = await self.client.execute_command("EVALSHA", self._read_sha, *command[2:])
         except FAILURES as exc:
             self._failed("read", exc)
             return None
@@ -315,7 +319,9 @@ class SharedStore:
             except FAILURES as exc:
                 self._keep(writes, load_dirty)
                 self._failed("write", exc)
-                if not self._closing:
+                if isinstance(exc, NoScriptError):  # the store restarted: at once, not after retry_seconds
+                    await self._connect()
+                elif not self._closing:
                     await asyncio.sleep(WRITE_RETRY_S)
                 self._wake.set()
             finally:
@@ -390,8 +396,7 @@ class SharedStore:
         await self.client.connection_pool.disconnect()  # connections to a store that went away are dead
         try:
             async with asyncio.timeout(self._budget() + self.timeout):
-                self._read_sha = await self.client.script_load(READ_SCRIPT)
-                self._publish_sha = await self.client.script_load(PUBLISH_SCRIPT)
+                await self._load_scripts()
         except FAILURES as exc:
             self._failed("connect", exc)
             return
@@ -400,6 +405,10 @@ class SharedStore:
         self.metrics.store_in_use = True
         log.info("store_in_use", url=_without_password(self.settings.url), router=self.router_id)
         self._republish()
+
+    async def _load_scripts(self) -> None:
+        self._read_sha = await self.client.script_load(READ_SCRIPT)
+        self._publish_sha = await self.client.script_load(PUBLISH_SCRIPT)
 
     async def _watch_lag(self) -> None:
         """How late the event loop runs what is due: a call that took long on a busy loop may have
@@ -490,9 +499,10 @@ def _digest(value: object) -> int:
 
 
 def _link_lost(exc: BaseException) -> bool:
-    """The connection is gone (refused, reset, closed, auth refused) or the store restarted
-    (its scripts gone); not a slow call, which costs only itself."""
-    if isinstance(exc, NoScriptError | ConnectionRefusedError | ConnectionResetError | BrokenPipeError):
+    """The connection is gone (refused, reset, closed, auth refused); not a slow call, which
+    costs only itself, nor a store restarted under a live connection (its scripts gone: they
+    are loaded again at once)."""
+    if isinstance(exc, ConnectionRefusedError | ConnectionResetError | BrokenPipeError):
         return True
     return isinstance(exc, LinkError) and not isinstance(exc, TimeoutError)
 
