@@ -18,6 +18,7 @@ import pytest
 import redis
 
 from extproc.routing.peers import PeerRequest
+from extproc.routing.placement import Placement
 from extproc.service.gateway import Gateway
 from extproc.service.metrics import Metrics
 from extproc.service.store import SharedStore
@@ -342,5 +343,60 @@ def test_pending_requests_of_a_router_that_is_gone_are_ignored(server: Running) 
         assert snapshot is not None and snapshot.loads == {} and len(snapshot.pending) == 1
         await ask(b, [USER1])
         assert b.router.ledger.elsewhere() == {}
+
+    run_closing(run)
+
+
+def test_a_flood_of_one_shot_ids_does_not_evict_returning_conversations(tmp_path: Path) -> None:
+    """At maxmemory, eviction (volatile-ttl) takes one-shot placements (short TTL) first: the
+    returning conversations stay, and no write of the routers is refused."""
+    small = start_redis(tmp_path / "small", max_memory="3mb")
+    try:
+        async def run() -> None:
+            a = await sharing(small, "r-a")
+            store = a.store
+            assert store is not None
+            returning = [f"user-{i}" for i in range(8)]
+            for conversation in returning:  # two turns each: the second continues the first
+                messages = [{"role": "user", "content": f"{conversation} asks"}]
+                answered(a, await ask(a, messages, conversation))
+                answered(a, await ask(a, follow_up(messages, "an answer", "and more"), conversation))
+            await store.flushed()
+            for index in range(40_000):  # far more one-shots than 3 MB holds
+                key = a.router.conversation_key(f"one-shot-{index}")
+                store.completed(key, f"o-{index}", Placement("llm-0", 1000), index + 1, returning=False)
+                if index % 2000 == 0:
+                    await store.flushed()
+            await store.flushed()
+            raw = admin(small)
+            assert raw.info("stats")["evicted_keys"] > 0  # the limit was reached
+            kept = [raw.exists(f"llm-ring:place:{a.router.conversation_key(c):016x}") for c in returning]
+            assert all(kept), kept
+            assert a.metrics.store_errors["write"] == 0 and store.in_use
+
+        run_closing(run)
+    finally:
+        small.stop()
+
+
+def test_entries_that_do_not_parse_or_are_out_of_bounds_are_skipped_and_counted(server: Running) -> None:
+    async def run() -> None:
+        a = await sharing(server, "r-a")
+        store = a.store
+        assert store is not None
+        suffix = f"{a.router.conversation_key('c-1'):016x}"
+        raw = admin(server)
+        raw.set(f"llm-ring:place:{suffix}", "not-json", px=60_000)
+        raw.hset(f"llm-ring:pending:{suffix}", mapping={"x": "[1, 2]", "y": orjson.dumps(["r-b", "llm-0", -5, 1, 1]),
+                                                        "ok": orjson.dumps(["r-b", "llm-0", 10, 5, 7])})
+        for router, load in {"huge": {"llm-0": [10**6, 1]}, "list": [1, 2], "ok": {"llm-1": [2, 20]}}.items():
+            raw.hset(f"llm-ring:load:{router}", "load", orjson.dumps(load))
+            raw.sadd("llm-ring:routers", router)
+        snapshot = await store.read(a.router.conversation_key("c-1"))
+        assert snapshot is not None and store.in_use
+        assert snapshot.placement is None and snapshot.pending == (PeerRequest("r-b", "llm-0", 10, 5, 7),)
+        assert snapshot.loads == {"ok": {"llm-1": (2, 20)}}
+        assert a.metrics.store_invalid == {"placement": 1, "pending": 2, "load": 2}
+        assert samples(a)["llm_ring_store_invalid_entries_total", (("entry", "load"),)] == 2
 
     run_closing(run)
