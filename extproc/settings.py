@@ -80,6 +80,8 @@ class ServiceSettings(Strict):
     envoy_endpoints_file: str = Field(description="EDS file written for Envoy; empty: Envoy resolves DNS")
     fail_open: bool = Field(description="Envoy: round robin when this service is down (true) or 500 (false)")
     drain_seconds: float = Field(ge=0, le=3600, description="SIGTERM: in-flight requests get this long to finish")
+    routing_headers: bool = Field(description="answers carry x-routed-to, x-route-reason and "
+                                              "x-route-predicted-cached-tokens (a debugging aid)")
 
 class DiscoverySettings(Strict):
     """Where the replica list comes from."""

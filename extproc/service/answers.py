@@ -25,15 +25,15 @@ PREDICTED_HEADERS_KEPT = 1 << 16  # serialized x-route-predicted-cached-tokens v
 BODY_CONTINUE = pb.ProcessingResponse(request_body=pb.BodyResponse()).SerializeToString()
 
 
-def route_answer(destination: str, replica: str, reason: str, streamed: bool) -> bytes:
+def route_answer(destination: str, replica: str, reason: str, streamed: bool, routing_headers: bool = True) -> bytes:
     """Envoy's answer for a pick: ``destination`` (the endpoint, then its fallbacks,
     comma-separated) in header and metadata; a streamed answer is marked to be observed
-    (the Envoy config routes on that header)."""
-    headers = [
-        header_option(DESTINATION, destination),
-        header_option(ROUTED_TO, replica),
-        header_option(ROUTE_REASON, reason),
-    ]
+    (the Envoy config routes on that header). routing_headers (service.routing_headers): the
+    replica and the reason too, which Envoy copies into the response (a header left unset is
+    not added: docs/security.md)."""
+    headers = [header_option(DESTINATION, destination)]
+    if routing_headers:
+        headers += [header_option(ROUTED_TO, replica), header_option(ROUTE_REASON, reason)]
     mutation = pb.HeaderMutation(set_headers=headers + ([header_option(OBSERVE, "1")] if streamed else []))
     metadata = struct_pb2.Struct()
     metadata.get_or_create_struct("envoy.lb")[DESTINATION] = destination
@@ -83,7 +83,8 @@ class AnswerCache:
     valid until the replica set or its health changes (``forget_routes``), and the
     predicted-cached-tokens header per value seen (at most PREDICTED_HEADERS_KEPT)."""
 
-    def __init__(self) -> None:
+    def __init__(self, routing_headers: bool = True) -> None:
+        self.routing_headers = routing_headers
         self._routes: dict[tuple[str, str, bool], bytes] = {}
         self._predicted: dict[int, bytes] = {}
 
@@ -92,7 +93,8 @@ class AnswerCache:
         key = (replica, reason, streamed)
         answer = self._routes.get(key)
         if answer is None:
-            answer = self._routes[key] = route_answer(destination(replica), replica, reason, streamed)
+            answer = self._routes[key] = route_answer(destination(replica), replica, reason, streamed,
+                                                             self.routing_headers)
         return answer
 
     def forget_routes(self) -> None:

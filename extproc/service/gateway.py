@@ -146,7 +146,7 @@ class Gateway:
         self.pending: dict[str, Pending] = {}
         # conversation -> {request id: history} of pending requests not yet shown answered
         self.unanswered: dict[str, dict[str, int]] = {}
-        self.answers = AnswerCache()
+        self.answers = AnswerCache(settings.routing_headers)
         self._sequence = 0
         self._id_prefix = secrets.token_hex(3) + "-"  # ids differ across restarts of the service
         self.envoy_ids: dict[str, str] = {}  # Envoy's id -> ours, while pending
@@ -333,7 +333,8 @@ class Gateway:
             self._publish_pending(unique_id, parsed.history)
         self.metrics.decision(decision.trace.policy, decision.reason, time.perf_counter() - started)
         answer = self.answers.route(decision.replica, decision.reason, parsed.stream, self._destination)
-        answer += self.answers.predicted_cached(decision.predicted_cached_tokens)
+        if self.settings.routing_headers:
+            answer += self.answers.predicted_cached(decision.predicted_cached_tokens)
         return answer + request_id_header(unique_id), True
 
     def _release_answered(self, conversation: str, answered: frozenset[int]) -> None:

@@ -686,6 +686,7 @@ def render_router_settings(base: Path, *, policy: str, listen: str, metrics_list
         ext_proc_socket=socket_name(listen),  # one per router: several may run on one machine
         metrics_listen=metrics_listen,
         envoy_endpoints_file=str(envoy_endpoints_file),
+        routing_headers=True,  # experiments record each answer's replica, reason and prediction
     )
     raw["discovery"].update(source="file", file=str(replicas_file))
     if store_url is not None:
