@@ -204,6 +204,7 @@ def test_the_store_down_leaves_routing_on_local_state_and_it_recovers_without_le
         reads_failed = a.metrics.store_errors["read"]
         await ask(a, [{"role": "user", "content": "no store call now"}], conversation="c-x")
         assert a.metrics.store_errors["read"] == reads_failed  # local state: no decision asks the store now
+        answered(a, await ask(a, [{"role": "user", "content": "served during the outage"}], conversation="c-out"))
         restarted.append(start_redis(folder(server), port))
 
         async def back() -> bool:
@@ -215,6 +216,7 @@ def test_the_store_down_leaves_routing_on_local_state_and_it_recovers_without_le
         assert sum(requests for requests, _ in own.values()) == a.router.ledger.total_requests() == 4
         pending = raw.hgetall("llm-ring:pending:" + f"{a.router.conversation_key('c0'):016x}")
         assert list(pending) == [during[0].encode()]  # republished: it is still waiting for its answer
+        assert raw.exists(f"llm-ring:place:{a.router.conversation_key('c-out'):016x}")  # kept until written
         for request_id in list(a.pending):
             answered(a, request_id)
         await store.flushed()
