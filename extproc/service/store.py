@@ -252,8 +252,7 @@ class SharedStore:
                 try:
                     reply = await self.client.execute_command(*command)
                 except NoScriptError:  # the store restarted: load the scripts, publish again, read
-                    await self._load_scripts()
-                    self._republish()
+                    await self._scripts_reloaded()
                     reply = await self.client.execute_command("EVALSHA", self._read_sha, *command[2:])
         except FAILURES as exc:
             self._failed("read", exc)
@@ -320,7 +319,9 @@ class SharedStore:
                 self._keep(writes, load_dirty)
                 self._failed("write", exc)
                 if isinstance(exc, NoScriptError):  # the store restarted: at once, not after retry_seconds
-                    await self._connect()
+                    with contextlib.suppress(*FAILURES):
+                        async with asyncio.timeout(self._budget()):
+                            await self._scripts_reloaded()
                 elif not self._closing:
                     await asyncio.sleep(WRITE_RETRY_S)
                 self._wake.set()
@@ -409,6 +410,13 @@ class SharedStore:
     async def _load_scripts(self) -> None:
         self._read_sha = await self.client.script_load(READ_SCRIPT)
         self._publish_sha = await self.client.script_load(PUBLISH_SCRIPT)
+
+    async def _scripts_reloaded(self) -> None:
+        """The store restarted under a live connection (empty): the scripts again, then all we know."""
+        await self._load_scripts()
+        log.warning("store_restarted", router=self.router_id)
+        self._published = False
+        self._republish()
 
     async def _watch_lag(self) -> None:
         """How late the event loop runs what is due: a call that took long on a busy loop may have
