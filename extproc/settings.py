@@ -86,6 +86,8 @@ class ServiceSettings(Strict):
     envoy_endpoints_file: str = Field(description="EDS file written for Envoy; empty: Envoy resolves DNS")
     fail_open: bool = Field(description="Envoy: round robin when this service is down (true) or 500 (false)")
     drain_seconds: float = Field(ge=0, le=3600, description="SIGTERM: in-flight requests get this long to finish")
+    routing_headers: bool = Field(description="answers carry x-routed-to, x-route-reason and "
+                                              "x-route-predicted-cached-tokens (a debugging aid)")
     shed_requests_per_replica: int = Field(ge=0, description="429 when every eligible replica has this many requests "
                                                              "in flight (0: never shed)")
 
@@ -118,14 +120,19 @@ class StoreSettings(Strict):
 
     url: str = Field(pattern=r"^$|^(redis|rediss|unix)://",
                      description="Redis URL of the shared store; empty: this router's own state only")
+    password_file: str = Field(description="file holding the store's password; empty: none")
     key_prefix: str = Field(pattern=r"^[A-Za-z0-9._-]{1,64}$", description="prefix of every key this router writes")
     # well under Envoy's ext_proc message timeout (extproc/envoy/config.py, 2 s), which fails open
-    timeout_ms: int = Field(gt=0, le=500, description="a store call taking longer counts as failed")
-    retry_seconds: float = Field(gt=0, le=3600, description="after a failure, local state only for this long")
+    timeout_ms: int = Field(gt=0, le=500, description="a store read taking longer costs that decision the shared view")
+    retry_seconds: float = Field(gt=0, le=3600, description="a lost connection is tried again this often")
     load_ttl_seconds: float = Field(gt=0, le=600, description="a router's published load expires after this "
                                                                "without a heartbeat (every third of it)")
     placement_ttl_seconds: int = Field(gt=0, description="a conversation's shared placement is forgotten "
                                                          "after this long without a turn")
+    first_placement_ttl_seconds: int = Field(gt=0, description="a conversation's first placement (one that "
+                                                               "never came back) is forgotten after this long")
+    max_peer_requests: int = Field(gt=0, description="most requests one router has in flight on one replica: "
+                                                     "a published load above it is skipped")
 
     @field_validator("url")
     @classmethod

@@ -47,7 +47,7 @@ from extproc.stack.processes import (
     start_service,
     static_discovery,
 )
-from extproc.stack.redis_server import redis_server_binary, start_redis
+from extproc.stack.redis_server import password_file, redis_server_binary, start_redis, user_url
 
 TARGET_ADDED_P50_MS = 1.0
 TARGET_ADDED_P99_MS = 5.0
@@ -121,7 +121,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if with_store:
             redis_server = start_redis(workdir / "redis")
             started.append(redis_server)
-            sharing = start_sharing_service(workdir, stubbed, f"redis://{redis_server.address}/0")
+            sharing = start_sharing_service(workdir, stubbed, user_url(redis_server.address),
+                                            password_file(workdir / "redis"))
             started.append(sharing)
             processes[STORE_MODE] = {"ext_proc": sharing}
             ext_procs.append((STORE_MODE, sharing.ext_proc))
@@ -164,11 +165,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             shutil.rmtree(workdir, ignore_errors=True)
 
 
-def start_sharing_service(workdir: Path, stubbed: ServiceOnStubs, store_url: str) -> Running:
+def start_sharing_service(workdir: Path, stubbed: ServiceOnStubs, store_url: str, store_password: Path) -> Running:
     """A second `llm-ring serve` over the same stubs, its state shared through ``store_url``."""
     listen = f"127.0.0.1:{free_port()}"
     env = service_env(listen, workdir / "eds-store" / "replicas.json", static_discovery(stubbed.replicas))
     env["LLM_RING__STORE__URL"] = f'"{store_url}"'
+    env["LLM_RING__STORE__PASSWORD_FILE"] = f'"{store_password}"'
     running = start_service(workdir / "service-store", env)
     running.listen = env["LLM_RING__SERVICE__METRICS_LISTEN"].strip('"')  # its /metrics, read at the end
     return running

@@ -44,15 +44,19 @@ BODY_CONTINUE = pb.ProcessingResponse(request_body=pb.BodyResponse()).SerializeT
 Phase = Literal["own", "headers", "body"]
 
 
-def route_answer(destination: str, replica: str, reason: str, streamed: bool, phase: Phase = "own") -> bytes:
+def route_answer(
+    destination: str, replica: str, reason: str, streamed: bool, phase: Phase = "own", routing_headers: bool = True
+) -> bytes:
     """Envoy's answer for a pick. ``destination``: the endpoint, then its fallbacks,
     comma-separated. Our own Envoy gets the whole list in header and metadata, and a streamed
     answer is marked to be observed (its config routes on that header); an Endpoint Picker's
-    gateway gets the shape of the protocol (module docstring)."""
+    gateway gets the shape of the protocol (module docstring). routing_headers
+    (service.routing_headers): the replica and the reason too, which reach the response (a header
+    left unset is not added: docs/security.md)."""
     endpoint, _, fallbacks = destination.partition(",")
     metadata = struct_pb2.Struct()
     lb = metadata.get_or_create_struct(LB_NAMESPACE)
-    headers = [header_option(ROUTED_TO, replica), header_option(ROUTE_REASON, reason)]
+    headers = [header_option(ROUTED_TO, replica), header_option(ROUTE_REASON, reason)] if routing_headers else []
     if phase == "own":
         headers.append(header_option(DESTINATION, destination))
         headers += [header_option(OBSERVE, "1")] if streamed else []
@@ -124,7 +128,8 @@ class AnswerCache:
     valid until the replica set or its health changes (``forget_routes``), and the
     predicted-cached-tokens header per (value, phase) seen (at most PREDICTED_HEADERS_KEPT)."""
 
-    def __init__(self) -> None:
+    def __init__(self, routing_headers: bool = True) -> None:
+        self.routing_headers = routing_headers
         self._routes: dict[tuple[str, str, bool, Phase], bytes] = {}
         self._predicted: dict[tuple[int, Phase], bytes] = {}
         self._responses: dict[tuple[str, str], bytes] = {}
@@ -136,11 +141,15 @@ class AnswerCache:
         key = (replica, reason, streamed, phase)
         answer = self._routes.get(key)
         if answer is None:
-            answer = self._routes[key] = route_answer(destination(replica), replica, reason, streamed, phase)
+            answer = self._routes[key] = route_answer(
+                destination(replica), replica, reason, streamed, phase, self.routing_headers
+            )
         return answer
 
     def response(self, replica: str, reason: str) -> bytes:
-        """response_route_headers, kept per (replica, reason)."""
+        """response_route_headers, kept per (replica, reason); a plain continue without routing headers."""
+        if not self.routing_headers:
+            return RESPONSE_HEADERS_CONTINUE
         answer = self._responses.get((replica, reason))
         if answer is None:
             answer = self._responses[replica, reason] = response_route_headers(replica, reason)

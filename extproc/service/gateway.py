@@ -57,6 +57,7 @@ from extproc.envoy.contract import (
 )
 from extproc.routing import Decision, Router, RouteRequest, estimate_tokens
 from extproc.routing.blocks import BlockMemory
+from extproc.routing.continuation import Claim, ConversationDigests, Shown, claim, shown
 from extproc.routing.peers import PeerRequest, PeerView, peer_view
 from extproc.routing.placement import Placement
 from extproc.service.answers import (
@@ -76,7 +77,7 @@ from extproc.service.bodies import (
     parse_timings,
 )
 from extproc.service.metrics import Metrics, ReplicaState
-from extproc.service.store import SharedStore
+from extproc.service.store import EntryBounds, SharedStore
 from extproc.settings import ServiceSettings, StoreSettings
 
 log = structlog.get_logger("extproc.service")
@@ -104,6 +105,8 @@ class Prepared:
     request: RouteRequest
     parsed: ParsedRequest
     path: str
+    shown: Shown  # the body's history digests (continuation.py)
+    claim: Claim  # the conversation it is routed under, and whether it continues a known one
 
 
 @dataclass(slots=True)
@@ -152,7 +155,7 @@ class Gateway:
         self.pending: dict[str, Pending] = {}
         # conversation -> {request id: history} of pending requests not yet shown answered
         self.unanswered: dict[str, dict[str, int]] = {}
-        self.answers = AnswerCache()
+        self.answers = AnswerCache(settings.routing_headers)
         self._sequence = 0
         self._pass_turn = 0  # pass_through's rotation
         self._id_prefix = secrets.token_hex(3) + "-"  # ids differ across restarts of the service
@@ -160,6 +163,9 @@ class Gateway:
         self.limits = BodyLimits(settings.max_messages, settings.max_prompt_chars, settings.max_output_tokens)
         self.store: SharedStore | None = None  # several routers' shared state (main.py sets it from [store])
         self.block_memory: BlockMemory | None = None  # the last prompt's blocks per conversation, when hashed
+        # conversation key -> digest of its last completed request: who may use its placement
+        self.digests = ConversationDigests(router.settings.memory_capacity)
+        self.claims: dict[str, tuple[int, bool]] = {}  # request id -> (its digest, it continued), while in flight
 
     # ------------------------------------------------------------------ replicas
 
@@ -194,7 +200,10 @@ class Gateway:
     async def share_state(self, settings: StoreSettings, router_id: str) -> None:
         """Agree with the other routers on the same store (main.py, when store.url is set). A store
         that does not answer now leaves this router on its own state until a retry succeeds."""
-        self.store = SharedStore(settings, router_id, self.own_loads, self.metrics, self.republish_pending)
+        service = self.settings
+        largest = max(service.max_prompt_chars, estimate_tokens(service.max_prompt_chars, service.chars_per_token))
+        bounds = EntryBounds(settings.max_peer_requests, largest + service.max_output_tokens)
+        self.store = SharedStore(settings, router_id, self.own_loads, self.metrics, bounds, self.republish_pending)
         await self.store.start()
 
     def own_loads(self) -> dict[str, tuple[int, int]]:
@@ -220,11 +229,17 @@ class Gateway:
         )  # fmt: skip
 
     def _complete(self, request_id: str, request: RouteRequest, ok: bool, served: str | None = None) -> None:
-        """Release a request's load (Router.complete: once) and tell the store."""
+        """Release a request's load (Router.complete: once), remember who continues its
+        conversation and tell the store."""
         decision = self.router.complete(request_id, ok=ok, served=served)
-        if decision is not None and self.store is not None:
-            placement = Placement(served or decision.replica, request.prompt_tokens) if ok else None
-            self.store.completed(self.router.conversation_key(request.conversation), request_id, placement)
+        digest, continued = self.claims.pop(request_id, (0, False))
+        if decision is not None:
+            key = self.router.conversation_key(request.conversation)
+            if ok:
+                self.digests.remember(key, digest)
+            if self.store is not None:
+                placement = Placement(served or decision.replica, request.prompt_tokens) if ok else None
+                self.store.completed(key, request_id, placement, digest, continued)
 
     # ------------------------------------------------------------------ route stream
 
@@ -263,7 +278,8 @@ class Gateway:
         step = self._prepare(path, content_type, conversation_id, body, parsed_elsewhere)
         if isinstance(step, bytes):
             return step, None
-        return self._decide(step, turn, request_id, started, await self._peers(step), phase, subset)
+        step, peers = await self._peers(step)
+        return self._decide(step, turn, request_id, started, peers, phase, subset)
 
     def pass_through(self, phase: Phase, subset: frozenset[str] | None) -> bytes:
         """The answer for a request that is no generation (an Endpoint Picker sees every request
@@ -310,21 +326,36 @@ class Gateway:
             self.metrics.errors["bad_request"] += 1
             return immediate(exc.status, exc.message)
         unique_id = self._request_id()
-        conversation = bounded(conversation_id) or parsed.opening_key
+        digests = shown(parsed.history, parsed.answered, parsed.opening_key)
+        named = bounded(conversation_id) or parsed.opening_key
+        known = self.digests.get(self.router.conversation_key(named))
+        claimed = claim(named, parsed.opening_key, () if known is None else (known,), digests)
         prompt_tokens = parsed.prompt_token_ids or estimate_tokens(parsed.prompt_chars, self.settings.chars_per_token)
         request = RouteRequest(
-            unique_id, conversation, prompt_tokens, parsed.max_tokens or self.settings.default_max_tokens,
+            unique_id, claimed.conversation, prompt_tokens, parsed.max_tokens or self.settings.default_max_tokens,
             parsed.prefix_blocks,
         )
-        return Prepared(request, parsed, path)
+        return Prepared(request, parsed, path, digests, claimed)
 
-    async def _peers(self, step: Prepared) -> PeerView:
-        """What the other live routers hold, for this request (nothing while the store is not in use)."""
+    async def _peers(self, step: Prepared) -> tuple[Prepared, PeerView]:
+        """What the other live routers hold, for this request (nothing while the store is not in
+        use). A request that does not continue the conversation the store knows by its id is
+        routed as a new one (continuation.py): it gets the others' load, nothing of the conversation."""
         assert self.store is not None
-        snapshot = await self.store.read(self.router.conversation_key(step.request.conversation))
+        request = step.request
+        snapshot = await self.store.read(self.router.conversation_key(request.conversation))
         if snapshot is None:
-            return NO_PEERS
-        return peer_view(snapshot.loads, snapshot.pending, step.parsed.answered, snapshot.placement)
+            return step, NO_PEERS
+        if snapshot.placement is not None and not step.claim.foreign:
+            local = self.digests.get(self.router.conversation_key(request.conversation))
+            known = (snapshot.digest,) if local is None else (snapshot.digest, local)
+            claimed = claim(request.conversation, step.parsed.opening_key, known, step.shown)
+            if claimed.foreign:
+                step = Prepared(request._replace(conversation=claimed.conversation), step.parsed, step.path,
+                                step.shown, claimed)
+                return step, peer_view(snapshot.loads, (), frozenset(), None)
+            step = Prepared(request, step.parsed, step.path, step.shown, claimed)
+        return step, peer_view(snapshot.loads, snapshot.pending, step.parsed.answered, snapshot.placement)
 
     def _decide(
         self, step: Prepared, turn: str, request_id: str, started: float, peers: PeerView | None,
@@ -353,11 +384,13 @@ class Gateway:
         )  # fmt: skip
         if parsed.history:
             self.unanswered.setdefault(conversation, {})[unique_id] = parsed.history
+        self.claims[unique_id] = (step.shown.digest, step.claim.continues)
         if self.store is not None:
             self._publish_pending(unique_id, parsed.history)
         self.metrics.decision(decision.trace.policy, decision.reason, time.perf_counter() - started)
         answer = self._pick_answer(decision.replica, decision.reason, parsed.stream, phase, subset)
-        answer += self.answers.predicted_cached(decision.predicted_cached_tokens, phase)
+        if self.settings.routing_headers:
+            answer += self.answers.predicted_cached(decision.predicted_cached_tokens, phase)
         if phase == "own":  # our id, for Envoy's access log entry; a gateway's own id is left alone
             answer += request_id_header(unique_id)
         return answer, unique_id
@@ -591,7 +624,8 @@ class Gateway:
         fallbacks must come from it too)."""
         if subset is None:
             return self.answers.route(replica, reason, streamed, self._destination, phase)
-        return route_answer(self._destination(replica, subset), replica, reason, streamed, phase)
+        return route_answer(self._destination(replica, subset), replica, reason, streamed, phase,
+                            self.settings.routing_headers)
 
     def _destination(self, replica: str, subset: frozenset[str] | None = None) -> str:
         """The pick's endpoint, then up to service.fallbacks healthy others (in name order

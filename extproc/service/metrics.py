@@ -28,6 +28,7 @@ ERRORS = (
 STREAMS = ("route", "observe", "access_log", "picker")
 # the shared store (store.py): a read before a decision, a batch of writes, a (re)connection
 STORE_CALLS = ("read", "write", "connect")
+STORE_ENTRIES = ("placement", "pending", "load")  # what a read may find malformed or out of bounds
 DECISION_SECONDS = (25e-6, 50e-6, 100e-6, 200e-6, 400e-6, 800e-6, 1.6e-3, 3.2e-3, 6.4e-3, 0.0128)
 PREDICTION_ERROR = (-4096, -1024, -256, -64, -16, -1, 0, 1, 16, 64, 256, 1024, 4096)
 
@@ -81,6 +82,9 @@ class Metrics:
         self.passed_through = 0  # requests that are no generation, sent on untracked (gateway.pass_through)
         self.store_errors: Counter[str] = Counter({call: 0 for call in STORE_CALLS})  # failed or timed out
         self.store_in_use = False  # a store is configured and answering (store.py)
+        self.store_invalid: Counter[str] = Counter({kind: 0 for kind in STORE_ENTRIES})  # skipped when read
+        self.store_writes_dropped = 0  # queued writes given up during a long outage
+        self.store_republished = 0  # times this router published its state again (reconnected, store emptied)
         self.decision_seconds = Histogram(DECISION_SECONDS)
         self.prediction_error = Histogram(PREDICTION_ERROR)
         self.live_state: LiveState = tuple  # no replicas until watch() names the source
@@ -135,10 +139,28 @@ class _Collector(Collector):
         )
         yield _counter(
             "llm_ring_store_errors",
-            "calls to the shared store that failed or timed out (then local state only for store.retry_seconds)",
+            "calls to the shared store that failed or timed out (a read: that decision on local state; "
+            "a write: sent again)",
             ["call"],
             m.store_errors,
         )
+        yield _counter(
+            "llm_ring_store_invalid_entries",
+            "entries read from the store that did not parse or were out of bounds: skipped",
+            ["entry"],
+            m.store_invalid,
+        )
+        dropped = CounterMetricFamily(
+            "llm_ring_store_writes_dropped", "queued store writes given up during a long outage (queue full)"
+        )
+        dropped.add_metric([], m.store_writes_dropped)
+        yield dropped
+        republished = CounterMetricFamily(
+            "llm_ring_store_republished", "times this router published its load, pending requests and placements "
+            "again (reconnected, or the store found emptied)"
+        )
+        republished.add_metric([], m.store_republished)
+        yield republished
         in_use = GaugeMetricFamily(
             "llm_ring_store_in_use", "1 while decisions use the shared store, 0 on local state alone"
         )

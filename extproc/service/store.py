@@ -8,59 +8,84 @@ Each router keeps its own in-flight ledger, the only writer of its own figures, 
     was delayed on the network never overwrites a newer one (the publish script checks).
     ``<prefix>:routers`` is the set of router ids that published; an id whose load key has
     expired is dropped from it by the next read.
-  - ``<prefix>:place:<conversation key>``: where the conversation was last served and its
-    prompt tokens, written when a request completes, expiring after store.placement_ttl_seconds.
+  - ``<prefix>:place:<conversation key>``: where the conversation was last served, its prompt
+    tokens and the history digest of that request (continuation.py: only a body that continues
+    it may use it), written when a request completes. A conversation's first placement expires
+    after store.first_placement_ttl_seconds, one that came back after store.placement_ttl_seconds:
+    one-shot ids go first, by their TTL and by eviction (volatile-ttl, docs/several-gateways.md).
   - ``<prefix>:pending:<conversation key>``: the conversation's requests in flight (request
     id -> router, replica, charged tokens, prompt tokens, history hash), so that a router
     given the next turn can tell that another router's request was answered (peers.py).
+Every key has a TTL, so a store under maxmemory can always evict to take a router's write.
 
 Before a decision: ONE round trip, a Lua script returning the placement, the pending
-requests and the other live routers' loads. The writes (pending, placement, own load) are
-queued and sent by one writer in pipelined batches (what came in within WRITE_EVERY_S),
-never waited for by a decision.
+requests and the other live routers' loads. Every value read is checked (``_snapshot``): an
+entry that does not parse, or claims more than a router could publish, is skipped and counted
+(``llm_ring_store_invalid_entries_total``), the rest used. The writes (pending, placement, own
+load) are queued and sent by one writer in pipelined batches (what came in within
+WRITE_EVERY_S), never waited for by a decision.
 
-Failures: every call is bounded by store.timeout_ms. A failed or slow call marks the store
-unusable: decisions go on with this router's own state (``read`` returns None at once),
-writes are dropped, ``llm_ring_store_errors_total`` counts, ``llm_ring_store_in_use`` is 0.
-After store.retry_seconds the heartbeat (never a decision) reconnects; on success the
-router's own load and pending requests are published again. So a decision waits at most
-store.timeout_ms for the store, however slow or dead it is.
+Failures cost as little as they can:
+  - a read slower than store.timeout_ms (plus the event loop's own recent lag: a busy router
+    is not a slow store) costs that one decision its shared view; nothing else changes;
+  - a batch of writes that fails or is slow is kept and sent again (every write is idempotent:
+    SET, HSET, HDEL, PEXPIRE, and the load under its growing ``seq``); newer writes of the same
+    key replace it. At most MAX_QUEUED_WRITES are kept; beyond, the oldest are dropped and
+    counted (``llm_ring_store_writes_dropped_total``): only a long outage gets there;
+  - a lost link (refused, reset, the scripts gone after a restart, auth refused) puts the
+    router on its own state (``llm_ring_store_in_use`` 0, reads return None at once) and it
+    reconnects every store.retry_seconds;
+  - after a reconnection, or when the store is found emptied (this router missing from
+    ``<prefix>:present``: a restart without persistence, a FLUSHALL), the router publishes again its load, its
+    pending requests and the placements it wrote that have not expired (at most REPUBLISHED).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import orjson
 import redis.asyncio as aioredis
 import structlog
-from redis.exceptions import RedisError
+from redis.exceptions import ConnectionError as LinkError
+from redis.exceptions import NoScriptError, RedisError
 
 from extproc.envoy.contract import STREAM_IDLE_TIMEOUT_S
 from extproc.routing.peers import PeerRequest, ReplicaLoads
 from extproc.routing.placement import Placement
 from extproc.service.metrics import Metrics
-from extproc.settings import StoreSettings
+from extproc.settings import SettingsError, StoreSettings
 
 log = structlog.get_logger("extproc.service")
 
 FAILURES = (RedisError, OSError, TimeoutError)
 MAX_CONNECTIONS = 32  # decisions beyond this wait for a connection (within the timeout)
-MAX_QUEUED_WRITES = 20_000  # a store this far behind counts as failed
+MAX_QUEUED_WRITES = 100_000  # kept through an outage (about 200 bytes each); the oldest beyond are dropped
+REPUBLISHED = 100_000  # the latest placements this router wrote, kept to publish again after an outage
 # the writer gathers what comes in this long into one batch: far fewer pipelines under load (the
 # service's CPU per request), at the price of the others seeing this router's figures that much later
 WRITE_EVERY_S = 0.01
+WRITE_RETRY_S = 0.05  # a failed batch is sent again this much later (with whatever came in since)
 PENDING_TTL_MS = 2 * STREAM_IDLE_TIMEOUT_S * 1000  # no request stays pending longer (gateway.LOST_AFTER_S)
+MAX_ROUTERS = 64  # peers read per decision: a set flooded with ids cannot make a read unbounded
+MAX_PENDING = 256  # a conversation's pending requests read per decision
+MAX_NAME_CHARS = 253  # a replica name (a DNS name at most) or a router id
+LAG_EVERY_S = 0.02  # the event loop's lag is sampled this often
+LAG_DECAY = 0.9  # ... and remembered as a maximum that decays by this per sample
 
-# KEYS: placement, pending, routers set. ARGV: load key prefix, own router id.
+# KEYS: placement, pending, routers set. ARGV: load key prefix, own router id, max routers.
 # -> {placement or nil, pending as [field, value, ...], loads as [router, load, ...]}
 READ_SCRIPT = """
 local loads = {}
-for _, id in ipairs(redis.call('SMEMBERS', KEYS[3])) do
+local ids = redis.call('SRANDMEMBER', KEYS[3], tonumber(ARGV[3]))
+for _, id in ipairs(ids) do
   if id ~= ARGV[2] then
     local load = redis.call('HGET', ARGV[1] .. id, 'load')
     if load then
@@ -74,7 +99,10 @@ end
 return {redis.call('GET', KEYS[1]), redis.call('HGETALL', KEYS[2]), loads}
 """
 
-# KEYS: own load key, routers set. ARGV: seq, load, ttl ms, own router id.
+# KEYS: own load key, routers set, present hash. ARGV: seq, load, ttl ms, own router id, present ttl ms.
+# -> 1 when the store knew this router already, 0 when not (first publish, or the store lost its
+# state: restarted empty, flushed). The present hash (router -> 1) lives as long as a placement,
+# so eviction (volatile-ttl) takes it last.
 PUBLISH_SCRIPT = """
 local seq = tonumber(redis.call('HGET', KEYS[1], 'seq') or '-1')
 if tonumber(ARGV[1]) > seq then
@@ -82,8 +110,20 @@ if tonumber(ARGV[1]) > seq then
 end
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
 redis.call('SADD', KEYS[2], ARGV[4])
-return 1
+redis.call('PEXPIRE', KEYS[2], 10 * tonumber(ARGV[3]))
+local new = redis.call('HSETNX', KEYS[3], ARGV[4], '1')
+redis.call('PEXPIRE', KEYS[3], ARGV[5])
+return 1 - new
 """
+
+
+@dataclass(frozen=True, slots=True)
+class EntryBounds:
+    """The most a real router can publish: beyond it an entry read from the store is forged or
+    corrupt, and skipped."""
+
+    max_peer_requests: int  # store.max_peer_requests: one router's requests in flight on one replica
+    max_request_tokens: int  # one request's charged tokens: the largest prompt plus the largest output
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +131,7 @@ class Snapshot:
     """What the store holds for one decision (peers.peer_view makes it a PeerView)."""
 
     placement: Placement | None
+    digest: int  # the history digest of the request that left ``placement`` (0: none)
     pending: tuple[PeerRequest, ...]
     loads: dict[str, ReplicaLoads]  # other live routers -> replica -> (requests, tokens)
 
@@ -102,10 +143,14 @@ class Batch:
     conversation's placement is written once per batch, the latest."""
 
     pending: dict[tuple[str, str], bytes | None] = field(default_factory=dict)  # (key, request id) -> entry; None: gone
-    placements: dict[str, bytes] = field(default_factory=dict)  # key -> placement
+    placements: dict[str, tuple[bytes, int]] = field(default_factory=dict)  # key -> (placement, ttl ms)
 
     def __len__(self) -> int:
         return len(self.pending) + len(self.placements)
+
+    def under(self, newer: Batch) -> Batch:
+        """This batch (not written) followed by ``newer``: a key's newer write replaces the older."""
+        return Batch({**self.pending, **newer.pending}, {**self.placements, **newer.placements})
 
 
 class SharedStore:
@@ -115,31 +160,40 @@ class SharedStore:
         router_id: str,
         own_loads: Callable[[], Mapping[str, tuple[int, int]]],
         metrics: Metrics,
+        bounds: EntryBounds,
         on_recovered: Callable[[], None] = lambda: None,
     ) -> None:
         self.settings = settings
         self.router_id = router_id
         self.own_loads = own_loads  # read when publishing: always the latest figures
         self.metrics = metrics
+        self.bounds = bounds
         self.on_recovered = on_recovered  # re-queue this router's pending requests
         self.timeout = settings.timeout_ms / 1000
         prefix = settings.key_prefix
         self._routers_key = f"{prefix}:routers"
+        self._present_key = f"{prefix}:present"
         self._load_prefix = f"{prefix}:load:"
         self._load_key = self._load_prefix + router_id
         self._place_prefix = f"{prefix}:place:"
         self._pending_prefix = f"{prefix}:pending:"
+        password = _password(settings.password_file)
+        # the socket's own timeouts only catch a connection that hangs for good: each call's
+        # bound is asyncio's (the timeout plus the loop's lag)
         pool = aioredis.BlockingConnectionPool.from_url(
-            settings.url, max_connections=MAX_CONNECTIONS, timeout=self.timeout,
-            socket_timeout=self.timeout, socket_connect_timeout=self.timeout,
+            settings.url, max_connections=MAX_CONNECTIONS, timeout=None, password=password,
+            socket_timeout=10 * self.timeout, socket_connect_timeout=10 * self.timeout,
         )  # fmt: skip
         self.client = aioredis.Redis.from_pool(pool)
         self._read_sha = self._publish_sha = ""
-        self._retry_at = 0.0  # monotonic: when the heartbeat may reconnect
         self._writes = Batch()
+        self._placed: OrderedDict[str, tuple[bytes, float]] = OrderedDict()  # key -> (placement, expires monotonic)
         self._load_dirty = False
         self._seq = 0
+        self._published = False  # the own load key was written since the last (re)connection
+        self._lag = 0.0  # the event loop's recent lag, seconds (a decaying maximum)
         self._wake = asyncio.Event()
+        self._lost = asyncio.Event()
         self._writing = False  # a batch is on its way
         self._closing = False
         self._tasks: list[asyncio.Task[None]] = []
@@ -149,13 +203,15 @@ class SharedStore:
         return self.metrics.store_in_use
 
     async def start(self) -> None:
-        """Connect (or not: then local state until a retry succeeds) and start the writer and heartbeat."""
+        """Connect (or not: then local state until a retry succeeds) and start the writer, the
+        heartbeat and the lag gauge."""
         await self._connect()
-        self._tasks = [asyncio.create_task(self._write_loop()), asyncio.create_task(self._heartbeat())]
+        self._tasks = [asyncio.create_task(self._write_loop()), asyncio.create_task(self._keep_connected()),
+                       asyncio.create_task(self._watch_lag())]
 
     async def flushed(self) -> None:
-        """Return once every write queued so far has been sent (or dropped: store not in use)."""
-        while self._writes or self._load_dirty or self._writing:
+        """Return once every write queued so far has been sent (or the store is not in use)."""
+        while self.in_use and (self._writes or self._load_dirty or self._writing):
             await asyncio.sleep(0.005)
 
     async def close(self) -> None:
@@ -165,11 +221,11 @@ class SharedStore:
         lost (its task left waiting forever), which a flag cannot be."""
         self._closing = True
         self._wake.set()
-        writer_and_heartbeat = self._tasks
-        if writer_and_heartbeat:
-            writer_and_heartbeat[1].cancel()
-            await asyncio.wait(writer_and_heartbeat, timeout=3 * self.timeout)
-        for task in writer_and_heartbeat:
+        if self._tasks:
+            for task in self._tasks[1:]:
+                task.cancel()
+            await asyncio.wait(self._tasks, timeout=3 * self.timeout)
+        for task in self._tasks:
             task.cancel()
         if self.in_use:
             with contextlib.suppress(*FAILURES):
@@ -177,45 +233,47 @@ class SharedStore:
                     pipe = self.client.pipeline(transaction=False)
                     pipe.delete(self._load_key)
                     pipe.srem(self._routers_key, self.router_id)
+                    pipe.hdel(self._present_key, self.router_id)
                     await pipe.execute()
         await self.client.aclose()
 
     # ------------------------------------------------------------------ before a decision
 
     async def read(self, conversation_key: int) -> Snapshot | None:
-        """The shared picture for one decision; None (at once, or after at most the timeout)
-        when the store is not in use."""
+        """The shared picture for one decision; None (at once, or after at most the timeout and
+        the loop's lag) when the store is not in use or does not answer in time."""
         if not self.in_use:
             return None
         suffix = f"{conversation_key:016x}"
+        command = ("EVALSHA", self._read_sha, 3, self._place_prefix + suffix, self._pending_prefix + suffix,
+                   self._routers_key, self._load_prefix, self.router_id, MAX_ROUTERS)  # fmt: skip
         try:
-            async with asyncio.timeout(self.timeout):
-                reply = await self.client.execute_command(
-                    "EVALSHA", self._read_sha, 3, self._place_prefix + suffix, self._pending_prefix + suffix,
-                    self._routers_key, self._load_prefix, self.router_id,
-                )  # fmt: skip
-            placement, pending, loads = reply
-            return Snapshot(_placement(placement), tuple(_pending(pending)), dict(_loads(loads)))
-        except (*FAILURES, ValueError, TypeError) as exc:  # the latter: an entry not written by this code
+            async with asyncio.timeout(self._budget()):
+                try:
+                    reply = await self.client.execute_command(*command)
+                except NoScriptError:  # the store restarted: load the scripts, publish again, read
+                    await self._scripts_reloaded()
+                    reply = await self.client.execute_command("EVALSHA", self._read_sha, *command[2:])
+        except FAILURES as exc:
             self._failed("read", exc)
             return None
+        return self._snapshot(reply)
 
     # ------------------------------------------------------------------ after one (queued)
 
     def routed(self, conversation_key: int, request_id: str, request: PeerRequest) -> None:
         """This router decided ``request``: its load changed; a chat request (history != 0) is
         pending until it completes or a later turn shows it answered."""
-        if not self.in_use:
-            return
         if request.history:
             pending_key = f"{self._pending_prefix}{conversation_key:016x}"
             self._writes.pending[pending_key, request_id] = orjson.dumps(tuple(request))
         self.load_changed()
 
-    def completed(self, conversation_key: int, request_id: str, placement: Placement | None) -> None:
-        """A request of this router is over (placement: where its cache now is, if it succeeded)."""
-        if not self.in_use:
-            return
+    def completed(
+        self, conversation_key: int, request_id: str, placement: Placement | None, digest: int, returning: bool
+    ) -> None:
+        """A request of this router is over (placement: where its cache now is, if it succeeded;
+        digest: its history digest; returning: its conversation came back, it lives long)."""
         suffix = f"{conversation_key:016x}"
         pending = self._writes.pending
         entry = (self._pending_prefix + suffix, request_id)
@@ -224,7 +282,13 @@ class SharedStore:
         else:
             pending[entry] = None
         if placement is not None:
-            self._writes.placements[self._place_prefix + suffix] = orjson.dumps(tuple(placement))
+            ttl_s = self.settings.placement_ttl_seconds if returning else self.settings.first_placement_ttl_seconds
+            key, value = self._place_prefix + suffix, orjson.dumps((*placement, digest))
+            self._writes.placements[key] = (value, ttl_s * 1000)
+            self._placed.pop(key, None)
+            self._placed[key] = (value, time.monotonic() + ttl_s)
+            if len(self._placed) > REPUBLISHED:
+                self._placed.popitem(last=False)
         self.load_changed()
 
     def load_changed(self) -> None:
@@ -234,97 +298,230 @@ class SharedStore:
     # ------------------------------------------------------------------ the background
 
     async def _write_loop(self) -> None:
-        """One writer: batches go out in order, each a pipeline, the own load last (latest figures)."""
-        while not self._closing or self._writes:
+        """One writer: batches go out in order, each a pipeline, the own load last (latest figures).
+        A batch that fails is kept, under what came in since."""
+        while not self._closing or (self._writes and self.in_use):
             await self._wake.wait()
             if not self._closing:
                 await asyncio.sleep(WRITE_EVERY_S)
+            if not self.in_use:  # kept: the reconnection wakes the writer
+                self._wake.clear()
+                if self._closing:
+                    return
+                continue
             self._wake.clear()
             writes, self._writes = self._writes, Batch()
-            if not self.in_use:
-                self._load_dirty = False
-                continue
-            if len(writes) > MAX_QUEUED_WRITES:
-                self._failed("write", OverflowError(f"{len(writes)} writes queued"))
-                continue
-            pipe = self.client.pipeline(transaction=False)
-            refreshed = set()
-            for (key, request_id), entry in writes.pending.items():
-                if entry is None:
-                    pipe.hdel(key, request_id)
-                else:
-                    pipe.hset(key, mapping={request_id: entry})
-                    refreshed.add(key)
-            for key in refreshed:
-                pipe.pexpire(key, PENDING_TTL_MS)
-            for key, placement in writes.placements.items():
-                pipe.set(key, placement, px=self.settings.placement_ttl_seconds * 1000)
-            if self._load_dirty:
-                self._load_dirty = False
-                self._seq += 1
-                load = orjson.dumps(dict(self.own_loads()))
-                ttl_ms = int(self.settings.load_ttl_seconds * 1000)
-                pipe.execute_command("EVALSHA", self._publish_sha, 2, self._load_key, self._routers_key, self._seq,
-                                     load, ttl_ms, self.router_id)
+            load_dirty, self._load_dirty = self._load_dirty, False
             self._writing = True
             try:
-                async with asyncio.timeout(self.timeout):
-                    await pipe.execute()
+                await self._send(writes, load_dirty)
             except FAILURES as exc:
+                self._keep(writes, load_dirty)
                 self._failed("write", exc)
+                if isinstance(exc, NoScriptError):  # the store restarted: at once, not after retry_seconds
+                    with contextlib.suppress(*FAILURES):
+                        async with asyncio.timeout(self._budget()):
+                            await self._scripts_reloaded()
+                elif not self._closing:
+                    await asyncio.sleep(WRITE_RETRY_S)
+                self._wake.set()
             finally:
                 self._writing = False
 
-    async def _heartbeat(self) -> None:
-        """Keep the own load key alive; once retry_seconds have passed after a failure, reconnect."""
+    async def _send(self, writes: Batch, load_dirty: bool) -> None:
+        pipe = self.client.pipeline(transaction=False)
+        refreshed = set()
+        for (key, request_id), entry in writes.pending.items():
+            if entry is None:
+                pipe.hdel(key, request_id)
+            else:
+                pipe.hset(key, mapping={request_id: entry})
+                refreshed.add(key)
+        for key in refreshed:
+            pipe.pexpire(key, PENDING_TTL_MS)
+        for key, (placement, ttl_ms) in writes.placements.items():
+            pipe.set(key, placement, px=ttl_ms)
+        if load_dirty:
+            self._seq += 1
+            load = orjson.dumps(dict(self.own_loads()))
+            ttl_ms = int(self.settings.load_ttl_seconds * 1000)
+            pipe.execute_command("EVALSHA", self._publish_sha, 3, self._load_key, self._routers_key,
+                                 self._present_key, self._seq, load, ttl_ms, self.router_id,
+                                 self.settings.placement_ttl_seconds * 1000)
+        async with asyncio.timeout(self._budget() + self.timeout * len(writes) / 1000):
+            results = await pipe.execute()
+        if load_dirty:
+            if results[-1] == 0 and self._published:  # this router unknown: the store lost its state
+                log.warning("store_emptied", router=self.router_id)
+                self._republish()
+            self._published = True
+
+    def _keep(self, writes: Batch, load_dirty: bool) -> None:
+        """A batch that was not written goes back in front of the queue (at most MAX_QUEUED_WRITES)."""
+        queue = writes.under(self._writes)
+        over = len(queue) - MAX_QUEUED_WRITES
+        for oldest_first in (queue.placements, queue.pending):
+            gone = list(itertools.islice(oldest_first, max(0, over)))
+            for key in gone:
+                del oldest_first[key]  # type: ignore[arg-type]
+            over -= len(gone)
+            self.metrics.store_writes_dropped += len(gone)
+        self._writes = queue
+        self._load_dirty = self._load_dirty or load_dirty
+
+    def _republish(self) -> None:
+        """Queue again what this router has published and is still true: its pending requests (the
+        gateway's), its placements not expired, its load."""
+        now = time.monotonic()
+        while self._placed and next(iter(self._placed.values()))[1] <= now:
+            self._placed.popitem(last=False)
+        again = {key: (value, int((expires - now) * 1000) + 1) for key, (value, expires) in self._placed.items()}
+        self._writes.placements = {**again, **self._writes.placements}
+        self.on_recovered()
+        self.metrics.store_republished += 1
+        self.load_changed()
+
+    async def _keep_connected(self) -> None:
+        """The heartbeat keeps the own load key alive; a lost link is reconnected every retry_seconds."""
         while not self._closing:
-            await asyncio.sleep(self.settings.load_ttl_seconds / 3)
             if self.in_use:
-                self.load_changed()
-            elif time.monotonic() >= self._retry_at:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._lost.wait(), self.settings.load_ttl_seconds / 3)
+                if self.in_use:
+                    self.load_changed()
+            else:
+                await asyncio.sleep(self.settings.retry_seconds)
                 await self._connect()
 
     async def _connect(self) -> None:
+        await self.client.connection_pool.disconnect()  # connections to a store that went away are dead
         try:
-            async with asyncio.timeout(self.timeout):
-                self._read_sha = await self.client.script_load(READ_SCRIPT)
-                self._publish_sha = await self.client.script_load(PUBLISH_SCRIPT)
+            async with asyncio.timeout(self._budget() + self.timeout):
+                await self._load_scripts()
         except FAILURES as exc:
             self._failed("connect", exc)
             return
+        self._lost.clear()
+        self._published = False
         self.metrics.store_in_use = True
         log.info("store_in_use", url=_without_password(self.settings.url), router=self.router_id)
-        self._writes = Batch()  # from before the failure: republished below as they are now
-        self.on_recovered()
-        self.load_changed()
+        self._republish()
+
+    async def _load_scripts(self) -> None:
+        self._read_sha = await self.client.script_load(READ_SCRIPT)
+        self._publish_sha = await self.client.script_load(PUBLISH_SCRIPT)
+
+    async def _scripts_reloaded(self) -> None:
+        """The store restarted under a live connection (empty): the scripts again, then all we know."""
+        await self._load_scripts()
+        log.warning("store_restarted", router=self.router_id)
+        self._published = False
+        self._republish()
+
+    async def _watch_lag(self) -> None:
+        """How late the event loop runs what is due: a call that took long on a busy loop may have
+        been answered in time, so each call's bound is the timeout plus this."""
+        loop = asyncio.get_running_loop()
+        while not self._closing:
+            due = loop.time() + LAG_EVERY_S
+            await asyncio.sleep(LAG_EVERY_S)
+            self._lag = max(loop.time() - due, self._lag * LAG_DECAY)
+
+    def _budget(self) -> float:
+        return self.timeout + min(self._lag, 2 * self.timeout)
 
     def _failed(self, call: str, exc: BaseException) -> None:
+        """A call failed: a slow or refused one costs only itself; a lost link puts the router on
+        its own state until a reconnection."""
         self.metrics.store_errors[call] += 1
-        self._retry_at = time.monotonic() + self.settings.retry_seconds
+        if not _link_lost(exc) and call != "connect":
+            return
         if self.metrics.store_in_use or (call == "connect" and self.metrics.store_errors[call] == 1):
             log.warning("store_unavailable", call=call, error=type(exc).__name__, detail=str(exc)[:200],
-                        local_state_for_s=self.settings.retry_seconds)
+                        retry_every_s=self.settings.retry_seconds)
         self.metrics.store_in_use = False
-        self._writes = Batch()
-        self._load_dirty = False
+        self._lost.set()
+
+    # ------------------------------------------------------------------ what was read
+
+    def _snapshot(self, reply: object) -> Snapshot:
+        """The reply, every entry checked: what does not parse or is out of bounds is skipped and
+        counted, never fatal."""
+        placement, digest, pending, loads = None, 0, [], {}
+        raw_placement, raw_pending, raw_loads = reply if isinstance(reply, list) and len(reply) == 3 else (None, [], [])
+        if raw_placement is not None:
+            try:
+                placement, digest = self._placement(raw_placement)
+            except (ValueError, TypeError):
+                self.metrics.store_invalid["placement"] += 1
+        for value in raw_pending[1 : 2 * MAX_PENDING : 2]:
+            try:
+                pending.append(self._pending(value))
+            except (ValueError, TypeError):
+                self.metrics.store_invalid["pending"] += 1
+        for router, value in zip(raw_loads[::2], raw_loads[1::2], strict=False):
+            try:
+                loads[_name(router)] = self._loads(value)
+            except (ValueError, TypeError, UnicodeDecodeError):
+                self.metrics.store_invalid["load"] += 1
+        return Snapshot(placement, digest, tuple(pending), loads)
+
+    def _placement(self, raw: bytes) -> tuple[Placement, int]:
+        replica, tokens, digest = orjson.loads(raw)
+        return Placement(_name(replica), self._tokens(tokens, self.bounds.max_request_tokens)), _digest(digest)
+
+    def _pending(self, raw: bytes) -> PeerRequest:
+        router, replica, charged, prompt, history = orjson.loads(raw)
+        limit = self.bounds.max_request_tokens
+        return PeerRequest(_name(router), _name(replica), self._tokens(charged, limit), self._tokens(prompt, limit),
+                           _digest(history))
+
+    def _loads(self, raw: bytes) -> ReplicaLoads:
+        by_replica = orjson.loads(raw)
+        if not isinstance(by_replica, dict):
+            raise TypeError("a load is an object")
+        loads = {}
+        for replica, (requests, tokens) in by_replica.items():
+            requests = self._tokens(requests, self.bounds.max_peer_requests)
+            loads[_name(replica)] = (requests, self._tokens(tokens, requests * self.bounds.max_request_tokens))
+        return loads
+
+    @staticmethod
+    def _tokens(value: object, limit: int) -> int:
+        if type(value) is not int or not 0 <= value <= limit:
+            raise ValueError(f"{value!r} is not a count within 0..{limit}")
+        return value
 
 
-def _placement(raw: bytes | None) -> Placement | None:
-    if raw is None:
+def _name(value: object) -> str:
+    text = value.decode() if isinstance(value, bytes) else value
+    if not isinstance(text, str) or not 0 < len(text) <= MAX_NAME_CHARS:
+        raise ValueError("not a name")
+    return text
+
+
+def _digest(value: object) -> int:
+    if type(value) is not int or not 0 <= value < 1 << 64:
+        raise ValueError("not a 64-bit digest")
+    return value
+
+
+def _link_lost(exc: BaseException) -> bool:
+    """The connection is gone (refused, reset, closed, auth refused); not a slow call, which
+    costs only itself, nor a store restarted under a live connection (its scripts gone: they
+    are loaded again at once)."""
+    if isinstance(exc, ConnectionRefusedError | ConnectionResetError | BrokenPipeError):
+        return True
+    return isinstance(exc, LinkError) and not isinstance(exc, TimeoutError)
+
+
+def _password(path: str) -> str | None:
+    if not path:
         return None
-    replica, tokens = orjson.loads(raw)
-    return Placement(replica, tokens)
-
-
-def _pending(flat: list[bytes]) -> Iterable[PeerRequest]:
-    for value in flat[1::2]:
-        yield PeerRequest(*orjson.loads(value))
-
-
-def _loads(flat: list[bytes]) -> Iterable[tuple[str, ReplicaLoads]]:
-    for router, load in zip(flat[::2], flat[1::2], strict=True):
-        by_replica = orjson.loads(load)
-        yield router.decode(), {replica: (requests, tokens) for replica, (requests, tokens) in by_replica.items()}
+    try:
+        return Path(path).read_text().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SettingsError(f"store.password_file: cannot read {path} ({type(exc).__name__})") from None
 
 
 def _without_password(url: str) -> str:

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from extproc.stack.redis_server import user_url
+
 HOST = "127.0.0.1"
 PORTS_PER_GATEWAY = 4  # Envoy listener, Envoy admin, router gRPC, router metrics
 FRONT = "front"
@@ -87,4 +89,5 @@ def port_purposes(gateways: list[GatewayState]) -> list[tuple[int, str]]:
 # ---- the store: one redis-server, nothing kept on disk ---------------------------------
 
 def store_url(port: int) -> str:
-    return f"redis://{HOST}:{port}/0"
+    """As the routers connect: the ACL user of redis_server.py (its password in a file)."""
+    return user_url(f"{HOST}:{port}")

@@ -147,6 +147,7 @@ def service_env(listen: str, endpoints_file: Path, discovery: Mapping[str, str],
         "LLM_RING__SERVICE__ADMIN_LISTEN": f'"127.0.0.1:{free_port()}"',
         "LLM_RING__SERVICE__METRICS_LISTEN": f'"127.0.0.1:{free_port()}"',
         "LLM_RING__SERVICE__ENVOY_ENDPOINTS_FILE": f'"{endpoints_file}"',
+        "LLM_RING__SERVICE__ROUTING_HEADERS": "true",  # tests and benchmarks look at where requests went
     }
     env.update({f"LLM_RING__SERVICE__{key.upper()}": value for key, value in service.items()})
     env.update({f"LLM_RING__DISCOVERY__{key.upper()}": value for key, value in discovery.items()})

@@ -1,10 +1,19 @@
 """A private redis-server (Debian's package; `make setup` installs it) for tests, benchmarks
-and the local stack's gateways: on 127.0.0.1 only, nothing written to disk, bounded memory
-(least recently used keys with a TTL evicted first: every key the routers write has one),
-its log in the caller's directory. Never the machine's system-wide service."""
+and the local stack's gateways: on 127.0.0.1 only, nothing written to disk, bounded memory,
+its log in the caller's directory. Never the machine's system-wide service.
+
+Credentials: the ``default`` user is off; the routers connect as ``llm-ring`` (USER), allowed
+only the commands store.py sends (and its scripts call) on keys ``<key_prefix>:*``; ``admin``
+may do anything (inspection, drills). Both passwords are generated into 0600 files in the
+server's folder (reused when it restarts there) and written into its 0600 config file, so no
+password is on a command line. Eviction: ``volatile-ttl``, the key nearest its expiry first:
+every key the routers write has a TTL, so a write is never refused for memory, and one-shot
+placements (short TTL) go before returning conversations (docs/several-gateways.md)."""
 
 from __future__ import annotations
 
+import os
+import secrets
 import shutil
 import socket
 from pathlib import Path
@@ -13,40 +22,88 @@ from extproc.stack.processes import Running, StartError, accepts, free_port, spa
 
 HOST = "127.0.0.1"
 MAX_MEMORY = "256mb"
+USER = "llm-ring"
+ADMIN = "admin"
+# every command store.py sends and its Lua scripts call (store.py's READ_SCRIPT, PUBLISH_SCRIPT)
+ROUTER_COMMANDS = (
+    "evalsha", "script|load", "get", "set", "del", "hget", "hgetall", "hset", "hsetnx", "hdel", "pexpire",
+    "sadd", "srem", "srandmember",
+)  # fmt: skip
 
 
 def redis_server_binary() -> str | None:
     return shutil.which("redis-server") or shutil.which("redis-server", path="/usr/bin:/usr/sbin")
 
 
-def redis_command(binary: str, port: int, folder: Path) -> list[str]:
-    """The server's command line: the shared state is rebuilt by the routers (no snapshots,
-    no append-only file; a restart starts empty)."""
-    return [
-        binary, "--port", str(port), "--bind", HOST, "--dir", str(folder), "--save", "", "--appendonly", "no",
-        "--maxmemory", MAX_MEMORY, "--maxmemory-policy", "volatile-lru", "--daemonize", "no", "--protected-mode", "yes",
+def password_file(folder: Path, user: str = USER) -> Path:
+    return folder / f"{user}.password"
+
+
+def user_url(address: str) -> str:
+    """The routers' store.url for a server at host:port (the password: store.password_file)."""
+    return f"redis://{USER}@{address}/0"
+
+
+def write_config(port: int, folder: Path, key_prefix: str = "llm-ring", max_memory: str = MAX_MEMORY) -> Path:
+    """The server's 0600 config file in ``folder`` (passwords generated once, beside it)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    passwords = {user: _password(password_file(folder, user)) for user in (USER, ADMIN)}
+    commands = " ".join(f"+{command}" for command in ROUTER_COMMANDS)
+    lines = [
+        f"port {port}", f"bind {HOST}", "protected-mode yes", f"dir {folder}", 'save ""', "appendonly no",
+        f"maxmemory {max_memory}", "maxmemory-policy volatile-ttl", "daemonize no",
+        "user default off",
+        f"user {USER} on >{passwords[USER]} resetkeys ~{key_prefix}:* resetchannels -@all {commands}",
+        f"user {ADMIN} on >{passwords[ADMIN]} ~* &* +@all",
     ]  # fmt: skip
+    config = folder / "redis.conf"
+    _private(config, "\n".join(lines) + "\n")
+    return config
 
 
-def start_redis(workdir: Path, port: int | None = None) -> Running:
+def redis_command(binary: str, config: Path) -> list[str]:
+    """The server's command line: every option, the passwords among them, in its config file.
+    The shared state is rebuilt by the routers (no snapshots, no append-only file; a restart
+    starts empty)."""
+    return [binary, str(config)]
+
+
+def start_redis(workdir: Path, port: int | None = None, max_memory: str = MAX_MEMORY) -> Running:
     """redis-server on 127.0.0.1:``port`` (a free one by default), a child process that
-    ``Running.stop`` ends; ``address`` is host:port."""
+    ``Running.stop`` ends; ``address`` is host:port; the routers' password is in
+    ``password_file(workdir)``, the admin's in ``password_file(workdir, ADMIN)``."""
     binary = redis_server_binary()
     if binary is None:
         raise StartError("no redis-server: `make setup` installs Debian's package (apt-get install redis-server)")
     port = port or free_port()
-    workdir.mkdir(parents=True, exist_ok=True)
-    running = spawn_child("redis-server", redis_command(binary, port, workdir), workdir / f"redis-{port}.log")
+    config = write_config(port, workdir, max_memory=max_memory)
+    running = spawn_child("redis-server", redis_command(binary, config), workdir / f"redis-{port}.log")
     wait_until_ready(running, lambda: accepts(port), 10.0)
     running.address = f"{HOST}:{port}"
     return running
 
 
 def redis_answers(port: int, timeout: float = 1.0) -> bool:
-    """The server on `port` answers PING with +PONG."""
+    """The server on `port` answers (PING: +PONG, or -NOAUTH from a server that wants a password)."""
     try:
         with socket.create_connection((HOST, port), timeout=timeout) as sock:
             sock.sendall(b"PING\r\n")
-            return sock.recv(16).startswith(b"+PONG")
+            return sock.recv(16).startswith((b"+PONG", b"-NOAUTH"))
     except OSError:
         return False
+
+
+def _password(path: Path) -> str:
+    if path.exists():
+        return path.read_text().strip()
+    password = secrets.token_hex(24)
+    _private(path, password + "\n")
+    return password
+
+
+def _private(path: Path, text: str) -> None:
+    """Written readable by the owner only, from its creation on (never briefly world-readable)."""
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(descriptor, "w") as file:
+        file.write(text)
+    os.chmod(path, 0o600)

@@ -151,3 +151,9 @@ def test_bench_gateway_with_the_store_on_and_no_redis_server_is_refused(capsys, 
 def test_an_unusable_store_url_stops_the_service_naming_the_key(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("LLM_RING__STORE__URL", '"redis://127.0.0.1:port/0"')
     assert_refused(*run_cli(capsys, "serve", "--config", str(ROUTER_TOML)), "LLM_RING__STORE__URL", "store.url")
+
+
+def test_an_unreadable_store_password_file_stops_the_service_naming_the_key(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("LLM_RING__STORE__URL", '"redis://llm-ring@127.0.0.1:1/0"')
+    monkeypatch.setenv("LLM_RING__STORE__PASSWORD_FILE", f'"{tmp_path / "missing"}"')
+    assert_refused(*run_cli(capsys, "serve", "--config", str(ROUTER_TOML)), "store.password_file", "missing")

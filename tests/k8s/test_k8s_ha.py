@@ -8,6 +8,7 @@ store's own command line on a real redis-server."""
 from __future__ import annotations
 
 import json
+import shlex
 import shutil
 import subprocess
 import sys
@@ -205,8 +206,16 @@ def test_only_gateway_pods_reach_the_store():
     assert rule["ports"] == [{"port": "redis", "protocol": "TCP"}]
 
 
+def store_script() -> str:
+    """The store container's shell script: it writes the ACL file, then execs redis-server."""
+    command = deployment("store")["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert command[:2] == ["sh", "-c"]
+    return str(command[2])
+
+
 def store_command() -> list[str]:
-    return list(deployment("store")["spec"]["template"]["spec"]["containers"][0]["command"])
+    (line,) = [line for line in store_script().splitlines() if line.startswith("exec redis-server")]
+    return shlex.split(line)[1:]
 
 
 def store_option(name: str) -> str:
@@ -220,7 +229,8 @@ def test_the_store_is_a_bounded_cache_with_least_privilege():
     (redis,) = pod["containers"]
     assert spec["replicas"] == 1 and spec["strategy"] == {"type": "Recreate"}, "never two stores side by side"
     assert pod["automountServiceAccountToken"] is False and "serviceAccountName" not in pod
-    assert store_option("--maxmemory-policy") == "allkeys-lru"
+    assert store_option("--maxmemory-policy") == "volatile-ttl"  # every key has a TTL: one-shots go first
+    assert store_option("--protected-mode") == "yes"
     assert (store_option("--save"), store_option("--appendonly")) == ("", "no"), "a cache: nothing on disk"
     maxmemory_mib = int(store_option("--maxmemory").removesuffix("mb"))
     limit_mib = int(redis["resources"]["limits"]["memory"].removesuffix("Mi"))
@@ -235,12 +245,17 @@ def test_the_store_is_a_bounded_cache_with_least_privilege():
 @pytest.mark.live
 @pytest.mark.skipif(not shutil.which("redis-server"), reason="needs redis-server (Debian's, on PATH)")
 def test_the_stores_command_line_runs_a_real_redis_as_configured(tmp_path: Path):
-    command = store_command()
+    """The container's script with a password file here (and a probe user added to its ACL file,
+    to read the config back): the routers' user gets in with the password, nobody without."""
     port = free_port()
-    command[command.index("--port") + 1] = str(port)
-    redis = spawn_child("redis", [shutil.which("redis-server") or "redis-server", *command[1:]], tmp_path / "redis.log")
+    password = tmp_path / "password"
+    password.write_text("s3cret-value\n")
+    probe = f"printf 'user probe on nopass ~* +@all\\n' >> {tmp_path}/users.acl\nexec redis-server"
+    script = (store_script().replace("/run/llm-ring/store/password", str(password)).replace("/data/", f"{tmp_path}/")
+              .replace("--port 6379", f"--port {port} --bind 127.0.0.1").replace("exec redis-server", probe))
+    redis = spawn_child("redis", ["sh", "-c", script], tmp_path / "redis.log")
     try:
-        cli = [shutil.which("redis-cli") or "redis-cli", "-p", str(port)]
+        cli = [shutil.which("redis-cli") or "redis-cli", "-p", str(port), "--user", "probe", "--pass", "x"]
 
         def ask(*words: str) -> list[str]:
             return subprocess.run([*cli, *words], capture_output=True, text=True).stdout.split("\n")
@@ -250,8 +265,15 @@ def test_the_stores_command_line_runs_a_real_redis_as_configured(tmp_path: Path)
 
         wait_until_ready(redis, lambda: ask("ping")[0] == "PONG", 20.0)
 
-        assert config("maxmemory-policy") == "allkeys-lru"
+        assert config("maxmemory-policy") == "volatile-ttl"
         assert int(config("maxmemory")) == int(store_option("--maxmemory").removesuffix("mb")) << 20
-        assert (config("save"), config("appendonly"), config("protected-mode")) == ("", "no", "no")
+        assert (config("save"), config("appendonly"), config("protected-mode")) == ("", "no", "yes")
+        anonymous = subprocess.run([cli[0], "-p", str(port), "ping"], capture_output=True, text=True).stdout
+        assert "NOAUTH" in anonymous
+        routers = [cli[0], "-p", str(port), "--user", "llm-ring", "--pass", "s3cret-value", "--no-auth-warning"]
+        stored = subprocess.run([*routers, "set", "llm-ring:place:1", "x"], capture_output=True, text=True).stdout
+        assert stored == "OK\n" and (tmp_path / "users.acl").stat().st_mode & 0o077 == 0
+        refused = subprocess.run([*routers, "flushall"], capture_output=True, text=True).stdout
+        assert "NOPERM" in refused
     finally:
         redis.stop()

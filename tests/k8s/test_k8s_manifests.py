@@ -48,6 +48,7 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from extproc.settings import SettingsError, parse_settings
+from extproc.stack.redis_server import ROUTER_COMMANDS
 from extproc.traffic.profile import available_profiles, check_context, load_profile
 
 
@@ -416,3 +417,22 @@ def test_kubectl_reads_exactly_the_numbered_manifests():
         )  # fmt: skip
     read = list(dict.fromkeys(re.findall(r'error validating "[^"]*?(\d\d-[a-z0-9-]+\.yaml)"', result.stderr)))
     assert read == [p.name for p in manifest_files()], result.stderr[-2000:]
+
+
+def test_the_store_wants_the_routers_password_and_allows_only_their_commands():
+    """The store's ACL is the local stack's (redis_server.py), its password the Secret no manifest
+    holds, mounted where the router config's store.password_file points (test_k8s_ha runs it)."""
+    store = find("Deployment", "store")["spec"]["template"]["spec"]
+    container = store["containers"][0]
+    script = container["command"][2]
+    assert f"~llm-ring:* resetchannels -@all {' '.join('+' + c for c in ROUTER_COMMANDS)}\\n" in script
+    assert "user default off" in script and "--protected-mode yes" in script and "volatile-ttl" in script
+    assert not [d for d in all_docs() if d["kind"] == "Secret"]  # generated per cluster, never committed
+    secrets = {v["name"]: v["secret"]["secretName"] for v in store["volumes"] if "secret" in v}
+    assert secrets == {"password": "llm-ring-store"}
+    settings = router_settings_raw()["store"]
+    gateway = find("Deployment", "gateway")["spec"]["template"]["spec"]
+    router = next(c for c in gateway["containers"] if c["name"] == "router")
+    mounted = {m["name"]: m["mountPath"] for m in router["volumeMounts"]}
+    assert Path(settings["password_file"]).parent == Path(mounted["store-password"])
+    assert settings["url"].startswith("redis://llm-ring@")

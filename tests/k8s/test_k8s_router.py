@@ -39,7 +39,9 @@ def test_router_follows_endpointslices_and_survives_the_api_restarting(apiserver
         "LLM_RING__SERVICE__METRICS_LISTEN": f'"127.0.0.1:{free_port()}"',
         "LLM_RING__DISCOVERY__KUBERNETES_BACKOFF_SECONDS": "0.05",
         "LLM_RING__SERVICE__ENVOY_ENDPOINTS_FILE": f'"{tmp_path / "eds" / "replicas.json"}"',
+        "LLM_RING__STORE__PASSWORD_FILE": f'"{tmp_path / "store-password"}"',  # the Secret's mount, here
     }
+    (tmp_path / "store-password").write_text("not-the-secret\n")
     apiserver.apply(endpoint_slice("llm-a", "llm", [Endpoint("llm-0", "10.0.0.10", ready=False)], namespace=NAMESPACE))
     service = start_service(tmp_path, env, config)
     try:

@@ -18,11 +18,12 @@ import pytest
 import redis
 
 from extproc.routing.peers import PeerRequest
+from extproc.routing.placement import Placement
 from extproc.service.gateway import Gateway
 from extproc.service.metrics import Metrics
 from extproc.service.store import SharedStore
 from extproc.stack.processes import Running
-from extproc.stack.redis_server import redis_server_binary, start_redis
+from extproc.stack.redis_server import ADMIN, password_file, redis_server_binary, start_redis, user_url
 from tests.service.test_gateway_lifecycle import ENDPOINTS, SETTINGS, make_gateway, samples
 
 pytestmark = pytest.mark.skipif(
@@ -41,16 +42,32 @@ def server(tmp_path: Path) -> Iterator[Running]:
 
 
 def url(server: Running) -> str:
-    return f"redis://{server.address}/0"
+    return user_url(server.address)
 
 
-async def sharing(address: str, router_id: str, **store: Any) -> Gateway:
+def folder(server: Running) -> Path:
+    return server.log_path.parent
+
+
+def admin(server: Running) -> redis.Redis:
+    """A client that may read and write anything (the routers' user may not)."""
+    password = password_file(folder(server), ADMIN).read_text().strip()
+    return redis.Redis.from_url(f"redis://{ADMIN}@{server.address}/0", password=password)
+
+
+async def sharing(server: Running, router_id: str, address: str = "", **store: Any) -> Gateway:
+    """A gateway on router.toml's settings sharing state through ``server`` (or ``address``, a
+    proxy in front of it): see sharing_at."""
+    return await sharing_at(address or url(server), password_file(folder(server)), router_id, **store)
+
+
+async def sharing_at(address: str, password: Path, router_id: str, **store: Any) -> Gateway:
     """A gateway on router.toml's settings sharing state through ``address`` (generous timeout:
     these machines are busy; the fault tests set their own)."""
     gateway = make_gateway()
     gateway.metrics.watch(gateway.replica_states)
-    settings = SETTINGS.store.model_copy(update={"url": address, "timeout_ms": 500, "retry_seconds": 0.2,
-                                                 "load_ttl_seconds": 0.6, **store})
+    settings = SETTINGS.store.model_copy(update={"url": address, "password_file": str(password), "timeout_ms": 500,
+                                                 "retry_seconds": 0.2, "load_ttl_seconds": 0.6, **store})
     await gateway.share_state(settings, router_id)
     OPEN.append(gateway)
     return gateway
@@ -103,7 +120,7 @@ async def eventually(condition: Callable[[], Awaitable[bool]], timeout: float = 
 
 def test_turns_that_alternate_between_routers_stay_on_their_replica(server: Running) -> None:
     async def run() -> None:
-        routers = [await sharing(url(server), "r-a"), await sharing(url(server), "r-b")]
+        routers = [await sharing(server, "r-a"), await sharing(server, "r-b")]
         for index in range(4):
             conversation = f"conv-{index}"
             messages = [{"role": "user", "content": f"question {index}"}]
@@ -130,7 +147,7 @@ def test_turns_that_alternate_between_routers_stay_on_their_replica(server: Runn
 
 def test_a_back_to_back_turn_through_another_router_is_not_charged_the_answered_request(server: Running) -> None:
     async def run() -> None:
-        a, b = await sharing(url(server), "r-a"), await sharing(url(server), "r-b")
+        a, b = await sharing(server, "r-a"), await sharing(server, "r-b")
         t1 = await ask(a, [USER1])
         still_running = await ask(a, [{"role": "user", "content": "another chat"}], conversation="c-2")
         await a.store.flushed()  # type: ignore[union-attr]
@@ -152,13 +169,13 @@ def test_a_back_to_back_turn_through_another_router_is_not_charged_the_answered_
 
 def test_a_new_router_starts_warm(server: Running) -> None:
     async def run() -> None:
-        a = await sharing(url(server), "r-a")
+        a = await sharing(server, "r-a")
         t1 = await ask(a, [USER1])
         home = a.pending[t1].decision.replica
         moved_to = next(name for name in sorted(ENDPOINTS) if name != home)
         answered(a, t1, served=moved_to)
         await a.store.flushed()  # type: ignore[union-attr]
-        late = await sharing(url(server), "r-new")  # started after: an empty memory of its own
+        late = await sharing(server, "r-new")  # started after: an empty memory of its own
         t2 = await ask(late, follow_up([USER1], "an answer", "more"))
         assert late.pending[t2].decision.replica == moved_to != home
 
@@ -169,12 +186,12 @@ def test_the_store_down_leaves_routing_on_local_state_and_it_recovers_without_le
     server: Running, tmp_path: Path
 ) -> None:
     port = int(server.address.rsplit(":", 1)[1])
-    raw = redis.Redis.from_url(url(server))
+    raw = admin(server)
 
     restarted: list[Running] = []
 
     async def run() -> None:
-        a = await sharing(url(server), "r-a", timeout_ms=200)
+        a = await sharing(server, "r-a", timeout_ms=200)
         store = a.store
         assert store is not None and store.in_use
         server.process.kill()  # the store dies
@@ -187,7 +204,8 @@ def test_the_store_down_leaves_routing_on_local_state_and_it_recovers_without_le
         reads_failed = a.metrics.store_errors["read"]
         await ask(a, [{"role": "user", "content": "no store call now"}], conversation="c-x")
         assert a.metrics.store_errors["read"] == reads_failed  # local state: no decision asks the store now
-        restarted.append(start_redis(tmp_path / "redis-again", port))
+        answered(a, await ask(a, [{"role": "user", "content": "served during the outage"}], conversation="c-out"))
+        restarted.append(start_redis(folder(server), port))
 
         async def back() -> bool:
             return store.in_use
@@ -198,6 +216,7 @@ def test_the_store_down_leaves_routing_on_local_state_and_it_recovers_without_le
         assert sum(requests for requests, _ in own.values()) == a.router.ledger.total_requests() == 4
         pending = raw.hgetall("llm-ring:pending:" + f"{a.router.conversation_key('c0'):016x}")
         assert list(pending) == [during[0].encode()]  # republished: it is still waiting for its answer
+        assert raw.exists(f"llm-ring:place:{a.router.conversation_key('c-out'):016x}")  # kept until written
         for request_id in list(a.pending):
             answered(a, request_id)
         await store.flushed()
@@ -222,7 +241,7 @@ class DelayProxy:
 
     async def start(self) -> str:
         self.server = await asyncio.start_server(self._connection, "127.0.0.1", 0)
-        return f"redis://127.0.0.1:{self.server.sockets[0].getsockname()[1]}/0"
+        return user_url(f"127.0.0.1:{self.server.sockets[0].getsockname()[1]}")
 
     async def _connection(self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
         upstream_reader, upstream_writer = await asyncio.open_connection(self.host, self.port)
@@ -246,7 +265,7 @@ def test_a_slow_store_costs_a_decision_at_most_the_timeout(server: Running) -> N
     async def run() -> None:
         proxy = DelayProxy(server.address)
         address = await proxy.start()
-        a = await sharing(address, "r-a", timeout_ms=300, retry_seconds=0.3)
+        a = await sharing(server, "r-a", address, timeout_ms=300, retry_seconds=0.3)
         store = a.store
         assert store is not None and store.in_use
         proxy.delay = 0.05  # within the timeout: waited for, the store stays in use
@@ -257,23 +276,27 @@ def test_a_slow_store_costs_a_decision_at_most_the_timeout(server: Running) -> N
         started = time.monotonic()
         request_id = await ask(a, [{"role": "user", "content": "b"}], conversation="c-2")
         assert time.monotonic() - started < 2.5  # the bound is 0.3 s; the slack is for a busy machine
-        assert not store.in_use and a.metrics.store_errors["read"] >= 1 and request_id in a.pending
+        assert a.metrics.store_errors["read"] >= 1 and request_id in a.pending
+        assert store.in_use  # one slow call costs that decision, not the next ones
         proxy.delay = 0.0
-
-        async def back() -> bool:
-            return store.in_use
-
-        await eventually(back)
+        reads_failed = a.metrics.store_errors["read"]
+        await ask(a, [{"role": "user", "content": "c"}], conversation="c-3")
+        assert a.metrics.store_errors["read"] == reads_failed
+        answered(a, request_id)
+        await store.flushed()  # the writes queued meanwhile reach the store
+        pending_key = f"llm-ring:pending:{a.router.conversation_key('c-2'):016x}"
+        assert not admin(server).hgetall(pending_key)
 
     run_closing(run)
 
 
 DOOMED_ROUTER = """
 import asyncio, sys
-from tests.service.test_store import ask, sharing
+from pathlib import Path
+from tests.service.test_store import ask, sharing_at
 
 async def main():
-    gateway = await sharing(sys.argv[1], "r-doomed")
+    gateway = await sharing_at(sys.argv[1], Path(sys.argv[2]), "r-doomed")
     await ask(gateway, [{"role": "user", "content": "in flight when killed"}], conversation="c-9")
     await gateway.store.flushed()
     print("published", flush=True)
@@ -284,14 +307,14 @@ asyncio.run(main())
 
 
 def test_a_router_killed_with_sigkill_stops_counting_within_its_ttl(server: Running) -> None:
-    doomed = subprocess.Popen([sys.executable, "-c", DOOMED_ROUTER, url(server)], stdout=subprocess.PIPE,
-                              cwd=Path(__file__).parents[2])
+    command = [sys.executable, "-c", DOOMED_ROUTER, url(server), str(password_file(folder(server)))]
+    doomed = subprocess.Popen(command, stdout=subprocess.PIPE, cwd=Path(__file__).parents[2])
     try:
         assert doomed.stdout is not None
         assert b"published\n" in iter(doomed.stdout.readline, b"")  # after its log lines
 
         async def run() -> None:
-            b = await sharing(url(server), "r-b")
+            b = await sharing(server, "r-b")
             await ask(b, [USER1])
             assert sum(requests for requests, _ in b.router.ledger.elsewhere().values()) == 1
             doomed.kill()  # no heartbeat, no goodbye
@@ -301,7 +324,7 @@ def test_a_router_killed_with_sigkill_stops_counting_within_its_ttl(server: Runn
                 return snapshot is not None and "r-doomed" not in snapshot.loads
 
             await eventually(forgotten)
-            assert redis.Redis.from_url(url(server)).smembers("llm-ring:routers") == {b"r-b"}
+            assert admin(server).smembers("llm-ring:routers") == {b"r-b"}
 
         run_closing(run)
     finally:
@@ -311,9 +334,9 @@ def test_a_router_killed_with_sigkill_stops_counting_within_its_ttl(server: Runn
 
 def test_pending_requests_of_a_router_that_is_gone_are_ignored(server: Running) -> None:
     async def run() -> None:
-        b = await sharing(url(server), "r-b")
+        b = await sharing(server, "r-b")
         assert b.store is not None
-        ghost = SharedStore(b.store.settings, "r-ghost", lambda: {"llm-0": (5, 500)}, Metrics())
+        ghost = SharedStore(b.store.settings, "r-ghost", lambda: {"llm-0": (5, 500)}, Metrics(), b.store.bounds)
         await ghost.start()
         ghost.routed(b.router.conversation_key("c-1"), "g-1", PeerRequest("r-ghost", "llm-0", 500, 100, 1))
         await ghost.flushed()
@@ -322,5 +345,60 @@ def test_pending_requests_of_a_router_that_is_gone_are_ignored(server: Running) 
         assert snapshot is not None and snapshot.loads == {} and len(snapshot.pending) == 1
         await ask(b, [USER1])
         assert b.router.ledger.elsewhere() == {}
+
+    run_closing(run)
+
+
+def test_a_flood_of_one_shot_ids_does_not_evict_returning_conversations(tmp_path: Path) -> None:
+    """At maxmemory, eviction (volatile-ttl) takes one-shot placements (short TTL) first: the
+    returning conversations stay, and no write of the routers is refused."""
+    small = start_redis(tmp_path / "small", max_memory="3mb")
+    try:
+        async def run() -> None:
+            a = await sharing(small, "r-a")
+            store = a.store
+            assert store is not None
+            returning = [f"user-{i}" for i in range(8)]
+            for conversation in returning:  # two turns each: the second continues the first
+                messages = [{"role": "user", "content": f"{conversation} asks"}]
+                answered(a, await ask(a, messages, conversation))
+                answered(a, await ask(a, follow_up(messages, "an answer", "and more"), conversation))
+            await store.flushed()
+            for index in range(40_000):  # far more one-shots than 3 MB holds
+                key = a.router.conversation_key(f"one-shot-{index}")
+                store.completed(key, f"o-{index}", Placement("llm-0", 1000), index + 1, returning=False)
+                if index % 2000 == 0:
+                    await store.flushed()
+            await store.flushed()
+            raw = admin(small)
+            assert raw.info("stats")["evicted_keys"] > 0  # the limit was reached
+            kept = [raw.exists(f"llm-ring:place:{a.router.conversation_key(c):016x}") for c in returning]
+            assert all(kept), kept
+            assert a.metrics.store_errors["write"] == 0 and store.in_use
+
+        run_closing(run)
+    finally:
+        small.stop()
+
+
+def test_entries_that_do_not_parse_or_are_out_of_bounds_are_skipped_and_counted(server: Running) -> None:
+    async def run() -> None:
+        a = await sharing(server, "r-a")
+        store = a.store
+        assert store is not None
+        suffix = f"{a.router.conversation_key('c-1'):016x}"
+        raw = admin(server)
+        raw.set(f"llm-ring:place:{suffix}", "not-json", px=60_000)
+        raw.hset(f"llm-ring:pending:{suffix}", mapping={"x": "[1, 2]", "y": orjson.dumps(["r-b", "llm-0", -5, 1, 1]),
+                                                        "ok": orjson.dumps(["r-b", "llm-0", 10, 5, 7])})
+        for router, load in {"huge": {"llm-0": [10**6, 1]}, "list": [1, 2], "ok": {"llm-1": [2, 20]}}.items():
+            raw.hset(f"llm-ring:load:{router}", "load", orjson.dumps(load))
+            raw.sadd("llm-ring:routers", router)
+        snapshot = await store.read(a.router.conversation_key("c-1"))
+        assert snapshot is not None and store.in_use
+        assert snapshot.placement is None and snapshot.pending == (PeerRequest("r-b", "llm-0", 10, 5, 7),)
+        assert snapshot.loads == {"ok": {"llm-1": (2, 20)}}
+        assert a.metrics.store_invalid == {"placement": 1, "pending": 2, "load": 2}
+        assert samples(a)["llm_ring_store_invalid_entries_total", (("entry", "load"),)] == 2
 
     run_closing(run)

@@ -23,7 +23,7 @@ from extproc.records import RunMeta, write_records
 from extproc.stack.daemons import Daemon
 from extproc.stack.gateways import PORTS_PER_GATEWAY, layout, port_purposes
 from extproc.stack.processes import envoy_binary
-from extproc.stack.redis_server import redis_command
+from extproc.stack.redis_server import ADMIN, password_file, redis_command, write_config
 from extproc.stack.stack import (
     ROUTER_REFERENCE,
     Stack,
@@ -94,12 +94,21 @@ def test_each_router_gets_the_store_url_with_several_gateways(tmp_path: Path) ->
     assert tomllib.loads(render_router_settings(ROUTER_REFERENCE, **common))["store"]["url"] == ""  # one gateway
 
 
-def test_the_store_keeps_nothing_on_disk_and_listens_on_loopback(tmp_path: Path) -> None:
-    command = redis_command("/usr/bin/redis-server", 6400, tmp_path)
-    options = dict(zip(command[1::2], command[2::2], strict=True))
-    assert options == {"--port": "6400", "--bind": "127.0.0.1", "--dir": str(tmp_path), "--save": "",
-                       "--appendonly": "no", "--maxmemory": "256mb", "--maxmemory-policy": "volatile-lru",
-                       "--daemonize": "no", "--protected-mode": "yes"}
+def test_the_store_keeps_nothing_on_disk_listens_on_loopback_and_wants_a_password(tmp_path: Path) -> None:
+    config = write_config(6400, tmp_path)
+    command = redis_command("/usr/bin/redis-server", config)
+    assert command == ["/usr/bin/redis-server", str(config)]  # no option, no password on the command line
+    lines = config.read_text().splitlines()
+    options = dict(line.split(" ", 1) for line in lines if not line.startswith("user "))
+    assert options == {"port": "6400", "bind": "127.0.0.1", "protected-mode": "yes", "dir": str(tmp_path),
+                       "save": '""', "appendonly": "no", "maxmemory": "256mb", "maxmemory-policy": "volatile-ttl",
+                       "daemonize": "no"}
+    password = password_file(tmp_path).read_text().strip()
+    assert "user default off" in lines and len(password) >= 32
+    assert f"user llm-ring on >{password} resetkeys ~llm-ring:* resetchannels -@all +evalsha" in config.read_text()
+    for private in (config, password_file(tmp_path), password_file(tmp_path, ADMIN)):
+        assert private.stat().st_mode & 0o777 == 0o600, private
+    assert write_config(6400, tmp_path).read_text() == config.read_text()  # a restart: the same passwords
 
 
 def front(gateways: int = 2) -> dict[str, Any]:

@@ -1,0 +1,94 @@
+"""A conversation id is not a capability (pure, no I/O; docs/security.md#conversation-ids).
+
+A client names its conversation (``x-conversation-id``), but knowing an id must not be enough
+to use what the router holds for it: its placement (where its cache is, how long it is), its
+predicted cached tokens, its pending requests, its entry in the store. What proves a request
+belongs to the conversation is its body: a next turn resends the earlier turns, so the history
+digest of the conversation's last completed request is among the digests of the new body's
+prefixes (bodies.py: ``answered``, plus the body's own ``history`` for a retry).
+
+``ConversationDigests`` remembers that digest per conversation key, next to placement memory
+and bounded the same way (two generations). ``claim`` decides:
+  - the conversation is unknown here (and in the store): the request opens it;
+  - every known digest is among the body's: the request continues it (and may use it all);
+  - otherwise the request is routed as a new conversation under a key of its own, derived from
+    the id and the body's opening (``unclaimed``): it finds nothing of the conversation and
+    its completion cannot overwrite the conversation's placement. Its own next turns continue
+    that derived conversation.
+A completion body (no chat history) has one digest: its opening's.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import xxhash
+
+SEPARATOR = "\x1f"  # cannot occur in an id from a header (bounded, printable) nor in an opening key
+
+
+class Shown(NamedTuple):
+    """What a body proves about its history."""
+
+    digest: int  # the digest a later turn continuing this request will show
+    prefixes: frozenset[int]  # the digests of its earlier requests it shows (its own included)
+
+
+class Claim(NamedTuple):
+    conversation: str  # the key the request is routed under
+    continues: bool  # it continues a conversation known here (or in the store)
+    foreign: bool  # it named a conversation it does not continue: routed as a new one
+
+
+def shown(history: int, answered: frozenset[int], opening_key: str) -> Shown:
+    """A chat body's history digests, or a completion body's opening digest."""
+    if history:
+        return Shown(history, answered | {history})
+    digest = xxhash.xxh64_intdigest(opening_key.encode())
+    return Shown(digest, frozenset((digest,)))
+
+
+def claim(conversation: str, opening_key: str, known: tuple[int, ...], body: Shown) -> Claim:
+    """``known``: the digests held for ``conversation`` (this router's, the store's; may be empty)."""
+    if not known:
+        return Claim(conversation, False, False)
+    if all(digest in body.prefixes for digest in known):
+        return Claim(conversation, True, False)
+    return Claim(unclaimed(conversation, opening_key), False, True)
+
+
+def unclaimed(conversation: str, opening_key: str) -> str:
+    """The key of a request that names ``conversation`` without continuing it: its own, stable
+    over its own turns (same opening), never equal to a header's id."""
+    return f"{conversation}{SEPARATOR}{opening_key}"
+
+
+class ConversationDigests:
+    """conversation key -> the history digest of its last completed request; at most
+    ``capacity`` entries, the least recently used forgotten first (to within one generation)."""
+
+    __slots__ = ("_young", "_old", "_generation_size")
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 2:
+            raise ValueError("capacity must be at least 2")
+        self._generation_size = capacity // 2
+        self._young: dict[int, int] = {}
+        self._old: dict[int, int] = {}
+
+    def __len__(self) -> int:
+        return len(self._young) + len(self._old)
+
+    def get(self, key: int) -> int | None:
+        digest = self._young.get(key)
+        if digest is None:
+            digest = self._old.pop(key, None)
+            if digest is not None:
+                self.remember(key, digest)
+        return digest
+
+    def remember(self, key: int, digest: int) -> None:
+        self._old.pop(key, None)
+        self._young[key] = digest
+        if len(self._young) >= self._generation_size:
+            self._old, self._young = self._young, {}

@@ -1,0 +1,65 @@
+"""A conversation id is not a capability (continuation.py): a body that continues the
+conversation's last request claims it, any other body is routed as a new conversation under a
+key of its own; the digests are bounded."""
+
+from __future__ import annotations
+
+import orjson
+from hypothesis import given
+from hypothesis import strategies as st
+
+from extproc.routing.continuation import SEPARATOR, ConversationDigests, claim, shown
+from extproc.service.bodies import parse_request
+
+texts = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=40)
+turns = st.lists(st.tuples(texts, texts), min_size=1, max_size=6)  # (question, answer)
+
+
+def body_of(system: str, turns_so_far: list[tuple[str, str]], question: str) -> tuple[int, frozenset[int], str]:
+    messages = [{"role": "system", "content": system}]
+    for asked, answer in turns_so_far:
+        messages += [{"role": "user", "content": asked}, {"role": "assistant", "content": answer}]
+    messages.append({"role": "user", "content": question})
+    parsed = parse_request("/v1/chat/completions", "application/json", orjson.dumps({"messages": messages}))
+    return parsed.history, parsed.answered, parsed.opening_key
+
+
+@given(texts, turns, st.integers(0, 5))
+def test_every_later_turn_continues_every_earlier_one(system: str, conversation: list[tuple[str, str]],
+                                                      back: int) -> None:
+    """The digest a completed turn leaves is shown by every later turn of the same chat (and by
+    the same body sent again)."""
+    bodies = [shown(*body_of(system, conversation[:k], conversation[k][0])) for k in range(len(conversation))]
+    last = len(bodies) - 1
+    earlier = max(0, last - back)
+    known = (bodies[earlier].digest,)
+    assert claim("c-1", "", known, bodies[last]) == ("c-1", True, False)
+    assert claim("c-1", "", (bodies[last].digest,), bodies[last]).continues  # a retry
+
+
+@given(texts, turns, texts, texts)
+def test_a_body_without_the_last_turn_is_a_new_conversation(system: str, conversation: list[tuple[str, str]],
+                                                            other_system: str, question: str) -> None:
+    """A forger who knows the id but not the history gets a key of its own, stable over its own
+    body, never the id itself."""
+    victim = shown(*body_of(system, conversation[:-1], conversation[-1][0]))
+    history, answered, opening = body_of(other_system + "\x00forged", [], question)
+    forged = shown(history, answered, opening)
+    result = claim("c-1", opening, (victim.digest,), forged)
+    assert result.foreign and not result.continues
+    assert result.conversation != "c-1" and result.conversation.startswith("c-1" + SEPARATOR)
+    assert result.conversation == claim("c-1", opening, (victim.digest,), forged).conversation
+
+
+@given(st.text(max_size=20))
+def test_an_unknown_conversation_is_opened_by_any_body(opening: str) -> None:
+    assert claim("c-9", opening, (), shown(0, frozenset(), opening)) == ("c-9", False, False)
+
+
+@given(st.integers(2, 100), st.lists(st.tuples(st.integers(0, 300), st.integers(0, 2**64 - 1)), max_size=1000))
+def test_digests_are_bounded_and_the_latest_is_kept(capacity: int, writes: list[tuple[int, int]]) -> None:
+    digests = ConversationDigests(capacity)
+    for key, digest in writes:
+        digests.remember(key, digest)
+        assert len(digests) <= capacity
+        assert digests.get(key) == digest
