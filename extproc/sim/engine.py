@@ -12,8 +12,9 @@ Workloads come in two shapes:
   new turn starts after ``max_duration_s``;
 - open loop (traces): every request arrives at its own ``arrival_s``.
 
-Each answer's simulated cached tokens go back to the router (``report_cached``) as the
-gateway feeds it the replica's timings.cache_n.
+Each answer's simulated timings (cache_n, prompt_n, prompt_ms, predicted_n, predicted_ms) go
+back to the router (``report_cached``) as the gateway feeds it the replica's: the router learns
+each replica's speed from these alone.
 
 Releases follow the gateway (extproc/service/gateway.py): a finished request is released
 ``release_lag_s`` later (Envoy's access log entry), or earlier when the next turn of its
@@ -28,6 +29,7 @@ from dataclasses import dataclass, field
 from heapq import heappush
 
 from extproc.routing import Router
+from extproc.routing.speeds import AnswerTimings
 from extproc.sim.costmodel import CostModel
 from extproc.sim.paged import PagedReplica
 from extproc.sim.replica import Replica, Request
@@ -204,7 +206,7 @@ class _Simulation:
         complete, report = self.complete, self.router.report_cached
         for request in finished:
             request.status = 200
-            report(request.route, replica.name, request.predicted_cached or 0, request.cache_n)  # timings.cache_n
+            report(request.route, replica.name, request.predicted_cached or 0, request.cache_n, timings_of(request))
             if lag:
                 self.push(now + lag, _RELEASE, request)
             else:
@@ -270,3 +272,10 @@ class _Simulation:
         if self.cost.server is not None and self.cost.server.kv_cache == "paged":
             return PagedReplica(name, self.cost)
         return Replica(name, self.cost, self.fleet.slots, self.fleet.cache_tokens)
+
+
+def timings_of(request: Request) -> AnswerTimings:
+    """What the replica's answer reports (llama.cpp's ``timings``): prefill from its start on a slot
+    (the queue's wait not included) to its first token, then decode to its end."""
+    return AnswerTimings(request.prompt_n, (request.first_token_at - request.started_at) * 1000,
+                         request.max_tokens, (request.finished_at - request.first_token_at) * 1000, request.cache_n)

@@ -32,6 +32,7 @@ index off exactly as the seed's llm-aware.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from functools import partial
 from itertools import repeat
@@ -42,6 +43,7 @@ from extproc.routing.decision import Candidate, Decision, RouteRequest, Trace
 from extproc.routing.policies.bounded_walk import Discount, average_and_cap, first_fit, least_loaded
 from extproc.routing.policies.situation import NO_PEER_FIELDS, Situation, new
 from extproc.routing.prefix_index import PrefixIndex
+from extproc.routing.speeds import Speed
 from extproc.settings import PolicyName, RoutingSettings
 
 # (where the cache is, replica -> cached tokens there, replica -> cost there, trace fields,
@@ -70,6 +72,10 @@ class LlmAware:
         self.long_stickiness = settings.long_stickiness
         self.long_prompt_tokens = settings.long_prompt_tokens
         self.long_load_factor = settings.long_load_factor
+        self.ttft = settings.ttft_decisions
+        self.ttft_margin = settings.ttft_margin
+        self.guard_factor = settings.ttft_guard_factor
+        self.slots = settings.replica_slots
 
     def decide(self, situation: Situation) -> Decision | None:
         eligible = situation.eligible
@@ -104,17 +110,29 @@ class LlmAware:
         discount = new(Discount, (costs, cached, long_cap, holders,
                                   1 + self.epsilon if seen and cached else None,  # keep_factor: prefix index only
                                   within_requests))
-        chosen, checks = first_fit(situation, preferred, loads, work, cap, discount)
+        timed = None
+        if self.ttft:  # the bounded walk only past the guard rail
+            guard, load = self.guard_factor * average, loads[preferred]
+            if not load or load + preferred_cost <= guard:
+                timed = self.soonest(situation, preferred, costs, work, guard, holders,
+                                     cached_on == preferred and expected.get(preferred, 0) > 0)
+        if timed is not None:
+            chosen, checks, predicted = timed[0], (), timed[1]
+        else:
+            chosen, checks = first_fit(situation, preferred, loads, work, cap, discount)
+            predicted = ()
         if asked:
             seen = (*seen[:2], (*seen[2], *asked))
-        if chosen is None:
+        if timed is not None and chosen != preferred:
+            reason = "faster"
+        elif chosen is None:
             chosen = least_loaded(eligible, loads, work, discount)
             reason = "kept" if chosen == cached and discount.keep_factor else "least-loaded"
         elif chosen == preferred:
             reason = ("home" if preferred == home else "least-recent" if least_recent
                       else "prefix" if seen else "sticky")
             load = loads[chosen]
-            if load and load + preferred_cost > cap and not (discount.cached and load < cap):
+            if checks and load and load + preferred_cost > cap and not (discount.cached and load < cap):
                 first = checks[0]  # only the long cap let it in, or only the cap in requests
                 reason += "-long" if first.load + first.cost <= first.limit or first.load < first.limit else "-requests"
         else:
@@ -135,9 +153,47 @@ class LlmAware:
             total, average, cap, long_cap,
             self.long_prompt_tokens if long_cap is not None else None,  # long_threshold
             checks,
-            *(seen or NO_PEER_FIELDS),  # prompt_blocks, candidates, figures
+            *(seen or NO_PEER_FIELDS[:3]),  # prompt_blocks, candidates, figures
+            predicted,
         ))
         return new(Decision, (chosen, reason, cost, cost, expected.get(chosen, 0), trace))
+
+    def soonest(self, situation: Situation, preferred: str, costs: dict[str, int], work: int, guard: float,
+                holders: Callable[[], tuple[str, ...]] | None,
+                cached: bool) -> tuple[str, tuple[tuple[str, float], ...]]:
+        """The replica whose first token is predicted soonest, and the predictions weighed
+        (the preferred replica's, then the best other's). Where the preferred replica holds the
+        cache the other must be predicted ttft_margin sooner; replicas past the guard rail
+        (``guard`` tokens, the idle ones excepted) are not candidates. The other holders of the
+        prompt's prefix (``holders``) are entered only when a move is on the cards."""
+        loads, running = situation.ledger.loads("tokens"), situation.ledger.loads("requests")
+        speed, slots = situation.speeds.speed, self.slots
+        here = predicted_ttft(slots, speed(preferred), loads[preferred], running[preferred],
+                              costs.get(preferred, work))
+        needed = here / (1 + self.ttft_margin) if cached else here
+        best, soonest = self.soonest_other(situation, preferred, costs, work, guard)
+        if soonest < needed and holders is not None:  # a partial prefix elsewhere may do better still
+            holders()
+            best, soonest = self.soonest_other(situation, preferred, costs, work, guard)
+        if best is None:
+            return preferred, ((preferred, here),)
+        return (best if soonest < needed else preferred), ((preferred, here), (best, soonest))
+
+    def soonest_other(self, situation: Situation, preferred: str, costs: dict[str, int], work: int,
+                      guard: float) -> tuple[str | None, float]:
+        """(the eligible replica but ``preferred`` predicted soonest within the guard rail, its
+        prediction); (None, inf) when there is none."""
+        loads, running = situation.ledger.loads("tokens"), situation.ledger.loads("requests")
+        speed, slots = situation.speeds.speed, self.slots
+        best, soonest = None, math.inf
+        for name in situation.eligible:
+            load, cost = loads[name], costs.get(name, work)
+            if name == preferred or (load and load + cost > guard):
+                continue
+            seconds = predicted_ttft(slots, speed(name), load, running[name], cost)
+            if seconds < soonest:
+                best, soonest = name, seconds
+        return best, soonest
 
     def least_recent_fit(self, situation: Situation, loads: Mapping[str, int], work: int,
                          cap: float) -> tuple[str, int] | None:
@@ -328,6 +384,15 @@ def _enter(expected: dict[str, int], costs: dict[str, int], prompt: int, blocks:
         expected.update(dict.fromkeys(names, tokens))  # one dict update per depth, not per replica
         costs.update(dict.fromkeys(names, max(1, prompt - tokens) + max_tokens))
     return tokens
+
+
+def predicted_ttft(slots: int, speed: Speed, load: int, running: int, cost: int) -> float:
+    """Seconds until the first token of a request bringing ``cost`` tokens to a replica holding
+    ``load`` tokens of ``running`` requests. With a free slot (``running < slots``) it shares the
+    replica with them: each delays it by at most its own work (processor sharing), at most
+    ``cost``; without one it waits behind all of it."""
+    ahead = min(load, running * cost) if running < slots else load
+    return speed.overhead_s + (ahead + cost) * speed.prefill_s_per_token
 
 
 def make_llm_aware(settings: RoutingSettings) -> LlmAware:

@@ -1,0 +1,126 @@
+"""Each replica's speed, learnt online from the timings of its answers.
+
+A replica's answer reports ``prompt_n`` tokens evaluated in ``prompt_ms`` and ``predicted_n``
+tokens generated in ``predicted_ms`` (llama.cpp's ``timings``). Per replica:
+
+- prefill: ``prompt_ms / 1000 = overhead_s + prompt_n × prefill_s_per_token``, fitted by least
+  squares over exponentially weighted sums (weight ``ewma_weight`` for the newest answer, the older
+  ones fading by ``1 - ewma_weight`` each), so the fit follows a replica that slows down;
+- decode: the exponentially weighted mean of ``predicted_ms / predicted_n``.
+
+Every replica starts from the configured prior, entered as two answers of weight ½ each (an
+empty prompt and one of PRIOR_SPREAD_TOKENS), which fade like any other. The times are measured
+under whatever else the replica ran at the same moment, so the figures are its speed under its
+usual load, not alone. Pure: no clock, no I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import NamedTuple
+
+from mypy_extensions import mypyc_attr
+
+# The prior's second answer: a prompt this long (two points fix a line: overhead and per-token time).
+PRIOR_SPREAD_TOKENS = 512
+
+
+class Speed(NamedTuple):
+    prefill_s_per_token: float
+    decode_s_per_token: float
+    overhead_s: float  # fixed cost of a request's prefill, whatever its length
+
+
+class AnswerTimings(NamedTuple):
+    """What a replica reports of one answer (llama.cpp ``timings``)."""
+
+    prompt_n: int  # prompt tokens evaluated (those not found cached)
+    prompt_ms: float
+    predicted_n: int  # tokens generated
+    predicted_ms: float
+    cache_n: int  # prompt tokens found cached
+
+
+class _Fit:
+    """One replica's weighted sums: weight, Σn, Σt, Σn², Σn·t (prefill) and the decode mean."""
+
+    __slots__ = ("weight", "sum_n", "sum_t", "sum_nn", "sum_nt", "decode", "speed")
+
+    def __init__(self, prior: Speed) -> None:
+        spread = PRIOR_SPREAD_TOKENS
+        low, high = prior.overhead_s, prior.overhead_s + spread * prior.prefill_s_per_token
+        self.weight = 1.0
+        self.sum_n = 0.5 * spread
+        self.sum_t = 0.5 * (low + high)
+        self.sum_nn = 0.5 * spread * spread
+        self.sum_nt = 0.5 * spread * high
+        self.decode = prior.decode_s_per_token
+        self.speed = prior
+
+
+@mypyc_attr(allow_interpreted_subclasses=True)
+class ReplicaSpeeds:
+    def __init__(self, prior: Speed, ewma_weight: float, learning: bool, replicas: Iterable[str] = ()) -> None:
+        self.prior = prior
+        self.ewma_weight = ewma_weight
+        self.learning = learning
+        self._fits: dict[str, _Fit] = {}
+        self.answers: dict[str, int] = {}  # replica -> answers learnt from
+        self.set_replicas(replicas)
+
+    def set_replicas(self, replicas: Iterable[str]) -> None:
+        """Track exactly ``replicas``; a new (or returning) one starts from the prior."""
+        wanted = set(replicas)
+        self._fits = {name: fit for name, fit in self._fits.items() if name in wanted}
+        self.answers = {name: count for name, count in self.answers.items() if name in wanted}
+        for name in wanted - self._fits.keys():
+            self._fits[name] = _Fit(self.prior)
+            self.answers[name] = 0
+
+    def speed(self, replica: str) -> Speed:
+        fit = self._fits.get(replica)
+        return self.prior if fit is None else fit.speed
+
+    def speeds(self) -> dict[str, Speed]:
+        return {name: fit.speed for name, fit in sorted(self._fits.items())}
+
+    def learn(self, replica: str, timings: AnswerTimings) -> None:
+        """One answer of ``replica``; nonsense (negative or missing figures) is ignored."""
+        fit = self._fits.get(replica)
+        if fit is None or not self.learning:
+            return
+        learnt = False
+        if timings.prompt_n > 0 and timings.prompt_ms >= 0:
+            _add_prefill(fit, self.ewma_weight, float(timings.prompt_n), timings.prompt_ms / 1000)
+            learnt = True
+        if timings.predicted_n > 0 and timings.predicted_ms >= 0:
+            keep = 1 - self.ewma_weight
+            fit.decode = keep * fit.decode + self.ewma_weight * timings.predicted_ms / 1000 / timings.predicted_n
+            learnt = True
+        if learnt:
+            fit.speed = _solve(fit)
+            self.answers[replica] += 1
+
+
+def _add_prefill(fit: _Fit, weight: float, tokens: float, seconds: float) -> None:
+    keep = 1 - weight
+    fit.weight = keep * fit.weight + weight
+    fit.sum_n = keep * fit.sum_n + weight * tokens
+    fit.sum_t = keep * fit.sum_t + weight * seconds
+    fit.sum_nn = keep * fit.sum_nn + weight * tokens * tokens
+    fit.sum_nt = keep * fit.sum_nt + weight * tokens * seconds
+
+
+def _solve(fit: _Fit) -> Speed:
+    """The weighted least-squares line through the answers, overhead and slope both >= 0. When
+    the recent prompts were all of one length the slope cannot be told apart from the overhead:
+    the last slope stays and the overhead takes up the rest."""
+    mean_n, mean_t = fit.sum_n / fit.weight, fit.sum_t / fit.weight
+    variance = fit.sum_nn / fit.weight - mean_n * mean_n
+    slope = fit.speed.prefill_s_per_token
+    if variance > 1e-6 * mean_n * mean_n:
+        slope = (fit.sum_nt / fit.weight - mean_n * mean_t) / variance
+    overhead = mean_t - slope * mean_n
+    if slope <= 0 or overhead < 0:  # a line through the origin: the time is all per token
+        overhead, slope = 0.0, mean_t / mean_n
+    return Speed(slope, fit.decode, overhead)
