@@ -59,6 +59,9 @@ class RoutingSettings(Strict):
                                              "decides only past ttft_guard_factor x average")
     ttft_margin: float = Field(ge=0, le=10, description="a request leaves its cached replica only where its first "
                                                         "token is predicted this share sooner")
+    ttft_recompute_cost: bool = Field(description="llm-aware: a move away from the cache is also charged the prefill "
+                                                  "of the tokens it computes again, the delay they bring the "
+                                                  "requests queued behind it")
     ttft_guard_factor: float = Field(gt=1, le=100, description="past this factor x average load in tokens the "
                                                                 "preferred replica goes to the bounded walk")
     replica_slots: int = Field(ge=0, le=4096, description="requests a replica runs at once (llama.cpp --parallel): "

@@ -39,7 +39,7 @@ from itertools import repeat
 from typing import ClassVar
 
 from extproc.routing.blocks import covered_tokens
-from extproc.routing.decision import Candidate, Decision, RouteRequest, Trace
+from extproc.routing.decision import Candidate, Check, Decision, RouteRequest, Trace
 from extproc.routing.policies.bounded_walk import Discount, average_and_cap, first_fit, least_loaded
 from extproc.routing.policies.situation import NO_PEER_FIELDS, Situation, new
 from extproc.routing.prefix_index import PrefixIndex
@@ -76,6 +76,7 @@ class LlmAware:
         self.ttft_margin = settings.ttft_margin
         self.guard_factor = settings.ttft_guard_factor
         self.slots = settings.replica_slots
+        self.recompute_cost = settings.ttft_recompute_cost
 
     def decide(self, situation: Situation) -> Decision | None:
         eligible = situation.eligible
@@ -116,6 +117,8 @@ class LlmAware:
             if not load or load + preferred_cost <= guard:
                 timed = self.soonest(situation, preferred, costs, work, guard, holders,
                                      cached_on == preferred and expected.get(preferred, 0) > 0)
+        chosen: str | None
+        checks: tuple[Check, ...]
         if timed is not None:
             chosen, checks, predicted = timed[0], (), timed[1]
         else:
@@ -123,11 +126,11 @@ class LlmAware:
             predicted = ()
         if asked:
             seen = (*seen[:2], (*seen[2], *asked))
-        if timed is not None and chosen != preferred:
-            reason = "faster"
-        elif chosen is None:
+        if chosen is None:
             chosen = least_loaded(eligible, loads, work, discount)
             reason = "kept" if chosen == cached and discount.keep_factor else "least-loaded"
+        elif timed is not None and chosen != preferred:
+            reason = "faster"
         elif chosen == preferred:
             reason = ("home" if preferred == home else "least-recent" if least_recent
                       else "prefix" if seen else "sticky")
@@ -171,18 +174,21 @@ class LlmAware:
         here = predicted_ttft(slots, speed(preferred), loads[preferred], running[preferred],
                               costs.get(preferred, work))
         needed = here / (1 + self.ttft_margin) if cached else here
-        best, soonest = self.soonest_other(situation, preferred, costs, work, guard)
+        kept = costs.get(preferred, work) if cached and self.recompute_cost else None
+        best, soonest = self.soonest_other(situation, preferred, costs, work, guard, kept)
         if soonest < needed and holders is not None:  # a partial prefix elsewhere may do better still
             holders()
-            best, soonest = self.soonest_other(situation, preferred, costs, work, guard)
+            best, soonest = self.soonest_other(situation, preferred, costs, work, guard, kept)
         if best is None:
             return preferred, ((preferred, here),)
         return (best if soonest < needed else preferred), ((preferred, here), (best, soonest))
 
     def soonest_other(self, situation: Situation, preferred: str, costs: dict[str, int], work: int,
-                      guard: float) -> tuple[str | None, float]:
+                      guard: float, kept: int | None) -> tuple[str | None, float]:
         """(the eligible replica but ``preferred`` predicted soonest within the guard rail, its
-        prediction); (None, inf) when there is none."""
+        prediction); (None, inf) when there is none. ``kept``: the request's cost on the cached
+        preferred replica; a move is charged the tokens it computes again once more, the delay
+        they bring the requests behind it (None: not charged)."""
         loads, running = situation.ledger.loads("tokens"), situation.ledger.loads("requests")
         speed, slots = situation.speeds.speed, self.slots
         best, soonest = None, math.inf
@@ -190,7 +196,10 @@ class LlmAware:
             load, cost = loads[name], costs.get(name, work)
             if name == preferred or (load and load + cost > guard):
                 continue
-            seconds = predicted_ttft(slots, speed(name), load, running[name], cost)
+            here = speed(name)
+            seconds = predicted_ttft(slots, here, load, running[name], cost)
+            if kept is not None and cost > kept:
+                seconds += (cost - kept) * here.prefill_s_per_token
             if seconds < soonest:
                 best, soonest = name, seconds
         return best, soonest
