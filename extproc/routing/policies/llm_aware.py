@@ -36,7 +36,7 @@ import math
 from collections.abc import Callable, Mapping
 from functools import partial
 from itertools import repeat
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 from extproc.routing.blocks import covered_tokens
 from extproc.routing.decision import Candidate, Check, Decision, RouteRequest, Trace
@@ -113,8 +113,9 @@ class LlmAware:
                                   within_requests))
         timed = None
         if self.ttft:  # the bounded walk only past the guard rail
-            guard, load = self.guard_factor * average, loads[preferred]
-            if not load or load + preferred_cost <= guard:
+            guard = self.guard(situation, average)
+            # one long prefill on the cached replica of a light fleet is no imbalance
+            if not guard.past(preferred, preferred_cost, FOLLOW_UP_REQUESTS_FLOOR if cached else 1):
                 timed = self.soonest(situation, preferred, costs, work, guard, holders,
                                      cached_on == preferred and expected.get(preferred, 0) > 0)
         chosen: str | None
@@ -161,14 +162,19 @@ class LlmAware:
         ))
         return new(Decision, (chosen, reason, cost, cost, expected.get(chosen, 0), trace))
 
-    def soonest(self, situation: Situation, preferred: str, costs: dict[str, int], work: int, guard: float,
+    def guard(self, situation: Situation, average: float) -> GuardRail:
+        """ttft_guard_factor × the average load in tokens (``average``: this request included)."""
+        ledger = situation.ledger
+        return new(GuardRail, (ledger.loads("tokens"), ledger.loads("requests"), self.guard_factor * average))
+
+    def soonest(self, situation: Situation, preferred: str, costs: dict[str, int], work: int, guard: GuardRail,
                 holders: Callable[[], tuple[str, ...]] | None,
                 cached: bool) -> tuple[str, tuple[tuple[str, float], ...]]:
         """The replica whose first token is predicted soonest, and the predictions weighed
         (the preferred replica's, then the best other's). Where the preferred replica holds the
-        cache the other must be predicted ttft_margin sooner; replicas past the guard rail
-        (``guard`` tokens, the idle ones excepted) are not candidates. The other holders of the
-        prompt's prefix (``holders``) are entered only when a move is on the cards."""
+        cache the other must be predicted ttft_margin sooner; replicas past the guard rail are
+        not candidates. The other holders of the prompt's prefix (``holders``) are entered only
+        when a move is on the cards."""
         loads, running = situation.ledger.loads("tokens"), situation.ledger.loads("requests")
         speed, slots = situation.speeds.speed, self.slots
         here = predicted_ttft(slots, speed(preferred), loads[preferred], running[preferred],
@@ -184,7 +190,7 @@ class LlmAware:
         return (best if soonest < needed else preferred), ((preferred, here), (best, soonest))
 
     def soonest_other(self, situation: Situation, preferred: str, costs: dict[str, int], work: int,
-                      guard: float, kept: int | None) -> tuple[str | None, float]:
+                      guard: GuardRail, kept: int | None) -> tuple[str | None, float]:
         """(the eligible replica but ``preferred`` predicted soonest within the guard rail, its
         prediction); (None, inf) when there is none. ``kept``: the request's cost on the cached
         preferred replica; a move is charged the tokens it computes again once more, the delay
@@ -194,7 +200,7 @@ class LlmAware:
         best, soonest = None, math.inf
         for name in situation.eligible:
             load, cost = loads[name], costs.get(name, work)
-            if name == preferred or (load and load + cost > guard):
+            if name == preferred or guard.past(name, cost):
                 continue
             here = speed(name)
             seconds = predicted_ttft(slots, here, load, running[name], cost)
@@ -393,6 +399,21 @@ def _enter(expected: dict[str, int], costs: dict[str, int], prompt: int, blocks:
         expected.update(dict.fromkeys(names, tokens))  # one dict update per depth, not per replica
         costs.update(dict.fromkeys(names, max(1, prompt - tokens) + max_tokens))
     return tokens
+
+
+class GuardRail(NamedTuple):
+    """Where the time decision gives way to the bounded walk: ttft_guard_factor × the average
+    load in tokens, this request included."""
+
+    tokens: Mapping[str, int]
+    requests: Mapping[str, int]
+    tokens_limit: float
+
+    def past(self, replica: str, cost: int, running_floor: int = 1) -> bool:
+        """Whether ``replica`` would be past the guard with this request (``cost`` tokens there);
+        never while it runs fewer than ``running_floor`` requests."""
+        load = self.tokens[replica]
+        return load > 0 and load + cost > self.tokens_limit and self.requests[replica] >= running_floor
 
 
 def predicted_ttft(slots: int, speed: Speed, load: int, running: int, cost: int) -> float:
