@@ -128,3 +128,18 @@ def test_reconfigure_keeps_the_learnt_speeds_unless_the_prior_changes() -> None:
     assert router.speeds.speed("llm-1").prefill_s_per_token == 1 / 1000
     router.report_cached(RouteRequest("b", "x", 100, 8), "gone", 0, 0, AnswerTimings(500, 100.0, 8, 80.0, 0))
     assert "gone" not in router.speeds.speeds()
+
+
+def test_the_prefix_index_predicts_the_last_prompt_where_it_was_served() -> None:
+    """Blocks are whole only: the index counts them as covering the prompt; placement memory knows
+    the last prompt's length, tail included, and that nothing of this turn's text is cached."""
+    router = Router(routing(policy="llm-aware", ttft_decisions=True, prefix_index=True), REPLICAS)
+    first = RouteRequest("t1", "c", 86, 8, (11,))  # one whole block of 64 tokens and a tail
+    made = router.route(first)
+    assert made is not None
+    router.complete("t1")
+    follow = router.route(RouteRequest("t2", "c", 127, 8, (11,)))  # the same one whole block
+    assert follow is not None and follow.replica == made.replica
+    assert follow.predicted_cached_tokens == 86 and follow.cost == 127 - 86 + 8
+    deeper = router.route(RouteRequest("t3", "other", 300, 8, (11, 12, 13, 14)))  # a prompt never served
+    assert deeper is not None and deeper.predicted_cached_tokens == 75  # one block of four

@@ -273,7 +273,8 @@ class LlmAwarePrefix(LlmAware):
         own = self.deepest_on_its_replica(situation, blocks)
         if own:  # one replica, one candidate
             replica, depth = own
-            candidate = new(Candidate, (replica, depth, loads[replica], enter(depth, (replica,))))
+            tokens = self.with_last_prompt(situation, replica, depth, enter(depth, (replica,)), expected, costs)
+            candidate = new(Candidate, (replica, depth, loads[replica], tokens))
             holding = index.holder_bits(blocks[0]).bit_count()
             later = partial(self.enter_holders, blocks, None, enter) if holding > 1 else None
             return replica, expected, costs, (count, (candidate,), self.figures(holding)), later
@@ -299,10 +300,30 @@ class LlmAwarePrefix(LlmAware):
             bit_of = index.bit
             cached_on = home if bit_of(home) & tied else next(name for name in situation.walk() if bit_of(name) & tied)
             enter(depth, (cached_on,))
+        self.with_last_prompt(situation, cached_on, depth, expected[cached_on], expected, costs)
         if not self.placement_memory and home not in expected:  # then home is preferred
             enter(next((depth for depth, bits in groups if bits & index.bit(home)), 0), (home,))
         later = partial(self.enter_holders, blocks, groups, enter) if holding > 1 else None
         return cached_on, expected, costs, seen, later
+
+    def with_last_prompt(self, situation: Situation, replica: str, depth: int, tokens: int,
+                         expected: dict[str, int], costs: dict[str, int]) -> int:
+        """The tokens expected cached on ``replica``, which holds ``depth`` of the prompt's blocks
+        (``tokens``, counted as if the blocks covered the whole prompt): the conversation's last
+        prompt when ``replica`` served it and holds its whole blocks and no more (up to one block
+        of rounding): the replica caches that prompt, tail included, and nothing of what this turn
+        adds. Entered in ``expected`` and ``costs``."""
+        placement, request = situation.placement, situation.request
+        if placement is None or placement.replica != replica:
+            return tokens
+        prompt = request.prompt_tokens
+        remembered = min(placement.prompt_tokens, prompt)
+        whole = remembered * len(request.prefix_blocks) // prompt  # the last prompt's whole blocks, about
+        if remembered == tokens or not whole <= depth <= whole + 1:
+            return tokens
+        expected[replica] = remembered
+        costs[replica] = max(1, prompt - remembered) + request.max_tokens
+        return remembered
 
     def figures(self, holding: int) -> tuple[tuple[str, float], ...]:
         """The trace's figures of the index: its capacity, the replicas holding part of the prompt."""
