@@ -66,6 +66,8 @@ class ReplicaSpeeds:
         self.learning = learning
         self._fits: dict[str, _Fit] = {}
         self.answers: dict[str, int] = {}  # replica -> answers learnt from
+        # the replica prefilling a prompt of PRIOR_SPREAD_TOKENS soonest (ties: by name)
+        self.fastest: str | None = None
         self.set_replicas(replicas)
 
     def set_replicas(self, replicas: Iterable[str]) -> None:
@@ -76,6 +78,7 @@ class ReplicaSpeeds:
         for name in wanted - self._fits.keys():
             self._fits[name] = _Fit(self.prior)
             self.answers[name] = 0
+        self._find_fastest()
 
     def speed(self, replica: str) -> Speed:
         fit = self._fits.get(replica)
@@ -98,8 +101,24 @@ class ReplicaSpeeds:
             fit.decode = keep * fit.decode + self.ewma_weight * timings.predicted_ms / 1000 / timings.predicted_n
             learnt = True
         if learnt:
-            fit.speed = _solve(fit)
+            before, fit.speed = fit.speed, _solve(fit)
             self.answers[replica] += 1
+            fastest = self.fastest
+            if fastest is not None and fastest != replica:
+                if (_reference_s(fit.speed), replica) < (_reference_s(self._fits[fastest].speed), fastest):
+                    self.fastest = replica
+            elif _reference_s(fit.speed) > _reference_s(before):  # the fastest slowed down
+                self._find_fastest()
+
+    def _find_fastest(self) -> None:
+        fits = self._fits
+        self.fastest = min(fits, key=lambda name: (_reference_s(fits[name].speed), name)) if fits else None
+
+
+def _reference_s(speed: Speed) -> float:
+    """A replica's prefill of PRIOR_SPREAD_TOKENS: what ranks replicas by speed (the per-token time
+    alone is ill-determined while the recent prompts were all of about one length)."""
+    return speed.overhead_s + PRIOR_SPREAD_TOKENS * speed.prefill_s_per_token
 
 
 def _add_prefill(fit: _Fit, weight: float, tokens: float, seconds: float) -> None:

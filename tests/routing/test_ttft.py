@@ -143,3 +143,19 @@ def test_the_prefix_index_predicts_the_last_prompt_where_it_was_served() -> None
     assert follow.predicted_cached_tokens == 86 and follow.cost == 127 - 86 + 8
     deeper = router.route(RouteRequest("t3", "other", 300, 8, (11, 12, 13, 14)))  # a prompt never served
     assert deeper is not None and deeper.predicted_cached_tokens == 75  # one block of four
+
+
+def test_a_large_fleet_weighs_a_few_candidates_the_fastest_among_them() -> None:
+    names = [f"llm-{number}" for number in range(40)]
+    router = Router(routing(policy="llm-aware", ttft_decisions=True), names)
+    for number in range(30):  # llm-17 learnt three times faster than the prior; llm-3 slower
+        for name, factor in (("llm-17", 1 / 3), ("llm-3", 2.0)):
+            router.report_cached(RouteRequest(f"{name}-{number}", "x", 100, 8), name, 0, 0,
+                                 AnswerTimings(100 + number, (100 + number) / 167 * factor * 1000, 8, 48.0, 0))
+    assert router.speeds.fastest == "llm-17"
+    decision = router.route(RouteRequest("r", key_with_walk(router, "llm-0"), 600, 8))
+    assert decision is not None and (decision.replica, decision.reason) == ("llm-17", "faster")
+    for number in range(100):  # it slows down: the fastest is another one again
+        router.report_cached(RouteRequest(f"s{number}", "x", 100, 8), "llm-17", 0, 0,
+                             AnswerTimings(100 + number, (100 + number) / 167 * 5000, 8, 48.0, 0))
+    assert router.speeds.fastest not in ("llm-17", "llm-3")
