@@ -87,10 +87,11 @@ def test_an_answers_timings_teach_its_replicas_speed_shown_in_admin_state_and_sc
                for name, replica in by_name.items() if name != pick)
     scraped = gauges(gateway.metrics)
     for name, replica in by_name.items():
-        assert scraped["llm_ring_replica_prefill_tokens_per_second"][name] == pytest.approx(replica.prefill_tokens_per_s)
-        assert scraped["llm_ring_replica_decode_tokens_per_second"][name] == pytest.approx(replica.decode_tokens_per_s)
-        assert scraped["llm_ring_replica_request_overhead_seconds"][name] == pytest.approx(
-            replica.request_overhead_ms / 1000)
+        shown = {family: scraped[f"llm_ring_replica_{family}"][name] for family in (
+            "prefill_tokens_per_second", "decode_tokens_per_second", "request_overhead_seconds")}
+        assert shown == pytest.approx({"prefill_tokens_per_second": replica.prefill_tokens_per_s,
+                                       "decode_tokens_per_second": replica.decode_tokens_per_s,
+                                       "request_overhead_seconds": replica.request_overhead_ms / 1000})
 
 
 def test_metrics_without_a_live_state_show_no_replicas() -> None:
