@@ -68,11 +68,18 @@ class ReplicaSpeeds:
         self.answers: dict[str, int] = {}  # replica -> answers learnt from
         # the replica prefilling a prompt of PRIOR_SPREAD_TOKENS soonest (ties: by name)
         self.fastest: str | None = None
+        self.fleet = prior  # the mean of the answered replicas' speeds (the prior until one answered)
+        self._sums = [0.0, 0.0, 0.0]  # of the answered replicas' speeds, field by field
+        self._answered = 0  # replicas with at least one answer
         self.set_replicas(replicas)
 
     def set_replicas(self, replicas: Iterable[str]) -> None:
         """Track exactly ``replicas``; a new (or returning) one starts from the prior."""
         wanted = set(replicas)
+        for name in [name for name in self._fits if name not in wanted and self.answers[name]]:
+            self._add(self._fits[name].speed, -1)
+            self._answered -= 1
+        self._mean()
         self._fits = {name: fit for name, fit in self._fits.items() if name in wanted}
         self.answers = {name: count for name, count in self.answers.items() if name in wanted}
         for name in wanted - self._fits.keys():
@@ -81,11 +88,17 @@ class ReplicaSpeeds:
         self._find_fastest()
 
     def speed(self, replica: str) -> Speed:
+        """The replica's learnt speed; before its first answer the fleet's (``fleet``): an
+        unknown replica is taken to be as fast as the others rather than as the prior, which
+        would send every new conversation away from it (a replica just added, one never
+        reached yet)."""
         fit = self._fits.get(replica)
-        return self.prior if fit is None else fit.speed
+        if fit is None:
+            return self.prior
+        return fit.speed if self.answers[replica] else self.fleet
 
     def speeds(self) -> dict[str, Speed]:
-        return {name: fit.speed for name, fit in sorted(self._fits.items())}
+        return {name: self.speed(name) for name in sorted(self._fits)}
 
     def learn(self, replica: str, timings: AnswerTimings) -> None:
         """One answer of ``replica``; nonsense (negative or missing figures) is ignored."""
@@ -102,6 +115,12 @@ class ReplicaSpeeds:
             learnt = True
         if learnt:
             before, fit.speed = fit.speed, _solve(fit)
+            if self.answers[replica]:
+                self._add(before, -1)
+            else:
+                self._answered += 1
+            self._add(fit.speed, +1)
+            self._mean()
             self.answers[replica] += 1
             fastest = self.fastest
             if fastest is not None and fastest != replica:
@@ -111,8 +130,21 @@ class ReplicaSpeeds:
                 self._find_fastest()
 
     def _find_fastest(self) -> None:
+        """Among the answered replicas (an unanswered one takes the fleet's mean: never faster)."""
+        answered = [name for name, count in self.answers.items() if count]
         fits = self._fits
-        self.fastest = min(fits, key=lambda name: (_reference_s(fits[name].speed), name)) if fits else None
+        self.fastest = min(answered, key=lambda name: (_reference_s(fits[name].speed), name)) if answered else None
+
+    def _add(self, speed: Speed, sign: int) -> None:
+        """Add (+1) or take away (-1) an answered replica's speed from the fleet's sums."""
+        sums = self._sums
+        for index, value in enumerate(speed):
+            sums[index] += sign * value
+
+    def _mean(self) -> None:
+        answered = self._answered
+        sums = self._sums
+        self.fleet = Speed(sums[0] / answered, sums[1] / answered, sums[2] / answered) if answered else self.prior
 
 
 def _reference_s(speed: Speed) -> float:

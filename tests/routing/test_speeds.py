@@ -46,7 +46,8 @@ def test_it_follows_a_replica_that_slows_down():
         speeds.learn("llm-0", answer(rng.randint(50, 2000), slow))
         answers += 1
     assert answers <= 60  # within a few dozen answers
-    assert speeds.speed("llm-1") == PRIOR  # the other replica learnt nothing
+    # the other replica learnt nothing: before its first answer it is taken to be as fast as the fleet
+    assert speeds.answers["llm-1"] == 0 and speeds.speed("llm-1") == speeds.speed("llm-0") == speeds.fleet
 
 
 def test_the_prior_until_an_answer_and_nonsense_is_ignored():
@@ -70,8 +71,13 @@ def test_without_learning_every_replica_keeps_the_prior_and_a_new_one_starts_fro
     assert frozen.speed("llm-0") == PRIOR
     speeds = ReplicaSpeeds(PRIOR, 0.5, True, ["llm-0"])
     speeds.learn("llm-0", answer(500, Speed(0.01, 0.1, 0.2)))
-    speeds.set_replicas(["llm-0", "llm-1"])
-    assert speeds.speed("llm-0") != PRIOR and speeds.speed("llm-1") == PRIOR
-    speeds.set_replicas(["llm-1"])
+    speeds.set_replicas(["llm-0", "llm-1", "llm-2"])
+    learnt = speeds.speed("llm-0")
+    assert learnt != PRIOR and speeds.speed("llm-1") == learnt  # a new one: the fleet's mean
+    speeds.learn("llm-2", answer(500, Speed(0.03, 0.3, 0.6)))
+    fleet = speeds.speed("llm-1")
+    assert fleet.prefill_s_per_token == (learnt.prefill_s_per_token + speeds.speed("llm-2").prefill_s_per_token) / 2
+    speeds.set_replicas(["llm-1"])  # the answered ones leave: the prior again
+    assert speeds.speed("llm-1") == PRIOR
     speeds.set_replicas(["llm-0", "llm-1"])  # a returning replica is a fresh server
     assert speeds.speed("llm-0") == PRIOR and list(speeds.speeds()) == ["llm-0", "llm-1"]
