@@ -107,8 +107,9 @@ def test_new_conversations_go_to_the_replica_learnt_faster() -> None:
     router = timed()
     for number in range(50):  # llm-2 answers three times faster than the others
         for name, factor in (("llm-0", 1.0), ("llm-1", 1.0), ("llm-2", 1 / 3)):
+            tokens = 100 + 10 * number
             router.report_cached(RouteRequest(f"{name}-{number}", "x", 100, 8), name, 0, 0,
-                                 AnswerTimings(100 + 10 * number, (100 + 10 * number) / 167 * factor * 1000, 8, 48.0, 0))
+                                 AnswerTimings(tokens, tokens / 167 * factor * 1000, 8, 48.0, 0))
     assert router.speeds.answers["llm-2"] == 50
     picks = set()
     for number in range(10):
