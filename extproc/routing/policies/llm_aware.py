@@ -172,8 +172,9 @@ class LlmAware:
     def soonest(self, situation: Situation, preferred: str, costs: dict[str, int], work: int, guard: GuardRail,
                 cached: bool) -> tuple[str, tuple[tuple[str, float], ...]]:
         """The replica whose first token is predicted soonest, and the predictions weighed
-        (the preferred replica's, then the best other's). Where the preferred replica holds the
-        cache the other must be predicted ttft_margin sooner; replicas past the guard rail are
+        (the preferred replica's, then the best other's). The other must be predicted
+        ttft_margin sooner (a move is also charged the cached tokens it computes again when the
+        preferred replica holds the cache: ``cached``); replicas past the guard rail are
         not candidates. Of the prefix index's holders only those the lookup entered count as
         cached (entering every holder of a shared system prompt changed no figure on the
         Mooncake trace and cost a p99 of 1.2 ms at 64 replicas)."""
@@ -181,7 +182,9 @@ class LlmAware:
         speed, slots = situation.speeds.speed, self.slots
         here = predicted_ttft(slots, speed(preferred), loads[preferred], running[preferred],
                               costs.get(preferred, work))
-        needed = here / (1 + self.ttft_margin) if cached else here
+        # a new conversation too stays on its ring home unless elsewhere is ttft_margin sooner: the
+        # learnt speeds of equal replicas differ by noise, which would steer it off at random
+        needed = here / (1 + self.ttft_margin)
         kept = costs.get(preferred, work) if cached and self.recompute_cost else None
         best, soonest = self.soonest_other(situation, preferred, costs, work, guard, kept)
         if best is None:
