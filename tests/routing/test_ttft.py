@@ -151,9 +151,10 @@ def test_a_large_fleet_weighs_a_few_candidates_the_fastest_among_them() -> None:
     names = [f"llm-{number}" for number in range(40)]
     router = Router(routing(policy="llm-aware", ttft_decisions=True), names)
     for number in range(30):  # llm-17 learnt ten times faster than the prior; llm-3 slower
+        tokens = 100 + 50 * number
         for name, factor in (("llm-17", 1 / 10), ("llm-3", 2.0)):
             router.report_cached(RouteRequest(f"{name}-{number}", "x", 100, 8), name, 0, 0,
-                                 AnswerTimings(100 + number, (100 + number) / 167 * factor * 1000, 8, 48.0, 0))
+                                 AnswerTimings(tokens, tokens / 167 * factor * 1000, 8, 48.0, 0))
     assert router.speeds.fastest == "llm-17"
     decision = router.route(RouteRequest("r", key_with_walk(router, "llm-0"), 600, 8))
     assert decision is not None and (decision.replica, decision.reason) == ("llm-17", "faster")
