@@ -54,6 +54,24 @@ class RoutingSettings(Strict):
     prefix_feedback: bool = Field(description="prefix index: a replica reporting whole blocks fewer (more) than "
                                               "predicted has its capacity lowered (raised) by as many tokens")
     prefix_capacity_tokens: int = Field(gt=0, description="prefix index: tokens each replica holds (LRU beyond)")
+    # llm-aware on predicted time to first token (docs/policies.md) and each replica's learnt speed
+    ttft_decisions: bool = Field(description="llm-aware: pick by predicted time to first token; the bounded walk "
+                                             "decides only past ttft_guard_factor x average")
+    ttft_margin: float = Field(ge=0, le=10, description="a request leaves its cached replica only where its first "
+                                                        "token is predicted this share sooner")
+    ttft_recompute_cost: bool = Field(description="llm-aware: a move away from the cache is also charged the prefill "
+                                                  "of the tokens it computes again, the delay they bring the "
+                                                  "requests queued behind it")
+    ttft_guard_factor: float = Field(gt=1, le=100, description="past this factor x average load in tokens the "
+                                                                "preferred replica goes to the bounded walk")
+    replica_slots: int = Field(ge=0, le=4096, description="requests a replica runs at once (llama.cpp --parallel): "
+                                                          "below, a new one shares the replica; at or above, it "
+                                                          "queues behind all its work (0: always queues)")
+    speed_learning: bool = Field(description="learn each replica's speed from its answers' timings (false: the prior)")
+    speed_ewma_weight: float = Field(gt=0, le=1, description="weight of the newest answer in a replica's speed")
+    prior_prefill_tokens_per_s: float = Field(gt=0, description="a replica's prefill speed before any answer")
+    prior_decode_tokens_per_s: float = Field(gt=0, description="a replica's decode speed before any answer")
+    prior_request_overhead_ms: float = Field(ge=0, description="a request's fixed prefill cost before any answer")
 
 
 class ServiceSettings(Strict):

@@ -141,3 +141,38 @@ cdf += [dict(row, measure="TTFT") for row in collected(lambda con: latency_quant
     .encode(x="per_run:Q", y=alt.Y("series:N", title=None), color="route_reason:N")
     .properties(width=560, height=30 * len(report["summary"]))
 )
+
+# %% [markdown]
+# ## Learnt replica speeds against the true ones (simulated runs with `speeds.parquet`)
+#
+# The router learns each replica's prefill speed from its answers' timings alone
+# (docs/policies.md); dashed: the replica's true speed when alone (its cost model, slowed by
+# `llm-ring sim --slow`). One run per folder: the first llm-aware run that wrote speeds. The
+# learnt figure is the speed under the replica's usual load, so it sits below the solo one.
+
+# %%
+speed_rows = []
+for label, folder in zip(labels, folders, strict=True):
+    runs = sorted(folder.glob("*llm-aware*/speeds.parquet"))
+    if runs:
+        speed_rows += [
+            dict(row, series=f"{label}: {runs[0].parent.name}")
+            for row in connections[label]
+            .execute(
+                "SELECT replica, floor(at_s / $bin) * $bin AS t_s, avg(learnt_prefill_tokens_per_s) AS learnt,"
+                " avg(true_prefill_tokens_per_s) AS solo FROM read_parquet($file) GROUP BY ALL ORDER BY ALL",
+                {"bin": BIN_S, "file": str(runs[0])},
+            )
+            .df()
+            .to_dict("records")
+        ]
+if speed_rows:
+    speed_base = alt.Chart(alt.Data(values=speed_rows)).encode(
+        x=alt.X("t_s:Q", title="simulated seconds"), color="replica:N"
+    )
+    (
+        speed_base.mark_line().encode(y=alt.Y("learnt:Q", title="prefill tokens/s", scale=alt.Scale(type="log")))
+        + speed_base.mark_line(strokeDash=[4, 4]).encode(y="solo:Q")
+    ).properties(width=560, height=260).facet(row=alt.Row("series:N", title=None))
+else:
+    print("no speeds.parquet in these folders (llm-ring sim writes them for llm-aware)")

@@ -52,7 +52,10 @@ def bench_settings(**knobs: object):
         "load_unit": "tokens", "cache_aware": True, "placement_memory": True,
         "long_stickiness": True, "long_prompt_tokens": 800, "long_load_factor": 2.0,
         "memory_capacity": 1_000_000, "prefix_index": False, "prefix_feedback": False,
-        "prefix_capacity_tokens": 436_000, **knobs,
+        "prefix_capacity_tokens": 436_000, "ttft_decisions": True, "ttft_margin": 1.0,
+        "ttft_recompute_cost": True, "ttft_guard_factor": 2.0,
+        "replica_slots": 4, "speed_learning": True, "speed_ewma_weight": 0.05, "prior_prefill_tokens_per_s": 167.0,
+        "prior_decode_tokens_per_s": 55.0, "prior_request_overhead_ms": 19.0, **knobs,
     })
 
 

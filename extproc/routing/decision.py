@@ -35,6 +35,7 @@ REASONS: dict[str, str] = {
     "prefix-requests": "llm-aware, prefix index: that replica over its limit in tokens, within the cap in requests",
     "least-recent": "llm-aware, prefix index: a prompt no replica holds; under the cap, the replica whose least "
                     "recent prompt is oldest",
+    "faster": "llm-aware: another replica's first token predicted ttft_margin sooner than the preferred one's",
     "overflow": "the preferred replica was over its cap; the next one clockwise with room",
     "least-loaded": "no replica fitted under the cap; the one least loaded after this request",
     "kept": "llm-aware, prefix index: none fitted under the cap; the cached replica, none landing (1 + ε) x lower",
@@ -114,6 +115,8 @@ class Trace(NamedTuple):
     prompt_blocks: int | None = None  # len(request.prefix_blocks)
     candidates: tuple[Candidate, ...] = ()
     figures: tuple[tuple[str, float], ...] = ()  # named numbers of the policy's rule (thresholds, spreads)
+    # llm-aware on predicted time: (replica, predicted seconds to the first token) of the candidates weighed
+    predicted: tuple[tuple[str, float], ...] = ()
 
     def as_dict(self) -> dict[str, Any]:
         data: dict[str, Any] = {"policy": self.policy, "prompt_tokens": self.prompt_tokens,
@@ -132,6 +135,8 @@ class Trace(NamedTuple):
             data["candidates"] = [candidate.as_dict() for candidate in self.candidates]
         if self.figures:
             data["figures"] = dict(self.figures)
+        if self.predicted:
+            data["predicted_ttft_s"] = dict(self.predicted)
         return data
 
 

@@ -23,6 +23,9 @@ def render_trace(decision: Decision) -> str:
             f"cache_likely=True → long_cap={_num(trace.long_cap)}"
         )
     lines.extend(_check_line(check, trace, decision.reason) for check in trace.checks)
+    if trace.predicted:
+        weighed = " ".join(f"{name}={seconds:.3f} s" for name, seconds in trace.predicted)
+        lines.append(f"  predicted first token: {weighed} → {decision.reason}")
     if decision.reason == "kept":
         lines.append(_kept_line(decision))
     if trace.prompt_blocks is not None:

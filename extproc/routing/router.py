@@ -21,6 +21,7 @@ from extproc.routing.placement import PlacementMemory
 from extproc.routing.policies import CacheReports, Policy, SentView, make_policy
 from extproc.routing.policies.situation import Situation, new
 from extproc.routing.ring import HashRing
+from extproc.routing.speeds import AnswerTimings, ReplicaSpeeds, Speed
 from extproc.settings import RoutingSettings
 
 _NOTHING: frozenset[str] = frozenset()
@@ -33,6 +34,7 @@ class Router:
         self.settings = settings
         self.ledger = LoadLedger()
         self.memory = PlacementMemory(settings.memory_capacity)
+        self.speeds = _speeds(settings)
         self.policy: Policy = make_policy(settings)
         self._view = _view_of(self.policy)
         self._learner = _learner_of(self.policy)
@@ -60,6 +62,7 @@ class Router:
         self._ring = HashRing(names, self.settings.virtual_nodes, self.settings.hash_seed)
         self._members = frozenset(names)
         self.ledger.set_replicas(names)
+        self.speeds.set_replicas(names)
         if self._view is not None:
             self._view.set_replicas(names)
         gone = [rid for rid, (_, decision, _) in self._in_flight.items() if decision.replica not in names]
@@ -90,7 +93,8 @@ class Router:
                 placement = shared
         if placement is not None and (placement.replica not in self._members or placement.replica in avoided):
             placement = None  # that cache is gone or unreachable
-        decision = self.policy.decide(new(Situation, (request, key, ring, self.ledger, placement, avoided, eligible)))
+        decision = self.policy.decide(new(Situation, (request, key, ring, self.ledger, placement, avoided, eligible,
+                                                    self.speeds)))
         if decision is not None:
             self.ledger.charge(request_id, decision.replica, decision.charged_tokens)
             self._in_flight[request_id] = (request, decision, key)
@@ -112,12 +116,18 @@ class Router:
             self.memory.remember(key, served or decision.replica, request.prompt_tokens)
         return decision
 
-    def report_cached(self, request: RouteRequest, replica: str, predicted: int, cached: int) -> None:
+    def report_cached(self, request: RouteRequest, replica: str, predicted: int, cached: int,
+                      timings: AnswerTimings | None = None) -> None:
         """``replica`` served ``request`` with ``cached`` prompt tokens from its cache (timings.cache_n)
-        where ``predicted`` were expected: a policy that learns from it does. Works after
-        ``complete`` (an answer's timings may arrive after a next turn released it)."""
-        if self._learner is not None and replica in self._members:
+        where ``predicted`` were expected: a policy that learns from it does; the answer's
+        ``timings``, when known, teach the replica's speed. Works after ``complete`` (an answer's
+        timings may arrive after a next turn released it)."""
+        if replica not in self._members:
+            return
+        if self._learner is not None:
             self._learner.reported(request, replica, predicted, cached)
+        if timings is not None:
+            self.speeds.learn(replica, timings)
 
     def reconfigure(self, settings: RoutingSettings) -> None:
         """Switch policy or knobs at run time; in-flight load is kept."""
@@ -128,12 +138,19 @@ class Router:
         # memory is keyed by the ring hash: a new seed re-places every conversation anyway
         if (old.memory_capacity, old.hash_seed) != (settings.memory_capacity, settings.hash_seed):
             self.memory = PlacementMemory(settings.memory_capacity)
+        if _prior(old) != _prior(settings):  # the learnt speeds are kept unless the prior changed
+            self.speeds = _speeds(settings)
+            self.speeds.set_replicas(self._ring.replicas)
+        else:
+            self.speeds.learning, self.speeds.ewma_weight = settings.speed_learning, settings.speed_ewma_weight
 
     def reset(self) -> None:
         """Forget in-flight load, placement memory and policy state (between experiment runs)."""
         self.ledger.clear()
         self.memory.clear()
         self._in_flight.clear()
+        self.speeds = _speeds(self.settings)
+        self.speeds.set_replicas(self._ring.replicas)
         self._set_policy(make_policy(self.settings))
 
     def in_flight(self) -> int:
@@ -145,6 +162,16 @@ class Router:
         self.policy, self._view, self._learner = policy, _view_of(policy), _learner_of(policy)
         if self._view is not None:
             self._view.set_replicas(self._ring.replicas)
+
+
+def _prior(settings: RoutingSettings) -> Speed:
+    """What every replica's speed starts from."""
+    return Speed(1 / settings.prior_prefill_tokens_per_s, 1 / settings.prior_decode_tokens_per_s,
+                 settings.prior_request_overhead_ms / 1000)
+
+
+def _speeds(settings: RoutingSettings) -> ReplicaSpeeds:
+    return ReplicaSpeeds(_prior(settings), settings.speed_ewma_weight, settings.speed_learning)
 
 
 def _view_of(policy: Policy) -> SentView | None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import grpc
 
+from extproc.routing.speeds import Speed
 from extproc.service import admin_pb2, admin_pb2_grpc
 from extproc.service.gateway import Gateway
 from extproc.settings import RoutingSettings, SettingsError, parse_routing
@@ -37,7 +38,7 @@ class AdminService(admin_pb2_grpc.AdminServicer):
 
     def state(self) -> admin_pb2.State:
         gateway = self.gateway
-        ledger = gateway.router.ledger
+        ledger, speeds = gateway.router.ledger, gateway.router.speeds
         return admin_pb2.State(
             routing=admin_pb2.RoutingSettings(**gateway.router.settings.model_dump()),
             replicas=[
@@ -47,6 +48,8 @@ class AdminService(admin_pb2_grpc.AdminServicer):
                     healthy=replica.healthy,
                     in_flight_requests=replica.in_flight_requests,
                     in_flight_tokens=replica.in_flight_tokens,
+                    **_speed_fields(speeds.speed(replica.name)),
+                    answers_learnt=speeds.answers.get(replica.name, 0),
                 )
                 for replica in gateway.replica_states()
             ],
@@ -54,3 +57,8 @@ class AdminService(admin_pb2_grpc.AdminServicer):
             in_flight_tokens=ledger.total_tokens(),
             decisions=sum(gateway.metrics.decisions.values()),
         )
+
+
+def _speed_fields(speed: Speed) -> dict[str, float]:
+    return {"prefill_tokens_per_s": 1 / speed.prefill_s_per_token, "decode_tokens_per_s": 1 / speed.decode_s_per_token,
+            "request_overhead_ms": speed.overhead_s * 1000}

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x65xtproc/service/admin.proto\x12\x10llmring.admin.v1\"\x99\x05\n\x0fRoutingSettings\x12\x13\n\x06policy\x18\x01 \x01(\tH\x00\x88\x01\x01\x12\x1a\n\rvirtual_nodes\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x16\n\thash_seed\x18\x03 \x01(\x04H\x02\x88\x01\x01\x12\x14\n\x07\x65psilon\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x16\n\tload_unit\x18\x05 \x01(\tH\x04\x88\x01\x01\x12\x18\n\x0b\x63\x61\x63he_aware\x18\x06 \x01(\x08H\x05\x88\x01\x01\x12\x1d\n\x10placement_memory\x18\x07 \x01(\x08H\x06\x88\x01\x01\x12\x1c\n\x0flong_stickiness\x18\x08 \x01(\x08H\x07\x88\x01\x01\x12\x1f\n\x12long_prompt_tokens\x18\t \x01(\x05H\x08\x88\x01\x01\x12\x1d\n\x10long_load_factor\x18\n \x01(\x01H\t\x88\x01\x01\x12\x1c\n\x0fmemory_capacity\x18\x0b \x01(\x03H\n\x88\x01\x01\x12\x19\n\x0cprefix_index\x18\x0c \x01(\x08H\x0b\x88\x01\x01\x12\x1c\n\x0fprefix_feedback\x18\r \x01(\x08H\x0c\x88\x01\x01\x12#\n\x16prefix_capacity_tokens\x18\x0e \x01(\x03H\r\x88\x01\x01\x42\t\n\x07_policyB\x10\n\x0e_virtual_nodesB\x0c\n\n_hash_seedB\n\n\x08_epsilonB\x0c\n\n_load_unitB\x0e\n\x0c_cache_awareB\x13\n\x11_placement_memoryB\x12\n\x10_long_stickinessB\x15\n\x13_long_prompt_tokensB\x13\n\x11_long_load_factorB\x12\n\x10_memory_capacityB\x0f\n\r_prefix_indexB\x12\n\x10_prefix_feedbackB\x19\n\x17_prefix_capacity_tokens\"G\n\x11SetRoutingRequest\x12\x32\n\x07routing\x18\x01 \x01(\x0b\x32!.llmring.admin.v1.RoutingSettings\"\x0e\n\x0cResetRequest\"\x0e\n\x0cStateRequest\"t\n\x0cReplicaState\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\x12\x1a\n\x12in_flight_requests\x18\x04 \x01(\x03\x12\x18\n\x10in_flight_tokens\x18\x05 \x01(\x03\"\xb6\x01\n\x05State\x12\x32\n\x07routing\x18\x01 \x01(\x0b\x32!.llmring.admin.v1.RoutingSettings\x12\x30\n\x08replicas\x18\x02 \x03(\x0b\x32\x1e.llmring.admin.v1.ReplicaState\x12\x1a\n\x12in_flight_requests\x18\x03 \x01(\x03\x12\x18\n\x10in_flight_tokens\x18\x04 \x01(\x03\x12\x11\n\tdecisions\x18\x05 \x01(\x03\x32\xda\x01\n\x05\x41\x64min\x12J\n\nSetRouting\x12#.llmring.admin.v1.SetRoutingRequest\x1a\x17.llmring.admin.v1.State\x12@\n\x05Reset\x12\x1e.llmring.admin.v1.ResetRequest\x1a\x17.llmring.admin.v1.State\x12\x43\n\x08GetState\x12\x1e.llmring.admin.v1.StateRequest\x1a\x17.llmring.admin.v1.Stateb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x65xtproc/service/admin.proto\x12\x10llmring.admin.v1\"\xcb\t\n\x0fRoutingSettings\x12\x13\n\x06policy\x18\x01 \x01(\tH\x00\x88\x01\x01\x12\x1a\n\rvirtual_nodes\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x16\n\thash_seed\x18\x03 \x01(\x04H\x02\x88\x01\x01\x12\x14\n\x07\x65psilon\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x16\n\tload_unit\x18\x05 \x01(\tH\x04\x88\x01\x01\x12\x18\n\x0b\x63\x61\x63he_aware\x18\x06 \x01(\x08H\x05\x88\x01\x01\x12\x1d\n\x10placement_memory\x18\x07 \x01(\x08H\x06\x88\x01\x01\x12\x1c\n\x0flong_stickiness\x18\x08 \x01(\x08H\x07\x88\x01\x01\x12\x1f\n\x12long_prompt_tokens\x18\t \x01(\x05H\x08\x88\x01\x01\x12\x1d\n\x10long_load_factor\x18\n \x01(\x01H\t\x88\x01\x01\x12\x1c\n\x0fmemory_capacity\x18\x0b \x01(\x03H\n\x88\x01\x01\x12\x19\n\x0cprefix_index\x18\x0c \x01(\x08H\x0b\x88\x01\x01\x12\x1c\n\x0fprefix_feedback\x18\r \x01(\x08H\x0c\x88\x01\x01\x12#\n\x16prefix_capacity_tokens\x18\x0e \x01(\x03H\r\x88\x01\x01\x12\x1b\n\x0ettft_decisions\x18\x0f \x01(\x08H\x0e\x88\x01\x01\x12\x18\n\x0bttft_margin\x18\x10 \x01(\x01H\x0f\x88\x01\x01\x12 \n\x13ttft_recompute_cost\x18\x11 \x01(\x08H\x10\x88\x01\x01\x12\x1e\n\x11ttft_guard_factor\x18\x12 \x01(\x01H\x11\x88\x01\x01\x12\x1a\n\rreplica_slots\x18\x13 \x01(\x05H\x12\x88\x01\x01\x12\x1b\n\x0espeed_learning\x18\x14 \x01(\x08H\x13\x88\x01\x01\x12\x1e\n\x11speed_ewma_weight\x18\x15 \x01(\x01H\x14\x88\x01\x01\x12\'\n\x1aprior_prefill_tokens_per_s\x18\x16 \x01(\x01H\x15\x88\x01\x01\x12&\n\x19prior_decode_tokens_per_s\x18\x17 \x01(\x01H\x16\x88\x01\x01\x12&\n\x19prior_request_overhead_ms\x18\x18 \x01(\x01H\x17\x88\x01\x01\x42\t\n\x07_policyB\x10\n\x0e_virtual_nodesB\x0c\n\n_hash_seedB\n\n\x08_epsilonB\x0c\n\n_load_unitB\x0e\n\x0c_cache_awareB\x13\n\x11_placement_memoryB\x12\n\x10_long_stickinessB\x15\n\x13_long_prompt_tokensB\x13\n\x11_long_load_factorB\x12\n\x10_memory_capacityB\x0f\n\r_prefix_indexB\x12\n\x10_prefix_feedbackB\x19\n\x17_prefix_capacity_tokensB\x11\n\x0f_ttft_decisionsB\x0e\n\x0c_ttft_marginB\x16\n\x14_ttft_recompute_costB\x14\n\x12_ttft_guard_factorB\x10\n\x0e_replica_slotsB\x11\n\x0f_speed_learningB\x14\n\x12_speed_ewma_weightB\x1d\n\x1b_prior_prefill_tokens_per_sB\x1c\n\x1a_prior_decode_tokens_per_sB\x1c\n\x1a_prior_request_overhead_ms\"G\n\x11SetRoutingRequest\x12\x32\n\x07routing\x18\x01 \x01(\x0b\x32!.llmring.admin.v1.RoutingSettings\"\x0e\n\x0cResetRequest\"\x0e\n\x0cStateRequest\"\xe4\x01\n\x0cReplicaState\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\x12\x1a\n\x12in_flight_requests\x18\x04 \x01(\x03\x12\x18\n\x10in_flight_tokens\x18\x05 \x01(\x03\x12\x1c\n\x14prefill_tokens_per_s\x18\x06 \x01(\x01\x12\x1b\n\x13\x64\x65\x63ode_tokens_per_s\x18\x07 \x01(\x01\x12\x1b\n\x13request_overhead_ms\x18\x08 \x01(\x01\x12\x16\n\x0e\x61nswers_learnt\x18\t \x01(\x03\"\xb6\x01\n\x05State\x12\x32\n\x07routing\x18\x01 \x01(\x0b\x32!.llmring.admin.v1.RoutingSettings\x12\x30\n\x08replicas\x18\x02 \x03(\x0b\x32\x1e.llmring.admin.v1.ReplicaState\x12\x1a\n\x12in_flight_requests\x18\x03 \x01(\x03\x12\x18\n\x10in_flight_tokens\x18\x04 \x01(\x03\x12\x11\n\tdecisions\x18\x05 \x01(\x03\x32\xda\x01\n\x05\x41\x64min\x12J\n\nSetRouting\x12#.llmring.admin.v1.SetRoutingRequest\x1a\x17.llmring.admin.v1.State\x12@\n\x05Reset\x12\x1e.llmring.admin.v1.ResetRequest\x1a\x17.llmring.admin.v1.State\x12\x43\n\x08GetState\x12\x1e.llmring.admin.v1.StateRequest\x1a\x17.llmring.admin.v1.Stateb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,17 +32,17 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'extproc.service.admin_pb2',
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_ROUTINGSETTINGS']._serialized_start=50
-  _globals['_ROUTINGSETTINGS']._serialized_end=715
-  _globals['_SETROUTINGREQUEST']._serialized_start=717
-  _globals['_SETROUTINGREQUEST']._serialized_end=788
-  _globals['_RESETREQUEST']._serialized_start=790
-  _globals['_RESETREQUEST']._serialized_end=804
-  _globals['_STATEREQUEST']._serialized_start=806
-  _globals['_STATEREQUEST']._serialized_end=820
-  _globals['_REPLICASTATE']._serialized_start=822
-  _globals['_REPLICASTATE']._serialized_end=938
-  _globals['_STATE']._serialized_start=941
-  _globals['_STATE']._serialized_end=1123
-  _globals['_ADMIN']._serialized_start=1126
-  _globals['_ADMIN']._serialized_end=1344
+  _globals['_ROUTINGSETTINGS']._serialized_end=1277
+  _globals['_SETROUTINGREQUEST']._serialized_start=1279
+  _globals['_SETROUTINGREQUEST']._serialized_end=1350
+  _globals['_RESETREQUEST']._serialized_start=1352
+  _globals['_RESETREQUEST']._serialized_end=1366
+  _globals['_STATEREQUEST']._serialized_start=1368
+  _globals['_STATEREQUEST']._serialized_end=1382
+  _globals['_REPLICASTATE']._serialized_start=1385
+  _globals['_REPLICASTATE']._serialized_end=1613
+  _globals['_STATE']._serialized_start=1616
+  _globals['_STATE']._serialized_end=1798
+  _globals['_ADMIN']._serialized_start=1801
+  _globals['_ADMIN']._serialized_end=2019
 # @@protoc_insertion_point(module_scope)

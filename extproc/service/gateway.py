@@ -60,6 +60,7 @@ from extproc.routing.blocks import BlockMemory
 from extproc.routing.continuation import Claim, ConversationDigests, Shown, claim, shown
 from extproc.routing.peers import PeerRequest, PeerView, peer_view
 from extproc.routing.placement import Placement
+from extproc.routing.speeds import AnswerTimings
 from extproc.service.answers import (
     RESPONSE_HEADERS_CONTINUE,
     AnswerCache,
@@ -547,7 +548,7 @@ class Gateway:
             timings = parse_timings(b"".join(pending.chunks), pending.event_stream)
         if timings is not None and timings.cache_n is not None:
             self.router.report_cached(pending.request, served_replica, decision.predicted_cached_tokens,
-                                      timings.cache_n)
+                                      timings.cache_n, answer_timings(timings))
             self.metrics.cache_tokens(
                 served_replica,
                 decision.predicted_cached_tokens,
@@ -642,3 +643,12 @@ class Gateway:
         envoy_id = bounded(envoy_id)
         self.envoy_ids[envoy_id] = request_id
         return envoy_id
+
+
+def answer_timings(timings: Timings) -> AnswerTimings:
+    """The figures the router learns a replica's speed from; a missing one as -1 (ignored)."""
+    def known(value: float | None) -> float:
+        return -1.0 if value is None else value
+
+    return AnswerTimings(int(known(timings.prompt_n)), known(timings.prompt_ms), int(known(timings.predicted_n)),
+                         known(timings.predicted_ms), int(known(timings.cache_n)))

@@ -100,7 +100,7 @@ async def serve(settings: Settings) -> int:
     gateway = Gateway(Router(settings.routing), service, metrics)
     health = ReplicaHealth(gateway, service.health_probe_seconds)
     gateway.on_replica_failed = health.replica_failed
-    metrics.watch(gateway.replica_states)
+    metrics.watch(gateway.replica_states, lambda: gateway.router.speeds.speeds())  # reconfigure may replace them
     if settings.store.url:  # several routers agree through it; a fresh id per start (the old one expires)
         await gateway.share_state(settings.store, secrets.token_hex(6))
 

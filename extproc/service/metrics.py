@@ -10,12 +10,14 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from extproc.routing.speeds import Speed
 
 # not_applied: Envoy never used the pick (fail-open after ext_proc's timeout) and served round robin
 OUTCOMES = ("ok", "failed_over", "failed", "abandoned", "not_applied")
@@ -45,6 +47,7 @@ class ReplicaState:
 
 
 LiveState = Callable[[], Sequence[ReplicaState]]
+LearntSpeeds = Callable[[], Mapping[str, Speed]]  # the router's learnt speed of each replica
 
 
 class Histogram:
@@ -88,6 +91,7 @@ class Metrics:
         self.decision_seconds = Histogram(DECISION_SECONDS)
         self.prediction_error = Histogram(PREDICTION_ERROR)
         self.live_state: LiveState = tuple  # no replicas until watch() names the source
+        self.learnt_speeds: LearntSpeeds = dict
         self.registry.register(_Collector(self))
 
     def decision(self, policy: str, reason: str, seconds: float) -> None:
@@ -101,9 +105,10 @@ class Metrics:
         self.actual_prompt[replica] += prompt
         self.prediction_error.observe(cached - predicted)
 
-    def watch(self, live_state: LiveState) -> None:
-        """Expose the replicas' live state (in-flight load, health) at scrape time."""
+    def watch(self, live_state: LiveState, learnt_speeds: LearntSpeeds = dict) -> None:
+        """Expose the replicas' live state (in-flight load, health) and learnt speeds at scrape time."""
         self.live_state = live_state
+        self.learnt_speeds = learnt_speeds
 
 
 class _Collector(Collector):
@@ -188,6 +193,7 @@ class _Collector(Collector):
             "llm_ring_cached_tokens_prediction_error", "actual cache_n minus predicted cached tokens, per request"
         )
         yield from _live_state(m.live_state())
+        yield from _speeds(m.learnt_speeds())
 
 
 def _counter(
@@ -214,3 +220,20 @@ def _live_state(replicas: Sequence[ReplicaState]) -> Iterator[Metric]:
     yield requests
     yield tokens
     yield healthy
+
+
+def _speeds(speeds: Mapping[str, Speed]) -> Iterator[Metric]:
+    """The router's learnt speed of each replica (routing/speeds.py)."""
+    families = (
+        GaugeMetricFamily("llm_ring_replica_prefill_tokens_per_second", "learnt prefill speed per replica",
+                          labels=["replica"]),
+        GaugeMetricFamily("llm_ring_replica_decode_tokens_per_second", "learnt decode speed per replica",
+                          labels=["replica"]),
+        GaugeMetricFamily("llm_ring_replica_request_overhead_seconds", "learnt fixed prefill cost per request",
+                          labels=["replica"]),
+    )
+    for name, speed in speeds.items():
+        for family, value in zip(families, (1 / speed.prefill_s_per_token, 1 / speed.decode_s_per_token,
+                                            speed.overhead_s), strict=True):
+            family.add_metric([name], value)
+    yield from families

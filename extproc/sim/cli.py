@@ -19,7 +19,7 @@ from extproc.analysis.metrics import METRICS, connect, spread
 from extproc.analysis.report import SUMMARY_FILE, build_report, render_markdown, render_stats
 from extproc.cli_input import UsageError, at_least, distinct, new_folder, parse_seeds
 from extproc.sim.arena import arena, ceiling_line
-from extproc.sim.costmodel import CostModelError, load_cost_model
+from extproc.sim.costmodel import CostModel, CostModelError, load_cost_model
 from extproc.sim.mooncake import TraceError, cacheable_ceiling
 from extproc.sim.routers import ROUTER_STATES
 from extproc.sim.runs import (
@@ -42,15 +42,19 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="policy names, optionally with knobs: bounded:load_unit=tokens,epsilon=0.5")
     parser.add_argument("--seeds", nargs="+", required=True, metavar="SEED",
                         help="seeds: integers or ranges like 1-20")
-    parser.add_argument("--replicas", nargs="+", type=at_least(1), default=[3], metavar="N",
-                        help="fleet sizes to simulate (default 3)")
+    parser.add_argument("--replicas", nargs="+", type=at_least(1), metavar="N",
+                        help="fleet sizes to simulate (default 3; a mixed --cost-model: the sum of its counts)")
     parser.add_argument("--scale-at", type=float, metavar="S",
                         help="add one replica S simulated seconds after the start")
     parser.add_argument("--scale", nargs="+", default=[], metavar="T:N",
                         help="set the fleet to N replicas at T seconds (scale up or down)")
     parser.add_argument("--out-dir", type=Path, required=True)
     parser.add_argument("--config", type=Path, default=SIM_CONFIG, help=f"simulator settings (default {SIM_CONFIG})")
-    parser.add_argument("--cost-model", help="cost model name or path (default: [replica] cost_model)")
+    parser.add_argument("--cost-model", nargs="+", metavar="NAME[:COUNT]",
+                        help="cost model name or path (default: [replica] cost_model); a mixed fleet: "
+                             "NAME:COUNT NAME:COUNT ..., replicas llm-0.. in that order")
+    parser.add_argument("--slow", nargs="+", default=[], metavar="REPLICA:AT:FACTOR",
+                        help="REPLICA runs FACTOR times slower from AT simulated seconds on")
     parser.add_argument("--slots", type=at_least(1), help="slots per replica (default: [replica] slots)")
     parser.add_argument("--cache-ram-mib", type=at_least(0, float), help="host-RAM prompt cache per replica")
     parser.add_argument("--host-cores", type=at_least(0, float),
@@ -82,7 +86,7 @@ def main(args: argparse.Namespace) -> int:
             config,
             slots=args.slots or config.slots,
             cache_ram_mib=config.cache_ram_mib if args.cache_ram_mib is None else args.cache_ram_mib,
-            cost_model=args.cost_model or config.cost_model,
+            cost_model=args.cost_model[0] if args.cost_model else config.cost_model,
             threads=args.threads or config.threads,
             host_cores=config.host_cores if args.host_cores is None else args.host_cores,
             time_scale=args.time_scale or config.time_scale,
@@ -93,13 +97,21 @@ def main(args: argparse.Namespace) -> int:
             store_outage=config.store_outage if args.store_outage is None else parse_outage(args.store_outage),
         )
         seeds = parse_seeds(args.seeds)
-        distinct(args.replicas, "--replicas")
+        distinct(args.replicas or [], "--replicas")
         distinct(args.policies, "--policies")
         if args.time_scale is not None and args.time_scale <= 0:
             raise UsageError(f"--time-scale: must be > 0 (got {args.time_scale:g})")
         for spec in args.policies:
             parse_policy(spec, config.routing)  # fail before any run
-        cost = load_cost_model(config.cost_model)
+        models = parse_models(args.cost_model or [])
+        cost = models[0] if models else load_cost_model(config.cost_model)
+        if models:
+            if args.replicas not in (None, [len(models)]):
+                raise ValueError(f"--replicas: a mixed --cost-model has {len(models)} replicas "
+                                 f"(got {' '.join(map(str, args.replicas))})")
+            config = replace(config, cost_model=args.cost_model[0].rpartition(":")[0])  # the first model
+        fleet_sizes = [len(models)] if models else args.replicas or [3]
+        slow = parse_slow(args.slow, max(fleet_sizes))
         if cost.server is not None and cost.server.kv_cache == "paged":
             for option, value in (("--slots", args.slots), ("--cache-ram-mib", args.cache_ram_mib)):
                 if value is not None:
@@ -122,10 +134,10 @@ def main(args: argparse.Namespace) -> int:
     if source.trace is not None and not args.json:
         print(ceiling_line(ceiling))
     started = time.perf_counter()
-    for replicas in args.replicas:
+    for replicas in fleet_sizes:
         events = scale + ([(args.scale_at, replicas + 1)] if args.scale_at is not None else [])
-        fleet = config.fleet(replicas, cost, tuple(sorted(events)))
-        out_dir = args.out_dir / f"replicas-{replicas}" if len(args.replicas) > 1 else args.out_dir
+        fleet = config.fleet(replicas, cost, tuple(sorted(events)), models=tuple(models), slow=slow)
+        out_dir = args.out_dir / f"replicas-{replicas}" if len(fleet_sizes) > 1 else args.out_dir
         run_experiment(source, args.policies, seeds, config, fleet, out_dir,
                        progress=lambda line: print(line, file=sys.stderr))
         report = build_report(out_dir)
@@ -157,6 +169,35 @@ def main(args: argparse.Namespace) -> int:
             out["arena"] = {"ceiling": ceiling, "cost_model": cost.name, "replicas": arenas}
         print(json.dumps(out))
     return 0
+
+
+def parse_models(items: list[str]) -> list[CostModel]:
+    """``NAME`` (one model for the fleet: []) or ``NAME:COUNT ...``: each replica's cost model, in order."""
+    if len(items) == 1 and not items[0].rpartition(":")[2].isdigit():
+        return []
+    models: list[CostModel] = []
+    for item in items:
+        name, _, count = item.rpartition(":")
+        if not name or not count.isdigit() or int(count) < 1:
+            raise ValueError(f"--cost-model: {item!r} is not NAME:COUNT (a mixed fleet gives each model a count >= 1)")
+        models += [load_cost_model(name)] * int(count)
+    return models
+
+
+def parse_slow(items: list[str], replicas: int) -> tuple[tuple[str, float, float], ...]:
+    """``REPLICA:AT:FACTOR`` items: (replica, at seconds, factor > 0), the replica one of llm-0..llm-(N-1)."""
+    events = []
+    for item in items:
+        parts = item.split(":")
+        try:
+            name, at, factor = parts[0], float(parts[1]), float(parts[2])
+        except (IndexError, ValueError):
+            raise ValueError(f"--slow: {item!r} is not REPLICA:AT:FACTOR (llm-1:60:3)") from None
+        known = [f"llm-{index}" for index in range(replicas)]
+        if len(parts) != 3 or name not in known or at < 0 or factor <= 0:
+            raise ValueError(f"--slow: {item!r}: REPLICA one of llm-0..llm-{replicas - 1}, AT >= 0 s, FACTOR > 0")
+        events.append((name, at, factor))
+    return tuple(events)
 
 
 def parse_scale(items: list[str]) -> list[tuple[float, int]]:

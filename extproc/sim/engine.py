@@ -12,8 +12,9 @@ Workloads come in two shapes:
   new turn starts after ``max_duration_s``;
 - open loop (traces): every request arrives at its own ``arrival_s``.
 
-Each answer's simulated cached tokens go back to the router (``report_cached``) as the
-gateway feeds it the replica's timings.cache_n.
+Each answer's simulated timings (cache_n, prompt_n, prompt_ms, predicted_n, predicted_ms) go
+back to the router (``report_cached``) as the gateway feeds it the replica's: the router learns
+each replica's speed from these alone.
 
 Releases follow the gateway (extproc/service/gateway.py): a finished request is released
 ``release_lag_s`` later (Envoy's access log entry), or earlier when the next turn of its
@@ -28,12 +29,13 @@ from dataclasses import dataclass, field
 from heapq import heappush
 
 from extproc.routing import Router
+from extproc.routing.speeds import AnswerTimings, ReplicaSpeeds, Speed
 from extproc.sim.costmodel import CostModel
 from extproc.sim.paged import PagedReplica
 from extproc.sim.replica import Replica, Request
 from extproc.sim.routers import RouterTier
 
-_WAKE, _SEND, _SCALE, _USER, _RELEASE = 0, 1, 2, 3, 4
+_WAKE, _SEND, _SCALE, _USER, _RELEASE, _SLOW = 0, 1, 2, 3, 4, 5
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,10 @@ class Fleet:
     replica_threads: int = 1  # threads a busy replica wants (llama.cpp --threads)
     release_lag_s: float = 0.0  # from an answer's end to the router's release (the gateway's access log)
     release_by_next_turn: bool = True  # a next turn carrying the answer releases it at once (the gateway)
+    # a mixed fleet: replica llm-i's (cost model, host-RAM cache tokens) is models[i % len(models)]
+    # (empty: every replica has the run's one cost model and cache_tokens)
+    models: tuple[tuple[CostModel, int], ...] = ()
+    slow: tuple[tuple[str, float, float], ...] = ()  # (replica, at seconds, factor): from then that much slower
 
     def names(self, count: int) -> list[str]:
         return [f"llm-{i}" for i in range(count)]
@@ -71,6 +77,9 @@ class Outcome:
     end_s: float = 0.0
     events: int = 0
     scale_times: list[tuple[float, int]] = field(default_factory=list)
+    # per answer, the router's learnt speed of its replica and the replica's true one:
+    # (at s, replica, cost model, learnt Speed, true Speed)
+    speeds: list[tuple[float, str, str, Speed, Speed]] = field(default_factory=list)
 
 
 def simulate(
@@ -87,8 +96,6 @@ class _Simulation:
         self.fleet = fleet
         self.replicas: dict[str, Replica | PagedReplica] = {}
         self.every_replica: list[Replica | PagedReplica] = []
-        # the longest prompt + output a server accepts (None: no limit, as the CPU models)
-        self.context_tokens = cost.server.context_tokens if cost.server else None
         self.heap: list[tuple] = []
         self.seq = 0
         self.outcome = Outcome()
@@ -124,6 +131,8 @@ class _Simulation:
                 self.push(request.arrival_s, _SEND, request)
         for at, count in self.fleet.scale:
             self.push(at, _SCALE, count)
+        for name, at, factor in self.fleet.slow:
+            self.push(at, _SLOW, (name, factor))
         heap, pop, events = self.heap, heapq.heappop, 0
         now = 0.0
         while heap:
@@ -139,6 +148,8 @@ class _Simulation:
                 self._next_conversation(now)
             elif kind == _RELEASE:
                 self.complete(payload.request_id, True)  # a no-op when its next turn released it
+            elif kind == _SLOW:
+                self._slow_down(payload[0], payload[1], now)
             else:
                 self._set_fleet(payload, now)
         if isinstance(self.router, RouterTier):
@@ -167,10 +178,11 @@ class _Simulation:
         request.replica = decision.replica
         request.reason = decision.reason
         request.predicted_cached = decision.predicted_cached_tokens
-        if self.context_tokens is not None and request.prompt_tokens + request.max_tokens > self.context_tokens:
+        replica = self.replicas[decision.replica]
+        server = replica.cost.server  # the longest prompt + output it accepts (none: no limit, as the CPU models)
+        if server is not None and request.prompt_tokens + request.max_tokens > server.context_tokens:
             self._reject(request, now)
             return
-        replica = self.replicas[decision.replica]
         was_idle = not replica.running
         if not replica.arrive(request, now):
             return  # queued: the replica's pending wake-up still holds
@@ -202,9 +214,13 @@ class _Simulation:
             self._share_host(now, -1)
         lag = self.fleet.release_lag_s
         complete, report = self.complete, self.router.report_cached
+        speeds = self.learnt_speeds()
         for request in finished:
             request.status = 200
-            report(request.route, replica.name, request.predicted_cached or 0, request.cache_n)  # timings.cache_n
+            report(request.route, replica.name, request.predicted_cached or 0, request.cache_n, timings_of(request))
+            if speeds is not None:
+                self.outcome.speeds.append((now, replica.name, replica.cost.name, speeds.speed(replica.name),
+                                            true_speed(replica)))
             if lag:
                 self.push(now + lag, _RELEASE, request)
             else:
@@ -233,6 +249,21 @@ class _Simulation:
         wait = replica.next_change()
         if wait is not None:
             heappush(self.heap, (now + wait, seq, _WAKE, replica))
+
+    def learnt_speeds(self) -> ReplicaSpeeds | None:
+        """The speeds the (first) router learnt; None without learning."""
+        router = self.router.routers[0] if isinstance(self.router, RouterTier) else self.router
+        return router.speeds if router.speeds.learning else None
+
+    def _slow_down(self, name: str, factor: float, now: float) -> None:
+        """``name`` runs ``factor`` times slower from now on (a shared CPU, thermal throttling)."""
+        replica = self.replicas.get(name)
+        if replica is None:
+            return
+        replica.advance(now)  # progress so far at the old speed
+        replica.prefill_slowdown = tuple(value * factor for value in replica.prefill_slowdown)
+        replica.decode_slowdown = tuple(value * factor for value in replica.decode_slowdown)
+        self._reschedule(replica, now)
 
     def _share_host(self, now: float, change: int) -> None:
         """A replica became busy or idle: on a shared host, every busy replica's speed changes.
@@ -267,6 +298,25 @@ class _Simulation:
         self.outcome.scale_times.append((now, count))
 
     def _new_replica(self, name: str) -> Replica | PagedReplica:
-        if self.cost.server is not None and self.cost.server.kv_cache == "paged":
-            return PagedReplica(name, self.cost)
-        return Replica(name, self.cost, self.fleet.slots, self.fleet.cache_tokens)
+        cost, cache = self.cost, self.fleet.cache_tokens
+        models = self.fleet.models
+        if models:
+            cost, cache = models[int(name.rpartition("-")[2]) % len(models)]
+        if cost.server is not None and cost.server.kv_cache == "paged":
+            return PagedReplica(name, cost)
+        return Replica(name, cost, self.fleet.slots, cache)
+
+
+def timings_of(request: Request) -> AnswerTimings:
+    """What the replica's answer reports (llama.cpp's ``timings``): prefill from its start on a slot
+    (the queue's wait not included) to its first token, then decode to its end."""
+    return AnswerTimings(request.prompt_n, (request.first_token_at - request.started_at) * 1000,
+                         request.max_tokens, (request.finished_at - request.first_token_at) * 1000, request.cache_n)
+
+
+def true_speed(replica: Replica | PagedReplica) -> Speed:
+    """The replica's speed alone, as its cost model says (the per-token parts at zero context),
+    slowed as a ``--slow`` event made it."""
+    cost, factor = replica.cost, replica.prefill_slowdown[1]
+    return Speed(cost.prefill_per_token_s * factor, cost.decode_per_token_s * replica.decode_slowdown[1],
+                 cost.prefill_overhead_s * factor)

@@ -41,6 +41,7 @@ from extproc.routing.decision import Decision, RouteRequest
 from extproc.routing.hashing import stable_hash
 from extproc.routing.ledger import LoadLedger
 from extproc.routing.placement import PlacementMemory
+from extproc.routing.speeds import AnswerTimings
 from extproc.settings import RoutingSettings
 
 ROUTER_STATES = ("separate", "shared", "affinity", "shared-load", "affinity-shared-load", "store")
@@ -109,11 +110,12 @@ class RouterTier:
             self.store.share_at_once(first)
         return decision
 
-    def report_cached(self, request: RouteRequest, replica: str, predicted: int, cached: int) -> None:
-        """An answer's cached tokens go to the router that routed it (reported before its release)."""
+    def report_cached(self, request: RouteRequest, replica: str, predicted: int, cached: int,
+                      timings: AnswerTimings | None = None) -> None:
+        """An answer's cached tokens and timings go to the router that routed it (reported before its release)."""
         router = self._owner.get(request.request_id)
         if router is not None:
-            router.report_cached(request, replica, predicted, cached)
+            router.report_cached(request, replica, predicted, cached, timings)
 
     def set_replicas(self, replicas: list[str]) -> None:
         for router in self.distinct():  # every router watches the same discovery

@@ -9,10 +9,15 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from extproc.files import write_atomically
 from extproc.policy_spec import ExperimentError
 from extproc.policy_spec import parse_policy as experiment_policy
 from extproc.records import REQUESTS_FILE, RunMeta, write_records, write_run_metadata
 from extproc.routing import make_policy
+from extproc.routing.speeds import Speed
 from extproc.settings import RoutingSettings, SettingsError, parse_routing
 from extproc.sim.costmodel import CostModel, load_cost_model
 from extproc.sim.engine import ClosedLoop, Fleet, OpenLoop, Outcome, simulate
@@ -23,6 +28,8 @@ from extproc.sim.workload import profile_workload, requests_from_trace
 from extproc.traffic import Profile, load_profile
 
 SIM_CONFIG = Path(__file__).parent / "sim.toml"
+# per answer, the speed the router learnt of its replica and the replica's true speed (notebooks chart them)
+SPEEDS_FILE = "speeds.parquet"
 
 
 @dataclass(frozen=True)
@@ -45,12 +52,16 @@ class SimConfig:
     jitter_bucket_s: float | None = None
 
     def fleet(self, replicas: int, cost: CostModel, scale: tuple[tuple[float, int], ...] = (),
-              host_cores: float | None = None, cache: bool = True) -> Fleet:
+              host_cores: float | None = None, cache: bool = True, models: tuple[CostModel, ...] = (),
+              slow: tuple[tuple[str, float, float], ...] = ()) -> Fleet:
         """The simulated fleet these settings describe (``host_cores`` overrides [host] cores;
-        ``cache=False``: no host-RAM cache, for paged cost models that bring their own pool)."""
+        ``cache=False``: no host-RAM cache, for paged cost models that bring their own pool;
+        ``models``: a mixed fleet, replica i's cost model; ``slow``: (replica, at s, factor) slowdowns)."""
         return Fleet(replicas, self.slots, cache_tokens(self.cache_ram_mib, cost) if cache else 0, scale,
                      self.host_cores if host_cores is None else host_cores, self.threads,
-                     self.release_lag_ms / 1000, self.release_by_next_turn)
+                     self.release_lag_ms / 1000, self.release_by_next_turn,
+                     tuple((model, cache_tokens(self.cache_ram_mib, model) if cache else 0) for model in models),
+                     slow)
 
 
 # Every key sim.toml holds besides [routing]: (section, key) -> the SimConfig field and its type.
@@ -188,6 +199,8 @@ def run_experiment(
             run_id = f"sim-{source.label}-r{fleet.replicas}-{spec.replace(':', '_').replace(',', '_')}-s{seed}"
             rows = request_rows(outcome.requests, run_id, spec, seed)
             write_records(rows, out_dir / run_id / REQUESTS_FILE)
+            if outcome.speeds:
+                write_speeds(outcome.speeds, out_dir / run_id / SPEEDS_FILE)
             write_run_metadata(_meta(run_id, spec, seed, source, settings, config, cost, fleet, outcome, len(rows)),
                                out_dir / run_id)
             total += len(rows)
@@ -215,5 +228,23 @@ def _meta(run_id: str, spec: str, seed: int, source: Source, settings: RoutingSe
                **({"store_lag_ms": config.store_lag_ms, "store_handoff": config.store_handoff,
                    "store_outage": list(config.store_outage) if config.store_outage else None}
                   if config.router_state == "store" else {}),
-               "scale": [list(event) for event in fleet.scale], "events": outcome.events},
+               "scale": [list(event) for event in fleet.scale], "events": outcome.events,
+               **({"models": [model.name for model, _ in fleet.models]} if fleet.models else {}),
+               **({"slow": [list(event) for event in fleet.slow]} if fleet.slow else {})},
     )
+
+
+def write_speeds(samples: list[tuple[float, str, str, Speed, Speed]], path: Path) -> None:
+    """One row per answer: when, which replica (its cost model), the learnt and the true speed."""
+    columns: dict[str, list[Any]] = {name: [] for name in (
+        "at_s", "replica", "cost_model", "learnt_prefill_tokens_per_s", "true_prefill_tokens_per_s",
+        "learnt_decode_tokens_per_s", "true_decode_tokens_per_s", "learnt_overhead_ms", "true_overhead_ms")}
+    for at, replica, model, learnt, true in samples:
+        for name, value in zip(columns, (at, replica, model, 1 / learnt.prefill_s_per_token,
+                                         1 / true.prefill_s_per_token, 1 / learnt.decode_s_per_token,
+                                         1 / true.decode_s_per_token, learnt.overhead_s * 1000,
+                                         true.overhead_s * 1000), strict=True):
+            columns[name].append(value)
+    parquet = pa.BufferOutputStream()
+    pq.write_table(pa.table(columns), parquet)
+    write_atomically(path, parquet.getvalue().to_pybytes())

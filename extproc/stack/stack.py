@@ -537,6 +537,7 @@ class Stack:
             store_url=self.state.store_url if several else None,
             store_password_file=password_file(run / STORE) if several else None,
             prefix_capacity_tokens=self.state.prefix_capacity_tokens or None,
+            replica_slots=self.state.replica_settings["parallel"],
         ))
         try:
             load_settings(gw.router_settings)
@@ -673,14 +674,17 @@ def check_slot_context(profile_name: str, settings: ReplicaSettings) -> None:
 def render_router_settings(base: Path, *, policy: str, admin_listen: str, metrics_listen: str, replicas_file: Path,
                            envoy_endpoints_file: Path, store_url: str | None = None,
                            store_password_file: Path | None = None,
-                           prefix_capacity_tokens: int | None = None) -> str:
+                           prefix_capacity_tokens: int | None = None, replica_slots: int | None = None) -> str:
     """The routing service's settings: `base` with this stack's addresses, files and policy.
     store_url, store_password_file (several gateways): their shared store, as [store] url and
-    password_file; prefix_capacity_tokens: what this stack's replicas hold."""
+    password_file; prefix_capacity_tokens: what this stack's replicas hold; replica_slots: their
+    --parallel."""
     raw = tomllib.loads(base.read_text())
     raw["routing"]["policy"] = policy
     if prefix_capacity_tokens is not None:
         raw["routing"]["prefix_capacity_tokens"] = prefix_capacity_tokens
+    if replica_slots is not None:
+        raw["routing"]["replica_slots"] = replica_slots
     raw["service"].update(  # Envoy reaches ext_proc on the socket alone
         listen="",
         admin_listen=admin_listen,

@@ -20,6 +20,11 @@ BASE: dict[str, Any] = {
     "prefix_index": False,
     "prefix_feedback": False,
     "prefix_capacity_tokens": 100_000,
+    # the walk's tests: llm-aware decides as before predicted times (tests/routing/test_ttft.py: on)
+    "ttft_decisions": False, "ttft_margin": 1.0,
+    "ttft_recompute_cost": True, "ttft_guard_factor": 2.0, "replica_slots": 4,
+    "speed_learning": True, "speed_ewma_weight": 0.05, "prior_prefill_tokens_per_s": 167.0,
+    "prior_decode_tokens_per_s": 55.0, "prior_request_overhead_ms": 19.0,
 }
 
 

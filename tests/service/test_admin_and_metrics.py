@@ -17,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from extproc.service import admin_pb2
 from extproc.service.admin import AdminService
+from extproc.service.bodies import Timings
 from extproc.service.metrics import DECISION_SECONDS, Histogram, Metrics
 from tests.service.test_gateway_lifecycle import ENDPOINTS, decide, make_gateway
 
@@ -69,6 +70,29 @@ def test_admin_state_and_the_scrape_show_the_same_replicas_load_and_health() -> 
     gateway.access_logged(request_id, 200, endpoint, cut_off=False, timings=None)
     assert all(replica.in_flight_requests == 0 for replica in AdminService(gateway).state().replicas)
     assert set(gauges(gateway.metrics)["llm_ring_in_flight_requests"].values()) == {0}
+
+
+def test_an_answers_timings_teach_its_replicas_speed_shown_in_admin_state_and_scrape() -> None:
+    gateway = make_gateway()
+    gateway.metrics.watch(gateway.replica_states, lambda: gateway.router.speeds.speeds())
+    request_id, endpoint = decide(gateway, "envoy-1")
+    pick = gateway.pending[request_id].decision.replica
+    prior = AdminService(gateway).state().replicas[0].prefill_tokens_per_s
+    gateway.access_logged(request_id, 200, endpoint, cut_off=False,
+                          timings=Timings(cache_n=0, prompt_n=2000, prompt_ms=1000.0, predicted_n=8, predicted_ms=80.0))
+    by_name = {replica.name: replica for replica in AdminService(gateway).state().replicas}
+    assert by_name[pick].answers_learnt == 1
+    assert by_name[pick].prefill_tokens_per_s > prior  # 2,000 tokens a second beats the prior's 167
+    # the others, unanswered, are taken to be as fast as the fleet's answered replicas
+    assert all(replica.answers_learnt == 0 and replica.prefill_tokens_per_s == by_name[pick].prefill_tokens_per_s
+               for name, replica in by_name.items() if name != pick)
+    scraped = gauges(gateway.metrics)
+    for name, replica in by_name.items():
+        shown = {family: scraped[f"llm_ring_replica_{family}"][name] for family in (
+            "prefill_tokens_per_second", "decode_tokens_per_second", "request_overhead_seconds")}
+        assert shown == pytest.approx({"prefill_tokens_per_second": replica.prefill_tokens_per_s,
+                                       "decode_tokens_per_second": replica.decode_tokens_per_s,
+                                       "request_overhead_seconds": replica.request_overhead_ms / 1000})
 
 
 def test_metrics_without_a_live_state_show_no_replicas() -> None:

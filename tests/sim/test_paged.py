@@ -187,9 +187,9 @@ class ReportingRouter(Router):
         super().__init__(*args, **kwargs)
         self.reports: list[tuple[str, str, int, int]] = []
 
-    def report_cached(self, request, replica, predicted, cached) -> None:  # noqa: ANN001
+    def report_cached(self, request, replica, predicted, cached, timings=None) -> None:  # noqa: ANN001
         self.reports.append((request.request_id, replica, predicted, cached))
-        super().report_cached(request, replica, predicted, cached)
+        super().report_cached(request, replica, predicted, cached, timings)
 
 
 def test_every_answer_reports_its_simulated_cache_n_to_the_router():

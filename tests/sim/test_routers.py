@@ -44,9 +44,10 @@ def test_one_shared_router_behind_three_is_one_router(policy):
     assert rows(QUICK, policy, 4, 3, "shared") == rows(QUICK, policy, 4)
 
 
-@pytest.mark.parametrize("policy", ["bounded", "llm-aware"])
+@pytest.mark.parametrize("policy", ["bounded", "llm-aware:speed_learning=false"])
 def test_affinity_with_one_load_picture_is_one_router(policy):
     # each router holds the whole placement history of its conversations; the ledger is common
+    # (learnt replica speeds are not: each router learns from the answers to its own requests)
     assert rows(AGENT, policy, 6, 3, "affinity-shared-load") == rows(AGENT, policy, 6)
     assert rows(AGENT, policy, 6, 3, "affinity") != rows(AGENT, policy, 6)  # the load picture matters
 

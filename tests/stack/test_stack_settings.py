@@ -72,8 +72,10 @@ def test_router_settings_are_the_reference_with_this_stacks_addresses(tmp_path: 
     sized.write_text(render_router_settings(
         ROUTER_REFERENCE, policy="llm-aware", admin_listen="127.0.0.1:1234", metrics_listen="127.0.0.1:1235",
         replicas_file=tmp_path / "replicas.json", envoy_endpoints_file=tmp_path / "eds.json",
-        prefix_capacity_tokens=4096))
-    assert load_settings(sized, environ={}).routing.prefix_capacity_tokens == 4096  # what the replicas hold
+        prefix_capacity_tokens=4096, replica_slots=2))
+    sized_settings = load_settings(sized, environ={}).routing
+    assert sized_settings.prefix_capacity_tokens == 4096  # what the replicas hold
+    assert sized_settings.replica_slots == 2  # their --parallel
 
 
 @pytest.mark.parametrize("port_key", ["gateway", "replica_base"])

@@ -10,6 +10,7 @@ from extproc.routing.decision import Candidate, Decision, RouteRequest, Trace
 from extproc.routing.ledger import LoadLedger
 from extproc.routing.placement import Placement
 from extproc.routing.ring import HashRing
+from extproc.routing.speeds import ReplicaSpeeds
 from extproc.settings import LoadUnit
 
 # NamedTuple(...) goes through a Python-level __new__ (with keywords, through a dict too):
@@ -30,6 +31,7 @@ class Situation(NamedTuple):
     placement: Placement | None  # remembered placement, only if that replica is eligible
     avoid: frozenset[str]  # replicas not to pick (unhealthy)
     eligible: tuple[str, ...]  # the ring's replicas minus ``avoid``, in name order
+    speeds: ReplicaSpeeds  # each replica's speed, learnt from its answers
 
     def walk(self) -> Iterator[str]:
         """Eligible replicas clockwise from the conversation's ring position."""
