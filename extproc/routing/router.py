@@ -39,6 +39,7 @@ class Router:
         self._ring = HashRing((), settings.virtual_nodes, settings.hash_seed)
         self._members: frozenset[str] = frozenset()
         self._in_flight: dict[str, tuple[RouteRequest, Decision, int]] = {}
+        self._migrated: dict[int, str] = {}  # conversation key -> the replica its cache was moved to
         self.set_replicas(replicas)
 
     @property
@@ -91,6 +92,10 @@ class Router:
         if placement is not None and (placement.replica not in self._members or placement.replica in avoided):
             placement = None  # that cache is gone or unreachable
         decision = self.policy.decide(new(Situation, (request, key, ring, self.ledger, placement, avoided, eligible)))
+        if self._migrated and decision is not None:
+            moved_to = self._migrated.pop(key, None)
+            if moved_to is not None and moved_to == decision.replica:  # the trace says why it is cached there
+                decision = decision._replace(reason=f"{decision.reason}+migrated")
         if decision is not None:
             self.ledger.charge(request_id, decision.replica, decision.charged_tokens)
             self._in_flight[request_id] = (request, decision, key)
@@ -119,6 +124,17 @@ class Router:
         if self._learner is not None and replica in self._members:
             self._learner.reported(request, replica, predicted, cached)
 
+    def migrated(self, conversation_key: int, replica: str, prompt_tokens: int) -> bool:
+        """The conversation's cache was moved to ``replica`` (extproc/migration): its next turn goes
+        there as if it had been served there, and its decision says so. False for an unknown replica."""
+        if replica not in self._members:
+            return False
+        self.memory.remember(conversation_key, replica, prompt_tokens)
+        if len(self._migrated) >= self.settings.memory_capacity:  # bounded like placement memory
+            del self._migrated[next(iter(self._migrated))]
+        self._migrated[conversation_key] = replica
+        return True
+
     def reconfigure(self, settings: RoutingSettings) -> None:
         """Switch policy or knobs at run time; in-flight load is kept."""
         old, self.settings = self.settings, settings
@@ -134,6 +150,7 @@ class Router:
         self.ledger.clear()
         self.memory.clear()
         self._in_flight.clear()
+        self._migrated.clear()
         self._set_policy(make_policy(self.settings))
 
     def in_flight(self) -> int:

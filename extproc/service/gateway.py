@@ -59,6 +59,7 @@ from extproc.routing import Decision, Router, RouteRequest, estimate_tokens
 from extproc.routing.blocks import BlockMemory
 from extproc.routing.peers import PeerRequest, PeerView, peer_view
 from extproc.routing.placement import Placement
+from extproc.service.migrations import Migrations
 from extproc.service.answers import (
     RESPONSE_HEADERS_CONTINUE,
     AnswerCache,
@@ -160,6 +161,7 @@ class Gateway:
         self.limits = BodyLimits(settings.max_messages, settings.max_prompt_chars, settings.max_output_tokens)
         self.store: SharedStore | None = None  # several routers' shared state (main.py sets it from [store])
         self.block_memory: BlockMemory | None = None  # the last prompt's blocks per conversation, when hashed
+        self.migrations = Migrations(router.settings.memory_capacity, metrics.registry)
 
     # ------------------------------------------------------------------ replicas
 
@@ -311,6 +313,7 @@ class Gateway:
             return immediate(exc.status, exc.message)
         unique_id = self._request_id()
         conversation = bounded(conversation_id) or parsed.opening_key
+        self.migrations.opened(self.router.conversation_key(conversation), parsed.opening_key)
         prompt_tokens = parsed.prompt_token_ids or estimate_tokens(parsed.prompt_chars, self.settings.chars_per_token)
         request = RouteRequest(
             unique_id, conversation, prompt_tokens, parsed.max_tokens or self.settings.default_max_tokens,

@@ -92,12 +92,23 @@ class CheckSection(Strict):
     profile: str
 
 
+class MigrationSection(Strict):
+    enabled: bool
+    drain_seconds: float = Field(gt=0)
+    min_tokens: int = Field(ge=0)
+    max_disk_mib: int = Field(gt=0)
+    max_age_seconds: float = Field(gt=0)
+    prefill_ms_per_token: float = Field(gt=0)
+    transfer_mib_per_second: float = Field(gt=0)
+
+
 class StackSettings(Strict):
     replicas: ReplicasSection
     gateways: GatewaysSection
     ports: PortsSection
     router: RouterSection
     check: CheckSection
+    migration: MigrationSection
 
 
 def load_stack_settings(path: str | Path | None = None,
@@ -154,6 +165,8 @@ class StackState:
     held_down: list[str] = field(default_factory=list)  # killed on purpose: the supervisor leaves them
     started_at: float = 0.0
     startup_seconds: float = 0.0
+    migration: dict[str, Any] = field(default_factory=dict)  # MigrationSection ({}: a stack started without)
+    model_sha256: str = ""
 
     @property
     def router_address(self) -> str:
@@ -210,6 +223,7 @@ class Stack:
             replica_settings=asdict(replica_settings), replica_ports={}, replica_base=settings.ports.replica_base,
             health_timeout=rs.health_timeout_seconds, die_with_parent=die_with_parent, started_at=time.time(),
             gateways=[asdict(gw) for gw in gateways], prefix_capacity_tokens=capacity,
+            migration=settings.migration.model_dump(), model_sha256=models.sha256_file(Path(replica_settings.model)),
         )
         stack = cls(state)
         try:
@@ -405,14 +419,70 @@ class Stack:
 
     # -- changes while running
 
-    def scale(self, n: int, progress: Progress = print, drain_timeout: float = 60.0) -> None:
-        """Run n replicas: new ones join once healthy; removed ones leave the list, drain, stop."""
+    def scale(self, n: int, progress: Progress = print, drain_timeout: float = 60.0) -> list[dict[str, object]]:
+        """Run n replicas: new ones join once healthy; removed ones leave the list, drain, hand
+        their conversations' caches to the others ([migration] enabled), stop. Returns each
+        migration's outcome."""
         if n < 1:
             raise StackError(f"scale {n}: at least 1 replica")
         with self.locked():
-            self._scale(n, progress, drain_timeout)
+            return self._scale(n, progress, self._drain_seconds(drain_timeout))
 
-    def _scale(self, n: int, progress: Progress, drain_timeout: float) -> None:
+    def roll(self, name: str, progress: Progress = print, migrate: bool | None = None) -> dict[str, object]:
+        """Restart one replica as a rolling update does: out of the list, drain, migrate its
+        caches ([migration] enabled, or `migrate`), stop, start on its port, healthy, back in the
+        list. Returns {"replica", "down", "up" (ISO times), "migration"}."""
+        with self.locked():
+            current = self.replica_list
+            leaving = next((r for r in current if r.name == name), None)
+            if leaving is None:
+                raise StackError(f"no replica {name!r}")
+            staying = [r for r in current if r.name != name]
+            self.state.replicas = [r.as_dict() for r in staying]
+            self._write_replica_list()
+            self.save()
+            for gw in self.gateway_list:
+                self._wait_router_forgets({name}, gw.router_address)
+            deadline = time.monotonic() + self._drain_seconds(60.0)
+            _drain([leaving], deadline - time.monotonic(), progress)
+            outcome = self._migrate(leaving, staying, deadline, progress, migrate)
+            replicas.stop_all([leaving])
+            down = _iso(time.time())
+            self.state.replicas = [r.as_dict() for r in staying]
+            self._start_replicas([name], [leaving.port], progress, port_wait=5.0)
+            self.state.replicas.sort(key=lambda r: int(str(r["name"]).rsplit("-", 1)[1]))
+            self._write_replica_list()
+            self.save()
+            for gw in self.gateway_list:
+                self._wait_router_knows({name}, gw.router_address)
+                self._wait_envoy_knows({leaving.address}, gw.envoy_admin)
+            return {"replica": name, "down": down, "up": _iso(time.time()), "migration": outcome}
+
+    def _drain_seconds(self, fallback: float) -> float:
+        return float(self.state.migration.get("drain_seconds", fallback))
+
+    def _migrate(self, leaving: Replica, staying: list[Replica], deadline: float, progress: Progress,
+                 migrate: bool | None = None) -> dict[str, object]:
+        from extproc.migration.migrate import Limits, migrate_out
+        from extproc.migration.planner import Costs
+        from extproc.migration.slotfiles import Identity
+
+        section = self.state.migration
+        if not (section.get("enabled") if migrate is None else migrate) or not staying or not section:
+            return {}
+        settings = self._settings()
+        identity = Identity(self.state.model_sha256, settings.slot_context, "f16")
+        costs = Costs(models.kv_bytes_per_token(settings.model), section["prefill_ms_per_token"] / 1000,
+                      section["transfer_mib_per_second"] * 2**20)
+        limit = int(section["max_disk_mib"]) * 2**20
+        limits = Limits(int(section["min_tokens"]), limit, float(section["max_age_seconds"]), limit)
+        outcome = migrate_out((leaving.name, leaving.address), {r.name: r.address for r in staying},
+                              [gw.router_address for gw in self.gateway_list],
+                              replicas.slot_folder(Path(self.state.run_dir)),
+                              {r.name: identity for r in [leaving, *staying]}, costs, limits, deadline, progress)
+        return outcome.as_dict()
+
+    def _scale(self, n: int, progress: Progress, drain_timeout: float) -> list[dict[str, object]]:
         current = self.replica_list
         if n > len(current):
             names = [replicas.replica_name(i) for i in range(len(current), n)]
@@ -433,9 +503,14 @@ class Stack:
             self.save()
             for gw in self.gateway_list:
                 self._wait_router_forgets({r.name for r in leaving}, gw.router_address)
+            deadline = time.monotonic() + drain_timeout
             _drain(leaving, drain_timeout, progress)
+            outcomes = [self._migrate(replica, current[:n], deadline, progress) for replica in leaving]
             replicas.stop_all(leaving)
+            self.save()
+            return [o for o in outcomes if o]
         self.save()
+        return []
 
     def reset_caches(self, progress: Progress = print) -> float:
         """Empty every replica's prompt caches; returns the seconds it took.
@@ -779,6 +854,12 @@ def _wait_until(condition: Callable[[], bool], timeout: float, failure: str) -> 
         if time.monotonic() > deadline:
             raise StackError(failure)
         time.sleep(0.05)
+
+
+def _iso(wall: float) -> str:
+    from datetime import UTC, datetime
+
+    return datetime.fromtimestamp(wall, UTC).isoformat(timespec="milliseconds")
 
 
 def _drain(leaving: list[Replica], timeout: float, progress: Progress) -> None:
