@@ -24,6 +24,11 @@ class Lab(Protocol):
     def scale(self, n: int) -> None:
         """Run ``n`` replicas; returns once they are ready and the router knows them."""
 
+    def roll(self, name: str, migrate: bool | None) -> dict[str, Any]:
+        """Restart one replica as a rolling update does (drain, migrate, stop, start, ready):
+        {"replica", "down", "up", "migration"}; migrate None = the stack's setting."""
+        ...
+
     def replicas(self) -> dict[str, str]:
         """The ready replicas: {name: "ip:port"}."""
 
@@ -73,6 +78,9 @@ class RemoteLab:
 
     def scale(self, n: int) -> None:
         raise LabError("a remote lab cannot scale replicas; drop --scale-at or use the local stack")
+
+    def roll(self, name: str, migrate: bool | None) -> dict[str, Any]:
+        raise LabError("a remote lab cannot restart replicas; drop --roll-at or use the local stack")
 
     def replicas(self) -> dict[str, str]:
         return {r["name"]: r["address"] for r in self._admin.state()["replicas"] if r["healthy"]}

@@ -59,7 +59,6 @@ from extproc.routing import Decision, Router, RouteRequest, estimate_tokens
 from extproc.routing.blocks import BlockMemory
 from extproc.routing.peers import PeerRequest, PeerView, peer_view
 from extproc.routing.placement import Placement
-from extproc.service.migrations import Migrations
 from extproc.service.answers import (
     RESPONSE_HEADERS_CONTINUE,
     AnswerCache,
@@ -77,6 +76,7 @@ from extproc.service.bodies import (
     parse_timings,
 )
 from extproc.service.metrics import Metrics, ReplicaState
+from extproc.service.migrations import Migrations
 from extproc.service.store import SharedStore
 from extproc.settings import ServiceSettings, StoreSettings
 

@@ -79,3 +79,15 @@ def test_a_conversation_whose_replica_leaves_continues_elsewhere_with_its_histor
         assert admin.state()["replicas"] and len(admin.state()["replicas"]) == 2
     metrics = __import__("httpx").get(lab.stack.state.metrics_url).text
     assert 'llm_ring_migrations_total{outcome="succeeded"}' in metrics
+
+
+def test_a_rolling_restart_of_a_replica_keeps_its_conversation_cached_and_records_the_times(lab: LocalLab) -> None:
+    conversation = conversation_homed_on(lab, "llm-0", NAMES[:2], "rolled")
+    chat, held = talk(lab, conversation)
+    step = lab.roll("llm-0", migrate=True)
+    assert step["replica"] == "llm-0" and step["down"] < step["up"]
+    assert step["migration"]["succeeded"] >= 1, step
+    assert sorted(lab.stack.healthy_replicas()) == ["llm-0", "llm-1"]
+    reply, answer = chat.turn("And who lives there now?")
+    assert reply.headers["x-routed-to"] == "llm-1" and "migrated" in reply.headers["x-route-reason"]
+    assert answer["timings"]["cache_n"] >= held - 1
