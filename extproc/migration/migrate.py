@@ -45,6 +45,15 @@ class Outcome:
     bytes: int = 0
     seconds: float = 0.0
     problems: list[str] = field(default_factory=list)
+    saved_slots: list[int] = field(default_factory=list)
+
+    def add(self, later: Outcome) -> None:
+        """A second pass's outcome into this one."""
+        for name in ("slots", "matched", "attempted", "failed", "bytes", "seconds"):
+            setattr(self, name, getattr(self, name) + getattr(later, name))
+        self.moved += later.moved
+        self.problems += later.problems
+        self.saved_slots += later.saved_slots
 
     def as_dict(self) -> dict[str, object]:
         return {"replica": self.replica, "slots": self.slots, "matched": self.matched, "attempted": self.attempted,
@@ -54,9 +63,10 @@ class Outcome:
 
 def migrate_out(leaving: tuple[str, str], staying: Mapping[str, str], routers: Sequence[str], folder: Path,
                 identities: Mapping[str, slotfiles.Identity], costs: Costs, limits: Limits, deadline: float,
-                progress: Progress = lambda _: None) -> Outcome:
+                progress: Progress = lambda _: None, done: frozenset[int] = frozenset()) -> Outcome:
     """Move what is worth moving from `leaving` (name, address) to `staying` ({name: address});
-    routers: the Admin addresses of every routing service."""
+    routers: the Admin addresses of every routing service; done: slots an earlier pass saved
+    (a first pass moves the idle slots at once, a second one those that were busy)."""
     from extproc.service.admin_client import AdminClient
 
     name, address = leaving
@@ -72,7 +82,7 @@ def migrate_out(leaving: tuple[str, str], staying: Mapping[str, str], routers: S
                 for key, opening, tokens in admin.placements(name):
                     if opening:
                         placed.setdefault(opening, {})[key] = tokens
-        candidates, saved = _saved_slots(source, name, folder, identities[name], framing, placed, outcome)
+        candidates, saved = _saved_slots(source, name, folder, identities[name], framing, placed, outcome, done)
         ring = HashRing(staying, int(state["virtual_nodes"]), int(state["hash_seed"]))
         idle = {receiver: _idle_slots(LlamaServer(addr)) for receiver, addr in staying.items()}
         moves = plan(candidates, ring, {r: len(s) for r, s in idle.items()}, costs, limits.min_tokens,
@@ -101,13 +111,15 @@ def migrate_out(leaving: tuple[str, str], staying: Mapping[str, str], routers: S
 
 
 def _saved_slots(source: LlamaServer, name: str, folder: Path, identity: slotfiles.Identity, framing: Framing,
-                 placed: dict[str, dict[int, int]], outcome: Outcome) -> tuple[list[Candidate], dict[int, int]]:
+                 placed: dict[str, dict[int, int]], outcome: Outcome,
+                 done: frozenset[int]) -> tuple[list[Candidate], dict[int, int]]:
     """Save every slot that holds a conversation the routers placed here; (candidates, key -> bytes)."""
     candidates, saved = [], {}
     for slot in source.slots():
-        if slot.tokens == 0 or slot.processing:
+        if slot.tokens == 0 or slot.processing or slot.id in done:
             continue
         outcome.slots += 1
+        outcome.saved_slots.append(slot.id)
         scratch = f"{identity.tag}-out-{name}-{slot.id}.bin"
         written = int(source.save(slot.id, scratch)["n_written"])
         outcome.bytes += written

@@ -23,7 +23,7 @@ import urllib.request
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import Field, ValidationError
 
@@ -42,6 +42,9 @@ from extproc.stack.gateways import (
 from extproc.stack.processes import ROUTER_REFERENCE, envoy_binary, grpc_serving, socket_name
 from extproc.stack.redis_server import redis_answers, redis_command, redis_server_binary
 from extproc.stack.replicas import HOST, Replica, ReplicaSettings
+
+if TYPE_CHECKING:
+    from extproc.migration.migrate import Outcome
 
 REFERENCE_SETTINGS = Path(__file__).with_name("stack.toml")
 RUN_ENV = "LLM_RING_RUN"
@@ -431,7 +434,8 @@ class Stack:
     def roll(self, name: str, progress: Progress = print, migrate: bool | None = None) -> dict[str, object]:
         """Restart one replica as a rolling update does: out of the list, drain, migrate its
         caches ([migration] enabled, or `migrate`), stop, start on its port, healthy, back in the
-        list. Returns {"replica", "down", "up" (ISO times), "migration"}."""
+        list. Returns {"replica", "out" (left the lists), "down" (stopped), "up" (back), ISO
+        times, and "migration"}."""
         with self.locked():
             current = self.replica_list
             leaving = next((r for r in current if r.name == name), None)
@@ -443,9 +447,9 @@ class Stack:
             self.save()
             for gw in self.gateway_list:
                 self._wait_router_forgets({name}, gw.router_address)
+            out = _iso(time.time())
             deadline = time.monotonic() + self._drain_seconds(60.0)
-            _drain([leaving], deadline - time.monotonic(), progress)
-            outcome = self._migrate(leaving, staying, deadline, progress, migrate)
+            outcome = self._migrate_draining(leaving, staying, deadline, progress, migrate)
             replicas.stop_all([leaving])
             down = _iso(time.time())
             self.state.replicas = [r.as_dict() for r in staying]
@@ -456,20 +460,31 @@ class Stack:
             for gw in self.gateway_list:
                 self._wait_router_knows({name}, gw.router_address)
                 self._wait_envoy_knows({leaving.address}, gw.envoy_admin)
-            return {"replica": name, "down": down, "up": _iso(time.time()), "migration": outcome}
+            return {"replica": name, "out": out, "down": down, "up": _iso(time.time()), "migration": outcome}
 
     def _drain_seconds(self, fallback: float) -> float:
         return float(self.state.migration.get("drain_seconds", fallback))
 
+    def _migrate_draining(self, leaving: Replica, staying: list[Replica], deadline: float, progress: Progress,
+                          migrate: bool | None = None) -> dict[str, object]:
+        """Drain `leaving` (out of the lists already) and move its caches: the idle slots at once
+        (their conversations' next turns may come while the others finish), the rest once drained."""
+        section = self.state.migration
+        if not (section.get("enabled") if migrate is None else migrate) or not staying or not section:
+            _drain([leaving], deadline - time.monotonic(), progress)
+            return {}
+        first = self._migrate(leaving, staying, deadline, progress, frozenset())
+        _drain([leaving], deadline - time.monotonic(), progress)
+        first.add(self._migrate(leaving, staying, deadline, progress, frozenset(first.saved_slots)))
+        return first.as_dict()
+
     def _migrate(self, leaving: Replica, staying: list[Replica], deadline: float, progress: Progress,
-                 migrate: bool | None = None) -> dict[str, object]:
+                 done: frozenset[int]) -> Outcome:
         from extproc.migration.migrate import Limits, migrate_out
         from extproc.migration.planner import Costs
         from extproc.migration.slotfiles import Identity
 
         section = self.state.migration
-        if not (section.get("enabled") if migrate is None else migrate) or not staying or not section:
-            return {}
         settings = self._settings()
         identity = Identity(self.state.model_sha256, settings.slot_context, "f16")
         costs = Costs(models.kv_bytes_per_token(settings.model), section["prefill_ms_per_token"] / 1000,
@@ -479,8 +494,9 @@ class Stack:
         outcome = migrate_out((leaving.name, leaving.address), {r.name: r.address for r in staying},
                               [gw.router_address for gw in self.gateway_list],
                               replicas.slot_folder(Path(self.state.run_dir)),
-                              {r.name: identity for r in [leaving, *staying]}, costs, limits, deadline, progress)
-        return outcome.as_dict()
+                              {r.name: identity for r in [leaving, *staying]}, costs, limits, deadline, progress,
+                              done)
+        return outcome
 
     def _scale(self, n: int, progress: Progress, drain_timeout: float) -> list[dict[str, object]]:
         current = self.replica_list
@@ -504,8 +520,7 @@ class Stack:
             for gw in self.gateway_list:
                 self._wait_router_forgets({r.name for r in leaving}, gw.router_address)
             deadline = time.monotonic() + drain_timeout
-            _drain(leaving, drain_timeout, progress)
-            outcomes = [self._migrate(replica, current[:n], deadline, progress) for replica in leaving]
+            outcomes = [self._migrate_draining(replica, current[:n], deadline, progress) for replica in leaving]
             replicas.stop_all(leaving)
             self.save()
             return [o for o in outcomes if o]
