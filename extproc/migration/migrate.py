@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 from extproc.migration import slotfiles
 from extproc.migration.llama import LlamaServer, Slot, SlotError
@@ -61,10 +62,30 @@ class Outcome:
                 "seconds": round(self.seconds, 3), "problems": self.problems[:5]}
 
 
+class Transport(Protocol):
+    def deliver(self, receiver: str, conversation_key: int) -> tuple[str, int] | None:
+        """Make the conversation's slot file readable by `receiver`'s llama.cpp: (its file name
+        there, its tokens), or None when that receiver may not load it (a miss)."""
+
+
+@dataclass(frozen=True)
+class SharedFolder:
+    """Every replica saves and restores in one folder (the local stack)."""
+
+    folder: Path
+    identities: Mapping[str, slotfiles.Identity]
+
+    def deliver(self, receiver: str, conversation_key: int) -> tuple[str, int] | None:
+        identity = self.identities[receiver]
+        manifest = slotfiles.restorable(self.folder, identity, conversation_key)
+        return None if manifest is None else (f"{slotfiles.stem(identity, conversation_key)}.bin", manifest.tokens)
+
+
 def migrate_out(leaving: tuple[str, str], staying: Mapping[str, str], routers: Sequence[str], folder: Path,
-                identities: Mapping[str, slotfiles.Identity], costs: Costs, limits: Limits, deadline: float,
+                identity: slotfiles.Identity, transport: Transport, costs: Costs, limits: Limits, deadline: float,
                 progress: Progress = lambda _: None, done: frozenset[int] = frozenset()) -> Outcome:
     """Move what is worth moving from `leaving` (name, address) to `staying` ({name: address});
+    folder: where the leaving replica saves (its --slot-save-path), identity: its identity;
     routers: the Admin addresses of every routing service; done: slots an earlier pass saved
     (a first pass moves the idle slots at once, a second one those that were busy)."""
     from extproc.service.admin_client import AdminClient
@@ -82,7 +103,7 @@ def migrate_out(leaving: tuple[str, str], staying: Mapping[str, str], routers: S
                 for key, opening, tokens in admin.placements(name):
                     if opening:
                         placed.setdefault(opening, {})[key] = tokens
-        candidates, saved = _saved_slots(source, name, folder, identities[name], framing, placed, outcome, done)
+        candidates, saved = _saved_slots(source, name, folder, identity, framing, placed, outcome, done)
         ring = HashRing(staying, int(state["virtual_nodes"]), int(state["hash_seed"]))
         idle = {receiver: _idle_slots(LlamaServer(addr)) for receiver, addr in staying.items()}
         moves = plan(candidates, ring, {r: len(s) for r, s in idle.items()}, costs, limits.min_tokens,
@@ -92,8 +113,8 @@ def migrate_out(leaving: tuple[str, str], staying: Mapping[str, str], routers: S
                 outcome.problems.append("deadline reached")
                 break
             outcome.attempted += 1
-            if _restore(move, staying[move.receiver], idle[move.receiver], folder, identities[move.receiver],
-                        saved[move.conversation_key], outcome):
+            if _restore(move, staying[move.receiver], idle[move.receiver], transport, saved[move.conversation_key],
+                        outcome):
                 outcome.moved.append((move.conversation_key, move.receiver, move.tokens))
             else:
                 outcome.failed += 1
@@ -154,20 +175,21 @@ def _idle_slots(server: LlamaServer) -> list[Slot]:
     return sorted((s for s in server.slots() if not s.processing), key=lambda s: (s.tokens > 0, s.last_task))
 
 
-def _restore(move: Move, address: str, idle: list[Slot], folder: Path, receiver: slotfiles.Identity,
-             size: int, outcome: Outcome) -> bool:
-    manifest = slotfiles.restorable(folder, receiver, move.conversation_key)
-    if manifest is None:
-        outcome.problems.append(f"{move.receiver}: no slot file for its identity {receiver.tag} (a miss)")
+def _restore(move: Move, address: str, idle: list[Slot], transport: Transport, size: int,
+             outcome: Outcome) -> bool:
+    delivered = transport.deliver(move.receiver, move.conversation_key)
+    if delivered is None:
+        outcome.problems.append(f"{move.receiver}: no slot file of its identity (a miss)")
         return False
+    filename, tokens = delivered
     slot = idle.pop(0)
     try:
-        restored = LlamaServer(address).restore(slot.id, f"{slotfiles.stem(receiver, move.conversation_key)}.bin")
+        restored = LlamaServer(address).restore(slot.id, filename)
     except SlotError as exc:
         outcome.problems.append(str(exc))
         return False
     outcome.bytes += size
-    return int(restored.get("n_restored", 0)) == manifest.tokens
+    return int(restored.get("n_restored", 0)) == tokens
 
 
 def _tell(routers: Sequence[str], outcome: Outcome) -> None:

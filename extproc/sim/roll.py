@@ -246,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--restart-s", type=float, default=30.0)
     parser.add_argument("--transfer-gb-per-s", type=float, default=1.0, help="save + copy + restore, GB/s")
     parser.add_argument("--min-tokens", type=int, default=64)
+    parser.add_argument("--time-scale", type=float, help="traces: multiply arrival times (default: [trace])")
     args = parser.parse_args(argv)
     config = load_sim_config()
     overrides = {k: v for k, v in (("cost_model", args.cost_model), ("slots", args.slots),
@@ -253,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     config = type(config)(**{**config.__dict__, **overrides})
     cost = load_cost_model(config.cost_model)
     paged = cost.server is not None and cost.server.kv_cache == "paged"
-    source = trace_source(args.trace, config.time_scale, config.jitter_bucket_s) if args.trace \
+    source = trace_source(args.trace, args.time_scale or config.time_scale, config.jitter_bucket_s) if args.trace \
         else profile_source(args.profile)
     fleet = config.fleet(args.replicas, cost, cache=not paged)
     for seed in parse_seeds(args.seeds):

@@ -480,7 +480,7 @@ class Stack:
 
     def _migrate(self, leaving: Replica, staying: list[Replica], deadline: float, progress: Progress,
                  done: frozenset[int]) -> Outcome:
-        from extproc.migration.migrate import Limits, migrate_out
+        from extproc.migration.migrate import Limits, SharedFolder, migrate_out
         from extproc.migration.planner import Costs
         from extproc.migration.slotfiles import Identity
 
@@ -491,11 +491,11 @@ class Stack:
                       section["transfer_mib_per_second"] * 2**20)
         limit = int(section["max_disk_mib"]) * 2**20
         limits = Limits(int(section["min_tokens"]), limit, float(section["max_age_seconds"]), limit)
+        folder = replicas.slot_folder(Path(self.state.run_dir))
+        transport = SharedFolder(folder, {r.name: identity for r in staying})
         outcome = migrate_out((leaving.name, leaving.address), {r.name: r.address for r in staying},
-                              [gw.router_address for gw in self.gateway_list],
-                              replicas.slot_folder(Path(self.state.run_dir)),
-                              {r.name: identity for r in [leaving, *staying]}, costs, limits, deadline, progress,
-                              done)
+                              [gw.router_address for gw in self.gateway_list], folder, identity, transport, costs,
+                              limits, deadline, progress, done)
         return outcome
 
     def _scale(self, n: int, progress: Progress, drain_timeout: float) -> list[dict[str, object]]:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from extproc.migration import slotfiles
-from extproc.migration.migrate import Limits, migrate_out
+from extproc.migration.migrate import Limits, SharedFolder, migrate_out
 from extproc.migration.planner import Costs
 from extproc.service.admin_client import AdminClient
 from extproc.stack import models
@@ -56,9 +56,10 @@ def test_a_slot_file_of_another_model_is_a_clean_miss(lab: LocalLab) -> None:
     ours = slotfiles.Identity(stack.state.model_sha256, stack._settings().slot_context, "f16")
     other = replace(ours, model_sha256="0" * 64)  # a receiver that serves another model
     addresses = {r.name: r.address for r in stack.replica_list}
+    folder = slot_folder(Path(stack.state.run_dir))
     outcome = migrate_out(("llm-2", addresses["llm-2"]), {"llm-0": addresses["llm-0"], "llm-1": addresses["llm-1"]},
-                          [stack.state.router_address], slot_folder(Path(stack.state.run_dir)),
-                          {"llm-0": other, "llm-1": other, "llm-2": ours}, Costs(4096, 0.01, 1e9),
+                          [stack.state.router_address], folder, ours,
+                          SharedFolder(folder, {"llm-0": other, "llm-1": other}), Costs(4096, 0.01, 1e9),
                           Limits(16, 2**30, 3600, 2**30), time.monotonic() + 30)
     assert outcome.matched >= 1 and outcome.attempted >= 1
     assert outcome.moved == [] and outcome.failed == outcome.attempted
