@@ -1,8 +1,8 @@
 """What a rolling restart (`llm-ring run --roll-at`) cost: the follow-ups of the conversations
 whose replica restarted, and latency around the roll.
 
-A conversation is *rolled* when its last turn before replica R left the lists (run.json
-extra.roll[].out) was served by R; its first turn after that is its *follow-up*, a hit when
+A conversation is *rolled* when its last turn sent before replica R left the lists (run.json
+extra.roll[].out) was served by R; its first turn sent after that is its *follow-up*, a hit when
 cache_n >= 0.5 x the previous turn's prompt tokens (the report's definition). "Around the roll"
 is from 5 s before the first replica left to 5 s after the last one was back.
 
@@ -36,7 +36,7 @@ def roll_figures(run_dir: Path) -> dict[str, Any]:
         conversation = row["conversation"]
         previous = last.get(conversation)
         if (previous is not None and conversation not in rolled and previous["replica"] in outs
-                and previous["finished_at"] <= outs[previous["replica"]] < row["started_at"]):
+                and previous["started_at"] <= outs[previous["replica"]] < row["started_at"]):
             rolled.add(conversation)
             follow_ups += 1
             hits += (row["cache_n"] or 0) >= DEFAULT_HIT_SHARE * (previous["prompt_n"] + previous["cache_n"])
@@ -61,7 +61,7 @@ def roll_figures(run_dir: Path) -> dict[str, Any]:
 
 
 def main(argv: list[str]) -> int:
-    runs = [run for folder in argv for run in sorted(Path(folder).iterdir()) if (run / "run.json").exists()]
+    runs = [run for folder in argv for run in sorted(Path(folder).iterdir()) if (run / "requests.parquet").exists()]
     for run in runs:
         print(json.dumps(roll_figures(run)))
     return 0

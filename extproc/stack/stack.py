@@ -467,16 +467,25 @@ class Stack:
 
     def _migrate_draining(self, leaving: Replica, staying: list[Replica], deadline: float, progress: Progress,
                           migrate: bool | None = None) -> dict[str, object]:
-        """Drain `leaving` (out of the lists already) and move its caches: the idle slots at once
-        (their conversations' next turns may come while the others finish), the rest once drained."""
+        """Drain `leaving` (out of the lists already) and move its caches as its slots turn idle:
+        the idle ones at once, each busy one as soon as its request ends (its conversation's next
+        turn may come within seconds), until none is busy or the deadline."""
         section = self.state.migration
         if not (section.get("enabled") if migrate is None else migrate) or not staying or not section:
             _drain([leaving], deadline - time.monotonic(), progress)
             return {}
-        first = self._migrate(leaving, staying, deadline, progress, frozenset())
-        _drain([leaving], deadline - time.monotonic(), progress)
-        first.add(self._migrate(leaving, staying, deadline, progress, frozenset(first.saved_slots)))
-        return first.as_dict()
+        total = self._migrate(leaving, staying, deadline, lambda _: None, frozenset())
+        busy = _busy_slots(leaving.address)
+        while busy and time.monotonic() < deadline:
+            time.sleep(0.05)
+            still = _busy_slots(leaving.address)
+            if still != busy:
+                total.add(self._migrate(leaving, staying, deadline, lambda _: None, frozenset(total.saved_slots)))
+            busy = still
+        problem = f"; {total.problems[0]}" if total.problems else ""
+        progress(f"drained {leaving.name}; migration: {len(total.moved)} of {total.slots} slot(s) moved "
+                 f"({total.bytes:,} bytes, {total.seconds:.2f}s){problem}")
+        return total.as_dict()
 
     def _migrate(self, leaving: Replica, staying: list[Replica], deadline: float, progress: Progress,
                  done: frozenset[int]) -> Outcome:
@@ -884,6 +893,14 @@ def _drain(leaving: list[Replica], timeout: float, progress: Progress) -> None:
         while _busy(replica.address) and time.monotonic() < deadline:
             time.sleep(0.1)
     progress(f"drained {', '.join(r.name for r in leaving)}")
+
+
+def _busy_slots(address: str) -> frozenset[int]:
+    try:
+        with urllib.request.urlopen(f"http://{address}/slots", timeout=2.0) as reply:
+            return frozenset(int(slot["id"]) for slot in json.loads(reply.read()) if slot.get("is_processing"))
+    except OSError:
+        return frozenset()
 
 
 def _busy(address: str) -> bool:
