@@ -40,6 +40,9 @@ class Router:
         self._members: frozenset[str] = frozenset()
         self._in_flight: dict[str, tuple[RouteRequest, Decision, int]] = {}
         self._migrated: dict[int, str] = {}  # conversation key -> the replica its cache was moved to
+        # a replica that left -> {key: prompt tokens} of the requests it was serving then: their
+        # caches end up there, though placement memory is not told (a migration looks for them)
+        self._left_serving: dict[str, dict[int, int]] = {}
         self.set_replicas(replicas)
 
     @property
@@ -65,7 +68,10 @@ class Router:
             self._view.set_replicas(names)
         gone = [rid for rid, (_, decision, _) in self._in_flight.items() if decision.replica not in names]
         for request_id in gone:  # their load went with the replica; completing them is a no-op
-            del self._in_flight[request_id]
+            request, decision, key = self._in_flight.pop(request_id)
+            self._left_serving.setdefault(decision.replica, {})[key] = request.prompt_tokens
+        for name in names:  # back in the fleet: a fresh server
+            self._left_serving.pop(name, None)
 
     def route(
         self, request: RouteRequest, avoid: Collection[str] = (), peers: PeerView | None = None
@@ -124,6 +130,13 @@ class Router:
         if self._learner is not None and replica in self._members:
             self._learner.reported(request, replica, predicted, cached)
 
+    def placed_on(self, replica: str) -> list[tuple[int, int]]:
+        """(key, prompt tokens) of the conversations whose cache is on ``replica``: last served
+        there, or being served there when it left the fleet."""
+        found = dict(self.memory.placed_on(replica))
+        found.update(self._left_serving.get(replica, {}))
+        return list(found.items())
+
     def migrated(self, conversation_key: int, replica: str, prompt_tokens: int) -> bool:
         """The conversation's cache was moved to ``replica`` (extproc/migration): its next turn goes
         there as if it had been served there, and its decision says so. False for an unknown replica."""
@@ -151,6 +164,7 @@ class Router:
         self.memory.clear()
         self._in_flight.clear()
         self._migrated.clear()
+        self._left_serving.clear()
         self._set_policy(make_policy(self.settings))
 
     def in_flight(self) -> int:

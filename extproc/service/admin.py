@@ -41,7 +41,7 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         openings = self.gateway.migrations.openings
         return admin_pb2.PlacementsReply(conversations=[
             admin_pb2.ConversationPlacement(key=key, opening=openings.get(key, ""), prompt_tokens=tokens)
-            for key, tokens in self.gateway.router.memory.placed_on(request.replica)
+            for key, tokens in self.gateway.router.placed_on(request.replica)
         ])
 
     async def Migrated(

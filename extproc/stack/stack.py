@@ -434,8 +434,8 @@ class Stack:
     def roll(self, name: str, progress: Progress = print, migrate: bool | None = None) -> dict[str, object]:
         """Restart one replica as a rolling update does: out of the list, drain, migrate its
         caches ([migration] enabled, or `migrate`), stop, start on its port, healthy, back in the
-        list. Returns {"replica", "out" (left the lists), "down" (stopped), "up" (back), ISO
-        times, and "migration"}."""
+        list. Returns {"replica", "out" (left the lists), "drained" (drained and migrated), "down"
+        (stopped), "up" (back), ISO times, and "migration"}."""
         with self.locked():
             current = self.replica_list
             leaving = next((r for r in current if r.name == name), None)
@@ -450,6 +450,7 @@ class Stack:
             out = _iso(time.time())
             deadline = time.monotonic() + self._drain_seconds(60.0)
             outcome = self._migrate_draining(leaving, staying, deadline, progress, migrate)
+            drained = _iso(time.time())
             replicas.stop_all([leaving])
             down = _iso(time.time())
             self.state.replicas = [r.as_dict() for r in staying]
@@ -460,7 +461,8 @@ class Stack:
             for gw in self.gateway_list:
                 self._wait_router_knows({name}, gw.router_address)
                 self._wait_envoy_knows({leaving.address}, gw.envoy_admin)
-            return {"replica": name, "out": out, "down": down, "up": _iso(time.time()), "migration": outcome}
+            return {"replica": name, "out": out, "drained": drained, "down": down, "up": _iso(time.time()),
+                    "migration": outcome}
 
     def _drain_seconds(self, fallback: float) -> float:
         return float(self.state.migration.get("drain_seconds", fallback))

@@ -108,3 +108,31 @@ def test_placed_on_lists_exactly_the_remembered_conversations_last_on_a_replica(
         expected = sorted((k, t) for k, (r, t) in last.items() if r == replica)
         assert sorted(memory.placed_on(replica)) == expected
     assert memory.placed_on("never") == []
+
+
+def test_the_router_lists_what_a_leaving_replica_served_and_marks_a_migrated_conversations_next_turn() -> None:
+    from extproc.routing import Router, RouteRequest
+    from extproc.settings import load_settings
+
+    router = Router(load_settings("extproc/service/router.toml", environ={}).routing, ["a", "b", "c"])
+    done = router.route(RouteRequest("1", "done", 400, 8))
+    assert done is not None
+    router.complete("1")
+    serving = router.route(RouteRequest("2", "serving", 300, 8))
+    assert serving is not None
+    leaving = done.replica
+    router.set_replicas([n for n in "abc" if n != leaving])
+    keys = dict(router.placed_on(leaving))
+    assert keys[router.conversation_key("done")] == 400
+    if serving.replica == leaving:  # in flight when its replica left: listed too
+        assert keys[router.conversation_key("serving")] == 300
+    receiver = next(n for n in "abc" if n != leaving)
+    assert not router.migrated(router.conversation_key("done"), leaving, 400)  # not a member
+    assert router.migrated(router.conversation_key("done"), receiver, 400)
+    after = router.route(RouteRequest("3", "done", 420, 8))
+    assert after is not None and after.replica == receiver and after.reason.endswith("+migrated")
+    router.complete("3")
+    again = router.route(RouteRequest("4", "done", 440, 8))
+    assert again is not None and "migrated" not in again.reason  # only the first decision after the move
+    router.set_replicas("abc")  # back as a fresh server: nothing is cached there
+    assert router.placed_on(leaving) == []
