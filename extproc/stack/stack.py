@@ -170,6 +170,7 @@ class StackState:
     startup_seconds: float = 0.0
     migration: dict[str, Any] = field(default_factory=dict)  # MigrationSection ({}: a stack started without)
     model_sha256: str = ""
+    kv_bytes_per_token: int = 0  # of the model (reading it from the GGUF takes seconds: once, at up)
 
     @property
     def router_address(self) -> str:
@@ -227,6 +228,7 @@ class Stack:
             health_timeout=rs.health_timeout_seconds, die_with_parent=die_with_parent, started_at=time.time(),
             gateways=[asdict(gw) for gw in gateways], prefix_capacity_tokens=capacity,
             migration=settings.migration.model_dump(), model_sha256=models.sha256_file(Path(replica_settings.model)),
+            kv_bytes_per_token=kv_bytes,
         )
         stack = cls(state)
         try:
@@ -442,6 +444,8 @@ class Stack:
             if leaving is None:
                 raise StackError(f"no replica {name!r}")
             staying = [r for r in current if r.name != name]
+            if self.state.migration:
+                self._kv_bytes_per_token()  # before it leaves: nothing slow between its leaving and its migration
             self.state.replicas = [r.as_dict() for r in staying]
             self._write_replica_list()
             self.save()
@@ -463,6 +467,12 @@ class Stack:
                 self._wait_envoy_knows({leaving.address}, gw.envoy_admin)
             return {"replica": name, "out": out, "drained": drained, "down": down, "up": _iso(time.time()),
                     "migration": outcome}
+
+    def _kv_bytes_per_token(self) -> int:
+        if not self.state.kv_bytes_per_token:  # a stack started before it was kept: read once, kept
+            self.state.kv_bytes_per_token = models.kv_bytes_per_token(self._settings().model)
+            self.save()
+        return self.state.kv_bytes_per_token
 
     def _drain_seconds(self, fallback: float) -> float:
         return float(self.state.migration.get("drain_seconds", fallback))
@@ -498,7 +508,7 @@ class Stack:
         section = self.state.migration
         settings = self._settings()
         identity = Identity(self.state.model_sha256, settings.slot_context, "f16")
-        costs = Costs(models.kv_bytes_per_token(settings.model), section["prefill_ms_per_token"] / 1000,
+        costs = Costs(self._kv_bytes_per_token(), section["prefill_ms_per_token"] / 1000,
                       section["transfer_mib_per_second"] * 2**20)
         limit = int(section["max_disk_mib"]) * 2**20
         limits = Limits(int(section["min_tokens"]), limit, float(section["max_age_seconds"]), limit)
@@ -525,6 +535,8 @@ class Stack:
         elif n < len(current):
             leaving = current[n:]
             progress(f"scaling {len(current)} -> {n}: removing {', '.join(r.name for r in leaving)}")
+            if self.state.migration:
+                self._kv_bytes_per_token()
             self.state.replicas = [r.as_dict() for r in current[:n]]
             self._write_replica_list()
             self.save()
