@@ -24,11 +24,6 @@ class Lab(Protocol):
     def scale(self, n: int) -> None:
         """Run ``n`` replicas; returns once they are ready and the router knows them."""
 
-    def roll(self, name: str, migrate: bool | None) -> dict[str, Any]:
-        """Restart one replica as a rolling update does (drain, migrate, stop, start, ready):
-        {"replica", "down", "up", "migration"}; migrate None = the stack's setting."""
-        ...
-
     def replicas(self) -> dict[str, str]:
         """The ready replicas: {name: "ip:port"}."""
 

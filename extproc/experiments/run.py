@@ -104,6 +104,8 @@ def run_experiment(
     specs = _check_inputs(lab, profile, policies, seeds, out, scale_at, kill)
     if roll is not None and not roll.at_s > 0:
         raise ExperimentError(f"--roll-at must be > 0 seconds (got {roll.at_s:g})")
+    if roll is not None and not callable(getattr(lab, "roll", None)):  # a lab that restarts replicas
+        raise ExperimentError("--roll-at needs the local stack (this lab cannot restart replicas)")
     expected = {seed: sum(c.requests for c in generate_conversations(profile, seed)) for seed in seeds}
     start_replicas = len(lab.replicas())
     out.mkdir(parents=True)
@@ -426,7 +428,7 @@ class _Roller(_Drill):
     """From ``roll.at_s`` into the run, restarts every replica one at a time, as a rolling
     update does, and notes each one's down and up times (run.json, extra.roll)."""
 
-    def __init__(self, lab: Lab, roll: Roll) -> None:
+    def __init__(self, lab: Any, roll: Roll) -> None:  # a lab with roll() (the local stack's)
         super().__init__(roll.at_s)
         self.lab, self.roll = lab, roll
         self.steps: list[dict[str, Any]] = []
