@@ -74,5 +74,8 @@ class RemoteLab:
     def scale(self, n: int) -> None:
         raise LabError("a remote lab cannot scale replicas; drop --scale-at or use the local stack")
 
+    def roll(self, name: str, migrate: bool | None) -> dict[str, Any]:
+        raise LabError("a remote lab cannot restart replicas; drop --roll-at or use the local stack")
+
     def replicas(self) -> dict[str, str]:
         return {r["name"]: r["address"] for r in self._admin.state()["replicas"] if r["healthy"]}

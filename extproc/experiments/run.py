@@ -96,11 +96,16 @@ def run_experiment(
     scale_at: float | None = None,
     progress: Callable[[str], None] | None = None,
     kill: Kill | None = None,
+    roll: Roll | None = None,
 ) -> Path:
     """Run every policy x seed against ``lab``; returns the experiment folder."""
     say = progress or (lambda text: print(text, file=sys.stderr, flush=True))
     out = Path(out_dir)
     specs = _check_inputs(lab, profile, policies, seeds, out, scale_at, kill)
+    if roll is not None and not roll.at_s > 0:
+        raise ExperimentError(f"--roll-at must be > 0 seconds (got {roll.at_s:g})")
+    if roll is not None and not callable(getattr(lab, "roll", None)):  # a lab that restarts replicas
+        raise ExperimentError("--roll-at needs the local stack (this lab cannot restart replicas)")
     expected = {seed: sum(c.requests for c in generate_conversations(profile, seed)) for seed in seeds}
     start_replicas = len(lab.replicas())
     out.mkdir(parents=True)
@@ -117,6 +122,7 @@ def run_experiment(
                 "order": [f"{p}-s{s}" for p, s in plan],
                 "scale_at_s": scale_at,
                 "kill": dataclasses.asdict(kill) if kill else None,
+                "roll": dataclasses.asdict(roll) if roll else None,
                 "replicas": start_replicas,
                 "started_at": utc_now(),
                 "versions": versions(),
@@ -130,7 +136,7 @@ def run_experiment(
         step = f"[{number}/{len(plan)}]"
         say(f"{step} {label} seed {seed}: preparing")
         _run_one(lab, profile, profile_path, by_label[label], seed, out, scale_at, start_replicas,
-                 expected[seed], functools.partial(_prefixed, say, step), kill)  # fmt: skip
+                 expected[seed], functools.partial(_prefixed, say, step), kill, roll)  # fmt: skip
     if len(lab.replicas()) != start_replicas:
         lab.scale(start_replicas)
     return out
@@ -228,6 +234,7 @@ def _run_one(
     expected: int,
     say: Callable[[str], None],
     kill: Kill | None = None,
+    roll: Roll | None = None,
 ) -> None:
     run_id = f"{spec.label}-s{seed}"
     run_dir = out / run_id.replace(":", "_").replace(",", "_").replace("=", "-")
@@ -255,6 +262,8 @@ def _run_one(
     drills: list[_Drill] = []
     if scale_at:
         drills.append(_Scaler(lab, start_replicas + 1, scale_at))
+    if roll is not None:
+        drills.append(_Roller(lab, roll))
     if kill is not None and isinstance(lab, GatewayTier):
         drills.append(Killer(lab, STORE if kill.part == "store" else list(lab.routers())[-1], kill))
     started = time.monotonic()
@@ -409,6 +418,33 @@ class _Scaler(_Drill):
             meta.extra["scale_error"] = self.error
 
 
+@dataclasses.dataclass(frozen=True)
+class Roll:
+    at_s: float
+    migrate: bool | None  # None: the stack's [migration] enabled
+
+
+class _Roller(_Drill):
+    """From ``roll.at_s`` into the run, restarts every replica one at a time, as a rolling
+    update does, and notes each one's down and up times (run.json, extra.roll)."""
+
+    def __init__(self, lab: Any, roll: Roll) -> None:  # a lab with roll() (the local stack's)
+        super().__init__(roll.at_s)
+        self.lab, self.roll = lab, roll
+        self.steps: list[dict[str, Any]] = []
+
+    def act(self) -> None:
+        for name in sorted(self.lab.replicas()):
+            if self.cancelled.is_set():
+                return
+            self.steps.append(self.lab.roll(name, self.roll.migrate))
+
+    def record(self, meta: RunMeta) -> None:
+        meta.extra["roll"] = {**dataclasses.asdict(self.roll), "replicas": self.steps}
+        if self.error:
+            meta.extra["roll"]["error"] = self.error
+
+
 class Killer(_Drill):
     """SIGKILLs one part of the lab (a gateway, or the store: ``name``) ``kill.at_s`` into the
     run and starts it again ``kill.restart_after_s`` later, or at once when the run ends first."""
@@ -470,6 +506,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="SIGKILL the gateways' store (redis-server) S seconds into every run")
     parser.add_argument("--restart-after", type=float, default=5.0, metavar="S",
                         help="with --kill-gateway or --kill-store: start it again S seconds after the kill (default 5)")
+    parser.add_argument("--roll-at", type=float, default=None, metavar="S",
+                        help="restart every replica one at a time from S seconds into every run (drain, migrate, "
+                             "stop, start, ready)")
+    parser.add_argument("--migrate", action=argparse.BooleanOptionalAction, default=None,
+                        help="with --roll-at: move the caches of a restarting replica (default: the stack's "
+                             "[migration] enabled)")
     parser.add_argument("--out-dir", type=Path, required=True, help="new folder for this experiment")
     parser.add_argument("--gateway", default=None, metavar="URL",
                         help="a gateway elsewhere (needs --admin); default: the local stack")  # fmt: skip
@@ -488,7 +530,8 @@ def main(args: argparse.Namespace) -> int:
         new_folder(args.out_dir)
         kill = _kill_option(args)
         lab = connect_lab(args.gateway, args.admin, args.run_dir)
-        out = run_experiment(lab, profile, args.policies, seeds, args.out_dir, args.scale_at, kill=kill)
+        roll = Roll(args.roll_at, args.migrate) if args.roll_at is not None else None
+        out = run_experiment(lab, profile, args.policies, seeds, args.out_dir, args.scale_at, kill=kill, roll=roll)
     except (ProfileError, LabError) as exc:  # bad input or no lab: one line, exit 2
         raise UsageError(str(exc)) from None
     except ExperimentInterrupted as exc:

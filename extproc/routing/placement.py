@@ -65,6 +65,15 @@ class PlacementMemory:
             self._old = young
             self._young = {}
 
+    def placed_on(self, replica: str) -> list[tuple[int, int]]:
+        """(key, prompt tokens) of the conversations last served by ``replica``, the least recent
+        generation first: for a migration, not per request."""
+        replica_id = self._ids.get(replica)
+        if replica_id is None:
+            return []
+        return [(key, packed >> _REPLICA_BITS) for generation in (self._old, self._young)
+                for key, packed in generation.items() if packed & _REPLICA_MASK == replica_id]
+
     def clear(self) -> None:
         self._young.clear()
         self._old.clear()

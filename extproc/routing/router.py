@@ -41,6 +41,10 @@ class Router:
         self._ring = HashRing((), settings.virtual_nodes, settings.hash_seed)
         self._members: frozenset[str] = frozenset()
         self._in_flight: dict[str, tuple[RouteRequest, Decision, int]] = {}
+        self._migrated: dict[int, str] = {}  # conversation key -> the replica its cache was moved to
+        # a replica that left -> {key: prompt tokens} of the requests it was serving then: their
+        # caches end up there, though placement memory is not told (a migration looks for them)
+        self._left_serving: dict[str, dict[int, int]] = {}
         self.set_replicas(replicas)
 
     @property
@@ -67,7 +71,10 @@ class Router:
             self._view.set_replicas(names)
         gone = [rid for rid, (_, decision, _) in self._in_flight.items() if decision.replica not in names]
         for request_id in gone:  # their load went with the replica; completing them is a no-op
-            del self._in_flight[request_id]
+            request, decision, key = self._in_flight.pop(request_id)
+            self._left_serving.setdefault(decision.replica, {})[key] = request.prompt_tokens
+        for name in names:  # back in the fleet: a fresh server
+            self._left_serving.pop(name, None)
 
     def route(
         self, request: RouteRequest, avoid: Collection[str] = (), peers: PeerView | None = None
@@ -95,6 +102,10 @@ class Router:
             placement = None  # that cache is gone or unreachable
         decision = self.policy.decide(new(Situation, (request, key, ring, self.ledger, placement, avoided, eligible,
                                                     self.speeds)))
+        if self._migrated and decision is not None:
+            moved_to = self._migrated.pop(key, None)
+            if moved_to is not None and moved_to == decision.replica:  # the trace says why it is cached there
+                decision = decision._replace(reason=f"{decision.reason}+migrated")
         if decision is not None:
             self.ledger.charge(request_id, decision.replica, decision.charged_tokens)
             self._in_flight[request_id] = (request, decision, key)
@@ -129,6 +140,24 @@ class Router:
         if timings is not None:
             self.speeds.learn(replica, timings)
 
+    def placed_on(self, replica: str) -> list[tuple[int, int]]:
+        """(key, prompt tokens) of the conversations whose cache is on ``replica``: last served
+        there, or being served there when it left the fleet."""
+        found = dict(self.memory.placed_on(replica))
+        found.update(self._left_serving.get(replica, {}))
+        return list(found.items())
+
+    def migrated(self, conversation_key: int, replica: str, prompt_tokens: int) -> bool:
+        """The conversation's cache was moved to ``replica`` (extproc/migration): its next turn goes
+        there as if it had been served there, and its decision says so. False for an unknown replica."""
+        if replica not in self._members:
+            return False
+        self.memory.remember(conversation_key, replica, prompt_tokens)
+        if len(self._migrated) >= self.settings.memory_capacity:  # bounded like placement memory
+            del self._migrated[next(iter(self._migrated))]
+        self._migrated[conversation_key] = replica
+        return True
+
     def reconfigure(self, settings: RoutingSettings) -> None:
         """Switch policy or knobs at run time; in-flight load is kept."""
         old, self.settings = self.settings, settings
@@ -151,6 +180,8 @@ class Router:
         self._in_flight.clear()
         self.speeds = _speeds(self.settings)
         self.speeds.set_replicas(self._ring.replicas)
+        self._migrated.clear()
+        self._left_serving.clear()
         self._set_policy(make_policy(self.settings))
 
     def in_flight(self) -> int:

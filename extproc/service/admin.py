@@ -36,6 +36,24 @@ class AdminService(admin_pb2_grpc.AdminServicer):
     async def GetState(self, request: admin_pb2.StateRequest, context: grpc.aio.ServicerContext) -> admin_pb2.State:
         return self.state()
 
+    async def Placements(
+        self, request: admin_pb2.PlacementsRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.PlacementsReply:
+        openings = self.gateway.migrations.openings
+        return admin_pb2.PlacementsReply(conversations=[
+            admin_pb2.ConversationPlacement(key=key, opening=openings.get(key, ""), prompt_tokens=tokens)
+            for key, tokens in self.gateway.router.placed_on(request.replica)
+        ])
+
+    async def Migrated(
+        self, request: admin_pb2.MigratedRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.MigratedReply:
+        router = self.gateway.router
+        applied = sum(router.migrated(move.key, move.replica, move.tokens) for move in request.moves)
+        self.gateway.migrations.reported(request.attempted, len(request.moves), request.failed, request.bytes,
+                                         request.seconds)
+        return admin_pb2.MigratedReply(applied=applied)
+
     def state(self) -> admin_pb2.State:
         gateway = self.gateway
         ledger, speeds = gateway.router.ledger, gateway.router.speeds

@@ -46,6 +46,20 @@ class AdminClient:
         "in_flight_requests", "in_flight_tokens", "decisions"}"""
         return self._call(self._stub.GetState, admin_pb2.StateRequest())
 
+    def placements(self, replica: str) -> list[tuple[int, str, int]]:
+        """(conversation key, opening key, prompt tokens) of the conversations last served by `replica`."""
+        reply = self._stub.Placements(admin_pb2.PlacementsRequest(replica=replica), timeout=self.timeout)
+        return [(c.key, c.opening, c.prompt_tokens) for c in reply.conversations]
+
+    def migrated(self, moves: list[tuple[int, str, int]], attempted: int, failed: int, moved_bytes: int,
+                 seconds: float) -> int:
+        """Tell the router where conversations' caches went ((key, replica, tokens) each); returns
+        how many it applied."""
+        request = admin_pb2.MigratedRequest(
+            moves=[admin_pb2.Move(key=key, replica=replica, tokens=tokens) for key, replica, tokens in moves],
+            attempted=attempted, failed=failed, bytes=moved_bytes, seconds=seconds)
+        return int(self._stub.Migrated(request, timeout=self.timeout).applied)
+
     def _call(self, method: Any, request: Any) -> dict[str, Any]:
         try:
             reply = method(request, timeout=self.timeout)

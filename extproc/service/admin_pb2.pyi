@@ -107,3 +107,55 @@ class State(_message.Message):
     in_flight_tokens: int
     decisions: int
     def __init__(self, routing: _Optional[_Union[RoutingSettings, _Mapping]] = ..., replicas: _Optional[_Iterable[_Union[ReplicaState, _Mapping]]] = ..., in_flight_requests: _Optional[int] = ..., in_flight_tokens: _Optional[int] = ..., decisions: _Optional[int] = ...) -> None: ...
+
+class PlacementsRequest(_message.Message):
+    __slots__ = ("replica",)
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    replica: str
+    def __init__(self, replica: _Optional[str] = ...) -> None: ...
+
+class ConversationPlacement(_message.Message):
+    __slots__ = ("key", "opening", "prompt_tokens")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    OPENING_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    key: int
+    opening: str
+    prompt_tokens: int
+    def __init__(self, key: _Optional[int] = ..., opening: _Optional[str] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
+
+class PlacementsReply(_message.Message):
+    __slots__ = ("conversations",)
+    CONVERSATIONS_FIELD_NUMBER: _ClassVar[int]
+    conversations: _containers.RepeatedCompositeFieldContainer[ConversationPlacement]
+    def __init__(self, conversations: _Optional[_Iterable[_Union[ConversationPlacement, _Mapping]]] = ...) -> None: ...
+
+class Move(_message.Message):
+    __slots__ = ("key", "replica", "tokens")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    key: int
+    replica: str
+    tokens: int
+    def __init__(self, key: _Optional[int] = ..., replica: _Optional[str] = ..., tokens: _Optional[int] = ...) -> None: ...
+
+class MigratedRequest(_message.Message):
+    __slots__ = ("moves", "attempted", "failed", "bytes", "seconds")
+    MOVES_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPTED_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    moves: _containers.RepeatedCompositeFieldContainer[Move]
+    attempted: int
+    failed: int
+    bytes: int
+    seconds: float
+    def __init__(self, moves: _Optional[_Iterable[_Union[Move, _Mapping]]] = ..., attempted: _Optional[int] = ..., failed: _Optional[int] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+
+class MigratedReply(_message.Message):
+    __slots__ = ("applied",)
+    APPLIED_FIELD_NUMBER: _ClassVar[int]
+    applied: int
+    def __init__(self, applied: _Optional[int] = ...) -> None: ...

@@ -49,6 +49,16 @@ class AdminStub:
                 request_serializer=extproc_dot_service_dot_admin__pb2.StateRequest.SerializeToString,
                 response_deserializer=extproc_dot_service_dot_admin__pb2.State.FromString,
                 _registered_method=True)
+        self.Placements = channel.unary_unary(
+                '/llmring.admin.v1.Admin/Placements',
+                request_serializer=extproc_dot_service_dot_admin__pb2.PlacementsRequest.SerializeToString,
+                response_deserializer=extproc_dot_service_dot_admin__pb2.PlacementsReply.FromString,
+                _registered_method=True)
+        self.Migrated = channel.unary_unary(
+                '/llmring.admin.v1.Admin/Migrated',
+                request_serializer=extproc_dot_service_dot_admin__pb2.MigratedRequest.SerializeToString,
+                response_deserializer=extproc_dot_service_dot_admin__pb2.MigratedReply.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -75,6 +85,21 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Placements(self, request, context):
+        """The conversations last served by a replica, for a migration to find the ones it holds.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Migrated(self, request, context):
+        """Conversations whose KV cache was moved to another replica (extproc/migration): their next
+        turn goes there; the counts feed the llm_ring_migrations metrics.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -92,6 +117,16 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.GetState,
                     request_deserializer=extproc_dot_service_dot_admin__pb2.StateRequest.FromString,
                     response_serializer=extproc_dot_service_dot_admin__pb2.State.SerializeToString,
+            ),
+            'Placements': grpc.unary_unary_rpc_method_handler(
+                    servicer.Placements,
+                    request_deserializer=extproc_dot_service_dot_admin__pb2.PlacementsRequest.FromString,
+                    response_serializer=extproc_dot_service_dot_admin__pb2.PlacementsReply.SerializeToString,
+            ),
+            'Migrated': grpc.unary_unary_rpc_method_handler(
+                    servicer.Migrated,
+                    request_deserializer=extproc_dot_service_dot_admin__pb2.MigratedRequest.FromString,
+                    response_serializer=extproc_dot_service_dot_admin__pb2.MigratedReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -175,6 +210,60 @@ class Admin:
             '/llmring.admin.v1.Admin/GetState',
             extproc_dot_service_dot_admin__pb2.StateRequest.SerializeToString,
             extproc_dot_service_dot_admin__pb2.State.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Placements(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmring.admin.v1.Admin/Placements',
+            extproc_dot_service_dot_admin__pb2.PlacementsRequest.SerializeToString,
+            extproc_dot_service_dot_admin__pb2.PlacementsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Migrated(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmring.admin.v1.Admin/Migrated',
+            extproc_dot_service_dot_admin__pb2.MigratedRequest.SerializeToString,
+            extproc_dot_service_dot_admin__pb2.MigratedReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -78,6 +78,7 @@ from extproc.service.bodies import (
     parse_timings,
 )
 from extproc.service.metrics import Metrics, ReplicaState
+from extproc.service.migrations import Migrations
 from extproc.service.store import EntryBounds, SharedStore
 from extproc.settings import ServiceSettings, StoreSettings
 
@@ -167,6 +168,7 @@ class Gateway:
         # conversation key -> digest of its last completed request: who may use its placement
         self.digests = ConversationDigests(router.settings.memory_capacity)
         self.claims: dict[str, tuple[int, bool]] = {}  # request id -> (its digest, it continued), while in flight
+        self.migrations = Migrations(router.settings.memory_capacity, metrics.registry)
 
     # ------------------------------------------------------------------ replicas
 
@@ -331,6 +333,7 @@ class Gateway:
         named = bounded(conversation_id) or parsed.opening_key
         known = self.digests.get(self.router.conversation_key(named))
         claimed = claim(named, parsed.opening_key, () if known is None else (known,), digests)
+        self.migrations.opened(self.router.conversation_key(named), parsed.opening_key)
         prompt_tokens = parsed.prompt_token_ids or estimate_tokens(parsed.prompt_chars, self.settings.chars_per_token)
         request = RouteRequest(
             unique_id, claimed.conversation, prompt_tokens, parsed.max_tokens or self.settings.default_max_tokens,

@@ -35,7 +35,11 @@ from extproc.sim.paged import PagedReplica
 from extproc.sim.replica import Replica, Request
 from extproc.sim.routers import RouterTier
 
-_WAKE, _SEND, _SCALE, _USER, _RELEASE, _SLOW = 0, 1, 2, 3, 4, 5
+_WAKE, _SEND, _SCALE, _USER, _RELEASE, _SLOW, _HOOK = 0, 1, 2, 3, 4, 5, 6
+# something done to the fleet at a time (extproc/sim/roll.py): called with the simulation and
+# the time; it may push further hooks (Simulation.push(at, HOOK, hook))
+Hook = Callable[["_Simulation", float], None]
+HOOK = _HOOK
 
 
 @dataclass(frozen=True)
@@ -83,9 +87,12 @@ class Outcome:
 
 
 def simulate(
-    workload: ClosedLoop | OpenLoop, router: Router | RouterTier, cost: CostModel, fleet: Fleet
+    workload: ClosedLoop | OpenLoop, router: Router | RouterTier, cost: CostModel, fleet: Fleet,
+    hooks: Sequence[tuple[float, Hook]] = (),
 ) -> Outcome:
     sim = _Simulation(router, cost, fleet)
+    for at, hook in hooks:
+        sim.push(at, _HOOK, hook)
     return sim.run(workload)
 
 
@@ -150,6 +157,8 @@ class _Simulation:
                 self.complete(payload.request_id, True)  # a no-op when its next turn released it
             elif kind == _SLOW:
                 self._slow_down(payload[0], payload[1], now)
+            elif kind == _HOOK:
+                payload(self, now)
             else:
                 self._set_fleet(payload, now)
         if isinstance(self.router, RouterTier):

@@ -139,7 +139,9 @@ def configure_scale(parser: argparse.ArgumentParser) -> None:
 def main_scale(args: argparse.Namespace) -> int:
     try:
         stack = Stack.find(run_dir(args.run_dir, models.data_dir(args.data_dir)))
-        stack.scale(args.n, _progress)
+        for outcome in stack.scale(args.n, _progress):
+            print(f"migrated from {outcome['replica']}: {outcome['succeeded']} of {outcome['slots']} slot(s), "
+                  f"{outcome['failed']} failed, {outcome['bytes']:,} bytes, {outcome['seconds']} s")
     except FAILURES as exc:
         print(f"llm-ring scale: {exc}", file=sys.stderr)
         return 1

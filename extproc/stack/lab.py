@@ -58,6 +58,9 @@ class LocalLab:
     def scale(self, n: int) -> None:
         self.stack.scale(n, self.progress)
 
+    def roll(self, name: str, migrate: bool | None) -> dict[str, Any]:
+        return self.stack.roll(name, self.progress, migrate)
+
     def replicas(self) -> dict[str, str]:
         return self.stack.healthy_replicas()
 

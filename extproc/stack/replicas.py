@@ -90,13 +90,17 @@ def start(names_ports: Mapping[str, int], settings: ReplicaSettings, run_dir: Pa
     """Spawn the replicas (not waiting): PortInUse first if a port stays taken for `port_wait` s."""
     check_ports_free({port: f"replica {name}" for name, port in names_ports.items()}, port_wait)
     started = []
+    slot_dir = slot_folder(run_dir)  # one folder for all: a slot saved by one is restored by another
+    slot_dir.mkdir(parents=True, exist_ok=True)
     for name, port in names_ports.items():
-        slot_dir = run_dir / "slots" / name
-        slot_dir.mkdir(parents=True, exist_ok=True)
         process = spawn(command(settings, port, slot_dir), run_dir / "logs" / f"{name}.log",
                         die_with_parent=die_with_parent)
         started.append(Replica(name, port, process))
     return started
+
+
+def slot_folder(run_dir: Path) -> Path:
+    return run_dir / "slots"
 
 
 def wait_healthy(replicas: Sequence[Replica], timeout: float, progress: Callable[[str], None] = print) -> float:

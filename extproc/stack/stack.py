@@ -23,7 +23,7 @@ import urllib.request
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import Field, ValidationError
 
@@ -48,6 +48,9 @@ from extproc.stack.redis_server import (
     write_config,
 )
 from extproc.stack.replicas import HOST, Replica, ReplicaSettings
+
+if TYPE_CHECKING:
+    from extproc.migration.migrate import Outcome
 
 REFERENCE_SETTINGS = Path(__file__).with_name("stack.toml")
 RUN_ENV = "LLM_RING_RUN"
@@ -98,12 +101,23 @@ class CheckSection(Strict):
     profile: str
 
 
+class MigrationSection(Strict):
+    enabled: bool
+    drain_seconds: float = Field(gt=0)
+    min_tokens: int = Field(ge=0)
+    max_disk_mib: int = Field(gt=0)
+    max_age_seconds: float = Field(gt=0)
+    prefill_ms_per_token: float = Field(gt=0)
+    transfer_mib_per_second: float = Field(gt=0)
+
+
 class StackSettings(Strict):
     replicas: ReplicasSection
     gateways: GatewaysSection
     ports: PortsSection
     router: RouterSection
     check: CheckSection
+    migration: MigrationSection
 
 
 def load_stack_settings(path: str | Path | None = None,
@@ -160,6 +174,9 @@ class StackState:
     held_down: list[str] = field(default_factory=list)  # killed on purpose: the supervisor leaves them
     started_at: float = 0.0
     startup_seconds: float = 0.0
+    migration: dict[str, Any] = field(default_factory=dict)  # MigrationSection ({}: a stack started without)
+    model_sha256: str = ""
+    kv_bytes_per_token: int = 0  # of the model (reading it from the GGUF takes seconds: once, at up)
 
     @property
     def router_address(self) -> str:
@@ -216,6 +233,8 @@ class Stack:
             replica_settings=asdict(replica_settings), replica_ports={}, replica_base=settings.ports.replica_base,
             health_timeout=rs.health_timeout_seconds, die_with_parent=die_with_parent, started_at=time.time(),
             gateways=[asdict(gw) for gw in gateways], prefix_capacity_tokens=capacity,
+            migration=settings.migration.model_dump(), model_sha256=models.sha256_file(Path(replica_settings.model)),
+            kv_bytes_per_token=kv_bytes,
         )
         stack = cls(state)
         try:
@@ -411,14 +430,102 @@ class Stack:
 
     # -- changes while running
 
-    def scale(self, n: int, progress: Progress = print, drain_timeout: float = 60.0) -> None:
-        """Run n replicas: new ones join once healthy; removed ones leave the list, drain, stop."""
+    def scale(self, n: int, progress: Progress = print, drain_timeout: float = 60.0) -> list[dict[str, object]]:
+        """Run n replicas: new ones join once healthy; removed ones leave the list, drain, hand
+        their conversations' caches to the others ([migration] enabled), stop. Returns each
+        migration's outcome."""
         if n < 1:
             raise StackError(f"scale {n}: at least 1 replica")
         with self.locked():
-            self._scale(n, progress, drain_timeout)
+            return self._scale(n, progress, self._drain_seconds(drain_timeout))
 
-    def _scale(self, n: int, progress: Progress, drain_timeout: float) -> None:
+    def roll(self, name: str, progress: Progress = print, migrate: bool | None = None) -> dict[str, object]:
+        """Restart one replica as a rolling update does: out of the list, drain, migrate its
+        caches ([migration] enabled, or `migrate`), stop, start on its port, healthy, back in the
+        list. Returns {"replica", "out" (left the lists), "drained" (drained and migrated), "down"
+        (stopped), "up" (back), ISO times, and "migration"}."""
+        with self.locked():
+            current = self.replica_list
+            leaving = next((r for r in current if r.name == name), None)
+            if leaving is None:
+                raise StackError(f"no replica {name!r}")
+            staying = [r for r in current if r.name != name]
+            if self.state.migration:
+                self._kv_bytes_per_token()  # before it leaves: nothing slow between its leaving and its migration
+            self.state.replicas = [r.as_dict() for r in staying]
+            self._write_replica_list()
+            self.save()
+            for gw in self.gateway_list:
+                self._wait_router_forgets({name}, gw.router_address)
+            out = _iso(time.time())
+            deadline = time.monotonic() + self._drain_seconds(60.0)
+            outcome = self._migrate_draining(leaving, staying, deadline, progress, migrate)
+            drained = _iso(time.time())
+            replicas.stop_all([leaving])
+            down = _iso(time.time())
+            self.state.replicas = [r.as_dict() for r in staying]
+            self._start_replicas([name], [leaving.port], progress, port_wait=5.0)
+            self.state.replicas.sort(key=lambda r: int(str(r["name"]).rsplit("-", 1)[1]))
+            self._write_replica_list()
+            self.save()
+            for gw in self.gateway_list:
+                self._wait_router_knows({name}, gw.router_address)
+                self._wait_envoy_knows({leaving.address}, gw.envoy_admin)
+            return {"replica": name, "out": out, "drained": drained, "down": down, "up": _iso(time.time()),
+                    "migration": outcome}
+
+    def _kv_bytes_per_token(self) -> int:
+        if not self.state.kv_bytes_per_token:  # a stack started before it was kept: read once, kept
+            self.state.kv_bytes_per_token = models.kv_bytes_per_token(self._settings().model)
+            self.save()
+        return self.state.kv_bytes_per_token
+
+    def _drain_seconds(self, fallback: float) -> float:
+        return float(self.state.migration.get("drain_seconds", fallback))
+
+    def _migrate_draining(self, leaving: Replica, staying: list[Replica], deadline: float, progress: Progress,
+                          migrate: bool | None = None) -> dict[str, object]:
+        """Drain `leaving` (out of the lists already) and move its caches as its slots turn idle:
+        the idle ones at once, each busy one as soon as its request ends (its conversation's next
+        turn may come within seconds), until none is busy or the deadline."""
+        section = self.state.migration
+        if not (section.get("enabled") if migrate is None else migrate) or not staying or not section:
+            _drain([leaving], deadline - time.monotonic(), progress)
+            return {}
+        total = self._migrate(leaving, staying, deadline, lambda _: None, frozenset())
+        busy = _busy_slots(leaving.address)
+        while busy and time.monotonic() < deadline:
+            time.sleep(0.05)
+            still = _busy_slots(leaving.address)
+            if still != busy:
+                total.add(self._migrate(leaving, staying, deadline, lambda _: None, frozenset(total.saved_slots)))
+            busy = still
+        problem = f"; {total.problems[0]}" if total.problems else ""
+        progress(f"drained {leaving.name}; migration: {len(total.moved)} of {total.slots} slot(s) moved "
+                 f"({total.bytes:,} bytes, {total.seconds:.2f}s){problem}")
+        return total.as_dict()
+
+    def _migrate(self, leaving: Replica, staying: list[Replica], deadline: float, progress: Progress,
+                 done: frozenset[int]) -> Outcome:
+        from extproc.migration.migrate import Limits, SharedFolder, migrate_out
+        from extproc.migration.planner import Costs
+        from extproc.migration.slotfiles import Identity
+
+        section = self.state.migration
+        settings = self._settings()
+        identity = Identity(self.state.model_sha256, settings.slot_context, "f16")
+        costs = Costs(self._kv_bytes_per_token(), section["prefill_ms_per_token"] / 1000,
+                      section["transfer_mib_per_second"] * 2**20)
+        limit = int(section["max_disk_mib"]) * 2**20
+        limits = Limits(int(section["min_tokens"]), limit, float(section["max_age_seconds"]), limit)
+        folder = replicas.slot_folder(Path(self.state.run_dir))
+        transport = SharedFolder(folder, {r.name: identity for r in staying})
+        outcome = migrate_out((leaving.name, leaving.address), {r.name: r.address for r in staying},
+                              [gw.router_address for gw in self.gateway_list], folder, identity, transport, costs,
+                              limits, deadline, progress, done)
+        return outcome
+
+    def _scale(self, n: int, progress: Progress, drain_timeout: float) -> list[dict[str, object]]:
         current = self.replica_list
         if n > len(current):
             names = [replicas.replica_name(i) for i in range(len(current), n)]
@@ -434,14 +541,20 @@ class Stack:
         elif n < len(current):
             leaving = current[n:]
             progress(f"scaling {len(current)} -> {n}: removing {', '.join(r.name for r in leaving)}")
+            if self.state.migration:
+                self._kv_bytes_per_token()
             self.state.replicas = [r.as_dict() for r in current[:n]]
             self._write_replica_list()
             self.save()
             for gw in self.gateway_list:
                 self._wait_router_forgets({r.name for r in leaving}, gw.router_address)
-            _drain(leaving, drain_timeout, progress)
+            deadline = time.monotonic() + drain_timeout
+            outcomes = [self._migrate_draining(replica, current[:n], deadline, progress) for replica in leaving]
             replicas.stop_all(leaving)
+            self.save()
+            return [o for o in outcomes if o]
         self.save()
+        return []
 
     def reset_caches(self, progress: Progress = print) -> float:
         """Empty every replica's prompt caches; returns the seconds it took.
@@ -797,6 +910,12 @@ def _wait_until(condition: Callable[[], bool], timeout: float, failure: str) -> 
         time.sleep(0.05)
 
 
+def _iso(wall: float) -> str:
+    from datetime import UTC, datetime
+
+    return datetime.fromtimestamp(wall, UTC).isoformat(timespec="milliseconds")
+
+
 def _drain(leaving: list[Replica], timeout: float, progress: Progress) -> None:
     """Wait until the leaving replicas finish what they were sent before they left the list."""
     deadline = time.monotonic() + timeout
@@ -804,6 +923,14 @@ def _drain(leaving: list[Replica], timeout: float, progress: Progress) -> None:
         while _busy(replica.address) and time.monotonic() < deadline:
             time.sleep(0.1)
     progress(f"drained {', '.join(r.name for r in leaving)}")
+
+
+def _busy_slots(address: str) -> frozenset[int]:
+    try:
+        with urllib.request.urlopen(f"http://{address}/slots", timeout=2.0) as reply:
+            return frozenset(int(slot["id"]) for slot in json.loads(reply.read()) if slot.get("is_processing"))
+    except OSError:
+        return frozenset()
 
 
 def _busy(address: str) -> bool:

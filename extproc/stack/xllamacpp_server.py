@@ -10,6 +10,7 @@ ends the process at once (Python's default action): a replica has no state worth
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 
@@ -41,7 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     params.cpuparams.n_threads = args.threads
     params.cpuparams_batch.n_threads = args.threads
     params.cache_ram_mib = args.cache_ram
-    params.slot_save_path = args.slot_save_path
+    # llama-server ends the folder with a separator; xllamacpp joins it to a file name as given
+    params.slot_save_path = os.path.join(args.slot_save_path, "") if args.slot_save_path else ""
     params.endpoint_slots = True
     params.endpoint_metrics = args.metrics
     server = xllamacpp.Server(params)  # returns once the model is loaded and the port listens

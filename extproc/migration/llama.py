@@ -1,0 +1,59 @@
+"""The few llama.cpp server endpoints a migration uses (the server must run with --slot-save-path)."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from typing import Any
+
+
+class SlotError(RuntimeError):
+    """A replica refused or failed a slot action; the message says which and why."""
+
+
+@dataclass(frozen=True)
+class Slot:
+    id: int
+    tokens: int  # tokens held (0: empty)
+    processing: bool
+    last_task: int  # the id of the last task it ran (-1: none): a larger one was used later
+
+
+class LlamaServer:
+    def __init__(self, address: str, timeout: float = 30.0) -> None:
+        self.address = address
+        self.timeout = timeout
+
+    def slots(self) -> list[Slot]:
+        return [Slot(int(s["id"]), int(s.get("n_prompt_tokens") or 0), bool(s.get("is_processing")),
+                     int(s.get("id_task", -1))) for s in self._call("GET", "/slots")]
+
+    def save(self, slot: int, filename: str) -> dict[str, Any]:
+        """{"n_saved": tokens, "n_written": bytes, ...}"""
+        return dict(self._call("POST", f"/slots/{slot}?action=save", {"filename": filename}))
+
+    def restore(self, slot: int, filename: str) -> dict[str, Any]:
+        """{"n_restored": tokens, "n_read": bytes, ...}"""
+        return dict(self._call("POST", f"/slots/{slot}?action=restore", {"filename": filename}))
+
+    def detokenize(self, tokens: list[int]) -> str:
+        return str(self._call("POST", "/detokenize", {"tokens": tokens})["content"])
+
+    def render(self, messages: list[dict[str, str]]) -> str:
+        """The prompt the server's chat template makes of `messages`."""
+        return str(self._call("POST", "/apply-template", {"messages": messages})["prompt"])
+
+    def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(f"http://{self.address}{path}", data=data, method=method,
+                                         headers={"content-type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout) as reply:
+                return json.loads(reply.read())
+        except urllib.error.HTTPError as exc:
+            detail = exc.read().decode(errors="replace")[:300]
+            raise SlotError(f"{self.address} {method} {path}: HTTP {exc.code} {detail}") from None
+        except (OSError, ValueError) as exc:
+            raise SlotError(f"{self.address} {method} {path}: {exc}") from None

@@ -1,0 +1,203 @@
+"""A replica's conversations moved out before it stops: find, plan, save, restore, tell the routers.
+
+The caller has already taken the replica out of the routers' lists and let its requests in
+flight finish. Then, within `deadline` (monotonic seconds): each busy-free slot of the
+leaving replica is saved into the shared slot folder, its text traced back to a conversation
+the routers placed there (openings.py), the worth-moving ones planned (planner.py), each file
+checked against the receiver's Identity and restored into an idle slot there, and every
+router told (Admin `Migrated`). Whatever fails is a miss: that conversation's next turn is
+computed again, as without migration.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+from extproc.migration import slotfiles
+from extproc.migration.llama import LlamaServer, Slot, SlotError
+from extproc.migration.openings import Framing, opening_keys
+from extproc.migration.planner import Candidate, Costs, Move, plan
+from extproc.routing.ring import HashRing
+
+Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class Limits:
+    min_tokens: int
+    max_bytes: int  # slot files one migration may write
+    max_age_seconds: float  # slot files older than this are removed
+    folder_bytes: int  # the slot folder's bound
+
+
+@dataclass
+class Outcome:
+    replica: str
+    slots: int = 0  # slots holding a conversation
+    matched: int = 0  # traced back to a conversation
+    attempted: int = 0
+    moved: list[tuple[int, str, int]] = field(default_factory=list)  # (conversation key, receiver, tokens)
+    failed: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    problems: list[str] = field(default_factory=list)
+    saved_slots: list[int] = field(default_factory=list)
+
+    def add(self, later: Outcome) -> None:
+        """A second pass's outcome into this one."""
+        for name in ("slots", "matched", "attempted", "failed", "bytes", "seconds"):
+            setattr(self, name, getattr(self, name) + getattr(later, name))
+        self.moved += later.moved
+        self.problems += later.problems
+        self.saved_slots += later.saved_slots
+
+    def as_dict(self) -> dict[str, object]:
+        return {"replica": self.replica, "slots": self.slots, "matched": self.matched, "attempted": self.attempted,
+                "succeeded": len(self.moved), "failed": self.failed, "bytes": self.bytes,
+                "seconds": round(self.seconds, 3), "problems": self.problems[:5]}
+
+
+class Transport(Protocol):
+    def deliver(self, receiver: str, conversation_key: int) -> tuple[str, int] | None:
+        """Make the conversation's slot file readable by `receiver`'s llama.cpp: (its file name
+        there, its tokens), or None when that receiver may not load it (a miss)."""
+
+
+@dataclass(frozen=True)
+class SharedFolder:
+    """Every replica saves and restores in one folder (the local stack)."""
+
+    folder: Path
+    identities: Mapping[str, slotfiles.Identity]
+
+    def deliver(self, receiver: str, conversation_key: int) -> tuple[str, int] | None:
+        identity = self.identities[receiver]
+        manifest = slotfiles.restorable(self.folder, identity, conversation_key)
+        return None if manifest is None else (f"{slotfiles.stem(identity, conversation_key)}.bin", manifest.tokens)
+
+
+def migrate_out(leaving: tuple[str, str], staying: Mapping[str, str], routers: Sequence[str], folder: Path,
+                identity: slotfiles.Identity, transport: Transport, costs: Costs, limits: Limits, deadline: float,
+                progress: Progress = lambda _: None, done: frozenset[int] = frozenset()) -> Outcome:
+    """Move what is worth moving from `leaving` (name, address) to `staying` ({name: address});
+    folder: where the leaving replica saves (its --slot-save-path), identity: its identity;
+    routers: the Admin addresses of every routing service; done: slots an earlier pass saved
+    (a first pass moves the idle slots at once, a second one those that were busy)."""
+    from extproc.service.admin_client import AdminClient
+
+    name, address = leaving
+    outcome = Outcome(name)
+    began = time.monotonic()
+    try:
+        source = LlamaServer(address)
+        framing = Framing.learn(source.render)
+        placed: dict[str, dict[int, int]] = {}  # opening -> {conversation key: prompt tokens}
+        for router in routers:
+            with AdminClient(router) as admin:
+                state = admin.state()["routing"]
+                for key, opening, tokens in admin.placements(name):
+                    if opening:
+                        placed.setdefault(opening, {})[key] = tokens
+        candidates, saved = _saved_slots(source, name, folder, identity, framing, placed, outcome, done)
+        ring = HashRing(staying, int(state["virtual_nodes"]), int(state["hash_seed"]))
+        idle = {receiver: _idle_slots(LlamaServer(addr)) for receiver, addr in staying.items()}
+        moves = plan(candidates, ring, {r: len(s) for r, s in idle.items()}, costs, limits.min_tokens,
+                     limits.max_bytes)
+        for move in moves:
+            if time.monotonic() > deadline:
+                outcome.problems.append("deadline reached")
+                break
+            outcome.attempted += 1
+            if _restore(move, staying[move.receiver], idle[move.receiver], transport, saved[move.conversation_key],
+                        outcome):
+                outcome.moved.append((move.conversation_key, move.receiver, move.tokens))
+            else:
+                outcome.failed += 1
+    except (SlotError, OSError, KeyError, ValueError) as exc:
+        outcome.problems.append(str(exc))
+    except Exception as exc:  # a router that does not answer (grpc.RpcError): a miss, the scale goes on
+        outcome.problems.append(f"{type(exc).__name__}: {exc}")
+    outcome.seconds = time.monotonic() - began
+    _tell(routers, outcome)
+    slotfiles.prune(folder, limits.folder_bytes, limits.max_age_seconds)
+    progress(f"migration from {name}: {len(outcome.moved)} of {outcome.slots} slot(s) moved "
+             f"({outcome.bytes:,} bytes, {outcome.seconds:.2f}s)"
+             + (f"; {outcome.problems[0]}" if outcome.problems else ""))
+    return outcome
+
+
+def _saved_slots(source: LlamaServer, name: str, folder: Path, identity: slotfiles.Identity, framing: Framing,
+                 placed: dict[str, dict[int, int]], outcome: Outcome,
+                 done: frozenset[int]) -> tuple[list[Candidate], dict[int, int]]:
+    """Save every slot that holds a conversation the routers placed here; (candidates, key -> bytes)."""
+    candidates, saved = [], {}
+    for slot in source.slots():
+        if slot.tokens == 0 or slot.processing or slot.id in done:
+            continue
+        outcome.slots += 1
+        outcome.saved_slots.append(slot.id)
+        scratch = f"{identity.tag}-out-{name}-{slot.id}.bin"
+        written = int(source.save(slot.id, scratch)["n_written"])
+        outcome.bytes += written
+        tokens = slotfiles.read_tokens(folder / scratch)
+        found = None if tokens is None else _conversation(source.detokenize(tokens), len(tokens), framing, placed)
+        if tokens is None or found is None:
+            (folder / scratch).unlink(missing_ok=True)
+            continue
+        outcome.matched += 1
+        stem = slotfiles.stem(identity, found)
+        os.replace(folder / scratch, folder / f"{stem}.bin")
+        slotfiles.write_manifest(folder, slotfiles.Manifest(identity, found, len(tokens), time.time(), name))
+        candidates.append(Candidate(found, slot.id, len(tokens), slot.last_task))
+        saved[found] = written
+    return candidates, saved
+
+
+def _conversation(text: str, tokens: int, framing: Framing, placed: dict[str, dict[int, int]]) -> int | None:
+    """The conversation with the slot's opening (several share one: the one whose last prompt
+    is nearest the slot's length); taken out of `placed`, so no two slots name the same one."""
+    found = [(abs(prompt - tokens), key, opening) for opening in opening_keys(text, framing)
+             for key, prompt in placed.get(opening, {}).items()]
+    if not found:
+        return None
+    _, key, opening = min(found)
+    del placed[opening][key]
+    return key
+
+
+def _idle_slots(server: LlamaServer) -> list[Slot]:
+    """Slots a restore may take, empty ones first, then the least recently used."""
+    return sorted((s for s in server.slots() if not s.processing), key=lambda s: (s.tokens > 0, s.last_task))
+
+
+def _restore(move: Move, address: str, idle: list[Slot], transport: Transport, size: int,
+             outcome: Outcome) -> bool:
+    delivered = transport.deliver(move.receiver, move.conversation_key)
+    if delivered is None:
+        outcome.problems.append(f"{move.receiver}: no slot file of its identity (a miss)")
+        return False
+    filename, tokens = delivered
+    slot = idle.pop(0)
+    try:
+        restored = LlamaServer(address).restore(slot.id, filename)
+    except SlotError as exc:
+        outcome.problems.append(str(exc))
+        return False
+    outcome.bytes += size
+    return int(restored.get("n_restored", 0)) == tokens
+
+
+def _tell(routers: Sequence[str], outcome: Outcome) -> None:
+    from extproc.service.admin_client import AdminClient
+
+    for router in routers:
+        try:
+            with AdminClient(router) as admin:
+                admin.migrated(outcome.moved, outcome.attempted, outcome.failed, outcome.bytes, outcome.seconds)
+        except Exception as exc:  # that router routes the next turns as without migration
+            outcome.problems.append(f"router {router}: {type(exc).__name__}")

@@ -1,0 +1,274 @@
+"""A rolling restart in the simulator, with or without migration (docs/migration.md).
+
+From ``at_s`` the replicas leave one at a time, in name order: out of the router's list,
+drained (its running and queued requests finish), ``restart_s`` later back as a fresh server
+with empty caches, and then the next one. With migration, what the leaving replica holds is
+moved as the local stack moves it: its idle slots when it leaves, the others once drained
+(a llama.cpp replica: only its slots, not its host-RAM cache; a paged one: every conversation
+whose blocks its pool still holds), each conversation planned by the live planner
+(extproc/migration/planner.py) with the cost model's KV bytes a token and prefill time
+against ``transfer_bytes_per_second``. A move lands after its transfer time (the moves of one
+replica one after another): a slot file restored into the receiver's least recently used idle
+slot (its old content saved to the host cache, as llama.cpp does when a slot is reused), or
+blocks added to the receiver's pool as cached, evictable blocks; then every router is told
+(``Router.migrated``), so the conversation's next decision says ``+migrated``.
+
+    python -m extproc.sim.roll --trace FILE --cost-model M --replicas 8 --seeds 1-3 --roll-at S ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+from extproc.migration.planner import Candidate, Costs, plan
+from extproc.routing.hashing import stable_hash
+from extproc.routing.ring import HashRing
+from extproc.sim.costmodel import CostModel
+from extproc.sim.engine import HOOK, Hook, _Simulation
+from extproc.sim.paged import BlockPool, PagedReplica
+from extproc.sim.replica import Replica, Request
+from extproc.sim.routers import RouterTier
+
+POLL_S = 0.05  # how often a draining replica is looked at
+
+
+@dataclass(frozen=True)
+class RollSettings:
+    at_s: float
+    restart_s: float  # from drained to back, healthy
+    migrate: bool
+    transfer_bytes_per_second: float
+    min_tokens: int
+
+
+@dataclass
+class RollLog:
+    steps: list[dict[str, Any]] = field(default_factory=list)
+    moved: int = 0
+    moved_bytes: int = 0
+    candidates: int = 0
+
+
+def roll_hooks(settings: RollSettings, names: list[str], cost: CostModel, log: RollLog) -> list[tuple[float, Hook]]:
+    return [(settings.at_s, _Rolling(settings, sorted(names), cost, log).leave)]
+
+
+class _Rolling:
+    def __init__(self, settings: RollSettings, order: list[str], cost: CostModel, log: RollLog) -> None:
+        self.settings, self.order, self.cost, self.log = settings, order, cost, log
+        self.index = 0
+        self.moved: set[int] = set()  # keys moved off the replica now leaving
+
+    @property
+    def name(self) -> str:
+        return self.order[self.index]
+
+    def leave(self, sim: _Simulation, now: float) -> None:
+        staying = [n for n, r in sim.replicas.items() if not r.draining and n != self.name]
+        sim.replicas[self.name].draining = True
+        sim.router.set_replicas(staying)
+        self.log.steps.append({"replica": self.name, "out_s": now})
+        self.moved = set()
+        if self.settings.migrate:
+            self._migrate(sim, staying, now)
+        sim.push(now + POLL_S, HOOK, self.drained)
+
+    def drained(self, sim: _Simulation, now: float) -> None:
+        replica = sim.replicas[self.name]
+        if replica.running or replica.queue:
+            sim.push(now + POLL_S, HOOK, self.drained)
+            return
+        if self.settings.migrate:
+            self._migrate(sim, [n for n, r in sim.replicas.items() if not r.draining], now)
+        self.log.steps[-1]["drained_s"] = now
+        sim.push(now + self.settings.restart_s, HOOK, self.back)
+
+    def back(self, sim: _Simulation, now: float) -> None:
+        fresh = sim._new_replica(self.name)
+        fresh.host_factor = sim.host_factor
+        sim.replicas[self.name] = fresh
+        sim.every_replica.append(fresh)
+        sim.router.set_replicas([n for n, r in sim.replicas.items() if not r.draining])
+        self.log.steps[-1]["back_s"] = now
+        self.index += 1
+        if self.index < len(self.order):
+            sim.push(now, HOOK, self.leave)
+
+    def _migrate(self, sim: _Simulation, staying: list[str], now: float) -> None:
+        leaving = sim.replicas[self.name]
+        routers = sim.router.distinct() if isinstance(sim.router, RouterTier) else [sim.router]
+        routing = routers[0].settings
+        held = _held(leaving, sim.outcome.requests)
+        keys = {stable_hash(r.conversation, routing.hash_seed): (r, tokens) for r, tokens in held}
+        candidates = [Candidate(key, 0, tokens, r.order) for key, (r, tokens) in keys.items() if key not in self.moved]
+        self.log.candidates += len(candidates)
+        free = {n: _free_slots(sim.replicas[n]) for n in staying}
+        per_token = self.cost.prefill_s(1000, 0) / 1000
+        costs = Costs(self.cost.kv_bytes_per_token, per_token, self.settings.transfer_bytes_per_second)
+        ring = HashRing(staying, routing.virtual_nodes, routing.hash_seed)
+        at = now
+        for move in plan(candidates, ring, free, costs, self.settings.min_tokens, 2**62):
+            at += move.bytes / self.settings.transfer_bytes_per_second
+            request, _ = keys[move.conversation_key]
+            self.moved.add(move.conversation_key)
+            sim.push(at, HOOK, _Restore(request, move.receiver, move.conversation_key, move.tokens, move.bytes,
+                                        routers, self.log))
+
+
+@dataclass
+class _Restore:
+    request: Request
+    receiver: str
+    key: int
+    tokens: int
+    bytes: int
+    routers: list[Any]
+    log: RollLog
+
+    def __call__(self, sim: _Simulation, now: float) -> None:
+        receiver = sim.replicas.get(self.receiver)
+        if receiver is None or receiver.draining or not _restore(receiver, self.request, self.tokens, now):
+            return  # a miss: the next turn is computed again
+        for router in self.routers:
+            router.migrated(self.key, self.receiver, self.request.prompt_tokens)
+        self.log.moved += 1
+        self.log.moved_bytes += self.bytes
+
+
+def _held(replica: Replica | PagedReplica, finished: list[Request]) -> list[tuple[Request, int]]:
+    """The conversations the leaving replica can hand over: (its last request there, tokens held)."""
+    latest: dict[Any, Request] = {}
+    for request in finished:
+        if request.replica == replica.name and request.status == 200:
+            latest[request.key] = request
+    if isinstance(replica, PagedReplica):
+        found = []
+        for request in latest.values():
+            blocks, _ = replica._blocks(request)
+            tokens = 0
+            for block, size in blocks:
+                if block not in replica.pool:
+                    break
+                tokens += size
+            if tokens:
+                found.append((request, tokens))
+        return found
+    idle = {slot.key: slot.tokens for slot in replica.slots if not slot.busy and slot.tokens}
+    return [(r, idle[r.key]) for r in latest.values() if r.key in idle]
+
+
+def _free_slots(replica: Replica | PagedReplica) -> int:
+    if isinstance(replica, PagedReplica):
+        return 2**31  # the pool decides when the blocks arrive
+    return sum(not slot.busy for slot in replica.slots)
+
+
+def _restore(replica: Replica | PagedReplica, request: Request, tokens: int, now: float) -> bool:
+    if isinstance(replica, PagedReplica):
+        blocks, _ = replica._blocks(request)
+        return _add_cached(replica.pool, blocks)
+    idle = [slot for slot in replica.slots if not slot.busy]
+    if not idle:
+        return False
+    slot = min(idle, key=lambda s: s.last_used)
+    if slot.tokens and replica.cache.capacity_tokens > 0:
+        replica.cache.save(slot.key, slot.blocks, slot.tokens)
+    slot.key, slot.blocks, slot.tokens, slot.last_used = request.key, request.blocks, tokens, now
+    return True
+
+
+def _add_cached(pool: BlockPool, blocks: list[tuple[Any, int]]) -> bool:
+    """The blocks as a finished request leaves them: cached, evictable, the tail first in line."""
+    added = False
+    for block, tokens in reversed(blocks):
+        if block in pool:
+            continue
+        while pool.used + tokens > pool.capacity and pool.free:
+            _, evicted = pool.free.popitem(last=False)
+            pool.used -= evicted
+            pool.free_tokens -= evicted
+        if pool.used + tokens > pool.capacity:
+            return added
+        pool.free[block] = tokens
+        pool.used += tokens
+        pool.free_tokens += tokens
+        added = True
+    return added
+
+
+def window_figures(requests: list[Request], begin_s: float, end_s: float) -> dict[str, Any]:
+    """Cached share of prompt tokens and p95 TTFT of the requests that arrived in [begin, end)."""
+    inside = [r for r in requests if begin_s <= r.arrived_at < end_s and r.status == 200]
+    prompt = sum(r.prompt_tokens for r in inside)
+    ttfts = sorted(r.first_token_at - r.arrived_at for r in inside)
+    return {"requests": len(inside), "cached_share": sum(r.cache_n for r in inside) / prompt if prompt else None,
+            "p95_ttft_s": ttfts[int(0.95 * (len(ttfts) - 1))] if ttfts else None,
+            "migrated_decisions": sum("+migrated" in (r.reason or "") for r in inside)}
+
+
+def simulate_roll(workload: Any, routing: Any, cost: CostModel, fleet: Any, settings: RollSettings,
+                  routers: int = 1, router_state: str = "separate", seed: int = 0) -> dict[str, Any]:
+    """One run with a roll: the roll's window figures, those before it, and what moved."""
+    from extproc.sim.engine import simulate
+
+    log = RollLog()
+    tier = RouterTier(routing, routers, router_state, seed)
+    outcome = simulate(workload, tier, cost, fleet, roll_hooks(settings, fleet.names(fleet.replicas), cost, log))
+    if not log.steps or "back_s" not in log.steps[-1]:
+        return {"migrate": settings.migrate, "error": "the roll did not finish within the run"}
+    begin, end = log.steps[0]["out_s"], log.steps[-1]["back_s"]
+    return {"cost_model": cost.name, "migrate": settings.migrate, "roll_s": [round(begin, 1), round(end, 1)],
+            **window_figures(outcome.requests, begin, end), "before": window_figures(outcome.requests, 0, begin),
+            "candidates": log.candidates, "moved": log.moved, "moved_gb": round(log.moved_bytes / 1e9, 2)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    from extproc.cli_input import parse_seeds
+    from extproc.routing.policies import make_policy
+    from extproc.sim.costmodel import load_cost_model
+    from extproc.sim.runs import load_sim_config, parse_policy, profile_source, trace_source
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    source_group = parser.add_mutually_exclusive_group(required=True)
+    source_group.add_argument("--trace")
+    source_group.add_argument("--profile")
+    parser.add_argument("--cost-model", required=True)
+    parser.add_argument("--policy", default="llm-aware")
+    parser.add_argument("--replicas", type=int, default=8)
+    parser.add_argument("--seeds", nargs="+", default=["1"])
+    parser.add_argument("--slots", type=int)
+    parser.add_argument("--cache-ram-mib", type=float)
+    parser.add_argument("--roll-at", type=float, required=True)
+    parser.add_argument("--restart-s", type=float, default=30.0)
+    parser.add_argument("--transfer-gb-per-s", type=float, default=1.0, help="save + copy + restore, GB/s")
+    parser.add_argument("--min-tokens", type=int, default=64)
+    parser.add_argument("--time-scale", type=float, help="traces: multiply arrival times (default: [trace])")
+    args = parser.parse_args(argv)
+    config = load_sim_config()
+    overrides = {k: v for k, v in (("cost_model", args.cost_model), ("slots", args.slots),
+                                   ("cache_ram_mib", args.cache_ram_mib)) if v is not None}
+    config = type(config)(**{**config.__dict__, **overrides})
+    cost = load_cost_model(config.cost_model)
+    paged = cost.server is not None and cost.server.kv_cache == "paged"
+    source = trace_source(args.trace, args.time_scale or config.time_scale, config.jitter_bucket_s) if args.trace \
+        else profile_source(args.profile)
+    fleet = config.fleet(args.replicas, cost, cache=not paged)
+    for seed in parse_seeds(args.seeds):
+        base = {**config.routing, "hash_seed": seed} if source.seeds_hash else config.routing
+        routing = parse_policy(args.policy, base)
+        for migrate in (False, True):
+            settings = RollSettings(args.roll_at, args.restart_s, migrate, args.transfer_gb_per_s * 1e9,
+                                    args.min_tokens)
+            workload = source.make(seed, make_policy(routing).prefix_block_chars)
+            figures = simulate_roll(workload, routing, cost, fleet, settings, config.routers, config.router_state,
+                                    seed)
+            print(json.dumps({"seed": seed, **figures}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

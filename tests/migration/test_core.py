@@ -1,0 +1,138 @@
+"""The pure parts of a migration: slot files and their manifest, openings, the planner."""
+
+from __future__ import annotations
+
+import os
+import struct
+from pathlib import Path
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from extproc.migration import slotfiles
+from extproc.migration.openings import Framing, opening_key, opening_keys
+from extproc.migration.planner import Candidate, Costs, plan
+from extproc.routing.placement import PlacementMemory
+from extproc.routing.ring import HashRing
+from extproc.service.bodies import _chat
+
+IDENTITY = slotfiles.Identity("ab" * 32, 2048, "f16")
+
+
+def chatml(messages: list[dict[str, str]]) -> str:
+    """A ChatML template that adds a default system prompt, as Qwen2's does."""
+    if messages[0]["role"] != "system":
+        messages = [{"role": "system", "content": "You are a helpful assistant"}, *messages]
+    return "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages) + "<|im_start|>assistant\n"
+
+
+def slot_file(path: Path, tokens: list[int], version: int = 4) -> None:
+    path.write_bytes(struct.pack("<IIIiII", slotfiles.MAGIC, version, len(tokens) + 4, -1, 1, len(tokens))
+                     + struct.pack(f"<{len(tokens)}i", *tokens) + b"kv state")
+
+
+def test_a_slot_file_is_restorable_only_by_its_own_identity(tmp_path: Path) -> None:
+    stem = slotfiles.stem(IDENTITY, 7)
+    slot_file(tmp_path / f"{stem}.bin", [1, 2, 3])
+    slotfiles.write_manifest(tmp_path, slotfiles.Manifest(IDENTITY, 7, 3, 0.0, "llm-1"))
+    assert slotfiles.restorable(tmp_path, IDENTITY, 7) is not None
+    for other in (slotfiles.Identity("cd" * 32, 2048, "f16"), slotfiles.Identity("ab" * 32, 4096, "f16"),
+                  slotfiles.Identity("ab" * 32, 2048, "q8_0")):
+        assert slotfiles.restorable(tmp_path, other, 7) is None
+    assert slotfiles.restorable(tmp_path, IDENTITY, 8) is None
+    slot_file(tmp_path / f"{stem}.bin", [1, 2])  # torn or replaced: not what the manifest says
+    assert slotfiles.restorable(tmp_path, IDENTITY, 7) is None
+
+
+def test_tokens_are_read_back_and_an_unknown_version_is_no_file(tmp_path: Path) -> None:
+    slot_file(tmp_path / "a.bin", [151644, 872, 198])
+    assert slotfiles.read_tokens(tmp_path / "a.bin") == [151644, 872, 198]
+    slot_file(tmp_path / "b.bin", [1], version=9)
+    assert slotfiles.read_tokens(tmp_path / "b.bin") is None
+    (tmp_path / "c.bin").write_bytes(b"short")
+    assert slotfiles.read_tokens(tmp_path / "c.bin") is None
+
+
+def test_prune_removes_stale_and_orphaned_files_then_the_oldest_beyond_the_bound(tmp_path: Path) -> None:
+    for number, age in enumerate((5000, 300, 200, 100)):
+        slot_file(tmp_path / f"{number}.bin", [0] * 100)
+        (tmp_path / f"{number}.json").write_text("{}")
+        os.utime(tmp_path / f"{number}.bin", (1e6 - age, 1e6 - age))
+    slot_file(tmp_path / "orphan.bin", [0])
+    (tmp_path / "lonely.json").write_text("{}")
+    size = (tmp_path / "1.bin").stat().st_size
+    removed = slotfiles.prune(tmp_path, max_bytes=2 * size, max_age_seconds=3600, now=1e6)
+    assert sorted(p.name for p in removed) == ["0.bin", "1.bin", "orphan.bin"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["2.bin", "2.json", "3.bin", "3.json"]
+
+
+def test_a_slots_text_gives_the_opening_key_the_service_computes_from_the_body() -> None:
+    framing = Framing.learn(chatml)
+    for messages in ([{"role": "user", "content": "Tell me about the harbour."}],
+                     [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi\nthere"}]):
+        answered = [*messages, {"role": "assistant", "content": "Sure."}, {"role": "user", "content": "More"}]
+        slot_text = chatml(answered) + "It was"  # a slot holds its last prompt and the answer begun
+        assert _chat(answered, None)[0] in opening_keys(slot_text, framing)
+    assert opening_keys("no template here", framing) == set()
+
+
+@given(st.text(min_size=1, max_size=80).filter(lambda t: "<|im_end|>" not in t))
+def test_any_user_text_survives_the_round_trip(text: str) -> None:
+    slot_text = chatml([{"role": "user", "content": text}])
+    assert opening_key([("user", text)]) in opening_keys(slot_text, Framing.learn(chatml))
+
+
+def test_the_plan_moves_recent_long_conversations_home_first_within_free_slots_and_budget() -> None:
+    ring = HashRing(["a", "b"], 64, 0)
+    costs = Costs(bytes_per_token=1000, prefill_seconds_per_token=0.01, transfer_bytes_per_second=1e9)
+    candidates = [Candidate(key, slot, tokens, task) for key, slot, tokens, task in
+                  ((11, 0, 500, 5), (22, 1, 10, 9), (33, 2, 800, 7), (44, 3, 600, 1))]
+    moves = plan(candidates, ring, {"a": 1, "b": 1}, costs, min_tokens=64, max_bytes=10**9)
+    assert [m.conversation_key for m in moves] == [33, 11]  # 22 too short, 44 found no slot left
+    assert moves[0].receiver == next(ring.walk(33))
+    assert {m.receiver for m in moves} == {"a", "b"}
+    tight = plan(candidates, ring, {"a": 4, "b": 4}, costs, min_tokens=64, max_bytes=900_000)
+    assert [m.conversation_key for m in tight] == [33]
+    slow = Costs(1000, 1e-6, 1e3)  # moving costs more than computing again
+    assert plan(candidates, ring, {"a": 4, "b": 4}, slow, 0, 10**9) == []
+
+
+@given(st.lists(st.tuples(st.integers(0, 2**64 - 1), st.sampled_from("abc"), st.integers(0, 10**6)), max_size=60))
+def test_placed_on_lists_exactly_the_remembered_conversations_last_on_a_replica(entries: list) -> None:
+    memory = PlacementMemory(capacity=1000)
+    last: dict[int, tuple[str, int]] = {}
+    for key, replica, tokens in entries:
+        memory.remember(key, replica, tokens)
+        last[key] = (replica, tokens)
+    for replica in "abc":
+        expected = sorted((k, t) for k, (r, t) in last.items() if r == replica)
+        assert sorted(memory.placed_on(replica)) == expected
+    assert memory.placed_on("never") == []
+
+
+def test_the_router_lists_what_a_leaving_replica_served_and_marks_a_migrated_conversations_next_turn() -> None:
+    from extproc.routing import Router, RouteRequest
+    from extproc.settings import load_settings
+
+    router = Router(load_settings("extproc/service/router.toml", environ={}).routing, ["a", "b", "c"])
+    done = router.route(RouteRequest("1", "done", 400, 8))
+    assert done is not None
+    router.complete("1")
+    serving = router.route(RouteRequest("2", "serving", 300, 8))
+    assert serving is not None
+    leaving = done.replica
+    router.set_replicas([n for n in "abc" if n != leaving])
+    keys = dict(router.placed_on(leaving))
+    assert keys[router.conversation_key("done")] == 400
+    if serving.replica == leaving:  # in flight when its replica left: listed too
+        assert keys[router.conversation_key("serving")] == 300
+    receiver = next(n for n in "abc" if n != leaving)
+    assert not router.migrated(router.conversation_key("done"), leaving, 400)  # not a member
+    assert router.migrated(router.conversation_key("done"), receiver, 400)
+    after = router.route(RouteRequest("3", "done", 420, 8))
+    assert after is not None and after.replica == receiver and after.reason.endswith("+migrated")
+    router.complete("3")
+    again = router.route(RouteRequest("4", "done", 440, 8))
+    assert again is not None and "migrated" not in again.reason  # only the first decision after the move
+    router.set_replicas("abc")  # back as a fresh server: nothing is cached there
+    assert router.placed_on(leaving) == []

@@ -1,0 +1,94 @@
+"""Migration through the real parts: 3 xllamacpp replicas of the tiny model, the routing
+service and Envoy. A conversation whose replica leaves continues on another replica with its
+history cached; a slot file for another model is a clean miss. In file order, one stack."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from extproc.migration import slotfiles
+from extproc.migration.migrate import Limits, SharedFolder, migrate_out
+from extproc.migration.planner import Costs
+from extproc.service.admin_client import AdminClient
+from extproc.stack import models
+from extproc.stack.lab import LocalLab
+from extproc.stack.replicas import slot_folder
+from extproc.stack.stack import load_stack_settings
+from tests.stack.test_live_stack import FREE_PORTS, Chat, conversation_homed_on
+
+pytestmark = pytest.mark.live
+NAMES = ["llm-0", "llm-1", "llm-2"]
+TURNS = ("Tell me about the old harbour of the city, its ships, its trade and the people on its quays.",
+         "What happened there in the long winter when the river froze?")
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalLab]:
+    models.prepare("tiny", models.data_dir(), progress=lambda _: None)
+    settings = load_stack_settings(overrides={
+        "replicas": {"count": 3, "model": "tiny", "ctx_size": 4096, "parallel": 2, "cache_ram_mib": 0},
+        "ports": FREE_PORTS,
+        "router": {"policy": "llm-aware"},
+        "check": {"profile": "quick"},
+        "migration": {"min_tokens": 16, "drain_seconds": 30},
+    })
+    with LocalLab.start(settings, run=tmp_path_factory.mktemp("stack"), progress=lambda _: None) as running:
+        yield running
+
+
+def talk(lab: LocalLab, conversation: str) -> tuple[Chat, int]:
+    chat = Chat(lab.gateway_url, conversation)
+    for text in (f"{conversation}: {TURNS[0]}", TURNS[1]):
+        reply, answer = chat.turn(text)
+        assert reply.status_code == 200, reply.text
+    return chat, answer["timings"]["cache_n"] + answer["timings"]["prompt_n"]
+
+
+def test_a_slot_file_of_another_model_is_a_clean_miss(lab: LocalLab) -> None:
+    stack = lab.stack
+    conversation = conversation_homed_on(lab, "llm-2", NAMES, "other-model")
+    talk(lab, conversation)
+    ours = slotfiles.Identity(stack.state.model_sha256, stack._settings().slot_context, "f16")
+    other = replace(ours, model_sha256="0" * 64)  # a receiver that serves another model
+    addresses = {r.name: r.address for r in stack.replica_list}
+    folder = slot_folder(Path(stack.state.run_dir))
+    outcome = migrate_out(("llm-2", addresses["llm-2"]), {"llm-0": addresses["llm-0"], "llm-1": addresses["llm-1"]},
+                          [stack.state.router_address], folder, ours,
+                          SharedFolder(folder, {"llm-0": other, "llm-1": other}), Costs(4096, 0.01, 1e9),
+                          Limits(16, 2**30, 3600, 2**30), time.monotonic() + 30)
+    assert outcome.matched >= 1 and outcome.attempted >= 1
+    assert outcome.moved == [] and outcome.failed == outcome.attempted
+    assert any("a miss" in problem for problem in outcome.problems)
+
+
+def test_a_conversation_whose_replica_leaves_continues_elsewhere_with_its_history_cached(lab: LocalLab) -> None:
+    conversation = conversation_homed_on(lab, "llm-2", NAMES, "leaving")
+    chat, held = talk(lab, conversation)
+    (outcome,) = lab.stack.scale(2, progress=lambda _: None)
+    assert outcome["succeeded"] >= 1, outcome
+    reply, answer = chat.turn("And who lives there now?")
+    assert reply.status_code == 200, reply.text
+    assert reply.headers["x-routed-to"] in ("llm-0", "llm-1")
+    assert "migrated" in reply.headers["x-route-reason"], (outcome, reply.headers["x-routed-to"])
+    assert answer["timings"]["cache_n"] >= held - 1  # the whole history (less the last sampled token)
+    with AdminClient(lab.stack.state.router_address) as admin:
+        assert admin.state()["replicas"] and len(admin.state()["replicas"]) == 2
+    metrics = __import__("httpx").get(lab.stack.state.metrics_url).text
+    assert 'llm_ring_migrations_total{outcome="succeeded"}' in metrics
+
+
+def test_a_rolling_restart_of_a_replica_keeps_its_conversation_cached_and_records_the_times(lab: LocalLab) -> None:
+    conversation = conversation_homed_on(lab, "llm-0", NAMES[:2], "rolled")
+    chat, held = talk(lab, conversation)
+    step = lab.roll("llm-0", migrate=True)
+    assert step["replica"] == "llm-0" and step["down"] < step["up"]
+    assert step["migration"]["succeeded"] >= 1, step
+    assert sorted(lab.stack.healthy_replicas()) == ["llm-0", "llm-1"]
+    reply, answer = chat.turn("And who lives there now?")
+    assert reply.headers["x-routed-to"] == "llm-1" and "migrated" in reply.headers["x-route-reason"]
+    assert answer["timings"]["cache_n"] >= held - 1
