@@ -210,9 +210,15 @@ def window_figures(requests: list[Request], begin_s: float, end_s: float) -> dic
             "migrated_decisions": sum("+migrated" in (r.reason or "") for r in inside)}
 
 
+def _answered_before(requests: list[Request], at_s: float) -> list[Request]:
+    return [r for r in requests if r.first_token_at is not None and r.first_token_at < at_s]
+
+
 def simulate_roll(workload: Any, routing: Any, cost: CostModel, fleet: Any, settings: RollSettings,
                   routers: int = 1, router_state: str = "separate", seed: int = 0) -> dict[str, Any]:
-    """One run with a roll: the roll's window figures, those before it, and what moved."""
+    """One run with a roll: the roll's window figures (from the first replica out to the last one
+    back), those of the requests answered before the roll began (what happens from then on, the
+    drain and its migration included, may change the rest), and what moved."""
     from extproc.sim.engine import simulate
 
     log = RollLog()
@@ -221,8 +227,9 @@ def simulate_roll(workload: Any, routing: Any, cost: CostModel, fleet: Any, sett
     if not log.steps or "back_s" not in log.steps[-1]:
         return {"migrate": settings.migrate, "error": "the roll did not finish within the run"}
     begin, end = log.steps[0]["out_s"], log.steps[-1]["back_s"]
+    answered_before = _answered_before(outcome.requests, settings.at_s)
     return {"cost_model": cost.name, "migrate": settings.migrate, "roll_s": [round(begin, 1), round(end, 1)],
-            **window_figures(outcome.requests, begin, end), "before": window_figures(outcome.requests, 0, begin),
+            **window_figures(outcome.requests, begin, end), "before": window_figures(answered_before, 0, settings.at_s),
             "candidates": log.candidates, "moved": log.moved, "moved_gb": round(log.moved_bytes / 1e9, 2)}
 
 

@@ -155,10 +155,11 @@ def test_scale_up_and_down_while_traffic_flows(lab: LocalLab) -> None:
 
 
 def test_a_killed_replica_loses_only_its_in_flight_request(lab: LocalLab) -> None:
-    victim = "llm-1"
-    chat = Chat(lab.gateway_url, conversation_homed_on(lab, victim, ["llm-0", "llm-1"], "doomed"))
+    chat = Chat(lab.gateway_url, conversation_homed_on(lab, "llm-1", ["llm-0", "llm-1"], "doomed"))
     reply, _ = chat.turn("A conversation whose replica will die.")
-    assert reply.headers["x-routed-to"] == victim
+    # its ring home, unless the speeds learnt so far predict another replica faster (llm-aware)
+    victim = reply.headers["x-routed-to"]
+    assert victim in ("llm-0", "llm-1")
 
     in_flight: list[Any] = []
     slow = Chat(lab.gateway_url, chat.conversation)
