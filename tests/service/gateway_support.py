@@ -15,6 +15,9 @@ import httpx
 
 from extproc.envoy.inference_gateways import AI_GATEWAY, UPSTREAM_HEADER
 from extproc.service.admin_client import AdminClient
+from extproc.stack import replicas as stack_replicas
+from extproc.stack.daemons import stop
+from extproc.stack.models import smollm2_gguf
 from extproc.stack.processes import (
     Running,
     free_port,
@@ -183,3 +186,17 @@ def _wait_for(condition: Any, timeout: float) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError(f"condition not met after {timeout}s")
         time.sleep(0.05)
+
+
+@contextmanager
+def two_llama_replicas(run: Path) -> Iterator[dict[str, str]]:
+    """Two real llama.cpp replicas (SmolLM2-135M, 2 slots, no prompt cache in RAM): name -> address."""
+    settings = stack_replicas.ReplicaSettings(
+        backend="xllamacpp", model=str(smollm2_gguf()), ctx_size=2048, parallel=2, threads=1, cache_ram_mib=0
+    )
+    started = stack_replicas.start({"llm-0": free_port(), "llm-1": free_port()}, settings, run)
+    try:
+        stack_replicas.wait_healthy(started, timeout=120, progress=lambda _: None)
+        yield {replica.name: replica.address for replica in started}
+    finally:
+        stop([replica.process for replica in started])

@@ -15,15 +15,12 @@ import openai
 import pytest
 
 from extproc.routing import REASONS
-from extproc.stack import replicas as stack_replicas
-from extproc.stack.daemons import stop
-from extproc.stack.models import smollm2_gguf
-from extproc.stack.processes import free_port
 from tests.service.gateway_support import (
     Gateway,
     assert_each_turn_reused_the_whole_previous_prompt,
     back_to_back,
     gateway,
+    two_llama_replicas,
 )
 
 pytestmark = pytest.mark.live
@@ -33,16 +30,8 @@ SYSTEM = {"role": "system", "content": "You are a helpful assistant. Answer in o
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
-    settings = stack_replicas.ReplicaSettings(
-        backend="xllamacpp", model=str(smollm2_gguf()), ctx_size=2048, parallel=2, threads=1, cache_ram_mib=0
-    )
-    run = tmp_path_factory.mktemp("replicas")
-    started = stack_replicas.start({"llm-0": free_port(), "llm-1": free_port()}, settings, run)
-    try:
-        stack_replicas.wait_healthy(started, timeout=120, progress=lambda _: None)
-        yield {replica.name: replica.address for replica in started}
-    finally:
-        stop([replica.process for replica in started])
+    with two_llama_replicas(tmp_path_factory.mktemp("replicas")) as replicas:
+        yield replicas
 
 
 @pytest.fixture(scope="module")

@@ -42,16 +42,13 @@ from extproc.envoy.inference_gateways import (
     InferenceGateway,
 )
 from extproc.service.admin_client import AdminClient
-from extproc.stack import replicas as stack_replicas
-from extproc.stack.daemons import stop
-from extproc.stack.models import smollm2_gguf
 from extproc.stack.processes import (
     Running,
-    free_port,
     start_inference_gateway_envoy,
     start_picker_service,
     tls_grpc_serving,
 )
+from tests.service.gateway_support import two_llama_replicas
 
 pytestmark = pytest.mark.live
 CHAT = "/v1/chat/completions"
@@ -81,16 +78,8 @@ class Plane:
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
-    settings = stack_replicas.ReplicaSettings(
-        backend="xllamacpp", model=str(smollm2_gguf()), ctx_size=2048, parallel=2, threads=1, cache_ram_mib=0
-    )
-    run = tmp_path_factory.mktemp("replicas")
-    started = stack_replicas.start({"llm-0": free_port(), "llm-1": free_port()}, settings, run)
-    try:
-        stack_replicas.wait_healthy(started, timeout=120, progress=lambda _: None)
-        yield {replica.name: replica.address for replica in started}
-    finally:
-        stop([replica.process for replica in started])
+    with two_llama_replicas(tmp_path_factory.mktemp("replicas")) as replicas:
+        yield replicas
 
 
 @pytest.fixture(scope="module")
