@@ -29,13 +29,11 @@ import structlog
 from kubernetes import client
 
 from extproc.discovery.kubernetes import (
-    MAX_BACKOFF_SECONDS,
-    WATCH_TIMEOUT_SECONDS,
     ListWatchLoop,
     Publish,
+    WatchedSource,
     log_change,
     threaded_snapshots,
-    watch_timing,
 )
 from extproc.settings import DiscoverySettings
 
@@ -111,26 +109,13 @@ def _pod_host(pod: Any) -> str | None:
 # ----------------------------------------------------------------------------- shell
 
 
-class InferencePoolDiscovery:
-    """Discovery protocol: ``snapshots()`` yields {replica: "ip:port"} on every change.
+class InferencePoolDiscovery(WatchedSource):
+    """Discovery protocol: ``snapshots()`` yields {replica: "ip:port"} on every change of the
+    pool or of its pods (two watch threads)."""
 
-    ``api_client`` is for tests and tools; by default the credentials come from
-    ``kubernetes.default_api_client()``. Each ``snapshots()`` iteration runs its own two
-    watch threads, stopped when the iteration is closed or cancelled.
-    """
-
-    def __init__(
-        self,
-        settings: DiscoverySettings,
-        api_client: client.ApiClient | None = None,
-        *,
-        watch_timeout_seconds: int = WATCH_TIMEOUT_SECONDS,
-        max_backoff_seconds: float = MAX_BACKOFF_SECONDS,
-    ) -> None:
-        self.namespace = settings.kubernetes_namespace
+    def __init__(self, settings: DiscoverySettings, api_client: client.ApiClient | None = None, **timing: Any) -> None:
+        super().__init__(settings, api_client, **timing)
         self.pool = settings.inference_pool
-        self.timing = watch_timing(settings, watch_timeout_seconds, max_backoff_seconds)
-        self._api_client = api_client
 
     def snapshots(self) -> AsyncIterator[dict[str, str]]:
         def start(api_client: client.ApiClient, publish: Publish) -> list[ListWatchLoop]:

@@ -195,11 +195,11 @@ async def threaded_snapshots(
             api.close()
 
 
-class KubernetesDiscovery:
-    """Discovery protocol: ``snapshots()`` yields {replica: "ip:port"} on every change.
+class WatchedSource:
+    """What every API-watching discovery shares: the namespace, the watch timing, the client.
 
     ``api_client`` is for tests and tools; by default the credentials come from
-    ``default_api_client()``. Each ``snapshots()`` iteration runs its own watch thread,
+    ``default_api_client()``. Each ``snapshots()`` iteration runs its own watch threads,
     stopped when the iteration is closed or cancelled.
     """
 
@@ -212,10 +212,18 @@ class KubernetesDiscovery:
         max_backoff_seconds: float = MAX_BACKOFF_SECONDS,
     ) -> None:
         self.namespace = settings.kubernetes_namespace
-        self.service = settings.kubernetes_service
-        self.port_name = settings.kubernetes_port_name
         self.timing = watch_timing(settings, watch_timeout_seconds, max_backoff_seconds)
         self._api_client = api_client
+
+
+class KubernetesDiscovery(WatchedSource):
+    """Discovery protocol: ``snapshots()`` yields {replica: "ip:port"} on every change of the
+    Service's EndpointSlices (one watch thread)."""
+
+    def __init__(self, settings: DiscoverySettings, api_client: client.ApiClient | None = None, **timing: Any) -> None:
+        super().__init__(settings, api_client, **timing)
+        self.service = settings.kubernetes_service
+        self.port_name = settings.kubernetes_port_name
 
     def snapshots(self) -> AsyncIterator[dict[str, str]]:
         return threaded_snapshots(self._api_client, lambda api, publish: [_SliceLoop(self, api, publish)])

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 
 from extproc.envoy.inference_gateways import AI_GATEWAY, UPSTREAM_HEADER
 from extproc.service.admin_client import AdminClient
@@ -149,6 +150,25 @@ def _turn(client: httpx.Client, url: str, body: dict[str, Any], headers: dict[st
             data = json.loads(reply.read())
             answer, timings = data["choices"][0]["message"]["content"], data["timings"]
         return answer, {"replica": reply.headers["x-routed-to"], "reason": reply.headers["x-route-reason"], **timings}
+
+
+def assert_sdk_turns_stay_on_one_cache(base_url: str, replica_of: Any) -> None:
+    """Three turns through the `openai` SDK with no custom header: every turn on one replica
+    (``replica_of(response headers)``), each finding more of its history cached."""
+    client = openai.OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0)
+    messages: list[Any] = [{"role": "user", "content": "Say something about rivers."}]
+    replicas, cached = [], []
+    for _ in range(3):
+        raw = client.chat.completions.with_raw_response.create(
+            model="smollm2", messages=messages, max_tokens=6, extra_body={"ignore_eos": True}
+        )
+        completion = raw.parse()
+        replicas.append(replica_of(raw.headers))
+        cached.append(completion.usage.prompt_tokens_details.cached_tokens if completion.usage else None)
+        messages += [{"role": "assistant", "content": completion.choices[0].message.content},
+                     {"role": "user", "content": "And then?"}]  # fmt: skip
+    assert len(set(replicas)) == 1, replicas
+    assert cached[1] and cached[2] and cached[2] > cached[1], cached
 
 
 def assert_each_turn_reused_the_whole_previous_prompt(turns: list[dict[str, Any]]) -> None:

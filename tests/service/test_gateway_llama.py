@@ -11,13 +11,13 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
-import openai
 import pytest
 
 from extproc.routing import REASONS
 from tests.service.gateway_support import (
     Gateway,
     assert_each_turn_reused_the_whole_previous_prompt,
+    assert_sdk_turns_stay_on_one_cache,
     back_to_back,
     gateway,
     two_llama_replicas,
@@ -186,20 +186,7 @@ def test_back_to_back_turns_stay_on_their_replica_and_reuse_the_whole_previous_p
 
 
 def test_the_openai_sdk_back_to_back_without_headers(gw: Gateway) -> None:
-    client = openai.OpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0)
-    messages: list[Any] = [{"role": "user", "content": "Say something about rivers."}]
-    replicas, cached = [], []
-    for _ in range(3):
-        raw = client.chat.completions.with_raw_response.create(
-            model="smollm2", messages=messages, max_tokens=6, extra_body={"ignore_eos": True}
-        )
-        completion = raw.parse()
-        replicas.append(raw.headers["x-routed-to"])
-        cached.append(completion.usage.prompt_tokens_details.cached_tokens if completion.usage else None)
-        messages += [{"role": "assistant", "content": completion.choices[0].message.content},
-                     {"role": "user", "content": "And then?"}]  # fmt: skip
-    assert len(set(replicas)) == 1, replicas
-    assert cached[1] and cached[2] and cached[2] > cached[1], cached
+    assert_sdk_turns_stay_on_one_cache(gw.url, lambda headers: headers["x-routed-to"])
 
 
 def test_parallel_requests_of_one_conversation_are_each_charged_until_their_own_end(gw: Gateway) -> None:

@@ -29,7 +29,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import openai
 import pytest
 
 from extproc.envoy.inference_gateways import (
@@ -48,7 +47,7 @@ from extproc.stack.processes import (
     start_picker_service,
     tls_grpc_serving,
 )
-from tests.service.gateway_support import two_llama_replicas
+from tests.service.gateway_support import assert_sdk_turns_stay_on_one_cache, two_llama_replicas
 
 pytestmark = pytest.mark.live
 CHAT = "/v1/chat/completions"
@@ -147,20 +146,7 @@ def test_back_to_back_turns_land_on_their_replica_with_the_previous_prompt_cache
 
 
 def test_the_openai_sdk_with_no_custom_header_stays_on_its_cache(plane: Plane) -> None:
-    client = openai.OpenAI(base_url=plane.url + "/v1", api_key="unused", max_retries=0)
-    messages: list[Any] = [{"role": "user", "content": "Say something about rivers."}]
-    replicas, cached = [], []
-    for _ in range(3):
-        raw = client.chat.completions.with_raw_response.create(
-            model="smollm2", messages=messages, max_tokens=6, extra_body={"ignore_eos": True}
-        )
-        completion = raw.parse()
-        replicas.append(plane.replica_of[raw.headers[UPSTREAM_HEADER]])
-        cached.append(completion.usage.prompt_tokens_details.cached_tokens if completion.usage else None)
-        messages += [{"role": "assistant", "content": completion.choices[0].message.content},
-                     {"role": "user", "content": "And then?"}]  # fmt: skip
-    assert len(set(replicas)) == 1, replicas
-    assert cached[1] and cached[2] and cached[2] > cached[1], cached
+    assert_sdk_turns_stay_on_one_cache(plane.url, lambda headers: plane.replica_of[headers[UPSTREAM_HEADER]])
     plane.assert_idle()
 
 
