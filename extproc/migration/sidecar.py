@@ -5,6 +5,8 @@ from a peer when a migration hands it a conversation.
     GET  /slots/<name>                    a slot file or its manifest, from this folder
     POST /fetch  {"peer": "host:port", "conversation_key": N}
          -> 200 {"file": name, "tokens": n, "bytes": b} | 404 {"miss": why}
+    GET  /drain                           (a Kubernetes pod's, drain_k8s.py: the llama.cpp
+         container's preStop hook) drain this replica and move its caches out; answers when done
 
 A fetch asks the peer for the file named with *this* replica's identity (slotfiles.stem), so
 a slot of another model, context or KV type is simply not found; the manifest is checked
@@ -24,6 +26,7 @@ import re
 import sys
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -45,9 +48,16 @@ class SidecarSettings:
     timeout: float = 30.0
 
 
-def make_server(listen: tuple[str, int], settings: SidecarSettings) -> ThreadingHTTPServer:
+Drain = Callable[[], tuple[int, dict[str, Any]]]
+
+
+def make_server(listen: tuple[str, int], settings: SidecarSettings, drain: Drain | None = None) -> ThreadingHTTPServer:
+    """drain: what GET /drain runs (drain_k8s.Drainer); without it /drain is not served."""
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+            if self.path == "/drain" and drain is not None:
+                self._json(*drain())
+                return
             name = self.path.removeprefix("/slots/")
             path = settings.folder / name
             if not self.path.startswith("/slots/") or not NAME.match(name) or not path.is_file():
