@@ -116,6 +116,7 @@ class Drainer:
         self.settings = settings
         self.pod = pod
         self.lookup = lookup
+        self.sidecar = f"{pod.ip}:{settings.sidecar.listen.rpartition(':')[2]}"  # where receivers fetch from
         self._once = threading.Lock()
         self._answer: dict[str, Any] | None = None
 
@@ -158,10 +159,9 @@ class Drainer:
     def _migrate(self, seen: Neighbours, deadline: float, done: frozenset[int]) -> Outcome:
         migration, sidecar = self.settings.migration, self.settings.sidecar
         limit = migration.max_disk_mib * 2**20
-        port = sidecar.listen.rpartition(":")[2]
         return migrate_out(
             (self.pod.name, self.pod.llama), seen.replicas, seen.routers, sidecar.folder, self.pod.identity,
-            Sidecars(f"{self.pod.ip}:{port}", seen.sidecars),
+            Sidecars(self.sidecar, seen.sidecars),
             Costs(sidecar.kv_bytes_per_token, migration.prefill_ms_per_token / 1000,
                   migration.transfer_mib_per_second * 2**20),
             Limits(migration.min_tokens, limit, migration.max_age_seconds, limit), deadline,
@@ -185,7 +185,10 @@ def serve(settings: SlotSidecarSettings, pod: Pod, lookup: Lookup) -> ThreadingH
     host, _, port = sidecar.listen.rpartition(":")
     limit = settings.migration.max_disk_mib * 2**20
     files = SidecarSettings(sidecar.folder, pod.identity, limit, settings.migration.max_age_seconds)
-    return make_server((host, int(port)), files, Drainer(settings, pod, lookup))
+    drainer = Drainer(settings, pod, lookup)
+    server = make_server((host, int(port)), files, drainer)
+    drainer.sidecar = f"{pod.ip}:{server.server_address[1]}"  # port 0: the one bound
+    return server
 
 
 def main(argv: list[str] | None = None) -> int:
