@@ -1,10 +1,10 @@
 """`llm-ring serve --config FILE`: the ext_proc routing service.
 
-Two grpc.aio servers (three with service.migration_listen). The picker port (service.listen, over TLS when service.tls is set, and
-the abstract socket service.ext_proc_socket) carries what a gateway talks to: the
-ExternalProcessor, the access log service and gRPC health. The Admin service
-(proto/admin.proto) and gRPC health are on service.admin_listen only, so nothing that reaches
-the picker port can change the routing; service.migration_listen, when set, serves only the
+Two grpc.aio servers (three with service.migration_listen). The picker port (service.listen,
+over TLS when service.tls is set, and the abstract socket service.ext_proc_socket) carries
+what a gateway talks to: the ExternalProcessor, the access log service and gRPC health. The
+Admin service (proto/admin.proto) and gRPC health are on service.admin_listen only, so nothing
+that reaches the picker port can change the routing; service.migration_listen, when set, serves only the
 part a leaving replica's slot sidecar calls (admin.MigrationService). Prometheus metrics, and
 HTTP probes /livez and /readyz, are on service.metrics_listen (http_probes.py).
 Discovery snapshots update the router (and, when service.envoy_endpoints_file is set, the

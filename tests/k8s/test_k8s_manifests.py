@@ -218,7 +218,8 @@ def test_gateway_pod_wires_envoy_router_and_their_configs():
     # only Envoy's and the metrics port are open to other pods, the migration port to the
     # replicas (the admin API to none)
     policy = find("NetworkPolicy", "gateway")
-    allowed = {(p["port"], json.dumps(rule.get("from", []))) for rule in policy["spec"]["ingress"] for p in rule["ports"]}
+    allowed = {(p["port"], json.dumps(rule.get("from", [])))
+               for rule in policy["spec"]["ingress"] for p in rule["ports"]}
     replicas = json.dumps([{"podSelector": {"matchLabels": {"app.kubernetes.io/name": "llm"}}}])
     assert allowed == {("http", "[]"), ("metrics", "[]"), ("migration", replicas)}
     assert policy["spec"]["policyTypes"] == ["Ingress"]
