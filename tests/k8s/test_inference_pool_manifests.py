@@ -291,6 +291,7 @@ def test_llm_ring_serve_with_the_picker_configmap_serves_tls_and_follows_the_poo
     env = {e["name"]: e["value"] for e in picker_container()["env"]} | {  # only the addresses move
         "LLM_RING__SERVICE__LISTEN": f'"{listen}"',
         "LLM_RING__SERVICE__ADMIN_LISTEN": f'"{admin}"',
+        "LLM_RING__SERVICE__MIGRATION_LISTEN": f'"127.0.0.1:{free_port()}"',  # the ConfigMap's is the pod's address
         "LLM_RING__SERVICE__METRICS_LISTEN": f'"{metrics}"',
         "LLM_RING__DISCOVERY__KUBERNETES_BACKOFF_SECONDS": "0.05",
     }
