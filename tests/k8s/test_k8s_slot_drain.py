@@ -9,6 +9,8 @@ continuing on the other with its history cached.
 from __future__ import annotations
 
 import hashlib
+import json
+import subprocess
 import threading
 import time
 import tomllib
@@ -87,10 +89,17 @@ def test_the_pod_runs_llama_server_and_its_sidecar_on_one_slot_volume():
     service = find("Service", settings.sidecar.replicas_service)
     (slots,) = [p for p in service["spec"]["ports"] if p["name"] == settings.sidecar.sidecar_port_name]
     assert slots["targetPort"] == settings.sidecar.sidecar_port_name and slots["port"] == port
-    # llama-server's preStop is the drain; it stops (SIGTERM) only once the drain has answered
-    assert llama["lifecycle"]["preStop"] == {"httpGet": {"path": "/drain", "port": port}}
-    grace = spec["terminationGracePeriodSeconds"]
-    assert grace >= settings.migration.drain_seconds + settings.sidecar.settle_seconds + 10
+    # llama-server's preStop is the drain, asked on the pod's loopback; it stops (SIGTERM) once
+    # the drain has answered, or after the old wait for the requests in flight if it cannot
+    shell, flag, hook = llama["lifecycle"]["preStop"]["exec"]["command"]
+    assert (shell, flag) == ("sh", "-c")
+    asked, fallback = hook.split(" || ")
+    words = asked.split()
+    assert words[0] == "curl" and "--fail" in words and words[-1] == f"http://127.0.0.1:{port}/drain"
+    bound = float(words[words.index("--max-time") + 1])
+    assert settings.migration.drain_seconds + settings.sidecar.settle_seconds < bound
+    assert fallback.startswith("sleep ")
+    assert spec["terminationGracePeriodSeconds"] >= bound + 5, "the grace period covers the drain"
     env = {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in sidecar["env"]}
     assert env == {"POD_NAME": "metadata.name", "POD_IP": "status.podIP"}
     assert sidecar["envFrom"] == llama["envFrom"], "the identity from the replica's own settings"
@@ -232,6 +241,21 @@ def test_without_the_api_a_drain_moves_nothing_and_still_answers(apiserver: Fake
     assert drainer() == (200, answer), "a hook delivered twice gets the first drain's answer"
 
 
+def test_only_the_pods_own_loopback_may_ask_for_a_drain(tmp_path: Path):
+    asked = []
+    server = make_server(("127.0.0.1", 0), SidecarSettings(tmp_path, Identity("0" * 64, 1024, "f16"), 2**20, 60),
+                         lambda: asked.append(1) or (200, {"drained": True}))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/drain"
+    try:
+        with httpx.Client(transport=httpx.HTTPTransport(local_address="127.0.0.2")) as peer:  # another address
+            refused = peer.get(url)
+        assert refused.status_code == 403 and asked == []
+        assert httpx.get(url).json() == {"drained": True} and asked == [1]
+    finally:
+        server.shutdown()
+
+
 def test_the_sidecar_names_what_its_environment_lacks(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
     with pytest.raises(SettingsError, match="POD_IP, LLAMA_ARG_PORT missing"):
         pod_from_environment({"POD_NAME": "llm-0", "MODEL_FILE": "m.gguf", "LLAMA_ARG_CTX_SIZE": "4096",
@@ -333,9 +357,11 @@ def test_a_terminating_replicas_conversation_continues_cached_on_the_other(apise
             assert any("a miss" in problem for problem in answer["migration"]["problems"]), answer
             apiserver.apply(slices[staying])
 
-            drained = httpx.get(f"http://{sidecars[leaving]}/drain", timeout=60)
-            assert drained.status_code == 200, drained.text
-            outcome = drained.json()["migration"]
+            hook = container("llama")["lifecycle"]["preStop"]["exec"]["command"]  # as the kubelet runs it
+            hook = [part.replace("127.0.0.1:8081", sidecars[leaving]) for part in hook]
+            drained = subprocess.run(hook, capture_output=True, text=True, timeout=60)
+            assert drained.returncode == 0 and drained.stderr == "", drained.stderr
+            outcome = json.loads(drained.stdout)["migration"]
             assert outcome["succeeded"] >= 1 and outcome["failed"] == 0, outcome
             assert [r["name"] for r in gw.state()["replicas"]] == [staying], "the router dropped it"
 
