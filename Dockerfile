@@ -1,4 +1,5 @@
-# The router image: `llm-ring serve` (the ext_proc routing service) and nothing else.
+# The router image: `llm-ring serve` (the ext_proc routing service) and the replicas' slot sidecar
+# (python -m extproc.migration.drain_k8s, k8s/20-llm.yaml), nothing else.
 #   docker build -t llm-ring-router:0.1.0 .
 #   kind load docker-image llm-ring-router:0.1.0 --name llm-ring
 # Runs as a non-root user on a read-only root filesystem (k8s/43-gateway.yaml).

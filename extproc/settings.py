@@ -88,6 +88,10 @@ class ServiceSettings(Strict):
                                  'Secret)')
     admin_listen: str = Field(min_length=1, description="host:port of the Admin API + health (plaintext; never the "
                                                         "picker port: keep it on loopback or a pod-local address)")
+    migration_listen: str = Field(description="host:port of the migration port: only the Admin API's GetState, "
+                                              "Placements and Migrated, what a leaving replica's slot sidecar "
+                                              "calls (empty: none; Kubernetes: the pod's address, fenced by "
+                                              "NetworkPolicy)")
     metrics_listen: str = Field(min_length=1, description="host:port of the Prometheus /metrics endpoint")
     chars_per_token: float = Field(gt=0, description="prompt token estimate = characters / chars_per_token")
     max_body_bytes: int = Field(gt=0, description="larger request bodies are refused with 413")
@@ -115,6 +119,9 @@ class ServiceSettings(Strict):
             raise ValueError("listen and ext_proc_socket are both empty: the gateway could not reach the service")
         if self.listen and self.listen == self.admin_listen:
             raise ValueError("admin_listen must differ from listen: the gateway must not reach the Admin API")
+        if self.migration_listen and self.migration_listen in (self.listen, self.admin_listen):
+            raise ValueError("migration_listen must differ from listen and admin_listen: it serves only what a "
+                             "migration needs")
         return self
 
 

@@ -5,6 +5,9 @@ from a peer when a migration hands it a conversation.
     GET  /slots/<name>                    a slot file or its manifest, from this folder
     POST /fetch  {"peer": "host:port", "conversation_key": N}
          -> 200 {"file": name, "tokens": n, "bytes": b} | 404 {"miss": why}
+    GET  /drain                           (a Kubernetes pod's, drain_k8s.py: the llama.cpp
+         container's preStop hook, from the pod's loopback only) drain this replica and move
+         its caches out; answers when done
 
 A fetch asks the peer for the file named with *this* replica's identity (slotfiles.stem), so
 a slot of another model, context or KV type is simply not found; the manifest is checked
@@ -24,6 +27,7 @@ import re
 import sys
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -33,6 +37,7 @@ from extproc.migration import slotfiles
 
 NAME = re.compile(r"^[0-9a-f]{16}-[0-9]+-[a-z0-9_]+-[0-9a-f]{16}\.(bin|json)$")
 MAX_REQUEST_BYTES = 4096
+LOOPBACK = ("127.0.0.1", "::1")
 CHUNK = 1 << 20
 
 
@@ -45,9 +50,19 @@ class SidecarSettings:
     timeout: float = 30.0
 
 
-def make_server(listen: tuple[str, int], settings: SidecarSettings) -> ThreadingHTTPServer:
+Drain = Callable[[], tuple[int, dict[str, Any]]]
+
+
+def make_server(listen: tuple[str, int], settings: SidecarSettings, drain: Drain | None = None) -> ThreadingHTTPServer:
+    """drain: what GET /drain runs (drain_k8s.Drainer); without it /drain is not served."""
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+            if self.path == "/drain" and drain is not None:
+                if self.client_address[0] not in LOOPBACK:  # a peer may fetch files, never drain this pod
+                    self._json(403, {"error": "only this pod's own preStop hook (on loopback) may drain it"})
+                    return
+                self._json(*drain())
+                return
             name = self.path.removeprefix("/slots/")
             path = settings.folder / name
             if not self.path.startswith("/slots/") or not NAME.match(name) or not path.is_file():

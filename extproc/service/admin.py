@@ -80,3 +80,26 @@ class AdminService(admin_pb2_grpc.AdminServicer):
 def _speed_fields(speed: Speed) -> dict[str, float]:
     return {"prefill_tokens_per_s": 1 / speed.prefill_s_per_token, "decode_tokens_per_s": 1 / speed.decode_s_per_token,
             "request_overhead_ms": speed.overhead_s * 1000}
+
+
+class MigrationService(admin_pb2_grpc.AdminServicer):
+    """The Admin API as service.migration_listen serves it, to the slot sidecars of leaving
+    replicas: GetState (the ring's settings), Placements and Migrated; SetRouting and Reset
+    answer UNIMPLEMENTED there (the base servicer's answer), so what reaches this port can
+    misplace a conversation at worst, never change the policy."""
+
+    def __init__(self, admin: AdminService) -> None:
+        self.admin = admin
+
+    async def GetState(self, request: admin_pb2.StateRequest, context: grpc.aio.ServicerContext) -> admin_pb2.State:
+        return self.admin.state()
+
+    async def Placements(
+        self, request: admin_pb2.PlacementsRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.PlacementsReply:
+        return await self.admin.Placements(request, context)
+
+    async def Migrated(
+        self, request: admin_pb2.MigratedRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.MigratedReply:
+        return await self.admin.Migrated(request, context)

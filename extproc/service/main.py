@@ -1,11 +1,12 @@
 """`llm-ring serve --config FILE`: the ext_proc routing service.
 
-Two grpc.aio servers. The picker port (service.listen, over TLS when service.tls is set, and
-the abstract socket service.ext_proc_socket) carries what a gateway talks to: the
-ExternalProcessor, the access log service and gRPC health. The Admin service
-(proto/admin.proto) and gRPC health are on service.admin_listen only, so nothing that reaches
-the picker port can change the routing. Prometheus metrics, and HTTP probes /livez and /readyz,
-are on service.metrics_listen (http_probes.py).
+Two grpc.aio servers (three with service.migration_listen). The picker port (service.listen,
+over TLS when service.tls is set, and the abstract socket service.ext_proc_socket) carries
+what a gateway talks to: the ExternalProcessor, the access log service and gRPC health. The
+Admin service (proto/admin.proto) and gRPC health are on service.admin_listen only, so nothing
+that reaches the picker port can change the routing; service.migration_listen, when set, serves only the
+part a leaving replica's slot sidecar calls (admin.MigrationService). Prometheus metrics, and
+HTTP probes /livez and /readyz, are on service.metrics_listen (http_probes.py).
 Discovery snapshots update the router (and, when service.envoy_endpoints_file is set, the
 endpoint file Envoy watches).
 
@@ -37,7 +38,7 @@ from extproc.discovery import make_discovery
 from extproc.envoy.contract import split_host_port, write_endpoints_file
 from extproc.routing import Router
 from extproc.service import admin_pb2_grpc
-from extproc.service.admin import AdminService
+from extproc.service.admin import AdminService, MigrationService
 from extproc.service.drain import drain
 from extproc.service.gateway import Gateway
 from extproc.service.http_probes import Readiness, start_metrics_server
@@ -114,15 +115,23 @@ async def serve(settings: Settings) -> int:
     parser = BodyParser(gateway.limits)
     picker.add_generic_rpc_handlers((handler(gateway, parser), access_log_handler(gateway)))
     admin = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-    admin_pb2_grpc.add_AdminServicer_to_server(AdminService(gateway), admin)
+    admin_service = AdminService(gateway)
+    admin_pb2_grpc.add_AdminServicer_to_server(admin_service, admin)
+    servers = [picker, admin]
+    if service.migration_listen:
+        migration = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        admin_pb2_grpc.add_AdminServicer_to_server(MigrationService(admin_service), migration)
+        if migration.add_insecure_port(service.migration_listen) == 0:
+            raise SystemExit(f"llm-ring serve: cannot listen on service.migration_listen={service.migration_listen!r}")
+        servers.append(migration)
     health_service = health_aio.HealthServicer()
     for server in (picker, admin):
         health_pb2_grpc.add_HealthServicer_to_server(health_service, server)
     listen = _listen_picker(picker, service.listen, service.ext_proc_socket, credentials)
     if admin.add_insecure_port(service.admin_listen) == 0:
         raise SystemExit(f"llm-ring serve: cannot listen on service.admin_listen={service.admin_listen!r}")
-    await picker.start()
-    await admin.start()
+    for server in servers:
+        await server.start()
     for name in LIVE:
         await health_service.set(name, health_pb2.HealthCheckResponse.SERVING)
     for name in READY:
@@ -133,6 +142,7 @@ async def serve(settings: Settings) -> int:
         tls=_tls_kind(service.tls),
         ext_proc_socket=service.ext_proc_socket,
         admin=service.admin_listen,
+        migration=service.migration_listen,
         metrics=f"{metrics_host}:{metrics_server.server_port}",
         policy=settings.routing.policy,
         discovery=settings.discovery.source,
@@ -155,7 +165,7 @@ async def serve(settings: Settings) -> int:
         watcher.cancel()
         sweeper.cancel()
         health.close()
-        await asyncio.gather(picker.stop(grace=2), admin.stop(grace=2))
+        await asyncio.gather(*(server.stop(grace=2) for server in servers))
         if gateway.store is not None:
             await gateway.store.close()
         parser.close()

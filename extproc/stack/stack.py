@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import Field, ValidationError
 
 from extproc.files import write_atomically
+from extproc.migration.settings import MigrationSection
 from extproc.settings import Strict
 from extproc.stack import models, replicas
 from extproc.stack.daemons import Daemon, check_ports_free, free_ports, http_ok, kill, spawn, stop
@@ -99,16 +100,6 @@ class RouterSection(Strict):
 
 class CheckSection(Strict):
     profile: str
-
-
-class MigrationSection(Strict):
-    enabled: bool
-    drain_seconds: float = Field(gt=0)
-    min_tokens: int = Field(ge=0)
-    max_disk_mib: int = Field(gt=0)
-    max_age_seconds: float = Field(gt=0)
-    prefill_ms_per_token: float = Field(gt=0)
-    transfer_mib_per_second: float = Field(gt=0)
 
 
 class StackSettings(Strict):

@@ -189,6 +189,7 @@ def test_the_picker_serves_as_the_gateway_guide_says():
     assert port_of(service.listen) == ports["grpc"]
     assert service.admin_listen.startswith("127.0.0.1:"), "the Admin API on the pod's loopback only"
     assert port_of(service.metrics_listen) == ports["metrics"]
+    assert port_of(service.migration_listen) == ports["migration"]
     container = picker_container()
     # the kubelet's gRPC probes speak no TLS: it probes the metrics port's HTTP /readyz and /livez
     assert container["readinessProbe"]["httpGet"] == {"port": "metrics", "path": "/readyz"}
@@ -248,7 +249,8 @@ def admitted(policy: dict[str, Any]) -> list[tuple[str, list[dict[str, Any]]]]:
 def test_only_the_gateways_data_plane_reaches_the_picker_port_and_the_admin_api_has_no_port():
     labels = picker_deployment()["spec"]["template"]["metadata"]["labels"]
     metrics = one(picker_docs(), "NetworkPolicy", "picker-metrics")
-    assert admitted(metrics) == [("metrics", [])], "metrics apart, from any pod"
+    replicas = [{"podSelector": {"matchLabels": {"app.kubernetes.io/name": "llm"}}}]
+    assert admitted(metrics) == [("metrics", []), ("migration", replicas)], "metrics from any pod, migration: replicas"
     peers = {
         "envoy-ai-gateway": {
             "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "envoy-gateway-system"}},
@@ -270,7 +272,7 @@ def test_only_the_gateways_data_plane_reaches_the_picker_port_and_the_admin_api_
         assert policy["spec"]["podSelector"]["matchLabels"].items() <= labels.items()
         assert policy["spec"]["policyTypes"] == ["Ingress"]
         assert "admin" not in [port for port, _ in admitted(policy)]
-    assert set(container_ports()) == {"grpc", "metrics"}
+    assert set(container_ports()) == {"grpc", "metrics", "migration"}
 
 
 # ----------------------------------------------------------------------------- live
@@ -289,6 +291,7 @@ def test_llm_ring_serve_with_the_picker_configmap_serves_tls_and_follows_the_poo
     env = {e["name"]: e["value"] for e in picker_container()["env"]} | {  # only the addresses move
         "LLM_RING__SERVICE__LISTEN": f'"{listen}"',
         "LLM_RING__SERVICE__ADMIN_LISTEN": f'"{admin}"',
+        "LLM_RING__SERVICE__MIGRATION_LISTEN": f'"127.0.0.1:{free_port()}"',  # the ConfigMap's is the pod's address
         "LLM_RING__SERVICE__METRICS_LISTEN": f'"{metrics}"',
         "LLM_RING__DISCOVERY__KUBERNETES_BACKOFF_SECONDS": "0.05",
     }

@@ -18,14 +18,17 @@ import os
 import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
-from k8s_support import GATEWAY_FOLDERS, INFERENCE_POOL, K8S, NAMESPACE, picker_settings, router_settings
+from k8s_support import GATEWAY_FOLDERS, INFERENCE_POOL, K8S, NAMESPACE, find, picker_settings, router_settings
 
 from extproc.discovery import Discovery
 from extproc.discovery.inference_pool import InferencePoolDiscovery
 from extproc.discovery.kubernetes import KubernetesDiscovery, default_api_client
+from extproc.migration.drain_k8s import neighbours
+from extproc.migration.settings import SlotSidecarSettings
 
 pytestmark = [
     pytest.mark.cluster,
@@ -61,6 +64,19 @@ def test_router_service_account_may_read_endpointslices_and_nothing_else():
     assert can("list", "pods") == "no"
     assert can("get", "secrets") == "no"
     assert can("create", "endpointslices.discovery.k8s.io") == "no"
+    assert can("list", "endpointslices.discovery.k8s.io", "default") == "no"
+
+
+def test_slot_sidecar_service_account_may_list_endpointslices_and_nothing_else():
+    account = f"system:serviceaccount:{NAMESPACE}:slot-sidecar"
+
+    def can(verb: str, resource: str, namespace: str = NAMESPACE) -> str:
+        return kubectl("auth", "can-i", verb, resource, "-n", namespace, "--as", account, check=False).stdout.strip()
+
+    for verb in ("get", "list"):
+        assert can(verb, "endpointslices.discovery.k8s.io") == "yes"
+    assert can("watch", "endpointslices.discovery.k8s.io") == "no"
+    assert can("get", "pods") == "no" and can("get", "secrets") == "no"
     assert can("list", "endpointslices.discovery.k8s.io", "default") == "no"
 
 
@@ -132,3 +148,11 @@ def test_inference_pool_discovery_finds_the_ready_replicas():
     if kubectl("get", "inferencepool", settings.inference_pool, "-n", NAMESPACE, check=False).returncode != 0:
         pytest.skip("kubectl apply -f k8s/inference-pool/ first")
     assert set(first_snapshot(InferencePoolDiscovery(settings, default_api_client()))) == ready
+
+
+def test_a_drain_would_find_the_ready_replicas_as_receivers():
+    """What a terminating replica's sidecar reads (drain_k8s.neighbours), with your credentials."""
+    ready = ready_replicas()
+    raw = tomllib.loads(find("ConfigMap", "slot-sidecar-config")["data"]["slots.toml"])
+    seen = neighbours(default_api_client(), SlotSidecarSettings.model_validate(raw), "not-a-replica")
+    assert set(seen.replicas) == set(seen.sidecars) == ready

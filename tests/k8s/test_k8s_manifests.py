@@ -160,8 +160,7 @@ def test_replicas_service_statefulset_and_router_settings_agree():
     selector = service["spec"]["selector"]
     assert selector.items() <= template["metadata"]["labels"].items()
     assert selector == statefulset["spec"]["selector"]["matchLabels"]
-    (port,) = service["spec"]["ports"]
-    assert port["name"] == discovery.kubernetes_port_name
+    (port,) = [p for p in service["spec"]["ports"] if p["name"] == discovery.kubernetes_port_name]
     llama = template["spec"]["containers"][0]
     named = {p["name"]: p["containerPort"] for p in llama["ports"]}
     assert named[port["targetPort"]] == port["port"] == int(find("ConfigMap", "llm-config")["data"]["LLAMA_ARG_PORT"])
@@ -215,10 +214,15 @@ def test_gateway_pod_wires_envoy_router_and_their_configs():
     generator = envoy_configmap()
     assert f"0.0.0.0:{envoy_port}" == generator.LISTEN
     assert str(ports["grpc"]) == generator.ROUTER_LISTEN_PORT
-    # only Envoy's and the metrics port are open to other pods (the admin API is not)
+    assert ports["migration"] == int(settings.service.migration_listen.rpartition(":")[2])
+    # only Envoy's and the metrics port are open to other pods, the migration port to the
+    # replicas (the admin API to none)
     policy = find("NetworkPolicy", "gateway")
-    allowed = {p["port"] for rule in policy["spec"]["ingress"] for p in rule["ports"]}
-    assert allowed == {"http", "metrics"} and policy["spec"]["policyTypes"] == ["Ingress"]
+    allowed = {(p["port"], json.dumps(rule.get("from", [])))
+               for rule in policy["spec"]["ingress"] for p in rule["ports"]}
+    replicas = json.dumps([{"podSelector": {"matchLabels": {"app.kubernetes.io/name": "llm"}}}])
+    assert allowed == {("http", "[]"), ("metrics", "[]"), ("migration", replicas)}
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
 
 
 # ----------------------------------------------------------------------------- router settings
@@ -361,7 +365,7 @@ def dockerfile_distributions() -> set[str]:
     return {importlib.metadata.distribution(w).metadata["Name"].lower() for w in words if not w.startswith("-")}
 
 
-SERVE_ENTRY_POINTS = ("extproc.service.main", "extproc.discovery.kubernetes")
+SERVE_ENTRY_POINTS = ("extproc.service.main", "extproc.discovery.kubernetes", "extproc.migration.drain_k8s")
 
 
 def imported_top_level_modules() -> set[str]:

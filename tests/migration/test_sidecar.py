@@ -92,5 +92,6 @@ def test_a_slot_moves_between_pods_through_their_sidecars_and_another_identity_m
     follow = [*messages, first["choices"][0]["message"], {"role": "user", "content": "And in winter?"}]
     answer = httpx.post(f"http://{receiver}/v1/chat/completions", timeout=60,
                         json={"messages": follow, "max_tokens": 8, "ignore_eos": True}).json()
-    assert answer["timings"]["cache_n"] >= len(tokens) - 1
+    # the first prompt at least (the answer's tokens need not come back the same from its text)
+    assert answer["timings"]["cache_n"] >= first["timings"]["prompt_n"] + first["timings"]["cache_n"] - 1
     assert httpx.get(f"http://{source_sidecar}/slots/..%2Fsecret").status_code == 404
