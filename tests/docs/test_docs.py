@@ -124,7 +124,8 @@ def test_every_inline_command_names_real_options(page, span, tokens):
     check_synopsis(page, span, tokens)  # prose quotes part of a command: its words must exist
 
 
-SETTING = re.compile(r"`(routing|service|discovery)\.([a-z_]+)([^`]*)`")  # the rest: "unknown setting" examples
+SECTIONS = "|".join(Settings.model_fields)
+SETTING = re.compile(rf"`({SECTIONS})\.([a-z_]+)([^`]*)`")  # the rest: "unknown setting" examples
 VARIABLE = re.compile(r"LLM_RING__([A-Z]+)__([A-Z_]+)")
 
 
