@@ -57,7 +57,7 @@ def inline_commands(page: Path) -> list[tuple[str, list[str]]]:
     found = []
     for rest in INLINE.findall(FENCE.sub("", page.read_text())):
         tokens = shlex.split(rest)
-        if tokens and not PLACEHOLDER.match(tokens[0]):  # `llm-ring COMMAND --help`
+        if tokens and not PLACEHOLDER.match(tokens[0]) and tokens[0].strip(".…"):  # `llm-ring COMMAND`, `llm-ring ...`
             found.append((f"llm-ring {rest}", tokens))
     return found
 
