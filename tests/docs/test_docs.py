@@ -1,12 +1,17 @@
-"""The documents against the code: every `llm-ring` command line shown in README.md and docs/*.md
-parses with the real argument parser, every setting named exists in the settings schema, the fast
-commands run, and the README's results table is what its command prints."""
+"""The documents against the code: every `llm-ring` command shown in README.md, docs/*.md and the
+results logs (docs/results/*.md), in a code block or inline, names a real command and only its real
+options (a full command line parses with the real argument parser); every setting named exists in
+the settings schema; every link lands; the fast commands run and the README's results table is what
+its command prints; README.md stays within 250 lines and every reference page within 300; no page
+cites a commit of this repository (history lives in the dated results logs, told in words)."""
 
 from __future__ import annotations
 
 import argparse
 import re
 import shlex
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -15,7 +20,10 @@ from extproc.cli import COMMANDS, build_parser, main
 from extproc.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+REFERENCE_PAGES = sorted((ROOT / "docs").glob("*.md"))
+RESULTS_LOGS = sorted((ROOT / "docs" / "results").glob("*.md"))
+PAGES = [ROOT / "README.md", *REFERENCE_PAGES, *RESULTS_LOGS]
+MAX_LINES = {"README.md": 250} | {page.name: 300 for page in REFERENCE_PAGES}
 FENCE = re.compile(r"^```[^\n]*\n(.*?)^```", re.S | re.M)
 PLACEHOLDER = re.compile(r"^[A-Z][A-Z0-9_:.]*$")  # N, DIR, FILE, T:N ...
 SYNOPSIS_MARKS = ("[", "]", "(", ")", "|", "..")
@@ -41,7 +49,21 @@ def commands(page: Path) -> list[tuple[str, list[str]]]:
     return found
 
 
+INLINE = re.compile(r"`(?:\.venv/bin/)?llm-ring ([^`]+)`")
+
+
+def inline_commands(page: Path) -> list[tuple[str, list[str]]]:
+    """(span as written, tokens after `llm-ring`) for every `llm-ring ...` code span in the prose."""
+    found = []
+    for rest in INLINE.findall(FENCE.sub("", page.read_text())):
+        tokens = shlex.split(rest)
+        if tokens and not PLACEHOLDER.match(tokens[0]) and tokens[0].strip(".…"):  # `llm-ring COMMAND`, `llm-ring ...`
+            found.append((f"llm-ring {rest}", tokens))
+    return found
+
+
 ALL_COMMANDS = [(page.name, line, tokens) for page in PAGES for line, tokens in commands(page)]
+ALL_INLINE = [(page.name, span, tokens) for page in PAGES for span, tokens in inline_commands(page)]
 
 
 def options(parser: argparse.ArgumentParser) -> set[str]:
@@ -66,26 +88,44 @@ def test_the_documents_show_commands():
     assert {name for name, _, _ in ALL_COMMANDS} >= {"README.md", "simulator.md", "experiments.md"}
 
 
+def check_synopsis(page: str, line: str, tokens: list[str]) -> None:
+    """The command exists, its subcommand too when one is named, and every flag named is one of its options."""
+    command = tokens[0]
+    assert command in COMMANDS, f"{page}: unknown command in {line!r}"
+    parser = subcommand_parser(command)
+    subcommands = next((a.choices for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+    if subcommands is not None and len(tokens) > 1 and re.fullmatch(r"[(]?[a-z][a-z|-]*[)]?", tokens[1]):
+        named = tokens[1].strip("()").split("|")
+        unknown_sub = sorted(name for name in named if name not in subcommands)
+        assert not unknown_sub, f"{page}: {line!r} names {unknown_sub}, not subcommands of `llm-ring {command}`"
+    known = options(parser)
+    flags = {re.sub(r"=.*$", "", token.strip("[]()|.,")) for token in tokens}
+    unknown = sorted(flag for flag in flags if flag.startswith("--") and flag not in known)
+    assert not unknown, f"{page}: {line!r} names {unknown}, not options of `llm-ring {command}`"
+
+
 @pytest.mark.parametrize("page, line, tokens", ALL_COMMANDS,
                          ids=[f"{page}: {line[:70]}" for page, line, _ in ALL_COMMANDS])
 def test_every_command_line_parses(page, line, tokens):
-    command = tokens[0]
-    assert command in COMMANDS, f"{page}: unknown command in {line!r}"
     if any(mark in token for token in tokens for mark in SYNOPSIS_MARKS) or any(
             PLACEHOLDER.match(token) for token in tokens):
-        # a synopsis: every flag it names must exist
-        known = options(subcommand_parser(command))
-        flags = {re.sub(r"=.*$", "", token.strip("[]()|.")) for token in tokens}
-        unknown = sorted(flag for flag in flags if flag.startswith("--") and flag not in known)
-        assert not unknown, f"{page}: {line!r} names {unknown}, not options of `llm-ring {command}`"
+        check_synopsis(page, line, tokens)  # a synopsis: every flag it names must exist
     else:
+        assert tokens[0] in COMMANDS, f"{page}: unknown command in {line!r}"
         try:
             build_parser(tokens).parse_args(tokens)
         except SystemExit:
             pytest.fail(f"{page}: {line!r} does not parse")
 
 
-SETTING = re.compile(r"`(routing|service|discovery)\.([a-z_]+)([^`]*)`")  # the rest: "unknown setting" examples
+@pytest.mark.parametrize("page, span, tokens", ALL_INLINE,
+                         ids=[f"{page}: {span[:70]}" for page, span, _ in ALL_INLINE])
+def test_every_inline_command_names_real_options(page, span, tokens):
+    check_synopsis(page, span, tokens)  # prose quotes part of a command: its words must exist
+
+
+SECTIONS = "|".join(Settings.model_fields)
+SETTING = re.compile(rf"`({SECTIONS})\.([a-z_]+)([^`]*)`")  # the rest: "unknown setting" examples
 VARIABLE = re.compile(r"LLM_RING__([A-Z]+)__([A-Z_]+)")
 
 
@@ -167,3 +207,36 @@ def test_every_link_between_pages_lands(page):
         elif anchor and path.suffix == ".md" and anchor not in anchors(path):
             broken.append(f"{target}#{anchor}")
     assert not broken, f"{page.name}: links to nothing: {broken}"
+
+
+@pytest.mark.parametrize("page", [ROOT / "README.md", *REFERENCE_PAGES], ids=lambda p: p.name)
+def test_every_page_keeps_within_its_length(page):
+    lines = len(page.read_text().splitlines())
+    assert lines <= MAX_LINES[page.name], (
+        f"{page.name} has {lines} lines, more than {MAX_LINES[page.name]}: move history to docs/results/")
+
+
+HEX = re.compile(r"(?<![\w/.-])[0-9a-f]{7,40}(?![\w/-])")
+
+
+def commits_of_this_repository(words: list[str]) -> list[str]:
+    """The words that name a commit in this checkout's git history."""
+    answer = subprocess.run(["git", "-C", str(ROOT), "cat-file", "--batch-check=%(objecttype)"],
+                            input="".join(f"{word}^{{commit}}\n" for word in words),
+                            capture_output=True, text=True, check=True).stdout.splitlines()
+    return [word for word, kind in zip(words, answer, strict=True) if kind == "commit"]
+
+
+def test_the_hex_finder_sees_a_hash_in_prose():
+    assert HEX.findall("at git 1a2b3c4 and (kgateway `c217da8a539570ba3f6014a60c2687c29a945f1f`)") == [
+        "1a2b3c4", "c217da8a539570ba3f6014a60c2687c29a945f1f"]
+    assert HEX.findall("0xdeadbeef ab12cd3-branch path/abcdef12 10000000") == ["10000000"]
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_no_page_cites_a_commit_of_this_repository(page):
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout: no history to compare the page's hashes with")
+    words = sorted({word for word in HEX.findall(page.read_text()) if re.search(r"[a-f]", word)})
+    own = commits_of_this_repository(words) if words else []
+    assert not own, f"{page.name} cites this repository's commits {own}: say what changed, not where"
