@@ -12,17 +12,13 @@ import pytest
 
 from extproc.cli import main as cli
 from extproc.settings import load_settings
-from extproc.stack.daemons import PortInUse
+from extproc.stack.errors import StackError
+from extproc.stack.ports import PortInUse
+from extproc.stack.processes import ROUTER_REFERENCE
 from extproc.stack.replicas import ReplicaSettings
-from extproc.stack.stack import (
-    REFERENCE_SETTINGS,
-    ROUTER_REFERENCE,
-    Stack,
-    StackError,
-    check_slot_context,
-    load_stack_settings,
-    render_router_settings,
-)
+from extproc.stack.router import render_router_settings
+from extproc.stack.settings import REFERENCE_SETTINGS, check_slot_context, load_stack_settings
+from extproc.stack.stack import Stack
 
 
 @pytest.fixture
