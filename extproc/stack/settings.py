@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import os
-import tomllib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field, ValidationError
+from pydantic import Field
 
-from extproc.settings import Strict
+from extproc.settings import Strict, read_toml, validate_settings
 from extproc.stack import models, replicas
 from extproc.stack.errors import StackError
 from extproc.stack.replicas import ReplicaSettings
@@ -78,19 +77,13 @@ class StackSettings(Strict):
 
 def load_stack_settings(path: str | Path | None = None,
                         overrides: Mapping[str, Mapping[str, Any]] | None = None) -> StackSettings:
-    """stack.toml (or `path`) with `overrides` ({section: {key: value}}, None values ignored)."""
+    """stack.toml (or `path`) with `overrides` ({section: {key: value}}, None values ignored);
+    SettingsError naming the file and the key."""
     source = Path(path) if path else REFERENCE_SETTINGS
-    try:
-        raw = tomllib.loads(source.read_text())
-    except (OSError, tomllib.TOMLDecodeError) as exc:
-        raise StackError(f"stack settings {source}: {exc}") from None
+    raw = read_toml(source)
     for section, values in (overrides or {}).items():
         raw.setdefault(section, {}).update({k: v for k, v in values.items() if v is not None})
-    try:
-        return StackSettings.model_validate(raw)
-    except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
-        raise StackError(f"stack settings {source}: {problems}") from None
+    return validate_settings(StackSettings, raw, str(source))
 
 
 def run_dir(explicit: str | Path | None = None, data: Path | None = None) -> Path:

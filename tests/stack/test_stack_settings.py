@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from extproc.cli import main as cli
-from extproc.settings import load_settings
+from extproc.settings import SettingsError, load_settings
 from extproc.stack.errors import StackError
 from extproc.stack.ports import PortInUse
 from extproc.stack.processes import ROUTER_REFERENCE
@@ -38,8 +38,20 @@ def test_reference_settings_load_and_options_override_them() -> None:
 def test_a_missing_setting_is_named(tmp_path: Path) -> None:
     text = REFERENCE_SETTINGS.read_text().replace("cache_ram_mib = 512\n", "")
     (tmp_path / "stack.toml").write_text(text)
-    with pytest.raises(StackError, match=r"replicas\.cache_ram_mib: Field required"):
+    with pytest.raises(SettingsError, match=r"stack\.toml: replicas\.cache_ram_mib: missing"):
         load_stack_settings(tmp_path / "stack.toml")
+
+
+def test_a_misspelt_stack_setting_stops_up_with_one_line_and_exit_2(tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    settings = tmp_path / "stack.toml"
+    settings.write_text(REFERENCE_SETTINGS.read_text().replace("\nthreads = 1\n", "\nthread = 1\n"))
+    code = cli(["up", "--settings", str(settings), "--run-dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "\n" not in err
+    assert f"{settings}: replicas.thread: unknown setting (valid: count, backend," in err
+    assert f"{settings}: replicas.threads: missing" in err
+    assert not (tmp_path / "run").exists()  # refused before anything started
 
 
 def test_slot_context_too_small_for_the_profile_is_refused() -> None:
