@@ -80,7 +80,7 @@ def test_several_gateways_without_redis_are_refused_one_gateway_needs_none(tmp_p
 
 
 def test_the_gateway_count_is_bounded_and_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli(["up", "--gateways", "0", "--run-dir", str(tmp_path / "run"), "--data-dir", str(tmp_path)]) == 2  # bad input
+    assert cli(["up", "--gateways", "0", "--run-dir", str(tmp_path / "run"), "--data-dir", str(tmp_path)]) == 2
     assert "gateways.count: Input should be greater than or equal to 1" in capsys.readouterr().err
 
 
