@@ -17,8 +17,8 @@ from extproc.files import write_atomically
 from extproc.stack import models, replicas
 from extproc.stack.envoy import wait_envoy_knows
 from extproc.stack.errors import Progress, StackError
-from extproc.stack.ports import free_ports
-from extproc.stack.replicas import HOST, Replica
+from extproc.stack.ports import HOST, free_port
+from extproc.stack.replicas import Replica
 from extproc.stack.router import wait_router_forgets, wait_router_knows
 
 if TYPE_CHECKING:
@@ -210,7 +210,7 @@ def reset_caches(stack: Stack, progress: Progress) -> None:
 
 
 def _new_port(stack: Stack, index: int) -> int:
-    return stack.state.replica_base + index if stack.state.replica_base else free_ports(1)[0]
+    return stack.state.replica_base + index if stack.state.replica_base else free_port()
 
 
 def _iso(wall: float) -> str:

@@ -15,10 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from extproc.stack.ports import PORTS_PER_GATEWAY, port_of
+from extproc.stack.ports import HOST, PORTS_PER_GATEWAY, port_of
 from extproc.stack.redis_server import user_url
 
-HOST = "127.0.0.1"
 FRONT = "front"
 STORE = "store"
 

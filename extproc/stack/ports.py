@@ -12,6 +12,7 @@ from extproc.stack.errors import StackError
 if TYPE_CHECKING:
     from extproc.stack.settings import PortsSection
 
+HOST = "127.0.0.1"  # every process of the local stack listens on loopback only
 PORTS_PER_GATEWAY = 4  # Envoy listener, Envoy admin, router gRPC, router metrics
 
 

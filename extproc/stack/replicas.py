@@ -16,10 +16,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 from extproc.stack.daemons import Daemon, http_ok, spawn, stop
-from extproc.stack.ports import check_ports_free
+from extproc.stack.ports import HOST, check_ports_free
 
 Backend = Literal["xllamacpp", "llama-server"]
-HOST = "127.0.0.1"
 
 
 class ReplicaError(RuntimeError):

@@ -25,8 +25,9 @@ from extproc.stack import envoy, fleet, models, ports, replicas, router, store, 
 from extproc.stack.daemons import Daemon, daemon_of, http_ok, process_status, stop
 from extproc.stack.errors import Progress, StackError
 from extproc.stack.gateways import FRONT, STORE, GatewayState, layout, port_purposes
+from extproc.stack.ports import HOST
 from extproc.stack.processes import grpc_serving
-from extproc.stack.replicas import HOST, Replica, ReplicaSettings
+from extproc.stack.replicas import Replica, ReplicaSettings
 from extproc.stack.settings import StackSettings, check_slot_context
 from extproc.stack.state import StackState, read_state, remove_state, run_dir_lock, write_state
 
