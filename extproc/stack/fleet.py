@@ -72,24 +72,14 @@ def _scale_out(stack: Stack, current: int, n: int, progress: Progress) -> None:
              for i, name in zip(range(current, n), names, strict=True)]
     progress(f"scaling {current} -> {n}: starting {', '.join(names)}")
     start_replicas(stack, names, ports, progress, port_wait=5.0)
-    write_replica_list(stack)
-    stack.save()
-    for gw in stack.gateway_list:
-        wait_router_knows(set(names), gw.router_address)
-        wait_envoy_knows({f"{HOST}:{port}" for port in ports}, gw.envoy_admin)
+    _bring_in(stack, set(names), {f"{HOST}:{port}" for port in ports})
 
 
 def _scale_in(stack: Stack, staying: list[Replica], leaving: list[Replica], progress: Progress,
               drain_timeout: float) -> list[dict[str, object]]:
     progress(f"scaling {len(staying) + len(leaving)} -> {len(staying)}: removing "
              f"{', '.join(r.name for r in leaving)}")
-    if stack.state.migration:
-        kv_bytes_per_token(stack)
-    stack.state.replicas = [r.as_dict() for r in staying]
-    write_replica_list(stack)
-    stack.save()
-    for gw in stack.gateway_list:
-        wait_router_forgets({r.name for r in leaving}, gw.router_address)
+    _take_out(stack, staying, {r.name for r in leaving})
     deadline = time.monotonic() + drain_timeout
     outcomes = [migrate_draining(stack, replica, staying, deadline, progress) for replica in leaving]
     replicas.stop_all(leaving)
@@ -108,13 +98,7 @@ def roll(stack: Stack, name: str, progress: Progress, migrate: bool | None = Non
         if leaving is None:
             raise StackError(f"no replica {name!r}")
         staying = [r for r in current if r.name != name]
-        if stack.state.migration:
-            kv_bytes_per_token(stack)  # before it leaves: nothing slow between its leaving and its migration
-        stack.state.replicas = [r.as_dict() for r in staying]
-        write_replica_list(stack)
-        stack.save()
-        for gw in stack.gateway_list:
-            wait_router_forgets({name}, gw.router_address)
+        _take_out(stack, staying, {name})
         out = _iso(time.time())
         deadline = time.monotonic() + drain_seconds(stack, 60.0)
         outcome = migrate_draining(stack, leaving, staying, deadline, progress, migrate)
@@ -124,13 +108,29 @@ def roll(stack: Stack, name: str, progress: Progress, migrate: bool | None = Non
         stack.state.replicas = [r.as_dict() for r in staying]
         start_replicas(stack, [name], [leaving.port], progress, port_wait=5.0)
         stack.state.replicas.sort(key=lambda r: int(str(r["name"]).rsplit("-", 1)[1]))
-        write_replica_list(stack)
-        stack.save()
-        for gw in stack.gateway_list:
-            wait_router_knows({name}, gw.router_address)
-            wait_envoy_knows({leaving.address}, gw.envoy_admin)
+        _bring_in(stack, {name}, {leaving.address})
         return {"replica": name, "out": out, "drained": drained, "down": down, "up": _iso(time.time()),
                 "migration": outcome}
+
+
+def _take_out(stack: Stack, staying: list[Replica], leaving: set[str]) -> None:
+    """Only `staying` in the replica list, once every routing service has dropped `leaving`."""
+    if stack.state.migration:
+        kv_bytes_per_token(stack)  # before they leave: nothing slow between their leaving and their migration
+    stack.state.replicas = [r.as_dict() for r in staying]
+    write_replica_list(stack)
+    stack.save()
+    for gw in stack.gateway_list:
+        wait_router_forgets(leaving, gw.router_address)
+
+
+def _bring_in(stack: Stack, names: set[str], addresses: set[str]) -> None:
+    """The started replicas into the list, until every routing service and Envoy knows them."""
+    write_replica_list(stack)
+    stack.save()
+    for gw in stack.gateway_list:
+        wait_router_knows(names, gw.router_address)
+        wait_envoy_knows(addresses, gw.envoy_admin)
 
 
 def kv_bytes_per_token(stack: Stack) -> int:
