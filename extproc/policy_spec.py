@@ -5,11 +5,10 @@
 from __future__ import annotations
 
 import dataclasses
-import tomllib
 from typing import Any, get_args
 
 from extproc.cli_input import UsageError
-from extproc.settings import PolicyName, RoutingSettings
+from extproc.settings import PolicyName, RoutingSettings, toml_value
 
 POLICIES = get_args(PolicyName)
 KNOBS = tuple(name for name in RoutingSettings.model_fields if name != "policy")  # settable in a policy spec
@@ -38,8 +37,5 @@ def parse_policy(spec: str) -> PolicySpec:
             raise ExperimentError(f"policy {spec!r}: {item!r} is not <routing setting>=<value>")
         if key not in KNOBS:
             raise ExperimentError(f"policy {spec!r}: unknown setting {key} (valid: {', '.join(KNOBS)})")
-        try:
-            routing[key] = tomllib.loads(f"v = {text}")["v"]
-        except tomllib.TOMLDecodeError:
-            routing[key] = text
+        routing[key] = toml_value(text)
     return PolicySpec(label=spec, routing=routing)

@@ -12,7 +12,7 @@ import os
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -25,6 +25,7 @@ PolicyName = Literal[
 ]
 LoadUnit = Literal["requests", "tokens"]
 ENV_PREFIX = "LLM_RING__"
+SectionsT = TypeVar("SectionsT", bound=BaseModel)
 
 
 class Strict(BaseModel):
@@ -185,35 +186,49 @@ class SettingsError(UsageError):
 
 
 def load_settings(path: str | Path, environ: Mapping[str, str] | None = None) -> Settings:
-    path = Path(path)
-    try:
-        raw = tomllib.loads(path.read_text())
-    except FileNotFoundError:
-        raise SettingsError(f"settings file not found: {path}") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise SettingsError(f"{path}: not valid TOML: {exc}") from None
+    raw = read_toml(path)
     from_env = apply_env_overrides(raw, os.environ if environ is None else environ)
     return parse_settings(raw, source=str(path), from_env=from_env)
 
 
+def read_toml(path: str | Path) -> dict[str, Any]:
+    """A settings file's tables; SettingsError naming the file if it cannot be read or is no TOML."""
+    path = Path(path)
+    try:
+        return tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise SettingsError(f"settings file not found: {path}") from None
+    except OSError as exc:
+        raise SettingsError(f"{path}: cannot be read: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise SettingsError(f"{path}: not valid TOML: {exc}") from None
+
+
+def validate_settings(model: type[SectionsT], raw: Mapping[str, Any], source: str,
+                      from_env: Mapping[tuple[str, str], str] | None = None) -> SectionsT:
+    """The one check of every settings file the project reads (the routing service's, stack.toml,
+    sim.toml): unknown keys, missing keys and bad values, as one line naming the origin and each
+    dotted key (SettingsError: exit code 2 at the command line). ``from_env``: (section, key) ->
+    the environment variable that set it (blamed instead of the file)."""
+    try:
+        return model.model_validate(raw)
+    except ValidationError as exc:
+        raise SettingsError(describe_errors(exc, source, from_env or {}, model)) from None
+
+
 def parse_settings(raw: Mapping[str, Any], source: str = "settings",
                    from_env: Mapping[tuple[str, str], str] | None = None) -> Settings:
-    """``from_env``: (section, key) -> the environment variable that set it (blamed instead of the file)."""
-    try:
-        return Settings.model_validate(raw)
-    except ValidationError as exc:
-        raise SettingsError(describe_errors(exc, source, from_env or {})) from None
+    return validate_settings(Settings, raw, source, from_env)
 
 
 def parse_routing(raw: Mapping[str, Any], source: str = "routing") -> RoutingSettings:
-    try:
-        return RoutingSettings.model_validate(raw)
-    except ValidationError as exc:
-        raise SettingsError(describe_errors(exc, source)) from None
+    return validate_settings(RoutingSettings, raw, source)
 
 
-def describe_errors(exc: ValidationError, source: str, from_env: Mapping[tuple[str, str], str] | None = None) -> str:
-    """One line per problem, each naming its dotted key and its origin (the file, or a variable)."""
+def describe_errors(exc: ValidationError, source: str, from_env: Mapping[tuple[str, str], str] | None = None,
+                    model: type[BaseModel] | None = None) -> str:
+    """One line per problem, each naming its dotted key and its origin (the file, or a variable);
+    an unknown key of ``model`` lists the valid ones."""
     lines = []
     for error in exc.errors():
         key = ".".join(str(part) for part in error["loc"])
@@ -222,11 +237,23 @@ def describe_errors(exc: ValidationError, source: str, from_env: Mapping[tuple[s
         if error["type"] == "missing":
             problem = "missing (every setting must be given; there are no defaults)"
         elif error["type"] == "extra_forbidden":
-            problem = "unknown setting"
+            valid = _valid_keys(model, error["loc"][:-1]) if model else []
+            problem = "unknown setting" + (f" (valid: {', '.join(valid)})" if valid else "")
         else:
             problem = f"{error['msg']} (got {error.get('input')!r})"
         lines.append(f"{origin}: {key}: {problem}")
     return "; ".join(lines)
+
+
+def _valid_keys(model: type[BaseModel], path: tuple[int | str, ...]) -> list[str]:
+    """The keys of the section at ``path`` in ``model`` ([] where that is no settings section)."""
+    for part in path:
+        field = model.model_fields.get(str(part))
+        section = field.annotation if field else None
+        if not (isinstance(section, type) and issubclass(section, BaseModel)):
+            return []
+        model = section
+    return list(model.model_fields)
 
 
 def apply_env_overrides(raw: dict[str, Any], environ: Mapping[str, str]) -> dict[tuple[str, str], str]:
@@ -239,12 +266,14 @@ def apply_env_overrides(raw: dict[str, Any], environ: Mapping[str, str]) -> dict
         if len(path) != 2 or not all(path):
             raise SettingsError(f"{name} (environment): expected {ENV_PREFIX}<SECTION>__<KEY>")
         section, key = path
-        raw.setdefault(section, {})[key] = _parse_scalar(text)
+        raw.setdefault(section, {})[key] = toml_value(text)
         origins[(section, key)] = name
     return origins
 
 
-def _parse_scalar(text: str) -> Any:
+def toml_value(text: str) -> Any:
+    """A value written as in TOML (``0.3``, ``true``, ``"x"``: an environment variable, a
+    policy knob); text that is no TOML value stays text."""
     try:
         return tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:

@@ -47,7 +47,7 @@ def main(args: argparse.Namespace) -> int:
     from extproc.policy_spec import ExperimentError, parse_policy
     from extproc.stack.commands import FAILURES
     from extproc.stack.lab import LocalLab
-    from extproc.stack.stack import load_stack_settings
+    from extproc.stack.settings import load_stack_settings
     from extproc.traffic import ProfileError, load_profile
 
     began = time.monotonic()

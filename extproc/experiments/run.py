@@ -565,8 +565,8 @@ def connect_lab(gateway: str | None, admin: str | None, run_dir: str | None = No
             raise ExperimentError("--gateway needs --admin (to switch policies and reset the router)")
         return RemoteLab(gateway, admin)
     try:
+        from extproc.stack.errors import StackError
         from extproc.stack.lab import LocalLab
-        from extproc.stack.stack import StackError
     except ImportError as exc:
         raise LabError(f"the local stack is not available ({exc}); give --gateway and --admin") from None
     try:

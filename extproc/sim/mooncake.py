@@ -80,13 +80,6 @@ def _seconds(at: float | datetime, start: float | datetime | None) -> float:
     return at / 1000.0
 
 
-def parse_line(line: str, where: str) -> TraceRequest:
-    at, inputs, outputs, hashes = _fields(_json_object(line, where), where)
-    if isinstance(at, datetime):
-        raise TraceError(f"{where}: timestamp: must be milliseconds")
-    return TraceRequest(at / 1000.0, inputs, outputs, hashes)
-
-
 Fields = tuple[float | datetime, int, int, tuple[int, ...]]  # timestamp (ms or date), input, output, hash ids
 
 

@@ -23,19 +23,19 @@ What it models, and what it leaves out:
   with n decoding. The two phases do not slow each other (an engine with chunked prefill
   mixes them in one step: decode steps are slower while prompts are prefilled).
 
-The clocks work as in ``replica``: per phase, solo seconds done since the start; each
-request holds the clock value at which its phase ends; lists sorted by it.
+The clocks are ``clock.TwoPhaseClock``'s, as in ``replica``, but each phase is paced by the
+requests in it alone, and the host's cores do not slow a GPU.
 """
 
 from __future__ import annotations
 
-from bisect import bisect_right
 from collections import OrderedDict, deque
 from collections.abc import Hashable
 
+from extproc.sim.clock import TwoPhaseClock
 from extproc.sim.costmodel import CostModel
 from extproc.sim.prompts import BLOCK_TOKENS
-from extproc.sim.replica import DONE_EPSILON, Request, start_order, start_prefill
+from extproc.sim.replica import Request
 
 Blocks = list[tuple[Hashable, int]]  # (block id, tokens) in prompt order
 
@@ -108,55 +108,25 @@ class BlockPool:
             self.free_tokens += tokens
 
 
-class PagedReplica:
-    __slots__ = ("name", "cost", "pool", "block_tokens", "max_running", "queue", "running", "started",
-                 "prefilling", "prefill_targets", "decoding", "decode_targets", "updated_at", "version",
-                 "draining", "prefill_clock", "decode_clock", "host_factor", "prefill_slowdown",
-                 "decode_slowdown", "held")
+class PagedReplica(TwoPhaseClock):
+    __slots__ = ("name", "pool", "block_tokens", "max_running", "queue", "version", "draining", "held")
 
     def __init__(self, name: str, cost: CostModel) -> None:
         server = cost.server
         assert server is not None and server.kv_cache == "paged"
+        super().__init__(cost, server.max_running)
         self.name = name
-        self.cost = cost
         self.pool = BlockPool(server.kv_capacity_tokens)
         self.block_tokens = server.block_tokens
         self.max_running = server.max_running
         self.queue: deque[Request] = deque()
-        self.running = 0
-        self.started = 0
-        self.prefilling: list[Request] = []
-        self.prefill_targets: list[float] = []
-        self.decoding: list[Request] = []
-        self.decode_targets: list[float] = []
-        self.updated_at = 0.0
         self.version = 0
         self.draining = False
-        self.prefill_clock = 0.0
-        self.decode_clock = 0.0
-        self.host_factor = 1.0  # GPUs do not share the host's cores
-        self.prefill_slowdown, self.decode_slowdown = cost.slowdowns(server.max_running)
         self.held: dict[Request, tuple[Blocks, int]] = {}  # running request -> its blocks, private tokens
 
-    def advance(self, now: float) -> None:
-        if now > self.updated_at:
-            elapsed = now - self.updated_at
-            if self.prefilling:
-                self.prefill_clock += elapsed / self.prefill_slowdown[len(self.prefilling)]
-            if self.decoding:
-                self.decode_clock += elapsed / self.decode_slowdown[len(self.decoding)]
-        self.updated_at = now
-
-    def next_change(self) -> float | None:
-        """Seconds from ``updated_at`` until the next request ends a phase (None when idle)."""
-        wait = None
-        if self.decoding:
-            wait = (self.decode_targets[0] - self.decode_clock) * self.decode_slowdown[len(self.decoding)]
-        if self.prefilling:
-            prefill_wait = (self.prefill_targets[0] - self.prefill_clock) * self.prefill_slowdown[len(self.prefilling)]
-            if wait is None or prefill_wait <= wait:
-                return prefill_wait
-        return wait
+    def sharing(self) -> tuple[int, int, float]:
+        # one prefill stream, one decode batch, each paced by its own requests; GPUs do not share the host's cores
+        return len(self.prefilling), len(self.decoding), 1.0
 
     def arrive(self, request: Request, now: float) -> bool:
         """Start the request if nobody waits and it fits, else queue it (FIFO)."""
@@ -171,21 +141,7 @@ class PagedReplica:
 
     def wake(self, now: float) -> list[Request]:
         """Advance to ``now``; prefills that ended start decoding; finished requests leave (start order)."""
-        self.advance(now)
-        prefill_targets, decode_targets = self.prefill_targets, self.decode_targets
-        while prefill_targets and prefill_targets[0] - self.prefill_clock <= DONE_EPSILON:
-            del prefill_targets[0]
-            request = self.prefilling.pop(0)
-            request.first_token_at = now
-            request.target = target = self.decode_clock + self.cost.decode_s(request.max_tokens, request.prompt_tokens)
-            index = bisect_right(decode_targets, target)
-            decode_targets.insert(index, target)
-            self.decoding.insert(index, request)
-        finished = []
-        while decode_targets and decode_targets[0] - self.decode_clock <= DONE_EPSILON:
-            del decode_targets[0]
-            finished.append(self.decoding.pop(0))
-        finished.sort(key=start_order)
+        finished = self.end_phases(now)
         for request in finished:
             request.finished_at = now
             blocks, private = self.held.pop(request)
@@ -206,7 +162,7 @@ class PagedReplica:
         hit, add = plan
         self.pool.take(blocks, private, add)
         self.held[request] = (blocks, private)
-        start_prefill(self, request, hit, now)
+        self.start_prefill(request, hit, now)
         return True
 
     def _blocks(self, request: Request) -> tuple[Blocks, int]:

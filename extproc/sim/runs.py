@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import tomllib
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
@@ -11,6 +10,7 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+from pydantic import create_model
 
 from extproc.files import write_atomically
 from extproc.policy_spec import ExperimentError
@@ -18,7 +18,7 @@ from extproc.policy_spec import parse_policy as experiment_policy
 from extproc.records import REQUESTS_FILE, RunMeta, write_records, write_run_metadata
 from extproc.routing import make_policy
 from extproc.routing.speeds import Speed
-from extproc.settings import RoutingSettings, SettingsError, parse_routing
+from extproc.settings import RoutingSettings, SettingsError, Strict, parse_routing, read_toml, validate_settings
 from extproc.sim.costmodel import CostModel, load_cost_model
 from extproc.sim.engine import ClosedLoop, Fleet, OpenLoop, Outcome, simulate
 from extproc.sim.mooncake import TraceError, TraceRequest, jittered_arrivals, read_trace
@@ -64,45 +64,65 @@ class SimConfig:
                      slow)
 
 
-# Every key sim.toml holds besides [routing]: (section, key) -> the SimConfig field and its type.
-_LAYOUT: dict[tuple[str, str], tuple[str, Callable[[Any], Any]]] = {
-    ("replica", "slots"): ("slots", int),
-    ("replica", "cache_ram_mib"): ("cache_ram_mib", float),
-    ("replica", "cost_model"): ("cost_model", str),
-    ("replica", "threads"): ("threads", int),
-    ("host", "cores"): ("host_cores", float),
-    ("trace", "time_scale"): ("time_scale", float),
-    ("trace", "jitter_bucket_ms"): ("jitter_bucket_s", lambda ms: float(ms) / 1000.0),
-    ("gateway", "release_lag_ms"): ("release_lag_ms", float),
-    ("gateway", "release_by_next_turn"): ("release_by_next_turn", bool),
-    ("gateway", "routers"): ("routers", int),
-    ("gateway", "router_state"): ("router_state", str),
-    ("gateway", "store_lag_ms"): ("store_lag_ms", float),
-    ("gateway", "store_handoff"): ("store_handoff", bool),
-    ("gateway", "store_outage_at_s"): ("store_outage_at_s", float),  # the two make store_outage
-    ("gateway", "store_outage_s"): ("store_outage_s", float),
-}
-_KEYS: dict[str, tuple[str, ...]] = {"routing": tuple(key for key in RoutingSettings.model_fields if key != "policy")}
-for _section, _key in _LAYOUT:
-    _KEYS[_section] = (*_KEYS.get(_section, ()), _key)
+class SimReplicaSection(Strict):
+    slots: int
+    cache_ram_mib: float
+    cost_model: str
+    threads: int
+
+
+class SimHostSection(Strict):
+    cores: float
+
+
+class SimTraceSection(Strict):
+    time_scale: float
+    jitter_bucket_ms: float
+
+
+class SimGatewaySection(Strict):
+    release_lag_ms: float
+    release_by_next_turn: bool
+    routers: int
+    router_state: str
+    store_lag_ms: float
+    store_handoff: bool
+    store_outage_at_s: float  # the two make SimConfig.store_outage
+    store_outage_s: float
+
+
+# [routing]: every knob of the routing settings but the policy (each run names its own)
+_KNOBS: dict[str, Any] = {name: (field.annotation, field) for name, field in RoutingSettings.model_fields.items()
+                          if name != "policy"}
+SimRoutingSection = create_model("SimRoutingSection", __base__=Strict, **_KNOBS)
+
+
+class SimSettings(Strict):
+    """sim.toml: every key, checked as every settings file is (extproc.settings.validate_settings)."""
+
+    routing: SimRoutingSection  # type: ignore[valid-type]
+    replica: SimReplicaSection
+    host: SimHostSection
+    trace: SimTraceSection
+    gateway: SimGatewaySection
 
 
 def load_sim_config(path: str | Path = SIM_CONFIG) -> SimConfig:
-    path = Path(path)
+    raw = read_toml(path)
+    checked = validate_settings(SimSettings, raw, str(path))
+    replica, gateway = checked.replica, checked.gateway
     try:
-        raw = tomllib.loads(path.read_text())
-    except (OSError, tomllib.TOMLDecodeError) as exc:
-        raise SettingsError(f"{path}: {exc}") from None
-    _check_sim_keys(raw, path)
-    for section, key in (("routing", None), *_LAYOUT):
-        if section not in raw or (key is not None and key not in raw[section]):
-            raise SettingsError(f"{path}: missing setting [{section}] {key or ''}".rstrip())
-    try:
-        fields = {field: convert(raw[section][key]) for (section, key), (field, convert) in _LAYOUT.items()}
-        fields["store_outage"] = store_outage(fields.pop("store_outage_at_s"), fields.pop("store_outage_s"))
-        config = SimConfig(routing=dict(raw["routing"]), **fields)
+        config = SimConfig(
+            routing=dict(raw["routing"]), slots=replica.slots, cache_ram_mib=replica.cache_ram_mib,
+            cost_model=replica.cost_model, threads=replica.threads, host_cores=checked.host.cores,
+            time_scale=checked.trace.time_scale, release_lag_ms=gateway.release_lag_ms,
+            release_by_next_turn=gateway.release_by_next_turn, routers=gateway.routers,
+            router_state=gateway.router_state, store_lag_ms=gateway.store_lag_ms, store_handoff=gateway.store_handoff,
+            store_outage=store_outage(gateway.store_outage_at_s, gateway.store_outage_s),
+            jitter_bucket_s=checked.trace.jitter_bucket_ms / 1000.0,
+        )
         check_router_tier(config.routers, config.router_state, config.store_lag_ms)
-    except (TypeError, ValueError) as exc:
+    except ValueError as exc:
         raise SettingsError(f"{path}: {exc}") from None
     return config
 
@@ -112,17 +132,6 @@ def store_outage(at_s: float, seconds: float) -> tuple[float, float] | None:
     if at_s < 0 or seconds < 0:
         raise ValueError(f"store outage: start and length must be >= 0 (got {at_s:g} s, {seconds:g} s)")
     return (at_s, at_s + seconds) if seconds else None
-
-
-def _check_sim_keys(raw: dict[str, Any], path: Path) -> None:
-    """A misspelt key names the file (rather than surfacing later as a missing one, or not at all)."""
-    for section, table in raw.items():
-        if section not in _KEYS:
-            raise SettingsError(f"{path}: unknown section [{section}] (valid: {', '.join(_KEYS)})")
-        for key in table:
-            if key not in _KEYS[section]:
-                raise SettingsError(f"{path}: [{section}] unknown setting {key} "
-                                    f"(valid: {', '.join(_KEYS[section])})")
 
 
 def parse_policy(spec: str, base: dict[str, Any]) -> RoutingSettings:

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from extproc.sim.engine import ClosedLoop, OpenLoop
-from extproc.sim.mooncake import TraceRequest, infer_conversations, read_trace
+from extproc.sim.mooncake import TraceRequest, infer_conversations
 from extproc.sim.replica import Request
 from extproc.traffic import Profile, generate_conversations
 
@@ -67,11 +65,6 @@ def _side(turn: Request, recorded_as: str, prompt_tokens: int, block_tokens: int
         _add_blocks(side, block_tokens)
     side.head = turn
     return side
-
-
-def trace_workload(path: str | Path, time_scale: float = 1.0, limit: int | None = None) -> OpenLoop:
-    """A Mooncake-format trace, open loop: each request at ``timestamp * time_scale``."""
-    return requests_from_trace(read_trace(path, limit), time_scale)
 
 
 def requests_from_trace(

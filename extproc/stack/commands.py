@@ -9,10 +9,12 @@ from typing import get_args
 
 from extproc.settings import PolicyName
 from extproc.stack import models
-from extproc.stack.daemons import PortInUse
+from extproc.stack.errors import StackError
+from extproc.stack.ports import PortInUse
 from extproc.stack.processes import StartError
 from extproc.stack.replicas import ReplicaError
-from extproc.stack.stack import Stack, StackError, load_stack_settings, run_dir
+from extproc.stack.settings import load_stack_settings, run_dir
+from extproc.stack.stack import Stack
 
 POLICIES = get_args(PolicyName)
 FAILURES = (StackError, ReplicaError, PortInUse, models.ModelError, StartError)

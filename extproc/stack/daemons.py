@@ -13,25 +13,20 @@ import contextlib
 import ctypes
 import os
 import signal
-import socket
 import subprocess
 import threading
 import time
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import psutil
 
+from extproc.stack.errors import StackError
+
 PR_SET_PDEATHSIG = 1
-
-
-class PortInUse(RuntimeError):
-    def __init__(self, port: int, what: str) -> None:
-        super().__init__(f"port {port} (for {what}) is already in use on 127.0.0.1: "
-                         f"stop whatever listens there or choose another port")
-        self.port = port
 
 
 @dataclass(frozen=True)
@@ -108,31 +103,6 @@ def _signal_and_wait(daemons: Sequence[Daemon], sig: signal.Signals, timeout: fl
     return live
 
 
-def check_ports_free(ports: Mapping[int, str], wait: float = 0.0) -> None:
-    """PortInUse naming the first port (and its purpose) that something listens on.
-
-    Waits up to `wait` seconds for a port to free up (a restart on the same port).
-    """
-    deadline = time.monotonic() + wait
-    for port, what in ports.items():
-        while not _bindable(port):
-            if time.monotonic() > deadline:
-                raise PortInUse(port, what)
-            time.sleep(0.1)
-
-
-def _bindable(port: int) -> bool:
-    with socket.socket() as sock:
-        # as servers do: connections of a stopped server in TIME_WAIT must not count
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind(("127.0.0.1", port))
-            sock.listen()
-        except OSError:
-            return False
-    return True
-
-
 def http_ok(url: str, timeout: float = 1.0) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=timeout) as reply:
@@ -141,16 +111,35 @@ def http_ok(url: str, timeout: float = 1.0) -> bool:
         return False
 
 
-def free_ports(n: int) -> list[int]:
-    """n distinct ports the kernel has free right now (for tests)."""
-    sockets = [socket.socket() for _ in range(n)]
-    try:
-        for sock in sockets:
-            sock.bind(("127.0.0.1", 0))
-        return [int(sock.getsockname()[1]) for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
+def daemon_of(record: Mapping[str, Any]) -> Daemon | None:
+    """The Daemon a state file records ({}: none started)."""
+    return Daemon(**record) if record else None
+
+
+def process_status(daemon: Daemon | None, ready: Callable[[], bool]) -> dict[str, Any]:
+    if daemon is None:
+        return {"alive": False}
+    alive = daemon.alive()
+    return {"pid": daemon.pid, "alive": alive, "ready": alive and ready(), "log": daemon.log}
+
+
+def wait_for(daemon: Daemon, ready: Callable[[], bool], timeout: float, what: str) -> None:
+    """Until `ready()`; StackError with the end of its log if it exits or times out first."""
+    deadline = time.monotonic() + timeout
+    while not ready():
+        if not daemon.alive():
+            raise StackError(f"{what} exited during start-up; log {daemon.log}:\n{daemon.log_tail()}")
+        if time.monotonic() > deadline:
+            raise StackError(f"{what} not ready after {timeout:g}s; log {daemon.log}:\n{daemon.log_tail()}")
+        time.sleep(0.05)
+
+
+def wait_until(condition: Callable[[], bool], timeout: float, failure: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise StackError(failure)
+        time.sleep(0.05)
 
 
 # Popen objects of children started by this process, so that stopped ones get reaped

@@ -15,10 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from extproc.stack.ports import HOST, PORTS_PER_GATEWAY, port_of
 from extproc.stack.redis_server import user_url
 
-HOST = "127.0.0.1"
-PORTS_PER_GATEWAY = 4  # Envoy listener, Envoy admin, router gRPC, router metrics
 FRONT = "front"
 STORE = "store"
 
@@ -71,17 +70,14 @@ def _gateway(name: str, router: str, envoy: str, files: Path, ports: tuple[int, 
 
 def port_purposes(gateways: list[GatewayState]) -> list[tuple[int, str]]:
     """Every port of the gateways, with what it is for (the stack's port check names it)."""
-    def port(address: str) -> int:
-        return int(address.removeprefix("http://").removesuffix("/metrics").rsplit(":", 1)[1])
-
     several = len(gateways) > 1
     purposes = []
     for gw in gateways:
         of = f" of {gw.name}" if several else ""
         purposes += [
-            (port(gw.listen), f"the gateway (Envoy listener){of}"), (port(gw.envoy_admin), f"Envoy admin{of}"),
-            (port(gw.router_address), f"the routing service (gRPC){of}"),
-            (port(gw.metrics_url), f"the router's metrics{of}"),
+            (port_of(gw.listen), f"the gateway (Envoy listener){of}"), (port_of(gw.envoy_admin), f"Envoy admin{of}"),
+            (port_of(gw.router_address), f"the routing service (gRPC){of}"),
+            (port_of(gw.metrics_url), f"the router's metrics{of}"),
         ]
     return purposes
 

@@ -14,7 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from extproc.stack import models
-from extproc.stack.stack import Progress, Stack, StackSettings, run_dir
+from extproc.stack.errors import Progress
+from extproc.stack.settings import StackSettings, run_dir
+from extproc.stack.stack import Stack
 
 
 class LocalLab:

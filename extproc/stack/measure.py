@@ -27,7 +27,7 @@ import httpx
 
 from extproc.stack import models
 from extproc.stack.lab import LocalLab
-from extproc.stack.stack import load_stack_settings
+from extproc.stack.settings import load_stack_settings
 from extproc.traffic.words import paragraphs
 
 CHAT = "/v1/chat/completions"

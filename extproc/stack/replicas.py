@@ -15,10 +15,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from extproc.stack.daemons import Daemon, check_ports_free, http_ok, spawn, stop
+from extproc.stack.daemons import Daemon, http_ok, spawn, stop
+from extproc.stack.ports import HOST, check_ports_free
 
 Backend = Literal["xllamacpp", "llama-server"]
-HOST = "127.0.0.1"
 
 
 class ReplicaError(RuntimeError):

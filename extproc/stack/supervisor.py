@@ -1,4 +1,5 @@
-"""`python -m extproc.stack.supervisor RUN_DIR`: keeps the local stack's processes running.
+"""The local stack's processes by name, started again when they die or after a drill
+(`python -m extproc.stack.supervisor RUN_DIR` keeps them running).
 
 Started by `llm-ring up` (stopped first by `llm-ring down`). Every TICK_S it looks at each
 gateway's router and Envoy, the front and the store (several gateways) and each replica of
@@ -17,8 +18,19 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from extproc.stack.stack import Stack, StackError
+from extproc.stack import replicas
+from extproc.stack.daemons import Daemon, daemon_of, http_ok, kill, spawn, wait_for
+from extproc.stack.envoy import front_config, spawn_envoy
+from extproc.stack.errors import Progress, StackError
+from extproc.stack.gateways import FRONT, STORE
+from extproc.stack.processes import grpc_serving
+from extproc.stack.router import spawn_router
+from extproc.stack.store import restart_store, spawn_store
+
+if TYPE_CHECKING:
+    from extproc.stack.stack import Stack
 
 TICK_S = 1.0
 FIRST_DELAY_S = 1.0
@@ -48,12 +60,99 @@ class Restarts:
             self.consecutive = 0
 
 
+def processes(stack: Stack) -> dict[str, Daemon]:
+    """Every supervised process by name: the front, each gateway's envoy and router (with
+    one gateway "envoy" and "router", else "envoy-0", "router-0", ...), the store, llm-0, ...
+    In stopping order: the front first (no new connections), the replicas last."""
+    named = {FRONT: daemon_of(stack.state.front)}
+    for gw in stack.gateway_list:
+        named |= {gw.envoy_name: daemon_of(gw.envoy), gw.router_name: daemon_of(gw.router)}
+    named[STORE] = daemon_of(stack.state.store)
+    return {name: d for name, d in named.items() if d is not None} | {r.name: r.process for r in stack.replica_list}
+
+
+def restart(stack: Stack, name: str) -> None:
+    """Start a process that died again, as it was started (a replica on its port)."""
+    state = stack.state
+    gateway = next((gw for gw in stack.gateway_list if name in (gw.router_name, gw.envoy_name)), None)
+    if gateway is not None and name == gateway.router_name:
+        gateway.router = asdict(spawn_router(state, gateway))
+        stack.keep(gateway)
+    elif gateway is not None:
+        gateway.envoy = asdict(spawn_envoy(state, gateway.envoy_dir / "envoy.yaml", gateway.envoy_name))
+        stack.keep(gateway)
+    elif name == FRONT:
+        state.front = asdict(spawn_envoy(state, front_config(state), FRONT))
+    elif name == STORE:
+        state.store = asdict(spawn_store(state))
+    else:
+        replica = next(r for r in stack.replica_list if r.name == name)
+        (started,) = replicas.start({name: replica.port}, stack.replica_settings(), Path(state.run_dir),
+                                    die_with_parent=state.die_with_parent)
+        state.replicas = [started.as_dict() if r["name"] == name else r for r in state.replicas]
+    stack.save()
+
+
+def kill_part(stack: Stack, name: str) -> float:
+    """SIGKILL a gateway's Envoy and routing service, or the store (name STORE): a drill,
+    `llm-ring run --kill-gateway|--kill-store`; the supervisor leaves them down until
+    restart_part. Returns the wall-clock time of the signal."""
+    with stack.locked():
+        store = daemon_of(stack.state.store)
+        daemons: list[Daemon | None]
+        if name == STORE and store is not None:
+            held, daemons = [STORE], [store]
+        else:
+            gateway = stack.gateway(name)
+            held = [gateway.router_name, gateway.envoy_name]
+            daemons = [daemon_of(gateway.envoy), daemon_of(gateway.router)]
+        stack.state.held_down += held
+        stack.save()
+        signalled = time.time()
+        kill([d for d in daemons if d is not None])
+    return signalled
+
+
+def restart_part(stack: Stack, name: str, progress: Progress) -> None:
+    """Start a killed gateway or store again on its ports; returns once it answers."""
+    if name == STORE:
+        restart_store(stack, progress)
+        return
+    with stack.locked():
+        gateway = stack.gateway(name)
+        held = {gateway.router_name, gateway.envoy_name}
+        for process in (gateway.router, gateway.envoy):
+            daemon = daemon_of(process)
+            if daemon is not None and daemon.alive():
+                raise StackError(f"{name} is running: kill it first")
+        router = spawn_router(stack.state, gateway)
+        gateway.router = asdict(router)
+        stack.keep(gateway)
+        stack.state.held_down = [n for n in stack.state.held_down if n not in held]
+        stack.save()
+        wait_for(router, lambda: grpc_serving(gateway.router_address), 30.0, f"the routing service of {name}")
+        envoy = spawn_envoy(stack.state, gateway.envoy_dir / "envoy.yaml", gateway.envoy_name)
+        gateway.envoy = asdict(envoy)
+        stack.keep(gateway)
+        stack.save()
+        wait_for(envoy, lambda: http_ok(f"http://{gateway.envoy_admin}/ready"), 30.0, f"Envoy of {name}")
+    progress(f"{name} restarted")
+
+
+def start_supervisor(stack: Stack) -> None:
+    run = Path(stack.state.run_dir)
+    command = [sys.executable, "-m", "extproc.stack.supervisor", str(run)]
+    supervisor = spawn(command, run / "logs" / "supervisor.log", die_with_parent=stack.state.die_with_parent)
+    stack.state.supervisor = asdict(supervisor)
+    stack.save()
+
+
 def supervise_once(stack: Stack, now: float, log: list[str]) -> None:
     """One round under the lock: restart what died and is due; record the counts."""
     with stack.locked(wait=False) as held:
         if not held:
             return  # `scale` or `reset` is changing the stack: next round
-        for name, daemon in stack.processes().items():
+        for name, daemon in processes(stack).items():
             if name in stack.state.held_down:
                 continue  # killed on purpose (a drill): restarted by whoever killed it
             record = Restarts(**stack.state.restarts.get(name, {}))  # type: ignore[arg-type]
@@ -61,7 +160,7 @@ def supervise_once(stack: Stack, now: float, log: list[str]) -> None:
                 record.still_up(now)
             elif record.due(now):
                 try:
-                    stack.restart(name)
+                    restart(stack, name)
                 except (StackError, OSError, RuntimeError) as exc:  # e.g. its port still taken
                     log.append(f"restart of {name} failed: {exc}")
                 record.restarted(now)
@@ -71,6 +170,8 @@ def supervise_once(stack: Stack, now: float, log: list[str]) -> None:
 
 
 def main(run: Path) -> int:
+    from extproc.stack.stack import Stack
+
     while (run / "state.json").exists():
         try:
             stack = Stack.find(run)

@@ -18,7 +18,7 @@ from extproc.service.admin_client import AdminClient
 from extproc.stack import models
 from extproc.stack.lab import LocalLab
 from extproc.stack.replicas import slot_folder
-from extproc.stack.stack import load_stack_settings
+from extproc.stack.settings import load_stack_settings
 from tests.stack.test_live_stack import FREE_PORTS, Chat, conversation_homed_on
 
 pytestmark = pytest.mark.live
@@ -53,7 +53,7 @@ def test_a_slot_file_of_another_model_is_a_clean_miss(lab: LocalLab) -> None:
     stack = lab.stack
     conversation = conversation_homed_on(lab, "llm-2", NAMES, "other-model")
     talk(lab, conversation)
-    ours = slotfiles.Identity(stack.state.model_sha256, stack._settings().slot_context, "f16")
+    ours = slotfiles.Identity(stack.state.model_sha256, stack.replica_settings().slot_context, "f16")
     other = replace(ours, model_sha256="0" * 64)  # a receiver that serves another model
     addresses = {r.name: r.address for r in stack.replica_list}
     folder = slot_folder(Path(stack.state.run_dir))

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from extproc.cli import main
 from extproc.records import read_records
 from tests.sim.test_mooncake import write
@@ -40,19 +42,13 @@ def test_trace_json_output(tmp_path, capsys):
     assert result["paired"] == {"against": "consistent", "replicas": {"3": {}}}  # one policy: nothing to pair
 
 
-def test_bad_inputs_are_named(tmp_path, capsys):
-    assert main(["sim", "--profile", "quick", "--policies", "bounded:epsilon=oops", "--seeds", "1",
-                 "--out-dir", str(tmp_path / "out")]) == 2
-    assert "epsilon" in capsys.readouterr().err
-    assert main(["sim", "--profile", "quick", "--policies", "bounded", "--seeds", "x",
-                 "--out-dir", str(tmp_path / "out")]) == 2
-    assert "--seeds: 'x'" in capsys.readouterr().err
-    assert main(["sim", "--profile", "quick", "--policies", "bounded", "--seeds", "1", "--cost-model", "nope",
-                 "--out-dir", str(tmp_path / "out")]) == 2
-    assert "cost model not found: nope" in capsys.readouterr().err
-    assert main(["sim", "--profile", "quick", "--policies", "nope", "--seeds", "1",
-                 "--out-dir", str(tmp_path / "out")]) == 2
-    assert "unknown policy 'nope'" in capsys.readouterr().err
-    assert main(["sim", "--profile", "quick", "--policies", "bounded", "--seeds", "1", "--scale-at", "0",
-                 "--out-dir", str(tmp_path / "out")]) == 2
-    assert "--scale-at must be > 0" in capsys.readouterr().err
+@pytest.mark.parametrize(("options", "message"), [
+    (["--policies", "bounded:epsilon=oops", "--seeds", "1"], "epsilon"),
+    (["--policies", "bounded", "--seeds", "x"], "--seeds: 'x'"),
+    (["--policies", "bounded", "--seeds", "1", "--cost-model", "nope"], "cost model not found: nope"),
+    (["--policies", "nope", "--seeds", "1"], "unknown policy 'nope'"),
+    (["--policies", "bounded", "--seeds", "1", "--scale-at", "0"], "--scale-at must be > 0"),
+])
+def test_bad_inputs_are_named(tmp_path, capsys, options, message):
+    assert main(["sim", "--profile", "quick", *options, "--out-dir", str(tmp_path / "out")]) == 2
+    assert message in capsys.readouterr().err

@@ -137,7 +137,7 @@ def test_the_settings_are_required_and_checked(tmp_path):
     assert (load_sim_config().routers, load_sim_config().router_state) == (1, "separate")
     missing = tmp_path / "missing.toml"
     missing.write_text(text.replace("\nrouters = 1\n", "\n"))
-    with pytest.raises(SettingsError, match=r"missing setting \[gateway\] routers"):
+    with pytest.raises(SettingsError, match=r"missing\.toml: gateway\.routers: missing"):
         load_sim_config(missing)
     wrong = tmp_path / "wrong.toml"
     wrong.write_text(text.replace('router_state = "separate"', 'router_state = "gossip"'))

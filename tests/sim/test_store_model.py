@@ -100,7 +100,7 @@ def test_a_router_sees_its_own_writes_at_once_and_the_others_lag_late(ops, lag_s
             made.append((now, writer, request_id, name, n, True))
 
 
-@pytest.mark.parametrize(("line", "error"), [("\n", r"missing setting \[gateway\] store_lag_ms"),
+@pytest.mark.parametrize(("line", "error"), [("\n", r"sim\.toml: gateway\.store_lag_ms: missing"),
                                              ("\nstore_lag_ms = -1\n", "store_lag_ms: must be >= 0")])
 def test_the_lag_is_a_required_setting(tmp_path, line, error):
     assert load_sim_config().store_lag_ms == 1.0

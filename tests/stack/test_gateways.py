@@ -20,18 +20,16 @@ from extproc.cli import main as cli
 from extproc.envoy.config import render_front_config
 from extproc.experiments.run import Kill, Killer, failures
 from extproc.records import RunMeta, write_records
+from extproc.stack import supervisor
 from extproc.stack.daemons import Daemon
+from extproc.stack.errors import StackError
 from extproc.stack.gateways import PORTS_PER_GATEWAY, layout, port_purposes
-from extproc.stack.processes import envoy_binary
+from extproc.stack.processes import ROUTER_REFERENCE, envoy_binary
 from extproc.stack.redis_server import ADMIN, password_file, redis_command, write_config
-from extproc.stack.stack import (
-    ROUTER_REFERENCE,
-    Stack,
-    StackError,
-    StackState,
-    load_stack_settings,
-    render_router_settings,
-)
+from extproc.stack.router import render_router_settings
+from extproc.stack.settings import load_stack_settings
+from extproc.stack.stack import Stack
+from extproc.stack.state import StackState
 from extproc.stack.supervisor import supervise_once
 
 FREE = {"gateway": 0, "envoy_admin": 0, "router": 0, "metrics": 0, "replica_base": 0, "gateway_base": 0, "store": 0}
@@ -82,7 +80,7 @@ def test_several_gateways_without_redis_are_refused_one_gateway_needs_none(tmp_p
 
 
 def test_the_gateway_count_is_bounded_and_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli(["up", "--gateways", "0", "--run-dir", str(tmp_path / "run"), "--data-dir", str(tmp_path)]) == 1
+    assert cli(["up", "--gateways", "0", "--run-dir", str(tmp_path / "run"), "--data-dir", str(tmp_path)]) == 2
     assert "gateways.count: Input should be greater than or equal to 1" in capsys.readouterr().err
 
 
@@ -156,7 +154,7 @@ def test_the_supervisor_leaves_a_gateway_held_down_alone(tmp_path: Path, monkeyp
     stack.save()
     assert not Daemon(**dead).alive()
     restarted: list[str] = []
-    monkeypatch.setattr(Stack, "restart", lambda self, name: restarted.append(name))
+    monkeypatch.setattr(supervisor, "restart", lambda _, name: restarted.append(name))
     supervise_once(stack, 0.0, [])
     assert sorted(restarted) == ["envoy-0", "front", "router-0", "store"]
 

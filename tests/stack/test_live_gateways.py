@@ -19,7 +19,7 @@ from extproc.experiments.run import settled
 from extproc.stack import models
 from extproc.stack.lab import LocalLab
 from extproc.stack.redis_server import redis_answers
-from extproc.stack.stack import load_stack_settings
+from extproc.stack.settings import load_stack_settings
 from tests.service.gateway_support import assert_each_turn_reused_the_whole_previous_prompt, back_to_back
 
 pytestmark = pytest.mark.live

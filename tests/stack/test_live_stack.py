@@ -19,7 +19,7 @@ from extproc.routing import Router, RouteRequest
 from extproc.settings import load_settings
 from extproc.stack import models
 from extproc.stack.lab import LocalLab
-from extproc.stack.stack import load_stack_settings
+from extproc.stack.settings import load_stack_settings
 
 pytestmark = pytest.mark.live
 CHAT = "/v1/chat/completions"

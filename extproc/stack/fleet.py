@@ -1,0 +1,236 @@
+"""The local stack's replica set: start, list, scale, roll, reset (replicas.py runs each one).
+
+The routing services learn the set from <run dir>/replicas.json (discovery source "file"),
+which only this module writes, atomically. A replica that leaves is out of that list first,
+then drains and hands its conversations' caches to the others ([migration] enabled), then stops.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from extproc.files import write_atomically
+from extproc.stack import models, replicas
+from extproc.stack.envoy import wait_envoy_knows
+from extproc.stack.errors import Progress, StackError
+from extproc.stack.ports import HOST, free_port
+from extproc.stack.replicas import Replica
+from extproc.stack.router import wait_router_forgets, wait_router_knows
+
+if TYPE_CHECKING:
+    from extproc.migration.migrate import Outcome
+    from extproc.stack.stack import Stack
+
+REPLICA_LIST = "replicas.json"
+
+
+def start_replicas(stack: Stack, names: list[str], ports: list[int], progress: Progress,
+                   port_wait: float = 0.0) -> None:
+    state = stack.state
+    run = Path(state.run_dir)
+    started = replicas.start(dict(zip(names, ports, strict=True)), stack.replica_settings(), run,
+                             die_with_parent=state.die_with_parent, port_wait=port_wait)
+    state.replicas += [r.as_dict() for r in started]
+    state.replica_ports.update({r.name: r.port for r in started})
+    stack.save()  # recorded before waiting: `down` from another shell finds them
+    try:
+        replicas.wait_healthy(started, state.health_timeout, progress)
+    except replicas.ReplicaError:
+        state.replicas = [r for r in state.replicas if r["name"] not in names]
+        stack.save()
+        raise
+
+
+def write_replica_list(stack: Stack) -> None:
+    listing = {r.name: r.address for r in stack.replica_list}
+    write_atomically(Path(stack.state.run_dir) / REPLICA_LIST, json.dumps(listing, sort_keys=True) + "\n")
+
+
+def scale(stack: Stack, n: int, progress: Progress, drain_timeout: float) -> list[dict[str, object]]:
+    """Run n replicas: new ones join once healthy; removed ones leave the list, drain, hand
+    their conversations' caches to the others ([migration] enabled), stop. Returns each
+    migration's outcome."""
+    if n < 1:
+        raise StackError(f"scale {n}: at least 1 replica")
+    with stack.locked():
+        current = stack.replica_list
+        if n > len(current):
+            _scale_out(stack, len(current), n, progress)
+        elif n < len(current):
+            return _scale_in(stack, current[:n], current[n:], progress, drain_seconds(stack, drain_timeout))
+        stack.save()
+        return []
+
+
+def _scale_out(stack: Stack, current: int, n: int, progress: Progress) -> None:
+    names = [replicas.replica_name(i) for i in range(current, n)]
+    ports = [stack.state.replica_ports.get(name) or _new_port(stack, i)
+             for i, name in zip(range(current, n), names, strict=True)]
+    progress(f"scaling {current} -> {n}: starting {', '.join(names)}")
+    start_replicas(stack, names, ports, progress, port_wait=5.0)
+    _bring_in(stack, set(names), {f"{HOST}:{port}" for port in ports})
+
+
+def _scale_in(stack: Stack, staying: list[Replica], leaving: list[Replica], progress: Progress,
+              drain_timeout: float) -> list[dict[str, object]]:
+    progress(f"scaling {len(staying) + len(leaving)} -> {len(staying)}: removing "
+             f"{', '.join(r.name for r in leaving)}")
+    _take_out(stack, staying, {r.name for r in leaving})
+    deadline = time.monotonic() + drain_timeout
+    outcomes = [migrate_draining(stack, replica, staying, deadline, progress) for replica in leaving]
+    replicas.stop_all(leaving)
+    stack.save()
+    return [o for o in outcomes if o]
+
+
+def roll(stack: Stack, name: str, progress: Progress, migrate: bool | None = None) -> dict[str, object]:
+    """Restart one replica as a rolling update does: out of the list, drain, migrate its
+    caches ([migration] enabled, or `migrate`), stop, start on its port, healthy, back in the
+    list. Returns {"replica", "out" (left the lists), "drained" (drained and migrated), "down"
+    (stopped), "up" (back), ISO times, and "migration"}."""
+    with stack.locked():
+        current = stack.replica_list
+        leaving = next((r for r in current if r.name == name), None)
+        if leaving is None:
+            raise StackError(f"no replica {name!r}")
+        staying = [r for r in current if r.name != name]
+        _take_out(stack, staying, {name})
+        out = _iso(time.time())
+        deadline = time.monotonic() + drain_seconds(stack, 60.0)
+        outcome = migrate_draining(stack, leaving, staying, deadline, progress, migrate)
+        drained = _iso(time.time())
+        replicas.stop_all([leaving])
+        down = _iso(time.time())
+        stack.state.replicas = [r.as_dict() for r in staying]
+        start_replicas(stack, [name], [leaving.port], progress, port_wait=5.0)
+        stack.state.replicas.sort(key=lambda r: int(str(r["name"]).rsplit("-", 1)[1]))
+        _bring_in(stack, {name}, {leaving.address})
+        return {"replica": name, "out": out, "drained": drained, "down": down, "up": _iso(time.time()),
+                "migration": outcome}
+
+
+def _take_out(stack: Stack, staying: list[Replica], leaving: set[str]) -> None:
+    """Only `staying` in the replica list, once every routing service has dropped `leaving`."""
+    if stack.state.migration:
+        kv_bytes_per_token(stack)  # before they leave: nothing slow between their leaving and their migration
+    stack.state.replicas = [r.as_dict() for r in staying]
+    write_replica_list(stack)
+    stack.save()
+    for gw in stack.gateway_list:
+        wait_router_forgets(leaving, gw.router_address)
+
+
+def _bring_in(stack: Stack, names: set[str], addresses: set[str]) -> None:
+    """The started replicas into the list, until every routing service and Envoy knows them."""
+    write_replica_list(stack)
+    stack.save()
+    for gw in stack.gateway_list:
+        wait_router_knows(names, gw.router_address)
+        wait_envoy_knows(addresses, gw.envoy_admin)
+
+
+def kv_bytes_per_token(stack: Stack) -> int:
+    if not stack.state.kv_bytes_per_token:  # a stack started before it was kept: read once, kept
+        stack.state.kv_bytes_per_token = models.kv_bytes_per_token(stack.replica_settings().model)
+        stack.save()
+    return stack.state.kv_bytes_per_token
+
+
+def drain_seconds(stack: Stack, fallback: float) -> float:
+    return float(stack.state.migration.get("drain_seconds", fallback))
+
+
+def migrate_draining(stack: Stack, leaving: Replica, staying: list[Replica], deadline: float, progress: Progress,
+                     migrate: bool | None = None) -> dict[str, object]:
+    """Drain `leaving` (out of the lists already) and move its caches as its slots turn idle:
+    the idle ones at once, each busy one as soon as its request ends (its conversation's next
+    turn may come within seconds), until none is busy or the deadline."""
+    section = stack.state.migration
+    if not (section.get("enabled") if migrate is None else migrate) or not staying or not section:
+        _drain([leaving], deadline - time.monotonic(), progress)
+        return {}
+    total = _migrate(stack, leaving, staying, deadline, lambda _: None, frozenset())
+    busy = _busy_slots(leaving.address)
+    while busy and time.monotonic() < deadline:
+        time.sleep(0.05)
+        still = _busy_slots(leaving.address)
+        if still != busy:
+            total.add(_migrate(stack, leaving, staying, deadline, lambda _: None, frozenset(total.saved_slots)))
+        busy = still
+    problem = f"; {total.problems[0]}" if total.problems else ""
+    progress(f"drained {leaving.name}; migration: {len(total.moved)} of {total.slots} slot(s) moved "
+             f"({total.bytes:,} bytes, {total.seconds:.2f}s){problem}")
+    return total.as_dict()
+
+
+def _migrate(stack: Stack, leaving: Replica, staying: list[Replica], deadline: float, progress: Progress,
+             done: frozenset[int]) -> Outcome:
+    from extproc.migration.migrate import Limits, SharedFolder, migrate_out
+    from extproc.migration.planner import Costs
+    from extproc.migration.slotfiles import Identity
+
+    section = stack.state.migration
+    settings = stack.replica_settings()
+    identity = Identity(stack.state.model_sha256, settings.slot_context, "f16")
+    costs = Costs(kv_bytes_per_token(stack), section["prefill_ms_per_token"] / 1000,
+                  section["transfer_mib_per_second"] * 2**20)
+    limit = int(section["max_disk_mib"]) * 2**20
+    limits = Limits(int(section["min_tokens"]), limit, float(section["max_age_seconds"]), limit)
+    folder = replicas.slot_folder(Path(stack.state.run_dir))
+    transport = SharedFolder(folder, {r.name: identity for r in staying})
+    outcome = migrate_out((leaving.name, leaving.address), {r.name: r.address for r in staying},
+                          [gw.router_address for gw in stack.gateway_list], folder, identity, transport, costs,
+                          limits, deadline, progress, done)
+    return outcome
+
+
+def reset_caches(stack: Stack, progress: Progress) -> None:
+    """Empty every replica's prompt caches.
+
+    With a host-RAM prompt cache (cache_ram_mib > 0), erasing the slots is not enough
+    (the RAM cache restores saved prefixes), so the replicas are restarted on their
+    ports (the replica list does not change); without one, erasing the slots is a
+    complete reset in milliseconds.
+    """
+    settings = stack.replica_settings()
+    current = stack.replica_list
+    if settings.cache_ram_mib == 0:
+        for replica in current:
+            replicas.erase_slots(replica.address, settings.parallel)
+    else:
+        progress(f"restarting {len(current)} replica(s) to empty their caches")
+        replicas.stop_all(current)
+        stack.state.replicas = []
+        start_replicas(stack, [r.name for r in current], [r.port for r in current], progress, port_wait=5.0)
+        stack.save()
+
+
+def _new_port(stack: Stack, index: int) -> int:
+    return stack.state.replica_base + index if stack.state.replica_base else free_port()
+
+
+def _iso(wall: float) -> str:
+    from datetime import UTC, datetime
+
+    return datetime.fromtimestamp(wall, UTC).isoformat(timespec="milliseconds")
+
+
+def _drain(leaving: list[Replica], timeout: float, progress: Progress) -> None:
+    """Wait until the leaving replicas finish what they were sent before they left the list."""
+    deadline = time.monotonic() + timeout
+    for replica in leaving:
+        while _busy_slots(replica.address) and time.monotonic() < deadline:
+            time.sleep(0.1)
+    progress(f"drained {', '.join(r.name for r in leaving)}")
+
+
+def _busy_slots(address: str) -> frozenset[int]:
+    try:
+        with urllib.request.urlopen(f"http://{address}/slots", timeout=2.0) as reply:
+            return frozenset(int(slot["id"]) for slot in json.loads(reply.read()) if slot.get("is_processing"))
+    except OSError:
+        return frozenset()

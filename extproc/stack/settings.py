@@ -1,0 +1,96 @@
+"""The local stack's settings: stack.toml's schema, loading it, the run dir, the slot check."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field
+
+from extproc.migration.settings import MigrationSection
+from extproc.settings import Strict, read_toml, validate_settings
+from extproc.stack import models, replicas
+from extproc.stack.errors import StackError
+from extproc.stack.replicas import ReplicaSettings
+
+REFERENCE_SETTINGS = Path(__file__).with_name("stack.toml")
+RUN_ENV = "LLM_RING_RUN"
+
+
+class ReplicasSection(Strict):
+    count: int = Field(ge=1, le=64)
+    backend: replicas.Backend
+    llama_server: str
+    model: str = Field(min_length=1)
+    ctx_size: int = Field(gt=0)
+    parallel: int = Field(gt=0)
+    threads: int = Field(gt=0)
+    cache_ram_mib: int = Field(ge=0)
+    health_timeout_seconds: float = Field(gt=0)
+
+
+class PortsSection(Strict):
+    """0 = any free port (tests)."""
+
+    gateway: int = Field(ge=0, lt=65536)
+    envoy_admin: int = Field(ge=0, lt=65536)
+    router: int = Field(ge=0, lt=65536)
+    metrics: int = Field(ge=0, lt=65536)
+    replica_base: int = Field(ge=0, lt=65536)
+    gateway_base: int = Field(ge=0, lt=65536)
+    store: int = Field(ge=0, lt=65536)
+
+
+class GatewaysSection(Strict):
+    count: int = Field(ge=1, le=16)
+    redis_server: str
+
+
+class RouterSection(Strict):
+    policy: str
+    settings: str
+
+
+class CheckSection(Strict):
+    profile: str
+
+
+class StackSettings(Strict):
+    replicas: ReplicasSection
+    gateways: GatewaysSection
+    ports: PortsSection
+    router: RouterSection
+    check: CheckSection
+    migration: MigrationSection
+
+
+def load_stack_settings(path: str | Path | None = None,
+                        overrides: Mapping[str, Mapping[str, Any]] | None = None) -> StackSettings:
+    """stack.toml (or `path`) with `overrides` ({section: {key: value}}, None values ignored);
+    SettingsError naming the file and the key."""
+    source = Path(path) if path else REFERENCE_SETTINGS
+    raw = read_toml(source)
+    for section, values in (overrides or {}).items():
+        raw.setdefault(section, {}).update({k: v for k, v in values.items() if v is not None})
+    return validate_settings(StackSettings, raw, str(source))
+
+
+def run_dir(explicit: str | Path | None = None, data: Path | None = None) -> Path:
+    """--run-dir, else $LLM_RING_RUN, else <data dir>/run."""
+    if explicit:
+        return Path(explicit).expanduser()
+    if os.environ.get(RUN_ENV):
+        return Path(os.environ[RUN_ENV]).expanduser()
+    return (data or models.data_dir()) / "run"
+
+
+def check_slot_context(profile_name: str, settings: ReplicaSettings) -> None:
+    """The profile's conversations must fit in one slot (ctx_size / parallel), with a margin."""
+    from extproc.traffic.profile import ProfileError, check_context, load_profile
+
+    try:
+        check_context(load_profile(profile_name), settings.slot_context)
+    except ProfileError as exc:
+        raise StackError(f"[check] profile: {exc}") from None
