@@ -92,7 +92,6 @@ LOST_AFTER_S = 2 * STREAM_IDLE_TIMEOUT_S  # no access log entry by then: it was 
 BOUNDED_CHARS = 64  # client-chosen ids kept in state and logs: longer ones are cut and hashed
 PASS_THROUGH = "pass-through"  # the reason of a pick for a request that is no generation
 NO_PEERS = PeerView({}, None)  # the store is configured but not answering: this router's state alone
-OPENINGS_PER_REPLICA = 4  # openings of the last prompts sent to a replica, for what a new conversation shares
 
 
 def bounded(value: str, limit: int = BOUNDED_CHARS) -> str:
@@ -155,7 +154,8 @@ class Gateway:
         """counter: how prompts are counted (None: the one service.tokenizer names)."""
         self.router = router
         self.counter = counter or make_counter(settings.tokenizer, settings.chars_per_token)
-        self.openings: dict[str, deque[tuple[int, ...]]] = {}  # replica -> openings of the last prompts sent
+        # replica -> the openings of the last prompts sent to it, one per slot (routing.replica_slots)
+        self.openings: dict[str, deque[tuple[int, ...]]] = {}
         self.settings = settings
         self.metrics = metrics
         self.on_replica_failed = on_replica_failed
@@ -425,9 +425,15 @@ class Gateway:
     def _with_opening(self, decision: Decision, opening: tuple[int, ...], prompt_tokens: int) -> Decision:
         """The decision predicting at least what the pick shares with the last prompts sent to it:
         the chat template's opening and a common system prompt are cached for a new conversation
-        too (at most the prompt but one token: the replica computes one at least)."""
-        seen = self.openings.setdefault(decision.replica, deque(maxlen=OPENINGS_PER_REPLICA))
-        shared = min(shared_opening(opening, seen), prompt_tokens - 1)
+        too. llama.cpp gives a request the idle slot most like it, so only while a slot that holds
+        a prompt is idle: fewer requests in flight there (this one aside) than slots filled. At
+        most the prompt but one token: the replica computes one at least."""
+        slots = max(1, self.router.settings.replica_slots)
+        seen = self.openings.get(decision.replica)
+        if seen is None or seen.maxlen != slots:
+            seen = self.openings[decision.replica] = deque(seen or (), maxlen=slots)
+        idle_filled = len(seen) > self.router.ledger.requests(decision.replica) - 1
+        shared = min(shared_opening(opening, seen), prompt_tokens - 1) if idle_filled else 0
         seen.append(opening)
         if shared > decision.predicted_cached_tokens:
             return decision._replace(predicted_cached_tokens=shared)

@@ -68,16 +68,17 @@ class GgufTokenizer:
         self._encoder = encoder
         longest_first = sorted(specials, key=len, reverse=True)
         self._split = re.compile("(" + ("|".join(re.escape(s) for s in longest_first) or "(?!)") + ")")
-        self._specials = frozenset(specials)
+        self._special_ids = {token: encoder.token_to_id(token) for token in specials}
         self._bos, self._eos, self._add_bos = bos, eos, add_bos
         self._template_source = template_source
         self._template = None if template_source is None else _compile_template(name, template_source)
-        self._pieces: dict[bytes, int] = {}
+        self._pieces: dict[bytes, int] = {}  # piece hash -> its tokens
+        self._heads: dict[bytes, tuple[int, ...]] = {}  # piece hash -> the ids of its head (openings)
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         """Sent to the worker that parses large bodies (offload.py) as the encoder's JSON: reading
         the GGUF file again takes seconds, rebuilding from JSON a fraction of one."""
-        return _restore, (self._name, self._encoder.to_str(), sorted(self._specials), self._bos, self._add_bos,
+        return _restore, (self._name, self._encoder.to_str(), sorted(self._special_ids), self._bos, self._add_bos,
                           self._template_source, self._eos)
 
     @property
@@ -125,22 +126,7 @@ class GgufTokenizer:
 
     def count_text(self, text: str) -> int:
         """Tokens of ``text`` as llama.cpp's server tokenizes a prompt (special tokens parsed)."""
-        count = 1 if self._add_bos and self._bos else 0
-        pieces = self._pieces
-        for piece in self._split.split(text):
-            if not piece:
-                continue
-            if piece in self._specials:
-                count += 1
-                continue
-            key = xxhash.xxh3_128_digest(piece.encode(errors="surrogatepass"))
-            known = pieces.get(key)
-            if known is None:
-                if len(pieces) >= PIECE_MEMORY:
-                    pieces.clear()
-                known = pieces[key] = len(self._encoder.encode(piece, add_special_tokens=False).ids)
-            count += known
-        return max(1, count)
+        return self._tokens(text, 0)[0]
 
     def count_chat(self, messages: Sequence[Message]) -> ChatCount:
         from jinja2 import TemplateError
@@ -154,9 +140,47 @@ class GgufTokenizer:
         # is what the replica that generated it holds, the later turns' pieces follow
         found = rendered.rfind(last_answer) if last_answer else -1
         end = found + len(last_answer) if last_answer and found >= 0 else 0
-        opening = self.encode(rendered[: OPENING_TOKENS * 8])[:OPENING_TOKENS]
-        return ChatCount(self.count_text(rendered), self.count_text(rendered[:end]) if end else 0,
-                         tuple(opening))
+        count, opening = self._tokens(rendered, OPENING_TOKENS)
+        return ChatCount(count, self._tokens(rendered[:end], 0)[0] if end else 0, opening)
+
+    def encode(self, text: str) -> tuple[int, ...]:
+        """Token ids of ``text`` (tests compare them with the replica's /tokenize)."""
+        return self._tokens(text, len(text) + 1)[1]
+
+    def _tokens(self, text: str, opening: int) -> tuple[int, tuple[int, ...]]:
+        """(tokens of ``text``, the ids of its first ``opening`` tokens). Each piece between special
+        tokens is encoded once: its count is kept, and the ids of its head while it is a prompt's
+        opening."""
+        bos = self._special_ids.get(self._bos) if self._add_bos else None
+        count, ids = (0, []) if bos is None else (1, [bos])
+        pieces, heads = self._pieces, self._heads
+        for piece in self._split.split(text):
+            if not piece:
+                continue
+            special = self._special_ids.get(piece)
+            if special is not None:
+                count += 1
+                if len(ids) < opening:
+                    ids.append(special)
+                continue
+            key = xxhash.xxh3_128_digest(piece.encode(errors="surrogatepass"))
+            known = pieces.get(key)
+            wanted = opening - len(ids)
+            head = heads.get(key) if wanted > 0 else None
+            if known is None or (wanted > 0 and (head is None or len(head) < min(wanted, known))):
+                encoded = self._encoder.encode(piece, add_special_tokens=False).ids
+                known = len(encoded)
+                if len(pieces) >= PIECE_MEMORY:
+                    pieces.clear()
+                pieces[key] = known
+                if wanted > 0:
+                    if len(heads) >= PIECE_MEMORY // 16:
+                        heads.clear()
+                    head = heads[key] = tuple(encoded[: max(wanted, OPENING_TOKENS)])
+            if head is not None and wanted > 0:
+                ids.extend(head[:wanted])
+            count += known
+        return max(1, count), tuple(ids[:opening])
 
     def render(self, messages: Sequence[Message]) -> str:
         """The prompt the replica makes of ``messages`` (ChatML when the model has no template)."""
@@ -170,15 +194,6 @@ class GgufTokenizer:
         if self._add_bos and self._bos and rendered.startswith(self._bos):  # llama.cpp adds it once
             rendered = rendered[len(self._bos):]
         return rendered
-
-    def encode(self, text: str) -> list[int]:
-        """Token ids of ``text`` (tests compare them with the replica's /tokenize)."""
-        ids: list[int] = []
-        for piece in self._split.split(text):
-            if piece:
-                ids += [self._encoder.token_to_id(piece)] if piece in self._specials else \
-                    self._encoder.encode(piece, add_special_tokens=False).ids
-        return ids
 
 
 def _restore(name: str, encoder: str, specials: list[str], bos: str, add_bos: bool, template_source: str | None,
