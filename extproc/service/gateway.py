@@ -92,6 +92,7 @@ LOST_AFTER_S = 2 * STREAM_IDLE_TIMEOUT_S  # no access log entry by then: it was 
 BOUNDED_CHARS = 64  # client-chosen ids kept in state and logs: longer ones are cut and hashed
 PASS_THROUGH = "pass-through"  # the reason of a pick for a request that is no generation
 NO_PEERS = PeerView({}, None)  # the store is configured but not answering: this router's state alone
+TEMPLATE_OPENING_TOKENS = 1024  # what a chat template may add before the first message (a default system prompt)
 
 
 def bounded(value: str, limit: int = BOUNDED_CHARS) -> str:
@@ -212,7 +213,10 @@ class Gateway:
         """Agree with the other routers on the same store (main.py, when store.url is set). A store
         that does not answer now leaves this router on its own state until a retry succeeds."""
         service = self.settings
-        largest = max(service.max_prompt_chars, estimate_tokens(service.max_prompt_chars, service.chars_per_token))
+        # the model's tokenizer: at most a token per byte of the body (a message's JSON outweighs its
+        # template tokens), and the template's opening
+        largest = max(service.max_prompt_chars, estimate_tokens(service.max_prompt_chars, service.chars_per_token),
+                      service.max_body_bytes + TEMPLATE_OPENING_TOKENS)
         bounds = EntryBounds(settings.max_peer_requests, largest + service.max_output_tokens)
         self.store = SharedStore(settings, router_id, self.own_loads, self.metrics, bounds, self.republish_pending)
         await self.store.start()

@@ -32,18 +32,13 @@ from extproc.routing.tokens import OPENING_TOKENS, CharCounter, ChatCount, Messa
 CHARS = "chars"  # service.tokenizer: characters / service.chars_per_token
 PIECE_MEMORY = 65_536  # pieces whose count is kept (then the memory starts again)
 
-# llama.cpp's pre-tokenizer regexes per tokenizer.ggml.pre (src/llama-vocab.cpp, applied in order)
-_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
-_QWEN2 = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-          r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_LLAMA3 = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-           r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# llama.cpp's pre-tokenizer regexes per tokenizer.ggml.pre (src/llama-vocab.cpp, applied in
+# order), for the vocabularies checked against a replica's /tokenize: SmolLM2's and Qwen2's
+# (the local stack's models). Others (llama3's ignore_merges, BOS defaults) are refused.
 PRE_TOKENIZERS: dict[str, tuple[str, ...]] = {
-    "gpt2": (_GPT2,),
-    "smollm": (r"\p{N}", _GPT2),
-    "starcoder": (r"\p{N}", _GPT2),
-    "qwen2": (_QWEN2,),
-    "llama-bpe": (_LLAMA3,),
+    "smollm": (r"\p{N}", r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"),
+    "qwen2": (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+              r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",),
 }
 CONTROL, USER_DEFINED = 3, 4  # tokenizer.ggml.token_type values parsed as special tokens
 

@@ -5,6 +5,7 @@ replica's /tokenize: test_tokenizer_llama.py."""
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import pickle
 from pathlib import Path
@@ -18,6 +19,8 @@ from tokenizers import AddedToken, Tokenizer
 
 from extproc.routing import Router
 from extproc.routing.tokens import CharCounter, Message, shared_opening
+from extproc.service import admin_pb2
+from extproc.service.admin import AdminService
 from extproc.service.gateway import Gateway
 from extproc.service.metrics import Metrics
 from extproc.service.tokenizer import CHARS, GgufTokenizer, TokenizerError, make_counter
@@ -80,7 +83,8 @@ def test_the_chat_template_is_the_models_own() -> None:
         "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
         "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
     )
-    assert counter.render([("system", "Be terse."), ("user", "Hi")]).startswith("<|im_start|>system\nBe terse.<|im_end|>")
+    with_system = counter.render([("system", "Be terse."), ("user", "Hi")])
+    assert with_system.startswith("<|im_start|>system\nBe terse.<|im_end|>")
 
 
 def test_a_tokenizer_sent_to_the_body_worker_counts_the_same() -> None:
@@ -162,3 +166,5 @@ def test_a_new_conversation_is_predicted_to_find_the_opening_it_shares_while_a_f
             break
     else:
         pytest.fail("no new conversation went to the first one's replica")
+    asyncio.run(AdminService(gateway).Reset(admin_pb2.ResetRequest(), None))  # type: ignore[arg-type]
+    assert not gateway.openings  # a reset starts on emptied caches (a run restarts its replicas first)
