@@ -94,7 +94,11 @@ class ServiceSettings(Strict):
                                               "calls (empty: none; Kubernetes: the pod's address, fenced by "
                                               "NetworkPolicy)")
     metrics_listen: str = Field(min_length=1, description="host:port of the Prometheus /metrics endpoint")
-    chars_per_token: float = Field(gt=0, description="prompt token estimate = characters / chars_per_token")
+    tokenizer: str = Field(min_length=1, description='how prompt tokens are counted: "chars" (characters / '
+                                                     'chars_per_token) or the path of the model\'s GGUF file '
+                                                     '(its tokenizer and chat template, as the replica counts)')
+    chars_per_token: float = Field(gt=0, description='prompt tokens = characters / chars_per_token (tokenizer = '
+                                                     '"chars")')
     max_body_bytes: int = Field(gt=0, description="larger request bodies are refused with 413")
     default_max_tokens: int = Field(gt=0, description="output tokens charged when a request names none")
     max_output_tokens: int = Field(

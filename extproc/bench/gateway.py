@@ -6,7 +6,9 @@ Envoy + a do-nothing Python ext_proc server speaking the same protocol (the floo
 grpc.aio ext_proc pays: extproc.bench.stub_processor), Envoy + ext_proc (`llm-ring serve`,
 llm-aware policy, route_decision logs to a file), and with --store on also Envoy + ext_proc
 sharing its state through a private redis-server (store.url set: one store round trip before
-each decision, writes pipelined; docs/several-gateways.md). At each
+each decision, writes pipelined; docs/several-gateways.md), and with --tokenizer on also Envoy +
+ext_proc counting tokens with the model's own tokenizer and chat template (service.tokenizer =
+the SmolLM2 GGUF file; the others count characters / 4). At each
 concurrency, closed-loop keep-alive clients send chat requests for a fixed time; the table
 shows p50/p99 latency, req/s, and the latency ext_proc adds over Envoy alone, then the CPU
 time each process spent per request (from /proc: less moved by other work on a busy machine
@@ -54,6 +56,7 @@ TARGET_ADDED_P99_MS = 5.0
 TARGET_RPS = 1500.0
 MODES = ("direct", "envoy", "envoy+stub_ext_proc", "envoy+ext_proc")
 STORE_MODE = "envoy+ext_proc+store"
+TOKENIZER_MODE = "envoy+ext_proc+tokenizer"
 # --mode pool: the same through an InferencePool gateway's data plane (Envoy AI Gateway's,
 # full duplex, the picker over TLS; extproc.envoy.inference_gateways), with its own floor:
 # a do-nothing TLS picker answering every phase (extproc.bench.stub_picker)
@@ -77,6 +80,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--store", nargs="+", choices=["off", "on"], default=["off"],
                         help="ext_proc without (off) and/or with (on) the shared store: on starts a private "
                              "redis-server; `--store on off` measures both in one run")
+    parser.add_argument("--tokenizer", nargs="+", choices=["off", "on"], default=["off"],
+                        help="ext_proc counting characters / 4 (off) and/or with the model's tokenizer and chat "
+                             "template (on: the SmolLM2 GGUF file); `--tokenizer off on` measures both in one run")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -99,7 +105,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     conversations = int(getattr(args, "conversations", 200))
     with_store = "on" in getattr(args, "store", ())
     with_pool = "pool" in getattr(args, "mode", ("own",))
-    modes = (*MODES, *((STORE_MODE,) if with_store else ()), *(POOL_MODES if with_pool else ()))
+    with_tokenizer = "on" in getattr(args, "tokenizer", ())
+    modes = (*MODES, *((STORE_MODE,) if with_store else ()), *((TOKENIZER_MODE,) if with_tokenizer else ()),
+             *(POOL_MODES if with_pool else ()))
     workdir = Path(tempfile.mkdtemp(prefix="llm-ring-bench-gateway-"))
     started: list[Running] = []
     try:
@@ -126,6 +134,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             started.append(sharing)
             processes[STORE_MODE] = {"ext_proc": sharing}
             ext_procs.append((STORE_MODE, sharing.ext_proc))
+        if with_tokenizer:
+            counting = start_counting_service(workdir, stubbed)
+            started.append(counting)
+            processes[TOKENIZER_MODE] = {"ext_proc": counting}
+            ext_procs.append((TOKENIZER_MODE, counting.ext_proc))
         for mode, ext_proc in ext_procs:
             envoy = start_gateway_envoy(workdir / mode, ext_proc, endpoints, False, args_envoy_concurrency(args))
             started.append(envoy)
@@ -174,6 +187,16 @@ def start_sharing_service(workdir: Path, stubbed: ServiceOnStubs, store_url: str
     running = start_service(workdir / "service-store", env)
     running.listen = env["LLM_RING__SERVICE__METRICS_LISTEN"].strip('"')  # its /metrics, read at the end
     return running
+
+
+def start_counting_service(workdir: Path, stubbed: ServiceOnStubs) -> Running:
+    """A second `llm-ring serve` over the same stubs counting with SmolLM2's own tokenizer."""
+    from extproc.stack.models import smollm2_gguf
+
+    listen = f"127.0.0.1:{free_port()}"
+    env = service_env(listen, workdir / "eds-tokenizer" / "replicas.json", static_discovery(stubbed.replicas))
+    env["LLM_RING__SERVICE__TOKENIZER"] = json.dumps(str(smollm2_gguf()))
+    return start_service(workdir / "service-tokenizer", env)
 
 
 def store_health(service: Running) -> dict[str, Any]:
@@ -242,6 +265,13 @@ def summarize(cells: list[dict[str, Any]], seconds: float, rounds: int, workdir:
                 "store_rps": shared["rps"],
                 "store_rps_over_floor": round(shared["rps"] / floor["rps"], 3) if floor["rps"] else None,
             })  # fmt: skip
+        counted = by.get((TOKENIZER_MODE, level))
+        if counted is not None:  # --tokenizer on: the same service counting with the model's tokenizer
+            row.update({
+                "tokenizer_over_ext_proc_p50_ms": round(counted["p50_ms"] - full["p50_ms"], 3),
+                "tokenizer_rps": counted["rps"],
+                "tokenizer_rps_over_floor": round(counted["rps"] / floor["rps"], 3) if floor["rps"] else None,
+            })  # fmt: skip
         row.update({"own_" + key: value for key, value in floor_ratios(floor, full).items()})
         if (POOL_MODE, level) in by:  # --mode pool: the InferencePool data plane, against its own floor
             pool_floor, pool = by[(POOL_FLOOR, level)], by[(POOL_MODE, level)]
@@ -285,7 +315,7 @@ def floor_ratios(floor: dict[str, Any], measured: dict[str, Any]) -> dict[str, f
 def render_table(result: dict[str, Any]) -> str:
     levels = sorted({cell["concurrency"] for cell in result["cells"]})
     by = {(cell["mode"], cell["concurrency"]): cell for cell in result["cells"]}
-    modes = [mode for mode in (*MODES, STORE_MODE, *POOL_MODES) if (mode, levels[0]) in by]
+    modes = [mode for mode in (*MODES, STORE_MODE, TOKENIZER_MODE, *POOL_MODES) if (mode, levels[0]) in by]
     lines = [
         f"{'conc':>4} | " + " | ".join(f"{mode:^26}" for mode in modes) + " | ext_proc adds (p50 / p99)",
         f"{'':>4} | " + " | ".join(f"{'p50 ms':>8} {'p99 ms':>8} {'req/s':>8}" for _ in modes) + " |",
@@ -316,6 +346,16 @@ def render_table(result: dict[str, Any]) -> str:
                 f"{level:>4} | p50 {row['store_over_ext_proc_p50_ms']:+.3f} ms over ext_proc without it; "
                 f"{row['store_rps']:.0f} req/s = {row['store_rps_over_floor']:.2f} x the floor "
                 f"(without the store {row['ext_proc_rps_over_floor']:.2f} x)"
+            )
+    if (TOKENIZER_MODE, levels[0]) in by:
+        lines.append(f"tokenization on ({TOKENIZER_MODE}: the model's tokenizer and chat template) vs off "
+                     "(characters / 4), against the do-nothing floor:")
+        for level in levels:
+            row = added[level]
+            lines.append(
+                f"{level:>4} | p50 {row['tokenizer_over_ext_proc_p50_ms']:+.3f} ms over ext_proc without it; "
+                f"{row['tokenizer_rps']:.0f} req/s = {row['tokenizer_rps_over_floor']:.2f} x the floor "
+                f"(off {row['ext_proc_rps_over_floor']:.2f} x)"
             )
     if (POOL_MODE, levels[0]) in by:
         lines.append("ratios to the floor of the same data plane and run (ext_proc / do-nothing stub; "

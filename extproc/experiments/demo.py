@@ -91,6 +91,7 @@ def main(args: argparse.Namespace) -> int:
     print(f"live ({len(seeds)} seed{'s' if len(seeds) > 1 else ''}): a smoke test of the whole system, not a "
           f"verdict: with {followups} follow-ups a run, one miss moves its hit rate by {100 / max(followups, 1):.1f} "
           f"points.")
+    print(prediction_line(live_report["runs"]))
     print(f"\ndemo done in {time.monotonic() - began:.0f}s; again: llm-ring report {live} {same}; "
           f"llm-ring report {busy}")
     return 0
@@ -111,6 +112,18 @@ def simulate(profile: str, policies: list[str], seeds: list[int], replicas: int,
     report = build_report(out)
     (out / SUMMARY_FILE).write_text(render_markdown(report, with_runs=True))
     return paired_differences(report["runs"], policies)
+
+
+def prediction_line(runs: list[dict[str, Any]]) -> str:
+    """Per policy, the live requests whose predicted cached tokens were within 10 % of the prompt
+    of the replica's cache_n: whether the router counts tokens as the replica does."""
+    counts: dict[str, list[int]] = {}
+    for run in runs:
+        within, predictions = counts.setdefault(run["policy"], [0, 0])
+        counts[run["policy"]] = [within + (run["predictions_within_10"] or 0), predictions + (run["predictions"] or 0)]
+    shares = ", ".join(f"{policy} {100 * within / predictions:.1f} % ({within}/{predictions})" if predictions
+                       else f"{policy} -" for policy, (within, predictions) in counts.items())
+    return f"live predictions within 10 % of the prompt (|predicted - cache_n|): {shares}"
 
 
 def verdict(label: str, paired: dict[str, dict[str, dict[str, Any]]]) -> str:

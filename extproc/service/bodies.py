@@ -26,6 +26,11 @@ one text, each chat message as ``role NUL text NUL`` in order (token-id prompts 
 per id), cut into chained block hashes by ``extproc.routing.blocks.prefix_blocks``; a later
 turn resends the earlier messages unchanged, so its blocks begin with the earlier turn's.
 
+Tokens (``counter``, extproc/routing/tokens.py): the prompt as the replica counts it (the
+model's tokenizer over the chat template's rendering, or characters / chars_per_token), the
+part of it up to the last assistant message (what the replica that answered holds) and the
+ids of its opening; without a counter (tests, offline tools) all three are 0 / ().
+
 Responses: llama.cpp's ``timings`` (cache_n, prompt_n, prompt_ms, predicted_n, predicted_ms)
 or OpenAI's ``usage.prompt_tokens_details.cached_tokens``, from a JSON body or from the last
 event of a ``text/event-stream`` body that carries them.
@@ -42,6 +47,7 @@ import xxhash
 
 from extproc.envoy.contract import RESPONSE_METADATA
 from extproc.routing.blocks import BLOCK_CHARS, BlockMemory, prefix_blocks
+from extproc.routing.tokens import Message, TokenCounter
 
 OPENING_CHARS = 512
 CHAT_PATHS = frozenset({"/v1/chat/completions"})
@@ -58,6 +64,9 @@ class ParsedRequest:
     history: int = 0  # hash of all messages (chat); 0 for completion bodies
     answered: frozenset[int] = frozenset()  # histories this body shows answered (see above)
     prefix_blocks: tuple[int, ...] = ()  # only when asked for (parse_request(block_chars=...))
+    prompt_tokens: int = 0  # counted by parse_request's counter (0: none given)
+    answered_tokens: int = 0  # chat: the prompt's tokens up to the end of the last assistant message
+    opening: tuple[int, ...] = ()  # chat: the token ids of the prompt's opening (tokens.OPENING_TOKENS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,13 +104,14 @@ class Timings:
 
 def parse_request(
     path: str, content_type: str, body: bytes, limits: BodyLimits | None = None, block_chars: int = 0,
-    memory: BlockMemory | None = None,
+    memory: BlockMemory | None = None, counter: TokenCounter | None = None,
 ) -> ParsedRequest:
     """Read a request body, or raise BadRequest(status, message) saying what is wrong.
     limits: the service's; None (tests, offline tools) checks types only.
     block_chars: also cut the prompt into prefix blocks of that many characters (for the
     policies that need them; 0: no blocks), with ``memory`` (of that block size) hashing only
-    what the conversation's last prompt did not hold."""
+    what the conversation's last prompt did not hold.
+    counter: count the prompt's tokens with it (the module docstring)."""
     if not body:
         raise BadRequest(400, "empty body: expected a JSON object")
     media = content_type.partition(";")[0].strip().lower()
@@ -115,12 +125,18 @@ def parse_request(
         raise BadRequest(400, f"body must be a JSON object, got {type(data).__name__}")
     stream = data.get("stream") is True
     if path in CHAT_PATHS:
-        key, chars, history, answered = _chat(data.get("messages"), limits)
+        key, chars, history, answered, messages = _chat(data.get("messages"), limits)
         max_tokens = _max_tokens(data, limits, "max_tokens", "max_completion_tokens")
         parsed = ParsedRequest(key, chars, 0, max_tokens, stream, history, answered)
+        if counter is not None:
+            counted = counter.count_chat(messages)
+            parsed = replace(parsed, prompt_tokens=counted.prompt, answered_tokens=counted.answered,
+                             opening=counted.opening)
     elif path in COMPLETION_PATHS:
         key, chars, ids = _completion(data.get("prompt"), limits)
         parsed = ParsedRequest(key, chars, ids, _max_tokens(data, limits, "n_predict", "max_tokens"), stream)
+        if counter is not None and not ids:
+            parsed = replace(parsed, prompt_tokens=counter.count_text(data["prompt"]))
     else:
         raise BadRequest(404, f"unknown path {path!r}")
     if not block_chars:
@@ -143,8 +159,8 @@ def too_many_messages(body: bytes, limits: BodyLimits) -> BadRequest | None:
     return None
 
 
-def _chat(messages: Any, limits: BodyLimits | None) -> tuple[str, int, int, frozenset[int]]:
-    """(opening key, characters, history, answered): see the module docstring."""
+def _chat(messages: Any, limits: BodyLimits | None) -> tuple[str, int, int, frozenset[int], list[Message]]:
+    """(opening key, characters, history, answered, (role, text) of each message): see the module docstring."""
     if not isinstance(messages, list) or not messages:
         raise BadRequest(400, "'messages' must be a non-empty list")
     if limits is not None and len(messages) > limits.max_messages:
@@ -152,6 +168,7 @@ def _chat(messages: Any, limits: BodyLimits | None) -> tuple[str, int, int, froz
     max_chars = limits.max_prompt_chars if limits is not None else None
     opening_hasher = history_hasher = xxhash.xxh64()
     answered: list[int] = []
+    texts: list[Message] = []
     chars = 0
     opening = True
     for index, message in enumerate(messages):
@@ -161,6 +178,7 @@ def _chat(messages: Any, limits: BodyLimits | None) -> tuple[str, int, int, froz
         if not isinstance(role, str):
             raise BadRequest(400, f"messages[{index}].role must be a string")
         text = _text(message.get("content"), f"messages[{index}].content")
+        texts.append((role, text))
         chars += len(text)
         if max_chars is not None and chars > max_chars:
             raise _over("the messages", chars, "characters", max_chars, "max_prompt_chars")
@@ -175,7 +193,7 @@ def _chat(messages: Any, limits: BodyLimits | None) -> tuple[str, int, int, froz
         else:
             history_hasher.update(piece)
     opening_key = "h:" + opening_hasher.hexdigest()
-    return opening_key, chars, history_hasher.intdigest(), frozenset(answered)
+    return opening_key, chars, history_hasher.intdigest(), frozenset(answered), texts
 
 
 def _text(content: Any, where: str) -> str:

@@ -61,6 +61,7 @@ from extproc.routing.continuation import Claim, ConversationDigests, Shown, clai
 from extproc.routing.peers import PeerRequest, PeerView, peer_view
 from extproc.routing.placement import Placement
 from extproc.routing.speeds import AnswerTimings
+from extproc.routing.tokens import TokenCounter, shared_opening
 from extproc.service.answers import (
     RESPONSE_HEADERS_CONTINUE,
     AnswerCache,
@@ -80,6 +81,7 @@ from extproc.service.bodies import (
 from extproc.service.metrics import Metrics, ReplicaState
 from extproc.service.migrations import Migrations
 from extproc.service.store import EntryBounds, SharedStore
+from extproc.service.tokenizer import make_counter
 from extproc.settings import ServiceSettings, StoreSettings
 
 log = structlog.get_logger("extproc.service")
@@ -90,6 +92,7 @@ LOST_AFTER_S = 2 * STREAM_IDLE_TIMEOUT_S  # no access log entry by then: it was 
 BOUNDED_CHARS = 64  # client-chosen ids kept in state and logs: longer ones are cut and hashed
 PASS_THROUGH = "pass-through"  # the reason of a pick for a request that is no generation
 NO_PEERS = PeerView({}, None)  # the store is configured but not answering: this router's state alone
+TEMPLATE_OPENING_TOKENS = 1024  # what a chat template may add before the first message (a default system prompt)
 
 
 def bounded(value: str, limit: int = BOUNDED_CHARS) -> str:
@@ -147,8 +150,13 @@ class Gateway:
         settings: ServiceSettings,
         metrics: Metrics,
         on_replica_failed: Callable[[str], None] = lambda name: None,
+        counter: TokenCounter | None = None,
     ) -> None:
+        """counter: how prompts are counted (None: the one service.tokenizer names)."""
         self.router = router
+        self.counter = counter or make_counter(settings.tokenizer, settings.chars_per_token)
+        # replica -> the openings of the last prompts sent to it, one per slot (routing.replica_slots)
+        self.openings: dict[str, deque[tuple[int, ...]]] = {}
         self.settings = settings
         self.metrics = metrics
         self.on_replica_failed = on_replica_failed
@@ -174,6 +182,7 @@ class Gateway:
 
     def set_replicas(self, replicas: Mapping[str, str]) -> None:
         self.endpoints = dict(replicas)
+        self.openings = {name: seen for name, seen in self.openings.items() if name in self.endpoints}
         self.router.set_replicas(self.endpoints)
         self.unhealthy &= set(self.endpoints)
         self.answers.forget_routes()
@@ -204,7 +213,10 @@ class Gateway:
         """Agree with the other routers on the same store (main.py, when store.url is set). A store
         that does not answer now leaves this router on its own state until a retry succeeds."""
         service = self.settings
-        largest = max(service.max_prompt_chars, estimate_tokens(service.max_prompt_chars, service.chars_per_token))
+        # the model's tokenizer: at most a token per byte of the body (a message's JSON outweighs its
+        # template tokens), and the template's opening
+        largest = max(service.max_prompt_chars, estimate_tokens(service.max_prompt_chars, service.chars_per_token),
+                      service.max_body_bytes + TEMPLATE_OPENING_TOKENS)
         bounds = EntryBounds(settings.max_peer_requests, largest + service.max_output_tokens)
         self.store = SharedStore(settings, router_id, self.own_loads, self.metrics, bounds, self.republish_pending)
         await self.store.start()
@@ -334,7 +346,7 @@ class Gateway:
         known = self.digests.get(self.router.conversation_key(named))
         claimed = claim(named, parsed.opening_key, () if known is None else (known,), digests)
         self.migrations.opened(self.router.conversation_key(named), parsed.opening_key)
-        prompt_tokens = parsed.prompt_token_ids or estimate_tokens(parsed.prompt_chars, self.settings.chars_per_token)
+        prompt_tokens = parsed.prompt_token_ids or parsed.prompt_tokens
         request = RouteRequest(
             unique_id, claimed.conversation, prompt_tokens, parsed.max_tokens or self.settings.default_max_tokens,
             parsed.prefix_blocks,
@@ -369,6 +381,8 @@ class Gateway:
         conversation, unique_id = request.conversation, request.request_id
         if parsed.answered:
             self._release_answered(conversation, parsed.answered)
+        if parsed.answered_tokens:
+            self._holds_answer(request, parsed.answered_tokens)
         if subset is None:
             avoid: Collection[str] = self.unhealthy if len(self.unhealthy) < len(self.endpoints) else ()
         else:
@@ -380,6 +394,8 @@ class Gateway:
         decision = self.router.route(request, avoid=avoid, peers=peers) if len(avoid) < len(self.endpoints) else None
         if decision is None:
             return self._no_replica(subset), None
+        if parsed.opening:
+            decision = self._with_opening(decision, parsed.opening, request.prompt_tokens)
         # Behind an Endpoint Picker's gateway no access log comes: the stream itself says when
         # the request is over (stream_ended), as if logged at once.
         self.pending[unique_id] = Pending(
@@ -398,6 +414,34 @@ class Gateway:
         if phase == "own":  # our id, for Envoy's access log entry; a gateway's own id is left alone
             answer += request_id_header(unique_id)
         return answer, unique_id
+
+    def _holds_answer(self, request: RouteRequest, answered_tokens: int) -> None:
+        """The replica that served the conversation's last turn holds its prompt and the answer it
+        wrote, all of this body's tokens up to that answer's end but its last token (sampled, never
+        decoded: measured, cache_n = that count - 1): placement memory learns the longer figure,
+        which is what the prediction and the cost count as cached there."""
+        key = self.router.conversation_key(request.conversation)
+        placement = self.router.memory.get(key)
+        held = answered_tokens - 1
+        if placement is not None and placement.prompt_tokens < held <= request.prompt_tokens:
+            self.router.memory.remember(key, placement.replica, held)
+
+    def _with_opening(self, decision: Decision, opening: tuple[int, ...], prompt_tokens: int) -> Decision:
+        """The decision predicting at least what the pick shares with the last prompts sent to it:
+        the chat template's opening and a common system prompt are cached for a new conversation
+        too. llama.cpp gives a request the idle slot most like it, so only while a slot that holds
+        a prompt is idle: fewer requests in flight there (this one aside) than slots filled. At
+        most the prompt but one token: the replica computes one at least."""
+        slots = max(1, self.router.settings.replica_slots)
+        seen = self.openings.get(decision.replica)
+        if seen is None or seen.maxlen != slots:
+            seen = self.openings[decision.replica] = deque(seen or (), maxlen=slots)
+        idle_filled = len(seen) > self.router.ledger.requests(decision.replica) - 1
+        shared = min(shared_opening(opening, seen), prompt_tokens - 1) if idle_filled else 0
+        seen.append(opening)
+        if shared > decision.predicted_cached_tokens:
+            return decision._replace(predicted_cached_tokens=shared)
+        return decision
 
     def _release_answered(self, conversation: str, answered: frozenset[int]) -> None:
         """Release the pending requests of ``conversation`` that this new body shows answered."""
@@ -615,7 +659,7 @@ class Gateway:
         block_chars = self.router.policy.prefix_block_chars
         if block_chars and (self.block_memory is None or self.block_memory.block_chars != block_chars):
             self.block_memory = BlockMemory(block_chars)
-        return parse_request(path, content_type, body, self.limits, block_chars, self.block_memory)
+        return parse_request(path, content_type, body, self.limits, block_chars, self.block_memory, self.counter)
 
     def _request_id(self) -> str:
         self._sequence += 1

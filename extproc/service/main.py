@@ -47,6 +47,7 @@ from extproc.service.offload import BodyParser
 from extproc.service.processor import SERVICE, access_log_handler, handler
 from extproc.service.replica_health import ReplicaHealth
 from extproc.service.tls import SELF_SIGNED, TlsError, server_credentials
+from extproc.service.tokenizer import TokenizerError, make_counter
 from extproc.settings import Settings, SettingsError, load_settings
 
 log = structlog.get_logger("extproc.service")
@@ -97,8 +98,14 @@ async def serve(settings: Settings) -> int:
     except TlsError as exc:
         print(f"llm-ring serve: {exc}", file=sys.stderr)
         return 2
+    try:
+        counter = make_counter(service.tokenizer, service.chars_per_token)
+    except TokenizerError as exc:
+        print(f"llm-ring serve: service.tokenizer: {exc}", file=sys.stderr)
+        return 2
     metrics = Metrics()
-    gateway = Gateway(Router(settings.routing), service, metrics)
+    metrics.tokenizer(counter.name)
+    gateway = Gateway(Router(settings.routing), service, metrics, counter=counter)
     health = ReplicaHealth(gateway, service.health_probe_seconds)
     gateway.on_replica_failed = health.replica_failed
     metrics.watch(gateway.replica_states, lambda: gateway.router.speeds.speeds())  # reconfigure may replace them
@@ -112,7 +119,7 @@ async def serve(settings: Settings) -> int:
     # A buffered body up to max_body_bytes comes in one message (plus its envelope).
     max_message = service.max_body_bytes + (64 << 10)
     picker = grpc.aio.server(options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", max_message)])
-    parser = BodyParser(gateway.limits)
+    parser = BodyParser(gateway.limits, counter)
     picker.add_generic_rpc_handlers((handler(gateway, parser), access_log_handler(gateway)))
     admin = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     admin_service = AdminService(gateway)
@@ -146,6 +153,7 @@ async def serve(settings: Settings) -> int:
         metrics=f"{metrics_host}:{metrics_server.server_port}",
         policy=settings.routing.policy,
         discovery=settings.discovery.source,
+        tokenizer=counter.name,
     )
 
     stop = asyncio.Event()

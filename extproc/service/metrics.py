@@ -92,7 +92,11 @@ class Metrics:
         self.prediction_error = Histogram(PREDICTION_ERROR)
         self.live_state: LiveState = tuple  # no replicas until watch() names the source
         self.learnt_speeds: LearntSpeeds = dict
+        self.tokenizer_name = ""  # how prompt tokens are counted (tokens.TokenCounter.name)
         self.registry.register(_Collector(self))
+
+    def tokenizer(self, name: str) -> None:
+        self.tokenizer_name = name
 
     def decision(self, policy: str, reason: str, seconds: float) -> None:
         self.decisions[policy, reason] += 1
@@ -192,6 +196,11 @@ class _Collector(Collector):
         yield m.prediction_error.family(
             "llm_ring_cached_tokens_prediction_error", "actual cache_n minus predicted cached tokens, per request"
         )
+        if m.tokenizer_name:
+            tokenizer = GaugeMetricFamily("llm_ring_tokenizer", "1, labelled with how prompt tokens are counted "
+                                          "(service.tokenizer: chars/N or gguf:FILE)", labels=["tokenizer"])
+            tokenizer.add_metric([m.tokenizer_name], 1)
+            yield tokenizer
         yield from _live_state(m.live_state())
         yield from _speeds(m.learnt_speeds())
 

@@ -7,7 +7,8 @@ times). Bodies of at least OFFLOAD_BYTES go to one worker process instead: the l
 deciding the small ones, and the objects of a huge parse live and die in the worker (which is
 replaced every WORKER_TASKS bodies: its memory returns to the system). At most MAX_WAITING
 large bodies wait for it; more are refused with 503 at once rather than held past Envoy's
-ext_proc timeout (which would fail open).
+ext_proc timeout (which would fail open). The worker counts tokens with the service's own
+counter, sent to it once when it starts (a GGUF tokenizer travels as its encoder's JSON).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import asyncio
 import multiprocessing
 from concurrent.futures import ProcessPoolExecutor
 
+from extproc.routing.tokens import TokenCounter
 from extproc.service.bodies import CHAT_PATHS, BadRequest, BodyLimits, ParsedRequest, parse_request, too_many_messages
 
 OFFLOAD_BYTES = 256 << 10  # below: parsed inline (well under a millisecond for ordinary chats)
@@ -23,23 +25,32 @@ MAX_WAITING = 8
 WORKER_TASKS = 64
 
 
+_worker_counter: TokenCounter | None = None  # in the worker: the service's counter
+
+
+def _start_worker(counter: TokenCounter | None) -> None:
+    global _worker_counter
+    _worker_counter = counter
+
+
 def parse_or_refusal(
     path: str, content_type: str, body: bytes, limits: BodyLimits, block_chars: int
 ) -> ParsedRequest | BadRequest:
     """parse_request's result or its refusal, as a value (it crosses a process boundary)."""
     try:
-        return parse_request(path, content_type, body, limits, block_chars)
+        return parse_request(path, content_type, body, limits, block_chars, counter=_worker_counter)
     except BadRequest as exc:
         return exc
 
 
 class BodyParser:
-    def __init__(self, limits: BodyLimits) -> None:
+    def __init__(self, limits: BodyLimits, counter: TokenCounter | None = None) -> None:
         self.limits = limits
         self.waiting = 0
         # spawn: a forked copy of a process running gRPC's threads is not safe
         self.pool = ProcessPoolExecutor(
-            1, mp_context=multiprocessing.get_context("spawn"), max_tasks_per_child=WORKER_TASKS
+            1, mp_context=multiprocessing.get_context("spawn"), max_tasks_per_child=WORKER_TASKS,
+            initializer=_start_worker, initargs=(counter,),
         )
 
     def takes(self, body: bytes) -> bool:

@@ -39,6 +39,7 @@ def start_router(stack: Stack, gw: GatewayState, base_settings: str, progress: P
         store_password_file=password_file(run / STORE) if several else None,
         prefix_capacity_tokens=state.prefix_capacity_tokens or None,
         replica_slots=state.replica_settings["parallel"],
+        tokenizer=stack.replica_settings().model,
     ))
     try:
         load_settings(gw.router_settings)
@@ -79,11 +80,12 @@ def wait_router_forgets(names: set[str], router: str) -> None:
 def render_router_settings(base: Path, *, policy: str, admin_listen: str, metrics_listen: str, replicas_file: Path,
                            envoy_endpoints_file: Path, store_url: str | None = None,
                            store_password_file: Path | None = None,
-                           prefix_capacity_tokens: int | None = None, replica_slots: int | None = None) -> str:
+                           prefix_capacity_tokens: int | None = None, replica_slots: int | None = None,
+                           tokenizer: str | None = None) -> str:
     """The routing service's settings: `base` with this stack's addresses, files and policy.
     store_url, store_password_file (several gateways): their shared store, as [store] url and
     password_file; prefix_capacity_tokens: what this stack's replicas hold; replica_slots: their
-    --parallel."""
+    --parallel; tokenizer: their GGUF model file (service.tokenizer: counted as they count)."""
     raw = read_toml(base)
     raw["routing"]["policy"] = policy
     if prefix_capacity_tokens is not None:
@@ -98,6 +100,8 @@ def render_router_settings(base: Path, *, policy: str, admin_listen: str, metric
         envoy_endpoints_file=str(envoy_endpoints_file),
         routing_headers=True,  # experiments record each answer's replica, reason and prediction
     )
+    if tokenizer is not None:
+        raw["service"]["tokenizer"] = tokenizer
     raw["discovery"].update(source="file", file=str(replicas_file))
     if store_url is not None:
         raw["store"]["url"] = store_url

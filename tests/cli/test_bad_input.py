@@ -157,3 +157,14 @@ def test_an_unreadable_store_password_file_stops_the_service_naming_the_key(tmp_
     monkeypatch.setenv("LLM_RING__STORE__URL", '"redis://llm-ring@127.0.0.1:1/0"')
     monkeypatch.setenv("LLM_RING__STORE__PASSWORD_FILE", f'"{tmp_path / "missing"}"')
     assert_refused(*run_cli(capsys, "serve", "--config", str(ROUTER_TOML)), "store.password_file", "missing")
+
+
+def test_a_missing_tokenizer_file_stops_the_service_naming_the_key(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("LLM_RING__SERVICE__TOKENIZER", f'"{tmp_path / "model.gguf"}"')
+    assert_refused(*run_cli(capsys, "serve", "--config", str(ROUTER_TOML)), "service.tokenizer", "no such file")
+
+
+def test_a_tokenizer_file_that_is_no_gguf_stops_the_service(tmp_path, capsys, monkeypatch):
+    (tmp_path / "tokenizer.json").write_text('{"model": {"type": "BPE"}}')
+    monkeypatch.setenv("LLM_RING__SERVICE__TOKENIZER", f'"{tmp_path / "tokenizer.json"}"')
+    assert_refused(*run_cli(capsys, "serve", "--config", str(ROUTER_TOML)), "service.tokenizer", "not a GGUF file")

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from extproc.experiments.demo import VERDICT_METRICS, simulate, verdict
+from extproc.experiments.demo import VERDICT_METRICS, prediction_line, simulate, verdict
 
 
 def paired(**metrics: tuple[float, float]) -> dict:
@@ -23,6 +23,15 @@ def test_a_difference_whose_interval_includes_zero_is_called_noise():
     assert "redirects per run within noise" in text and "p50 latency within noise" in text
     assert "p95 latency lower (-0.991 s ± 0.480 s)" in text
     assert text.count("\n") == 0  # one sentence per comparison
+
+
+def test_the_live_prediction_share_is_pooled_over_each_policys_runs():
+    runs = [{"policy": "bounded", "predictions": 30, "predictions_within_10": 3},
+            {"policy": "llm-aware", "predictions": 34, "predictions_within_10": 34},
+            {"policy": "llm-aware", "predictions": 33, "predictions_within_10": 31},
+            {"policy": "round-robin", "predictions": 0, "predictions_within_10": None}]
+    assert prediction_line(runs) == ("live predictions within 10 % of the prompt (|predicted - cache_n|): "
+                                     "bounded 10.0 % (3/30), llm-aware 97.0 % (65/67), round-robin -")
 
 
 @given(st.floats(-100, 100, allow_nan=False), st.floats(0, 100, allow_nan=False))

@@ -11,6 +11,7 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 from structlog.testing import capture_logs
 
+from extproc.routing.tokens import estimate_tokens
 from extproc.service.bodies import parse_request
 from extproc.service.gateway import LOST_AFTER_S
 from tests.service.test_gateway_lifecycle import TIMINGS, decisions, in_flight, make_gateway, samples
@@ -82,7 +83,9 @@ def test_the_next_turn_releases_the_last_one_before_its_own_decision() -> None:
         assert in_flight(gateway) == 1  # t2 only: t1 was released first
         second = gateway.pending[t2].decision
         assert second.replica == gateway.pending[t1].decision.replica and second.reason in ("home", "sticky")
-        assert second.predicted_cached_tokens == gateway.pending[t1].request.prompt_tokens
+        # its replica holds the first prompt and the answer it wrote (its last token but one)
+        held = estimate_tokens(len(USER1["content"] + "an answer"), gateway.settings.chars_per_token) - 1
+        assert second.predicted_cached_tokens == held > gateway.pending[t1].request.prompt_tokens
         gateway.access_logged(t1, 200, endpoint, cut_off=False, timings=TIMINGS)  # late: logs, releases nothing
         assert in_flight(gateway) == 1 and t1 not in gateway.pending
         gateway.access_logged(t2, 200, endpoint, cut_off=False, timings=TIMINGS)
