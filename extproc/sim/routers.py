@@ -24,7 +24,8 @@ every parallel side of a turn) meets a router of its own:
   from are written (``Store.answered``) and the others learn them as they read, so every
   router learns from every answer, in the order they came (the router first reads what was
   written before it, as for a completion). Policy state other than ledger, memory and
-  speeds (a prefix index, a peer policy's view) stays per router, as in ``separate``. ``store_outage`` = (from, until): the store is down;
+  speeds (a prefix index, a peer policy's view) stays per router, as in ``separate``.
+  ``store_outage`` = (from, until): the store is down;
   writes are lost, every router routes on its own state; once it is back each router
   writes its requests in flight again (what the others held of it before is dropped) and
   reads on.
@@ -120,13 +121,15 @@ class RouterTier:
         router = self._owner.get(request.request_id)
         if router is None:
             return
-        shared = self.store is not None and timings is not None and router.speeds.learning
-        if shared:
-            index = self.routers.index(router)
-            self.store.read(index, self.clock())  # the answers before this one, in order
+        store = self.store if timings is not None and router.speeds.learning else None
+        if store is None:
+            router.report_cached(request, replica, predicted, cached, timings)
+            return
+        index = self.routers.index(router)
+        store.read(index, self.clock())  # the answers before this one, in order
         router.report_cached(request, replica, predicted, cached, timings)
-        if shared and replica in router.replicas:
-            self.store.answered(index, replica, timings)
+        if timings is not None and replica in router.replicas:
+            store.answered(index, replica, timings)
 
     def set_replicas(self, replicas: list[str]) -> None:
         for router in self.distinct():  # every router watches the same discovery
