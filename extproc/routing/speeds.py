@@ -123,7 +123,9 @@ class ReplicaSpeeds:
             self._mean()
             self.answers[replica] += 1
             fastest = self.fastest
-            if fastest is not None and fastest != replica:
+            if fastest is None:  # the first to answer
+                self.fastest = replica
+            elif fastest != replica:
                 if (_reference_s(fit.speed), replica) < (_reference_s(self._fits[fastest].speed), fastest):
                     self.fastest = replica
             elif _reference_s(fit.speed) > _reference_s(before):  # the fastest slowed down

@@ -218,8 +218,13 @@ class Gateway:
         largest = max(service.max_prompt_chars, estimate_tokens(service.max_prompt_chars, service.chars_per_token),
                       service.max_body_bytes + TEMPLATE_OPENING_TOKENS)
         bounds = EntryBounds(settings.max_peer_requests, largest + service.max_output_tokens)
-        self.store = SharedStore(settings, router_id, self.own_loads, self.metrics, bounds, self.republish_pending)
+        self.store = SharedStore(settings, router_id, self.own_loads, self.metrics, bounds, self.republish_pending,
+                                 self.learn_answer)
         await self.store.start()
+
+    def learn_answer(self, replica: str, timings: AnswerTimings) -> None:
+        """Another router's answer, read from the store: its replica's speed is learnt as from one's own."""
+        self.router.speeds.learn(replica, timings)
 
     def own_loads(self) -> dict[str, tuple[int, int]]:
         """This router's own in-flight (requests, tokens) per replica: what it publishes to the store."""
@@ -594,8 +599,11 @@ class Gateway:
         if pending.observed_end and pending.chunks:
             timings = parse_timings(b"".join(pending.chunks), pending.event_stream)
         if timings is not None and timings.cache_n is not None:
+            learnt = answer_timings(timings)
             self.router.report_cached(pending.request, served_replica, decision.predicted_cached_tokens,
-                                      timings.cache_n, answer_timings(timings))
+                                      timings.cache_n, learnt)
+            if self.store is not None and self.router.speeds.learning and served_replica in self.router.replicas:
+                self.store.answered(served_replica, learnt)  # the other routers learn from it too
             self.metrics.cache_tokens(
                 served_replica,
                 decision.predicted_cached_tokens,

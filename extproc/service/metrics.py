@@ -30,7 +30,7 @@ ERRORS = (
 STREAMS = ("route", "observe", "access_log", "picker")
 # the shared store (store.py): a read before a decision, a batch of writes, a (re)connection
 STORE_CALLS = ("read", "write", "connect")
-STORE_ENTRIES = ("placement", "pending", "load")  # what a read may find malformed or out of bounds
+STORE_ENTRIES = ("placement", "pending", "load", "answers")  # what a read may find malformed or out of bounds
 DECISION_SECONDS = (25e-6, 50e-6, 100e-6, 200e-6, 400e-6, 800e-6, 1.6e-3, 3.2e-3, 6.4e-3, 0.0128)
 PREDICTION_ERROR = (-4096, -1024, -256, -64, -16, -1, 0, 1, 16, 64, 256, 1024, 4096)
 
@@ -88,6 +88,7 @@ class Metrics:
         self.store_invalid: Counter[str] = Counter({kind: 0 for kind in STORE_ENTRIES})  # skipped when read
         self.store_writes_dropped = 0  # queued writes given up during a long outage
         self.store_republished = 0  # times this router published its state again (reconnected, store emptied)
+        self.store_answers_learnt = 0  # other routers' answers this router learnt replica speeds from
         self.decision_seconds = Histogram(DECISION_SECONDS)
         self.prediction_error = Histogram(PREDICTION_ERROR)
         self.live_state: LiveState = tuple  # no replicas until watch() names the source
@@ -170,6 +171,12 @@ class _Collector(Collector):
         )
         republished.add_metric([], m.store_republished)
         yield republished
+        answers = CounterMetricFamily(
+            "llm_ring_store_answers_learnt", "other routers' answers this router learnt replica speeds from "
+            "(read from the store)"
+        )
+        answers.add_metric([], m.store_answers_learnt)
+        yield answers
         in_use = GaugeMetricFamily(
             "llm_ring_store_in_use", "1 while decisions use the shared store, 0 on local state alone"
         )

@@ -16,6 +16,14 @@ Each router keeps its own in-flight ledger, the only writer of its own figures, 
   - ``<prefix>:pending:<conversation key>``: the conversation's requests in flight (request
     id -> router, replica, charged tokens, prompt tokens, history hash), so that a router
     given the next turn can tell that another router's request was answered (peers.py).
+  - ``<prefix>:answers``: a stream of the answers' timings each router learnt replica speeds
+    from (routing/speeds.py), one entry per batch of writes {router, [[replica, prompt_n,
+    prompt_ms, predicted_n, predicted_ms, cache_n], ...]}, the latest ANSWERS_KEPT entries.
+    Every router learns the others' answers too, so all learn from every answer, as one router
+    would (the order differs by at most a batch). No round trip of its own: each batch of
+    writes reads what came since the last (XREAD), so the others' answers arrive within
+    WRITE_EVERY_S of a change and within the heartbeat when idle; a new router starts by
+    learning the kept entries.
 Every key has a TTL, so a store under maxmemory can always evict to take a router's write.
 
 Before a decision: ONE round trip, a Lua script returning the placement, the pending
@@ -30,8 +38,9 @@ Failures cost as little as they can:
     is not a slow store) costs that one decision its shared view; nothing else changes;
   - a batch of writes that fails or is slow is kept and sent again (every write is idempotent:
     SET, HSET, HDEL, PEXPIRE, and the load under its growing ``seq``); newer writes of the same
-    key replace it. At most MAX_QUEUED_WRITES are kept; beyond, the oldest are dropped and
-    counted (``llm_ring_store_writes_dropped_total``): only a long outage gets there;
+    key replace it; its answers alone are not sent again (an XADD is not idempotent). At most
+    MAX_QUEUED_WRITES are kept; beyond, the oldest are dropped and counted
+    (``llm_ring_store_writes_dropped_total``): only a long outage gets there;
   - a lost link (refused, reset, the scripts gone after a restart, auth refused) puts the
     router on its own state (``llm_ring_store_in_use`` 0, reads return None at once) and it
     reconnects every store.retry_seconds;
@@ -60,6 +69,7 @@ from redis.exceptions import NoScriptError, RedisError
 from extproc.envoy.contract import STREAM_IDLE_TIMEOUT_S
 from extproc.routing.peers import PeerRequest, ReplicaLoads
 from extproc.routing.placement import Placement
+from extproc.routing.speeds import AnswerTimings
 from extproc.service.metrics import Metrics
 from extproc.settings import SettingsError, StoreSettings
 
@@ -77,6 +87,10 @@ PENDING_TTL_MS = 2 * STREAM_IDLE_TIMEOUT_S * 1000  # no request stays pending lo
 MAX_ROUTERS = 64  # peers read per decision: a set flooded with ids cannot make a read unbounded
 MAX_PENDING = 256  # a conversation's pending requests read per decision
 MAX_NAME_CHARS = 253  # a replica name (a DNS name at most) or a router id
+ANSWERS_KEPT = 1000  # batches of answers' timings the stream keeps (about MAXLEN; a new router learns them)
+ANSWERS_READ = 100  # stream entries read per batch of writes (a new router catches up over a few)
+MAX_ANSWERS_PER_ENTRY = 4096  # answers read of one entry
+MAX_ANSWER_MS = PENDING_TTL_MS  # no answer takes longer (the pending TTL)
 LAG_EVERY_S = 0.02  # the event loop's lag is sampled this often
 LAG_DECAY = 0.9  # ... and remembered as a maximum that decays by this per sample
 
@@ -144,13 +158,16 @@ class Batch:
 
     pending: dict[tuple[str, str], bytes | None] = field(default_factory=dict)  # (key, request id) -> entry; None: gone
     placements: dict[str, tuple[bytes, int]] = field(default_factory=dict)  # key -> (placement, ttl ms)
+    answers: list[tuple[str, AnswerTimings]] = field(default_factory=list)  # (replica, timings), oldest first
 
     def __len__(self) -> int:
-        return len(self.pending) + len(self.placements)
+        return len(self.pending) + len(self.placements) + len(self.answers)
 
     def under(self, newer: Batch) -> Batch:
-        """This batch (not written) followed by ``newer``: a key's newer write replaces the older."""
-        return Batch({**self.pending, **newer.pending}, {**self.placements, **newer.placements})
+        """This batch (not written) followed by ``newer``: a key's newer write replaces the older.
+        Its answers are dropped: sent again they might be learnt twice (XADD is not idempotent),
+        and each router has learnt its own already."""
+        return Batch({**self.pending, **newer.pending}, {**self.placements, **newer.placements}, newer.answers)
 
 
 class SharedStore:
@@ -162,6 +179,7 @@ class SharedStore:
         metrics: Metrics,
         bounds: EntryBounds,
         on_recovered: Callable[[], None] = lambda: None,
+        on_answer: Callable[[str, AnswerTimings], None] = lambda replica, timings: None,
     ) -> None:
         self.settings = settings
         self.router_id = router_id
@@ -169,6 +187,7 @@ class SharedStore:
         self.metrics = metrics
         self.bounds = bounds
         self.on_recovered = on_recovered  # re-queue this router's pending requests
+        self.on_answer = on_answer  # another router's answer: learn the replica's speed from it
         self.timeout = settings.timeout_ms / 1000
         prefix = settings.key_prefix
         self._routers_key = f"{prefix}:routers"
@@ -177,6 +196,8 @@ class SharedStore:
         self._load_key = self._load_prefix + router_id
         self._place_prefix = f"{prefix}:place:"
         self._pending_prefix = f"{prefix}:pending:"
+        self._answers_key = f"{prefix}:answers"
+        self._answers_seen = b"0-0"  # the last stream entry read: from the oldest kept at the start
         password = _password(settings.password_file)
         # the socket's own timeouts only catch a connection that hangs for good: each call's
         # bound is asyncio's (the timeout plus the loop's lag)
@@ -291,6 +312,13 @@ class SharedStore:
                 self._placed.popitem(last=False)
         self.load_changed()
 
+    def answered(self, replica: str, timings: AnswerTimings) -> None:
+        """This router learnt ``replica``'s speed from an answer: the others learn it too (not while
+        the store is out of use: then each router learns from its own answers alone)."""
+        if self.in_use:
+            self._writes.answers.append((replica, timings))
+            self._wake.set()
+
     def load_changed(self) -> None:
         self._load_dirty = True
         self._wake.set()
@@ -330,6 +358,12 @@ class SharedStore:
 
     async def _send(self, writes: Batch, load_dirty: bool) -> None:
         pipe = self.client.pipeline(transaction=False)
+        pipe.xread({self._answers_key: self._answers_seen}, count=ANSWERS_READ)  # first: what came before ours
+        if writes.answers:
+            answers = orjson.dumps([(replica, *timings) for replica, timings in writes.answers])
+            pipe.xadd(self._answers_key, {"router": self.router_id, "answers": answers}, maxlen=ANSWERS_KEPT,
+                      approximate=True)
+            pipe.pexpire(self._answers_key, int(self.settings.placement_ttl_seconds * 1000))
         refreshed = set()
         for (key, request_id), entry in writes.pending.items():
             if entry is None:
@@ -350,6 +384,7 @@ class SharedStore:
                                  self.settings.placement_ttl_seconds * 1000)
         async with asyncio.timeout(self._budget() + self.timeout * len(writes) / 1000):
             results = await pipe.execute()
+        self._learn(results[0])
         if load_dirty:
             if results[-1] == 0 and self._published:  # this router unknown: the store lost its state
                 log.warning("store_emptied", router=self.router_id)
@@ -466,6 +501,32 @@ class SharedStore:
                 self.metrics.store_invalid["load"] += 1
         return Snapshot(placement, digest, tuple(pending), loads)
 
+    def _learn(self, reply: object) -> None:
+        """The other routers' answers read from the stream, each checked: an entry that does not
+        parse or is out of bounds is skipped and counted, the rest learnt in order."""
+        entries = reply[0][1] if isinstance(reply, list) and reply and isinstance(reply[0], list | tuple) else []
+        for entry_id, fields in entries:
+            self._answers_seen = entry_id
+            try:
+                router = _name(fields[b"router"])
+                answers = [] if router == self.router_id else self._answers(fields[b"answers"])
+            except (ValueError, TypeError, KeyError, UnicodeDecodeError):
+                self.metrics.store_invalid["answers"] += 1
+                continue
+            for replica, timings in answers:
+                self.on_answer(replica, timings)
+            self.metrics.store_answers_learnt += len(answers)
+
+    def _answers(self, raw: bytes) -> list[tuple[str, AnswerTimings]]:
+        answers = orjson.loads(raw)
+        if not isinstance(answers, list) or len(answers) > MAX_ANSWERS_PER_ENTRY:
+            raise TypeError("answers are a list")
+        limit = self.bounds.max_request_tokens
+        return [(_name(replica), AnswerTimings(self._tokens(prompt_n, limit), _ms(prompt_ms),
+                                               self._tokens(predicted_n, limit), _ms(predicted_ms),
+                                               self._tokens(cache_n, limit)))
+                for replica, prompt_n, prompt_ms, predicted_n, predicted_ms, cache_n in answers]
+
     def _placement(self, raw: bytes) -> tuple[Placement, int]:
         replica, tokens, digest = orjson.loads(raw)
         return Placement(_name(replica), self._tokens(tokens, self.bounds.max_request_tokens)), _digest(digest)
@@ -498,6 +559,12 @@ def _name(value: object) -> str:
     if not isinstance(text, str) or not 0 < len(text) <= MAX_NAME_CHARS:
         raise ValueError("not a name")
     return text
+
+
+def _ms(value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= MAX_ANSWER_MS:
+        raise ValueError(f"{value!r} is not a duration within 0..{MAX_ANSWER_MS} ms")
+    return float(value)
 
 
 def _digest(value: object) -> int:

@@ -20,8 +20,12 @@ every parallel side of a turn) meets a router of its own:
   once: the router receiving the next turn releases it in the store itself, and the
   placement was written when the request was routed (modelled as the completion's writes
   reaching every router at once: the same placement, since the answer came from the pick).
-  Policy state other than ledger and memory (a prefix index, a peer policy's view) stays
-  per router, as in ``separate``. ``store_outage`` = (from, until): the store is down;
+  The learnt replica speeds go through the store too: each answer's timings a router learns
+  from are written (``Store.answered``) and the others learn them as they read, so every
+  router learns from every answer, in the order they came (the router first reads what was
+  written before it, as for a completion). Policy state other than ledger, memory and
+  speeds (a prefix index, a peer policy's view) stays per router, as in ``separate``.
+  ``store_outage`` = (from, until): the store is down;
   writes are lost, every router routes on its own state; once it is back each router
   writes its requests in flight again (what the others held of it before is dropped) and
   reads on.
@@ -45,9 +49,10 @@ from extproc.routing.speeds import AnswerTimings
 from extproc.settings import RoutingSettings
 
 ROUTER_STATES = ("separate", "shared", "affinity", "shared-load", "affinity-shared-load", "store")
-_CHARGE, _RELEASE, _REMEMBER = 0, 1, 2
+_CHARGE, _RELEASE, _REMEMBER, _ANSWER = 0, 1, 2, 3
 _EVERYONE = -1  # a write every router has already applied
-Write = tuple[float, int, int, str | int, str, int]  # (at, writer, kind, key: request id or conversation, replica, n)
+# (at, writer, kind, key: request id, conversation or an answer's timings, replica, n)
+Write = tuple[float, int, int, str | int | AnswerTimings, str, int]
 
 
 def check_router_tier(count: int, state: str, store_lag_ms: float = 0.0) -> None:
@@ -114,8 +119,17 @@ class RouterTier:
                       timings: AnswerTimings | None = None) -> None:
         """An answer's cached tokens and timings go to the router that routed it (reported before its release)."""
         router = self._owner.get(request.request_id)
-        if router is not None:
+        if router is None:
+            return
+        store = self.store if timings is not None and router.speeds.learning else None
+        if store is None:
             router.report_cached(request, replica, predicted, cached, timings)
+            return
+        index = self.routers.index(router)
+        store.read(index, self.clock())  # the answers before this one, in order
+        router.report_cached(request, replica, predicted, cached, timings)
+        if timings is not None and replica in router.replicas:
+            store.answered(index, replica, timings)
 
     def set_replicas(self, replicas: list[str]) -> None:
         for router in self.distinct():  # every router watches the same discovery
@@ -147,22 +161,28 @@ class Store:
         self.now = 0.0
         self.writes: list[Write] = []
         self.seen = [0] * len(routers)  # per router: the first write it has not read
+        self.routers = routers  # (their speeds are looked up when read: a reset replaces them)
         self.ledgers, self.memories = [], []
         self.released_early: list[set[str]] = [set() for _ in routers]  # handed off before the reader saw the charge
         self.remote: list[set[str]] = [set() for _ in routers]  # per router: the others' charges it holds
         self.resynced = [outage is None for _ in routers]
+        self.publishers = [self._publisher(index) for index in range(len(routers))]
         for index, router in enumerate(routers):
-            publish = self._publisher(index)
+            publish = self.publishers[index]
             router.ledger = ledger = StoredLedger(publish)
             router.memory = memory = StoredMemory(router.settings.memory_capacity, publish, self)
             self.ledgers.append(ledger)
             self.memories.append(memory)
 
-    def _publisher(self, writer: int) -> Callable[[int, str | int, str, int], None]:
-        def publish(kind: int, key: str | int, replica: str, n: int) -> None:
+    def _publisher(self, writer: int) -> Callable[[int, str | int | AnswerTimings, str, int], None]:
+        def publish(kind: int, key: str | int | AnswerTimings, replica: str, n: int) -> None:
             if not self.down(self.now):  # a write to a store that is down is lost
                 self.writes.append((self.now, writer, kind, key, replica, n))
         return publish
+
+    def answered(self, writer: int, replica: str, timings: AnswerTimings) -> None:
+        """``writer`` learnt ``replica``'s speed from an answer: the others learn it as they read."""
+        self.publishers[writer](_ANSWER, timings, replica, 0)
 
     def down(self, at: float) -> bool:
         return self.outage is not None and self.outage[0] <= at < self.outage[1]
@@ -221,7 +241,9 @@ class Store:
     def _apply(self, reader: int, write: Write, at_once: bool = False) -> None:
         at, _, kind, key, replica, n = write
         ledger = self.ledgers[reader]
-        if kind == _CHARGE:
+        if isinstance(key, AnswerTimings):  # kind _ANSWER
+            self.routers[reader].speeds.learn(replica, key)
+        elif kind == _CHARGE:
             if str(key) in self.released_early[reader]:
                 self.released_early[reader].discard(str(key))
             elif replica in ledger.loads("requests") and str(key) not in self.remote[reader]:

@@ -27,7 +27,7 @@ ADMIN = "admin"
 # every command store.py sends and its Lua scripts call (store.py's READ_SCRIPT, PUBLISH_SCRIPT)
 ROUTER_COMMANDS = (
     "evalsha", "script|load", "get", "set", "del", "hget", "hgetall", "hset", "hsetnx", "hdel", "pexpire",
-    "sadd", "srem", "srandmember",
+    "sadd", "srem", "srandmember", "xadd", "xread",
 )  # fmt: skip
 
 

@@ -65,6 +65,14 @@ def test_the_prior_until_an_answer_and_nonsense_is_ignored():
     assert abs(learnt.decode_s_per_token - 0.01) < 1e-3
 
 
+@given(st.floats(1e-5, 1e-1))
+def test_the_first_replica_to_answer_is_the_fastest_whether_faster_or_slower_than_the_prior(per_token):
+    speeds = ReplicaSpeeds(PRIOR, 0.05, True, ["llm-0", "llm-1"])
+    assert speeds.fastest is None
+    speeds.learn("llm-1", answer(500, Speed(per_token, 0.01, 0.0)))
+    assert speeds.fastest == "llm-1"
+
+
 def test_without_learning_every_replica_keeps_the_prior_and_a_new_one_starts_from_it():
     frozen = ReplicaSpeeds(PRIOR, 0.05, False, ["llm-0"])
     frozen.learn("llm-0", answer(500, Speed(1, 1, 1)))

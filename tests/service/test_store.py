@@ -19,6 +19,7 @@ import redis
 
 from extproc.routing.peers import PeerRequest
 from extproc.routing.placement import Placement
+from extproc.service.bodies import Timings
 from extproc.service.gateway import Gateway
 from extproc.service.metrics import Metrics
 from extproc.service.store import SharedStore
@@ -178,6 +179,36 @@ def test_a_new_router_starts_warm(server: Running) -> None:
         late = await sharing(server, "r-new")  # started after: an empty memory of its own
         t2 = await ask(late, follow_up([USER1], "an answer", "more"))
         assert late.pending[t2].decision.replica == moved_to != home
+
+    run_closing(run)
+
+
+SLOW = Timings(cache_n=0, prompt_n=2000, prompt_ms=8000.0, predicted_n=8, predicted_ms=800.0)
+
+
+def test_every_router_learns_the_replica_speeds_from_every_answer(server: Running) -> None:
+    async def run() -> None:
+        a, b = await sharing(server, "r-a"), await sharing(server, "r-b")
+        prior = a.router.speeds.prior
+        request_id = await ask(a, [USER1])
+        slow = a.pending[request_id].decision.replica
+        a.access_logged(request_id, 200, ENDPOINTS[slow], cut_off=False, timings=SLOW)
+        learnt = a.router.speeds.speed(slow)
+        assert learnt != prior and a.router.speeds.answers[slow] == 1
+        await a.store.flushed()  # type: ignore[union-attr]
+
+        async def learnt_by(gateway: Gateway) -> bool:
+            return gateway.router.speeds.answers[slow] == 1
+
+        await eventually(lambda: learnt_by(b))  # within b's next batch of writes (its heartbeat here)
+        assert b.router.speeds.speed(slow) == learnt and b.router.speeds.fastest == slow
+        assert samples(b)["llm_ring_store_answers_learnt_total", ()] == 1
+        late = await sharing(server, "r-new")  # started after: learns the answers the store keeps
+        await eventually(lambda: learnt_by(late))
+        assert late.router.speeds.speed(slow) == learnt
+        assert a.metrics.store_answers_learnt == 0  # its own answer, read back, is not learnt twice
+        alone = make_gateway()  # the control: a router that shares nothing learnt nothing
+        assert alone.router.speeds.answers[slow] == 0 and alone.router.speeds.speed(slow) == prior
 
     run_closing(run)
 
@@ -398,7 +429,15 @@ def test_entries_that_do_not_parse_or_are_out_of_bounds_are_skipped_and_counted(
         assert snapshot is not None and store.in_use
         assert snapshot.placement is None and snapshot.pending == (PeerRequest("r-b", "llm-0", 10, 5, 7),)
         assert snapshot.loads == {"ok": {"llm-1": (2, 20)}}
-        assert a.metrics.store_invalid == {"placement": 1, "pending": 2, "load": 2}
+        for fields in ({"router": "r-b", "answers": "not-json"}, {"answers": "[]"},  # no router
+                       {"router": "r-b", "answers": orjson.dumps([["llm-0", -1, 1.0, 1, 1.0, 0]])},
+                       {"router": "r-b", "answers": orjson.dumps([["llm-0", 100, 1e12, 1, 1.0, 0]])},
+                       {"router": "r-b", "answers": orjson.dumps([["llm-0", 100, 50.0, 4, 40.0, 0]])}):
+            raw.xadd("llm-ring:answers", fields)  # type: ignore[arg-type]
+        store.load_changed()  # the next batch of writes reads them
+        await store.flushed()
+        assert a.metrics.store_invalid == {"placement": 1, "pending": 2, "load": 2, "answers": 4}
         assert samples(a)["llm_ring_store_invalid_entries_total", (("entry", "load"),)] == 2
+        assert a.router.speeds.answers["llm-0"] == a.metrics.store_answers_learnt == 1  # the valid one
 
     run_closing(run)

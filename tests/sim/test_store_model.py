@@ -22,6 +22,7 @@ from tests.sim.helpers import settings as policy_settings
 from tests.sim.helpers import simple_cost
 from tests.sim.test_routers import AGENT, FLEET, QUICK, rows
 
+SLOW_PREFILL = simple_cost(prefill={"overhead_s": 0.0, "per_token_s": 0.03, "per_token_ctx_s": 0.0})
 NEVER_MS = 1e15  # later than any run ends: no router ever reads another's writes
 
 
@@ -29,14 +30,29 @@ def store_rows(profile, policy: str, seed: int, lag_ms: float) -> list[dict]:
     return rows(profile, policy, seed, 3, "store", lag_ms)
 
 
-# learnt replica speeds stay per router (each learns from the answers to its own requests)
-ONE_PICTURE = ["bounded", "llm-aware:speed_learning=false"]
+ONE_PICTURE = ["bounded", "llm-aware:speed_learning=false", "llm-aware"]
 
 
 @pytest.mark.parametrize("policy", ONE_PICTURE)
 @pytest.mark.parametrize("profile", [QUICK, AGENT], ids=["quick", "agent"])
 def test_a_store_without_lag_is_one_router(profile, policy):
     assert store_rows(profile, policy, 3, 0.0) == rows(profile, policy, 3, 3, "shared") == rows(profile, policy, 3)
+
+
+def test_through_the_store_every_router_learns_the_speeds_of_every_answer():
+    # replicas of two speeds: the learnt speeds steer decisions (a router learning only from its
+    # own answers decided otherwise here, in 65 of the requests)
+    mixed = Fleet(3, 2, 4000, release_lag_s=0.02, models=((simple_cost(), 4000), (SLOW_PREFILL, 4000)))
+    workload = profile_workload(AGENT, 3)
+    store = run_once(workload, policy_settings("llm-aware"), simple_cost(), mixed, 3, "store", 3, 0.0)
+    one = run_once(profile_workload(AGENT, 3), policy_settings("llm-aware"), simple_cost(), mixed, 1, "separate", 3)
+    assert request_rows(store.requests, "run", "llm-aware", 3) == request_rows(one.requests, "run", "llm-aware", 3)
+    tier = RouterTier(policy_settings("llm-aware"), 3, "store", 3)
+    simulate(profile_workload(AGENT, 3), tier, simple_cost(), mixed)
+    tier.settle()
+    learnt = [router.speeds for router in tier.routers]
+    assert learnt[0].speeds() == learnt[1].speeds() == learnt[2].speeds() != learnt[0].prior
+    assert learnt[0].answers == learnt[1].answers and sum(learnt[0].answers.values()) > sum(tier.routed) / 2
 
 
 @pytest.mark.parametrize("policy", ["bounded", "llm-aware"])
