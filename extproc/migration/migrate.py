@@ -46,7 +46,7 @@ class Outcome:
     bytes: int = 0
     seconds: float = 0.0
     problems: list[str] = field(default_factory=list)
-    saved_slots: list[int] = field(default_factory=list)
+    saved_slots: list[tuple[int, int]] = field(default_factory=list)  # (slot, its last task) as saved
 
     def add(self, later: Outcome) -> None:
         """A second pass's outcome into this one."""
@@ -59,7 +59,8 @@ class Outcome:
     def as_dict(self) -> dict[str, object]:
         return {"replica": self.replica, "slots": self.slots, "matched": self.matched, "attempted": self.attempted,
                 "succeeded": len(self.moved), "failed": self.failed, "bytes": self.bytes,
-                "seconds": round(self.seconds, 3), "problems": self.problems[:5]}
+                "seconds": round(self.seconds, 3), "problems": self.problems[:5],
+                "moves": [[key, receiver, tokens] for key, receiver, tokens in self.moved]}
 
 
 class Transport(Protocol):
@@ -83,11 +84,13 @@ class SharedFolder:
 
 def migrate_out(leaving: tuple[str, str], staying: Mapping[str, str], routers: Sequence[str], folder: Path,
                 identity: slotfiles.Identity, transport: Transport, costs: Costs, limits: Limits, deadline: float,
-                progress: Progress = lambda _: None, done: frozenset[int] = frozenset()) -> Outcome:
+                progress: Progress = lambda _: None, done: frozenset[tuple[int, int]] = frozenset()) -> Outcome:
     """Move what is worth moving from `leaving` (name, address) to `staying` ({name: address});
     folder: where the leaving replica saves (its --slot-save-path), identity: its identity;
-    routers: the Admin addresses of every routing service; done: slots an earlier pass saved
-    (a first pass moves the idle slots at once, a second one those that were busy)."""
+    routers: the Admin addresses of every routing service; done: (slot, last task) an earlier
+    pass saved: a slot that ran a task since (its conversation came back) is saved again. A
+    first pass moves the idle slots while the replica still serves (its routers then send those
+    conversations to their receivers), a later one what changed since and what was busy."""
     from extproc.service.admin_client import AdminClient
 
     name, address = leaving
@@ -133,14 +136,14 @@ def migrate_out(leaving: tuple[str, str], staying: Mapping[str, str], routers: S
 
 def _saved_slots(source: LlamaServer, name: str, folder: Path, identity: slotfiles.Identity, framing: Framing,
                  placed: dict[str, dict[int, int]], outcome: Outcome,
-                 done: frozenset[int]) -> tuple[list[Candidate], dict[int, int]]:
+                 done: frozenset[tuple[int, int]]) -> tuple[list[Candidate], dict[int, int]]:
     """Save every slot that holds a conversation the routers placed here; (candidates, key -> bytes)."""
     candidates, saved = [], {}
     for slot in source.slots():
-        if slot.tokens == 0 or slot.processing or slot.id in done:
+        if slot.tokens == 0 or slot.processing or (slot.id, slot.last_task) in done:
             continue
         outcome.slots += 1
-        outcome.saved_slots.append(slot.id)
+        outcome.saved_slots.append((slot.id, slot.last_task))
         scratch = f"{identity.tag}-out-{name}-{slot.id}.bin"
         written = int(source.save(slot.id, scratch)["n_written"])
         outcome.bytes += written

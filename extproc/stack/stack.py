@@ -430,14 +430,15 @@ class Stack:
 
     # -- changes while running
 
-    def scale(self, n: int, progress: Progress = print, drain_timeout: float = 60.0) -> list[dict[str, object]]:
+    def scale(self, n: int, progress: Progress = print, drain_timeout: float = 60.0,
+              migrate: bool | None = None) -> list[dict[str, object]]:
         """Run n replicas: new ones join once healthy; removed ones leave the list, drain, hand
-        their conversations' caches to the others ([migration] enabled), stop. Returns each
-        migration's outcome."""
+        their conversations' caches to the others ([migration] enabled, or `migrate`), stop.
+        Returns each removed replica's step, as `roll` does (without "up")."""
         if n < 1:
             raise StackError(f"scale {n}: at least 1 replica")
         with self.locked():
-            return self._scale(n, progress, self._drain_seconds(drain_timeout))
+            return self._scale(n, progress, self._drain_seconds(drain_timeout), migrate)
 
     def roll(self, name: str, progress: Progress = print, migrate: bool | None = None) -> dict[str, object]:
         """Restart one replica as a rolling update does: out of the list, drain, migrate its
@@ -450,19 +451,7 @@ class Stack:
             if leaving is None:
                 raise StackError(f"no replica {name!r}")
             staying = [r for r in current if r.name != name]
-            if self.state.migration:
-                self._kv_bytes_per_token()  # before it leaves: nothing slow between its leaving and its migration
-            self.state.replicas = [r.as_dict() for r in staying]
-            self._write_replica_list()
-            self.save()
-            for gw in self.gateway_list:
-                self._wait_router_forgets({name}, gw.router_address)
-            out = _iso(time.time())
-            deadline = time.monotonic() + self._drain_seconds(60.0)
-            outcome = self._migrate_draining(leaving, staying, deadline, progress, migrate)
-            drained = _iso(time.time())
-            replicas.stop_all([leaving])
-            down = _iso(time.time())
+            step = self._leave([leaving], staying, progress, migrate, self._drain_seconds(60.0))[0]
             self.state.replicas = [r.as_dict() for r in staying]
             self._start_replicas([name], [leaving.port], progress, port_wait=5.0)
             self.state.replicas.sort(key=lambda r: int(str(r["name"]).rsplit("-", 1)[1]))
@@ -471,8 +460,35 @@ class Stack:
             for gw in self.gateway_list:
                 self._wait_router_knows({name}, gw.router_address)
                 self._wait_envoy_knows({leaving.address}, gw.envoy_admin)
-            return {"replica": name, "out": out, "drained": drained, "down": down, "up": _iso(time.time()),
-                    "migration": outcome}
+            return {**step, "up": _iso(time.time())}
+
+    def _leave(self, leaving: list[Replica], staying: list[Replica], progress: Progress, migrate: bool | None,
+               drain_seconds: float) -> list[dict[str, object]]:
+        """Take `leaving` out of the lists, drain each one and move its caches, stop them; per
+        replica {"replica", "out", "drained", "down" (ISO times), "migration"}. With migration,
+        the idle slots are moved first, while the replica still serves: the routers send those
+        conversations to their receivers at once, and what is left after it is out (what
+        changed since, what was busy) is little."""
+        deadline = time.monotonic() + drain_seconds
+        moving = bool(self.state.migration) and bool(staying) and bool(
+            self.state.migration.get("enabled") if migrate is None else migrate)
+        early: dict[str, Outcome] = {}
+        if moving:
+            self._kv_bytes_per_token()  # before it leaves: nothing slow between its leaving and its migration
+            early = {r.name: self._migrate(r, staying, deadline, lambda _: None, frozenset()) for r in leaving}
+        self.state.replicas = [r.as_dict() for r in staying]
+        self._write_replica_list()
+        self.save()
+        for gw in self.gateway_list:
+            self._wait_router_forgets({r.name for r in leaving}, gw.router_address)
+        out = _iso(time.time())
+        steps: list[dict[str, object]] = []
+        for replica in leaving:
+            outcome = self._migrate_draining(replica, staying, deadline, progress, early.get(replica.name))
+            steps.append({"replica": replica.name, "out": out, "drained": _iso(time.time()), "migration": outcome})
+        replicas.stop_all(leaving)
+        down = _iso(time.time())
+        return [{**step, "down": down} for step in steps]
 
     def _kv_bytes_per_token(self) -> int:
         if not self.state.kv_bytes_per_token:  # a stack started before it was kept: read once, kept
@@ -484,15 +500,16 @@ class Stack:
         return float(self.state.migration.get("drain_seconds", fallback))
 
     def _migrate_draining(self, leaving: Replica, staying: list[Replica], deadline: float, progress: Progress,
-                          migrate: bool | None = None) -> dict[str, object]:
-        """Drain `leaving` (out of the lists already) and move its caches as its slots turn idle:
-        the idle ones at once, each busy one as soon as its request ends (its conversation's next
-        turn may come within seconds), until none is busy or the deadline."""
-        section = self.state.migration
-        if not (section.get("enabled") if migrate is None else migrate) or not staying or not section:
+                          early: Outcome | None) -> dict[str, object]:
+        """Drain `leaving` (out of the lists already) and move its caches as its slots turn idle
+        (early: what was moved before it left, None: no migration): the idle ones at once, each
+        busy one as soon as its request ends (its conversation's next turn may come within
+        seconds), until none is busy or the deadline."""
+        if early is None:
             _drain([leaving], deadline - time.monotonic(), progress)
             return {}
-        total = self._migrate(leaving, staying, deadline, lambda _: None, frozenset())
+        total = early
+        total.add(self._migrate(leaving, staying, deadline, lambda _: None, frozenset(total.saved_slots)))
         busy = _busy_slots(leaving.address)
         while busy and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -506,7 +523,7 @@ class Stack:
         return total.as_dict()
 
     def _migrate(self, leaving: Replica, staying: list[Replica], deadline: float, progress: Progress,
-                 done: frozenset[int]) -> Outcome:
+                 done: frozenset[tuple[int, int]]) -> Outcome:
         from extproc.migration.migrate import Limits, SharedFolder, migrate_out
         from extproc.migration.planner import Costs
         from extproc.migration.slotfiles import Identity
@@ -525,7 +542,8 @@ class Stack:
                               limits, deadline, progress, done)
         return outcome
 
-    def _scale(self, n: int, progress: Progress, drain_timeout: float) -> list[dict[str, object]]:
+    def _scale(self, n: int, progress: Progress, drain_timeout: float,
+               migrate: bool | None) -> list[dict[str, object]]:
         current = self.replica_list
         if n > len(current):
             names = [replicas.replica_name(i) for i in range(len(current), n)]
@@ -541,18 +559,9 @@ class Stack:
         elif n < len(current):
             leaving = current[n:]
             progress(f"scaling {len(current)} -> {n}: removing {', '.join(r.name for r in leaving)}")
-            if self.state.migration:
-                self._kv_bytes_per_token()
-            self.state.replicas = [r.as_dict() for r in current[:n]]
-            self._write_replica_list()
+            steps = self._leave(leaving, current[:n], progress, migrate, drain_timeout)
             self.save()
-            for gw in self.gateway_list:
-                self._wait_router_forgets({r.name for r in leaving}, gw.router_address)
-            deadline = time.monotonic() + drain_timeout
-            outcomes = [self._migrate_draining(replica, current[:n], deadline, progress) for replica in leaving]
-            replicas.stop_all(leaving)
-            self.save()
-            return [o for o in outcomes if o]
+            return steps
         self.save()
         return []
 

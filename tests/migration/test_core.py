@@ -136,3 +136,28 @@ def test_the_router_lists_what_a_leaving_replica_served_and_marks_a_migrated_con
     assert again is not None and "migrated" not in again.reason  # only the first decision after the move
     router.set_replicas("abc")  # back as a fresh server: nothing is cached there
     assert router.placed_on(leaving) == []
+
+
+def test_a_migration_points_the_prefix_index_at_the_receiver_even_while_the_source_still_serves() -> None:
+    from extproc.routing import Router, RouteRequest
+    from extproc.settings import load_settings
+
+    settings = load_settings("extproc/service/router.toml", environ={}).routing.model_copy(
+        update={"policy": "llm-aware", "prefix_index": True})
+    blocks = tuple(range(1000, 1040))  # 40 blocks of 16 tokens
+
+    def follow_up(moved_blocks: tuple[int, ...]) -> tuple[str, str, str, int]:
+        router = Router(settings, ["a", "b", "c"])
+        first = router.route(RouteRequest("1", "chat", 640, 8, blocks))
+        assert first is not None
+        router.complete("1")
+        receiver = next(n for n in "abc" if n != first.replica)
+        assert router.migrated(router.conversation_key("chat"), receiver, 648, moved_blocks)
+        then = router.route(RouteRequest("2", "chat", 700, 8, (*blocks, 2000, 2001, 2002)))
+        assert then is not None
+        return first.replica, receiver, then.replica, then.predicted_cached_tokens
+
+    source, receiver, went, cached = follow_up(blocks)
+    assert went == receiver and cached >= 600  # the receiver holds the history, the source does not count
+    source, receiver, went, _ = follow_up(())  # not told the blocks: the index still sees them on the source
+    assert went == source
