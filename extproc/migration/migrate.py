@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -108,25 +109,36 @@ def migrate_out(leaving: tuple[str, str], staying: Mapping[str, str], routers: S
                         placed.setdefault(opening, {})[key] = tokens
         candidates, saved = _saved_slots(source, name, folder, identity, framing, placed, outcome, done)
         ring = HashRing(staying, int(state["virtual_nodes"]), int(state["hash_seed"]))
-        idle = {receiver: _idle_slots(LlamaServer(addr)) for receiver, addr in staying.items()}
+        with ThreadPoolExecutor(max(1, len(staying))) as pool:  # a busy replica answers after its batch: all at once
+            idle = dict(zip(staying, pool.map(lambda addr: _idle_slots(LlamaServer(addr)), staying.values()),
+                            strict=True))
         moves = plan(candidates, ring, {r: len(s) for r, s in idle.items()}, costs, limits.min_tokens,
                      limits.max_bytes)
-        for move in moves:
-            if time.monotonic() > deadline:
-                outcome.problems.append("deadline reached")
-                break
-            outcome.attempted += 1
-            if _restore(move, staying[move.receiver], idle[move.receiver], transport, saved[move.conversation_key],
-                        outcome):
-                outcome.moved.append((move.conversation_key, move.receiver, move.tokens))
-            else:
-                outcome.failed += 1
+        if moves and time.monotonic() < deadline:
+            # the routers first: each restore then reaches its receiver before any next turn they
+            # send there, and llama.cpp runs its tasks in the order they arrive
+            _tell(routers, [(m.conversation_key, m.receiver, m.tokens) for m in moves], outcome)
+            slots = [idle[m.receiver].pop(0).id for m in moves]
+            timeout = max(1.0, deadline - time.monotonic())
+            with ThreadPoolExecutor(len(moves)) as pool:
+                results = list(pool.map(lambda m, slot: _restore(m, staying[m.receiver], slot, transport, timeout),
+                                        moves, slots))
+            for move, problem in zip(moves, results, strict=True):
+                outcome.attempted += 1
+                if problem is None:
+                    outcome.moved.append((move.conversation_key, move.receiver, move.tokens))
+                    outcome.bytes += saved[move.conversation_key]
+                else:
+                    outcome.failed += 1
+                    outcome.problems.append(problem)
+        elif moves:
+            outcome.problems.append("deadline reached")
     except (SlotError, OSError, KeyError, ValueError) as exc:
         outcome.problems.append(str(exc))
     except Exception as exc:  # a router that does not answer (grpc.RpcError): a miss, the scale goes on
         outcome.problems.append(f"{type(exc).__name__}: {exc}")
     outcome.seconds = time.monotonic() - began
-    _tell(routers, outcome)
+    _tell(routers, [], outcome)  # the counts, for the routers' metrics
     slotfiles.prune(folder, limits.folder_bytes, limits.max_age_seconds)
     progress(f"migration from {name}: {len(outcome.moved)} of {outcome.slots} slot(s) moved "
              f"({outcome.bytes:,} bytes, {outcome.seconds:.2f}s)"
@@ -150,6 +162,8 @@ def _saved_slots(source: LlamaServer, name: str, folder: Path, identity: slotfil
         tokens = slotfiles.read_tokens(folder / scratch)
         found = None if tokens is None else _conversation(source.detokenize(tokens), len(tokens), framing, placed)
         if tokens is None or found is None:
+            outcome.problems.append(f"{name} slot {slot.id}: " + ("not a slot file it can read" if tokens is None else
+                                    f"{len(tokens)} tokens, no conversation placed there opens as they do"))
             (folder / scratch).unlink(missing_ok=True)
             continue
         outcome.matched += 1
@@ -178,29 +192,31 @@ def _idle_slots(server: LlamaServer) -> list[Slot]:
     return sorted((s for s in server.slots() if not s.processing), key=lambda s: (s.tokens > 0, s.last_task))
 
 
-def _restore(move: Move, address: str, idle: list[Slot], transport: Transport, size: int,
-             outcome: Outcome) -> bool:
+def _restore(move: Move, address: str, slot: int, transport: Transport, timeout: float) -> str | None:
+    """The conversation's file restored into ``slot`` of the receiver at ``address``; None, or
+    what went wrong (a miss)."""
     delivered = transport.deliver(move.receiver, move.conversation_key)
     if delivered is None:
-        outcome.problems.append(f"{move.receiver}: no slot file of its identity (a miss)")
-        return False
+        return f"{move.receiver}: no slot file of its identity (a miss)"
     filename, tokens = delivered
-    slot = idle.pop(0)
     try:
-        restored = LlamaServer(address).restore(slot.id, filename)
+        restored = LlamaServer(address, timeout).restore(slot, filename)
     except SlotError as exc:
-        outcome.problems.append(str(exc))
-        return False
-    outcome.bytes += size
-    return int(restored.get("n_restored", 0)) == tokens
+        return str(exc)
+    if int(restored.get("n_restored", 0)) != tokens:
+        return f"{move.receiver}: restored {restored.get('n_restored')} of {tokens} tokens"
+    return None
 
 
-def _tell(routers: Sequence[str], outcome: Outcome) -> None:
+def _tell(routers: Sequence[str], moves: list[tuple[int, str, int]], outcome: Outcome) -> None:
+    """Every router: ``moves`` (where each conversation's next turn goes), and this pass's counts
+    so far (none while there are moves: they are told before the restores)."""
     from extproc.service.admin_client import AdminClient
 
+    counts = (0, 0, 0, 0.0) if moves else (outcome.attempted, outcome.failed, outcome.bytes, outcome.seconds)
     for router in routers:
         try:
             with AdminClient(router) as admin:
-                admin.migrated(outcome.moved, outcome.attempted, outcome.failed, outcome.bytes, outcome.seconds)
+                admin.migrated(moves, *counts)
         except Exception as exc:  # that router routes the next turns as without migration
             outcome.problems.append(f"router {router}: {type(exc).__name__}")

@@ -59,8 +59,8 @@ class AdminService(admin_pb2_grpc.AdminServicer):
                 if gateway.store is not None:  # the routers that were not told read it there
                     gateway.store.moved(move.key, Placement(move.replica, move.tokens),
                                         gateway.digests.get(move.key) or 0)
-        self.gateway.migrations.reported(request.attempted, len(request.moves), request.failed, request.bytes,
-                                         request.seconds)
+        gateway.migrations.reported(request.attempted, request.attempted - request.failed, request.failed,
+                                    request.bytes, request.seconds)
         return admin_pb2.MigratedReply(applied=applied)
 
     def state(self) -> admin_pb2.State:
