@@ -48,6 +48,9 @@ class SimConfig:
     store_lag_ms: float  # router_state store: a write reaches the other routers this much later
     store_handoff: bool  # router_state store: a release by the next turn reaches every router at once
     store_outage: tuple[float, float] | None  # router_state store: (from, until) s, the store is down
+    roll_restart_s: float  # --roll-at: a replica is back this long after it was drained
+    roll_transfer_gb_per_s: float  # --roll-at with migration: save + copy + restore of a conversation's KV
+    roll_min_tokens: int  # --roll-at with migration: shorter caches are not moved
     # traces: arrivals sharing a bucket this wide are spread over it with the seed (None: not read)
     jitter_bucket_s: float | None = None
 
@@ -81,6 +84,9 @@ _LAYOUT: dict[tuple[str, str], tuple[str, Callable[[Any], Any]]] = {
     ("gateway", "store_handoff"): ("store_handoff", bool),
     ("gateway", "store_outage_at_s"): ("store_outage_at_s", float),  # the two make store_outage
     ("gateway", "store_outage_s"): ("store_outage_s", float),
+    ("roll", "restart_s"): ("roll_restart_s", float),
+    ("roll", "transfer_gb_per_s"): ("roll_transfer_gb_per_s", float),
+    ("roll", "min_tokens"): ("roll_min_tokens", int),
 }
 _KEYS: dict[str, tuple[str, ...]] = {"routing": tuple(key for key in RoutingSettings.model_fields if key != "policy")}
 for _section, _key in _LAYOUT:
