@@ -132,7 +132,7 @@ class _Restore:
         if receiver is None or receiver.draining or not _restore(receiver, self.request, self.tokens, now):
             return  # a miss: the next turn is computed again
         for router in self.routers:
-            router.migrated(self.key, self.receiver, self.request.prompt_tokens)
+            router.migrated(self.key, self.receiver, self.request.prompt_tokens, self.request.route.prefix_blocks)
         self.log.moved += 1
         self.log.moved_bytes += self.bytes
 
@@ -180,22 +180,24 @@ def _restore(replica: Replica | PagedReplica, request: Request, tokens: int, now
 
 
 def _add_cached(pool: BlockPool, blocks: list[tuple[Any, int]]) -> bool:
-    """The blocks as a finished request leaves them: cached, evictable, the tail first in line."""
-    added = False
-    for block, tokens in reversed(blocks):
+    """The blocks as a finished request leaves them (cached, evictable, the tail first in line),
+    into the pool's room only, as many leading blocks as fit: a migration does not evict the
+    receiver's own caches, which are as recent as the moved one (evicting them cost more
+    cached share than the moves won, on the Mooncake trace)."""
+    room = pool.capacity - pool.used
+    landing = []
+    for block, tokens in blocks:
         if block in pool:
             continue
-        while pool.used + tokens > pool.capacity and pool.free:
-            _, evicted = pool.free.popitem(last=False)
-            pool.used -= evicted
-            pool.free_tokens -= evicted
-        if pool.used + tokens > pool.capacity:
-            return added
+        if tokens > room:
+            break
+        landing.append((block, tokens))
+        room -= tokens
+    for block, tokens in reversed(landing):
         pool.free[block] = tokens
         pool.used += tokens
         pool.free_tokens += tokens
-        added = True
-    return added
+    return bool(landing)
 
 
 def window_figures(requests: list[Request], begin_s: float, end_s: float) -> dict[str, Any]:
