@@ -86,6 +86,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--transfer-gb-per-s", type=float,
                         help="--roll-at: save + copy + restore throughput of a migration (default: [roll] "
                              "transfer_gb_per_s)")
+    parser.add_argument("--relieve-hot-spots", action=argparse.BooleanOptionalAction, default=None,
+                        help="a turn sent away from the replica holding its cache takes the cache along when that "
+                             "is quicker than computing it (default: [migration] relieve_hot_spots)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
 
 
@@ -106,7 +109,8 @@ def main(args: argparse.Namespace) -> int:
             store_handoff=config.store_handoff if args.store_handoff is None else args.store_handoff,
             store_outage=config.store_outage if args.store_outage is None else parse_outage(args.store_outage),
             roll_restart_s=config.roll_restart_s if args.restart_s is None else args.restart_s,
-            roll_transfer_gb_per_s=args.transfer_gb_per_s or config.roll_transfer_gb_per_s,
+            migration_transfer_gb_per_s=args.transfer_gb_per_s or config.migration_transfer_gb_per_s,
+            relieve_hot_spots=config.relieve_hot_spots if args.relieve_hot_spots is None else args.relieve_hot_spots,
         )
         seeds = parse_seeds(args.seeds)
         distinct(args.replicas or [], "--replicas")
@@ -176,6 +180,10 @@ def main(args: argparse.Namespace) -> int:
             if not args.json:
                 print(f"\narena, {source.label}: {replicas} replicas, cost model {cost.name}, {len(seeds)} seeds")
                 print(render_stats(table, metrics))
+    relief = fleet.relief
+    if relief is not None:
+        print(f"hot-spot relief: {relief.moves:,} caches moved ({relief.moved_bytes / 1e9:,.1f} GB) over every run",
+              file=sys.stderr)
     print(f"simulated in {time.perf_counter() - started:.1f} s", file=sys.stderr)
     if args.json:
         out: dict[str, Any] = {"source": source.label, "seeds": seeds, "replicas": results,
@@ -187,25 +195,27 @@ def main(args: argparse.Namespace) -> int:
 
 
 def check_roll(args: argparse.Namespace, models: list[CostModel], config: SimConfig) -> None:
+    if config.migration_transfer_gb_per_s <= 0:
+        raise ValueError(f"--transfer-gb-per-s must be > 0 (got {config.migration_transfer_gb_per_s:g})")
     if args.roll_at is None:
-        for option in ("restart_s", "transfer_gb_per_s"):
-            if getattr(args, option) is not None:
-                raise ValueError(f"--{option.replace('_', '-')}: only with --roll-at")
+        if args.restart_s is not None:
+            raise ValueError("--restart-s: only with --roll-at")
+        if args.transfer_gb_per_s is not None and not config.relieve_hot_spots:
+            raise ValueError("--transfer-gb-per-s: only with --roll-at or --relieve-hot-spots")
         return
     if args.roll_at <= 0:
         raise ValueError(f"--roll-at must be > 0 seconds (got {args.roll_at:g})")
-    if config.roll_transfer_gb_per_s <= 0:
-        raise ValueError(f"--transfer-gb-per-s must be > 0 (got {config.roll_transfer_gb_per_s:g})")
-    if models or args.scale or args.scale_at is not None or args.slow:
-        raise ValueError("--roll-at: one cost model for the fleet, without --scale, --scale-at or --slow")
+    if models or args.scale or args.scale_at is not None or args.slow or config.relieve_hot_spots:
+        raise ValueError("--roll-at: one cost model for the fleet, without --scale, --scale-at, --slow or "
+                         "--relieve-hot-spots")
 
 
 def main_roll(args: argparse.Namespace, source: Any, seeds: list[int], config: SimConfig, cost: CostModel,
               fleet_sizes: list[int]) -> int:
     """--roll-at: per fleet size, policy and seed, the roll without and with migration; roll.json
     in the out dir holds every run's figures."""
-    settings = RollSettings(args.roll_at, config.roll_restart_s, True, config.roll_transfer_gb_per_s * 1e9,
-                            config.roll_min_tokens)
+    settings = RollSettings(args.roll_at, config.roll_restart_s, True, config.migration_transfer_gb_per_s * 1e9,
+                            config.migration_min_tokens)
     args.out_dir.mkdir(parents=True)
     found: dict[str, list[dict[str, Any]]] = {}
     started = time.perf_counter()
@@ -214,7 +224,7 @@ def main_roll(args: argparse.Namespace, source: Any, seeds: list[int], config: S
                                                 lambda line: print(line, file=sys.stderr))
         if not args.json:
             print(f"\n{source.label}: {replicas} replicas, cost model {cost.name}, rolled from {args.roll_at:g} s, "
-                  f"{config.roll_restart_s:g} s a restart, {config.roll_transfer_gb_per_s:g} GB/s transfers")
+                  f"{config.roll_restart_s:g} s a restart, {config.migration_transfer_gb_per_s:g} GB/s transfers")
             print(render_rolls(runs))
     drill = {key: value for key, value in asdict(settings).items() if key != "migrate"}  # each run says its own
     (args.out_dir / "roll.json").write_text(json.dumps({"source": source.label, "roll": drill, "replicas": found},

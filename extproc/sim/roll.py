@@ -168,7 +168,7 @@ def _free_slots(replica: Replica | PagedReplica) -> int:
 def _restore(replica: Replica | PagedReplica, request: Request, tokens: int, now: float) -> bool:
     if isinstance(replica, PagedReplica):
         blocks, _ = replica._blocks(request)
-        return _add_cached(replica.pool, blocks)
+        return add_cached(replica.pool, blocks)
     idle = [slot for slot in replica.slots if not slot.busy]
     if not idle:
         return False
@@ -179,7 +179,7 @@ def _restore(replica: Replica | PagedReplica, request: Request, tokens: int, now
     return True
 
 
-def _add_cached(pool: BlockPool, blocks: list[tuple[Any, int]]) -> bool:
+def add_cached(pool: BlockPool, blocks: list[tuple[Any, int]]) -> bool:
     """The blocks as a finished request leaves them (cached, evictable, the tail first in line),
     into the pool's room only, as many leading blocks as fit: a migration does not evict the
     receiver's own caches, which are as recent as the moved one (evicting them cost more

@@ -23,6 +23,7 @@ from extproc.sim.costmodel import CostModel, load_cost_model
 from extproc.sim.engine import ClosedLoop, Fleet, OpenLoop, Outcome, simulate
 from extproc.sim.mooncake import TraceError, TraceRequest, jittered_arrivals, read_trace
 from extproc.sim.records import SIM_EPOCH_S, request_rows
+from extproc.sim.relief import Relief
 from extproc.sim.routers import RouterTier, check_router_tier
 from extproc.sim.workload import profile_workload, requests_from_trace
 from extproc.traffic import Profile, load_profile
@@ -49,8 +50,9 @@ class SimConfig:
     store_handoff: bool  # router_state store: a release by the next turn reaches every router at once
     store_outage: tuple[float, float] | None  # router_state store: (from, until) s, the store is down
     roll_restart_s: float  # --roll-at: a replica is back this long after it was drained
-    roll_transfer_gb_per_s: float  # --roll-at with migration: save + copy + restore of a conversation's KV
-    roll_min_tokens: int  # --roll-at with migration: shorter caches are not moved
+    migration_transfer_gb_per_s: float  # --roll-at with migration: save + copy + restore of a conversation's KV
+    migration_min_tokens: int  # --roll-at with migration: shorter caches are not moved
+    relieve_hot_spots: bool  # a conversation sent away from its cache takes it along (extproc/sim/relief.py)
     # traces: arrivals sharing a bucket this wide are spread over it with the seed (None: not read)
     jitter_bucket_s: float | None = None
 
@@ -60,11 +62,13 @@ class SimConfig:
         """The simulated fleet these settings describe (``host_cores`` overrides [host] cores;
         ``cache=False``: no host-RAM cache, for paged cost models that bring their own pool;
         ``models``: a mixed fleet, replica i's cost model; ``slow``: (replica, at s, factor) slowdowns)."""
+        relief = Relief(self.migration_transfer_gb_per_s * 1e9, self.migration_min_tokens) \
+            if self.relieve_hot_spots else None
         return Fleet(replicas, self.slots, cache_tokens(self.cache_ram_mib, cost) if cache else 0, scale,
                      self.host_cores if host_cores is None else host_cores, self.threads,
                      self.release_lag_ms / 1000, self.release_by_next_turn,
                      tuple((model, cache_tokens(self.cache_ram_mib, model) if cache else 0) for model in models),
-                     slow)
+                     slow, relief)
 
 
 # Every key sim.toml holds besides [routing]: (section, key) -> the SimConfig field and its type.
@@ -84,9 +88,10 @@ _LAYOUT: dict[tuple[str, str], tuple[str, Callable[[Any], Any]]] = {
     ("gateway", "store_handoff"): ("store_handoff", bool),
     ("gateway", "store_outage_at_s"): ("store_outage_at_s", float),  # the two make store_outage
     ("gateway", "store_outage_s"): ("store_outage_s", float),
-    ("roll", "restart_s"): ("roll_restart_s", float),
-    ("roll", "transfer_gb_per_s"): ("roll_transfer_gb_per_s", float),
-    ("roll", "min_tokens"): ("roll_min_tokens", int),
+    ("migration", "roll_restart_s"): ("roll_restart_s", float),
+    ("migration", "transfer_gb_per_s"): ("migration_transfer_gb_per_s", float),
+    ("migration", "min_tokens"): ("migration_min_tokens", int),
+    ("migration", "relieve_hot_spots"): ("relieve_hot_spots", bool),
 }
 _KEYS: dict[str, tuple[str, ...]] = {"routing": tuple(key for key in RoutingSettings.model_fields if key != "policy")}
 for _section, _key in _LAYOUT:
