@@ -1,10 +1,12 @@
-"""What a rolling restart (`llm-ring run --roll-at`) cost: the follow-ups of the conversations
-whose replica restarted, and latency around the roll.
+"""What a rolling restart (`llm-ring run --roll-at`) or a scale-in (`--scale-in-at`) cost: the
+follow-ups of the conversations whose replica left, and latency around it.
 
 A conversation is *rolled* when its last turn sent before replica R left the lists (run.json
 extra.roll[].out) was served by R; its first turn sent after that is its *follow-up*, a hit when
 cache_n >= 0.5 x the previous turn's prompt tokens (the report's definition). "Around the roll"
-is from 5 s before the first replica left to 5 s after the last one was back.
+is from 5 s before the first replica left to 5 s after the last one was back (a scale-in: down).
+Each follow-up that missed gets a cause: `migrated` (its decision says +migrated, yet the cache
+was not there), `early` (sent before its replica was drained and migrated), `not moved` (after).
 
     python -m extproc.analysis.roll DIR [DIR ...]
 """
@@ -30,7 +32,9 @@ def roll_figures(run_dir: Path) -> dict[str, Any]:
     rows = sorted(read_records(run_dir / "requests.parquet").to_pylist(), key=lambda r: r["started_at"])
     outs = {s["replica"]: datetime.fromisoformat(s.get("out", s["down"])) for s in steps}
     last: dict[str, dict[str, Any]] = {}
+    drained = {s["replica"]: datetime.fromisoformat(s.get("drained", s["down"])) for s in steps}
     follow_ups, hits = 0, 0
+    misses = {"migrated": 0, "early": 0, "not moved": 0}
     rolled: set[str] = set()
     for row in rows:
         conversation = row["conversation"]
@@ -39,19 +43,26 @@ def roll_figures(run_dir: Path) -> dict[str, Any]:
                 and previous["started_at"] <= outs[previous["replica"]] < row["started_at"]):
             rolled.add(conversation)
             follow_ups += 1
-            hits += (row["cache_n"] or 0) >= DEFAULT_HIT_SHARE * (previous["prompt_n"] + previous["cache_n"])
+            before = (previous["prompt_n"] or 0) + (previous["cache_n"] or 0)
+            hit = (row["cache_n"] or 0) >= DEFAULT_HIT_SHARE * before
+            hits += hit
+            if not hit:
+                cause = ("migrated" if "+migrated" in (row["route_reason"] or "")
+                         else "early" if row["started_at"] < drained[previous["replica"]] else "not moved")
+                misses[cause] += 1
         if row["status"] == 200:
             last[conversation] = row
     latencies = []
     if steps:
         begin = min(outs.values()).timestamp() - MARGIN_S
-        end = max(datetime.fromisoformat(s["up"]) for s in steps).timestamp() + MARGIN_S
+        end = max(datetime.fromisoformat(s.get("up", s["down"])) for s in steps).timestamp() + MARGIN_S
         latencies = sorted(r["latency_s"] for r in rows
                            if r["status"] == 200 and begin <= r["started_at"].timestamp() <= end)
     migrated = [s.get("migration") or {} for s in steps]
     return {
-        "run": run_dir.name, "migrate": roll.get("migrate"), "replicas_rolled": len(steps),
-        "rolled_follow_ups": follow_ups, "follow_up_hit_rate": hits / follow_ups if follow_ups else None,
+        "run": run_dir.name, "migrate": roll.get("migrate"), "scale_in": bool(roll.get("scale_in")),
+        "replicas_rolled": len(steps), "rolled_follow_ups": follow_ups, "follow_up_hits": hits,
+        "follow_up_hit_rate": hits / follow_ups if follow_ups else None, "misses": misses,
         "p95_latency_around_roll_s": latencies[int(0.95 * (len(latencies) - 1))] if latencies else None,
         "requests_around_roll": len(latencies),
         "moved": sum(int(m.get("succeeded", 0)) for m in migrated),

@@ -102,10 +102,13 @@ def run_experiment(
     say = progress or (lambda text: print(text, file=sys.stderr, flush=True))
     out = Path(out_dir)
     specs = _check_inputs(lab, profile, policies, seeds, out, scale_at, kill)
+    option = "--scale-in-at" if roll is not None and roll.scale_in else "--roll-at"
     if roll is not None and not roll.at_s > 0:
-        raise ExperimentError(f"--roll-at must be > 0 seconds (got {roll.at_s:g})")
+        raise ExperimentError(f"{option} must be > 0 seconds (got {roll.at_s:g})")
     if roll is not None and not callable(getattr(lab, "roll", None)):  # a lab that restarts replicas
-        raise ExperimentError("--roll-at needs the local stack (this lab cannot restart replicas)")
+        raise ExperimentError(f"{option} needs the local stack (this lab cannot restart replicas)")
+    if roll is not None and roll.scale_in and len(lab.replicas()) < 2:
+        raise ExperimentError("--scale-in-at needs at least 2 replicas")
     expected = {seed: sum(c.requests for c in generate_conversations(profile, seed)) for seed in seeds}
     start_replicas = len(lab.replicas())
     out.mkdir(parents=True)
@@ -422,11 +425,13 @@ class _Scaler(_Drill):
 class Roll:
     at_s: float
     migrate: bool | None  # None: the stack's [migration] enabled
+    scale_in: bool = False  # the last replica leaves for good (a scale-in by one), none restarts
 
 
 class _Roller(_Drill):
     """From ``roll.at_s`` into the run, restarts every replica one at a time, as a rolling
-    update does, and notes each one's down and up times (run.json, extra.roll)."""
+    update does (or, ``roll.scale_in``, removes the last one), and notes each one's out,
+    drained, down and up times (run.json, extra.roll)."""
 
     def __init__(self, lab: Any, roll: Roll) -> None:  # a lab with roll() (the local stack's)
         super().__init__(roll.at_s)
@@ -434,6 +439,9 @@ class _Roller(_Drill):
         self.steps: list[dict[str, Any]] = []
 
     def act(self) -> None:
+        if self.roll.scale_in:
+            self.steps = self.lab.scale_in(len(self.lab.replicas()) - 1, self.roll.migrate)
+            return
         for name in sorted(self.lab.replicas()):
             if self.cancelled.is_set():
                 return
@@ -509,9 +517,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--roll-at", type=float, default=None, metavar="S",
                         help="restart every replica one at a time from S seconds into every run (drain, migrate, "
                              "stop, start, ready)")
+    parser.add_argument("--scale-in-at", type=float, default=None, metavar="S",
+                        help="remove the last replica S seconds into every run (drain, migrate, stop); "
+                             "each run starts with the replicas there were")
     parser.add_argument("--migrate", action=argparse.BooleanOptionalAction, default=None,
-                        help="with --roll-at: move the caches of a restarting replica (default: the stack's "
-                             "[migration] enabled)")
+                        help="with --roll-at or --scale-in-at: move the caches of a leaving replica (default: the "
+                             "stack's [migration] enabled)")
     parser.add_argument("--out-dir", type=Path, required=True, help="new folder for this experiment")
     parser.add_argument("--gateway", default=None, metavar="URL",
                         help="a gateway elsewhere (needs --admin); default: the local stack")  # fmt: skip
@@ -530,7 +541,7 @@ def main(args: argparse.Namespace) -> int:
         new_folder(args.out_dir)
         kill = _kill_option(args)
         lab = connect_lab(args.gateway, args.admin, args.run_dir)
-        roll = Roll(args.roll_at, args.migrate) if args.roll_at is not None else None
+        roll = _roll_option(args)
         out = run_experiment(lab, profile, args.policies, seeds, args.out_dir, args.scale_at, kill=kill, roll=roll)
     except (ProfileError, LabError) as exc:  # bad input or no lab: one line, exit 2
         raise UsageError(str(exc)) from None
@@ -549,6 +560,14 @@ def main(args: argparse.Namespace) -> int:
         for line in tier_lines(read_run_metadata(run)):
             print(f"{run.name}: {line}")
     return 0
+
+
+def _roll_option(args: argparse.Namespace) -> Roll | None:
+    if args.roll_at is not None and args.scale_in_at is not None:
+        raise ExperimentError("--roll-at and --scale-in-at: one drill a run")
+    if args.scale_in_at is not None:
+        return Roll(args.scale_in_at, args.migrate, scale_in=True)
+    return Roll(args.roll_at, args.migrate) if args.roll_at is not None else None
 
 
 def _kill_option(args: argparse.Namespace) -> Kill | None:

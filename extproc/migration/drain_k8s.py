@@ -156,7 +156,7 @@ class Drainer:
         first.add(self._migrate(seen, deadline, frozenset(first.saved_slots)))
         return {"replica": self.pod.name, "migration": first.as_dict(), "problems": problems}
 
-    def _migrate(self, seen: Neighbours, deadline: float, done: frozenset[int]) -> Outcome:
+    def _migrate(self, seen: Neighbours, deadline: float, done: frozenset[tuple[int, int]]) -> Outcome:
         migration, sidecar = self.settings.migration, self.settings.sidecar
         limit = migration.max_disk_mib * 2**20
         return migrate_out(

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -46,7 +47,7 @@ class Outcome:
     bytes: int = 0
     seconds: float = 0.0
     problems: list[str] = field(default_factory=list)
-    saved_slots: list[int] = field(default_factory=list)
+    saved_slots: list[tuple[int, int]] = field(default_factory=list)  # (slot, its last task) as saved
 
     def add(self, later: Outcome) -> None:
         """A second pass's outcome into this one."""
@@ -59,7 +60,8 @@ class Outcome:
     def as_dict(self) -> dict[str, object]:
         return {"replica": self.replica, "slots": self.slots, "matched": self.matched, "attempted": self.attempted,
                 "succeeded": len(self.moved), "failed": self.failed, "bytes": self.bytes,
-                "seconds": round(self.seconds, 3), "problems": self.problems[:5]}
+                "seconds": round(self.seconds, 3), "problems": self.problems[:5],
+                "moves": [[key, receiver, tokens] for key, receiver, tokens in self.moved]}
 
 
 class Transport(Protocol):
@@ -83,11 +85,13 @@ class SharedFolder:
 
 def migrate_out(leaving: tuple[str, str], staying: Mapping[str, str], routers: Sequence[str], folder: Path,
                 identity: slotfiles.Identity, transport: Transport, costs: Costs, limits: Limits, deadline: float,
-                progress: Progress = lambda _: None, done: frozenset[int] = frozenset()) -> Outcome:
+                progress: Progress = lambda _: None, done: frozenset[tuple[int, int]] = frozenset()) -> Outcome:
     """Move what is worth moving from `leaving` (name, address) to `staying` ({name: address});
     folder: where the leaving replica saves (its --slot-save-path), identity: its identity;
-    routers: the Admin addresses of every routing service; done: slots an earlier pass saved
-    (a first pass moves the idle slots at once, a second one those that were busy)."""
+    routers: the Admin addresses of every routing service; done: (slot, last task) an earlier
+    pass saved: a slot that ran a task since (its conversation came back) is saved again. A
+    first pass moves the idle slots while the replica still serves (its routers then send those
+    conversations to their receivers), a later one what changed since and what was busy."""
     from extproc.service.admin_client import AdminClient
 
     name, address = leaving
@@ -105,25 +109,36 @@ def migrate_out(leaving: tuple[str, str], staying: Mapping[str, str], routers: S
                         placed.setdefault(opening, {})[key] = tokens
         candidates, saved = _saved_slots(source, name, folder, identity, framing, placed, outcome, done)
         ring = HashRing(staying, int(state["virtual_nodes"]), int(state["hash_seed"]))
-        idle = {receiver: _idle_slots(LlamaServer(addr)) for receiver, addr in staying.items()}
+        with ThreadPoolExecutor(max(1, len(staying))) as pool:  # a busy replica answers after its batch: all at once
+            idle = dict(zip(staying, pool.map(lambda addr: _idle_slots(LlamaServer(addr)), staying.values()),
+                            strict=True))
         moves = plan(candidates, ring, {r: len(s) for r, s in idle.items()}, costs, limits.min_tokens,
                      limits.max_bytes)
-        for move in moves:
-            if time.monotonic() > deadline:
-                outcome.problems.append("deadline reached")
-                break
-            outcome.attempted += 1
-            if _restore(move, staying[move.receiver], idle[move.receiver], transport, saved[move.conversation_key],
-                        outcome):
-                outcome.moved.append((move.conversation_key, move.receiver, move.tokens))
-            else:
-                outcome.failed += 1
+        if moves and time.monotonic() < deadline:
+            # the routers first: each restore then reaches its receiver before any next turn they
+            # send there, and llama.cpp runs its tasks in the order they arrive
+            _tell(routers, [(m.conversation_key, m.receiver, m.tokens) for m in moves], outcome)
+            slots = [idle[m.receiver].pop(0).id for m in moves]
+            timeout = max(1.0, deadline - time.monotonic())
+            with ThreadPoolExecutor(len(moves)) as pool:
+                results = list(pool.map(lambda m, slot: _restore(m, staying[m.receiver], slot, transport, timeout),
+                                        moves, slots))
+            for move, problem in zip(moves, results, strict=True):
+                outcome.attempted += 1
+                if problem is None:
+                    outcome.moved.append((move.conversation_key, move.receiver, move.tokens))
+                    outcome.bytes += saved[move.conversation_key]
+                else:
+                    outcome.failed += 1
+                    outcome.problems.append(problem)
+        elif moves:
+            outcome.problems.append("deadline reached")
     except (SlotError, OSError, KeyError, ValueError) as exc:
         outcome.problems.append(str(exc))
     except Exception as exc:  # a router that does not answer (grpc.RpcError): a miss, the scale goes on
         outcome.problems.append(f"{type(exc).__name__}: {exc}")
     outcome.seconds = time.monotonic() - began
-    _tell(routers, outcome)
+    _tell(routers, [], outcome)  # the counts, for the routers' metrics
     slotfiles.prune(folder, limits.folder_bytes, limits.max_age_seconds)
     progress(f"migration from {name}: {len(outcome.moved)} of {outcome.slots} slot(s) moved "
              f"({outcome.bytes:,} bytes, {outcome.seconds:.2f}s)"
@@ -133,20 +148,22 @@ def migrate_out(leaving: tuple[str, str], staying: Mapping[str, str], routers: S
 
 def _saved_slots(source: LlamaServer, name: str, folder: Path, identity: slotfiles.Identity, framing: Framing,
                  placed: dict[str, dict[int, int]], outcome: Outcome,
-                 done: frozenset[int]) -> tuple[list[Candidate], dict[int, int]]:
+                 done: frozenset[tuple[int, int]]) -> tuple[list[Candidate], dict[int, int]]:
     """Save every slot that holds a conversation the routers placed here; (candidates, key -> bytes)."""
     candidates, saved = [], {}
     for slot in source.slots():
-        if slot.tokens == 0 or slot.processing or slot.id in done:
+        if slot.tokens == 0 or slot.processing or (slot.id, slot.last_task) in done:
             continue
         outcome.slots += 1
-        outcome.saved_slots.append(slot.id)
+        outcome.saved_slots.append((slot.id, slot.last_task))
         scratch = f"{identity.tag}-out-{name}-{slot.id}.bin"
         written = int(source.save(slot.id, scratch)["n_written"])
         outcome.bytes += written
         tokens = slotfiles.read_tokens(folder / scratch)
         found = None if tokens is None else _conversation(source.detokenize(tokens), len(tokens), framing, placed)
         if tokens is None or found is None:
+            outcome.problems.append(f"{name} slot {slot.id}: " + ("not a slot file it can read" if tokens is None else
+                                    f"{len(tokens)} tokens, no conversation placed there opens as they do"))
             (folder / scratch).unlink(missing_ok=True)
             continue
         outcome.matched += 1
@@ -175,29 +192,31 @@ def _idle_slots(server: LlamaServer) -> list[Slot]:
     return sorted((s for s in server.slots() if not s.processing), key=lambda s: (s.tokens > 0, s.last_task))
 
 
-def _restore(move: Move, address: str, idle: list[Slot], transport: Transport, size: int,
-             outcome: Outcome) -> bool:
+def _restore(move: Move, address: str, slot: int, transport: Transport, timeout: float) -> str | None:
+    """The conversation's file restored into ``slot`` of the receiver at ``address``; None, or
+    what went wrong (a miss)."""
     delivered = transport.deliver(move.receiver, move.conversation_key)
     if delivered is None:
-        outcome.problems.append(f"{move.receiver}: no slot file of its identity (a miss)")
-        return False
+        return f"{move.receiver}: no slot file of its identity (a miss)"
     filename, tokens = delivered
-    slot = idle.pop(0)
     try:
-        restored = LlamaServer(address).restore(slot.id, filename)
+        restored = LlamaServer(address, timeout).restore(slot, filename)
     except SlotError as exc:
-        outcome.problems.append(str(exc))
-        return False
-    outcome.bytes += size
-    return int(restored.get("n_restored", 0)) == tokens
+        return str(exc)
+    if int(restored.get("n_restored", 0)) != tokens:
+        return f"{move.receiver}: restored {restored.get('n_restored')} of {tokens} tokens"
+    return None
 
 
-def _tell(routers: Sequence[str], outcome: Outcome) -> None:
+def _tell(routers: Sequence[str], moves: list[tuple[int, str, int]], outcome: Outcome) -> None:
+    """Every router: ``moves`` (where each conversation's next turn goes), and this pass's counts
+    so far (none while there are moves: they are told before the restores)."""
     from extproc.service.admin_client import AdminClient
 
+    counts = (0, 0, 0, 0.0) if moves else (outcome.attempted, outcome.failed, outcome.bytes, outcome.seconds)
     for router in routers:
         try:
             with AdminClient(router) as admin:
-                admin.migrated(outcome.moved, outcome.attempted, outcome.failed, outcome.bytes, outcome.seconds)
+                admin.migrated(moves, *counts)
         except Exception as exc:  # that router routes the next turns as without migration
             outcome.problems.append(f"router {router}: {type(exc).__name__}")

@@ -48,6 +48,11 @@ class BlockMemory:
         self._last: OrderedDict[str, tuple[int, int, tuple[int, ...]]] = OrderedDict()  # key -> (bytes, digest, blocks)
         self._held = 0  # blocks remembered
 
+    def last(self, key: str) -> tuple[int, ...]:
+        """The whole blocks of the conversation's last prompt (() when forgotten)."""
+        remembered = self._last.get(key)
+        return () if remembered is None else remembered[2]
+
     def blocks(self, key: str, text: str) -> tuple[int, ...]:
         data = text.encode()
         if len(data) != len(text):

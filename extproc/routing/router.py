@@ -18,7 +18,7 @@ from extproc.routing.hashing import hash_bytes, stable_hash
 from extproc.routing.ledger import LoadLedger
 from extproc.routing.peers import PeerView, latest
 from extproc.routing.placement import PlacementMemory
-from extproc.routing.policies import CacheReports, Policy, SentView, make_policy
+from extproc.routing.policies import CacheMoves, CacheReports, Policy, SentView, make_policy
 from extproc.routing.policies.situation import Situation, new
 from extproc.routing.ring import HashRing
 from extproc.routing.speeds import AnswerTimings, ReplicaSpeeds, Speed
@@ -38,6 +38,7 @@ class Router:
         self.policy: Policy = make_policy(settings)
         self._view = _view_of(self.policy)
         self._learner = _learner_of(self.policy)
+        self._mover = _mover_of(self.policy)
         self._ring = HashRing((), settings.virtual_nodes, settings.hash_seed)
         self._members: frozenset[str] = frozenset()
         self._in_flight: dict[str, tuple[RouteRequest, Decision, int]] = {}
@@ -147,11 +148,17 @@ class Router:
         found.update(self._left_serving.get(replica, {}))
         return list(found.items())
 
-    def migrated(self, conversation_key: int, replica: str, prompt_tokens: int) -> bool:
+    def migrated(self, conversation_key: int, replica: str, prompt_tokens: int,
+                 blocks: tuple[int, ...] = ()) -> bool:
         """The conversation's cache was moved to ``replica`` (extproc/migration): its next turn goes
-        there as if it had been served there, and its decision says so. False for an unknown replica."""
+        there as if it had been served there, and its decision says so; a policy with a view of
+        the caches (the prefix index) learns that ``replica`` holds its last prompt's ``blocks``
+        and its last replica no longer does. False for an unknown replica."""
         if replica not in self._members:
             return False
+        if self._mover is not None and blocks:
+            source = self.memory.get(conversation_key)
+            self._mover.moved(blocks, prompt_tokens, None if source is None else source.replica, replica)
         self.memory.remember(conversation_key, replica, prompt_tokens)
         if len(self._migrated) >= self.settings.memory_capacity:  # bounded like placement memory
             del self._migrated[next(iter(self._migrated))]
@@ -191,6 +198,7 @@ class Router:
         """A new policy starts with an empty view of the current fleet (in-flight requests
         it did not route are unknown to it; completing them tells it nothing)."""
         self.policy, self._view, self._learner = policy, _view_of(policy), _learner_of(policy)
+        self._mover = _mover_of(policy)
         if self._view is not None:
             self._view.set_replicas(self._ring.replicas)
 
@@ -211,3 +219,7 @@ def _view_of(policy: Policy) -> SentView | None:
 
 def _learner_of(policy: Policy) -> CacheReports | None:
     return policy if isinstance(policy, CacheReports) else None
+
+
+def _mover_of(policy: Policy) -> CacheMoves | None:
+    return policy if isinstance(policy, CacheMoves) else None

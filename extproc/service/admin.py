@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import grpc
 
+from extproc.routing.placement import Placement
 from extproc.routing.speeds import Speed
 from extproc.service import admin_pb2, admin_pb2_grpc
 from extproc.service.gateway import Gateway
@@ -49,10 +50,18 @@ class AdminService(admin_pb2_grpc.AdminServicer):
     async def Migrated(
         self, request: admin_pb2.MigratedRequest, context: grpc.aio.ServicerContext
     ) -> admin_pb2.MigratedReply:
-        router = self.gateway.router
-        applied = sum(router.migrated(move.key, move.replica, move.tokens) for move in request.moves)
-        self.gateway.migrations.reported(request.attempted, len(request.moves), request.failed, request.bytes,
-                                         request.seconds)
+        gateway = self.gateway
+        router, openings, memory = gateway.router, gateway.migrations.openings, gateway.block_memory
+        applied = 0
+        for move in request.moves:  # the prefix index learns the last prompt's blocks, which the body cache kept
+            blocks = memory.last(openings.get(move.key, "")) if memory is not None else ()
+            if router.migrated(move.key, move.replica, move.tokens, blocks):
+                applied += 1
+                if gateway.store is not None:  # the routers that were not told read it there
+                    gateway.store.moved(move.key, Placement(move.replica, move.tokens),
+                                        gateway.digests.get(move.key) or 0)
+        gateway.migrations.reported(request.attempted, request.attempted - request.failed, request.failed,
+                                    request.bytes, request.seconds)
         return admin_pb2.MigratedReply(applied=applied)
 
     def state(self) -> admin_pb2.State:

@@ -350,7 +350,8 @@ class Gateway:
         named = bounded(conversation_id) or parsed.opening_key
         known = self.digests.get(self.router.conversation_key(named))
         claimed = claim(named, parsed.opening_key, () if known is None else (known,), digests)
-        self.migrations.opened(self.router.conversation_key(named), parsed.opening_key)
+        # under the key the router places it by (a reused id that does not continue its chat has its own)
+        self.migrations.opened(self.router.conversation_key(claimed.conversation), parsed.opening_key)
         prompt_tokens = parsed.prompt_token_ids or parsed.prompt_tokens
         request = RouteRequest(
             unique_id, claimed.conversation, prompt_tokens, parsed.max_tokens or self.settings.default_max_tokens,
@@ -374,6 +375,7 @@ class Gateway:
             if claimed.foreign:
                 step = Prepared(request._replace(conversation=claimed.conversation), step.parsed, step.path,
                                 step.shown, claimed)
+                self.migrations.opened(self.router.conversation_key(claimed.conversation), step.parsed.opening_key)
                 return step, peer_view(snapshot.loads, (), frozenset(), None)
             step = Prepared(request, step.parsed, step.path, step.shown, claimed)
         return step, peer_view(snapshot.loads, snapshot.pending, step.parsed.answered, snapshot.placement)

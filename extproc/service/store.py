@@ -304,12 +304,7 @@ class SharedStore:
             pending[entry] = None
         if placement is not None:
             ttl_s = self.settings.placement_ttl_seconds if returning else self.settings.first_placement_ttl_seconds
-            key, value = self._place_prefix + suffix, orjson.dumps((*placement, digest))
-            self._writes.placements[key] = (value, ttl_s * 1000)
-            self._placed.pop(key, None)
-            self._placed[key] = (value, time.monotonic() + ttl_s)
-            if len(self._placed) > REPUBLISHED:
-                self._placed.popitem(last=False)
+            self._place(suffix, placement, digest, ttl_s)
         self.load_changed()
 
     def answered(self, replica: str, timings: AnswerTimings) -> None:
@@ -318,6 +313,20 @@ class SharedStore:
         if self.in_use:
             self._writes.answers.append((replica, timings))
             self._wake.set()
+
+    def moved(self, conversation_key: int, placement: Placement, digest: int) -> None:
+        """The conversation's cache was moved (a migration): its next turn belongs on
+        ``placement``, for every router reading the store (a returning conversation's lifetime)."""
+        self._place(f"{conversation_key:016x}", placement, digest, self.settings.placement_ttl_seconds)
+        self._wake.set()
+
+    def _place(self, suffix: str, placement: Placement, digest: int, ttl_s: int) -> None:
+        key, value = self._place_prefix + suffix, orjson.dumps((*placement, digest))
+        self._writes.placements[key] = (value, ttl_s * 1000)
+        self._placed.pop(key, None)
+        self._placed[key] = (value, time.monotonic() + ttl_s)
+        if len(self._placed) > REPUBLISHED:
+            self._placed.popitem(last=False)
 
     def load_changed(self) -> None:
         self._load_dirty = True

@@ -11,7 +11,7 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -21,9 +21,11 @@ from extproc.cli_input import UsageError, at_least, distinct, new_folder, parse_
 from extproc.sim.arena import arena, ceiling_line
 from extproc.sim.costmodel import CostModel, CostModelError, load_cost_model
 from extproc.sim.mooncake import TraceError, cacheable_ceiling
+from extproc.sim.roll import RollSettings, render_rolls, roll_runs
 from extproc.sim.routers import ROUTER_STATES
 from extproc.sim.runs import (
     SIM_CONFIG,
+    SimConfig,
     load_sim_config,
     parse_policy,
     profile_source,
@@ -76,6 +78,17 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "(default: [gateway] store_outage_at_s, store_outage_s)")
     parser.add_argument("--time-scale", type=float, help="traces: multiply arrival times (default: [trace])")
     parser.add_argument("--limit", type=at_least(1), help="traces: only the first N requests")
+    parser.add_argument("--roll-at", type=float, metavar="S",
+                        help="a rolling restart from S simulated seconds: each run without and with migration "
+                             "(docs/migration.md); prints the roll window's cached share and p95 TTFT")
+    parser.add_argument("--restart-s", type=at_least(0, float),
+                        help="--roll-at: a replica is back this long after it was drained (default: [roll] restart_s)")
+    parser.add_argument("--transfer-gb-per-s", type=float,
+                        help="--roll-at: save + copy + restore throughput of a migration (default: [roll] "
+                             "transfer_gb_per_s)")
+    parser.add_argument("--relieve-hot-spots", action=argparse.BooleanOptionalAction, default=None,
+                        help="a turn sent away from the replica holding its cache takes the cache along when that "
+                             "is quicker than computing it (default: [migration] relieve_hot_spots)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
 
 
@@ -95,6 +108,9 @@ def main(args: argparse.Namespace) -> int:
             store_lag_ms=config.store_lag_ms if args.store_lag_ms is None else args.store_lag_ms,
             store_handoff=config.store_handoff if args.store_handoff is None else args.store_handoff,
             store_outage=config.store_outage if args.store_outage is None else parse_outage(args.store_outage),
+            roll_restart_s=config.roll_restart_s if args.restart_s is None else args.restart_s,
+            migration_transfer_gb_per_s=args.transfer_gb_per_s or config.migration_transfer_gb_per_s,
+            relieve_hot_spots=config.relieve_hot_spots if args.relieve_hot_spots is None else args.relieve_hot_spots,
         )
         seeds = parse_seeds(args.seeds)
         distinct(args.replicas or [], "--replicas")
@@ -122,11 +138,14 @@ def main(args: argparse.Namespace) -> int:
         scale = parse_scale(args.scale)
         if args.scale_at is not None and args.scale_at <= 0:
             raise ValueError(f"--scale-at must be > 0 seconds (got {args.scale_at:g})")
+        check_roll(args, models, config)
         new_folder(args.out_dir)  # last: every other input is known good
     except TraceError as exc:
         raise UsageError(f"--trace {exc}") from None
     except (CostModelError, ProfileError, ValueError) as exc:  # bad input: one line, exit 2
         raise UsageError(str(exc)) from None
+    if args.roll_at is not None:
+        return main_roll(args, source, seeds, config, cost, fleet_sizes)
     results: dict[str, Any] = {}
     differences: dict[str, Any] = {}  # replicas -> paired differences to the first policy
     arenas: dict[str, Any] = {}  # traces: replicas -> the arena table
@@ -161,6 +180,10 @@ def main(args: argparse.Namespace) -> int:
             if not args.json:
                 print(f"\narena, {source.label}: {replicas} replicas, cost model {cost.name}, {len(seeds)} seeds")
                 print(render_stats(table, metrics))
+    relief = fleet.relief
+    if relief is not None:
+        print(f"hot-spot relief: {relief.moves:,} caches moved ({relief.moved_bytes / 1e9:,.1f} GB) over every run",
+              file=sys.stderr)
     print(f"simulated in {time.perf_counter() - started:.1f} s", file=sys.stderr)
     if args.json:
         out: dict[str, Any] = {"source": source.label, "seeds": seeds, "replicas": results,
@@ -168,6 +191,47 @@ def main(args: argparse.Namespace) -> int:
         if source.trace is not None:
             out["arena"] = {"ceiling": ceiling, "cost_model": cost.name, "replicas": arenas}
         print(json.dumps(out))
+    return 0
+
+
+def check_roll(args: argparse.Namespace, models: list[CostModel], config: SimConfig) -> None:
+    if config.migration_transfer_gb_per_s <= 0:
+        raise ValueError(f"--transfer-gb-per-s must be > 0 (got {config.migration_transfer_gb_per_s:g})")
+    if args.roll_at is None:
+        if args.restart_s is not None:
+            raise ValueError("--restart-s: only with --roll-at")
+        if args.transfer_gb_per_s is not None and not config.relieve_hot_spots:
+            raise ValueError("--transfer-gb-per-s: only with --roll-at or --relieve-hot-spots")
+        return
+    if args.roll_at <= 0:
+        raise ValueError(f"--roll-at must be > 0 seconds (got {args.roll_at:g})")
+    if models or args.scale or args.scale_at is not None or args.slow or config.relieve_hot_spots:
+        raise ValueError("--roll-at: one cost model for the fleet, without --scale, --scale-at, --slow or "
+                         "--relieve-hot-spots")
+
+
+def main_roll(args: argparse.Namespace, source: Any, seeds: list[int], config: SimConfig, cost: CostModel,
+              fleet_sizes: list[int]) -> int:
+    """--roll-at: per fleet size, policy and seed, the roll without and with migration; roll.json
+    in the out dir holds every run's figures."""
+    settings = RollSettings(args.roll_at, config.roll_restart_s, True, config.migration_transfer_gb_per_s * 1e9,
+                            config.migration_min_tokens)
+    args.out_dir.mkdir(parents=True)
+    found: dict[str, list[dict[str, Any]]] = {}
+    started = time.perf_counter()
+    for replicas in fleet_sizes:
+        runs = found[str(replicas)] = roll_runs(source, args.policies, seeds, config, cost, replicas, settings,
+                                                lambda line: print(line, file=sys.stderr))
+        if not args.json:
+            print(f"\n{source.label}: {replicas} replicas, cost model {cost.name}, rolled from {args.roll_at:g} s, "
+                  f"{config.roll_restart_s:g} s a restart, {config.migration_transfer_gb_per_s:g} GB/s transfers")
+            print(render_rolls(runs))
+    drill = {key: value for key, value in asdict(settings).items() if key != "migrate"}  # each run says its own
+    (args.out_dir / "roll.json").write_text(json.dumps({"source": source.label, "roll": drill, "replicas": found},
+                                                       indent=1) + "\n")
+    print(f"simulated in {time.perf_counter() - started:.1f} s", file=sys.stderr)
+    if args.json:
+        print(json.dumps({"source": source.label, "seeds": seeds, "roll": found}))
     return 0
 
 

@@ -32,6 +32,7 @@ from extproc.routing import Router
 from extproc.routing.speeds import AnswerTimings, ReplicaSpeeds, Speed
 from extproc.sim.costmodel import CostModel
 from extproc.sim.paged import PagedReplica
+from extproc.sim.relief import Relief
 from extproc.sim.replica import Replica, Request
 from extproc.sim.routers import RouterTier
 
@@ -57,6 +58,7 @@ class Fleet:
     # (empty: every replica has the run's one cost model and cache_tokens)
     models: tuple[tuple[CostModel, int], ...] = ()
     slow: tuple[tuple[str, float, float], ...] = ()  # (replica, at seconds, factor): from then that much slower
+    relief: Relief | None = None  # hot-spot relief: a turn sent away from its cache takes it along
 
     def names(self, count: int) -> list[str]:
         return [f"llm-{i}" for i in range(count)]
@@ -188,6 +190,15 @@ class _Simulation:
         request.reason = decision.reason
         request.predicted_cached = decision.predicted_cached_tokens
         replica = self.replicas[decision.replica]
+        relief = self.fleet.relief
+        if relief is not None:
+            wait = relief.move(self.replicas, request, replica)
+            if wait:  # it arrives with its cache
+                self.push(now + wait, _HOOK, lambda sim, at: sim._arrive(request, replica, at))
+                return
+        self._arrive(request, replica, now)
+
+    def _arrive(self, request: Request, replica: Replica | PagedReplica, now: float) -> None:
         server = replica.cost.server  # the longest prompt + output it accepts (none: no limit, as the CPU models)
         if server is not None and request.prompt_tokens + request.max_tokens > server.context_tokens:
             self._reject(request, now)

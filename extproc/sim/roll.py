@@ -13,15 +13,13 @@ slot (its old content saved to the host cache, as llama.cpp does when a slot is 
 blocks added to the receiver's pool as cached, evictable blocks; then every router is told
 (``Router.migrated``), so the conversation's next decision says ``+migrated``.
 
-    python -m extproc.sim.roll --trace FILE --cost-model M --replicas 8 --seeds 1-3 --roll-at S ...
+    llm-ring sim --trace FILE --cost-model M --replicas 8 --policies llm-aware --seeds 1-3 --roll-at S ...
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from extproc.migration.planner import Candidate, Costs, plan
@@ -134,7 +132,7 @@ class _Restore:
         if receiver is None or receiver.draining or not _restore(receiver, self.request, self.tokens, now):
             return  # a miss: the next turn is computed again
         for router in self.routers:
-            router.migrated(self.key, self.receiver, self.request.prompt_tokens)
+            router.migrated(self.key, self.receiver, self.request.prompt_tokens, self.request.route.prefix_blocks)
         self.log.moved += 1
         self.log.moved_bytes += self.bytes
 
@@ -170,7 +168,7 @@ def _free_slots(replica: Replica | PagedReplica) -> int:
 def _restore(replica: Replica | PagedReplica, request: Request, tokens: int, now: float) -> bool:
     if isinstance(replica, PagedReplica):
         blocks, _ = replica._blocks(request)
-        return _add_cached(replica.pool, blocks)
+        return add_cached(replica.pool, blocks)
     idle = [slot for slot in replica.slots if not slot.busy]
     if not idle:
         return False
@@ -181,23 +179,25 @@ def _restore(replica: Replica | PagedReplica, request: Request, tokens: int, now
     return True
 
 
-def _add_cached(pool: BlockPool, blocks: list[tuple[Any, int]]) -> bool:
-    """The blocks as a finished request leaves them: cached, evictable, the tail first in line."""
-    added = False
-    for block, tokens in reversed(blocks):
+def add_cached(pool: BlockPool, blocks: list[tuple[Any, int]]) -> bool:
+    """The blocks as a finished request leaves them (cached, evictable, the tail first in line),
+    into the pool's room only, as many leading blocks as fit: a migration does not evict the
+    receiver's own caches, which are as recent as the moved one (evicting them cost more
+    cached share than the moves won, on the Mooncake trace)."""
+    room = pool.capacity - pool.used
+    landing = []
+    for block, tokens in blocks:
         if block in pool:
             continue
-        while pool.used + tokens > pool.capacity and pool.free:
-            _, evicted = pool.free.popitem(last=False)
-            pool.used -= evicted
-            pool.free_tokens -= evicted
-        if pool.used + tokens > pool.capacity:
-            return added
+        if tokens > room:
+            break
+        landing.append((block, tokens))
+        room -= tokens
+    for block, tokens in reversed(landing):
         pool.free[block] = tokens
         pool.used += tokens
         pool.free_tokens += tokens
-        added = True
-    return added
+    return bool(landing)
 
 
 def window_figures(requests: list[Request], begin_s: float, end_s: float) -> dict[str, Any]:
@@ -233,49 +233,39 @@ def simulate_roll(workload: Any, routing: Any, cost: CostModel, fleet: Any, sett
             "candidates": log.candidates, "moved": log.moved, "moved_gb": round(log.moved_bytes / 1e9, 2)}
 
 
-def main(argv: list[str] | None = None) -> int:
-    from extproc.cli_input import parse_seeds
+def roll_runs(source: Any, policies: list[str], seeds: list[int], config: Any, cost: CostModel, replicas: int,
+              settings: RollSettings, progress: Any) -> list[dict[str, Any]]:
+    """Per policy and seed, the run without and then with migration (the same seed: the same
+    arrivals and ring); each run's figures as ``simulate_roll`` gives them, with its seed and policy."""
     from extproc.routing.policies import make_policy
-    from extproc.sim.costmodel import load_cost_model
-    from extproc.sim.runs import load_sim_config, parse_policy, profile_source, trace_source
+    from extproc.sim.runs import parse_policy
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    source_group = parser.add_mutually_exclusive_group(required=True)
-    source_group.add_argument("--trace")
-    source_group.add_argument("--profile")
-    parser.add_argument("--cost-model", required=True)
-    parser.add_argument("--policy", default="llm-aware")
-    parser.add_argument("--replicas", type=int, default=8)
-    parser.add_argument("--seeds", nargs="+", default=["1"])
-    parser.add_argument("--slots", type=int)
-    parser.add_argument("--cache-ram-mib", type=float)
-    parser.add_argument("--roll-at", type=float, required=True)
-    parser.add_argument("--restart-s", type=float, default=30.0)
-    parser.add_argument("--transfer-gb-per-s", type=float, default=1.0, help="save + copy + restore, GB/s")
-    parser.add_argument("--min-tokens", type=int, default=64)
-    parser.add_argument("--time-scale", type=float, help="traces: multiply arrival times (default: [trace])")
-    args = parser.parse_args(argv)
-    config = load_sim_config()
-    overrides = {k: v for k, v in (("cost_model", args.cost_model), ("slots", args.slots),
-                                   ("cache_ram_mib", args.cache_ram_mib)) if v is not None}
-    config = type(config)(**{**config.__dict__, **overrides})
-    cost = load_cost_model(config.cost_model)
     paged = cost.server is not None and cost.server.kv_cache == "paged"
-    source = trace_source(args.trace, args.time_scale or config.time_scale, config.jitter_bucket_s) if args.trace \
-        else profile_source(args.profile)
-    fleet = config.fleet(args.replicas, cost, cache=not paged)
-    for seed in parse_seeds(args.seeds):
-        base = {**config.routing, "hash_seed": seed} if source.seeds_hash else config.routing
-        routing = parse_policy(args.policy, base)
-        for migrate in (False, True):
-            settings = RollSettings(args.roll_at, args.restart_s, migrate, args.transfer_gb_per_s * 1e9,
-                                    args.min_tokens)
-            workload = source.make(seed, make_policy(routing).prefix_block_chars)
-            figures = simulate_roll(workload, routing, cost, fleet, settings, config.routers, config.router_state,
-                                    seed)
-            print(json.dumps({"seed": seed, **figures}), flush=True)
-    return 0
+    fleet = config.fleet(replicas, cost, cache=not paged)
+    runs = []
+    for policy in policies:
+        for seed in seeds:
+            base = {**config.routing, "hash_seed": seed} if source.seeds_hash else config.routing
+            routing = parse_policy(policy, base)
+            for migrate in (False, True):
+                workload = source.make(seed, make_policy(routing).prefix_block_chars)
+                figures = simulate_roll(workload, routing, cost, fleet, replace(settings, migrate=migrate),
+                                        config.routers, config.router_state, seed)
+                runs.append({"policy": policy, "seed": seed, **figures})
+                progress(json.dumps(runs[-1]))
+    return runs
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def render_rolls(runs: list[dict[str, Any]]) -> str:
+    """One line per run: the roll window, its cached share and p95 TTFT, what moved."""
+    lines = ["policy        seed  migration  roll window s    cached share  p95 TTFT s  moved (candidates)"]
+    for run in runs:
+        head = f"{run['policy']:<13} {run['seed']:>4}  {'on' if run['migrate'] else 'off':<9}  "
+        if "error" in run:
+            lines.append(head + run["error"])
+            continue
+        window = f"{run['roll_s'][0]:.0f}-{run['roll_s'][1]:.0f}"
+        share = "-" if run["cached_share"] is None else f"{100 * run['cached_share']:.1f} %"
+        ttft = "-" if run["p95_ttft_s"] is None else f"{run['p95_ttft_s']:.2f}"
+        lines.append(f"{head}{window:<15}  {share:>12}  {ttft:>10}  {run['moved']} ({run['candidates']})")
+    return "\n".join(lines)

@@ -23,6 +23,7 @@ from extproc.sim.costmodel import CostModel, load_cost_model
 from extproc.sim.engine import ClosedLoop, Fleet, OpenLoop, Outcome, simulate
 from extproc.sim.mooncake import TraceError, TraceRequest, jittered_arrivals, read_trace
 from extproc.sim.records import SIM_EPOCH_S, request_rows
+from extproc.sim.relief import Relief
 from extproc.sim.routers import RouterTier, check_router_tier
 from extproc.sim.workload import profile_workload, requests_from_trace
 from extproc.traffic import Profile, load_profile
@@ -48,6 +49,10 @@ class SimConfig:
     store_lag_ms: float  # router_state store: a write reaches the other routers this much later
     store_handoff: bool  # router_state store: a release by the next turn reaches every router at once
     store_outage: tuple[float, float] | None  # router_state store: (from, until) s, the store is down
+    roll_restart_s: float  # --roll-at: a replica is back this long after it was drained
+    migration_transfer_gb_per_s: float  # --roll-at with migration: save + copy + restore of a conversation's KV
+    migration_min_tokens: int  # --roll-at with migration: shorter caches are not moved
+    relieve_hot_spots: bool  # a conversation sent away from its cache takes it along (extproc/sim/relief.py)
     # traces: arrivals sharing a bucket this wide are spread over it with the seed (None: not read)
     jitter_bucket_s: float | None = None
 
@@ -57,11 +62,13 @@ class SimConfig:
         """The simulated fleet these settings describe (``host_cores`` overrides [host] cores;
         ``cache=False``: no host-RAM cache, for paged cost models that bring their own pool;
         ``models``: a mixed fleet, replica i's cost model; ``slow``: (replica, at s, factor) slowdowns)."""
+        relief = Relief(self.migration_transfer_gb_per_s * 1e9, self.migration_min_tokens) \
+            if self.relieve_hot_spots else None
         return Fleet(replicas, self.slots, cache_tokens(self.cache_ram_mib, cost) if cache else 0, scale,
                      self.host_cores if host_cores is None else host_cores, self.threads,
                      self.release_lag_ms / 1000, self.release_by_next_turn,
                      tuple((model, cache_tokens(self.cache_ram_mib, model) if cache else 0) for model in models),
-                     slow)
+                     slow, relief)
 
 
 class SimReplicaSection(Strict):
@@ -97,6 +104,13 @@ _KNOBS: dict[str, Any] = {name: (field.annotation, field) for name, field in Rou
 SimRoutingSection = create_model("SimRoutingSection", __base__=Strict, **_KNOBS)
 
 
+class SimMigrationSection(Strict):
+    roll_restart_s: float
+    transfer_gb_per_s: float
+    min_tokens: int
+    relieve_hot_spots: bool
+
+
 class SimSettings(Strict):
     """sim.toml: every key, checked as every settings file is (extproc.settings.validate_settings)."""
 
@@ -105,6 +119,7 @@ class SimSettings(Strict):
     host: SimHostSection
     trace: SimTraceSection
     gateway: SimGatewaySection
+    migration: SimMigrationSection
 
 
 def load_sim_config(path: str | Path = SIM_CONFIG) -> SimConfig:
@@ -120,6 +135,9 @@ def load_sim_config(path: str | Path = SIM_CONFIG) -> SimConfig:
             router_state=gateway.router_state, store_lag_ms=gateway.store_lag_ms, store_handoff=gateway.store_handoff,
             store_outage=store_outage(gateway.store_outage_at_s, gateway.store_outage_s),
             jitter_bucket_s=checked.trace.jitter_bucket_ms / 1000.0,
+            roll_restart_s=checked.migration.roll_restart_s,
+            migration_transfer_gb_per_s=checked.migration.transfer_gb_per_s,
+            migration_min_tokens=checked.migration.min_tokens, relieve_hot_spots=checked.migration.relieve_hot_spots,
         )
         check_router_tier(config.routers, config.router_state, config.store_lag_ms)
     except ValueError as exc:

@@ -141,7 +141,10 @@ def configure_scale(parser: argparse.ArgumentParser) -> None:
 def main_scale(args: argparse.Namespace) -> int:
     try:
         stack = Stack.find(run_dir(args.run_dir, models.data_dir(args.data_dir)))
-        for outcome in stack.scale(args.n, _progress):
+        for step in stack.scale(args.n, _progress):
+            outcome = step["migration"]
+            if not isinstance(outcome, dict) or not outcome:  # no migration
+                continue
             print(f"migrated from {outcome['replica']}: {outcome['succeeded']} of {outcome['slots']} slot(s), "
                   f"{outcome['failed']} failed, {outcome['bytes']:,} bytes, {outcome['seconds']} s")
     except FAILURES as exc:

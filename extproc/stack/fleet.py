@@ -50,10 +50,11 @@ def write_replica_list(stack: Stack) -> None:
     write_atomically(Path(stack.state.run_dir) / REPLICA_LIST, json.dumps(listing, sort_keys=True) + "\n")
 
 
-def scale(stack: Stack, n: int, progress: Progress, drain_timeout: float) -> list[dict[str, object]]:
+def scale(stack: Stack, n: int, progress: Progress, drain_timeout: float,
+          migrate: bool | None = None) -> list[dict[str, object]]:
     """Run n replicas: new ones join once healthy; removed ones leave the list, drain, hand
-    their conversations' caches to the others ([migration] enabled), stop. Returns each
-    migration's outcome."""
+    their conversations' caches to the others ([migration] enabled, or `migrate`), stop.
+    Returns each removed replica's step, as `roll` does (without "up")."""
     if n < 1:
         raise StackError(f"scale {n}: at least 1 replica")
     with stack.locked():
@@ -61,7 +62,7 @@ def scale(stack: Stack, n: int, progress: Progress, drain_timeout: float) -> lis
         if n > len(current):
             _scale_out(stack, len(current), n, progress)
         elif n < len(current):
-            return _scale_in(stack, current[:n], current[n:], progress, drain_seconds(stack, drain_timeout))
+            return _scale_in(stack, current[:n], current[n:], progress, drain_seconds(stack, drain_timeout), migrate)
         stack.save()
         return []
 
@@ -76,15 +77,12 @@ def _scale_out(stack: Stack, current: int, n: int, progress: Progress) -> None:
 
 
 def _scale_in(stack: Stack, staying: list[Replica], leaving: list[Replica], progress: Progress,
-              drain_timeout: float) -> list[dict[str, object]]:
+              drain_timeout: float, migrate: bool | None) -> list[dict[str, object]]:
     progress(f"scaling {len(staying) + len(leaving)} -> {len(staying)}: removing "
              f"{', '.join(r.name for r in leaving)}")
-    _take_out(stack, staying, {r.name for r in leaving})
-    deadline = time.monotonic() + drain_timeout
-    outcomes = [migrate_draining(stack, replica, staying, deadline, progress) for replica in leaving]
-    replicas.stop_all(leaving)
+    steps = _leave(stack, leaving, staying, progress, migrate, drain_timeout)
     stack.save()
-    return [o for o in outcomes if o]
+    return steps
 
 
 def roll(stack: Stack, name: str, progress: Progress, migrate: bool | None = None) -> dict[str, object]:
@@ -98,25 +96,41 @@ def roll(stack: Stack, name: str, progress: Progress, migrate: bool | None = Non
         if leaving is None:
             raise StackError(f"no replica {name!r}")
         staying = [r for r in current if r.name != name]
-        _take_out(stack, staying, {name})
-        out = _iso(time.time())
-        deadline = time.monotonic() + drain_seconds(stack, 60.0)
-        outcome = migrate_draining(stack, leaving, staying, deadline, progress, migrate)
-        drained = _iso(time.time())
-        replicas.stop_all([leaving])
-        down = _iso(time.time())
+        step = _leave(stack, [leaving], staying, progress, migrate, drain_seconds(stack, 60.0))[0]
         stack.state.replicas = [r.as_dict() for r in staying]
         start_replicas(stack, [name], [leaving.port], progress, port_wait=5.0)
         stack.state.replicas.sort(key=lambda r: int(str(r["name"]).rsplit("-", 1)[1]))
         _bring_in(stack, {name}, {leaving.address})
-        return {"replica": name, "out": out, "drained": drained, "down": down, "up": _iso(time.time()),
-                "migration": outcome}
+        return {**step, "up": _iso(time.time())}
+
+
+def _leave(stack: Stack, leaving: list[Replica], staying: list[Replica], progress: Progress, migrate: bool | None,
+           drain_timeout: float) -> list[dict[str, object]]:
+    """Take `leaving` out of the lists, drain each one and move its caches, stop them; per
+    replica {"replica", "out", "drained", "down" (ISO times), "migration"}. With migration,
+    the idle slots are moved first, while the replica still serves: the routers send those
+    conversations to their receivers at once, and what is left after it is out (what
+    changed since, what was busy) is little."""
+    deadline = time.monotonic() + drain_timeout
+    section = stack.state.migration
+    moving = bool(section) and bool(staying) and bool(section.get("enabled") if migrate is None else migrate)
+    early: dict[str, Outcome] = {}
+    if moving:
+        kv_bytes_per_token(stack)  # before they leave: nothing slow between their leaving and their migration
+        early = {r.name: _migrate(stack, r, staying, deadline, lambda _: None, frozenset()) for r in leaving}
+    _take_out(stack, staying, {r.name for r in leaving})
+    out = _iso(time.time())
+    steps: list[dict[str, object]] = []
+    for replica in leaving:
+        outcome = migrate_draining(stack, replica, staying, deadline, progress, early.get(replica.name))
+        steps.append({"replica": replica.name, "out": out, "drained": _iso(time.time()), "migration": outcome})
+    replicas.stop_all(leaving)
+    down = _iso(time.time())
+    return [{**step, "down": down} for step in steps]
 
 
 def _take_out(stack: Stack, staying: list[Replica], leaving: set[str]) -> None:
     """Only `staying` in the replica list, once every routing service has dropped `leaving`."""
-    if stack.state.migration:
-        kv_bytes_per_token(stack)  # before they leave: nothing slow between their leaving and their migration
     stack.state.replicas = [r.as_dict() for r in staying]
     write_replica_list(stack)
     stack.save()
@@ -145,15 +159,16 @@ def drain_seconds(stack: Stack, fallback: float) -> float:
 
 
 def migrate_draining(stack: Stack, leaving: Replica, staying: list[Replica], deadline: float, progress: Progress,
-                     migrate: bool | None = None) -> dict[str, object]:
-    """Drain `leaving` (out of the lists already) and move its caches as its slots turn idle:
-    the idle ones at once, each busy one as soon as its request ends (its conversation's next
-    turn may come within seconds), until none is busy or the deadline."""
-    section = stack.state.migration
-    if not (section.get("enabled") if migrate is None else migrate) or not staying or not section:
+                     early: Outcome | None) -> dict[str, object]:
+    """Drain `leaving` (out of the lists already) and move its caches as its slots turn idle
+    (early: what was moved before it left, None: no migration): the idle ones at once, each
+    busy one as soon as its request ends (its conversation's next turn may come within
+    seconds), until none is busy or the deadline."""
+    if early is None:
         _drain([leaving], deadline - time.monotonic(), progress)
         return {}
-    total = _migrate(stack, leaving, staying, deadline, lambda _: None, frozenset())
+    total = early
+    total.add(_migrate(stack, leaving, staying, deadline, lambda _: None, frozenset(total.saved_slots)))
     busy = _busy_slots(leaving.address)
     while busy and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -168,7 +183,7 @@ def migrate_draining(stack: Stack, leaving: Replica, staying: list[Replica], dea
 
 
 def _migrate(stack: Stack, leaving: Replica, staying: list[Replica], deadline: float, progress: Progress,
-             done: frozenset[int]) -> Outcome:
+             done: frozenset[tuple[int, int]]) -> Outcome:
     from extproc.migration.migrate import Limits, SharedFolder, migrate_out
     from extproc.migration.planner import Costs
     from extproc.migration.slotfiles import Identity

@@ -63,6 +63,10 @@ class LocalLab:
     def roll(self, name: str, migrate: bool | None) -> dict[str, Any]:
         return self.stack.roll(name, self.progress, migrate)
 
+    def scale_in(self, n: int, migrate: bool | None) -> list[dict[str, Any]]:
+        """Down to ``n`` replicas; each removed one's step (out, drained, down, migration)."""
+        return self.stack.scale(n, self.progress, migrate=migrate)
+
     def replicas(self) -> dict[str, str]:
         return self.stack.healthy_replicas()
 

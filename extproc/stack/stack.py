@@ -136,8 +136,9 @@ class Stack:
     def restart_part(self, name: str, progress: Progress = lambda _: None) -> None:
         supervisor.restart_part(self, name, progress)
 
-    def scale(self, n: int, progress: Progress = print, drain_timeout: float = 60.0) -> list[dict[str, object]]:
-        return fleet.scale(self, n, progress, drain_timeout)
+    def scale(self, n: int, progress: Progress = print, drain_timeout: float = 60.0,
+              migrate: bool | None = None) -> list[dict[str, object]]:
+        return fleet.scale(self, n, progress, drain_timeout, migrate)
 
     def roll(self, name: str, progress: Progress = print, migrate: bool | None = None) -> dict[str, object]:
         return fleet.roll(self, name, progress, migrate)

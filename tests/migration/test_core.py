@@ -136,3 +136,62 @@ def test_the_router_lists_what_a_leaving_replica_served_and_marks_a_migrated_con
     assert again is not None and "migrated" not in again.reason  # only the first decision after the move
     router.set_replicas("abc")  # back as a fresh server: nothing is cached there
     assert router.placed_on(leaving) == []
+
+
+def test_a_migration_points_the_prefix_index_at_the_receiver_even_while_the_source_still_serves() -> None:
+    from extproc.routing import Router, RouteRequest
+    from extproc.settings import load_settings
+
+    settings = load_settings("extproc/service/router.toml", environ={}).routing.model_copy(
+        update={"policy": "llm-aware", "prefix_index": True})
+    blocks = tuple(range(1000, 1040))  # 40 blocks of 16 tokens
+
+    def follow_up(moved_blocks: tuple[int, ...]) -> tuple[str, str, str, int]:
+        router = Router(settings, ["a", "b", "c"])
+        first = router.route(RouteRequest("1", "chat", 640, 8, blocks))
+        assert first is not None
+        router.complete("1")
+        receiver = next(n for n in "abc" if n != first.replica)
+        assert router.migrated(router.conversation_key("chat"), receiver, 648, moved_blocks)
+        then = router.route(RouteRequest("2", "chat", 700, 8, (*blocks, 2000, 2001, 2002)))
+        assert then is not None
+        return first.replica, receiver, then.replica, then.predicted_cached_tokens
+
+    source, receiver, went, cached = follow_up(blocks)
+    assert went == receiver and cached >= 600  # the receiver holds the history, the source does not count
+    source, receiver, went, _ = follow_up(())  # not told the blocks: the index still sees them on the source
+    assert went == source
+
+
+def test_a_reused_conversation_id_is_listed_with_its_own_opening_after_a_reset() -> None:
+    """A run that reuses the ids of an earlier one: each chat is routed under a key of its own
+    (it does not continue the earlier chat), and Placements must give that key its opening, or
+    no slot can be traced back to it."""
+    import asyncio
+
+    import orjson
+
+    from extproc.service import admin_pb2
+    from extproc.service.admin import AdminService
+    from tests.service.test_gateway_lifecycle import ENDPOINTS, make_gateway
+
+    gateway = make_gateway()
+
+    def turn(messages: list[dict[str, str]]) -> str:
+        _, routed = gateway.route_request(path="/v1/chat/completions", content_type="application/json",
+                                          conversation_id="c-1", turn="", request_id="envoy-id",
+                                          body=orjson.dumps({"messages": messages, "max_tokens": 8}))
+        assert routed
+        request_id = next(reversed(gateway.pending))
+        replica = gateway.pending[request_id].decision.replica
+        gateway.access_logged(request_id, 200, ENDPOINTS[replica], cut_off=False, timings=None)
+        return replica
+
+    first = [{"role": "user", "content": "an earlier run's chat"}]
+    turn(first)
+    turn([*first, {"role": "assistant", "content": "sure"}, {"role": "user", "content": "go on"}])
+    gateway.router.reset()  # between runs: the gateway still knows c-1's last history
+    replica = turn([{"role": "user", "content": "this run's chat"}])
+    reply = asyncio.run(AdminService(gateway).Placements(admin_pb2.PlacementsRequest(replica=replica), None))  # type: ignore[arg-type]
+    (listed,) = reply.conversations
+    assert listed.opening == opening_key([("user", "this run's chat")])

@@ -69,7 +69,9 @@ def test_a_slot_file_of_another_model_is_a_clean_miss(lab: LocalLab) -> None:
 def test_a_conversation_whose_replica_leaves_continues_elsewhere_with_its_history_cached(lab: LocalLab) -> None:
     conversation = conversation_homed_on(lab, "llm-2", NAMES, "leaving")
     chat, held = talk(lab, conversation)
-    (outcome,) = lab.stack.scale(2, progress=lambda _: None)
+    (step,) = lab.stack.scale(2, progress=lambda _: None)
+    outcome = step["migration"]
+    assert step["replica"] == "llm-2" and step["out"] <= step["drained"] <= step["down"]
     assert outcome["succeeded"] >= 1, outcome
     reply, answer = chat.turn("And who lives there now?")
     assert reply.status_code == 200, reply.text

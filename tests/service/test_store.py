@@ -213,6 +213,28 @@ def test_every_router_learns_the_replica_speeds_from_every_answer(server: Runnin
     run_closing(run)
 
 
+def test_a_migration_told_to_one_router_sends_the_next_turn_through_another_to_the_receiver(server: Running) -> None:
+    from extproc.service import admin_pb2
+    from extproc.service.admin import AdminService
+
+    async def run() -> None:
+        a, b = await sharing(server, "r-a"), await sharing(server, "r-b")
+        t1 = await ask(a, [USER1])
+        home = a.pending[t1].decision.replica
+        tokens = a.pending[t1].request.prompt_tokens
+        answered(a, t1)
+        await a.store.flushed()  # type: ignore[union-attr]
+        receiver = next(name for name in sorted(ENDPOINTS) if name != home)
+        move = admin_pb2.Move(key=a.router.conversation_key("c-1"), replica=receiver, tokens=tokens + 8)
+        reply = await AdminService(a).Migrated(admin_pb2.MigratedRequest(moves=[move], attempted=1), None)  # type: ignore[arg-type]
+        assert reply.applied == 1
+        await a.store.flushed()  # type: ignore[union-attr]
+        t2 = await ask(b, follow_up([USER1], "an answer", "more"))  # b was not told: it reads the store
+        assert b.pending[t2].decision.replica == receiver != home
+
+    run_closing(run)
+
+
 def test_the_store_down_leaves_routing_on_local_state_and_it_recovers_without_leaks(
     server: Running, tmp_path: Path
 ) -> None:

@@ -39,7 +39,8 @@ def test_fit_from_records_recovers_the_simulated_costs(tmp_path, monkeypatch):
                                 "prior_request_overhead_ms": 19.0},
                        slots=1, cache_ram_mib=0, cost_model="simple", threads=1, host_cores=0, time_scale=1.0,
                        release_lag_ms=0.0, release_by_next_turn=True, routers=1, router_state="separate",
-                       store_lag_ms=0.0, store_handoff=False, store_outage=None)
+                       store_lag_ms=0.0, store_handoff=False, store_outage=None, roll_restart_s=30.0,
+                       migration_transfer_gb_per_s=1.0, migration_min_tokens=64, relieve_hot_spots=False)
     run_experiment(source, ["bounded"], [1, 2], config, Fleet(3, 1, 0), tmp_path / "exp")
     out = tmp_path / "fit.json"
     assert main(parse("--from-records", str(tmp_path / "exp"), "--name", "fit", "--kv-bytes-per-token", "1024",

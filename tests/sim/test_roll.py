@@ -31,3 +31,20 @@ def test_migration_moves_the_leaving_replicas_slots_and_their_next_turns_say_so(
 def test_a_transfer_slower_than_prefill_moves_nothing() -> None:
     slow = rolled(True, transfer=1.0)  # 1 byte/s: recomputing is always cheaper
     assert slow["candidates"] >= 1 and slow["moved"] == 0
+
+
+def test_llm_ring_sim_rolls_each_seed_without_and_with_migration(tmp_path, capsys) -> None:
+    import json
+
+    from extproc.cli import main
+
+    out = tmp_path / "roll"
+    assert main(["sim", "--profile", "quick", "--policies", "llm-aware", "--seeds", "1", "--roll-at", "8",
+                 "--restart-s", "2", "--transfer-gb-per-s", "1", "--out-dir", str(out)]) == 0
+    runs = json.loads((out / "roll.json").read_text())["replicas"]["3"]
+    assert [run["migrate"] for run in runs] == [False, True]
+    assert runs[0]["moved"] == 0 < runs[1]["moved"]
+    assert "cached share" in capsys.readouterr().out
+    for bad in (["--restart-s", "2"], ["--roll-at", "0"], ["--roll-at", "8", "--scale-at", "5"]):
+        assert main(["sim", "--profile", "quick", "--policies", "llm-aware", "--seeds", "1", *bad,
+                     "--out-dir", str(tmp_path / "bad")]) == 2

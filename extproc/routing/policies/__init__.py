@@ -48,6 +48,15 @@ class SentView(Protocol):
 
 
 @runtime_checkable
+class CacheMoves(Protocol):
+    """A policy that keeps its own view of where prompts are cached, told of a migration."""
+
+    def moved(self, blocks: tuple[int, ...], tokens: int, source: str | None, receiver: str) -> None:
+        """The cache of a prompt of ``blocks`` (``tokens``) went from ``source`` (None: unknown)
+        to ``receiver``."""
+
+
+@runtime_checkable
 class CacheReports(Protocol):
     """A policy that learns from the cached tokens the replicas report (timings.cache_n)."""
 

@@ -408,6 +408,16 @@ class LlmAwarePrefix(LlmAware):
         elif before is not None:
             self.index.forget(decision.replica, request.prefix_blocks, before[1])
 
+    def moved(self, blocks: tuple[int, ...], tokens: int, source: str | None, receiver: str) -> None:
+        """A migration restored the prompt's cache on ``receiver``: it holds those blocks now,
+        and ``source`` (which leaves) no longer counts as holding them, or the next turn would
+        look cached on both and go to whichever the ring prefers."""
+        if not blocks:
+            return
+        self.index.add_prompt(receiver, blocks, max(1, tokens // len(blocks)))
+        if source is not None and source != receiver:
+            self.index.forget(source, blocks, 0)
+
     def set_replicas(self, replicas: tuple[str, ...]) -> None:
         """The requests in flight on a replica that left are never completed (the router drops them)."""
         self.index.set_replicas(replicas)
