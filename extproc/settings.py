@@ -19,11 +19,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from extproc.cli_input import UsageError
 
-PolicyName = Literal[
-    "round-robin", "mod-n", "consistent", "bounded", "llm-aware",
-    "prefix-affinity", "radix-balance", "chwbl", "kv-cost",  # the field's routers (docs/peer-policies.md)
-]
-LoadUnit = Literal["requests", "tokens"]
 ENV_PREFIX = "LLM_RING__"
 
 
@@ -34,44 +29,69 @@ class Strict(BaseModel):
 
 
 class RoutingSettings(Strict):
-    """The policy and its knobs: everything the functional core needs."""
+    """The policy, the keys every policy shares, and each policy's own section ``[routing.<name>]``
+    (its typed parameters, extproc/routing/policies/plugin.py): the one of ``policy`` must be
+    given, any other given is checked too (Admin.SetRouting may switch to it)."""
 
-    policy: PolicyName
+    policy: str = Field(description="the routing policy: a registered name (extproc/routing/policies)")
     virtual_nodes: int = Field(gt=0, le=10_000, description="ring points per replica")
     hash_seed: int = Field(ge=0, lt=2**64, description="seed of the xxhash64 ring hash")
-    epsilon: float = Field(gt=0, le=10, description="bounded loads: cap = (1 + epsilon) x average")
-    load_unit: LoadUnit = Field(description="what `bounded` counts: requests or prompt+max tokens")
-    # llm-aware's three switchable additions and their knobs
-    cache_aware: bool = Field(description="a cached replica is charged only the new tokens")
-    placement_memory: bool = Field(description="prefer where the conversation was last served")
-    long_stickiness: bool = Field(description="long cached conversations tolerate long_load_factor")
-    long_prompt_tokens: int = Field(gt=0, description="a conversation is long from this many prompt tokens")
-    long_load_factor: float = Field(gt=1, le=100, description="long cap = factor x average")
     memory_capacity: int = Field(ge=2, description="conversations remembered (least recently used forgotten)")
-    # llm-aware's prefix index (docs/prefix-index.md): two more switchable additions and its capacity
-    prefix_index: bool = Field(description="expected cache on each replica = its longest held prefix of the prompt; "
-                                           "over the cap a redirect must land (1 + epsilon) times lower")
-    prefix_feedback: bool = Field(description="prefix index: a replica reporting whole blocks fewer (more) than "
-                                              "predicted has its capacity lowered (raised) by as many tokens")
-    prefix_capacity_tokens: int = Field(gt=0, description="prefix index: tokens each replica holds (LRU beyond)")
-    # llm-aware on predicted time to first token (docs/policies.md) and each replica's learnt speed
-    ttft_decisions: bool = Field(description="llm-aware: pick by predicted time to first token; the bounded walk "
-                                             "decides only past ttft_guard_factor x average")
-    ttft_margin: float = Field(ge=0, le=10, description="a request leaves its cached replica only where its first "
-                                                        "token is predicted this share sooner")
-    ttft_recompute_cost: bool = Field(description="llm-aware: a move away from the cache is also charged the prefill "
-                                                  "of the tokens it computes again, the delay they bring the "
-                                                  "requests queued behind it")
-    ttft_guard_factor: float = Field(gt=1, le=100, description="past this factor x average load in tokens the "
-                                                                "preferred replica goes to the bounded walk")
-    replica_slots: int = Field(ge=0, le=4096, description="requests a replica runs at once (llama.cpp --parallel): "
-                                                          "below, a new one shares the replica; at or above, it "
-                                                          "queues behind all its work (0: always queues)")
+    # each replica's learnt speed (llm-aware's predicted time to first token reads it)
     speed_learning: bool = Field(description="learn each replica's speed from its answers' timings (false: the prior)")
     speed_ewma_weight: float = Field(gt=0, le=1, description="weight of the newest answer in a replica's speed")
     prior_prefill_tokens_per_s: float = Field(gt=0, description="a replica's prefill speed before any answer")
     prior_decode_tokens_per_s: float = Field(gt=0, description="a replica's decode speed before any answer")
     prior_request_overhead_ms: float = Field(ge=0, description="a request's fixed prefill cost before any answer")
+    params: dict[str, Any] = Field(description="policy name -> its validated section (built from the sections)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _policy_sections(cls, raw: Any) -> Any:
+        """Each section named by a registered policy becomes its typed parameters under ``params``."""
+        if not isinstance(raw, Mapping) or "params" in raw:
+            return raw
+        from extproc.routing.policies import plugin  # the registry stands above the settings it is read from
+
+        shared = {key: value for key, value in raw.items() if key not in plugin.REGISTRY}
+        chosen = raw.get("policy")
+        if not isinstance(chosen, str) or chosen not in plugin.REGISTRY:
+            raise ValueError(f"unknown policy {chosen!r} (registered: {', '.join(plugin.REGISTRY)})")
+        params, problems = {}, []
+        for name in plugin.REGISTRY:
+            if name in raw or name == chosen:
+                try:
+                    params[name] = plugin.validate_params(name, raw.get(name, {}))
+                except ValidationError as exc:
+                    problems += [{"type": error["type"], "loc": (name, *error["loc"]), "input": error["input"],
+                                  **({"ctx": error["ctx"]} if "ctx" in error else {})} for error in exc.errors()]
+        if problems:
+            raise ValidationError.from_exception_data("RoutingSettings", problems)  # type: ignore[arg-type]
+        return {**shared, "params": params}
+
+    def knobs(self) -> dict[str, Any]:
+        """The shared keys and the chosen policy's parameters, in one flat mapping (the Admin API's view)."""
+        return {**self.model_dump(exclude={"params"}), **self.params[self.policy]._asdict()}
+
+    def table(self) -> dict[str, Any]:
+        """As the settings file's [routing] table: the shared keys and a section per policy given."""
+        return {**self.model_dump(exclude={"params"}), **{name: params._asdict() for name, params in self.params.items()}}
+
+
+SHARED_ROUTING_KEYS = tuple(key for key in RoutingSettings.model_fields if key != "params")
+
+
+def with_knobs(table: Mapping[str, Any], knobs: Mapping[str, Any]) -> dict[str, Any]:
+    """A [routing] table with flat ``knobs`` set (``policy`` among them, or not): a shared key in
+    [routing], any other in the chosen policy's section, where a key it does not have is refused."""
+    out = {key: dict(value) if isinstance(value, Mapping) else value for key, value in table.items()}
+    policy = knobs.get("policy", out.get("policy"))
+    for key, value in knobs.items():
+        if key in SHARED_ROUTING_KEYS:
+            out[key] = value
+        else:
+            out.setdefault(str(policy), {})[key] = value
+    return out
 
 
 class ServiceSettings(Strict):
