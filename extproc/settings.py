@@ -210,7 +210,7 @@ def load_settings(path: str | Path, environ: Mapping[str, str] | None = None) ->
 
 
 def parse_settings(raw: Mapping[str, Any], source: str = "settings",
-                   from_env: Mapping[tuple[str, str], str] | None = None) -> Settings:
+                   from_env: Mapping[tuple[str, ...], str] | None = None) -> Settings:
     """``from_env``: (section, key) -> the environment variable that set it (blamed instead of the file)."""
     try:
         return Settings.model_validate(raw)
@@ -225,12 +225,13 @@ def parse_routing(raw: Mapping[str, Any], source: str = "routing") -> RoutingSet
         raise SettingsError(describe_errors(exc, source)) from None
 
 
-def describe_errors(exc: ValidationError, source: str, from_env: Mapping[tuple[str, str], str] | None = None) -> str:
+def describe_errors(exc: ValidationError, source: str, from_env: Mapping[tuple[str, ...], str] | None = None) -> str:
     """One line per problem, each naming its dotted key and its origin (the file, or a variable)."""
     lines = []
     for error in exc.errors():
         key = ".".join(str(part) for part in error["loc"])
-        variable = (from_env or {}).get(tuple(str(part) for part in error["loc"][:2]))  # type: ignore[arg-type]
+        path = tuple(str(part) for part in error["loc"])
+        variable = (from_env or {}).get(path[:3]) or (from_env or {}).get(path[:2])
         origin = f"{variable} (environment)" if variable else source
         if error["type"] == "missing":
             problem = "missing (every setting must be given; there are no defaults)"
@@ -242,22 +243,29 @@ def describe_errors(exc: ValidationError, source: str, from_env: Mapping[tuple[s
     return "; ".join(lines)
 
 
-def apply_env_overrides(raw: dict[str, Any], environ: Mapping[str, str]) -> dict[tuple[str, str], str]:
-    """Set ``raw[section][key]`` from each ``LLM_RING__SECTION__KEY``; returns which variable set what."""
-    origins = {}
+def apply_env_overrides(raw: dict[str, Any], environ: Mapping[str, str]) -> dict[tuple[str, ...], str]:
+    """Set ``raw[section][key]`` from each ``LLM_RING__SECTION__KEY``, and a policy's
+    ``raw[section][policy][key]`` from ``LLM_RING__ROUTING__LLM_AWARE__KEY`` (``_`` for the
+    name's ``-``, which a variable's name cannot hold); returns which variable set what."""
+    origins: dict[tuple[str, ...], str] = {}
     for name, text in environ.items():
         if not name.startswith(ENV_PREFIX):
             continue
         path = name[len(ENV_PREFIX) :].lower().split("__")
-        if len(path) != 2 or not all(path):
-            raise SettingsError(f"{name} (environment): expected {ENV_PREFIX}<SECTION>__<KEY>")
-        section, key = path
-        raw.setdefault(section, {})[key] = _parse_scalar(text)
-        origins[(section, key)] = name
+        if len(path) not in (2, 3) or not all(path):
+            raise SettingsError(f"{name} (environment): expected {ENV_PREFIX}<SECTION>__<KEY> or "
+                                f"{ENV_PREFIX}ROUTING__<POLICY>__<KEY>")
+        table = raw.setdefault(path[0], {})
+        if len(path) == 3:
+            path[1] = path[1].replace("_", "-")
+            table = table.setdefault(path[1], {})
+        table[path[-1]] = parse_scalar(text)
+        origins[tuple(path)] = name
     return origins
 
 
-def _parse_scalar(text: str) -> Any:
+def parse_scalar(text: str) -> Any:
+    """A value as TOML reads it (``0.3``, ``true``, ``"x"``); bare text as itself."""
     try:
         return tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:

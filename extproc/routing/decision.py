@@ -90,6 +90,8 @@ class Trace(NamedTuple):
     figures: tuple[tuple[str, float], ...] = ()  # named numbers of the policy's rule (thresholds, spreads)
     # llm-aware on predicted time: (replica, predicted seconds to the first token) of the candidates weighed
     predicted: tuple[tuple[str, float], ...] = ()
+    # a policy's own typed details, a NamedTuple of its file (None: it has none beyond the fields above)
+    details: tuple[Any, ...] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         data: dict[str, Any] = {"policy": self.policy, "prompt_tokens": self.prompt_tokens,
@@ -110,6 +112,8 @@ class Trace(NamedTuple):
             data["figures"] = dict(self.figures)
         if self.predicted:
             data["predicted_ttft_s"] = dict(self.predicted)
+        if self.details is not None:
+            data["details"] = self.details._asdict()  # type: ignore[attr-defined]
         return data
 
 

@@ -16,9 +16,9 @@ from extproc.files import write_atomically
 from extproc.policy_spec import ExperimentError
 from extproc.policy_spec import parse_policy as experiment_policy
 from extproc.records import REQUESTS_FILE, RunMeta, write_records, write_run_metadata
-from extproc.routing import make_policy
+from extproc.routing import POLICIES, make_policy
 from extproc.routing.speeds import Speed
-from extproc.settings import RoutingSettings, SettingsError, parse_routing
+from extproc.settings import SHARED_ROUTING_KEYS, RoutingSettings, SettingsError, parse_routing, with_knobs
 from extproc.sim.costmodel import CostModel, load_cost_model
 from extproc.sim.engine import ClosedLoop, Fleet, OpenLoop, Outcome, simulate
 from extproc.sim.mooncake import TraceError, TraceRequest, jittered_arrivals, read_trace
@@ -82,7 +82,8 @@ _LAYOUT: dict[tuple[str, str], tuple[str, Callable[[Any], Any]]] = {
     ("gateway", "store_outage_at_s"): ("store_outage_at_s", float),  # the two make store_outage
     ("gateway", "store_outage_s"): ("store_outage_s", float),
 }
-_KEYS: dict[str, tuple[str, ...]] = {"routing": tuple(key for key in RoutingSettings.model_fields if key != "policy")}
+# [routing]: the shared keys (the policy comes from the spec) and a section per policy, checked by parse_policy
+_KEYS: dict[str, tuple[str, ...]] = {"routing": (*(key for key in SHARED_ROUTING_KEYS if key != "policy"), *POLICIES)}
 for _section, _key in _LAYOUT:
     _KEYS[_section] = (*_KEYS.get(_section, ()), _key)
 
@@ -131,7 +132,7 @@ def parse_policy(spec: str, base: dict[str, Any]) -> RoutingSettings:
         knobs = experiment_policy(spec).routing
     except ExperimentError as exc:
         raise SettingsError(str(exc)) from None
-    return parse_routing({**base, **knobs}, source=f"policy {spec!r}")
+    return parse_routing(with_knobs(base, knobs), source=f"policy {spec!r}")
 
 
 def cache_tokens(cache_ram_mib: float, cost: CostModel) -> int:
@@ -217,7 +218,7 @@ def _meta(run_id: str, spec: str, seed: int, source: Source, settings: RoutingSe
     profile = dict(vars(source.profile)) if source.profile else {"trace": source.label}
     return RunMeta(
         run_id=run_id, policy=spec, seed=seed, simulated=True, profile=profile,
-        routing=settings.model_dump(), replicas_start=fleet.replicas, started_at=iso(0.0),
+        routing=settings.knobs(), replicas_start=fleet.replicas, started_at=iso(0.0),
         finished_at=iso(outcome.end_s), scale_at_s=scale_up[0] if scale_up else None,
         scaled_to=scale_up[1] if scale_up else None, scale_ready_at=iso(scale_up[0]) if scale_up else None,
         status="finished", rows=rows,

@@ -5,16 +5,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import get_args
 
-from extproc.settings import PolicyName
+from extproc.routing import POLICIES
 from extproc.stack import models
 from extproc.stack.daemons import PortInUse
 from extproc.stack.processes import StartError
 from extproc.stack.replicas import ReplicaError
 from extproc.stack.stack import Stack, StackError, load_stack_settings, run_dir
 
-POLICIES = get_args(PolicyName)
 FAILURES = (StackError, ReplicaError, PortInUse, models.ModelError, StartError)
 
 
@@ -33,7 +31,7 @@ def configure_up(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", choices=("xllamacpp", "llama-server"), help="[replicas] backend")
     parser.add_argument("--llama-server", metavar="PATH", help="backend llama-server: the binary")
     parser.add_argument("--model", help=f"{' | '.join(models.MODELS)} | a .gguf path ([replicas] model)")
-    parser.add_argument("--policy", choices=POLICIES, help="routing policy ([router] policy)")
+    parser.add_argument("--policy", choices=list(POLICIES), help="routing policy ([router] policy)")
     parser.add_argument("--ctx-size", type=int, help="[replicas] ctx_size")
     parser.add_argument("--parallel", type=int, help="[replicas] parallel (slots)")
     parser.add_argument("--threads", type=int, help="[replicas] threads")

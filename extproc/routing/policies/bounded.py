@@ -58,7 +58,7 @@ class Bounded:
             situation.load_copy(unit), total, average, cap,
             None, None,  # long_cap, long_threshold
             checks,
-            *NO_PEER_FIELDS,  # prompt_blocks, candidates, figures
+            *NO_PEER_FIELDS,  # prompt_blocks, candidates, figures, predicted, details
         ))
         return new(Decision, (chosen, reason, cost, work, situation.cached_tokens_on(chosen), trace))
 

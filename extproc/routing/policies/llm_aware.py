@@ -215,6 +215,7 @@ class LlmAware:
             checks,
             *(seen or NO_PEER_FIELDS[:3]),  # prompt_blocks, candidates, figures
             predicted,
+            None,  # details
         ))
         return new(Decision, (chosen, reason, cost, cost, expected.get(chosen, 0), trace))
 
