@@ -218,19 +218,22 @@ def parse_settings(raw: Mapping[str, Any], source: str = "settings",
         raise SettingsError(describe_errors(exc, source, from_env or {})) from None
 
 
-def parse_routing(raw: Mapping[str, Any], source: str = "routing") -> RoutingSettings:
+def parse_routing(raw: Mapping[str, Any], source: str = "routing settings") -> RoutingSettings:
+    """A [routing] table; a problem names its key from the file's top (``routing.llm-aware.ttft_margin``)."""
     try:
         return RoutingSettings.model_validate(raw)
     except ValidationError as exc:
-        raise SettingsError(describe_errors(exc, source)) from None
+        raise SettingsError(describe_errors(exc, source, within=("routing",))) from None
 
 
-def describe_errors(exc: ValidationError, source: str, from_env: Mapping[tuple[str, ...], str] | None = None) -> str:
-    """One line per problem, each naming its dotted key and its origin (the file, or a variable)."""
+def describe_errors(exc: ValidationError, source: str, from_env: Mapping[tuple[str, ...], str] | None = None,
+                    within: tuple[str, ...] = ()) -> str:
+    """One line per problem, each naming its dotted key (``within`` the sections named) and its
+    origin (the file, or a variable)."""
     lines = []
     for error in exc.errors():
-        key = ".".join(str(part) for part in error["loc"])
-        path = tuple(str(part) for part in error["loc"])
+        path = (*within, *(str(part) for part in error["loc"]))
+        key = ".".join(path)
         variable = (from_env or {}).get(path[:3]) or (from_env or {}).get(path[:2])
         origin = f"{variable} (environment)" if variable else source
         if error["type"] == "missing":

@@ -12,10 +12,10 @@ from tests.routing.conftest import BASE
 
 def test_a_missing_key_is_named() -> None:
     raw = {k: v for k, v in BASE.items() if k != "hash_seed"}
-    with pytest.raises(SettingsError, match=r"routing: hash_seed: missing"):
+    with pytest.raises(SettingsError, match=r"routing settings: routing\.hash_seed: missing"):
         parse_routing(raw)
     raw = {**BASE, "llm-aware": {k: v for k, v in BASE["llm-aware"].items() if k != "ttft_margin"}}
-    with pytest.raises(SettingsError, match=r"routing: llm-aware\.ttft_margin: missing"):
+    with pytest.raises(SettingsError, match=r"routing settings: routing\.llm-aware\.ttft_margin: missing"):
         parse_routing(raw)
 
 
@@ -42,7 +42,7 @@ def test_bad_values_name_the_key_and_what_is_allowed(knob: str, value: object, k
     with pytest.raises(SettingsError) as error:
         parse_routing(with_knobs(BASE, {knob: value}))
     message = str(error.value)
-    assert f"routing: {key}:" in message and complaint in message
+    assert f"routing settings: routing.{key}:" in message and complaint in message
 
 
 def test_a_bad_policy_or_load_unit_says_what_is_allowed() -> None:
