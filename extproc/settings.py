@@ -75,7 +75,8 @@ class RoutingSettings(Strict):
 
     def table(self) -> dict[str, Any]:
         """As the settings file's [routing] table: the shared keys and a section per policy given."""
-        return {**self.model_dump(exclude={"params"}), **{name: params._asdict() for name, params in self.params.items()}}
+        sections = {name: params._asdict() for name, params in self.params.items()}
+        return {**self.model_dump(exclude={"params"}), **sections}
 
 
 SHARED_ROUTING_KEYS = tuple(key for key in RoutingSettings.model_fields if key != "params")

@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any, NamedTuple
 
+
 class RouteRequest(NamedTuple):
     """One request as the router sees it."""
 

@@ -104,7 +104,8 @@ def test_report_on_a_corrupt_parquet_names_the_folder(tmp_path):
 def test_an_unknown_policy_knob_is_named_with_the_valid_ones(tmp_path, capsys):
     code, err = run_cli(capsys, "sim", "--profile", "quick", "--policies", "bounded:colour=red", "--seeds", "1",
                         "--out-dir", str(tmp_path / "out"))
-    assert_refused(code, err, "policy 'bounded:colour=red': unknown setting colour", "valid: epsilon, load_unit, virtual_nodes",
+    assert_refused(code, err, "policy 'bounded:colour=red': unknown setting colour",
+                   "valid: epsilon, load_unit, virtual_nodes",
                    "epsilon")
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from extproc.routing import Decision, Router, RouteRequest, Trace, render_trace, reasons
+from extproc.routing import Decision, Router, RouteRequest, Trace, reasons, render_trace
 from extproc.routing.blocks import prefix_blocks
 from extproc.routing.hashing import stable_hash
 from extproc.routing.policies.kv_cost import KvCost
@@ -70,7 +70,8 @@ def test_prefix_affinity_scores_three_prefix_two_queue_two_kv() -> None:
     follow_up = router.route(RouteRequest("b", "c", 500, 100, blocks("s", "u1", "a1", "u2", "u3")))
     assert follow_up is not None and follow_up.replica == held  # 3 x 4/5 = 2.4 beats the queue's 2
     scores = {c.replica: c.score for c in follow_up.trace.candidates}
-    assert scores[held] == pytest.approx(3 * 4 / 5 + 2 * 0 + 2 * (1 - 500 / BASE["prefix-affinity"]["kv_capacity_tokens"]))
+    capacity = BASE["prefix-affinity"]["kv_capacity_tokens"]
+    assert scores[held] == pytest.approx(3 * 4 / 5 + 2 * 0 + 2 * (1 - 500 / capacity))
     assert all(score == pytest.approx(2 * 1 + 2 * 1) for name, score in scores.items() if name != held)
     other = router.route(RouteRequest("c", "c2", 500, 100, blocks("s", "x1", "x2", "x3", "x4")))
     assert other is not None and other.replica != held  # 3 x 1/5 = 0.6 < 2 x (queue 2 -> 0 vs 1)

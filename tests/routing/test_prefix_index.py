@@ -9,7 +9,7 @@ import tracemalloc
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from extproc.routing import Router, RouteRequest, Trace, render_trace, reasons
+from extproc.routing import Router, RouteRequest, Trace, reasons, render_trace
 from extproc.routing.blocks import covered_tokens, prefix_blocks
 from extproc.routing.policies.llm_aware import LlmAwarePrefix
 from extproc.routing.prefix_index import PrefixIndex

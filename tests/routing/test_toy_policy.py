@@ -58,7 +58,8 @@ def test_its_section_is_checked_like_any_policy_s(toy: None) -> None:
 
 def test_the_simulator_runs_it(toy: None) -> None:
     settings = parse_policy("toy:max_in_flight=1", load_sim_config().routing)
-    outcome = run_once(profile_workload(load_profile("quick"), 1), settings, simple_cost(), Fleet(replicas=3, slots=4, cache_tokens=0))
+    fleet = Fleet(replicas=3, slots=4, cache_tokens=0)
+    outcome = run_once(profile_workload(load_profile("quick"), 1), settings, simple_cost(), fleet)
     found = {request.reason for request in outcome.requests}
     assert found == {"toy-home", "toy-spill"}, found
 

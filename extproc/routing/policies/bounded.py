@@ -14,8 +14,8 @@ from pydantic import Field
 
 from extproc.routing.decision import Decision, Trace
 from extproc.routing.ledger import LoadUnit
-from extproc.routing.policies.plugin import PolicyPlugin
 from extproc.routing.policies.bounded_walk import WALK_REASONS, average_and_cap, first_fit, least_loaded
+from extproc.routing.policies.plugin import PolicyPlugin
 from extproc.routing.policies.situation import HOME_REASON, NO_PEER_FIELDS, Situation, new
 
 # [routing.bounded] (plugin.py: the functional form keeps the constraints under mypyc)

@@ -9,6 +9,7 @@ from extproc.routing.decision import Decision
 from extproc.routing.policies.plugin import NoParams, PolicyPlugin
 from extproc.routing.policies.situation import HOME_REASON, Situation, unbounded_decision
 
+
 class Consistent:
     name: ClassVar[str] = "consistent"
     prefix_block_chars: ClassVar[int] = 0

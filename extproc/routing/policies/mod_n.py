@@ -9,6 +9,7 @@ from extproc.routing.decision import Decision
 from extproc.routing.policies.plugin import NoParams, PolicyPlugin
 from extproc.routing.policies.situation import Situation, unbounded_decision
 
+
 class ModN:
     name: ClassVar[str] = "mod-n"
     prefix_block_chars: ClassVar[int] = 0

@@ -8,6 +8,7 @@ from extproc.routing.decision import Decision
 from extproc.routing.policies.plugin import NoParams, PolicyPlugin
 from extproc.routing.policies.situation import Situation, unbounded_decision
 
+
 class RoundRobin:
     name: ClassVar[str] = "round-robin"
     prefix_block_chars: ClassVar[int] = 0
