@@ -191,6 +191,10 @@ class Router:
     def in_flight(self) -> int:
         return len(self._in_flight)
 
+    def holds(self, request_id: str) -> bool:
+        """Whether ``request_id`` is in flight here (routed, not yet completed)."""
+        return request_id in self._in_flight
+
     def _set_policy(self, policy: Policy) -> None:
         """A new policy starts with an empty view of the current fleet (in-flight requests
         it did not route are unknown to it; completing them tells it nothing)."""

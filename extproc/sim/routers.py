@@ -79,7 +79,7 @@ class RouterTier:
         self.routed = [0] * count  # requests each router decided
         self._seed = seed
         self._draw = random.Random(f"router-tier:{seed}").randrange  # the Service's spread, fixed per seed
-        self._owner: dict[str, Router] = {}  # in flight: request id -> the router that routed it
+        self._distinct = self.distinct()
 
     def pick(self, request: RouteRequest) -> int:
         """The router this request's connection lands on."""
@@ -94,14 +94,17 @@ class RouterTier:
             self.store.read(index, self.clock())
         decision = router.route(request)
         self.routed[index] += 1
-        if decision is not None:
-            self._owner[request.request_id] = router
         return decision
+
+    def _owner(self, request_id: str) -> Router | None:
+        """The router that routed ``request_id`` while it is in flight there (each router's
+        table of requests in flight is the only one)."""
+        return next((router for router in self._distinct if router.holds(request_id)), None)
 
     def complete(self, request_id: str, ok: bool = True, by_next_turn: bool = False) -> Decision | None:
         """Completed by the router that routed it (a no-op for one already completed);
         ``by_next_turn``: its conversation's next turn, carrying its answer, has arrived."""
-        router = self._owner.pop(request_id, None)
+        router = self._owner(request_id)
         if router is None:
             return None
         if self.store is None:
@@ -116,7 +119,7 @@ class RouterTier:
     def report_cached(self, request: RouteRequest, replica: str, predicted: int, cached: int,
                       timings: AnswerTimings | None = None) -> None:
         """An answer's cached tokens and timings go to the router that routed it (reported before its release)."""
-        router = self._owner.get(request.request_id)
+        router = self._owner(request.request_id)
         if router is not None:
             router.report_cached(request, replica, predicted, cached, timings)
 
