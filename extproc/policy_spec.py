@@ -1,17 +1,18 @@
 """Which policies an experiment compares, as given on the command line: ``name`` or
-``name:key=value,...`` ([routing] knobs, for ablations). Read alike by the live runner
-(extproc.experiments.run) and the simulator (extproc.sim), so it stands below both."""
+``name:key=value,...`` (the policy's parameters, [routing.<name>], or a shared [routing] key,
+for ablations). Read alike by the live runner (extproc.experiments.run) and the simulator
+(extproc.sim), so it stands below both."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, get_args
+from typing import Any
 
 from extproc.cli_input import UsageError
-from extproc.settings import PolicyName, RoutingSettings, toml_value
+from extproc.routing.policies.plugin import REGISTRY, param_names
+from extproc.settings import SHARED_ROUTING_KEYS, toml_value
 
-POLICIES = get_args(PolicyName)
-KNOBS = tuple(name for name in RoutingSettings.model_fields if name != "policy")  # settable in a policy spec
+POLICIES = REGISTRY  # the registered names (a test's own policy among them once registered)
 
 
 class ExperimentError(UsageError):
@@ -23,19 +24,25 @@ class PolicySpec:
     """``name`` or ``name:key=value,key=value`` (routing knobs for ablations)."""
 
     label: str
-    routing: dict[str, Any]
+    routing: dict[str, Any]  # flat: "policy", then each knob (settings.with_knobs places them)
+
+
+def knobs(policy: str) -> tuple[str, ...]:
+    """What a spec of ``policy`` may set: its parameters, then the shared keys."""
+    return (*param_names(policy), *(key for key in SHARED_ROUTING_KEYS if key != "policy"))
 
 
 def parse_policy(spec: str) -> PolicySpec:
-    name, _, knobs = spec.partition(":")
+    name, _, given = spec.partition(":")
     if name not in POLICIES:
         raise ExperimentError(f"unknown policy {name!r} in {spec!r}; known: {', '.join(POLICIES)}")
+    valid = knobs(name)
     routing: dict[str, Any] = {"policy": name}
-    for item in filter(None, knobs.split(",")):
+    for item in filter(None, given.split(",")):
         key, eq, text = item.partition("=")
         if not eq:
             raise ExperimentError(f"policy {spec!r}: {item!r} is not <routing setting>=<value>")
-        if key not in KNOBS:
-            raise ExperimentError(f"policy {spec!r}: unknown setting {key} (valid: {', '.join(KNOBS)})")
+        if key not in valid:
+            raise ExperimentError(f"policy {spec!r}: unknown setting {key} (valid: {', '.join(valid)})")
         routing[key] = toml_value(text)
     return PolicySpec(label=spec, routing=routing)

@@ -19,11 +19,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from extproc.cli_input import UsageError
 
-PolicyName = Literal[
-    "round-robin", "mod-n", "consistent", "bounded", "llm-aware",
-    "prefix-affinity", "radix-balance", "chwbl", "kv-cost",  # the field's routers (docs/peer-policies.md)
-]
-LoadUnit = Literal["requests", "tokens"]
 ENV_PREFIX = "LLM_RING__"
 SectionsT = TypeVar("SectionsT", bound=BaseModel)
 
@@ -35,44 +30,70 @@ class Strict(BaseModel):
 
 
 class RoutingSettings(Strict):
-    """The policy and its knobs: everything the functional core needs."""
+    """The policy, the keys every policy shares, and each policy's own section ``[routing.<name>]``
+    (its typed parameters, extproc/routing/policies/plugin.py): the one of ``policy`` must be
+    given, any other given is checked too (Admin.SetRouting may switch to it)."""
 
-    policy: PolicyName
+    policy: str = Field(description="the routing policy: a registered name (extproc/routing/policies)")
     virtual_nodes: int = Field(gt=0, le=10_000, description="ring points per replica")
     hash_seed: int = Field(ge=0, lt=2**64, description="seed of the xxhash64 ring hash")
-    epsilon: float = Field(gt=0, le=10, description="bounded loads: cap = (1 + epsilon) x average")
-    load_unit: LoadUnit = Field(description="what `bounded` counts: requests or prompt+max tokens")
-    # llm-aware's three switchable additions and their knobs
-    cache_aware: bool = Field(description="a cached replica is charged only the new tokens")
-    placement_memory: bool = Field(description="prefer where the conversation was last served")
-    long_stickiness: bool = Field(description="long cached conversations tolerate long_load_factor")
-    long_prompt_tokens: int = Field(gt=0, description="a conversation is long from this many prompt tokens")
-    long_load_factor: float = Field(gt=1, le=100, description="long cap = factor x average")
     memory_capacity: int = Field(ge=2, description="conversations remembered (least recently used forgotten)")
-    # llm-aware's prefix index (docs/prefix-index.md): two more switchable additions and its capacity
-    prefix_index: bool = Field(description="expected cache on each replica = its longest held prefix of the prompt; "
-                                           "over the cap a redirect must land (1 + epsilon) times lower")
-    prefix_feedback: bool = Field(description="prefix index: a replica reporting whole blocks fewer (more) than "
-                                              "predicted has its capacity lowered (raised) by as many tokens")
-    prefix_capacity_tokens: int = Field(gt=0, description="prefix index: tokens each replica holds (LRU beyond)")
-    # llm-aware on predicted time to first token (docs/policies.md) and each replica's learnt speed
-    ttft_decisions: bool = Field(description="llm-aware: pick by predicted time to first token; the bounded walk "
-                                             "decides only past ttft_guard_factor x average")
-    ttft_margin: float = Field(ge=0, le=10, description="a request leaves its cached replica only where its first "
-                                                        "token is predicted this share sooner")
-    ttft_recompute_cost: bool = Field(description="llm-aware: a move away from the cache is also charged the prefill "
-                                                  "of the tokens it computes again, the delay they bring the "
-                                                  "requests queued behind it")
-    ttft_guard_factor: float = Field(gt=1, le=100, description="past this factor x average load in tokens the "
-                                                                "preferred replica goes to the bounded walk")
-    replica_slots: int = Field(ge=0, le=4096, description="requests a replica runs at once (llama.cpp --parallel): "
-                                                          "below, a new one shares the replica; at or above, it "
-                                                          "queues behind all its work (0: always queues)")
+    # each replica's learnt speed (llm-aware's predicted time to first token reads it)
     speed_learning: bool = Field(description="learn each replica's speed from its answers' timings (false: the prior)")
     speed_ewma_weight: float = Field(gt=0, le=1, description="weight of the newest answer in a replica's speed")
     prior_prefill_tokens_per_s: float = Field(gt=0, description="a replica's prefill speed before any answer")
     prior_decode_tokens_per_s: float = Field(gt=0, description="a replica's decode speed before any answer")
     prior_request_overhead_ms: float = Field(ge=0, description="a request's fixed prefill cost before any answer")
+    params: dict[str, Any] = Field(description="policy name -> its validated section (built from the sections)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _policy_sections(cls, raw: Any) -> Any:
+        """Each section named by a registered policy becomes its typed parameters under ``params``."""
+        if not isinstance(raw, Mapping) or "params" in raw:
+            return raw
+        from extproc.routing.policies import plugin  # the registry stands above the settings it is read from
+
+        shared = {key: value for key, value in raw.items() if key not in plugin.REGISTRY}
+        chosen = raw.get("policy")
+        if not isinstance(chosen, str) or chosen not in plugin.REGISTRY:
+            raise ValueError(f"unknown policy {chosen!r} (registered: {', '.join(plugin.REGISTRY)})")
+        params, problems = {}, []
+        for name in plugin.REGISTRY:
+            if name in raw or name == chosen:
+                try:
+                    params[name] = plugin.validate_params(name, raw.get(name, {}))
+                except ValidationError as exc:
+                    problems += [{"type": error["type"], "loc": (name, *error["loc"]), "input": error["input"],
+                                  **({"ctx": error["ctx"]} if "ctx" in error else {})} for error in exc.errors()]
+        if problems:
+            raise ValidationError.from_exception_data("RoutingSettings", problems)  # type: ignore[arg-type]
+        return {**shared, "params": params}
+
+    def knobs(self) -> dict[str, Any]:
+        """The shared keys and the chosen policy's parameters, in one flat mapping (the Admin API's view)."""
+        return {**self.model_dump(exclude={"params"}), **self.params[self.policy]._asdict()}
+
+    def table(self) -> dict[str, Any]:
+        """As the settings file's [routing] table: the shared keys and a section per policy given."""
+        sections = {name: params._asdict() for name, params in self.params.items()}
+        return {**self.model_dump(exclude={"params"}), **sections}
+
+
+SHARED_ROUTING_KEYS = tuple(key for key in RoutingSettings.model_fields if key != "params")
+
+
+def with_knobs(table: Mapping[str, Any], knobs: Mapping[str, Any]) -> dict[str, Any]:
+    """A [routing] table with flat ``knobs`` set (``policy`` among them, or not): a shared key in
+    [routing], any other in the chosen policy's section, where a key it does not have is refused."""
+    out = {key: dict(value) if isinstance(value, Mapping) else value for key, value in table.items()}
+    policy = knobs.get("policy", out.get("policy"))
+    for key, value in knobs.items():
+        if key in SHARED_ROUTING_KEYS:
+            out[key] = value
+        else:
+            out.setdefault(str(policy), {})[key] = value
+    return out
 
 
 class ServiceSettings(Strict):
@@ -209,7 +230,7 @@ def read_toml(path: str | Path) -> dict[str, Any]:
 
 
 def validate_settings(model: type[SectionsT], raw: Mapping[str, Any], source: str,
-                      from_env: Mapping[tuple[str, str], str] | None = None) -> SectionsT:
+                      from_env: Mapping[tuple[str, ...], str] | None = None, within: tuple[str, ...] = ()) -> SectionsT:
     """The one check of every settings file the project reads (the routing service's, stack.toml,
     sim.toml): unknown keys, missing keys and bad values, as one line naming the origin and each
     dotted key (SettingsError: exit code 2 at the command line). ``from_env``: (section, key) ->
@@ -217,26 +238,28 @@ def validate_settings(model: type[SectionsT], raw: Mapping[str, Any], source: st
     try:
         return model.model_validate(raw)
     except ValidationError as exc:
-        raise SettingsError(describe_errors(exc, source, from_env or {}, model)) from None
+        raise SettingsError(describe_errors(exc, source, from_env or {}, model, within)) from None
 
 
 def parse_settings(raw: Mapping[str, Any], source: str = "settings",
-                   from_env: Mapping[tuple[str, str], str] | None = None) -> Settings:
+                   from_env: Mapping[tuple[str, ...], str] | None = None) -> Settings:
     return validate_settings(Settings, raw, source, from_env)
 
 
-def parse_routing(raw: Mapping[str, Any], source: str = "routing") -> RoutingSettings:
-    return validate_settings(RoutingSettings, raw, source)
+def parse_routing(raw: Mapping[str, Any], source: str = "routing settings") -> RoutingSettings:
+    """A [routing] table; a problem names its key from the file's top (``routing.llm-aware.ttft_margin``)."""
+    return validate_settings(RoutingSettings, raw, source, within=("routing",))
 
 
-def describe_errors(exc: ValidationError, source: str, from_env: Mapping[tuple[str, str], str] | None = None,
-                    model: type[BaseModel] | None = None) -> str:
-    """One line per problem, each naming its dotted key and its origin (the file, or a variable);
-    an unknown key of ``model`` lists the valid ones."""
+def describe_errors(exc: ValidationError, source: str, from_env: Mapping[tuple[str, ...], str] | None = None,
+                    model: type[BaseModel] | None = None, within: tuple[str, ...] = ()) -> str:
+    """One line per problem, each naming its dotted key (``within`` the sections named) and its
+    origin (the file, or a variable); an unknown key of ``model`` lists the valid ones."""
     lines = []
     for error in exc.errors():
-        key = ".".join(str(part) for part in error["loc"])
-        variable = (from_env or {}).get(tuple(str(part) for part in error["loc"][:2]))  # type: ignore[arg-type]
+        path = (*within, *(str(part) for part in error["loc"]))
+        key = ".".join(path)
+        variable = (from_env or {}).get(path[:3]) or (from_env or {}).get(path[:2])
         origin = f"{variable} (environment)" if variable else source
         if error["type"] == "missing":
             problem = "missing (every setting must be given; there are no defaults)"
@@ -260,18 +283,24 @@ def _valid_keys(model: type[BaseModel], path: tuple[int | str, ...]) -> list[str
     return list(model.model_fields)
 
 
-def apply_env_overrides(raw: dict[str, Any], environ: Mapping[str, str]) -> dict[tuple[str, str], str]:
-    """Set ``raw[section][key]`` from each ``LLM_RING__SECTION__KEY``; returns which variable set what."""
-    origins = {}
+def apply_env_overrides(raw: dict[str, Any], environ: Mapping[str, str]) -> dict[tuple[str, ...], str]:
+    """Set ``raw[section][key]`` from each ``LLM_RING__SECTION__KEY``, and a policy's
+    ``raw[section][policy][key]`` from ``LLM_RING__ROUTING__LLM_AWARE__KEY`` (``_`` for the
+    name's ``-``, which a variable's name cannot hold); returns which variable set what."""
+    origins: dict[tuple[str, ...], str] = {}
     for name, text in environ.items():
         if not name.startswith(ENV_PREFIX):
             continue
         path = name[len(ENV_PREFIX) :].lower().split("__")
-        if len(path) != 2 or not all(path):
-            raise SettingsError(f"{name} (environment): expected {ENV_PREFIX}<SECTION>__<KEY>")
-        section, key = path
-        raw.setdefault(section, {})[key] = toml_value(text)
-        origins[(section, key)] = name
+        if len(path) not in (2, 3) or not all(path):
+            raise SettingsError(f"{name} (environment): expected {ENV_PREFIX}<SECTION>__<KEY> or "
+                                f"{ENV_PREFIX}ROUTING__<POLICY>__<KEY>")
+        table = raw.setdefault(path[0], {})
+        if len(path) == 3:
+            path[1] = path[1].replace("_", "-")
+            table = table.setdefault(path[1], {})
+        table[path[-1]] = toml_value(text)
+        origins[tuple(path)] = name
     return origins
 
 

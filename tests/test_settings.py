@@ -6,47 +6,67 @@ from pathlib import Path
 
 import pytest
 
-from extproc.settings import SettingsError, load_settings, parse_routing, parse_settings
+from extproc.settings import SettingsError, load_settings, parse_routing, parse_settings, with_knobs
 from tests.routing.conftest import BASE
 
 
 def test_a_missing_key_is_named() -> None:
-    raw = {k: v for k, v in BASE.items() if k != "epsilon"}
-    with pytest.raises(SettingsError, match=r"epsilon: missing"):
+    raw = {k: v for k, v in BASE.items() if k != "hash_seed"}
+    with pytest.raises(SettingsError, match=r"routing settings: routing\.hash_seed: missing"):
+        parse_routing(raw)
+    raw = {**BASE, "llm-aware": {k: v for k, v in BASE["llm-aware"].items() if k != "ttft_margin"}}
+    with pytest.raises(SettingsError, match=r"routing settings: routing\.llm-aware\.ttft_margin: missing"):
         parse_routing(raw)
 
 
+def test_the_chosen_policy_needs_its_section_and_every_section_given_is_checked() -> None:
+    without = {k: v for k, v in BASE.items() if k != "bounded"}
+    assert "bounded" not in parse_routing(without).params  # llm-aware is chosen: bounded's is not needed
+    with pytest.raises(SettingsError, match=r"bounded\.epsilon: missing.*bounded\.load_unit: missing"):
+        parse_routing({**without, "policy": "bounded"})
+    with pytest.raises(SettingsError, match=r"kv-cost\.blocks_per_replica: Input should be greater than 0"):
+        parse_routing({**BASE, "kv-cost": {**BASE["kv-cost"], "blocks_per_replica": 0}})
+
+
 @pytest.mark.parametrize(
-    ("key", "value", "complaint"),
+    ("knob", "value", "key", "complaint"),
     [
-        ("epsilon", 0, "greater than 0"),
-        ("epsilon", -1.0, "greater than 0"),
-        ("virtual_nodes", 0, "greater than 0"),
-        ("policy", "random", "round-robin"),
-        ("load_unit", "bytes", "requests"),
-        ("cache_aware", "maybe", "boolean"),
-        ("long_load_factor", 1.0, "greater than 1"),
+        ("epsilon", 0, "llm-aware.epsilon", "greater than 0"),
+        ("epsilon", -1.0, "llm-aware.epsilon", "greater than 0"),
+        ("virtual_nodes", 0, "virtual_nodes", "greater than 0"),
+        ("cache_aware", "maybe", "llm-aware.cache_aware", "boolean"),
+        ("long_load_factor", 1.0, "llm-aware.long_load_factor", "greater than 1"),
     ],
 )
-def test_bad_values_name_the_key_and_what_is_allowed(key: str, value: object, complaint: str) -> None:
+def test_bad_values_name_the_key_and_what_is_allowed(knob: str, value: object, key: str, complaint: str) -> None:
     with pytest.raises(SettingsError) as error:
-        parse_routing({**BASE, key: value})
+        parse_routing(with_knobs(BASE, {knob: value}))
     message = str(error.value)
-    assert f"{key}:" in message and complaint in message
+    assert f"routing settings: routing.{key}:" in message and complaint in message
+
+
+def test_a_bad_policy_or_load_unit_says_what_is_allowed() -> None:
+    with pytest.raises(SettingsError, match=r"unknown policy 'random' \(registered: round-robin, mod-n"):
+        parse_routing({**BASE, "policy": "random"})
+    with pytest.raises(SettingsError, match=r"bounded\.load_unit: Input should be 'requests' or 'tokens'"):
+        parse_routing(with_knobs(BASE, {"policy": "bounded", "load_unit": "bytes"}))
 
 
 def test_unknown_keys_are_refused() -> None:
-    with pytest.raises(SettingsError, match="epsilonn: unknown setting"):
-        parse_routing({**BASE, "epsilonn": 0.2})
+    with pytest.raises(SettingsError, match="virtual_nodez: unknown setting"):
+        parse_routing({**BASE, "virtual_nodez": 2})
+    with pytest.raises(SettingsError, match=r"bounded\.epsilonn: unknown setting"):
+        parse_routing(with_knobs(BASE, {"policy": "bounded", "epsilonn": 0.2}))
 
 
 def test_environment_overrides_the_file(tmp_path: Path) -> None:
     reference = Path(__file__).parents[1] / "extproc" / "service" / "router.toml"
-    if not reference.exists():
-        pytest.skip("reference router.toml not written yet")
-    settings = load_settings(reference, environ={"LLM_RING__ROUTING__EPSILON": "0.5",
+    settings = load_settings(reference, environ={"LLM_RING__ROUTING__BOUNDED__EPSILON": "0.5",
                                                  "LLM_RING__ROUTING__POLICY": '"bounded"'})
-    assert settings.routing.epsilon == 0.5 and settings.routing.policy == "bounded"
+    assert settings.routing.params["bounded"].epsilon == 0.5 and settings.routing.policy == "bounded"
+    with pytest.raises(SettingsError, match=r"LLM_RING__ROUTING__LLM_AWARE__TTFT_MARGIN \(environment\): "
+                                            r"routing\.llm-aware\.ttft_margin: Input should be less than"):
+        load_settings(reference, environ={"LLM_RING__ROUTING__LLM_AWARE__TTFT_MARGIN": "11"})
 
 
 def test_missing_file_and_bad_toml_are_clear(tmp_path: Path) -> None:
@@ -58,15 +78,22 @@ def test_missing_file_and_bad_toml_are_clear(tmp_path: Path) -> None:
         load_settings(bad)
 
 
-def test_the_policy_setting_accepts_exactly_the_registered_policies() -> None:
-    """PolicyName (settings.py) is the one list of names; every policy class is typed to name
-    one member of it, and this checks the registry covers all of them, in the same order."""
-    from typing import get_args
+def test_every_policy_in_the_registry_has_a_section_in_each_settings_file() -> None:
+    """router.toml, sim.toml and both ConfigMaps hold every registered policy's keys (a switch at
+    run time, or a spec, finds them)."""
+    import yaml
 
     from extproc.routing import POLICIES
-    from extproc.settings import PolicyName
+    from extproc.routing.policies.plugin import param_names
 
-    assert list(get_args(PolicyName)) == list(POLICIES)
+    root = Path(__file__).parents[1]
+    files = {name: tomllib.loads((root / name).read_text()) for name in ("extproc/service/router.toml",
+                                                                       "extproc/sim/sim.toml")}
+    for name in ("k8s/41-router-config.yaml", "k8s/inference-pool/20-picker-config.yaml"):
+        files[name] = tomllib.loads(yaml.safe_load((root / name).read_text())["data"]["router.toml"])
+    for name, raw in files.items():
+        for policy in POLICIES:
+            assert tuple(raw["routing"].get(policy, {})) == param_names(policy), f"{name}: [routing.{policy}]"
 
 
 @pytest.mark.parametrize(

@@ -30,7 +30,8 @@ from extproc.routing import POLICIES, PlacementMemory, Router, RouteRequest, mak
 from extproc.routing.blocks import BLOCK_CHARS, BlockMemory, prefix_blocks
 from extproc.routing.policies.llm_aware import INDEX_BLOCK_CHARS
 from extproc.routing.prefix_index import PrefixIndex
-from extproc.settings import parse_routing
+from extproc.settings import RoutingSettings, parse_routing, with_knobs
+from extproc.sim.runs import load_sim_config
 
 FLEETS = (3, 16, 64, 1000)
 PEER_FLEET = 64
@@ -45,18 +46,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fleets", type=int, nargs="+", default=list(FLEETS), help="replica counts")
 
 
-def bench_settings(**knobs: object):
-    """The reference settings, the policy (and any knob) from ``knobs``."""
-    return parse_routing({
-        "virtual_nodes": 100, "hash_seed": 0, "epsilon": 0.25,
-        "load_unit": "tokens", "cache_aware": True, "placement_memory": True,
-        "long_stickiness": True, "long_prompt_tokens": 800, "long_load_factor": 2.0,
-        "memory_capacity": 1_000_000, "prefix_index": False, "prefix_feedback": False,
-        "prefix_capacity_tokens": 436_000, "ttft_decisions": True, "ttft_margin": 1.0,
-        "ttft_recompute_cost": True, "ttft_guard_factor": 2.0,
-        "replica_slots": 4, "speed_learning": True, "speed_ewma_weight": 0.05, "prior_prefill_tokens_per_s": 167.0,
-        "prior_decode_tokens_per_s": 55.0, "prior_request_overhead_ms": 19.0, **knobs,
-    })
+def bench_settings(**knobs: object) -> RoutingSettings:
+    """The simulator's settings (sim.toml) in tokens, the prefix index off; the policy (and any
+    knob) from ``knobs``."""
+    table = with_knobs(load_sim_config().routing, {"policy": "bounded", "load_unit": "tokens"})
+    table = with_knobs(table, {"policy": "llm-aware", "prefix_index": False})
+    return parse_routing(with_knobs(table, knobs))
 
 
 def prompt_text(slot: int, conversation: int, turn: int) -> str:

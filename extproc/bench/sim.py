@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from extproc.routing.policies import POLICIES as REGISTERED
+from extproc.routing.policies import REGISTRY as REGISTERED
 from extproc.settings import RoutingSettings
 from extproc.sim.costmodel import CostModel, load_cost_model
 from extproc.sim.engine import ClosedLoop, Fleet

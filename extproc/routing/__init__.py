@@ -3,18 +3,19 @@
 No I/O here: the gRPC service, the simulator and the tests drive the same objects.
 """
 
-from extproc.routing.decision import REASONS, Check, Decision, RouteRequest, Trace
+from extproc.routing.decision import Check, Decision, RouteRequest, Trace
 from extproc.routing.hashing import stable_hash
 from extproc.routing.ledger import LoadLedger
 from extproc.routing.placement import Placement, PlacementMemory
-from extproc.routing.policies import POLICIES, make_policy
+from extproc.routing.policies import REGISTRY as POLICIES
+from extproc.routing.policies import make_policy, reasons
 from extproc.routing.render import render_trace
 from extproc.routing.ring import HashRing
 from extproc.routing.router import Router
 from extproc.routing.tokens import estimate_tokens
 
 __all__ = [
-    "POLICIES", "REASONS", "Check", "Decision", "HashRing", "LoadLedger", "Placement",
+    "POLICIES", "Check", "Decision", "HashRing", "LoadLedger", "Placement",
     "PlacementMemory", "RouteRequest", "Router", "Trace", "estimate_tokens", "make_policy",
-    "render_trace", "stable_hash",
+    "reasons", "render_trace", "stable_hash",
 ]

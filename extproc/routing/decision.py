@@ -21,32 +21,6 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any, NamedTuple
 
-# reason code -> meaning (documented in the README's table; the peer policies' in docs/peer-policies.md)
-REASONS: dict[str, str] = {
-    "rotate": "round-robin: the next replica in turn",
-    "hash": "mod-n: hash(conversation) mod the number of replicas",
-    "home": "the conversation's ring home (or, without a cap, the ring's pick)",
-    "sticky": "llm-aware: where placement memory says the conversation's cache is, not its ring home",
-    "home-long": "llm-aware: ring home above the normal cap but within the long-conversation cap",
-    "sticky-long": "llm-aware: remembered replica above the normal cap but within the long cap",
-    "prefix": "llm-aware, prefix index: the replica holding the longest prefix of the prompt, not its ring home",
-    "prefix-long": "llm-aware, prefix index: that replica above the normal cap but within the long cap",
-    "home-requests": "llm-aware, prefix index: the cached home over its limit in tokens, within the cap in requests",
-    "prefix-requests": "llm-aware, prefix index: that replica over its limit in tokens, within the cap in requests",
-    "least-recent": "llm-aware, prefix index: a prompt no replica holds; under the cap, the replica whose least "
-                    "recent prompt is oldest",
-    "faster": "llm-aware: another replica's first token predicted ttft_margin sooner than the preferred one's",
-    "overflow": "the preferred replica was over its cap; the next one clockwise with room",
-    "least-loaded": "no replica fitted under the cap; the one least loaded after this request",
-    "kept": "llm-aware, prefix index: none fitted under the cap; the cached replica, none landing (1 + ε) x lower",
-    # the peer policies (docs/peer-policies.md)
-    "best-score": "prefix-affinity: highest llm-d score (3 x prefix match + 2 x queue + 2 x KV free)",
-    "cache-match": "radix-balance: loads balanced and the longest prefix match is above cache_threshold",
-    "min-load": "radix-balance: loads balanced but no match above cache_threshold; fewest in flight",
-    "imbalanced": "radix-balance: loads imbalanced (both thresholds exceeded); fewest in flight",
-    "min-cost": "kv-cost: lowest Dynamo cost (prefill blocks after overlap + active decode blocks)",
-}
-
 
 class RouteRequest(NamedTuple):
     """One request as the router sees it."""
@@ -117,6 +91,8 @@ class Trace(NamedTuple):
     figures: tuple[tuple[str, float], ...] = ()  # named numbers of the policy's rule (thresholds, spreads)
     # llm-aware on predicted time: (replica, predicted seconds to the first token) of the candidates weighed
     predicted: tuple[tuple[str, float], ...] = ()
+    # a policy's own typed details, a NamedTuple of its file (None: it has none beyond the fields above)
+    details: tuple[Any, ...] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         data: dict[str, Any] = {"policy": self.policy, "prompt_tokens": self.prompt_tokens,
@@ -137,6 +113,8 @@ class Trace(NamedTuple):
             data["figures"] = dict(self.figures)
         if self.predicted:
             data["predicted_ttft_s"] = dict(self.predicted)
+        if self.details is not None:
+            data["details"] = self.details._asdict()  # type: ignore[attr-defined]
         return data
 
 

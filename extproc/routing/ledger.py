@@ -14,10 +14,11 @@ this router's own (what it publishes, and what it must bring back to zero).
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from typing import Literal
 
 from mypy_extensions import mypyc_attr
 
-from extproc.settings import LoadUnit
+LoadUnit = Literal["requests", "tokens"]
 
 
 # compiled (extproc/compiled.py); the simulator's store-backed ledger extends it (extproc/sim/routers.py)

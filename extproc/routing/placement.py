@@ -78,6 +78,14 @@ class PlacementMemory:
         self._young.clear()
         self._old.clear()
 
+    def reset(self, capacity: int) -> None:
+        """Forget everything and hold up to ``capacity`` from now on (the same object: a router's
+        memory may be a store-backed one)."""
+        if capacity < 2:
+            raise ValueError("placement memory capacity must be at least 2")
+        self.clear()
+        self.capacity, self._generation_size = capacity, capacity // 2
+
     def _store(self, key: int, packed: int) -> None:
         young = self._young
         young[key] = packed

@@ -30,6 +30,8 @@ def render_trace(decision: Decision) -> str:
         lines.append(_kept_line(decision))
     if trace.prompt_blocks is not None:
         lines.extend(_peer_lines(decision))
+    if trace.details is not None:  # a policy's own NamedTuple, as Trace.as_dict gives it
+        lines.append("  " + " ".join(f"{name}={value}" for name, value in trace.as_dict()["details"].items()))
     return "\n".join(lines)
 
 

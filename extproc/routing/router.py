@@ -2,7 +2,10 @@
 
 Pure and synchronous: the gRPC service, the simulator and the tests all drive this
 same object. One request = ``route`` (charges load) then exactly one ``complete``
-(releases it), whatever happened in between. With several routers, ``route`` may be given
+(releases it), whatever happened in between. Its state is given to it: the load ledger and
+placement memory (a store-backed pair in the simulator's store model, one ledger shared by
+several routers in its shared-load model; by default its own); the policy, with its indexes,
+comes from the settings. With several routers, ``route`` may be given
 what the others know (peers.py): their load joins the ledger's elsewhere part, and their
 placement of the conversation is used when it is later than this router's own.
 """
@@ -30,10 +33,11 @@ _NOTHING: frozenset[str] = frozenset()
 # compiled (extproc/compiled.py); tests extend it to watch its calls
 @mypyc_attr(allow_interpreted_subclasses=True)
 class Router:
-    def __init__(self, settings: RoutingSettings, replicas: Iterable[str] = ()) -> None:
+    def __init__(self, settings: RoutingSettings, replicas: Iterable[str] = (), ledger: LoadLedger | None = None,
+                 memory: PlacementMemory | None = None) -> None:
         self.settings = settings
-        self.ledger = LoadLedger()
-        self.memory = PlacementMemory(settings.memory_capacity)
+        self.ledger = LoadLedger() if ledger is None else ledger
+        self.memory = PlacementMemory(settings.memory_capacity) if memory is None else memory
         self.speeds = _speeds(settings)
         self.policy: Policy = make_policy(settings)
         self._view = _view_of(self.policy)
@@ -173,7 +177,7 @@ class Router:
             self._ring = HashRing(self._ring.replicas, settings.virtual_nodes, settings.hash_seed)
         # memory is keyed by the ring hash: a new seed re-places every conversation anyway
         if (old.memory_capacity, old.hash_seed) != (settings.memory_capacity, settings.hash_seed):
-            self.memory = PlacementMemory(settings.memory_capacity)
+            self.memory.reset(settings.memory_capacity)
         if _prior(old) != _prior(settings):  # the learnt speeds are kept unless the prior changed
             self.speeds = _speeds(settings)
             self.speeds.set_replicas(self._ring.replicas)
@@ -193,6 +197,10 @@ class Router:
 
     def in_flight(self) -> int:
         return len(self._in_flight)
+
+    def holds(self, request_id: str) -> bool:
+        """Whether ``request_id`` is in flight here (routed, not yet completed)."""
+        return request_id in self._in_flight
 
     def _set_policy(self, policy: Policy) -> None:
         """A new policy starts with an empty view of the current fleet (in-flight requests

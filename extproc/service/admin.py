@@ -8,9 +8,9 @@ from extproc.routing.placement import Placement
 from extproc.routing.speeds import Speed
 from extproc.service import admin_pb2, admin_pb2_grpc
 from extproc.service.gateway import Gateway
-from extproc.settings import RoutingSettings, SettingsError, parse_routing
+from extproc.settings import SettingsError, parse_routing, with_knobs
 
-ROUTING_FIELDS = tuple(RoutingSettings.model_fields)
+ROUTING_FIELDS = tuple(admin_pb2.RoutingSettings.DESCRIPTOR.fields_by_name)  # a key of the policy's section, or shared
 
 
 class AdminService(admin_pb2_grpc.AdminServicer):
@@ -22,7 +22,7 @@ class AdminService(admin_pb2_grpc.AdminServicer):
     ) -> admin_pb2.State:
         changes = {name: getattr(request.routing, name) for name in ROUTING_FIELDS if request.routing.HasField(name)}
         try:
-            settings = parse_routing(self.gateway.router.settings.model_dump() | changes, source="SetRouting")
+            settings = parse_routing(with_knobs(self.gateway.router.settings.table(), changes), source="SetRouting")
         except SettingsError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         self.gateway.router.reconfigure(settings)
@@ -68,7 +68,8 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         gateway = self.gateway
         ledger, speeds = gateway.router.ledger, gateway.router.speeds
         return admin_pb2.State(
-            routing=admin_pb2.RoutingSettings(**gateway.router.settings.model_dump()),
+            routing=admin_pb2.RoutingSettings(**{key: value for key, value in gateway.router.settings.knobs().items()
+                                                 if key in ROUTING_FIELDS}),
             replicas=[
                 admin_pb2.ReplicaState(
                     name=replica.name,

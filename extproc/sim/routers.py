@@ -69,19 +69,23 @@ class RouterTier:
                  store_lag_s: float = 0.0, store_handoff: bool = False,
                  store_outage: tuple[float, float] | None = None) -> None:
         check_router_tier(count, state, store_lag_s * 1000)
-        shared = Router(settings) if state == "shared" else None
-        self.routers = [shared or Router(settings) for _ in range(count)]
-        if state.endswith("shared-load"):
-            for router in self.routers[1:]:
-                router.ledger = self.routers[0].ledger
-        self.store = Store(self.routers, store_lag_s, store_outage) if state == "store" else None
+        self.store = Store(count, settings.memory_capacity, store_lag_s, store_outage) if state == "store" else None
+        if self.store is not None:  # each router's own ledger and memory, writing to the store
+            self.routers = [Router(settings, ledger=ledger, memory=memory)
+                            for ledger, memory in zip(self.store.ledgers, self.store.memories, strict=True)]
+            self.store.routers = self.routers
+        elif state == "shared":
+            self.routers = [Router(settings)] * count
+        else:
+            ledger = LoadLedger() if state.endswith("shared-load") else None  # None: each router its own
+            self.routers = [Router(settings, ledger=ledger) for _ in range(count)]
         self.handoff = store_handoff and self.store is not None
         self.clock: Callable[[], float] = lambda: 0.0  # the simulation's time (the engine sets it)
         self.state = state
         self.routed = [0] * count  # requests each router decided
         self._seed = seed
         self._draw = random.Random(f"router-tier:{seed}").randrange  # the Service's spread, fixed per seed
-        self._owner: dict[str, Router] = {}  # in flight: request id -> the router that routed it
+        self._distinct = self.distinct()
 
     def pick(self, request: RouteRequest) -> int:
         """The router this request's connection lands on."""
@@ -96,14 +100,17 @@ class RouterTier:
             self.store.read(index, self.clock())
         decision = router.route(request)
         self.routed[index] += 1
-        if decision is not None:
-            self._owner[request.request_id] = router
         return decision
+
+    def _owner(self, request_id: str) -> Router | None:
+        """The router that routed ``request_id`` while it is in flight there (each router's
+        table of requests in flight is the only one)."""
+        return next((router for router in self._distinct if router.holds(request_id)), None)
 
     def complete(self, request_id: str, ok: bool = True, by_next_turn: bool = False) -> Decision | None:
         """Completed by the router that routed it (a no-op for one already completed);
         ``by_next_turn``: its conversation's next turn, carrying its answer, has arrived."""
-        router = self._owner.pop(request_id, None)
+        router = self._owner(request_id)
         if router is None:
             return None
         if self.store is None:
@@ -118,7 +125,7 @@ class RouterTier:
     def report_cached(self, request: RouteRequest, replica: str, predicted: int, cached: int,
                       timings: AnswerTimings | None = None) -> None:
         """An answer's cached tokens and timings go to the router that routed it (reported before its release)."""
-        router = self._owner.get(request.request_id)
+        router = self._owner(request.request_id)
         if router is None:
             return
         store = self.store if timings is not None and router.speeds.learning else None
@@ -151,28 +158,25 @@ class RouterTier:
 
 
 class Store:
-    """The store as the routers see it: each router's ledger and memory write every change
-    to it, stamped with the time and the writer; a router reads the others' writes once
-    they are ``lag_s`` old, in the order they were made."""
+    """The store as the routers see it: each router's ledger and memory (``ledgers``,
+    ``memories``: one pair per router, given to it) write every change to it, stamped with the
+    time and the writer; a router reads the others' writes once they are ``lag_s`` old, in the
+    order they were made."""
 
-    def __init__(self, routers: list[Router], lag_s: float, outage: tuple[float, float] | None = None) -> None:
+    def __init__(self, routers: int, memory_capacity: int, lag_s: float,
+                 outage: tuple[float, float] | None = None) -> None:
         self.lag_s = lag_s
         self.outage = outage  # (from, until) in simulated seconds: the store is down
         self.now = 0.0
         self.writes: list[Write] = []
-        self.seen = [0] * len(routers)  # per router: the first write it has not read
-        self.routers = routers  # (their speeds are looked up when read: a reset replaces them)
-        self.ledgers, self.memories = [], []
-        self.released_early: list[set[str]] = [set() for _ in routers]  # handed off before the reader saw the charge
-        self.remote: list[set[str]] = [set() for _ in routers]  # per router: the others' charges it holds
-        self.resynced = [outage is None for _ in routers]
-        self.publishers = [self._publisher(index) for index in range(len(routers))]
-        for index, router in enumerate(routers):
-            publish = self.publishers[index]
-            router.ledger = ledger = StoredLedger(publish)
-            router.memory = memory = StoredMemory(router.settings.memory_capacity, publish, self)
-            self.ledgers.append(ledger)
-            self.memories.append(memory)
+        self.seen = [0] * routers  # per router: the first write it has not read
+        self.released_early: list[set[str]] = [set() for _ in range(routers)]  # handed off before the charge was read
+        self.remote: list[set[str]] = [set() for _ in range(routers)]  # per router: the others' charges it holds
+        self.resynced = [outage is None for _ in range(routers)]
+        self.publishers = [self._publisher(index) for index in range(routers)]
+        self.ledgers = [StoredLedger(publish) for publish in self.publishers]
+        self.memories = [StoredMemory(memory_capacity, publish, self) for publish in self.publishers]
+        self.routers: list[Router] = []  # given by the tier once built: their speeds learn the answers read
 
     def _publisher(self, writer: int) -> Callable[[int, str | int | AnswerTimings, str, int], None]:
         def publish(kind: int, key: str | int | AnswerTimings, replica: str, n: int) -> None:
@@ -211,7 +215,7 @@ class Store:
         writes from before the outage are gone but for placements (the store keeps them)."""
         ledger, until = self.ledgers[reader], (self.outage or (0.0, 0.0))[1]
         for request_id in self.remote[reader]:
-            LoadLedger.release(ledger, request_id)
+            ledger.release_read(request_id)
         self.remote[reader].clear()
         for writer, other in enumerate(self.ledgers):
             if writer != reader:
@@ -247,11 +251,11 @@ class Store:
             if str(key) in self.released_early[reader]:
                 self.released_early[reader].discard(str(key))
             elif replica in ledger.loads("requests") and str(key) not in self.remote[reader]:
-                LoadLedger.charge(ledger, str(key), replica, n)  # (else the replica left, or a resync had it)
+                ledger.charge_read(str(key), replica, n)  # (else the replica left, or a resync had it)
                 self.remote[reader].add(str(key))
         elif kind == _RELEASE:
             self.remote[reader].discard(str(key))
-            if LoadLedger.release(ledger, str(key)) is None and at_once:  # its charge is still to be read
+            if ledger.release_read(str(key)) is None and at_once:  # its charge is still to be read
                 self.released_early[reader].add(str(key))
         else:
             self.memories[reader].take(at, int(key), replica, n)
@@ -283,6 +287,14 @@ class StoredLedger(LoadLedger):
             self._publish(_RELEASE, request_id, "", 0)
         return charge
 
+    def charge_read(self, request_id: str, replica: str, tokens: int) -> None:
+        """Another router's charge, read from the store: held here, not written back."""
+        super().charge(request_id, replica, tokens)
+
+    def release_read(self, request_id: str) -> tuple[str, int] | None:
+        """Another router's release (or a charge a resync dropped), read from the store."""
+        return super().release(request_id)
+
 
 class StoredMemory(PlacementMemory):
     """A router's own placement memory that also writes each placement to the store. The
@@ -303,5 +315,5 @@ class StoredMemory(PlacementMemory):
 
     def take(self, at: float, key: int, replica: str, prompt_tokens: int) -> None:
         if at >= self._written.get(key, at):
-            PlacementMemory.remember(self, key, replica, prompt_tokens)
+            super().remember(key, replica, prompt_tokens)
             self._written[key] = at

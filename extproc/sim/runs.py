@@ -10,15 +10,23 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-from pydantic import create_model
 
 from extproc.files import write_atomically
 from extproc.policy_spec import ExperimentError
 from extproc.policy_spec import parse_policy as experiment_policy
 from extproc.records import REQUESTS_FILE, RunMeta, write_records, write_run_metadata
-from extproc.routing import make_policy
+from extproc.routing import POLICIES, make_policy
 from extproc.routing.speeds import Speed
-from extproc.settings import RoutingSettings, SettingsError, Strict, parse_routing, read_toml, validate_settings
+from extproc.settings import (
+    SHARED_ROUTING_KEYS,
+    RoutingSettings,
+    SettingsError,
+    Strict,
+    parse_routing,
+    read_toml,
+    validate_settings,
+    with_knobs,
+)
 from extproc.sim.costmodel import CostModel, load_cost_model
 from extproc.sim.engine import ClosedLoop, Fleet, OpenLoop, Outcome, simulate
 from extproc.sim.mooncake import TraceError, TraceRequest, jittered_arrivals, read_trace
@@ -98,12 +106,6 @@ class SimGatewaySection(Strict):
     store_outage_s: float
 
 
-# [routing]: every knob of the routing settings but the policy (each run names its own)
-_KNOBS: dict[str, Any] = {name: (field.annotation, field) for name, field in RoutingSettings.model_fields.items()
-                          if name != "policy"}
-SimRoutingSection = create_model("SimRoutingSection", __base__=Strict, **_KNOBS)
-
-
 class SimMigrationSection(Strict):
     roll_restart_s: float
     transfer_gb_per_s: float
@@ -114,7 +116,7 @@ class SimMigrationSection(Strict):
 class SimSettings(Strict):
     """sim.toml: every key, checked as every settings file is (extproc.settings.validate_settings)."""
 
-    routing: SimRoutingSection  # type: ignore[valid-type]
+    routing: dict[str, Any]  # the shared keys and a section per policy: checked by _check_routing, parse_policy
     replica: SimReplicaSection
     host: SimHostSection
     trace: SimTraceSection
@@ -125,6 +127,7 @@ class SimSettings(Strict):
 def load_sim_config(path: str | Path = SIM_CONFIG) -> SimConfig:
     raw = read_toml(path)
     checked = validate_settings(SimSettings, raw, str(path))
+    _check_routing(checked.routing, path)
     replica, gateway = checked.replica, checked.gateway
     try:
         config = SimConfig(
@@ -145,6 +148,18 @@ def load_sim_config(path: str | Path = SIM_CONFIG) -> SimConfig:
     return config
 
 
+def _check_routing(routing: dict[str, Any], path: str | Path) -> None:
+    """[routing]: every shared key but the policy (each run names its own), and sections of registered policies."""
+    shared = [key for key in SHARED_ROUTING_KEYS if key != "policy"]
+    valid = (*shared, *POLICIES)
+    for key in routing:
+        if key not in valid:
+            raise SettingsError(f"{path}: routing.{key}: unknown setting (valid: {', '.join(valid)})")
+    for key in shared:
+        if key not in routing:
+            raise SettingsError(f"{path}: routing.{key}: missing (every setting must be given; there are no defaults)")
+
+
 def store_outage(at_s: float, seconds: float) -> tuple[float, float] | None:
     """The store down from ``at_s`` for ``seconds`` (0: never down)."""
     if at_s < 0 or seconds < 0:
@@ -158,7 +173,7 @@ def parse_policy(spec: str, base: dict[str, Any]) -> RoutingSettings:
         knobs = experiment_policy(spec).routing
     except ExperimentError as exc:
         raise SettingsError(str(exc)) from None
-    return parse_routing({**base, **knobs}, source=f"policy {spec!r}")
+    return parse_routing(with_knobs(base, knobs), source=f"policy {spec!r}")
 
 
 def cache_tokens(cache_ram_mib: float, cost: CostModel) -> int:
@@ -244,7 +259,7 @@ def _meta(run_id: str, spec: str, seed: int, source: Source, settings: RoutingSe
     profile = dict(vars(source.profile)) if source.profile else {"trace": source.label}
     return RunMeta(
         run_id=run_id, policy=spec, seed=seed, simulated=True, profile=profile,
-        routing=settings.model_dump(), replicas_start=fleet.replicas, started_at=iso(0.0),
+        routing=settings.knobs(), replicas_start=fleet.replicas, started_at=iso(0.0),
         finished_at=iso(outcome.end_s), scale_at_s=scale_up[0] if scale_up else None,
         scaled_to=scale_up[1] if scale_up else None, scale_ready_at=iso(scale_up[0]) if scale_up else None,
         status="finished", rows=rows,

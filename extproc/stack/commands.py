@@ -5,9 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import get_args
 
-from extproc.settings import PolicyName
+from extproc.routing import POLICIES
 from extproc.stack import models
 from extproc.stack.errors import StackError
 from extproc.stack.ports import PortInUse
@@ -16,7 +15,6 @@ from extproc.stack.replicas import ReplicaError
 from extproc.stack.settings import load_stack_settings, run_dir
 from extproc.stack.stack import Stack
 
-POLICIES = get_args(PolicyName)
 FAILURES = (StackError, ReplicaError, PortInUse, models.ModelError, StartError)
 
 
@@ -35,7 +33,7 @@ def configure_up(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", choices=("xllamacpp", "llama-server"), help="[replicas] backend")
     parser.add_argument("--llama-server", metavar="PATH", help="backend llama-server: the binary")
     parser.add_argument("--model", help=f"{' | '.join(models.MODELS)} | a .gguf path ([replicas] model)")
-    parser.add_argument("--policy", choices=POLICIES, help="routing policy ([router] policy)")
+    parser.add_argument("--policy", choices=list(POLICIES), help="routing policy ([router] policy)")
     parser.add_argument("--ctx-size", type=int, help="[replicas] ctx_size")
     parser.add_argument("--parallel", type=int, help="[replicas] parallel (slots)")
     parser.add_argument("--threads", type=int, help="[replicas] threads")

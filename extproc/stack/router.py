@@ -88,10 +88,10 @@ def render_router_settings(base: Path, *, policy: str, admin_listen: str, metric
     --parallel; tokenizer: their GGUF model file (service.tokenizer: counted as they count)."""
     raw = read_toml(base)
     raw["routing"]["policy"] = policy
-    if prefix_capacity_tokens is not None:
-        raw["routing"]["prefix_capacity_tokens"] = prefix_capacity_tokens
+    if prefix_capacity_tokens is not None:  # llm-aware's own settings ([routing.llm-aware])
+        raw["routing"]["llm-aware"]["prefix_capacity_tokens"] = prefix_capacity_tokens
     if replica_slots is not None:
-        raw["routing"]["replica_slots"] = replica_slots
+        raw["routing"]["llm-aware"]["replica_slots"] = replica_slots
     raw["service"].update(  # Envoy reaches ext_proc on the socket alone
         listen="",
         admin_listen=admin_listen,

@@ -104,7 +104,8 @@ def test_report_on_a_corrupt_parquet_names_the_folder(tmp_path):
 def test_an_unknown_policy_knob_is_named_with_the_valid_ones(tmp_path, capsys):
     code, err = run_cli(capsys, "sim", "--profile", "quick", "--policies", "bounded:colour=red", "--seeds", "1",
                         "--out-dir", str(tmp_path / "out"))
-    assert_refused(code, err, "policy 'bounded:colour=red': unknown setting colour", "valid: virtual_nodes",
+    assert_refused(code, err, "policy 'bounded:colour=red': unknown setting colour",
+                   "valid: epsilon, load_unit, virtual_nodes",
                    "epsilon")
 
 
@@ -123,9 +124,9 @@ def test_an_unknown_setting_from_the_environment_is_blamed_on_the_variable(capsy
 
 def test_a_typo_in_sim_toml_names_the_file(tmp_path, capsys):
     config = tmp_path / "sim.toml"
-    config.write_text(SIM_CONFIG.read_text().replace("\nepsilon =", "\nepsilom ="))
+    config.write_text(SIM_CONFIG.read_text().replace("\nvirtual_nodes =", "\nvirtual_nodez ="))
     code, err = run_cli(capsys, *SIM, "--seeds", "1", "--config", str(config), "--out-dir", str(tmp_path / "out"))
-    assert_refused(code, err, f"{config}: routing.epsilom: unknown setting (valid: virtual_nodes, hash_seed, epsilon,")
+    assert_refused(code, err, f"{config}: routing.virtual_nodez: unknown setting (valid: virtual_nodes, hash_seed,")
     config.write_text(SIM_CONFIG.read_text().replace("\nslots =", "\nslot ="))
     code, err = run_cli(capsys, *SIM, "--seeds", "1", "--config", str(config), "--out-dir", str(tmp_path / "out"))
     assert_refused(code, err, f"{config}: replica.slot: unknown setting (valid: slots, cache_ram_mib")

@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 
 from extproc.cli import COMMANDS, build_parser, main
+from extproc.routing import POLICIES
+from extproc.routing.policies.plugin import param_names
 from extproc.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -125,18 +127,26 @@ def test_every_inline_command_names_real_options(page, span, tokens):
 
 
 SECTIONS = "|".join(Settings.model_fields)
-SETTING = re.compile(rf"`({SECTIONS})\.([a-z_]+)([^`]*)`")  # the rest: "unknown setting" examples
+# routing.<policy>.<key> too; the rest: "unknown setting" examples
+SETTING = re.compile(rf"`({SECTIONS})\.((?:[a-z-]+\.)?[a-z_]+)([^`]*)`")
 VARIABLE = re.compile(r"LLM_RING__([A-Z]+)__([A-Z_]+)")
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
 def test_every_setting_named_exists(page):
     text = page.read_text()
-    sections = {name: field.annotation.model_fields for name, field in Settings.model_fields.items()}
+    sections = {name: set(field.annotation.model_fields) for name, field in Settings.model_fields.items()}
+    sections["routing"] |= {f"{policy}.{key}" for policy in POLICIES for key in param_names(policy)}
     named = [(section, key) for section, key, rest in SETTING.findall(text) if "unknown setting" not in rest]
-    named += [(section.lower(), key.lower()) for section, key in VARIABLE.findall(text) if section != "SECTION"]
+    named += [(section.lower(), _variable_key(key)) for section, key in VARIABLE.findall(text) if section != "SECTION"]
     unknown = sorted(f"{section}.{key}" for section, key in named if key not in sections[section])
     assert not unknown, f"{page.name} names settings that do not exist: {unknown}"
+
+
+def _variable_key(name: str) -> str:
+    """A variable's key as a setting's: LLM_AWARE__TTFT_MARGIN is llm-aware.ttft_margin."""
+    *policy, key = name.lower().split("__")
+    return ".".join([*(part.replace("_", "-") for part in policy), key])
 
 
 def readme_command(prefix: str) -> list[str]:

@@ -239,7 +239,7 @@ def test_router_configmap_has_the_same_keys_as_the_reference_settings():
     assert {s: sorted(v) for s, v in ours.items()} == {s: sorted(v) for s, v in reference.items()}
 
 
-@pytest.mark.parametrize("section, key", [("routing", "epsilon"), ("service", "fail_open"), ("discovery", "source")])
+@pytest.mark.parametrize("section, key", [("routing", "hash_seed"), ("service", "fail_open"), ("discovery", "source")])
 def test_a_missing_or_misspelled_router_key_is_refused_by_name(section: str, key: str):
     raw = router_settings_raw()
     raw[section][key + "s"] = raw[section].pop(key)

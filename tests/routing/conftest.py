@@ -3,33 +3,37 @@ from __future__ import annotations
 from typing import Any
 
 from extproc.routing import Router
-from extproc.settings import RoutingSettings, parse_routing
+from extproc.settings import RoutingSettings, parse_routing, with_knobs
 
 BASE: dict[str, Any] = {
     "policy": "llm-aware",
     "virtual_nodes": 100,
     "hash_seed": 0,
-    "epsilon": 0.25,
-    "load_unit": "requests",
-    "cache_aware": True,
-    "placement_memory": True,
-    "long_stickiness": True,
-    "long_prompt_tokens": 800,
-    "long_load_factor": 2.0,
     "memory_capacity": 10_000,
-    "prefix_index": False,
-    "prefix_feedback": False,
-    "prefix_capacity_tokens": 100_000,
-    # the walk's tests: llm-aware decides as before predicted times (tests/routing/test_ttft.py: on)
-    "ttft_decisions": False, "ttft_margin": 1.0,
-    "ttft_recompute_cost": True, "ttft_guard_factor": 2.0, "replica_slots": 4,
     "speed_learning": True, "speed_ewma_weight": 0.05, "prior_prefill_tokens_per_s": 167.0,
     "prior_decode_tokens_per_s": 55.0, "prior_request_overhead_ms": 19.0,
+    "bounded": {"epsilon": 0.25, "load_unit": "requests"},
+    "llm-aware": {
+        "epsilon": 0.25, "cache_aware": True, "placement_memory": True, "long_stickiness": True,
+        "long_prompt_tokens": 800, "long_load_factor": 2.0,
+        "prefix_index": False, "prefix_feedback": False, "prefix_capacity_tokens": 100_000,
+        # the walk's tests: llm-aware decides as before predicted times (tests/routing/test_ttft.py: on)
+        "ttft_decisions": False, "ttft_margin": 1.0, "ttft_recompute_cost": True, "ttft_guard_factor": 2.0,
+        "replica_slots": 4,
+    },
+    # the peers' sources' defaults (docs/peer-policies.md)
+    "prefix-affinity": {"prefix_weight": 3.0, "queue_weight": 2.0, "kv_weight": 2.0, "max_prefix_blocks": 256,
+                        "blocks_per_replica": 31_250, "kv_capacity_tokens": 500_000},
+    "radix-balance": {"cache_threshold": 0.3, "balance_abs_threshold": 64, "balance_rel_threshold": 1.5,
+                      "blocks_per_replica": 1_048_576},
+    "chwbl": {"load_factor": 1.25, "replication": 256},
+    "kv-cost": {"overlap_score_credit": 1.0, "prefill_load_scale": 1.0, "blocks_per_replica": 31_250},
 }
 
 
-def routing(**overrides: Any) -> RoutingSettings:
-    return parse_routing({**BASE, **overrides})
+def routing(**knobs: Any) -> RoutingSettings:
+    """BASE with ``knobs`` as a policy spec gives them: shared keys, or the chosen policy's."""
+    return parse_routing(with_knobs(BASE, knobs))
 
 
 def key_with_walk(router: Router, *prefix: str) -> str:

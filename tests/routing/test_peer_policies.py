@@ -5,15 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from extproc.routing import REASONS, Decision, Router, RouteRequest, Trace, render_trace
+from extproc.routing import Decision, Router, RouteRequest, Trace, reasons, render_trace
 from extproc.routing.blocks import prefix_blocks
 from extproc.routing.hashing import stable_hash
-from extproc.routing.policies.chwbl import LOAD_FACTOR, REPLICATION
 from extproc.routing.policies.kv_cost import KvCost
-from extproc.routing.policies.prefix_affinity import KV_CAPACITY_TOKENS, PrefixAffinity
+from extproc.routing.policies.prefix_affinity import PrefixAffinity
 from extproc.routing.policies.situation import Situation
 from extproc.routing.ring import HashRing
-from tests.routing.conftest import routing
+from tests.routing.conftest import BASE, routing
 
 PEERS = ["prefix-affinity", "radix-balance", "chwbl", "kv-cost"]
 REPLICAS = ["llm-0", "llm-1", "llm-2"]
@@ -40,7 +39,7 @@ def test_route_then_complete_leaves_nothing_charged_and_every_reason_is_document
     for index in range(60):
         prompt = blocks("system", f"user-{index % 5}", f"turn-{index}")
         decision = router.route(RouteRequest(str(index), f"c{index % 5}", 300, 16, prompt))
-        assert decision is not None and decision.reason in REASONS
+        assert decision is not None and decision.reason in reasons()
         assert 0 <= decision.predicted_cached_tokens <= 300
         assert render_trace(decision).startswith(f"{policy} → {decision.replica}")
         if index >= 6:
@@ -71,7 +70,8 @@ def test_prefix_affinity_scores_three_prefix_two_queue_two_kv() -> None:
     follow_up = router.route(RouteRequest("b", "c", 500, 100, blocks("s", "u1", "a1", "u2", "u3")))
     assert follow_up is not None and follow_up.replica == held  # 3 x 4/5 = 2.4 beats the queue's 2
     scores = {c.replica: c.score for c in follow_up.trace.candidates}
-    assert scores[held] == pytest.approx(3 * 4 / 5 + 2 * 0 + 2 * (1 - 500 / KV_CAPACITY_TOKENS))
+    capacity = BASE["prefix-affinity"]["kv_capacity_tokens"]
+    assert scores[held] == pytest.approx(3 * 4 / 5 + 2 * 0 + 2 * (1 - 500 / capacity))
     assert all(score == pytest.approx(2 * 1 + 2 * 1) for name, score in scores.items() if name != held)
     other = router.route(RouteRequest("c", "c2", 500, 100, blocks("s", "x1", "x2", "x3", "x4")))
     assert other is not None and other.replica != held  # 3 x 1/5 = 0.6 < 2 x (queue 2 -> 0 vs 1)
@@ -103,13 +103,13 @@ def test_chwbl_compares_the_load_before_the_request_with_one_and_a_quarter_of_th
     model_types.go meanLoadFactor 125); chwblGetAddr walks the ring (256 points per endpoint)."""
     router = Router(routing(policy="chwbl"), ["llm-0", "llm-1", "llm-2", "llm-3"])
     prompt = blocks("opening", "rest")
-    walk = list(HashRing(router.replicas, REPLICATION, 0).walk(prompt[0]))
+    walk = list(HashRing(router.replicas, BASE["chwbl"]["replication"], 0).walk(prompt[0]))
     home, second = walk[0], walk[1]
     for index, name in enumerate([home, second, walk[2]]):  # 3 in flight: cap = 4 / 4 x 1.25
         router.ledger.charge(f"x{index}", name, 1)
     at_home = router.route(RouteRequest("r1", "c", 100, 1, prompt))
     assert at_home is not None and (at_home.replica, at_home.reason) == (home, "home")  # 1 <= 1.25
-    assert at_home.trace.cap == pytest.approx(4 / 4 * LOAD_FACTOR)
+    assert at_home.trace.cap == pytest.approx(4 / 4 * BASE["chwbl"]["load_factor"])
     router.complete("r1")
     router.ledger.charge("x3", home, 1)  # home 2 of 4 in flight: cap = 5 / 4 x 1.25 = 1.5625
     moved = router.route(RouteRequest("r2", "c", 100, 1, prompt))
@@ -123,7 +123,7 @@ def test_kv_cost_is_prefill_blocks_after_overlap_plus_active_decode_blocks() -> 
     logit = max(0, raw_prefill_blocks - overlap) + decode_blocks, where selector/mod.rs row()
     gives raw_prefill_blocks = (active prefill tokens + prompt) / block size."""
     router = Router(routing(policy="chwbl"), ["llm-a", "llm-b"])  # only for its ring and ledger
-    policy = KvCost(routing(policy="kv-cost"))
+    policy = KvCost(routing(policy="kv-cost").params["kv-cost"])
     policy.set_replicas(router.replicas)
     first = RouteRequest("1", "c", 400, 10, blocks("p1", "p2", "p3", "p4"))  # 100 tokens a block
     policy.routed(first, sent("llm-a"))
@@ -146,7 +146,7 @@ def test_kv_cost_is_prefill_blocks_after_overlap_plus_active_decode_blocks() -> 
 def test_prefix_affinity_forgets_the_least_recently_sent_blocks_per_replica() -> None:
     """approximateprefix/indexer.go: one LRU per server (lruCapacityPerServer); a block
     evicted there is no longer matched."""
-    policy = PrefixAffinity(routing(policy="prefix-affinity"), blocks_per_replica=4)
+    policy = PrefixAffinity(routing(policy="prefix-affinity", blocks_per_replica=4).params["prefix-affinity"])
     old, new = blocks("a", "b", "c", "d"), blocks("w", "x", "y", "z")
     policy.routed(RouteRequest("1", "c", 40, 1, old), sent("llm-0"))
     policy.routed(RouteRequest("2", "c", 40, 1, new), sent("llm-0"))
@@ -167,7 +167,7 @@ def test_a_removed_replica_leaves_the_view_and_a_switch_starts_from_an_empty_one
     router.set_replicas([name for name in REPLICAS if name != first.replica])  # its cache went with it
     moved = router.route(RouteRequest("3", "c", 200, 8, prompt))
     assert moved is not None and moved.replica != first.replica and moved.predicted_cached_tokens == 0
-    router.reconfigure(routing(policy=policy, epsilon=0.5))  # a new policy object: nothing remembered
+    router.reconfigure(routing(policy=policy, speed_ewma_weight=0.5))  # a new policy object: nothing remembered
     fresh = router.route(RouteRequest("4", "c", 200, 8, prompt))
     assert fresh is not None and fresh.predicted_cached_tokens == 0
     router.complete("3")  # routed before the switch: the new view knows nothing of it

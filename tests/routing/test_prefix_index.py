@@ -9,7 +9,7 @@ import tracemalloc
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from extproc.routing import REASONS, Router, RouteRequest, Trace, render_trace
+from extproc.routing import Router, RouteRequest, Trace, reasons, render_trace
 from extproc.routing.blocks import covered_tokens, prefix_blocks
 from extproc.routing.policies.llm_aware import LlmAwarePrefix
 from extproc.routing.prefix_index import PrefixIndex
@@ -525,7 +525,7 @@ def test_over_its_limit_in_tokens_the_cached_replica_keeps_a_request_while_withi
         assert decision.cost == (110 if stays else 1110)
         assert dict(decision.trace.figures)["requests"] == parts
         if stays:
-            assert decision.reason in REASONS and within_requests_cap(decision.trace)
+            assert decision.reason in reasons() and within_requests_cap(decision.trace)
             assert "3000+110=3110 > 1943.8 but 2 requests ≤ the cap in requests 2: cached" in render_trace(decision)
 
 

@@ -109,7 +109,7 @@ def test_set_routing_changes_only_the_fields_given_and_refuses_bad_values_by_nam
             AbortingContext(),  # type: ignore[arg-type]
         )
     )
-    assert answer.routing.epsilon == 0.5 and gateway.router.settings.epsilon == 0.5
+    assert answer.routing.epsilon == 0.5 and gateway.router.settings.knobs()["epsilon"] == 0.5  # the policy's
     assert gateway.router.settings.policy == before.policy == answer.routing.policy
 
     context = AbortingContext()

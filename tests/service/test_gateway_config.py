@@ -18,6 +18,8 @@ from extproc.envoy.contract import (
     split_host_port,
     write_endpoints_file,
 )
+from extproc.routing import POLICIES
+from extproc.routing.policies.plugin import param_names
 from extproc.settings import Settings, load_settings
 from extproc.stack.processes import envoy_binary
 
@@ -168,13 +170,18 @@ def test_an_abstract_socket_is_a_pipe_and_host_port_a_dns_name(tmp_path: Path) -
 
 
 def test_every_router_setting_is_documented() -> None:
-    """Each key has its row in a table of docs/configuration.md (`service.listen`, or `epsilon` in
-    the routing table); discovery's keys are described together in one row (kubernetes_* in their
-    section of docs/kubernetes.md)."""
+    """Each key has its row in a table of docs/configuration.md (`service.listen`, or `hash_seed` in
+    the routing table, `llm-aware.ttft_margin` in the policies' one); discovery's keys are described
+    together in one row (kubernetes_* in their section of docs/kubernetes.md)."""
     readme = (Path(__file__).parents[2] / "docs" / "configuration.md").read_text()
     discovery_row = next(line for line in readme.splitlines() if line.startswith("| `[discovery]` |"))
+    for policy in POLICIES:
+        for key in param_names(policy):
+            assert f"| `{policy}.{key}` |" in readme, f"routing.{policy}.{key} has no row in docs/configuration.md"
     for section, field in Settings.model_fields.items():
         for key in field.annotation.model_fields:  # type: ignore[union-attr]
+            if (section, key) == ("routing", "params"):  # the sections above
+                continue
             documented = (
                 f"| `{section}.{key}` |" in readme
                 or f"| `{key}` |" in readme

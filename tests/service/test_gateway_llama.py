@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from extproc.routing import REASONS
+from extproc.routing import reasons
 from tests.service.gateway_support import (
     Gateway,
     assert_each_turn_reused_the_whole_previous_prompt,
@@ -55,7 +55,7 @@ def test_turns_of_a_conversation_stay_on_one_replica_and_reuse_its_cache(gw: Gat
     )
     assert second.status_code == 200
     assert second.headers["x-routed-to"] == first.headers["x-routed-to"]
-    assert {first.headers["x-route-reason"], second.headers["x-route-reason"]} <= set(REASONS)
+    assert {first.headers["x-route-reason"], second.headers["x-route-reason"]} <= set(reasons())
     assert second.json()["timings"]["cache_n"] > 0  # the replica reused turn 1's prefix
     logged = _decision(gw, second.headers["x-request-id"])
     assert logged["cache_n"] == second.json()["timings"]["cache_n"] and logged["prompt_n"] > 0

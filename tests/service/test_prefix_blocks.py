@@ -16,7 +16,7 @@ from extproc.routing.policies.llm_aware import INDEX_BLOCK_CHARS
 from extproc.service.bodies import parse_request, request_blocks
 from extproc.service.gateway import Gateway
 from extproc.service.metrics import Metrics
-from extproc.settings import load_settings
+from extproc.settings import load_settings, parse_routing, with_knobs
 
 SETTINGS = load_settings(Path(__file__).parents[2] / "extproc" / "service" / "router.toml")
 CHAT = "/v1/chat/completions"
@@ -48,7 +48,8 @@ def test_completion_prompts_as_text_or_token_ids() -> None:
     ("llm-aware", True, INDEX_BLOCK_CHARS)])
 def test_the_gateway_hashes_blocks_only_for_a_policy_that_needs_them_and_as_long_as_it_asks(
         policy: str, prefix_index: bool, block_chars: int) -> None:
-    routing = SETTINGS.routing.model_copy(update={"policy": policy, "prefix_index": prefix_index})
+    knobs = {"policy": policy, **({"prefix_index": prefix_index} if policy == "llm-aware" else {})}
+    routing = parse_routing(with_knobs(SETTINGS.routing.table(), knobs))
     gateway = Gateway(Router(routing), SETTINGS.service, Metrics())
     gateway.set_replicas({"llm-0": "127.0.0.1:9000", "llm-1": "127.0.0.1:9001"})
     body = chat(("user", "hello there, " * 60))
@@ -90,7 +91,7 @@ def test_remembered_blocks_are_the_blocks_however_the_texts_change(calls, block_
 
 
 def test_the_gateway_hashes_a_next_turn_once_per_new_block(monkeypatch: pytest.MonkeyPatch) -> None:
-    routing = SETTINGS.routing.model_copy(update={"policy": "llm-aware", "prefix_index": True})
+    routing = parse_routing(with_knobs(SETTINGS.routing.table(), {"policy": "llm-aware", "prefix_index": True}))
     gateway = Gateway(Router(routing), SETTINGS.service, Metrics())
     gateway.set_replicas({"llm-0": "127.0.0.1:9000"})
     hashed: list[bytes] = []

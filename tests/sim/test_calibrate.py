@@ -28,15 +28,11 @@ def test_fit_from_records_recovers_the_simulated_costs(tmp_path, monkeypatch):
     monkeypatch.setattr("extproc.sim.runs.load_cost_model", lambda _: truth)
     quick = load_profile("quick")
     source = Source("quick", lambda seed, _: profile_workload(quick, seed), False, quick)
-    config = SimConfig(routing={"virtual_nodes": 100, "hash_seed": 0, "epsilon": 0.25, "load_unit": "requests",
-                                "cache_aware": True, "placement_memory": True, "long_stickiness": True,
-                                "long_prompt_tokens": 800, "long_load_factor": 2.0, "memory_capacity": 1000,
-                                "prefix_index": False, "prefix_feedback": False, "prefix_capacity_tokens": 1000,
-                                "ttft_decisions": False, "ttft_margin": 1.0,
-                                "ttft_recompute_cost": True, "ttft_guard_factor": 2.0,
-                                "replica_slots": 1, "speed_learning": True, "speed_ewma_weight": 0.05,
+    config = SimConfig(routing={"virtual_nodes": 100, "hash_seed": 0, "memory_capacity": 1000,
+                                "speed_learning": True, "speed_ewma_weight": 0.05,
                                 "prior_prefill_tokens_per_s": 167.0, "prior_decode_tokens_per_s": 55.0,
-                                "prior_request_overhead_ms": 19.0},
+                                "prior_request_overhead_ms": 19.0,
+                                "bounded": {"epsilon": 0.25, "load_unit": "requests"}},
                        slots=1, cache_ram_mib=0, cost_model="simple", threads=1, host_cores=0, time_scale=1.0,
                        release_lag_ms=0.0, release_by_next_turn=True, routers=1, router_state="separate",
                        store_lag_ms=0.0, store_handoff=False, store_outage=None, roll_restart_s=30.0,

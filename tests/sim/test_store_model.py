@@ -79,6 +79,15 @@ def test_every_router_ends_empty_whatever_the_lag(count, lag_ms, handoff, seed, 
 
 
 REPLICAS = ("llm-0", "llm-1")
+
+
+def stored_routers(policy: str, replicas: tuple[str, ...], count: int, lag_s: float,
+                   outage: tuple[float, float] | None = None) -> tuple[Store, list[Router]]:
+    """``count`` routers, each given its store-backed ledger and memory."""
+    settings = policy_settings(policy)
+    store = Store(count, settings.memory_capacity, lag_s, outage)
+    return store, [Router(settings, replicas, ledger, memory)
+                   for ledger, memory in zip(store.ledgers, store.memories, strict=True)]
 operations = st.lists(
     st.tuples(st.floats(0, 0.05), st.integers(0, 2), st.booleans(), st.sampled_from(REPLICAS), st.integers(1, 500)),
     max_size=60,
@@ -90,10 +99,7 @@ operations = st.lists(
 def test_a_router_sees_its_own_writes_at_once_and_the_others_lag_late(ops, lag_s):
     """Charges and releases by three routers at random times: after each read, a router's
     ledger holds exactly its own charges plus the others' made at least ``lag_s`` before."""
-    routers = [Router(policy_settings("bounded"), REPLICAS) for _ in range(3)]
-    store = Store(routers, lag_s)
-    for router in routers:
-        router.ledger.set_replicas(REPLICAS)  # the store's ledgers start as the fleet does
+    store, routers = stored_routers("bounded", REPLICAS, 3, lag_s)
     made: list[tuple[float, int, str, str, int, bool]] = []  # (at, writer, request id, replica, tokens, release)
     now = 0.0
     for number, (step, writer, charge, replica, tokens) in enumerate(ops):
@@ -172,8 +178,7 @@ def test_the_next_turn_on_another_router_sees_the_handoff_at_once_or_lag_late(ha
 
 
 def test_a_placement_read_late_does_not_replace_a_newer_one():
-    routers = [Router(policy_settings("llm-aware"), ("llm-0", "llm-1")) for _ in range(2)]
-    store = Store(routers, 1.0)
+    store, routers = stored_routers("llm-aware", ("llm-0", "llm-1"), 2, 1.0)
     store.read(1, 1.0)
     routers[1].memory.remember(7, "llm-1", 100)  # router 1, at 1.0
     store.read(0, 1.5)
@@ -192,10 +197,7 @@ def test_a_store_down_for_the_whole_run_is_separate_routers(policy):
 
 
 def test_an_outage_loses_writes_and_the_return_drops_what_they_left_behind():
-    routers = [Router(policy_settings("bounded"), ("llm-0", "llm-1")) for _ in range(2)]
-    store = Store(routers, 0.5, outage=(3.0, 5.0))
-    for router in routers:
-        router.ledger.set_replicas(("llm-0", "llm-1"))
+    store, routers = stored_routers("bounded", ("llm-0", "llm-1"), 2, 0.5, outage=(3.0, 5.0))
     store.read(0, 1.0)
     routers[0].ledger.charge("before", "llm-0", 10)
     store.read(1, 2.0)

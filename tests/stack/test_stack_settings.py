@@ -69,19 +69,19 @@ def test_router_settings_are_the_reference_with_this_stacks_addresses(tmp_path: 
     settings = load_settings(path, environ={})
     reference = load_settings(ROUTER_REFERENCE, environ={})
     assert settings.routing.policy == "bounded"
-    assert settings.routing.epsilon == reference.routing.epsilon
+    assert settings.routing.params["bounded"] == reference.routing.params["bounded"]
     assert (settings.service.admin_listen, settings.service.metrics_listen) == ("127.0.0.1:1234", "127.0.0.1:1235")
     assert settings.service.listen == "" and settings.service.ext_proc_socket  # ext_proc on the socket alone
     assert settings.discovery.source == "file"
     assert settings.discovery.file == str(tmp_path / "replicas.json")
     assert settings.service.envoy_endpoints_file == str(tmp_path / "eds.json")
-    assert settings.routing.prefix_capacity_tokens == reference.routing.prefix_capacity_tokens
+    assert settings.routing.params["llm-aware"] == reference.routing.params["llm-aware"]
     sized = tmp_path / "sized.toml"
     sized.write_text(render_router_settings(
         ROUTER_REFERENCE, policy="llm-aware", admin_listen="127.0.0.1:1234", metrics_listen="127.0.0.1:1235",
         replicas_file=tmp_path / "replicas.json", envoy_endpoints_file=tmp_path / "eds.json",
         prefix_capacity_tokens=4096, replica_slots=2))
-    sized_settings = load_settings(sized, environ={}).routing
+    sized_settings = load_settings(sized, environ={}).routing.params["llm-aware"]
     assert sized_settings.prefix_capacity_tokens == 4096  # what the replicas hold
     assert sized_settings.replica_slots == 2  # their --parallel
 

@@ -8,21 +8,31 @@ costs its whole prompt + max_tokens, wherever it goes: the cache is ignored).
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Annotated, ClassVar, NamedTuple
+
+from pydantic import Field
 
 from extproc.routing.decision import Decision, Trace
-from extproc.routing.policies.bounded_walk import average_and_cap, first_fit, least_loaded
-from extproc.routing.policies.situation import NO_PEER_FIELDS, Situation, new
-from extproc.settings import PolicyName, RoutingSettings
+from extproc.routing.ledger import LoadUnit
+from extproc.routing.policies.bounded_walk import WALK_REASONS, average_and_cap, first_fit, least_loaded
+from extproc.routing.policies.plugin import PolicyPlugin
+from extproc.routing.policies.situation import HOME_REASON, NO_PEER_FIELDS, Situation, new
+
+# [routing.bounded] (plugin.py: the functional form keeps the constraints under mypyc)
+BoundedParams = NamedTuple("BoundedParams", [
+    ("epsilon", Annotated[float, Field(gt=0, le=10, description="cap = (1 + epsilon) x average")]),
+    ("load_unit", Annotated[LoadUnit, Field(description="count load in requests or in prompt + max tokens")]),
+])
+REASONS = {**HOME_REASON, **WALK_REASONS}
 
 
 class Bounded:
-    name: ClassVar[PolicyName] = "bounded"
+    name: ClassVar[str] = "bounded"
     prefix_block_chars: ClassVar[int] = 0
 
-    def __init__(self, settings: RoutingSettings) -> None:
-        self.epsilon = settings.epsilon
-        self.unit = settings.load_unit
+    def __init__(self, params: BoundedParams) -> None:
+        self.epsilon = params.epsilon
+        self.unit: LoadUnit = params.load_unit
 
     def decide(self, situation: Situation) -> Decision | None:
         eligible = situation.eligible
@@ -48,6 +58,9 @@ class Bounded:
             situation.load_copy(unit), total, average, cap,
             None, None,  # long_cap, long_threshold
             checks,
-            *NO_PEER_FIELDS,  # prompt_blocks, candidates, figures
+            *NO_PEER_FIELDS,  # prompt_blocks, candidates, figures, predicted, details
         ))
         return new(Decision, (chosen, reason, cost, work, situation.cached_tokens_on(chosen), trace))
+
+
+PLUGIN = PolicyPlugin("bounded", BoundedParams, lambda params, routing: Bounded(params), REASONS)

@@ -14,8 +14,8 @@ from itertools import chain, filterfalse
 from typing import NamedTuple
 
 from extproc.routing.decision import Check
+from extproc.routing.ledger import LoadUnit
 from extproc.routing.policies.situation import Situation, new
-from extproc.settings import LoadUnit
 
 
 class Discount(NamedTuple):
@@ -36,6 +36,11 @@ class Discount(NamedTuple):
 
 
 NO_DISCOUNT = Discount({})
+# the walk's outcomes, reason codes of every policy that walks it
+WALK_REASONS = {
+    "overflow": "the preferred replica was over its cap; the next one clockwise with room",
+    "least-loaded": "no replica fitted under the cap; the one least loaded after this request",
+}
 
 
 def average_and_cap(total: int, replicas: int, epsilon: float, unit: LoadUnit) -> tuple[float, float]:

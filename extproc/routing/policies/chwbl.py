@@ -17,36 +17,44 @@ under it), so it is not here.
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Annotated, ClassVar, NamedTuple
+
+from pydantic import Field
 
 from extproc.routing.blocks import BLOCK_CHARS
 from extproc.routing.decision import Check, Decision
-from extproc.routing.policies.situation import Situation, new, peer_decision
+from extproc.routing.policies.bounded_walk import WALK_REASONS
+from extproc.routing.policies.plugin import PolicyPlugin
+from extproc.routing.policies.situation import HOME_REASON, Situation, new, peer_decision
 from extproc.routing.ring import HashRing
-from extproc.settings import PolicyName, RoutingSettings
 
-LOAD_FACTOR = 1.25
-REPLICATION = 256
+# [routing.chwbl]: KubeAI's defaults are the files' values
+ChwblParams = NamedTuple("ChwblParams", [
+    ("load_factor", Annotated[float, Field(gt=1, description="a replica takes a request while its requests in "
+                                                             "flight are at most this x the mean (KubeAI: 1.25)")]),
+    ("replication", Annotated[int, Field(gt=0, le=10_000, description="ring points per replica (KubeAI: 256)")]),
+])
 
 
 class Chwbl:
-    name: ClassVar[PolicyName] = "chwbl"
+    name: ClassVar[str] = "chwbl"
     prefix_block_chars: ClassVar[int] = BLOCK_CHARS  # llm-d's approximate scorer's block
 
-    def __init__(self, settings: RoutingSettings) -> None:
-        self._seed = settings.hash_seed
-        self._ring = HashRing((), REPLICATION, self._seed)
+    def __init__(self, params: ChwblParams, seed: int) -> None:
+        self.load_factor, self.replication = params
+        self._seed = seed
+        self._ring = HashRing((), self.replication, self._seed)
 
     def decide(self, situation: Situation) -> Decision | None:
         eligible = situation.eligible
         if not eligible:
             return None
         if self._ring.replicas != situation.ring.replicas:  # membership changed: KubeAI re-adds endpoints
-            self._ring = HashRing(situation.ring.replicas, REPLICATION, self._seed)
+            self._ring = HashRing(situation.ring.replicas, self.replication, self._seed)
         blocks = situation.request.prefix_blocks
         key = blocks[0] if blocks else situation.key_hash
         loads, total = situation.ledger.loads("requests"), situation.total("requests")
-        cap = (total + 1) / len(eligible) * LOAD_FACTOR
+        cap = (total + 1) / len(eligible) * self.load_factor
         checks = []
         for name in self._ring.walk(key):
             if name in situation.avoid:
@@ -57,5 +65,9 @@ class Chwbl:
                 break
         chosen, home = checks[-1].replica, checks[0].replica
         return peer_decision(self.name, situation, chosen, "home" if chosen == home else "overflow", 0,
-                             figures=(("load_factor", LOAD_FACTOR),), home=home, total=total + 1, cap=cap,
+                             figures=(("load_factor", self.load_factor),), home=home, total=total + 1, cap=cap,
                              checks=tuple(checks))
+
+
+PLUGIN = PolicyPlugin("chwbl", ChwblParams, lambda params, routing: Chwbl(params, routing.hash_seed), {
+    **HOME_REASON, "overflow": WALK_REASONS["overflow"]})

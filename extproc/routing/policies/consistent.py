@@ -6,19 +6,20 @@ from __future__ import annotations
 from typing import ClassVar
 
 from extproc.routing.decision import Decision
-from extproc.routing.policies.situation import Situation, unbounded_decision
-from extproc.settings import PolicyName, RoutingSettings
+from extproc.routing.policies.plugin import NoParams, PolicyPlugin
+from extproc.routing.policies.situation import HOME_REASON, Situation, unbounded_decision
 
 
 class Consistent:
-    name: ClassVar[PolicyName] = "consistent"
+    name: ClassVar[str] = "consistent"
     prefix_block_chars: ClassVar[int] = 0
-
-    def __init__(self, settings: RoutingSettings) -> None:
-        pass
 
     def decide(self, situation: Situation) -> Decision | None:
         replica = situation.home()
         if replica is None:
             return None
         return unbounded_decision(self.name, situation, replica, "home", home=replica)
+
+
+PLUGIN = PolicyPlugin("consistent", NoParams, lambda params, routing: Consistent(),
+                      HOME_REASON)

@@ -22,18 +22,25 @@ tokens stay until the request completes and the index keeps 31,250 blocks per re
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Annotated, ClassVar, NamedTuple
+
+from pydantic import Field
 
 from extproc.routing.blocks import BLOCK_CHARS
 from extproc.routing.decision import Candidate, Decision, RouteRequest
 from extproc.routing.hashing import stable_hash
-from extproc.routing.policies.situation import Situation, new, peer_decision
+from extproc.routing.policies.plugin import PolicyPlugin
+from extproc.routing.policies.situation import Situation, best_candidate, new, peer_decision
 from extproc.routing.prefix_views import ActiveBlocks, BlockIndex
-from extproc.settings import PolicyName, RoutingSettings
 
-OVERLAP_SCORE_CREDIT = 1.0
-PREFILL_LOAD_SCALE = 1.0
-INDEX_BLOCKS_PER_REPLICA = 31_250
+# [routing.kv-cost]: Dynamo's defaults are the files' values
+KvCostParams = NamedTuple("KvCostParams", [
+    ("overlap_score_credit", Annotated[float, Field(ge=0, description="blocks of prefill a cached block saves "
+                                                                      "(Dynamo: 1.0)")]),
+    ("prefill_load_scale", Annotated[float, Field(ge=0, description="weight of the prefill blocks (Dynamo: 1.0)")]),
+    ("blocks_per_replica", Annotated[int, Field(gt=0, description="approximate index blocks per replica, the "
+                                                                  "deepest forgotten first (31,250)")]),
+])
 
 
 def request_blocks(request: RouteRequest) -> tuple[int, ...]:
@@ -42,11 +49,12 @@ def request_blocks(request: RouteRequest) -> tuple[int, ...]:
 
 
 class KvCost:
-    name: ClassVar[PolicyName] = "kv-cost"
+    name: ClassVar[str] = "kv-cost"
     prefix_block_chars: ClassVar[int] = BLOCK_CHARS  # llm-d's approximate scorer's block
 
-    def __init__(self, settings: RoutingSettings, blocks_per_replica: int = INDEX_BLOCKS_PER_REPLICA) -> None:
-        self.index = BlockIndex(blocks_per_replica)
+    def __init__(self, params: KvCostParams) -> None:
+        self.params = params
+        self.index = BlockIndex(params.blocks_per_replica)
         self.active = ActiveBlocks()
 
     def decide(self, situation: Situation) -> Decision | None:
@@ -59,19 +67,17 @@ class KvCost:
         overlap = self.index.leading_matches(blocks)
         shared = self.active.shared(blocks)
         prefilling, active = self.active.prefill_tokens(), self.active.blocks()
+        credit, scale, _ = self.params
         candidates = []
         for name in eligible:
             cached, held = overlap.get(name, 0), active.get(name, 0)
             prefill = (prefilling.get(name, 0) + request.prompt_tokens) / block_tokens
             decode = held + len(blocks) - shared.get(name, 0)
-            cost = PREFILL_LOAD_SCALE * max(0.0, prefill - OVERLAP_SCORE_CREDIT * cached) + decode
+            cost = scale * max(0.0, prefill - credit * cached) + decode
             candidates.append(new(Candidate, (name, cached, held, cost)))
-        best = min(candidate.score for candidate in candidates)
-        tied = [candidate for candidate in candidates if candidate.score == best]
-        chosen = tied[situation.key_hash % len(tied)]
+        chosen = best_candidate(candidates, situation.key_hash, highest=False)
         return peer_decision(self.name, situation, chosen.replica, "min-cost", chosen.matched_blocks,
-                             tuple(candidates), (("overlap_score_credit", OVERLAP_SCORE_CREDIT),
-                                                 ("prefill_load_scale", PREFILL_LOAD_SCALE)))
+                             tuple(candidates), (("overlap_score_credit", credit), ("prefill_load_scale", scale)))
 
     def routed(self, request: RouteRequest, decision: Decision) -> None:
         uncached = request.prompt_tokens - decision.predicted_cached_tokens
@@ -84,3 +90,7 @@ class KvCost:
     def set_replicas(self, replicas: tuple[str, ...]) -> None:
         self.index.set_replicas(replicas)
         self.active.set_replicas(replicas)
+
+
+PLUGIN = PolicyPlugin("kv-cost", KvCostParams, lambda params, routing: KvCost(params), {
+    "min-cost": "kv-cost: lowest Dynamo cost (prefill blocks after overlap + active decode blocks)"})

@@ -36,15 +36,69 @@ import math
 from collections.abc import Callable, Iterable, Mapping
 from functools import partial
 from itertools import repeat
-from typing import ClassVar, NamedTuple
+from typing import Annotated, ClassVar, NamedTuple
+
+from pydantic import Field
 
 from extproc.routing.blocks import covered_tokens
 from extproc.routing.decision import Candidate, Check, Decision, RouteRequest, Trace
-from extproc.routing.policies.bounded_walk import Discount, average_and_cap, first_fit, least_loaded
-from extproc.routing.policies.situation import NO_PEER_FIELDS, Situation, new
+from extproc.routing.policies.bounded_walk import WALK_REASONS, Discount, average_and_cap, first_fit, least_loaded
+from extproc.routing.policies.plugin import PolicyPlugin
+from extproc.routing.policies.situation import HOME_REASON, NO_PEER_FIELDS, Situation, new
 from extproc.routing.prefix_index import PrefixIndex
 from extproc.routing.speeds import Speed
-from extproc.settings import PolicyName, RoutingSettings
+
+# [routing.llm-aware] (plugin.py: the functional form keeps the constraints under mypyc)
+LlmAwareParams = NamedTuple("LlmAwareParams", [
+    ("epsilon", Annotated[float, Field(gt=0, le=10, description="bounded loads: cap = (1 + epsilon) x average")]),
+    # the three switchable additions and their knobs
+    ("cache_aware", Annotated[bool, Field(description="a cached replica is charged only the new tokens")]),
+    ("placement_memory", Annotated[bool, Field(description="prefer where the conversation was last served")]),
+    ("long_stickiness", Annotated[bool, Field(description="long cached conversations tolerate long_load_factor")]),
+    ("long_prompt_tokens", Annotated[int, Field(gt=0, description="a conversation is long from this many prompt "
+                                                                  "tokens")]),
+    ("long_load_factor", Annotated[float, Field(gt=1, le=100, description="long cap = factor x average")]),
+    # the prefix index (docs/prefix-index.md): two more switchable additions and its capacity
+    ("prefix_index", Annotated[bool, Field(description="expected cache on each replica = its longest held prefix "
+                                                       "of the prompt; over the cap a redirect must land "
+                                                       "(1 + epsilon) times lower")]),
+    ("prefix_feedback", Annotated[bool, Field(description="prefix index: a replica reporting whole blocks fewer "
+                                                          "(more) than predicted has its capacity lowered (raised) "
+                                                          "by as many tokens")]),
+    ("prefix_capacity_tokens", Annotated[int, Field(gt=0, description="prefix index: tokens each replica holds "
+                                                                      "(LRU beyond)")]),
+    # on predicted time to first token (docs/policies.md)
+    ("ttft_decisions", Annotated[bool, Field(description="pick by predicted time to first token; the bounded walk "
+                                                         "decides only past ttft_guard_factor x average")]),
+    ("ttft_margin", Annotated[float, Field(ge=0, le=10, description="a request leaves its cached replica only "
+                                                                    "where its first token is predicted this share "
+                                                                    "sooner")]),
+    ("ttft_recompute_cost", Annotated[bool, Field(description="a move away from the cache is also charged the "
+                                                              "prefill of the tokens it computes again, the delay "
+                                                              "they bring the requests queued behind it")]),
+    ("ttft_guard_factor", Annotated[float, Field(gt=1, le=100, description="past this factor x average load in "
+                                                                           "tokens the preferred replica goes to "
+                                                                           "the bounded walk")]),
+    ("replica_slots", Annotated[int, Field(ge=0, le=4096, description="requests a replica runs at once (llama.cpp "
+                                                                      "--parallel): below, a new one shares the "
+                                                                      "replica; at or above, it queues behind all "
+                                                                      "its work (0: always queues)")]),
+])
+REASONS = {
+    **HOME_REASON,
+    "sticky": "llm-aware: where placement memory says the conversation's cache is, not its ring home",
+    "home-long": "llm-aware: ring home above the normal cap but within the long-conversation cap",
+    "sticky-long": "llm-aware: remembered replica above the normal cap but within the long cap",
+    "prefix": "llm-aware, prefix index: the replica holding the longest prefix of the prompt, not its ring home",
+    "prefix-long": "llm-aware, prefix index: that replica above the normal cap but within the long cap",
+    "home-requests": "llm-aware, prefix index: the cached home over its limit in tokens, within the cap in requests",
+    "prefix-requests": "llm-aware, prefix index: that replica over its limit in tokens, within the cap in requests",
+    "least-recent": "llm-aware, prefix index: a prompt no replica holds; under the cap, the replica whose least "
+                    "recent prompt is oldest",
+    "faster": "llm-aware: another replica's first token predicted ttft_margin sooner than the preferred one's",
+    **WALK_REASONS,
+    "kept": "llm-aware, prefix index: none fitted under the cap; the cached replica, none landing (1 + ε) x lower",
+}
 
 # (where the cache is, replica -> cached tokens there, replica -> cost there, trace fields,
 # the holders to try after the preferred replica, most expected reuse first: asked for only then)
@@ -64,21 +118,21 @@ PREDICT_ALL_REPLICAS = 16
 
 
 class LlmAware:
-    name: ClassVar[PolicyName] = "llm-aware"
+    name: ClassVar[str] = "llm-aware"
     prefix_block_chars: ClassVar[int] = 0
 
-    def __init__(self, settings: RoutingSettings) -> None:
-        self.epsilon = settings.epsilon
-        self.cache_aware = settings.cache_aware
-        self.placement_memory = settings.placement_memory
-        self.long_stickiness = settings.long_stickiness
-        self.long_prompt_tokens = settings.long_prompt_tokens
-        self.long_load_factor = settings.long_load_factor
-        self.ttft = settings.ttft_decisions
-        self.ttft_margin = settings.ttft_margin
-        self.guard_factor = settings.ttft_guard_factor
-        self.slots = settings.replica_slots
-        self.recompute_cost = settings.ttft_recompute_cost
+    def __init__(self, params: LlmAwareParams) -> None:
+        self.epsilon = params.epsilon
+        self.cache_aware = params.cache_aware
+        self.placement_memory = params.placement_memory
+        self.long_stickiness = params.long_stickiness
+        self.long_prompt_tokens = params.long_prompt_tokens
+        self.long_load_factor = params.long_load_factor
+        self.ttft = params.ttft_decisions
+        self.ttft_margin = params.ttft_margin
+        self.guard_factor = params.ttft_guard_factor
+        self.slots = params.replica_slots
+        self.recompute_cost = params.ttft_recompute_cost
 
     def decide(self, situation: Situation) -> Decision | None:
         eligible = situation.eligible
@@ -161,6 +215,7 @@ class LlmAware:
             checks,
             *(seen or NO_PEER_FIELDS[:3]),  # prompt_blocks, candidates, figures
             predicted,
+            None,  # details
         ))
         return new(Decision, (chosen, reason, cost, cost, expected.get(chosen, 0), trace))
 
@@ -266,10 +321,10 @@ class LlmAwarePrefix(LlmAware):
 
     prefix_block_chars: ClassVar[int] = INDEX_BLOCK_CHARS
 
-    def __init__(self, settings: RoutingSettings) -> None:
-        super().__init__(settings)
-        self.index = PrefixIndex(settings.prefix_capacity_tokens)
-        self.feedback = settings.prefix_feedback
+    def __init__(self, params: LlmAwareParams) -> None:
+        super().__init__(params)
+        self.index = PrefixIndex(params.prefix_capacity_tokens)
+        self.feedback = params.prefix_feedback
         # request in flight -> (its replica, the blocks that replica held before it)
         self.held_before: dict[str, tuple[str, int]] = {}
 
@@ -476,5 +531,9 @@ def predicted_ttft(slots: int, speed: Speed, load: int, running: int, cost: int)
     return speed.overhead_s + (ahead + cost) * speed.prefill_s_per_token
 
 
-def make_llm_aware(settings: RoutingSettings) -> LlmAware:
-    return LlmAwarePrefix(settings) if settings.prefix_index else LlmAware(settings)
+def make_llm_aware(params: LlmAwareParams) -> LlmAware:
+    """llm-aware's prefix index is a subclass with a view of what it sent."""
+    return LlmAwarePrefix(params) if params.prefix_index else LlmAware(params)
+
+
+PLUGIN = PolicyPlugin("llm-aware", LlmAwareParams, lambda params, routing: make_llm_aware(params), REASONS)

@@ -6,16 +6,13 @@ from __future__ import annotations
 from typing import ClassVar
 
 from extproc.routing.decision import Decision
+from extproc.routing.policies.plugin import NoParams, PolicyPlugin
 from extproc.routing.policies.situation import Situation, unbounded_decision
-from extproc.settings import PolicyName, RoutingSettings
 
 
 class ModN:
-    name: ClassVar[PolicyName] = "mod-n"
+    name: ClassVar[str] = "mod-n"
     prefix_block_chars: ClassVar[int] = 0
-
-    def __init__(self, settings: RoutingSettings) -> None:
-        pass
 
     def decide(self, situation: Situation) -> Decision | None:
         eligible = situation.eligible
@@ -23,3 +20,7 @@ class ModN:
             return None
         replica = eligible[situation.key_hash % len(eligible)]
         return unbounded_decision(self.name, situation, replica, "hash", home=replica)
+
+
+PLUGIN = PolicyPlugin("mod-n", NoParams, lambda params, routing: ModN(),
+                      {"hash": "mod-n: hash(conversation) mod the number of replicas"})

@@ -20,59 +20,73 @@ llm-d breaks ties at random; here the tied replica at key_hash mod ties (determi
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Annotated, ClassVar, NamedTuple
+
+from pydantic import Field
 
 from extproc.routing.blocks import BLOCK_CHARS
 from extproc.routing.decision import Candidate, Decision, RouteRequest
-from extproc.routing.policies.situation import Situation, new, peer_decision
+from extproc.routing.policies.plugin import PolicyPlugin
+from extproc.routing.policies.situation import Situation, best_candidate, new, peer_decision
 from extproc.routing.prefix_views import BlockIndex
-from extproc.settings import PolicyName, RoutingSettings
 
-PREFIX_WEIGHT, QUEUE_WEIGHT, KV_WEIGHT = 3.0, 2.0, 2.0
-MAX_PREFIX_BLOCKS = 256
-LRU_BLOCKS_PER_REPLICA = 31_250
-KV_CAPACITY_TOKENS = 500_000
+# [routing.prefix-affinity]: llm-d's defaults are the files' values (docs/peer-policies.md)
+PrefixAffinityParams = NamedTuple("PrefixAffinityParams", [
+    ("prefix_weight", Annotated[float, Field(ge=0, description="weight of the prefix scorer (llm-d: 3)")]),
+    ("queue_weight", Annotated[float, Field(ge=0, description="weight of the queue-depth scorer (llm-d: 2)")]),
+    ("kv_weight", Annotated[float, Field(ge=0, description="weight of the KV-utilization scorer (llm-d: 2)")]),
+    ("max_prefix_blocks", Annotated[int, Field(gt=0, description="blocks of a prompt matched at most (llm-d: 256)")]),
+    ("blocks_per_replica", Annotated[int, Field(gt=0, description="blocks remembered per replica, least recently "
+                                                                  "sent forgotten (llm-d: 31,250)")]),
+    ("kv_capacity_tokens", Annotated[int, Field(gt=0, description="tokens in flight that make a replica's KV "
+                                                                  "usage 1 (llm-d's LRU size: 500,000)")]),
+])
 
 
 class PrefixAffinity:
-    name: ClassVar[PolicyName] = "prefix-affinity"
+    name: ClassVar[str] = "prefix-affinity"
     prefix_block_chars: ClassVar[int] = BLOCK_CHARS  # llm-d's approximate scorer's block
 
-    def __init__(self, settings: RoutingSettings, blocks_per_replica: int = LRU_BLOCKS_PER_REPLICA) -> None:
-        self.index = BlockIndex(blocks_per_replica)
+    def __init__(self, params: PrefixAffinityParams) -> None:
+        self.params = params
+        self.index = BlockIndex(params.blocks_per_replica)
 
     def decide(self, situation: Situation) -> Decision | None:
         eligible = situation.eligible
         if not eligible:
             return None
-        blocks = situation.request.prefix_blocks[:MAX_PREFIX_BLOCKS]
+        prefix_weight, queue_weight, kv_weight, max_blocks, _, kv_capacity = self.params
+        blocks = situation.request.prefix_blocks[:max_blocks]
         _, matched = self.index.matches(blocks)
         queues, tokens = situation.ledger.loads("requests"), situation.ledger.loads("tokens")
         low = min(queues[name] for name in eligible)
         spread = max(queues[name] for name in eligible) - low
         # 3 x held / blocks + 2 x (max - queue) / (max - min) (2 when all equal) + 2 x (1 - tokens / capacity)
-        per_block = PREFIX_WEIGHT / len(blocks) if blocks else 0.0
-        per_queue, top = (QUEUE_WEIGHT / spread if spread else 0.0), low + spread
-        queue_floor = 0.0 if spread else QUEUE_WEIGHT
-        per_token = KV_WEIGHT / KV_CAPACITY_TOKENS
+        per_block = prefix_weight / len(blocks) if blocks else 0.0
+        per_queue, top = (queue_weight / spread if spread else 0.0), low + spread
+        queue_floor = 0.0 if spread else queue_weight
+        per_token = kv_weight / kv_capacity
         candidates = [
             new(Candidate, (name, matched.get(name, 0), queues[name],
                             per_block * matched.get(name, 0) + queue_floor + per_queue * (top - queues[name])
-                            + KV_WEIGHT - per_token * min(tokens[name], KV_CAPACITY_TOKENS)))
+                            + kv_weight - per_token * min(tokens[name], kv_capacity)))
             for name in eligible
         ]
-        best = max(candidate.score for candidate in candidates)
-        tied = [candidate for candidate in candidates if candidate.score == best]
-        chosen = tied[situation.key_hash % len(tied)]
+        chosen = best_candidate(candidates, situation.key_hash, highest=True)
         return peer_decision(self.name, situation, chosen.replica, "best-score", chosen.matched_blocks,
-                             tuple(candidates), (("prefix_weight", PREFIX_WEIGHT), ("queue_weight", QUEUE_WEIGHT),
-                                                 ("kv_weight", KV_WEIGHT)))
+                             tuple(candidates), (("prefix_weight", prefix_weight), ("queue_weight", queue_weight),
+                                                 ("kv_weight", kv_weight)))
 
     def routed(self, request: RouteRequest, decision: Decision) -> None:
-        self.index.add(decision.replica, request.prefix_blocks[:MAX_PREFIX_BLOCKS])  # llm-d: PreRequest
+        self.index.add(decision.replica, request.prefix_blocks[:self.params.max_prefix_blocks])  # llm-d: PreRequest
 
     def completed(self, request: RouteRequest, decision: Decision, ok: bool) -> None:
         pass  # llm-d keeps a request's blocks until its LRU forgets them
 
     def set_replicas(self, replicas: tuple[str, ...]) -> None:
         self.index.set_replicas(replicas)  # llm-d: RemovePod
+
+
+PLUGIN = PolicyPlugin("prefix-affinity", PrefixAffinityParams, lambda params, routing: PrefixAffinity(params),
+                      {"best-score": "prefix-affinity: highest llm-d score (prefix_weight x prefix match + "
+                                     "queue_weight x queue + kv_weight x KV free)"})

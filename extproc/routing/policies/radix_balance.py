@@ -19,26 +19,36 @@ matched node; here the first by name, and the holder at key_hash mod holders.
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Annotated, ClassVar, NamedTuple
+
+from pydantic import Field
 
 from extproc.routing.blocks import BLOCK_CHARS
 from extproc.routing.decision import Candidate, Decision, RouteRequest
+from extproc.routing.policies.plugin import PolicyPlugin
 from extproc.routing.policies.situation import Situation, new, peer_decision
 from extproc.routing.prefix_views import BlockIndex
-from extproc.settings import PolicyName, RoutingSettings
 
-CACHE_THRESHOLD = 0.3
-BALANCE_ABS_THRESHOLD = 64
-BALANCE_REL_THRESHOLD = 1.5
-TREE_BLOCKS_PER_REPLICA = 2**26 // BLOCK_CHARS
+# [routing.radix-balance]: a launched SGLang router's defaults are the files' values
+RadixBalanceParams = NamedTuple("RadixBalanceParams", [
+    ("cache_threshold", Annotated[float, Field(ge=0, le=1, description="a match above this share of the prompt "
+                                                                       "goes to its holder (SGLang: 0.3)")]),
+    ("balance_abs_threshold", Annotated[int, Field(ge=0, description="imbalanced when max - min requests exceed "
+                                                                     "this (SGLang: 64)...")]),
+    ("balance_rel_threshold", Annotated[float, Field(ge=1, description="... and max exceeds this x min "
+                                                                       "(SGLang: 1.5)")]),
+    ("blocks_per_replica", Annotated[int, Field(gt=0, description="tree blocks per replica, the deepest forgotten "
+                                                                  "first (SGLang's 2**26 characters: 1,048,576)")]),
+])
 
 
 class RadixBalance:
-    name: ClassVar[PolicyName] = "radix-balance"
+    name: ClassVar[str] = "radix-balance"
     prefix_block_chars: ClassVar[int] = BLOCK_CHARS  # llm-d's approximate scorer's block
 
-    def __init__(self, settings: RoutingSettings, blocks_per_replica: int = TREE_BLOCKS_PER_REPLICA) -> None:
-        self.tree = BlockIndex(blocks_per_replica)
+    def __init__(self, params: RadixBalanceParams) -> None:
+        self.params = params
+        self.tree = BlockIndex(params.blocks_per_replica)
 
     def decide(self, situation: Situation) -> Decision | None:
         eligible = situation.eligible
@@ -50,15 +60,16 @@ class RadixBalance:
         low, high = loads[least], max(loads[name] for name in eligible)
         figures: tuple[tuple[str, float], ...] = (("min_load", low), ("max_load", high))
         candidates: tuple[Candidate, ...] = ()
-        if high - low > BALANCE_ABS_THRESHOLD and high > low * BALANCE_REL_THRESHOLD:
+        threshold, absolute, relative, _ = self.params
+        if high - low > absolute and high > low * relative:
             chosen, reason = least, "imbalanced"
         else:
             depth = self.tree.depth(blocks)
             rate = depth / len(blocks) if blocks else 0.0
             holders = sorted(set(self.tree.holders(blocks[depth - 1])).intersection(eligible)) if depth else []
-            figures += (("match_rate", rate), ("cache_threshold", CACHE_THRESHOLD))
+            figures += (("match_rate", rate), ("cache_threshold", threshold))
             candidates = tuple(new(Candidate, (name, depth, loads[name], rate)) for name in holders)
-            if rate > CACHE_THRESHOLD and holders:
+            if rate > threshold and holders:
                 chosen, reason = holders[situation.key_hash % len(holders)], "cache-match"
             else:
                 chosen, reason = least, "min-load"
@@ -73,3 +84,10 @@ class RadixBalance:
 
     def set_replicas(self, replicas: tuple[str, ...]) -> None:
         self.tree.set_replicas(replicas)  # SGLang: remove_tenant
+
+
+PLUGIN = PolicyPlugin("radix-balance", RadixBalanceParams, lambda params, routing: RadixBalance(params), {
+    "cache-match": "radix-balance: loads balanced and the longest prefix match is above cache_threshold",
+    "min-load": "radix-balance: loads balanced but no match above cache_threshold; fewest in flight",
+    "imbalanced": "radix-balance: loads imbalanced (both thresholds exceeded); fewest in flight",
+})

@@ -5,15 +5,15 @@ from __future__ import annotations
 from typing import ClassVar
 
 from extproc.routing.decision import Decision
+from extproc.routing.policies.plugin import NoParams, PolicyPlugin
 from extproc.routing.policies.situation import Situation, unbounded_decision
-from extproc.settings import PolicyName, RoutingSettings
 
 
 class RoundRobin:
-    name: ClassVar[PolicyName] = "round-robin"
+    name: ClassVar[str] = "round-robin"
     prefix_block_chars: ClassVar[int] = 0
 
-    def __init__(self, settings: RoutingSettings) -> None:
+    def __init__(self) -> None:
         self._turn = 0
 
     def decide(self, situation: Situation) -> Decision | None:
@@ -23,3 +23,7 @@ class RoundRobin:
         replica = eligible[self._turn % len(eligible)]
         self._turn += 1
         return unbounded_decision(self.name, situation, replica, "rotate")
+
+
+PLUGIN = PolicyPlugin("round-robin", NoParams, lambda params, routing: RoundRobin(),
+                      {"rotate": "round-robin: the next replica in turn"})

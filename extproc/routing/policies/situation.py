@@ -7,16 +7,16 @@ from typing import Any, NamedTuple
 
 from extproc.routing.blocks import covered_tokens
 from extproc.routing.decision import Candidate, Decision, RouteRequest, Trace
-from extproc.routing.ledger import LoadLedger
+from extproc.routing.ledger import LoadLedger, LoadUnit
 from extproc.routing.placement import Placement
 from extproc.routing.ring import HashRing
 from extproc.routing.speeds import ReplicaSpeeds
-from extproc.settings import LoadUnit
 
 # NamedTuple(...) goes through a Python-level __new__ (with keywords, through a dict too):
 # 0.3-1.2 µs a tuple. On the per-request path tuples are built directly, positionally
 # in field order, with tuple.__new__(Cls, (...)) (~0.1 µs); the tests pin every field.
 new = tuple.__new__
+HOME_REASON = {"home": "the conversation's ring home (or, without a cap, the ring's pick)"}  # a reason of several
 _UNBOUNDED_REST = tuple(Trace._field_defaults[name] for name in Trace._fields[5:])  # preferred .. figures
 NO_PEER_FIELDS = tuple(Trace._field_defaults[name] for name in Trace._fields[Trace._fields.index("prompt_blocks"):])
 
@@ -78,6 +78,14 @@ def unbounded_decision(policy: str, situation: Situation, replica: str, reason: 
         cached = min(placement.prompt_tokens, prompt)
     trace = new(Trace, (policy, prompt, max_tokens, None, home) + _UNBOUNDED_REST)  # unit=None; the rest unset
     return new(Decision, (replica, reason, 1, prompt + max_tokens, cached, trace))
+
+
+def best_candidate(candidates: list[Candidate], key_hash: int, highest: bool) -> Candidate:
+    """The pick step of the scoring peer policies: the highest (or lowest) score; ties go to the
+    tied candidate at key_hash mod ties (deterministic where their sources draw at random)."""
+    best = max(c.score for c in candidates) if highest else min(c.score for c in candidates)
+    tied = [candidate for candidate in candidates if candidate.score == best]
+    return tied[key_hash % len(tied)]
 
 
 def peer_decision(policy: str, situation: Situation, replica: str, reason: str, matched_blocks: int,
