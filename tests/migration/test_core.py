@@ -140,10 +140,10 @@ def test_the_router_lists_what_a_leaving_replica_served_and_marks_a_migrated_con
 
 def test_a_migration_points_the_prefix_index_at_the_receiver_even_while_the_source_still_serves() -> None:
     from extproc.routing import Router, RouteRequest
-    from extproc.settings import load_settings
+    from extproc.settings import load_settings, parse_routing, with_knobs
 
-    settings = load_settings("extproc/service/router.toml", environ={}).routing.model_copy(
-        update={"policy": "llm-aware", "prefix_index": True})
+    base = load_settings("extproc/service/router.toml", environ={}).routing.table()
+    settings = parse_routing(with_knobs(base, {"policy": "llm-aware", "prefix_index": True}))
     blocks = tuple(range(1000, 1040))  # 40 blocks of 16 tokens
 
     def follow_up(moved_blocks: tuple[int, ...]) -> tuple[str, str, str, int]:

@@ -119,7 +119,8 @@ def test_the_written_router_settings_read_back_as_the_base_with_only_the_stacks_
         store_url="redis://llm-ring@127.0.0.1:9/0", store_password_file=tmp_path / "store" / "pw",
         prefix_capacity_tokens=4096, replica_slots=2)
     expected = tomllib.loads(ROUTER_REFERENCE.read_text())
-    expected["routing"] |= {"policy": "kv-cost", "prefix_capacity_tokens": 4096, "replica_slots": 2}
+    expected["routing"]["policy"] = "kv-cost"
+    expected["routing"]["llm-aware"] |= {"prefix_capacity_tokens": 4096, "replica_slots": 2}
     expected["service"] |= {"listen": "", "admin_listen": "127.0.0.1:1234", "ext_proc_socket": "llm-ring-1234",
                             "metrics_listen": "127.0.0.1:1235", "envoy_endpoints_file": str(endpoints),
                             "routing_headers": True}
