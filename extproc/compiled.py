@@ -25,8 +25,7 @@ from pathlib import Path
 
 # The per-request path: the ring, the ledger, placement memory, the blocks and the prefix
 # index, the replicas' learnt speeds (llm-aware asks each candidate's), the router and the two
-# policies that bound loads. Policies and modules left out run
-# as Python and call into these.
+# policies that bound loads. Policies and modules left out run as Python and call into these.
 MODULES = (
     "extproc.routing.hashing",
     "extproc.routing.ring",
