@@ -24,8 +24,8 @@ from importlib.util import spec_from_file_location
 from pathlib import Path
 
 # The per-request path: the ring, the ledger, placement memory, the blocks and the prefix
-# index, the router and the two policies that bound loads. Policies and modules left out run
-# as Python and call into these.
+# index, the replicas' learnt speeds (llm-aware asks each candidate's), the router and the two
+# policies that bound loads. Policies and modules left out run as Python and call into these.
 MODULES = (
     "extproc.routing.hashing",
     "extproc.routing.ring",
@@ -33,6 +33,7 @@ MODULES = (
     "extproc.routing.placement",
     "extproc.routing.blocks",
     "extproc.routing.prefix_index",
+    "extproc.routing.speeds",
     "extproc.routing.router",
     "extproc.routing.policies.bounded_walk",
     "extproc.routing.policies.bounded",

@@ -9,13 +9,19 @@ tokens generated in ``predicted_ms`` (llama.cpp's ``timings``). Per replica:
 - decode: the exponentially weighted mean of ``predicted_ms / predicted_n``.
 
 Every replica starts from the configured prior, entered as two answers of weight ½ each (an
-empty prompt and one of PRIOR_SPREAD_TOKENS), which fade like any other. The times are measured
+empty prompt and one of PRIOR_SPREAD_TOKENS), which fade like any other. Until its own answers
+outweigh that prior (``trust_answers``: 14 at a weight of 0.05) a replica is taken to be as fast as
+the fleet, the mean of the replicas past it: a prior far from the replicas' true speed (a CPU
+prior on a GPU fleet) would otherwise mark a replica that answered a few short prompts, which fix
+no slope, as the prior's speed, and the time decision would send it nothing more to learn from
+(an H100 fleet of 16 left three replicas at ~200 tokens/s, starved). The times are measured
 under whatever else the replica ran at the same moment, so the figures are its speed under its
 usual load, not alone. Pure: no clock, no I/O.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from typing import NamedTuple
 
@@ -64,21 +70,24 @@ class ReplicaSpeeds:
         self.prior = prior
         self.ewma_weight = ewma_weight
         self.learning = learning
+        # answers after which the prior weighs less than the answers, (1 - w)^n <= ½
+        self.trust_answers = 1 if ewma_weight >= 1 else math.ceil(math.log(0.5) / math.log(1 - ewma_weight))
         self._fits: dict[str, _Fit] = {}
         self.answers: dict[str, int] = {}  # replica -> answers learnt from
-        # the replica prefilling a prompt of PRIOR_SPREAD_TOKENS soonest (ties: by name)
+        # of the trusted replicas (trust_answers or more), the one prefilling a prompt of
+        # PRIOR_SPREAD_TOKENS soonest (ties: by name)
         self.fastest: str | None = None
-        self.fleet = prior  # the mean of the answered replicas' speeds (the prior until one answered)
-        self._sums = [0.0, 0.0, 0.0]  # of the answered replicas' speeds, field by field
-        self._answered = 0  # replicas with at least one answer
+        self.fleet = prior  # the mean of the trusted replicas' speeds (the prior until one is)
+        self._sums = [0.0, 0.0, 0.0]  # of the trusted replicas' speeds, field by field
+        self._trusted = 0  # replicas with trust_answers or more
         self.set_replicas(replicas)
 
     def set_replicas(self, replicas: Iterable[str]) -> None:
         """Track exactly ``replicas``; a new (or returning) one starts from the prior."""
         wanted = set(replicas)
-        for name in [name for name in self._fits if name not in wanted and self.answers[name]]:
+        for name in [name for name in self._fits if name not in wanted and self.trusted(name)]:
             self._add(self._fits[name].speed, -1)
-            self._answered -= 1
+            self._trusted -= 1
         self._mean()
         self._fits = {name: fit for name, fit in self._fits.items() if name in wanted}
         self.answers = {name: count for name, count in self.answers.items() if name in wanted}
@@ -88,14 +97,18 @@ class ReplicaSpeeds:
         self._find_fastest()
 
     def speed(self, replica: str) -> Speed:
-        """The replica's learnt speed; before its first answer the fleet's (``fleet``): an
-        unknown replica is taken to be as fast as the others rather than as the prior, which
-        would send every new conversation away from it (a replica just added, one never
-        reached yet)."""
+        """The replica's learnt speed; until its answers outweigh the prior the fleet's
+        (``fleet``): a replica little known is taken to be as fast as the others rather than
+        as the prior, which would send every new conversation away from it (a replica just
+        added, one never reached yet, one that answered only short prompts)."""
         fit = self._fits.get(replica)
         if fit is None:
             return self.prior
-        return fit.speed if self.answers[replica] else self.fleet
+        return fit.speed if self.answers[replica] >= self.trust_answers else self.fleet
+
+    def trusted(self, replica: str) -> bool:
+        """Whether ``replica``'s own answers outweigh the prior (its learnt speed is used)."""
+        return self.answers.get(replica, 0) >= self.trust_answers
 
     def speeds(self) -> dict[str, Speed]:
         return {name: self.speed(name) for name in sorted(self._fits)}
@@ -115,15 +128,17 @@ class ReplicaSpeeds:
             learnt = True
         if learnt:
             before, fit.speed = fit.speed, _solve(fit)
-            if self.answers[replica]:
+            self.answers[replica] += 1
+            if not self.trusted(replica):
+                return
+            if self.answers[replica] > self.trust_answers:
                 self._add(before, -1)
-            else:
-                self._answered += 1
+            else:  # trusted from this answer on
+                self._trusted += 1
             self._add(fit.speed, +1)
             self._mean()
-            self.answers[replica] += 1
             fastest = self.fastest
-            if fastest is None:  # the first to answer
+            if fastest is None:  # the first trusted replica
                 self.fastest = replica
             elif fastest != replica:
                 if (_reference_s(fit.speed), replica) < (_reference_s(self._fits[fastest].speed), fastest):
@@ -132,10 +147,10 @@ class ReplicaSpeeds:
                 self._find_fastest()
 
     def _find_fastest(self) -> None:
-        """Among the answered replicas (an unanswered one takes the fleet's mean: never faster)."""
-        answered = [name for name, count in self.answers.items() if count]
+        """Among the trusted replicas (another takes the fleet's mean: never faster)."""
+        trusted = [name for name in self.answers if self.trusted(name)]
         fits = self._fits
-        self.fastest = min(answered, key=lambda name: (_reference_s(fits[name].speed), name)) if answered else None
+        self.fastest = min(trusted, key=lambda name: (_reference_s(fits[name].speed), name)) if trusted else None
 
     def _add(self, speed: Speed, sign: int) -> None:
         """Add (+1) or take away (-1) an answered replica's speed from the fleet's sums."""
@@ -144,9 +159,9 @@ class ReplicaSpeeds:
             sums[index] += sign * value
 
     def _mean(self) -> None:
-        answered = self._answered
+        trusted = self._trusted
         sums = self._sums
-        self.fleet = Speed(sums[0] / answered, sums[1] / answered, sums[2] / answered) if answered else self.prior
+        self.fleet = Speed(sums[0] / trusted, sums[1] / trusted, sums[2] / trusted) if trusted else self.prior
 
 
 def _reference_s(speed: Speed) -> float:

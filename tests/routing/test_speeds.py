@@ -7,6 +7,7 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from extproc.routing.policies.llm_aware import least_loaded_both
 from extproc.routing.speeds import AnswerTimings, ReplicaSpeeds, Speed
 
 PRIOR = Speed(1 / 167, 1 / 55, 0.019)
@@ -89,3 +90,32 @@ def test_without_learning_every_replica_keeps_the_prior_and_a_new_one_starts_fro
     assert speeds.speed("llm-1") == PRIOR
     speeds.set_replicas(["llm-0", "llm-1"])  # a returning replica is a fresh server
     assert speeds.speed("llm-0") == PRIOR and list(speeds.speeds()) == ["llm-0", "llm-1"]
+
+
+def test_until_its_answers_outweigh_the_prior_a_replica_is_as_fast_as_the_fleet():
+    true = Speed(1 / 30_000, 1 / 150, 0.01)  # a GPU replica, the prior a CPU one's
+    speeds = ReplicaSpeeds(PRIOR, 0.05, True, ["llm-0", "llm-1", "llm-2"])
+    assert speeds.trust_answers == 14  # 0.95^14 < ½
+    rng = random.Random(3)
+    for _ in range(13):  # not yet trusted: the fleet is still the prior, and none is the fastest
+        speeds.learn("llm-0", answer(rng.randint(500, 8000), true))
+    assert speeds.fleet == PRIOR and speeds.speed("llm-0") == PRIOR and speeds.fastest is None
+    speeds.learn("llm-0", answer(rng.randint(500, 8000), true))
+    learnt = speeds.speed("llm-0")
+    assert speeds.fleet == learnt and speeds.fastest == "llm-0"
+    # long prompts pull the slope towards the truth fast (the prior still weighs ½: about 10× slow yet)
+    assert true.prefill_s_per_token < learnt.prefill_s_per_token < PRIOR.prefill_s_per_token / 10
+    for number in range(13):  # short prompts fix no slope: left to its fit, the replica is the prior's
+        speeds.learn("llm-1", answer(40 + number, true))
+    assert speeds.speed("llm-1") == learnt and speeds.speed("llm-2") == learnt
+    speeds.set_replicas(["llm-1", "llm-2"])  # the trusted one leaves: the prior again
+    assert speeds.fleet == PRIOR and speeds.fastest is None
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 5), st.integers(0, 5)), min_size=1, max_size=12))
+def test_the_least_loaded_pair_is_min_with_its_ties(loads):
+    tokens = {f"llm-{n}": load for n, (load, _) in enumerate(loads)}
+    requests = {f"llm-{n}": running for n, (_, running) in enumerate(loads)}
+    assert least_loaded_both(tokens, requests) == (min(tokens, key=tokens.__getitem__),
+                                                   min(requests, key=requests.__getitem__))

@@ -162,3 +162,25 @@ def test_a_large_fleet_weighs_a_few_candidates_the_fastest_among_them() -> None:
         router.report_cached(RouteRequest(f"s{number}", "x", 100, 8), "llm-17", 0, 0,
                              AnswerTimings(100 + number, (100 + number) / 167 * 5000, 8, 48.0, 0))
     assert router.speeds.fastest == "llm-3"
+
+
+def test_a_replica_that_answered_a_few_short_prompts_is_not_starved() -> None:
+    """A CPU prior on a fleet of fast replicas: one that answered only short prompts (which fix no
+    slope) is taken as fast as the fleet, so a new conversation stays on its ring home there
+    (before: it was learnt near the prior, 150 times slower, and every request moved away)."""
+    names = [f"llm-{number}" for number in range(16)]
+    router = Router(routing(policy="llm-aware", ttft_decisions=True), names)
+    fast = 1 / 30_000  # s per token, 180 times the prior's speed
+
+    def answer(name: str, number: int, tokens: int) -> None:
+        router.report_cached(RouteRequest(f"{name}-{number}", "x", tokens, 8), name, 0, 0,
+                             AnswerTimings(tokens, (0.01 + tokens * fast) * 1000, 8, 48.0, 0))
+
+    for name in names[:-1]:
+        for number in range(20):
+            answer(name, number, 1_000 + 500 * number)
+    for number in range(3):
+        answer("llm-15", number, 40 + number)
+    assert router.speeds.speed("llm-15") == router.speeds.fleet
+    decision = router.route(RouteRequest("new", key_with_walk(router, "llm-15"), 2_000, 8))
+    assert decision is not None and (decision.replica, decision.reason) == ("llm-15", "home")

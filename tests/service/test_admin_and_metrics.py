@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from extproc.routing.speeds import AnswerTimings
 from extproc.service import admin_pb2
 from extproc.service.admin import AdminService
 from extproc.service.bodies import Timings
@@ -81,7 +82,12 @@ def test_an_answers_timings_teach_its_replicas_speed_shown_in_admin_state_and_sc
     gateway.access_logged(request_id, 200, endpoint, cut_off=False,
                           timings=Timings(cache_n=0, prompt_n=2000, prompt_ms=1000.0, predicted_n=8, predicted_ms=80.0))
     by_name = {replica.name: replica for replica in AdminService(gateway).state().replicas}
-    assert by_name[pick].answers_learnt == 1
+    assert by_name[pick].answers_learnt == 1  # until its answers outweigh the prior: the fleet's speed
+    assert by_name[pick].prefill_tokens_per_s == prior
+    speeds = gateway.router.speeds
+    for _ in range(speeds.trust_answers - 1):
+        speeds.learn(pick, AnswerTimings(prompt_n=2000, prompt_ms=1000.0, predicted_n=8, predicted_ms=80.0, cache_n=0))
+    by_name = {replica.name: replica for replica in AdminService(gateway).state().replicas}
     assert by_name[pick].prefill_tokens_per_s > prior  # 2,000 tokens a second beats the prior's 167
     # the others, unanswered, are taken to be as fast as the fleet's answered replicas
     assert all(replica.answers_learnt == 0 and replica.prefill_tokens_per_s == by_name[pick].prefill_tokens_per_s

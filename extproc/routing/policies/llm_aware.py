@@ -275,11 +275,9 @@ class LlmAware:
         eligible = situation.eligible
         if len(eligible) <= PREDICT_ALL_REPLICAS or situation.avoid:
             return eligible
-        ledger = situation.ledger
-        tokens, requests = ledger.loads("tokens"), ledger.loads("requests")
         picked = dict.fromkeys(costs)
-        picked[min(tokens, key=tokens.__getitem__)] = None
-        picked[min(requests, key=requests.__getitem__)] = None
+        picked.update(dict.fromkeys(least_loaded_both(situation.ledger.loads("tokens"),
+                                                      situation.ledger.loads("requests"))))
         fastest = situation.speeds.fastest
         if fastest is not None:
             picked[fastest] = None
@@ -520,6 +518,21 @@ class GuardRail(NamedTuple):
         never while it runs fewer than ``running_floor`` requests."""
         load = self.tokens[replica]
         return load > 0 and load + cost > self.tokens_limit and self.requests[replica] >= running_floor
+
+
+def least_loaded_both(tokens: Mapping[str, int], requests: Mapping[str, int]) -> tuple[str, str]:
+    """(the replica least loaded in tokens, the one least loaded in requests), each the first
+    of its ties in the ledger's order: one pass (compiled, a loop; two min() calls with a key
+    cost ~3 µs at 64 replicas)."""
+    least_tokens = least_requests = ""
+    fewest_tokens = fewest_requests = -1
+    for name, load in tokens.items():
+        running = requests[name]
+        if fewest_tokens < 0 or load < fewest_tokens:
+            least_tokens, fewest_tokens = name, load
+        if fewest_requests < 0 or running < fewest_requests:
+            least_requests, fewest_requests = name, running
+    return least_tokens, least_requests
 
 
 def predicted_ttft(slots: int, speed: Speed, load: int, running: int, cost: int) -> float:
