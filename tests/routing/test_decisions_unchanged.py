@@ -1,6 +1,6 @@
-"""Every decision of every policy, field by field, as the policies made them before they became
-plugins (tests/routing/data/decisions.json.gz, recorded by decision_log.record on that code):
-the move of their parameters, reasons and registry changed no decision and no trace."""
+"""Every decision of every policy, field by field, as recorded (tests/routing/data/decisions.json.gz,
+by decision_log.record): a change of code that moves no rule changes no decision and no trace.
+A rule changed on purpose is re-recorded with it (decision_log.record), so the diff shows it."""
 
 from __future__ import annotations
 
