@@ -63,4 +63,4 @@ class Bounded:
         return new(Decision, (chosen, reason, cost, work, situation.cached_tokens_on(chosen), trace))
 
 
-PLUGIN = PolicyPlugin("bounded", BoundedParams, lambda params, routing: Bounded(params), REASONS)
+PLUGIN: PolicyPlugin = PolicyPlugin("bounded", BoundedParams, lambda params, routing: Bounded(params), REASONS)

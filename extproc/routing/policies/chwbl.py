@@ -69,5 +69,5 @@ class Chwbl:
                              checks=tuple(checks))
 
 
-PLUGIN = PolicyPlugin("chwbl", ChwblParams, lambda params, routing: Chwbl(params, routing.hash_seed), {
+PLUGIN: PolicyPlugin = PolicyPlugin("chwbl", ChwblParams, lambda params, routing: Chwbl(params, routing.hash_seed), {
     **HOME_REASON, "overflow": WALK_REASONS["overflow"]})

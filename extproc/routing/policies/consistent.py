@@ -21,5 +21,5 @@ class Consistent:
         return unbounded_decision(self.name, situation, replica, "home", home=replica)
 
 
-PLUGIN = PolicyPlugin("consistent", NoParams, lambda params, routing: Consistent(),
+PLUGIN: PolicyPlugin = PolicyPlugin("consistent", NoParams, lambda params, routing: Consistent(),
                       HOME_REASON)

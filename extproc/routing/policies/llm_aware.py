@@ -549,4 +549,5 @@ def make_llm_aware(params: LlmAwareParams) -> LlmAware:
     return LlmAwarePrefix(params) if params.prefix_index else LlmAware(params)
 
 
-PLUGIN = PolicyPlugin("llm-aware", LlmAwareParams, lambda params, routing: make_llm_aware(params), REASONS)
+PLUGIN: PolicyPlugin = PolicyPlugin("llm-aware", LlmAwareParams,
+                                    lambda params, routing: make_llm_aware(params), REASONS)

@@ -87,6 +87,7 @@ class PrefixAffinity:
         self.index.set_replicas(replicas)  # llm-d: RemovePod
 
 
-PLUGIN = PolicyPlugin("prefix-affinity", PrefixAffinityParams, lambda params, routing: PrefixAffinity(params),
+PLUGIN: PolicyPlugin = PolicyPlugin("prefix-affinity", PrefixAffinityParams,
+                                    lambda params, routing: PrefixAffinity(params),
                       {"best-score": "prefix-affinity: highest llm-d score (prefix_weight x prefix match + "
                                      "queue_weight x queue + kv_weight x KV free)"})
