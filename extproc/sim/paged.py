@@ -165,6 +165,16 @@ class PagedReplica(TwoPhaseClock):
         self.start_prefill(request, hit, now)
         return True
 
+    def pooled_prefix_tokens(self, request: Request) -> int:
+        """Leading tokens of ``request``'s prompt whose blocks the pool holds (cached or referenced)."""
+        blocks, _ = self._blocks(request)
+        tokens = 0
+        for block, size in blocks:
+            if block not in self.pool:
+                break
+            tokens += size
+        return tokens
+
     def _blocks(self, request: Request) -> tuple[Blocks, int]:
         """The prompt's blocks with their sizes (rounded up to block_tokens), and the private tokens
         (output, and any prompt tail the block list does not cover)."""

@@ -51,13 +51,7 @@ class Relief:
 def held_tokens(replica: Replica | PagedReplica, request: Request) -> int:
     """Leading tokens of ``request``'s prompt the replica holds (slots or pool)."""
     if isinstance(replica, PagedReplica):
-        blocks, _ = replica._blocks(request)
-        tokens = 0
-        for block, size in blocks:
-            if block not in replica.pool:
-                break
-            tokens += size
-        return tokens
+        return replica.pooled_prefix_tokens(request)
     return max((common_prefix(slot.key, slot.blocks, slot.tokens, request.key, request.blocks, request.prompt_tokens)
                 for slot in replica.slots), default=0)
 

@@ -144,17 +144,8 @@ def _held(replica: Replica | PagedReplica, finished: list[Request]) -> list[tupl
         if request.replica == replica.name and request.status == 200:
             latest[request.key] = request
     if isinstance(replica, PagedReplica):
-        found = []
-        for request in latest.values():
-            blocks, _ = replica._blocks(request)
-            tokens = 0
-            for block, size in blocks:
-                if block not in replica.pool:
-                    break
-                tokens += size
-            if tokens:
-                found.append((request, tokens))
-        return found
+        held = ((request, replica.pooled_prefix_tokens(request)) for request in latest.values())
+        return [(request, tokens) for request, tokens in held if tokens]
     idle = {slot.key: slot.tokens for slot in replica.slots if not slot.busy and slot.tokens}
     return [(r, idle[r.key]) for r in latest.values() if r.key in idle]
 

@@ -190,19 +190,23 @@ def test_every_router_learns_the_replica_speeds_from_every_answer(server: Runnin
     async def run() -> None:
         a, b = await sharing(server, "r-a"), await sharing(server, "r-b")
         prior = a.router.speeds.prior
-        request_id = await ask(a, [USER1])
-        slow = a.pending[request_id].decision.replica
-        a.access_logged(request_id, 200, ENDPOINTS[slow], cut_off=False, timings=SLOW)
+        trusted = a.router.speeds.trust_answers  # a replica's own speed counts from this many answers
+        served = set()
+        for _ in range(trusted):
+            request_id = await ask(a, [USER1])
+            slow = a.pending[request_id].decision.replica
+            served.add(slow)
+            a.access_logged(request_id, 200, ENDPOINTS[slow], cut_off=False, timings=SLOW)
         learnt = a.router.speeds.speed(slow)
-        assert learnt != prior and a.router.speeds.answers[slow] == 1
+        assert served == {slow} and learnt != prior and a.router.speeds.answers[slow] == trusted
         await a.store.flushed()  # type: ignore[union-attr]
 
         async def learnt_by(gateway: Gateway) -> bool:
-            return gateway.router.speeds.answers[slow] == 1
+            return gateway.router.speeds.answers[slow] == trusted
 
         await eventually(lambda: learnt_by(b))  # within b's next batch of writes (its heartbeat here)
         assert b.router.speeds.speed(slow) == learnt and b.router.speeds.fastest == slow
-        assert samples(b)["llm_ring_store_answers_learnt_total", ()] == 1
+        assert samples(b)["llm_ring_store_answers_learnt_total", ()] == trusted
         late = await sharing(server, "r-new")  # started after: learns the answers the store keeps
         await eventually(lambda: learnt_by(late))
         assert late.router.speeds.speed(slow) == learnt
