@@ -629,17 +629,29 @@ def test_every_pick_is_charged_and_predicted_what_the_index_holds_there(
     router = Router(routing(prefix_index=True, placement_memory=placement_memory), names)
     index = index_of(router)
     avoid = [names[i] for i in avoided if i < replicas - 1]
+    last_served: dict[str, tuple[str, int]] = {}  # conversation -> (replica, prompt) of its last success
     for number, (opening, conversation, turns, prompt, done) in enumerate(sent):
         chain = blocks(f"system-{opening}", f"c{conversation}", *(f"t{n}" for n in range(turns)))
         held = {name: index.held_prefix(name, chain) for name in names}  # before the request is sent
-        decision = router.route(RouteRequest(str(number), f"c{opening}-{conversation}", prompt, 10, chain), avoid)
+        key = f"c{opening}-{conversation}"
+        decision = router.route(RouteRequest(str(number), key, prompt, 10, chain), avoid)
         assert decision is not None and decision.replica not in avoid
-        cached = covered_tokens(prompt, len(chain), held[decision.replica])
+        depth = held[decision.replica]
+        cached = covered_tokens(prompt, len(chain), depth)
+        last = last_served.get(key)
+        if last is not None and last[0] == decision.replica:
+            # the replica that served the conversation's last prompt, holding its whole blocks
+            # and no more (one block of rounding), caches that prompt: its tokens, not the blocks'
+            remembered = min(last[1], prompt)
+            whole = remembered * len(chain) // prompt
+            if whole <= depth <= whole + 1:
+                cached = remembered
         assert decision.predicted_cached_tokens == cached
         assert decision.charged_tokens == (max(1, prompt - cached) + 10 if cached else prompt + 10)
         assert dict(decision.trace.figures)["holders"] == sum(1 for name in names if held[name] and name not in avoid)
         if done:
             router.complete(str(number))
+            last_served[key] = (decision.replica, prompt)
 
 
 def test_a_tie_among_more_holders_than_a_trace_lists_is_charged_as_cached_wherever_it_lands() -> None:
