@@ -10,7 +10,8 @@ from typing import Any
 
 from extproc.cli_input import UsageError
 from extproc.routing.policies.plugin import REGISTRY, param_names
-from extproc.settings import SHARED_ROUTING_KEYS, toml_value
+from extproc.routing.settings import SHARED_ROUTING_KEYS
+from extproc.settings import toml_value
 
 POLICIES = REGISTRY  # the registered names (a test's own policy among them once registered)
 

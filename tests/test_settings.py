@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from extproc.settings import SettingsError, load_settings, parse_routing, parse_settings, with_knobs
+from extproc.routing.settings import with_knobs
+from extproc.settings import SettingsError, load_settings, parse_routing, parse_settings
 from tests.routing.conftest import BASE
 
 

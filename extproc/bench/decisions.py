@@ -30,7 +30,8 @@ from extproc.routing import POLICIES, PlacementMemory, Router, RouteRequest, mak
 from extproc.routing.blocks import BLOCK_CHARS, BlockMemory, prefix_blocks
 from extproc.routing.policies.llm_aware import INDEX_BLOCK_CHARS
 from extproc.routing.prefix_index import PrefixIndex
-from extproc.settings import RoutingSettings, parse_routing, with_knobs
+from extproc.routing.settings import RoutingSettings, with_knobs
+from extproc.settings import parse_routing
 from extproc.sim.runs import load_sim_config
 
 FLEETS = (3, 16, 64, 1000)

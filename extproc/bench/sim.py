@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from extproc.routing.policies import REGISTRY as REGISTERED
-from extproc.settings import RoutingSettings
+from extproc.routing.settings import RoutingSettings
 from extproc.sim.costmodel import CostModel, load_cost_model
 from extproc.sim.engine import ClosedLoop, Fleet
 from extproc.sim.mooncake import jittered_arrivals, read_trace

@@ -9,7 +9,8 @@ from pathlib import Path
 
 from pydantic import Field, ValidationError
 
-from extproc.settings import SettingsError, Strict, describe_errors
+from extproc.settings import SettingsError, describe_errors
+from extproc.strict import Strict
 
 
 class MigrationSection(Strict):

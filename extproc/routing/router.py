@@ -24,8 +24,8 @@ from extproc.routing.placement import PlacementMemory
 from extproc.routing.policies import CacheMoves, CacheReports, Policy, SentView, make_policy
 from extproc.routing.policies.situation import Situation, new
 from extproc.routing.ring import HashRing
+from extproc.routing.settings import RoutingSettings
 from extproc.routing.speeds import AnswerTimings, ReplicaSpeeds, Speed
-from extproc.settings import RoutingSettings
 
 _NOTHING: frozenset[str] = frozenset()
 

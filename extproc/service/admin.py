@@ -5,10 +5,11 @@ from __future__ import annotations
 import grpc
 
 from extproc.routing.placement import Placement
+from extproc.routing.settings import with_knobs
 from extproc.routing.speeds import Speed
 from extproc.service import admin_pb2, admin_pb2_grpc
 from extproc.service.gateway import Gateway
-from extproc.settings import SettingsError, parse_routing, with_knobs
+from extproc.settings import SettingsError, parse_routing
 
 ROUTING_FIELDS = tuple(admin_pb2.RoutingSettings.DESCRIPTOR.fields_by_name)  # a key of the policy's section, or shared
 

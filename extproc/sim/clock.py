@@ -14,12 +14,9 @@ phase's pace (and how much slower the host makes it) is the engine's: ``sharing(
 from __future__ import annotations
 
 from bisect import bisect_right
-from typing import TYPE_CHECKING
 
 from extproc.sim.costmodel import CostModel
-
-if TYPE_CHECKING:
-    from extproc.sim.replica import Request
+from extproc.sim.request import Request
 
 DONE_EPSILON = 1e-7  # solo seconds below which a phase counts as finished (float rounding of the clocks)
 

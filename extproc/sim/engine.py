@@ -33,7 +33,8 @@ from extproc.routing.speeds import AnswerTimings, ReplicaSpeeds, Speed
 from extproc.sim.costmodel import CostModel
 from extproc.sim.paged import PagedReplica
 from extproc.sim.relief import Relief
-from extproc.sim.replica import Replica, Request
+from extproc.sim.replica import Replica
+from extproc.sim.request import Request
 from extproc.sim.routers import RouterTier
 
 _WAKE, _SEND, _SCALE, _USER, _RELEASE, _SLOW, _HOOK = 0, 1, 2, 3, 4, 5, 6

@@ -35,7 +35,7 @@ from collections.abc import Hashable
 from extproc.sim.clock import TwoPhaseClock
 from extproc.sim.costmodel import CostModel
 from extproc.sim.prompts import BLOCK_TOKENS
-from extproc.sim.replica import Request
+from extproc.sim.request import Request
 
 Blocks = list[tuple[Hashable, int]]  # (block id, tokens) in prompt order
 
@@ -55,6 +55,26 @@ class BlockPool:
 
     def __contains__(self, block: Hashable) -> bool:
         return block in self.refs or block in self.free
+
+    def add_cached(self, blocks: Blocks) -> bool:
+        """The blocks as a finished request leaves them (cached, evictable, the tail first in line),
+        into the pool's room only, as many leading blocks as fit: a migration does not evict the
+        receiver's own caches, which are as recent as the moved one (evicting them cost more
+        cached share than the moves won, on the Mooncake trace)."""
+        room = self.capacity - self.used
+        landing = []
+        for block, tokens in blocks:
+            if block in self:
+                continue
+            if tokens > room:
+                break
+            landing.append((block, tokens))
+            room -= tokens
+        for block, tokens in reversed(landing):
+            self.free[block] = tokens
+            self.used += tokens
+            self.free_tokens += tokens
+        return bool(landing)
 
     def plan(self, blocks: Blocks, private: int) -> tuple[int, int] | None:
         """(leading tokens already held, tokens to add) if the request fits now, else None."""

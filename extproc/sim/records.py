@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from extproc.sim.replica import Request
+from extproc.sim.request import Request
 
 # Simulated time 0 is this instant (UTC epoch seconds): fixed, so rows are reproducible.
 SIM_EPOCH_S = 1_767_225_600.0  # 2026-01-01T00:00:00Z

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from extproc.sim.paged import PagedReplica
 from extproc.sim.prompts import common_prefix
-from extproc.sim.replica import Replica, Request
+from extproc.sim.replica import Replica
+from extproc.sim.request import Request
 
 
 class Relief:
@@ -57,10 +58,8 @@ def held_tokens(replica: Replica | PagedReplica, request: Request) -> int:
 
 
 def _land(target: Replica | PagedReplica, previous: Request, tokens: int) -> bool:
-    from extproc.sim.roll import add_cached
-
     if isinstance(target, PagedReplica):
-        return add_cached(target.pool, target._blocks(previous)[0])
+        return target.pool.add_cached(target._blocks(previous)[0])
     if target.cache.capacity_tokens <= 0:
         return False
     target.cache.save(previous.key, previous.blocks, tokens)

@@ -13,73 +13,14 @@ host-RAM cache is consulted (see ``prompts``).
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Hashable
 
-from extproc.routing import RouteRequest
 from extproc.sim.clock import TwoPhaseClock
 from extproc.sim.costmodel import CostModel
-from extproc.sim.prompts import BLOCK_TOKENS, HostCache, common_prefix
+from extproc.sim.prompts import HostCache, common_prefix
+from extproc.sim.request import Request, Slot
 
 SLOT_SIMILARITY = 0.1  # llama.cpp --slot-prompt-similarity default
 SAVE_BELOW_KEEP = 0.5  # a slot's content is saved to host RAM when a prompt keeps less than this share
-
-
-class Request:
-    """One request through the whole simulation: its input, then what happened to it."""
-
-    __slots__ = (
-        "route", "request_id", "conversation", "turn", "key", "blocks", "prompt_tokens", "max_tokens", "arrival_s",
-        "think_s", "next", "previous", "sides", "waiting", "head", "replica", "reason", "predicted_cached",
-        "cache_n", "prompt_n", "arrived_at", "started_at", "first_token_at", "finished_at", "status", "error",
-        "order", "target", "slot",
-    )
-
-    def __init__(
-        self, request_id: str, conversation: str, turn: int, key: Hashable, blocks: tuple[int, ...] | None,
-        prompt_tokens: int, max_tokens: int, arrival_s: float | None = None, think_s: float = 0.0,
-    ) -> None:
-        # built once, up front; block-aware policies see the trace's chained hashes of the full blocks
-        full_blocks = blocks[: prompt_tokens // BLOCK_TOKENS] if blocks else ()
-        self.route = RouteRequest(request_id, conversation, prompt_tokens, max_tokens, full_blocks)
-        self.request_id = request_id
-        self.conversation = conversation
-        self.turn = turn  # 1-based
-        self.key = key
-        self.blocks = blocks
-        self.prompt_tokens = prompt_tokens
-        self.max_tokens = max_tokens
-        self.arrival_s = arrival_s  # open loop (traces): fixed arrival time
-        self.think_s = think_s  # closed loop (profiles): pause after the previous turn's answer
-        self.next: Request | None = None  # closed loop: the conversation's next turn
-        self.previous: Request | None = None  # closed loop: the turn this one carries the answer of
-        self.sides: tuple[Request, ...] = ()  # sent at the same moment on the same history (fan-out)
-        self.waiting = 0  # with sides: requests of this turn not yet answered
-        self.head: Request = self  # the turn a side belongs to (itself otherwise)
-        self.replica: str | None = None
-        self.reason: str | None = None
-        self.predicted_cached: int | None = None
-        self.cache_n = 0
-        self.prompt_n = 0
-        self.arrived_at = 0.0
-        self.started_at = 0.0
-        self.first_token_at = 0.0
-        self.finished_at = 0.0
-        self.status = 0
-        self.error: str | None = None
-        self.order = 0  # the replica's start counter when it got a slot
-        self.target = 0.0  # the replica's clock for its current phase when the phase is done
-        self.slot: Slot | None = None
-
-
-class Slot:
-    __slots__ = ("key", "blocks", "tokens", "last_used", "busy")
-
-    def __init__(self) -> None:
-        self.key: Hashable = None
-        self.blocks: tuple[int, ...] | None = None
-        self.tokens = 0
-        self.last_used = -1.0
-        self.busy = False
 
 
 class Replica(TwoPhaseClock):

@@ -24,12 +24,15 @@ from typing import Any
 
 from extproc.migration.planner import Candidate, Costs, plan
 from extproc.routing.hashing import stable_hash
+from extproc.routing.policies import make_policy
 from extproc.routing.ring import HashRing
 from extproc.sim.costmodel import CostModel
-from extproc.sim.engine import HOOK, Hook, _Simulation
-from extproc.sim.paged import BlockPool, PagedReplica
-from extproc.sim.replica import Replica, Request
+from extproc.sim.engine import HOOK, Hook, _Simulation, simulate
+from extproc.sim.paged import PagedReplica
+from extproc.sim.replica import Replica
+from extproc.sim.request import Request
 from extproc.sim.routers import RouterTier
+from extproc.sim.runs import parse_policy
 
 POLL_S = 0.05  # how often a draining replica is looked at
 
@@ -159,7 +162,7 @@ def _free_slots(replica: Replica | PagedReplica) -> int:
 def _restore(replica: Replica | PagedReplica, request: Request, tokens: int, now: float) -> bool:
     if isinstance(replica, PagedReplica):
         blocks, _ = replica._blocks(request)
-        return add_cached(replica.pool, blocks)
+        return replica.pool.add_cached(blocks)
     idle = [slot for slot in replica.slots if not slot.busy]
     if not idle:
         return False
@@ -168,27 +171,6 @@ def _restore(replica: Replica | PagedReplica, request: Request, tokens: int, now
         replica.cache.save(slot.key, slot.blocks, slot.tokens)
     slot.key, slot.blocks, slot.tokens, slot.last_used = request.key, request.blocks, tokens, now
     return True
-
-
-def add_cached(pool: BlockPool, blocks: list[tuple[Any, int]]) -> bool:
-    """The blocks as a finished request leaves them (cached, evictable, the tail first in line),
-    into the pool's room only, as many leading blocks as fit: a migration does not evict the
-    receiver's own caches, which are as recent as the moved one (evicting them cost more
-    cached share than the moves won, on the Mooncake trace)."""
-    room = pool.capacity - pool.used
-    landing = []
-    for block, tokens in blocks:
-        if block in pool:
-            continue
-        if tokens > room:
-            break
-        landing.append((block, tokens))
-        room -= tokens
-    for block, tokens in reversed(landing):
-        pool.free[block] = tokens
-        pool.used += tokens
-        pool.free_tokens += tokens
-    return bool(landing)
 
 
 def window_figures(requests: list[Request], begin_s: float, end_s: float) -> dict[str, Any]:
@@ -210,8 +192,6 @@ def simulate_roll(workload: Any, routing: Any, cost: CostModel, fleet: Any, sett
     """One run with a roll: the roll's window figures (from the first replica out to the last one
     back), those of the requests answered before the roll began (what happens from then on, the
     drain and its migration included, may change the rest), and what moved."""
-    from extproc.sim.engine import simulate
-
     log = RollLog()
     tier = RouterTier(routing, routers, router_state, seed)
     outcome = simulate(workload, tier, cost, fleet, roll_hooks(settings, fleet.names(fleet.replicas), cost, log))
@@ -228,9 +208,6 @@ def roll_runs(source: Any, policies: list[str], seeds: list[int], config: Any, c
               settings: RollSettings, progress: Any) -> list[dict[str, Any]]:
     """Per policy and seed, the run without and then with migration (the same seed: the same
     arrivals and ring); each run's figures as ``simulate_roll`` gives them, with its seed and policy."""
-    from extproc.routing.policies import make_policy
-    from extproc.sim.runs import parse_policy
-
     paged = cost.server is not None and cost.server.kv_cache == "paged"
     fleet = config.fleet(replicas, cost, cache=not paged)
     runs = []

@@ -45,8 +45,8 @@ from extproc.routing.decision import Decision, RouteRequest
 from extproc.routing.hashing import stable_hash
 from extproc.routing.ledger import LoadLedger
 from extproc.routing.placement import PlacementMemory
+from extproc.routing.settings import RoutingSettings
 from extproc.routing.speeds import AnswerTimings
-from extproc.settings import RoutingSettings
 
 ROUTER_STATES = ("separate", "shared", "affinity", "shared-load", "affinity-shared-load", "store")
 _CHARGE, _RELEASE, _REMEMBER, _ANSWER = 0, 1, 2, 3

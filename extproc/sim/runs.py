@@ -16,17 +16,9 @@ from extproc.policy_spec import ExperimentError
 from extproc.policy_spec import parse_policy as experiment_policy
 from extproc.records import REQUESTS_FILE, RunMeta, write_records, write_run_metadata
 from extproc.routing import POLICIES, make_policy
+from extproc.routing.settings import SHARED_ROUTING_KEYS, RoutingSettings, with_knobs
 from extproc.routing.speeds import Speed
-from extproc.settings import (
-    SHARED_ROUTING_KEYS,
-    RoutingSettings,
-    SettingsError,
-    Strict,
-    parse_routing,
-    read_toml,
-    validate_settings,
-    with_knobs,
-)
+from extproc.settings import SettingsError, parse_routing, read_toml, validate_settings
 from extproc.sim.costmodel import CostModel, load_cost_model
 from extproc.sim.engine import ClosedLoop, Fleet, OpenLoop, Outcome, simulate
 from extproc.sim.mooncake import TraceError, TraceRequest, jittered_arrivals, read_trace
@@ -34,6 +26,7 @@ from extproc.sim.records import SIM_EPOCH_S, request_rows
 from extproc.sim.relief import Relief
 from extproc.sim.routers import RouterTier, check_router_tier
 from extproc.sim.workload import profile_workload, requests_from_trace
+from extproc.strict import Strict
 from extproc.traffic import Profile, load_profile
 
 SIM_CONFIG = Path(__file__).parent / "sim.toml"

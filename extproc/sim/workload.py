@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from extproc.sim.engine import ClosedLoop, OpenLoop
 from extproc.sim.mooncake import TraceRequest, infer_conversations
-from extproc.sim.replica import Request
+from extproc.sim.request import Request
 from extproc.traffic import Profile, generate_conversations
 
 # A profile prompt as the block-aware policies see it: the service cuts a prompt's text into

@@ -11,13 +11,13 @@ from extproc.stack.daemons import Daemon, http_ok, spawn, wait_for, wait_until
 from extproc.stack.errors import Progress
 from extproc.stack.gateways import FRONT, GatewayState
 from extproc.stack.processes import envoy_binary
+from extproc.stack.state import StackRun
 
 if TYPE_CHECKING:
-    from extproc.stack.stack import Stack
     from extproc.stack.state import StackState
 
 
-def start_envoy(stack: Stack, gw: GatewayState, progress: Progress) -> None:
+def start_envoy(stack: StackRun, gw: GatewayState, progress: Progress) -> None:
     from extproc.envoy.config import render_envoy_config
     from extproc.envoy.contract import EndpointsFile, ext_proc_address
     from extproc.settings import load_settings
@@ -44,7 +44,7 @@ def front_config(state: StackState) -> Path:
     return Path(state.run_dir) / "front" / "envoy.yaml"
 
 
-def start_front(stack: Stack, progress: Progress) -> None:
+def start_front(stack: StackRun, progress: Progress) -> None:
     from extproc.envoy.config import render_front_config
 
     state = stack.state

@@ -20,15 +20,15 @@ from extproc.stack.errors import Progress, StackError
 from extproc.stack.ports import HOST, free_port
 from extproc.stack.replicas import Replica
 from extproc.stack.router import wait_router_forgets, wait_router_knows
+from extproc.stack.state import StackRun
 
 if TYPE_CHECKING:
     from extproc.migration.migrate import Outcome
-    from extproc.stack.stack import Stack
 
 REPLICA_LIST = "replicas.json"
 
 
-def start_replicas(stack: Stack, names: list[str], ports: list[int], progress: Progress,
+def start_replicas(stack: StackRun, names: list[str], ports: list[int], progress: Progress,
                    port_wait: float = 0.0) -> None:
     state = stack.state
     run = Path(state.run_dir)
@@ -45,12 +45,12 @@ def start_replicas(stack: Stack, names: list[str], ports: list[int], progress: P
         raise
 
 
-def write_replica_list(stack: Stack) -> None:
+def write_replica_list(stack: StackRun) -> None:
     listing = {r.name: r.address for r in stack.replica_list}
     write_atomically(Path(stack.state.run_dir) / REPLICA_LIST, json.dumps(listing, sort_keys=True) + "\n")
 
 
-def scale(stack: Stack, n: int, progress: Progress, drain_timeout: float,
+def scale(stack: StackRun, n: int, progress: Progress, drain_timeout: float,
           migrate: bool | None = None) -> list[dict[str, object]]:
     """Run n replicas: new ones join once healthy; removed ones leave the list, drain, hand
     their conversations' caches to the others ([migration] enabled, or `migrate`), stop.
@@ -67,7 +67,7 @@ def scale(stack: Stack, n: int, progress: Progress, drain_timeout: float,
         return []
 
 
-def _scale_out(stack: Stack, current: int, n: int, progress: Progress) -> None:
+def _scale_out(stack: StackRun, current: int, n: int, progress: Progress) -> None:
     names = [replicas.replica_name(i) for i in range(current, n)]
     ports = [stack.state.replica_ports.get(name) or _new_port(stack, i)
              for i, name in zip(range(current, n), names, strict=True)]
@@ -76,7 +76,7 @@ def _scale_out(stack: Stack, current: int, n: int, progress: Progress) -> None:
     _bring_in(stack, set(names), {f"{HOST}:{port}" for port in ports})
 
 
-def _scale_in(stack: Stack, staying: list[Replica], leaving: list[Replica], progress: Progress,
+def _scale_in(stack: StackRun, staying: list[Replica], leaving: list[Replica], progress: Progress,
               drain_timeout: float, migrate: bool | None) -> list[dict[str, object]]:
     progress(f"scaling {len(staying) + len(leaving)} -> {len(staying)}: removing "
              f"{', '.join(r.name for r in leaving)}")
@@ -85,7 +85,7 @@ def _scale_in(stack: Stack, staying: list[Replica], leaving: list[Replica], prog
     return steps
 
 
-def roll(stack: Stack, name: str, progress: Progress, migrate: bool | None = None) -> dict[str, object]:
+def roll(stack: StackRun, name: str, progress: Progress, migrate: bool | None = None) -> dict[str, object]:
     """Restart one replica as a rolling update does: out of the list, drain, migrate its
     caches ([migration] enabled, or `migrate`), stop, start on its port, healthy, back in the
     list. Returns {"replica", "out" (left the lists), "drained" (drained and migrated), "down"
@@ -104,7 +104,7 @@ def roll(stack: Stack, name: str, progress: Progress, migrate: bool | None = Non
         return {**step, "up": _iso(time.time())}
 
 
-def _leave(stack: Stack, leaving: list[Replica], staying: list[Replica], progress: Progress, migrate: bool | None,
+def _leave(stack: StackRun, leaving: list[Replica], staying: list[Replica], progress: Progress, migrate: bool | None,
            drain_timeout: float) -> list[dict[str, object]]:
     """Take `leaving` out of the lists, drain each one and move its caches, stop them; per
     replica {"replica", "out", "drained", "down" (ISO times), "migration"}. With migration,
@@ -129,7 +129,7 @@ def _leave(stack: Stack, leaving: list[Replica], staying: list[Replica], progres
     return [{**step, "down": down} for step in steps]
 
 
-def _take_out(stack: Stack, staying: list[Replica], leaving: set[str]) -> None:
+def _take_out(stack: StackRun, staying: list[Replica], leaving: set[str]) -> None:
     """Only `staying` in the replica list, once every routing service has dropped `leaving`."""
     stack.state.replicas = [r.as_dict() for r in staying]
     write_replica_list(stack)
@@ -138,7 +138,7 @@ def _take_out(stack: Stack, staying: list[Replica], leaving: set[str]) -> None:
         wait_router_forgets(leaving, gw.router_address)
 
 
-def _bring_in(stack: Stack, names: set[str], addresses: set[str]) -> None:
+def _bring_in(stack: StackRun, names: set[str], addresses: set[str]) -> None:
     """The started replicas into the list, until every routing service and Envoy knows them."""
     write_replica_list(stack)
     stack.save()
@@ -147,18 +147,18 @@ def _bring_in(stack: Stack, names: set[str], addresses: set[str]) -> None:
         wait_envoy_knows(addresses, gw.envoy_admin)
 
 
-def kv_bytes_per_token(stack: Stack) -> int:
+def kv_bytes_per_token(stack: StackRun) -> int:
     if not stack.state.kv_bytes_per_token:  # a stack started before it was kept: read once, kept
         stack.state.kv_bytes_per_token = models.kv_bytes_per_token(stack.replica_settings().model)
         stack.save()
     return stack.state.kv_bytes_per_token
 
 
-def drain_seconds(stack: Stack, fallback: float) -> float:
+def drain_seconds(stack: StackRun, fallback: float) -> float:
     return float(stack.state.migration.get("drain_seconds", fallback))
 
 
-def migrate_draining(stack: Stack, leaving: Replica, staying: list[Replica], deadline: float, progress: Progress,
+def migrate_draining(stack: StackRun, leaving: Replica, staying: list[Replica], deadline: float, progress: Progress,
                      early: Outcome | None) -> dict[str, object]:
     """Drain `leaving` (out of the lists already) and move its caches as its slots turn idle
     (early: what was moved before it left, None: no migration): the idle ones at once, each
@@ -182,7 +182,7 @@ def migrate_draining(stack: Stack, leaving: Replica, staying: list[Replica], dea
     return total.as_dict()
 
 
-def _migrate(stack: Stack, leaving: Replica, staying: list[Replica], deadline: float, progress: Progress,
+def _migrate(stack: StackRun, leaving: Replica, staying: list[Replica], deadline: float, progress: Progress,
              done: frozenset[tuple[int, int]]) -> Outcome:
     from extproc.migration.migrate import Limits, SharedFolder, migrate_out
     from extproc.migration.planner import Costs
@@ -203,7 +203,7 @@ def _migrate(stack: Stack, leaving: Replica, staying: list[Replica], deadline: f
     return outcome
 
 
-def reset_caches(stack: Stack, progress: Progress) -> None:
+def reset_caches(stack: StackRun, progress: Progress) -> None:
     """Empty every replica's prompt caches.
 
     With a host-RAM prompt cache (cache_ram_mib > 0), erasing the slots is not enough
@@ -224,7 +224,7 @@ def reset_caches(stack: Stack, progress: Progress) -> None:
         stack.save()
 
 
-def _new_port(stack: Stack, index: int) -> int:
+def _new_port(stack: StackRun, index: int) -> int:
     return stack.state.replica_base + index if stack.state.replica_base else free_port()
 
 

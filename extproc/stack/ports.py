@@ -5,15 +5,27 @@ from __future__ import annotations
 import socket
 import time
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+from pydantic import Field
 
 from extproc.stack.errors import StackError
-
-if TYPE_CHECKING:
-    from extproc.stack.settings import PortsSection
+from extproc.strict import Strict
 
 HOST = "127.0.0.1"  # every process of the local stack listens on loopback only
 PORTS_PER_GATEWAY = 4  # Envoy listener, Envoy admin, router gRPC, router metrics
+
+
+class PortsSection(Strict):
+    """0 = any free port (tests)."""
+
+    gateway: int = Field(ge=0, lt=65536)
+    envoy_admin: int = Field(ge=0, lt=65536)
+    router: int = Field(ge=0, lt=65536)
+    metrics: int = Field(ge=0, lt=65536)
+    replica_base: int = Field(ge=0, lt=65536)
+    gateway_base: int = Field(ge=0, lt=65536)
+    store: int = Field(ge=0, lt=65536)
 
 
 class PortInUse(RuntimeError):

@@ -15,13 +15,13 @@ from extproc.stack.errors import Progress, StackError
 from extproc.stack.gateways import STORE, GatewayState
 from extproc.stack.processes import ROUTER_REFERENCE, grpc_serving, socket_name
 from extproc.stack.redis_server import password_file
+from extproc.stack.state import StackRun
 
 if TYPE_CHECKING:
-    from extproc.stack.stack import Stack
     from extproc.stack.state import StackState
 
 
-def start_router(stack: Stack, gw: GatewayState, base_settings: str, progress: Progress) -> None:
+def start_router(stack: StackRun, gw: GatewayState, base_settings: str, progress: Progress) -> None:
     from extproc.settings import SettingsError, load_settings
 
     state = stack.state

@@ -10,10 +10,12 @@ from typing import Any
 from pydantic import Field
 
 from extproc.migration.settings import MigrationSection
-from extproc.settings import Strict, read_toml, validate_settings
+from extproc.settings import read_toml, validate_settings
 from extproc.stack import models, replicas
 from extproc.stack.errors import StackError
+from extproc.stack.ports import PortsSection
 from extproc.stack.replicas import ReplicaSettings
+from extproc.strict import Strict
 
 REFERENCE_SETTINGS = Path(__file__).with_name("stack.toml")
 RUN_ENV = "LLM_RING_RUN"
@@ -29,18 +31,6 @@ class ReplicasSection(Strict):
     threads: int = Field(gt=0)
     cache_ram_mib: int = Field(ge=0)
     health_timeout_seconds: float = Field(gt=0)
-
-
-class PortsSection(Strict):
-    """0 = any free port (tests)."""
-
-    gateway: int = Field(ge=0, lt=65536)
-    envoy_admin: int = Field(ge=0, lt=65536)
-    router: int = Field(ge=0, lt=65536)
-    metrics: int = Field(ge=0, lt=65536)
-    replica_base: int = Field(ge=0, lt=65536)
-    gateway_base: int = Field(ge=0, lt=65536)
-    store: int = Field(ge=0, lt=65536)
 
 
 class GatewaysSection(Strict):

@@ -14,9 +14,7 @@ process by name, restarts, drills). ``Stack`` holds the state and ties them toge
 
 from __future__ import annotations
 
-import contextlib
 import time
-from collections.abc import Iterator
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
@@ -29,14 +27,13 @@ from extproc.stack.ports import HOST
 from extproc.stack.processes import grpc_serving
 from extproc.stack.replicas import Replica, ReplicaSettings
 from extproc.stack.settings import StackSettings, check_slot_context
-from extproc.stack.state import StackState, read_state, remove_state, run_dir_lock, write_state
+from extproc.stack.state import StackRun, StackState, read_state, remove_state
 
 __all__ = ["Progress", "Stack", "StackError"]
 
 
-class Stack:
-    def __init__(self, state: StackState) -> None:
-        self.state = state
+class Stack(StackRun):
+    """A running stack's state (StackRun) and what starts, changes and stops its processes."""
 
     # -- start / find / stop
 
@@ -82,13 +79,6 @@ class Stack:
             envoy.start_front(self, progress)
         supervisor.start_supervisor(self)
 
-    @classmethod
-    def find(cls, run: Path) -> Stack:
-        state = read_state(run)
-        if state is None:
-            raise StackError(f"no stack in {run} (start one with `llm-ring up`)")
-        return cls(state)
-
     def down(self, progress: Progress = lambda _: None) -> None:
         """Stop the supervisor (first: it would restart the others), then the front, every
         gateway's Envoy and router, the store and the replicas (whole process groups); keep
@@ -100,19 +90,6 @@ class Stack:
             progress(f"stopping {sum(d.alive() for d in self._daemons())} process(es)")
             stop(self._daemons())
             remove_state(Path(self.state.run_dir))
-
-    @contextlib.contextmanager
-    def locked(self, wait: bool = True) -> Iterator[bool]:
-        """Hold the run dir's lock (the supervisor and the commands that change the stack take
-        turns) with the state re-read from state.json; yields False if not waiting and busy."""
-        run = Path(self.state.run_dir)
-        with run_dir_lock(run, wait) as held:
-            if held:
-                self.state = read_state(run) or self.state
-            yield held
-
-    def save(self) -> None:
-        write_state(self.state)
 
     def any_alive(self) -> bool:
         watcher = daemon_of(self.state.supervisor)
@@ -152,29 +129,8 @@ class Stack:
 
     # -- queries
 
-    @property
-    def replica_list(self) -> list[Replica]:
-        return [Replica.from_dict(r) for r in self.state.replicas]
-
-    @property
-    def gateway_list(self) -> list[GatewayState]:
-        return [GatewayState(**gw) for gw in self.state.gateways]
-
-    def replica_settings(self) -> ReplicaSettings:
-        return ReplicaSettings(**self.state.replica_settings)
-
     def healthy_replicas(self) -> dict[str, str]:
         return {r.name: r.address for r in self.replica_list if r.process.alive() and replicas.healthy(r.address)}
-
-    def gateway(self, name: str) -> GatewayState:
-        found = next((gw for gw in self.gateway_list if gw.name == name), None)
-        if found is None:
-            raise StackError(f"no gateway {name!r}: this stack has {', '.join(g.name for g in self.gateway_list)}")
-        return found
-
-    def keep(self, gateway: GatewayState) -> None:
-        """Record a changed gateway in the state (save() writes it)."""
-        self.state.gateways = [asdict(gateway) if gw["name"] == gateway.name else gw for gw in self.state.gateways]
 
     def status(self) -> dict[str, Any]:
         """The stack as `status --json` prints it; "router" and "envoy" are the first gateway's

@@ -1,5 +1,6 @@
 """The local stack's state file, <run dir>/state.json: what `status`, `scale`, `down` and the
-supervisor find the running stack by (pids, ports, URLs, settings), and its lock."""
+supervisor find the running stack by (pids, ports, URLs, settings), its lock, and ``StackRun``:
+that state as the stack's rooms (fleet, router, envoy, store, supervisor) read and write it."""
 
 from __future__ import annotations
 
@@ -9,10 +10,12 @@ import json
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 from extproc.files import write_atomically
 from extproc.stack.errors import StackError
+from extproc.stack.gateways import GatewayState
+from extproc.stack.replicas import Replica, ReplicaSettings
 
 STATE_FILE = "state.json"
 
@@ -87,3 +90,52 @@ def run_dir_lock(run: Path, wait: bool = True) -> Iterator[bool]:
             yield False
             return
         yield True
+
+
+class StackRun:
+    """A running stack's state, read and written under the run dir's lock: what each room of
+    the stack is given (``Stack`` adds the orchestration on top)."""
+
+    def __init__(self, state: StackState) -> None:
+        self.state = state
+
+    @classmethod
+    def find(cls, run: Path) -> Self:
+        state = read_state(run)
+        if state is None:
+            raise StackError(f"no stack in {run} (start one with `llm-ring up`)")
+        return cls(state)
+
+    @contextlib.contextmanager
+    def locked(self, wait: bool = True) -> Iterator[bool]:
+        """Hold the run dir's lock (the supervisor and the commands that change the stack take
+        turns) with the state re-read from state.json; yields False if not waiting and busy."""
+        run = Path(self.state.run_dir)
+        with run_dir_lock(run, wait) as held:
+            if held:
+                self.state = read_state(run) or self.state
+            yield held
+
+    def save(self) -> None:
+        write_state(self.state)
+
+    @property
+    def replica_list(self) -> list[Replica]:
+        return [Replica.from_dict(r) for r in self.state.replicas]
+
+    @property
+    def gateway_list(self) -> list[GatewayState]:
+        return [GatewayState(**gw) for gw in self.state.gateways]
+
+    def replica_settings(self) -> ReplicaSettings:
+        return ReplicaSettings(**self.state.replica_settings)
+
+    def gateway(self, name: str) -> GatewayState:
+        found = next((gw for gw in self.gateway_list if gw.name == name), None)
+        if found is None:
+            raise StackError(f"no gateway {name!r}: this stack has {', '.join(g.name for g in self.gateway_list)}")
+        return found
+
+    def keep(self, gateway: GatewayState) -> None:
+        """Record a changed gateway in the state (save() writes it)."""
+        self.state.gateways = [asdict(gateway) if gw["name"] == gateway.name else gw for gw in self.state.gateways]

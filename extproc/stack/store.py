@@ -12,9 +12,9 @@ from extproc.stack.errors import Progress, StackError
 from extproc.stack.gateways import STORE, store_url
 from extproc.stack.ports import port_of
 from extproc.stack.redis_server import redis_answers, redis_command, redis_server_binary, write_config
+from extproc.stack.state import StackRun
 
 if TYPE_CHECKING:
-    from extproc.stack.stack import Stack
     from extproc.stack.state import StackState
 
 
@@ -26,14 +26,14 @@ def redis_binary(configured: str) -> str:
     return found
 
 
-def start_store(stack: Stack, binary: str, port: int, progress: Progress) -> None:
+def start_store(stack: StackRun, binary: str, port: int, progress: Progress) -> None:
     (Path(stack.state.run_dir) / STORE).mkdir(parents=True, exist_ok=True)
     stack.state.store_url, stack.state.store_binary = store_url(port), binary
     run_store(stack)
     progress(f"store (redis-server) on {stack.state.store_url}")
 
 
-def restart_store(stack: Stack, progress: Progress) -> None:
+def restart_store(stack: StackRun, progress: Progress) -> None:
     with stack.locked():
         old = daemon_of(stack.state.store)
         if old is None or old.alive():
@@ -43,7 +43,7 @@ def restart_store(stack: Stack, progress: Progress) -> None:
     progress("store restarted")
 
 
-def run_store(stack: Stack) -> None:
+def run_store(stack: StackRun) -> None:
     """Start the store's redis-server as the state says and wait until it answers."""
     store = spawn_store(stack.state)
     stack.state.store = asdict(store)

@@ -18,7 +18,6 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from extproc.stack import replicas
 from extproc.stack.daemons import Daemon, daemon_of, http_ok, kill, spawn, wait_for
@@ -27,10 +26,8 @@ from extproc.stack.errors import Progress, StackError
 from extproc.stack.gateways import FRONT, STORE
 from extproc.stack.processes import grpc_serving
 from extproc.stack.router import spawn_router
+from extproc.stack.state import StackRun
 from extproc.stack.store import restart_store, spawn_store
-
-if TYPE_CHECKING:
-    from extproc.stack.stack import Stack
 
 TICK_S = 1.0
 FIRST_DELAY_S = 1.0
@@ -60,7 +57,7 @@ class Restarts:
             self.consecutive = 0
 
 
-def processes(stack: Stack) -> dict[str, Daemon]:
+def processes(stack: StackRun) -> dict[str, Daemon]:
     """Every supervised process by name: the front, each gateway's envoy and router (with
     one gateway "envoy" and "router", else "envoy-0", "router-0", ...), the store, llm-0, ...
     In stopping order: the front first (no new connections), the replicas last."""
@@ -71,7 +68,7 @@ def processes(stack: Stack) -> dict[str, Daemon]:
     return {name: d for name, d in named.items() if d is not None} | {r.name: r.process for r in stack.replica_list}
 
 
-def restart(stack: Stack, name: str) -> None:
+def restart(stack: StackRun, name: str) -> None:
     """Start a process that died again, as it was started (a replica on its port)."""
     state = stack.state
     gateway = next((gw for gw in stack.gateway_list if name in (gw.router_name, gw.envoy_name)), None)
@@ -93,7 +90,7 @@ def restart(stack: Stack, name: str) -> None:
     stack.save()
 
 
-def kill_part(stack: Stack, name: str) -> float:
+def kill_part(stack: StackRun, name: str) -> float:
     """SIGKILL a gateway's Envoy and routing service, or the store (name STORE): a drill,
     `llm-ring run --kill-gateway|--kill-store`; the supervisor leaves them down until
     restart_part. Returns the wall-clock time of the signal."""
@@ -113,7 +110,7 @@ def kill_part(stack: Stack, name: str) -> float:
     return signalled
 
 
-def restart_part(stack: Stack, name: str, progress: Progress) -> None:
+def restart_part(stack: StackRun, name: str, progress: Progress) -> None:
     """Start a killed gateway or store again on its ports; returns once it answers."""
     if name == STORE:
         restart_store(stack, progress)
@@ -139,7 +136,7 @@ def restart_part(stack: Stack, name: str, progress: Progress) -> None:
     progress(f"{name} restarted")
 
 
-def start_supervisor(stack: Stack) -> None:
+def start_supervisor(stack: StackRun) -> None:
     run = Path(stack.state.run_dir)
     command = [sys.executable, "-m", "extproc.stack.supervisor", str(run)]
     supervisor = spawn(command, run / "logs" / "supervisor.log", die_with_parent=stack.state.die_with_parent)
@@ -147,7 +144,7 @@ def start_supervisor(stack: Stack) -> None:
     stack.save()
 
 
-def supervise_once(stack: Stack, now: float, log: list[str]) -> None:
+def supervise_once(stack: StackRun, now: float, log: list[str]) -> None:
     """One round under the lock: restart what died and is due; record the counts."""
     with stack.locked(wait=False) as held:
         if not held:
@@ -170,11 +167,10 @@ def supervise_once(stack: Stack, now: float, log: list[str]) -> None:
 
 
 def main(run: Path) -> int:
-    from extproc.stack.stack import Stack
 
     while (run / "state.json").exists():
         try:
-            stack = Stack.find(run)
+            stack = StackRun.find(run)
         except StackError:
             return 0
         messages: list[str] = []

@@ -140,7 +140,8 @@ def test_the_router_lists_what_a_leaving_replica_served_and_marks_a_migrated_con
 
 def test_a_migration_points_the_prefix_index_at_the_receiver_even_while_the_source_still_serves() -> None:
     from extproc.routing import Router, RouteRequest
-    from extproc.settings import load_settings, parse_routing, with_knobs
+    from extproc.routing.settings import with_knobs
+    from extproc.settings import load_settings, parse_routing
 
     base = load_settings("extproc/service/router.toml", environ={}).routing.table()
     settings = parse_routing(with_knobs(base, {"policy": "llm-aware", "prefix_index": True}))

@@ -3,7 +3,8 @@ from __future__ import annotations
 from typing import Any
 
 from extproc.routing import Router
-from extproc.settings import RoutingSettings, parse_routing, with_knobs
+from extproc.routing.settings import RoutingSettings, with_knobs
+from extproc.settings import parse_routing
 
 BASE: dict[str, Any] = {
     "policy": "llm-aware",

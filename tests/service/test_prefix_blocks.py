@@ -13,10 +13,11 @@ import extproc.routing.blocks as blocks_module
 from extproc.routing import Router
 from extproc.routing.blocks import BLOCK_CHARS, BlockMemory, prefix_blocks
 from extproc.routing.policies.llm_aware import INDEX_BLOCK_CHARS
+from extproc.routing.settings import with_knobs
 from extproc.service.bodies import parse_request, request_blocks
 from extproc.service.gateway import Gateway
 from extproc.service.metrics import Metrics
-from extproc.settings import load_settings, parse_routing, with_knobs
+from extproc.settings import load_settings, parse_routing
 
 SETTINGS = load_settings(Path(__file__).parents[2] / "extproc" / "service" / "router.toml")
 CHAT = "/v1/chat/completions"

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from extproc.settings import RoutingSettings
+from extproc.routing.settings import RoutingSettings
 from extproc.sim.costmodel import CostModel, parse_cost_model
-from extproc.sim.replica import Request
+from extproc.sim.request import Request
 from extproc.sim.runs import load_sim_config, parse_policy
 
 POLICIES = ("round-robin", "mod-n", "consistent", "bounded", "llm-aware")

@@ -6,7 +6,7 @@ import pytest
 
 from extproc.routing import Router
 from extproc.sim.engine import ClosedLoop, Fleet, OpenLoop, simulate
-from extproc.sim.replica import Request
+from extproc.sim.request import Request
 from tests.sim.helpers import request, settings, simple_cost
 
 

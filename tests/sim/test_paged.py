@@ -14,7 +14,7 @@ from extproc.sim.costmodel import CostModel, CostModelError, load_cost_model
 from extproc.sim.engine import Fleet, OpenLoop, simulate
 from extproc.sim.paged import BlockPool, PagedReplica
 from extproc.sim.records import request_rows
-from extproc.sim.replica import Request
+from extproc.sim.request import Request
 from extproc.sim.runs import load_sim_config
 from tests.sim.helpers import POLICIES, settings, simple_cost
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from extproc.sim.costmodel import load_cost_model
 from extproc.sim.relief import Relief, held_tokens
-from extproc.sim.replica import Replica, Request
+from extproc.sim.replica import Replica
+from extproc.sim.request import Request
 
 
 def turns(prompt: int) -> tuple[Request, Request]:

@@ -4,7 +4,7 @@ A policy is one file: its parameters, its reason codes and its factory,
 gathered in one ``PolicyPlugin``, and one ``register`` line (policies/__init__.py; a test
 may register its own). Its parameters are a NamedTuple whose fields carry their pydantic
 constraints (``Annotated[float, Field(gt=0)]``): the settings section ``[routing.<name>]``,
-validated where the settings are read (extproc/settings.py), so a missing or bad key stops
+validated where the settings are read (extproc/routing/settings.py), so a missing or bad key stops
 start-up naming it (``routing.llm-aware.ttft_margin``). The parameters are written in
 NamedTuple's functional form: mypyc, which compiles bounded and llm-aware, drops the
 constraints of a class's annotations.
@@ -13,15 +13,26 @@ constraints of a class's annotations.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, Protocol, runtime_checkable
+from typing import Any, ClassVar, NamedTuple, Protocol, runtime_checkable
 
 from pydantic import TypeAdapter
 
 from extproc.routing.decision import Decision, RouteRequest
 from extproc.routing.policies.situation import Situation
 
-if TYPE_CHECKING:  # the settings read this registry: a run-time import would be a cycle
-    from extproc.settings import RoutingSettings
+
+class RoutingKeys(Protocol):
+    """What the registry reads of the [routing] settings (RoutingSettings, which validates its
+    sections against this registry, so it is named here only by what it offers)."""
+
+    @property
+    def policy(self) -> str: ...
+
+    @property
+    def params(self) -> Mapping[str, Any]: ...
+
+    @property
+    def hash_seed(self) -> int: ...
 
 
 class Policy(Protocol):
@@ -68,7 +79,7 @@ class CacheReports(Protocol):
 class PolicyPlugin(NamedTuple):
     name: str  # [routing] policy, and its section [routing.<name>]
     params: type[tuple[Any, ...]]  # a NamedTuple of Annotated fields: the section's keys
-    factory: Callable[[Any, RoutingSettings], Policy]  # (its validated params, the shared [routing] keys)
+    factory: Callable[[Any, RoutingKeys], Policy]  # (its validated params, the shared [routing] keys)
     reasons: Mapping[str, str]  # reason code -> meaning, every code its decisions give
 
 
@@ -114,6 +125,6 @@ def reasons() -> dict[str, str]:
     return merged
 
 
-def make_policy(settings: RoutingSettings) -> Policy:
+def make_policy(settings: RoutingKeys) -> Policy:
     plugin = REGISTRY[settings.policy]
     return plugin.factory(settings.params[settings.policy], settings)

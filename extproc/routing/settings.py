@@ -1,0 +1,80 @@
+"""The [routing] settings: the policy, the keys every policy shares, and each policy's own
+section ``[routing.<name>]`` validated by the registry (extproc/routing/policies/plugin.py).
+
+The service's other sections, the file and the environment overrides are in extproc/settings.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from pydantic import Field, ValidationError, model_validator
+
+from extproc.routing.policies import plugin
+from extproc.strict import Strict
+
+
+class RoutingSettings(Strict):
+    """The policy, the keys every policy shares, and each policy's own section ``[routing.<name>]``
+    (its typed parameters, extproc/routing/policies/plugin.py): the one of ``policy`` must be
+    given, any other given is checked too (Admin.SetRouting may switch to it)."""
+
+    policy: str = Field(description="the routing policy: a registered name (extproc/routing/policies)")
+    virtual_nodes: int = Field(gt=0, le=10_000, description="ring points per replica")
+    hash_seed: int = Field(ge=0, lt=2**64, description="seed of the xxhash64 ring hash")
+    memory_capacity: int = Field(ge=2, description="conversations remembered (least recently used forgotten)")
+    # each replica's learnt speed (llm-aware's predicted time to first token reads it)
+    speed_learning: bool = Field(description="learn each replica's speed from its answers' timings (false: the prior)")
+    speed_ewma_weight: float = Field(gt=0, le=1, description="weight of the newest answer in a replica's speed")
+    prior_prefill_tokens_per_s: float = Field(gt=0, description="a replica's prefill speed before any answer")
+    prior_decode_tokens_per_s: float = Field(gt=0, description="a replica's decode speed before any answer")
+    prior_request_overhead_ms: float = Field(ge=0, description="a request's fixed prefill cost before any answer")
+    params: dict[str, Any] = Field(description="policy name -> its validated section (built from the sections)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _policy_sections(cls, raw: Any) -> Any:
+        """Each section named by a registered policy becomes its typed parameters under ``params``."""
+        if not isinstance(raw, Mapping) or "params" in raw:
+            return raw
+        shared = {key: value for key, value in raw.items() if key not in plugin.REGISTRY}
+        chosen = raw.get("policy")
+        if not isinstance(chosen, str) or chosen not in plugin.REGISTRY:
+            raise ValueError(f"unknown policy {chosen!r} (registered: {', '.join(plugin.REGISTRY)})")
+        params, problems = {}, []
+        for name in plugin.REGISTRY:
+            if name in raw or name == chosen:
+                try:
+                    params[name] = plugin.validate_params(name, raw.get(name, {}))
+                except ValidationError as exc:
+                    problems += [{"type": error["type"], "loc": (name, *error["loc"]), "input": error["input"],
+                                  **({"ctx": error["ctx"]} if "ctx" in error else {})} for error in exc.errors()]
+        if problems:
+            raise ValidationError.from_exception_data("RoutingSettings", problems)  # type: ignore[arg-type]
+        return {**shared, "params": params}
+
+    def knobs(self) -> dict[str, Any]:
+        """The shared keys and the chosen policy's parameters, in one flat mapping (the Admin API's view)."""
+        return {**self.model_dump(exclude={"params"}), **self.params[self.policy]._asdict()}
+
+    def table(self) -> dict[str, Any]:
+        """As the settings file's [routing] table: the shared keys and a section per policy given."""
+        sections = {name: params._asdict() for name, params in self.params.items()}
+        return {**self.model_dump(exclude={"params"}), **sections}
+
+
+SHARED_ROUTING_KEYS = tuple(key for key in RoutingSettings.model_fields if key != "params")
+
+
+def with_knobs(table: Mapping[str, Any], knobs: Mapping[str, Any]) -> dict[str, Any]:
+    """A [routing] table with flat ``knobs`` set (``policy`` among them, or not): a shared key in
+    [routing], any other in the chosen policy's section, where a key it does not have is refused."""
+    out = {key: dict(value) if isinstance(value, Mapping) else value for key, value in table.items()}
+    policy = knobs.get("policy", out.get("policy"))
+    for key, value in knobs.items():
+        if key in SHARED_ROUTING_KEYS:
+            out[key] = value
+        else:
+            out.setdefault(str(policy), {})[key] = value
+    return out
