@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 from urllib.parse import urlsplit
 
+import tomli_w
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
 from extproc.cli_input import UsageError
@@ -231,6 +232,11 @@ def apply_env_overrides(raw: dict[str, Any], environ: Mapping[str, str]) -> dict
         table[path[-1]] = toml_value(text)
         origins[tuple(path)] = name
     return origins
+
+
+def toml_text(value: Any) -> str:
+    """``value`` written as in TOML, what ``toml_value`` reads back as the same value."""
+    return tomli_w.dumps({"v": value}).removeprefix("v = ").rstrip("\n")
 
 
 def toml_value(text: str) -> Any:

@@ -9,9 +9,7 @@ from extproc.routing.settings import with_knobs
 from extproc.routing.speeds import Speed
 from extproc.service import admin_pb2, admin_pb2_grpc
 from extproc.service.gateway import Gateway
-from extproc.settings import SettingsError, parse_routing
-
-ROUTING_FIELDS = tuple(admin_pb2.RoutingSettings.DESCRIPTOR.fields_by_name)  # a key of the policy's section, or shared
+from extproc.settings import SettingsError, parse_routing, toml_text, toml_value
 
 
 class AdminService(admin_pb2_grpc.AdminServicer):
@@ -21,7 +19,7 @@ class AdminService(admin_pb2_grpc.AdminServicer):
     async def SetRouting(
         self, request: admin_pb2.SetRoutingRequest, context: grpc.aio.ServicerContext
     ) -> admin_pb2.State:
-        changes = {name: getattr(request.routing, name) for name in ROUTING_FIELDS if request.routing.HasField(name)}
+        changes = {key: toml_value(text) for key, text in request.routing.knobs.items()}
         try:
             settings = parse_routing(with_knobs(self.gateway.router.settings.table(), changes), source="SetRouting")
         except SettingsError as exc:
@@ -69,8 +67,8 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         gateway = self.gateway
         ledger, speeds = gateway.router.ledger, gateway.router.speeds
         return admin_pb2.State(
-            routing=admin_pb2.RoutingSettings(**{key: value for key, value in gateway.router.settings.knobs().items()
-                                                 if key in ROUTING_FIELDS}),
+            routing=admin_pb2.RoutingSettings(knobs={key: toml_text(value) for key, value
+                                                     in gateway.router.settings.knobs().items()}),
             replicas=[
                 admin_pb2.ReplicaState(
                     name=replica.name,

@@ -13,8 +13,7 @@ from typing import Any
 import grpc
 
 from extproc.service import admin_pb2, admin_pb2_grpc
-
-ROUTING_KEYS = frozenset(admin_pb2.RoutingSettings.DESCRIPTOR.fields_by_name)
+from extproc.settings import toml_text, toml_value
 
 
 class AdminClient:
@@ -25,16 +24,13 @@ class AdminClient:
         self._stub = admin_pb2_grpc.AdminStub(self._channel)
 
     def set_routing(self, routing: dict[str, Any]) -> dict[str, Any]:
-        """Change some [routing] settings (the others keep their values); returns the new state."""
-        unknown = sorted(set(routing) - ROUTING_KEYS)
-        if unknown:
-            raise ValueError(
-                f"unknown routing setting(s): {', '.join(unknown)}; known: {', '.join(sorted(ROUTING_KEYS))}"
-            )
+        """Change some [routing] settings: the policy, shared keys or the policy's own parameters
+        (the others keep their values); returns the new state. ValueError names a bad key or value."""
         try:
-            message = admin_pb2.RoutingSettings(**routing)
-        except (TypeError, ValueError) as exc:
+            knobs = {key: toml_text(value) for key, value in routing.items()}
+        except TypeError as exc:
             raise ValueError(f"invalid routing settings {routing!r}: {exc}") from None
+        message = admin_pb2.RoutingSettings(knobs=knobs)
         return self._call(self._stub.SetRouting, admin_pb2.SetRoutingRequest(routing=message))
 
     def reset(self) -> dict[str, Any]:
@@ -83,7 +79,7 @@ def state_dict(state: admin_pb2.State) -> dict[str, Any]:
     """Plain Python values (MessageToDict would turn int64 into strings)."""
     routing = state.routing
     return {
-        "routing": {name: getattr(routing, name) for name in sorted(ROUTING_KEYS) if routing.HasField(name)},
+        "routing": {key: toml_value(routing.knobs[key]) for key in sorted(routing.knobs)},
         "replicas": [
             {
                 "name": replica.name,

@@ -24,37 +24,41 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x65xtproc/service/admin.proto\x12\x10llmring.admin.v1\"\xcb\t\n\x0fRoutingSettings\x12\x13\n\x06policy\x18\x01 \x01(\tH\x00\x88\x01\x01\x12\x1a\n\rvirtual_nodes\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x16\n\thash_seed\x18\x03 \x01(\x04H\x02\x88\x01\x01\x12\x14\n\x07\x65psilon\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x16\n\tload_unit\x18\x05 \x01(\tH\x04\x88\x01\x01\x12\x18\n\x0b\x63\x61\x63he_aware\x18\x06 \x01(\x08H\x05\x88\x01\x01\x12\x1d\n\x10placement_memory\x18\x07 \x01(\x08H\x06\x88\x01\x01\x12\x1c\n\x0flong_stickiness\x18\x08 \x01(\x08H\x07\x88\x01\x01\x12\x1f\n\x12long_prompt_tokens\x18\t \x01(\x05H\x08\x88\x01\x01\x12\x1d\n\x10long_load_factor\x18\n \x01(\x01H\t\x88\x01\x01\x12\x1c\n\x0fmemory_capacity\x18\x0b \x01(\x03H\n\x88\x01\x01\x12\x19\n\x0cprefix_index\x18\x0c \x01(\x08H\x0b\x88\x01\x01\x12\x1c\n\x0fprefix_feedback\x18\r \x01(\x08H\x0c\x88\x01\x01\x12#\n\x16prefix_capacity_tokens\x18\x0e \x01(\x03H\r\x88\x01\x01\x12\x1b\n\x0ettft_decisions\x18\x0f \x01(\x08H\x0e\x88\x01\x01\x12\x18\n\x0bttft_margin\x18\x10 \x01(\x01H\x0f\x88\x01\x01\x12 \n\x13ttft_recompute_cost\x18\x11 \x01(\x08H\x10\x88\x01\x01\x12\x1e\n\x11ttft_guard_factor\x18\x12 \x01(\x01H\x11\x88\x01\x01\x12\x1a\n\rreplica_slots\x18\x13 \x01(\x05H\x12\x88\x01\x01\x12\x1b\n\x0espeed_learning\x18\x14 \x01(\x08H\x13\x88\x01\x01\x12\x1e\n\x11speed_ewma_weight\x18\x15 \x01(\x01H\x14\x88\x01\x01\x12\'\n\x1aprior_prefill_tokens_per_s\x18\x16 \x01(\x01H\x15\x88\x01\x01\x12&\n\x19prior_decode_tokens_per_s\x18\x17 \x01(\x01H\x16\x88\x01\x01\x12&\n\x19prior_request_overhead_ms\x18\x18 \x01(\x01H\x17\x88\x01\x01\x42\t\n\x07_policyB\x10\n\x0e_virtual_nodesB\x0c\n\n_hash_seedB\n\n\x08_epsilonB\x0c\n\n_load_unitB\x0e\n\x0c_cache_awareB\x13\n\x11_placement_memoryB\x12\n\x10_long_stickinessB\x15\n\x13_long_prompt_tokensB\x13\n\x11_long_load_factorB\x12\n\x10_memory_capacityB\x0f\n\r_prefix_indexB\x12\n\x10_prefix_feedbackB\x19\n\x17_prefix_capacity_tokensB\x11\n\x0f_ttft_decisionsB\x0e\n\x0c_ttft_marginB\x16\n\x14_ttft_recompute_costB\x14\n\x12_ttft_guard_factorB\x10\n\x0e_replica_slotsB\x11\n\x0f_speed_learningB\x14\n\x12_speed_ewma_weightB\x1d\n\x1b_prior_prefill_tokens_per_sB\x1c\n\x1a_prior_decode_tokens_per_sB\x1c\n\x1a_prior_request_overhead_ms\"G\n\x11SetRoutingRequest\x12\x32\n\x07routing\x18\x01 \x01(\x0b\x32!.llmring.admin.v1.RoutingSettings\"\x0e\n\x0cResetRequest\"\x0e\n\x0cStateRequest\"\xe4\x01\n\x0cReplicaState\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\x12\x1a\n\x12in_flight_requests\x18\x04 \x01(\x03\x12\x18\n\x10in_flight_tokens\x18\x05 \x01(\x03\x12\x1c\n\x14prefill_tokens_per_s\x18\x06 \x01(\x01\x12\x1b\n\x13\x64\x65\x63ode_tokens_per_s\x18\x07 \x01(\x01\x12\x1b\n\x13request_overhead_ms\x18\x08 \x01(\x01\x12\x16\n\x0e\x61nswers_learnt\x18\t \x01(\x03\"\xb6\x01\n\x05State\x12\x32\n\x07routing\x18\x01 \x01(\x0b\x32!.llmring.admin.v1.RoutingSettings\x12\x30\n\x08replicas\x18\x02 \x03(\x0b\x32\x1e.llmring.admin.v1.ReplicaState\x12\x1a\n\x12in_flight_requests\x18\x03 \x01(\x03\x12\x18\n\x10in_flight_tokens\x18\x04 \x01(\x03\x12\x11\n\tdecisions\x18\x05 \x01(\x03\"$\n\x11PlacementsRequest\x12\x0f\n\x07replica\x18\x01 \x01(\t\"L\n\x15\x43onversationPlacement\x12\x0b\n\x03key\x18\x01 \x01(\x04\x12\x0f\n\x07opening\x18\x02 \x01(\t\x12\x15\n\rprompt_tokens\x18\x03 \x01(\x03\"Q\n\x0fPlacementsReply\x12>\n\rconversations\x18\x01 \x03(\x0b\x32\'.llmring.admin.v1.ConversationPlacement\"4\n\x04Move\x12\x0b\n\x03key\x18\x01 \x01(\x04\x12\x0f\n\x07replica\x18\x02 \x01(\t\x12\x0e\n\x06tokens\x18\x03 \x01(\x03\"{\n\x0fMigratedRequest\x12%\n\x05moves\x18\x01 \x03(\x0b\x32\x16.llmring.admin.v1.Move\x12\x11\n\tattempted\x18\x02 \x01(\x03\x12\x0e\n\x06\x66\x61iled\x18\x03 \x01(\x03\x12\r\n\x05\x62ytes\x18\x04 \x01(\x03\x12\x0f\n\x07seconds\x18\x05 \x01(\x01\" \n\rMigratedReply\x12\x0f\n\x07\x61pplied\x18\x01 \x01(\x03\x32\x80\x03\n\x05\x41\x64min\x12J\n\nSetRouting\x12#.llmring.admin.v1.SetRoutingRequest\x1a\x17.llmring.admin.v1.State\x12@\n\x05Reset\x12\x1e.llmring.admin.v1.ResetRequest\x1a\x17.llmring.admin.v1.State\x12\x43\n\x08GetState\x12\x1e.llmring.admin.v1.StateRequest\x1a\x17.llmring.admin.v1.State\x12T\n\nPlacements\x12#.llmring.admin.v1.PlacementsRequest\x1a!.llmring.admin.v1.PlacementsReply\x12N\n\x08Migrated\x12!.llmring.admin.v1.MigratedRequest\x1a\x1f.llmring.admin.v1.MigratedReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x65xtproc/service/admin.proto\x12\x10llmring.admin.v1\"\x82\x01\n\x0fRoutingSettings\x12;\n\x05knobs\x18\x19 \x03(\x0b\x32,.llmring.admin.v1.RoutingSettings.KnobsEntry\x1a,\n\nKnobsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01J\x04\x08\x01\x10\x19\"G\n\x11SetRoutingRequest\x12\x32\n\x07routing\x18\x01 \x01(\x0b\x32!.llmring.admin.v1.RoutingSettings\"\x0e\n\x0cResetRequest\"\x0e\n\x0cStateRequest\"\xe4\x01\n\x0cReplicaState\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\x12\x1a\n\x12in_flight_requests\x18\x04 \x01(\x03\x12\x18\n\x10in_flight_tokens\x18\x05 \x01(\x03\x12\x1c\n\x14prefill_tokens_per_s\x18\x06 \x01(\x01\x12\x1b\n\x13\x64\x65\x63ode_tokens_per_s\x18\x07 \x01(\x01\x12\x1b\n\x13request_overhead_ms\x18\x08 \x01(\x01\x12\x16\n\x0e\x61nswers_learnt\x18\t \x01(\x03\"\xb6\x01\n\x05State\x12\x32\n\x07routing\x18\x01 \x01(\x0b\x32!.llmring.admin.v1.RoutingSettings\x12\x30\n\x08replicas\x18\x02 \x03(\x0b\x32\x1e.llmring.admin.v1.ReplicaState\x12\x1a\n\x12in_flight_requests\x18\x03 \x01(\x03\x12\x18\n\x10in_flight_tokens\x18\x04 \x01(\x03\x12\x11\n\tdecisions\x18\x05 \x01(\x03\"$\n\x11PlacementsRequest\x12\x0f\n\x07replica\x18\x01 \x01(\t\"L\n\x15\x43onversationPlacement\x12\x0b\n\x03key\x18\x01 \x01(\x04\x12\x0f\n\x07opening\x18\x02 \x01(\t\x12\x15\n\rprompt_tokens\x18\x03 \x01(\x03\"Q\n\x0fPlacementsReply\x12>\n\rconversations\x18\x01 \x03(\x0b\x32\'.llmring.admin.v1.ConversationPlacement\"4\n\x04Move\x12\x0b\n\x03key\x18\x01 \x01(\x04\x12\x0f\n\x07replica\x18\x02 \x01(\t\x12\x0e\n\x06tokens\x18\x03 \x01(\x03\"{\n\x0fMigratedRequest\x12%\n\x05moves\x18\x01 \x03(\x0b\x32\x16.llmring.admin.v1.Move\x12\x11\n\tattempted\x18\x02 \x01(\x03\x12\x0e\n\x06\x66\x61iled\x18\x03 \x01(\x03\x12\r\n\x05\x62ytes\x18\x04 \x01(\x03\x12\x0f\n\x07seconds\x18\x05 \x01(\x01\" \n\rMigratedReply\x12\x0f\n\x07\x61pplied\x18\x01 \x01(\x03\x32\x80\x03\n\x05\x41\x64min\x12J\n\nSetRouting\x12#.llmring.admin.v1.SetRoutingRequest\x1a\x17.llmring.admin.v1.State\x12@\n\x05Reset\x12\x1e.llmring.admin.v1.ResetRequest\x1a\x17.llmring.admin.v1.State\x12\x43\n\x08GetState\x12\x1e.llmring.admin.v1.StateRequest\x1a\x17.llmring.admin.v1.State\x12T\n\nPlacements\x12#.llmring.admin.v1.PlacementsRequest\x1a!.llmring.admin.v1.PlacementsReply\x12N\n\x08Migrated\x12!.llmring.admin.v1.MigratedRequest\x1a\x1f.llmring.admin.v1.MigratedReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'extproc.service.admin_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_ROUTINGSETTINGS_KNOBSENTRY']._loaded_options = None
+  _globals['_ROUTINGSETTINGS_KNOBSENTRY']._serialized_options = b'8\001'
   _globals['_ROUTINGSETTINGS']._serialized_start=50
-  _globals['_ROUTINGSETTINGS']._serialized_end=1277
-  _globals['_SETROUTINGREQUEST']._serialized_start=1279
-  _globals['_SETROUTINGREQUEST']._serialized_end=1350
-  _globals['_RESETREQUEST']._serialized_start=1352
-  _globals['_RESETREQUEST']._serialized_end=1366
-  _globals['_STATEREQUEST']._serialized_start=1368
-  _globals['_STATEREQUEST']._serialized_end=1382
-  _globals['_REPLICASTATE']._serialized_start=1385
-  _globals['_REPLICASTATE']._serialized_end=1613
-  _globals['_STATE']._serialized_start=1616
-  _globals['_STATE']._serialized_end=1798
-  _globals['_PLACEMENTSREQUEST']._serialized_start=1800
-  _globals['_PLACEMENTSREQUEST']._serialized_end=1836
-  _globals['_CONVERSATIONPLACEMENT']._serialized_start=1838
-  _globals['_CONVERSATIONPLACEMENT']._serialized_end=1914
-  _globals['_PLACEMENTSREPLY']._serialized_start=1916
-  _globals['_PLACEMENTSREPLY']._serialized_end=1997
-  _globals['_MOVE']._serialized_start=1999
-  _globals['_MOVE']._serialized_end=2051
-  _globals['_MIGRATEDREQUEST']._serialized_start=2053
-  _globals['_MIGRATEDREQUEST']._serialized_end=2176
-  _globals['_MIGRATEDREPLY']._serialized_start=2178
-  _globals['_MIGRATEDREPLY']._serialized_end=2210
-  _globals['_ADMIN']._serialized_start=2213
-  _globals['_ADMIN']._serialized_end=2597
+  _globals['_ROUTINGSETTINGS']._serialized_end=180
+  _globals['_ROUTINGSETTINGS_KNOBSENTRY']._serialized_start=130
+  _globals['_ROUTINGSETTINGS_KNOBSENTRY']._serialized_end=174
+  _globals['_SETROUTINGREQUEST']._serialized_start=182
+  _globals['_SETROUTINGREQUEST']._serialized_end=253
+  _globals['_RESETREQUEST']._serialized_start=255
+  _globals['_RESETREQUEST']._serialized_end=269
+  _globals['_STATEREQUEST']._serialized_start=271
+  _globals['_STATEREQUEST']._serialized_end=285
+  _globals['_REPLICASTATE']._serialized_start=288
+  _globals['_REPLICASTATE']._serialized_end=516
+  _globals['_STATE']._serialized_start=519
+  _globals['_STATE']._serialized_end=701
+  _globals['_PLACEMENTSREQUEST']._serialized_start=703
+  _globals['_PLACEMENTSREQUEST']._serialized_end=739
+  _globals['_CONVERSATIONPLACEMENT']._serialized_start=741
+  _globals['_CONVERSATIONPLACEMENT']._serialized_end=817
+  _globals['_PLACEMENTSREPLY']._serialized_start=819
+  _globals['_PLACEMENTSREPLY']._serialized_end=900
+  _globals['_MOVE']._serialized_start=902
+  _globals['_MOVE']._serialized_end=954
+  _globals['_MIGRATEDREQUEST']._serialized_start=956
+  _globals['_MIGRATEDREQUEST']._serialized_end=1079
+  _globals['_MIGRATEDREPLY']._serialized_start=1081
+  _globals['_MIGRATEDREPLY']._serialized_end=1113
+  _globals['_ADMIN']._serialized_start=1116
+  _globals['_ADMIN']._serialized_end=1500
 # @@protoc_insertion_point(module_scope)

@@ -7,56 +7,17 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RoutingSettings(_message.Message):
-    __slots__ = ("policy", "virtual_nodes", "hash_seed", "epsilon", "load_unit", "cache_aware", "placement_memory", "long_stickiness", "long_prompt_tokens", "long_load_factor", "memory_capacity", "prefix_index", "prefix_feedback", "prefix_capacity_tokens", "ttft_decisions", "ttft_margin", "ttft_recompute_cost", "ttft_guard_factor", "replica_slots", "speed_learning", "speed_ewma_weight", "prior_prefill_tokens_per_s", "prior_decode_tokens_per_s", "prior_request_overhead_ms")
-    POLICY_FIELD_NUMBER: _ClassVar[int]
-    VIRTUAL_NODES_FIELD_NUMBER: _ClassVar[int]
-    HASH_SEED_FIELD_NUMBER: _ClassVar[int]
-    EPSILON_FIELD_NUMBER: _ClassVar[int]
-    LOAD_UNIT_FIELD_NUMBER: _ClassVar[int]
-    CACHE_AWARE_FIELD_NUMBER: _ClassVar[int]
-    PLACEMENT_MEMORY_FIELD_NUMBER: _ClassVar[int]
-    LONG_STICKINESS_FIELD_NUMBER: _ClassVar[int]
-    LONG_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    LONG_LOAD_FACTOR_FIELD_NUMBER: _ClassVar[int]
-    MEMORY_CAPACITY_FIELD_NUMBER: _ClassVar[int]
-    PREFIX_INDEX_FIELD_NUMBER: _ClassVar[int]
-    PREFIX_FEEDBACK_FIELD_NUMBER: _ClassVar[int]
-    PREFIX_CAPACITY_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    TTFT_DECISIONS_FIELD_NUMBER: _ClassVar[int]
-    TTFT_MARGIN_FIELD_NUMBER: _ClassVar[int]
-    TTFT_RECOMPUTE_COST_FIELD_NUMBER: _ClassVar[int]
-    TTFT_GUARD_FACTOR_FIELD_NUMBER: _ClassVar[int]
-    REPLICA_SLOTS_FIELD_NUMBER: _ClassVar[int]
-    SPEED_LEARNING_FIELD_NUMBER: _ClassVar[int]
-    SPEED_EWMA_WEIGHT_FIELD_NUMBER: _ClassVar[int]
-    PRIOR_PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
-    PRIOR_DECODE_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
-    PRIOR_REQUEST_OVERHEAD_MS_FIELD_NUMBER: _ClassVar[int]
-    policy: str
-    virtual_nodes: int
-    hash_seed: int
-    epsilon: float
-    load_unit: str
-    cache_aware: bool
-    placement_memory: bool
-    long_stickiness: bool
-    long_prompt_tokens: int
-    long_load_factor: float
-    memory_capacity: int
-    prefix_index: bool
-    prefix_feedback: bool
-    prefix_capacity_tokens: int
-    ttft_decisions: bool
-    ttft_margin: float
-    ttft_recompute_cost: bool
-    ttft_guard_factor: float
-    replica_slots: int
-    speed_learning: bool
-    speed_ewma_weight: float
-    prior_prefill_tokens_per_s: float
-    prior_decode_tokens_per_s: float
-    prior_request_overhead_ms: float
-    def __init__(self, policy: _Optional[str] = ..., virtual_nodes: _Optional[int] = ..., hash_seed: _Optional[int] = ..., epsilon: _Optional[float] = ..., load_unit: _Optional[str] = ..., cache_aware: _Optional[bool] = ..., placement_memory: _Optional[bool] = ..., long_stickiness: _Optional[bool] = ..., long_prompt_tokens: _Optional[int] = ..., long_load_factor: _Optional[float] = ..., memory_capacity: _Optional[int] = ..., prefix_index: _Optional[bool] = ..., prefix_feedback: _Optional[bool] = ..., prefix_capacity_tokens: _Optional[int] = ..., ttft_decisions: _Optional[bool] = ..., ttft_margin: _Optional[float] = ..., ttft_recompute_cost: _Optional[bool] = ..., ttft_guard_factor: _Optional[float] = ..., replica_slots: _Optional[int] = ..., speed_learning: _Optional[bool] = ..., speed_ewma_weight: _Optional[float] = ..., prior_prefill_tokens_per_s: _Optional[float] = ..., prior_decode_tokens_per_s: _Optional[float] = ..., prior_request_overhead_ms: _Optional[float] = ...) -> None: ...
+    __slots__ = ("knobs",)
+    class KnobsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    KNOBS_FIELD_NUMBER: _ClassVar[int]
+    knobs: _containers.ScalarMap[str, str]
+    def __init__(self, knobs: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class SetRoutingRequest(_message.Message):
     __slots__ = ("routing",)

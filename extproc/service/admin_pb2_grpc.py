@@ -65,7 +65,7 @@ class AdminServicer:
     """Missing associated documentation comment in .proto file."""
 
     def SetRouting(self, request, context):
-        """Change the policy and/or its knobs; only the fields that are set change.
+        """Change the policy and/or its knobs; only the knobs given change.
         The merged settings are validated like the settings file (INVALID_ARGUMENT names the key).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)

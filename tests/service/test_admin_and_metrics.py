@@ -105,29 +105,36 @@ def test_metrics_without_a_live_state_show_no_replicas() -> None:
     assert gauges(Metrics()) == {}
 
 
-def test_set_routing_changes_only_the_fields_given_and_refuses_bad_values_by_name() -> None:
+def set_routing(admin: AdminService, knobs: dict[str, str], context: AbortingContext | None = None) -> admin_pb2.State:
+    request = admin_pb2.SetRoutingRequest(routing=admin_pb2.RoutingSettings(knobs=knobs))
+    return asyncio.run(admin.SetRouting(request, context or AbortingContext()))  # type: ignore[arg-type]
+
+
+def test_set_routing_changes_only_the_knobs_given_and_refuses_bad_values_by_name() -> None:
     gateway = make_gateway()
     admin = AdminService(gateway)
     before = gateway.router.settings
-    answer = asyncio.run(
-        admin.SetRouting(
-            admin_pb2.SetRoutingRequest(routing=admin_pb2.RoutingSettings(epsilon=0.5)),
-            AbortingContext(),  # type: ignore[arg-type]
-        )
-    )
-    assert answer.routing.epsilon == 0.5 and gateway.router.settings.knobs()["epsilon"] == 0.5  # the policy's
-    assert gateway.router.settings.policy == before.policy == answer.routing.policy
+    answer = set_routing(admin, {"epsilon": "0.5"})
+    assert answer.routing.knobs["epsilon"] == "0.5" and gateway.router.settings.knobs()["epsilon"] == 0.5
+    assert gateway.router.settings.policy == before.policy and answer.routing.knobs["policy"] == f'"{before.policy}"'
+    assert gateway.router.settings.hash_seed == before.hash_seed  # a shared key not given keeps its value
 
-    context = AbortingContext()
-    with pytest.raises(grpc.RpcError):
-        asyncio.run(
-            admin.SetRouting(
-                admin_pb2.SetRoutingRequest(routing=admin_pb2.RoutingSettings(policy="best")),
-                context,  # type: ignore[arg-type]
-            )
-        )
-    assert context.code == grpc.StatusCode.INVALID_ARGUMENT and "policy" in context.details
-    assert gateway.router.settings.policy == before.policy  # nothing changed
+    for knobs, named in [({"policy": "best"}, "policy"), ({"epsilon": "-1"}, "epsilon"),
+                         ({"epsilon": "many"}, "epsilon"), ({"epsilonn": "0.5"}, "epsilonn")]:
+        context = AbortingContext()
+        with pytest.raises(grpc.RpcError):
+            set_routing(admin, knobs, context)
+        assert context.code == grpc.StatusCode.INVALID_ARGUMENT and named in context.details
+    assert gateway.router.settings.knobs()["epsilon"] == 0.5  # nothing changed
+
+
+def test_set_routing_sets_any_registered_policys_own_parameters() -> None:
+    """A peer policy's parameter, which no field of the Admin message names, is set by its key."""
+    gateway = make_gateway()
+    answer = set_routing(AdminService(gateway), {"policy": "prefix-affinity", "prefix_weight": "5.0"})
+    assert gateway.router.settings.policy == "prefix-affinity"
+    assert gateway.router.settings.params["prefix-affinity"].prefix_weight == 5.0
+    assert answer.routing.knobs["prefix_weight"] == "5.0" and "epsilon" not in answer.routing.knobs
 
 
 def test_reset_forgets_the_load_in_flight() -> None:

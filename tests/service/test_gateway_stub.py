@@ -166,8 +166,10 @@ def test_policy_switch_and_reset_through_the_admin_client(gw: Gateway) -> None:
         assert post(gw.url + URL, chat("m")).headers["x-route-reason"] == "hash"
         with pytest.raises(ValueError, match="routing.mod-n.epsilon: unknown setting"):
             admin.set_routing({"epsilon": 0.5})  # not a key of mod-n's
-        with pytest.raises(ValueError, match="unknown routing setting"):
-            admin.set_routing({"polcy": "mod-n"})
+        with pytest.raises(ValueError, match="routing.mod-n.polcy: unknown setting"):
+            admin.set_routing({"polcy": "mod-n"})  # neither a shared key nor mod-n's
+        state = admin.set_routing({"policy": "chwbl", "load_factor": 1.5})  # a peer's own parameter
+        assert state["routing"]["load_factor"] == 1.5
         state = admin.set_routing({"policy": "llm-aware"})
         assert state["routing"]["policy"] == "llm-aware"
         assert {r["name"] for r in admin.reset()["replicas"]} == {"llm-0", "llm-1", "llm-2"}
