@@ -170,9 +170,10 @@ if speed_rows:
     speed_base = alt.Chart(alt.Data(values=speed_rows)).encode(
         x=alt.X("t_s:Q", title="simulated seconds"), color="replica:N"
     )
+    # shown explicitly: inside an `if` the chart is not the cell's last expression
     (
         speed_base.mark_line().encode(y=alt.Y("learnt:Q", title="prefill tokens/s", scale=alt.Scale(type="log")))
         + speed_base.mark_line(strokeDash=[4, 4]).encode(y="solo:Q")
-    ).properties(width=560, height=260).facet(row=alt.Row("series:N", title=None))
+    ).properties(width=560, height=260).facet(row=alt.Row("series:N", title=None)).display()
 else:
     print("no speeds.parquet in these folders (llm-ring sim writes them for llm-aware)")

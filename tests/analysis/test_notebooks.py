@@ -1,30 +1,34 @@
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import jupytext
+import nbformat
 import pytest
+from nbclient import NotebookClient
 
 from analysis.fixtures import make_experiment
 from extproc.analysis.report import resolve_folders
+from extproc.cli import main
 
 NOTEBOOKS = sorted((Path(__file__).parents[2] / "notebooks").glob("*.ipynb"))
 
 
 @pytest.mark.live  # starts a Jupyter kernel
 @pytest.mark.parametrize("notebook", NOTEBOOKS, ids=lambda p: p.name)
-def test_notebook_runs_on_two_folders_side_by_side(notebook, tmp_path):
-    live, sim = make_experiment(tmp_path / "live"), make_experiment(tmp_path / "sim")
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--nbmake", str(notebook)],
-        env={**os.environ, "LLM_RING_EXPERIMENT_DIRS": f"{live}:{sim}"},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stdout[-3000:]
+def test_notebook_runs_on_two_folders_side_by_side_and_shows_every_chart(notebook, tmp_path, capsys, monkeypatch):
+    live, sim = make_experiment(tmp_path / "live"), tmp_path / "sim"
+    # a real simulation of a mixed fleet with a slowdown: its llm-aware runs write speeds.parquet
+    assert main(["sim", "--profile", "quick", "--policies", "bounded", "llm-aware", "--seeds", "1-2",
+                 "--cost-model", "smollm2-135m:1", "qwen05b-shape:1", "--slow", "llm-1:4:3",
+                 "--out-dir", str(sim)]) == 0  # fmt: skip
+    capsys.readouterr()
+    monkeypatch.setenv("LLM_RING_EXPERIMENT_DIRS", f"{live}:{sim}")
+    executed = nbformat.read(notebook, as_version=4)
+    NotebookClient(executed, timeout=300, resources={"metadata": {"path": str(tmp_path)}}).execute()
+    silent = [cell.source.splitlines()[0] for cell in executed.cells
+              if cell.cell_type == "code" and "alt.Chart(" in cell.source
+              and not any("text/html" in output.get("data", {}) for output in cell.outputs)]  # fmt: skip
+    assert not silent, f"chart cells that show no chart: {silent}"
 
 
 @pytest.mark.parametrize("notebook", NOTEBOOKS, ids=lambda p: p.name)
