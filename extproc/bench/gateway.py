@@ -259,19 +259,11 @@ def summarize(cells: list[dict[str, Any]], seconds: float, rounds: int, workdir:
         }
         shared = by.get((STORE_MODE, level))
         if shared is not None:  # --store on: what the store round trip adds to the same service
-            row.update({
-                "store_over_envoy_p50_ms": round(shared["p50_ms"] - envoy["p50_ms"], 3),
-                "store_over_ext_proc_p50_ms": round(shared["p50_ms"] - full["p50_ms"], 3),
-                "store_rps": shared["rps"],
-                "store_rps_over_floor": round(shared["rps"] / floor["rps"], 3) if floor["rps"] else None,
-            })  # fmt: skip
+            row["store_over_envoy_p50_ms"] = round(shared["p50_ms"] - envoy["p50_ms"], 3)
+            row.update(_variant_figures("store", shared, full, floor))
         counted = by.get((TOKENIZER_MODE, level))
         if counted is not None:  # --tokenizer on: the same service counting with the model's tokenizer
-            row.update({
-                "tokenizer_over_ext_proc_p50_ms": round(counted["p50_ms"] - full["p50_ms"], 3),
-                "tokenizer_rps": counted["rps"],
-                "tokenizer_rps_over_floor": round(counted["rps"] / floor["rps"], 3) if floor["rps"] else None,
-            })  # fmt: skip
+            row.update(_variant_figures("tokenizer", counted, full, floor))
         row.update({"own_" + key: value for key, value in floor_ratios(floor, full).items()})
         if (POOL_MODE, level) in by:  # --mode pool: the InferencePool data plane, against its own floor
             pool_floor, pool = by[(POOL_FLOOR, level)], by[(POOL_MODE, level)]
@@ -312,6 +304,21 @@ def floor_ratios(floor: dict[str, Any], measured: dict[str, Any]) -> dict[str, f
     return {"p50_over_floor": ratio("p50_ms"), "p99_over_floor": ratio("p99_ms"), "rps_over_floor": ratio("rps")}
 
 
+def _variant_figures(name: str, variant: dict[str, Any], full: dict[str, Any],
+                     floor: dict[str, Any]) -> dict[str, Any]:
+    """A variant of the service (``--store on``, ``--tokenizer on``) against the same service without it."""
+    return {f"{name}_over_ext_proc_p50_ms": round(variant["p50_ms"] - full["p50_ms"], 3),
+            f"{name}_rps": variant["rps"],
+            f"{name}_rps_over_floor": round(variant["rps"] / floor["rps"], 3) if floor["rps"] else None}
+
+
+def _variant_lines(name: str, without: str, levels: list[int], added: dict[int, dict[str, Any]]) -> list[str]:
+    return [f"{level:>4} | p50 {row[f'{name}_over_ext_proc_p50_ms']:+.3f} ms over ext_proc without it; "
+            f"{row[f'{name}_rps']:.0f} req/s = {row[f'{name}_rps_over_floor']:.2f} x the floor "
+            f"({without} {row['ext_proc_rps_over_floor']:.2f} x)"
+            for level in levels for row in (added[level],)]
+
+
 def render_table(result: dict[str, Any]) -> str:
     levels = sorted({cell["concurrency"] for cell in result["cells"]})
     by = {(cell["mode"], cell["concurrency"]): cell for cell in result["cells"]}
@@ -340,23 +347,11 @@ def render_table(result: dict[str, Any]) -> str:
         store = result["store"]
         lines.append(f"the shared store ({STORE_MODE}: one redis round trip before each decision): "
                      f"{store['errors']} store errors, in use at the end: {'yes' if store['in_use_at_end'] else 'NO'}")
-        for level in levels:
-            row = added[level]
-            lines.append(
-                f"{level:>4} | p50 {row['store_over_ext_proc_p50_ms']:+.3f} ms over ext_proc without it; "
-                f"{row['store_rps']:.0f} req/s = {row['store_rps_over_floor']:.2f} x the floor "
-                f"(without the store {row['ext_proc_rps_over_floor']:.2f} x)"
-            )
+        lines += _variant_lines("store", "without the store", levels, added)
     if (TOKENIZER_MODE, levels[0]) in by:
         lines.append(f"tokenization on ({TOKENIZER_MODE}: the model's tokenizer and chat template) vs off "
                      "(characters / 4), against the do-nothing floor:")
-        for level in levels:
-            row = added[level]
-            lines.append(
-                f"{level:>4} | p50 {row['tokenizer_over_ext_proc_p50_ms']:+.3f} ms over ext_proc without it; "
-                f"{row['tokenizer_rps']:.0f} req/s = {row['tokenizer_rps_over_floor']:.2f} x the floor "
-                f"(off {row['ext_proc_rps_over_floor']:.2f} x)"
-            )
+        lines += _variant_lines("tokenizer", "off", levels, added)
     if (POOL_MODE, levels[0]) in by:
         lines.append("ratios to the floor of the same data plane and run (ext_proc / do-nothing stub; "
                      "p50, p99, req/s): own Envoy config | InferencePool data plane (AI Gateway, full duplex, TLS)")

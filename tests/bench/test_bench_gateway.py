@@ -43,7 +43,10 @@ def test_with_store_on_a_service_sharing_state_through_redis_is_measured_too() -
     assert set(cells) == {*MODES, STORE_MODE} and cells[STORE_MODE]["errors"] == 0
     assert cells[STORE_MODE]["ext_proc_cpu_us_per_request"] > 0
     assert result["store"]["in_use_at_end"] and {"store_rps", "store_over_ext_proc_p50_ms"} <= set(result["added"][0])
-    assert "the shared store" in render_table(result)
+    table = render_table(result)
+    assert "the shared store" in table
+    row = result["added"][0]
+    assert f"{row['store_rps']:.0f} req/s = {row['store_rps_over_floor']:.2f} x the floor (without the store" in table
 
 
 def test_with_mode_pool_the_inference_pool_data_plane_is_measured_against_its_own_floor() -> None:
