@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from extproc.migration import slotfiles
-from extproc.migration.migrate import Limits, SharedFolder, migrate_out
+from extproc.migration.llama import LlamaServer
+from extproc.migration.migrate import Limits, Outcome, SharedFolder, migrate_out
 from extproc.migration.planner import Costs
 from extproc.service.admin_client import AdminClient
 from extproc.stack import models
@@ -49,18 +50,41 @@ def talk(lab: LocalLab, conversation: str) -> tuple[Chat, int]:
     return chat, answer["timings"]["cache_n"] + answer["timings"]["prompt_n"]
 
 
-def test_a_slot_file_of_another_model_is_a_clean_miss(lab: LocalLab) -> None:
+def move_out(lab: LocalLab, staying: list[str], done: frozenset[tuple[int, int]] = frozenset(),
+             receiver_identity: slotfiles.Identity | None = None) -> Outcome:
+    """llm-2's conversations moved to `staying` (llm-2 stays in the lists)."""
     stack = lab.stack
-    conversation = conversation_homed_on(lab, "llm-2", NAMES, "other-model")
-    talk(lab, conversation)
     ours = slotfiles.Identity(stack.state.model_sha256, stack.replica_settings().slot_context, "f16")
-    other = replace(ours, model_sha256="0" * 64)  # a receiver that serves another model
     addresses = {r.name: r.address for r in stack.replica_list}
     folder = slot_folder(Path(stack.state.run_dir))
-    outcome = migrate_out(("llm-2", addresses["llm-2"]), {"llm-0": addresses["llm-0"], "llm-1": addresses["llm-1"]},
-                          [stack.state.router_address], folder, ours,
-                          SharedFolder(folder, {"llm-0": other, "llm-1": other}), Costs(4096, 0.01, 1e9),
-                          Limits(16, 2**30, 3600, 2**30), time.monotonic() + 30)
+    return migrate_out(("llm-2", addresses["llm-2"]), {name: addresses[name] for name in staying},
+                       [stack.state.router_address], folder, ours,
+                       SharedFolder(folder, dict.fromkeys(staying, receiver_identity or ours)), Costs(4096, 0.01, 1e9),
+                       Limits(16, 2**30, 3600, 2**30), time.monotonic() + 30, done=done)
+
+
+def test_a_second_pass_into_one_replica_restores_beside_the_first_and_both_continue_cached(lab: LocalLab) -> None:
+    chats, done = [], frozenset[tuple[int, int]]()
+    for prefix in ("first-pass", "second-pass"):
+        chat, held = talk(lab, conversation_homed_on(lab, "llm-2", NAMES, prefix))
+        outcome = move_out(lab, ["llm-0"], done)
+        assert len(outcome.moved) == 1, outcome
+        done |= frozenset(outcome.saved_slots)
+        chats.append((chat, held))
+    receiver = LlamaServer(next(r.address for r in lab.stack.replica_list if r.name == "llm-0"))
+    assert sorted(slot.tokens > 0 for slot in receiver.slots()) == [True, True]  # each restore listed in its slot
+    for chat, held in chats:
+        reply, answer = chat.turn("And who lives there now?")
+        assert reply.headers["x-routed-to"] == "llm-0" and "migrated" in reply.headers["x-route-reason"]
+        assert answer["timings"]["cache_n"] >= held - 1, chat.conversation
+
+
+def test_a_slot_file_of_another_model_is_a_clean_miss(lab: LocalLab) -> None:
+    conversation = conversation_homed_on(lab, "llm-2", NAMES, "other-model")
+    talk(lab, conversation)
+    other = replace(slotfiles.Identity(lab.stack.state.model_sha256, lab.stack.replica_settings().slot_context, "f16"),
+                    model_sha256="0" * 64)  # a receiver that serves another model
+    outcome = move_out(lab, ["llm-0", "llm-1"], receiver_identity=other)
     assert outcome.matched >= 1 and outcome.attempted >= 1
     assert outcome.moved == [] and outcome.failed == outcome.attempted
     assert any("a miss" in problem for problem in outcome.problems)
