@@ -50,6 +50,16 @@ def talk(lab: LocalLab, conversation: str) -> tuple[Chat, int]:
     return chat, answer["timings"]["cache_n"] + answer["timings"]["prompt_n"]
 
 
+def test_chats_that_open_alike_keep_a_slot_each_which_a_migration_can_move(lab: LocalLab) -> None:
+    """replicas.slot_prompt_similarity 0.5: at llama.cpp's 0.1 the second chat takes the first's
+    slot (the template's default system prompt is most of a short opening) and the first is lost
+    (no host-RAM cache here), or held only there, which no migration moves."""
+    for prefix in ("alike-a", "alike-b"):
+        talk(lab, conversation_homed_on(lab, "llm-1", NAMES, prefix))
+    replica = LlamaServer(next(r.address for r in lab.stack.replica_list if r.name == "llm-1"))
+    assert [slot.tokens > 0 for slot in replica.slots()] == [True, True]
+
+
 def move_out(lab: LocalLab, staying: list[str], done: frozenset[tuple[int, int]] = frozenset(),
              receiver_identity: slotfiles.Identity | None = None) -> Outcome:
     """llm-2's conversations moved to `staying` (llm-2 stays in the lists)."""
