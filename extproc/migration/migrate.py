@@ -4,9 +4,9 @@ The caller has already taken the replica out of the routers' lists and let its r
 flight finish. Then, within `deadline` (monotonic seconds): each busy-free slot of the
 leaving replica is saved into the shared slot folder, its text traced back to a conversation
 the routers placed there (openings.py), the worth-moving ones planned (planner.py), each file
-checked against the receiver's Identity and restored into an idle slot there, and every
-router told (Admin `Migrated`). Whatever fails is a miss: that conversation's next turn is
-computed again, as without migration.
+checked against the receiver's Identity and restored into an idle slot there (then checked
+in that slot, llama.py `held`), and every router told (Admin `Migrated`). Whatever fails is a
+miss: that conversation's next turn is computed again, as without migration.
 """
 
 from __future__ import annotations
