@@ -38,6 +38,15 @@ class LlamaServer:
         """{"n_restored": tokens, "n_read": bytes, ...}"""
         return dict(self._call("POST", f"/slots/{slot}?action=restore", {"filename": filename}))
 
+    def held(self, slot: int, tokens: list[int]) -> int:
+        """How many of `tokens` slot `slot` holds: runs them there, generating nothing (llama.cpp
+        computes the last one again). A restore does not show in GET /slots and leaves the slot
+        least recently used; this makes the slot list its tokens and counts as used, so neither
+        a later restore nor llama.cpp's least-recently-used choice takes it first."""
+        reply = self._call("POST", "/completion", {"prompt": tokens, "id_slot": slot, "n_predict": 0,
+                                                   "cache_prompt": True})
+        return int(reply["timings"]["cache_n"])
+
     def detokenize(self, tokens: list[int]) -> str:
         return str(self._call("POST", "/detokenize", {"tokens": tokens})["content"])
 

@@ -4,9 +4,9 @@ The caller has already taken the replica out of the routers' lists and let its r
 flight finish. Then, within `deadline` (monotonic seconds): each busy-free slot of the
 leaving replica is saved into the shared slot folder, its text traced back to a conversation
 the routers placed there (openings.py), the worth-moving ones planned (planner.py), each file
-checked against the receiver's Identity and restored into an idle slot there, and every
-router told (Admin `Migrated`). Whatever fails is a miss: that conversation's next turn is
-computed again, as without migration.
+checked against the receiver's Identity and restored into an idle slot there (then checked
+in that slot, llama.py `held`), and every router told (Admin `Migrated`). Whatever fails is a
+miss: that conversation's next turn is computed again, as without migration.
 """
 
 from __future__ import annotations
@@ -118,16 +118,13 @@ def migrate_out(leaving: tuple[str, str], staying: Mapping[str, str], routers: S
             # the routers first: each restore then reaches its receiver before any next turn they
             # send there, and llama.cpp runs its tasks in the order they arrive
             _tell(routers, [(m.conversation_key, m.receiver, m.tokens) for m in moves], outcome)
-            slots = [idle[m.receiver].pop(0).id for m in moves]
-            timeout = max(1.0, deadline - time.monotonic())
-            with ThreadPoolExecutor(len(moves)) as pool:
-                results = list(pool.map(lambda m, slot: _restore(m, staying[m.receiver], slot, transport, timeout),
-                                        moves, slots))
+            receivers = {r: LlamaServer(staying[r], max(1.0, deadline - time.monotonic())) for r in idle}
+            results = _restore_all(moves, receivers, idle, transport, {k: t for k, (_, t) in saved.items()})
             for move, problem in zip(moves, results, strict=True):
                 outcome.attempted += 1
                 if problem is None:
                     outcome.moved.append((move.conversation_key, move.receiver, move.tokens))
-                    outcome.bytes += saved[move.conversation_key]
+                    outcome.bytes += saved[move.conversation_key][0]
                 else:
                     outcome.failed += 1
                     outcome.problems.append(problem)
@@ -148,8 +145,9 @@ def migrate_out(leaving: tuple[str, str], staying: Mapping[str, str], routers: S
 
 def _saved_slots(source: LlamaServer, name: str, folder: Path, identity: slotfiles.Identity, framing: Framing,
                  placed: dict[str, dict[int, int]], outcome: Outcome,
-                 done: frozenset[tuple[int, int]]) -> tuple[list[Candidate], dict[int, int]]:
-    """Save every slot that holds a conversation the routers placed here; (candidates, key -> bytes)."""
+                 done: frozenset[tuple[int, int]]) -> tuple[list[Candidate], dict[int, tuple[int, list[int]]]]:
+    """Save every slot that holds a conversation the routers placed here; (candidates, key -> its
+    file's bytes and tokens)."""
     candidates, saved = [], {}
     for slot in source.slots():
         if slot.tokens == 0 or slot.processing or (slot.id, slot.last_task) in done:
@@ -171,7 +169,7 @@ def _saved_slots(source: LlamaServer, name: str, folder: Path, identity: slotfil
         os.replace(folder / scratch, folder / f"{stem}.bin")
         slotfiles.write_manifest(folder, slotfiles.Manifest(identity, found, len(tokens), time.time(), name))
         candidates.append(Candidate(found, slot.id, len(tokens), slot.last_task))
-        saved[found] = written
+        saved[found] = (written, tokens)
     return candidates, saved
 
 
@@ -192,20 +190,57 @@ def _idle_slots(server: LlamaServer) -> list[Slot]:
     return sorted((s for s in server.slots() if not s.processing), key=lambda s: (s.tokens > 0, s.last_task))
 
 
-def _restore(move: Move, address: str, slot: int, transport: Transport, timeout: float) -> str | None:
-    """The conversation's file restored into ``slot`` of the receiver at ``address``; None, or
-    what went wrong (a miss)."""
+class Taken(str):
+    """A restore that succeeded but its slot no longer holds it (another task ran there first)."""
+
+
+def _restore_all(moves: Sequence[Move], receivers: Mapping[str, LlamaServer], idle: Mapping[str, list[Slot]],
+                 transport: Transport, tokens: Mapping[int, list[int]]) -> list[str | None]:
+    """Every move restored at once, each into its own idle slot of its receiver; a move whose
+    slot did not keep it (a request took the slot first) is tried once more, in an idle slot
+    (read afresh) that no move of this pass used. Per move: None, or what went wrong (a miss)."""
+    slots = {r: [s.id for s in free] for r, free in idle.items()}
+    first = [slots[m.receiver].pop(0) for m in moves]
+    with ThreadPoolExecutor(len(moves)) as pool:
+        results = list(pool.map(lambda m, slot: _restore(m, receivers[m.receiver], slot, transport,
+                                                          tokens[m.conversation_key]), moves, first))
+    # the slots this pass restored into, and those a request took
+    used = {(m.receiver, slot) for m, slot, result in zip(moves, first, results, strict=True)
+            if result is None or isinstance(result, Taken)}
+    for i, (move, result) in enumerate(zip(moves, results, strict=True)):
+        if not isinstance(result, Taken):
+            continue
+        server = receivers[move.receiver]
+        try:
+            other = next((s.id for s in _idle_slots(server) if (move.receiver, s.id) not in used), None)
+        except SlotError as exc:
+            results[i] = str(exc)
+            continue
+        if other is None:
+            results[i] = f"{result}; no other idle slot"
+            continue
+        used.add((move.receiver, other))
+        results[i] = _restore(move, server, other, transport, tokens[move.conversation_key])
+    return [None if r is None else str(r) for r in results]
+
+
+def _restore(move: Move, server: LlamaServer, slot: int, transport: Transport, tokens: list[int]) -> str | None:
+    """The conversation's file restored into `slot` of the receiver, then checked there (`held`);
+    None, or what went wrong (a miss), a `Taken` when the slot did not keep it."""
     delivered = transport.deliver(move.receiver, move.conversation_key)
     if delivered is None:
         return f"{move.receiver}: no slot file of its identity (a miss)"
-    filename, tokens = delivered
+    filename, count = delivered
     try:
-        restored = LlamaServer(address, timeout).restore(slot, filename)
+        restored = server.restore(slot, filename)
+        if int(restored.get("n_restored", 0)) != count:
+            return f"{move.receiver}: restored {restored.get('n_restored')} of {count} tokens"
+        held = server.held(slot, tokens)
     except SlotError as exc:
         return str(exc)
-    if int(restored.get("n_restored", 0)) != tokens:
-        return f"{move.receiver}: restored {restored.get('n_restored')} of {tokens} tokens"
-    return None
+    # llama.cpp computes the last token again
+    return None if held >= len(tokens) - 1 else Taken(f"{move.receiver} slot {slot}: {held} of {len(tokens)} "
+                                                      f"tokens there after the restore")
 
 
 def _tell(routers: Sequence[str], moves: list[tuple[int, str, int]], outcome: Outcome) -> None:

@@ -167,15 +167,26 @@ def migrate_draining(stack: StackRun, leaving: Replica, staying: list[Replica], 
     if early is None:
         _drain([leaving], deadline - time.monotonic(), progress)
         return {}
+    from extproc.migration.llama import LlamaServer, SlotError
+
     total = early
-    total.add(_migrate(stack, leaving, staying, deadline, lambda _: None, frozenset(total.saved_slots)))
-    busy = _busy_slots(leaving.address)
-    while busy and time.monotonic() < deadline:
-        time.sleep(0.05)
-        still = _busy_slots(leaving.address)
-        if still != busy:
-            total.add(_migrate(stack, leaving, staying, deadline, lambda _: None, frozenset(total.saved_slots)))
-        busy = still
+    source = LlamaServer(leaving.address, timeout=max(1.0, deadline - time.monotonic()))
+    # a pass takes seconds on a loaded machine, and busy slots finish during it: whether
+    # another pass is due is read from the slots themselves, not from which were busy before
+    while time.monotonic() < deadline:
+        try:
+            slots = source.slots()
+        except SlotError:
+            break
+        saved = set(total.saved_slots)
+        if any(not s.processing and s.tokens > 0 and (s.id, s.last_task) not in saved for s in slots):
+            total.add(_migrate(stack, leaving, staying, deadline, lambda _: None, frozenset(saved)))
+            if len(total.saved_slots) == len(saved):  # the pass failed before saving: it would again
+                break
+        elif any(s.processing for s in slots):
+            time.sleep(0.05)
+        else:
+            break
     problem = f"; {total.problems[0]}" if total.problems else ""
     progress(f"drained {leaving.name}; migration: {len(total.moved)} of {total.slots} slot(s) moved "
              f"({total.bytes:,} bytes, {total.seconds:.2f}s){problem}")

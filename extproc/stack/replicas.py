@@ -33,6 +33,8 @@ class ReplicaSettings:
     parallel: int  # slots
     threads: int
     cache_ram_mib: int  # host-RAM prompt cache (0 = off)
+    # a new prompt takes the idle slot sharing more than this share of it, else the least recently used
+    slot_prompt_similarity: float = 0.1
     llama_server: str = ""  # backend llama-server: the binary
 
     @property
@@ -80,6 +82,7 @@ def command(settings: ReplicaSettings, port: int, slot_dir: Path) -> list[str]:
         "--parallel", str(settings.parallel),
         "--threads", str(settings.threads),
         "--cache-ram", str(settings.cache_ram_mib),
+        "--slot-prompt-similarity", str(settings.slot_prompt_similarity),
         "--slot-save-path", str(slot_dir),  # enables the /slots actions
         "--metrics",
     ]

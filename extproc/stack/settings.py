@@ -30,6 +30,7 @@ class ReplicasSection(Strict):
     parallel: int = Field(gt=0)
     threads: int = Field(gt=0)
     cache_ram_mib: int = Field(ge=0)
+    slot_prompt_similarity: float = Field(ge=0, le=1)
     health_timeout_seconds: float = Field(gt=0)
 
 

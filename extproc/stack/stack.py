@@ -208,7 +208,7 @@ def _new_state(settings: StackSettings, data: Path, run: Path, taken: dict[str, 
     rs = settings.replicas
     replica_settings = ReplicaSettings(
         backend=rs.backend, model="", ctx_size=rs.ctx_size, parallel=rs.parallel,
-        threads=rs.threads, cache_ram_mib=rs.cache_ram_mib,
+        threads=rs.threads, cache_ram_mib=rs.cache_ram_mib, slot_prompt_similarity=rs.slot_prompt_similarity,
         llama_server=rs.llama_server or str(data / "bin" / "llama-server"),
     )
     check_slot_context(settings.check.profile, replica_settings)

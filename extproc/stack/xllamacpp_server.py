@@ -24,6 +24,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-np", "--parallel", type=int, required=True, help="slots (concurrent sequences)")
     parser.add_argument("-t", "--threads", type=int, required=True)
     parser.add_argument("--cache-ram", type=int, required=True, help="host-RAM prompt cache, MiB (0 = off)")
+    parser.add_argument("--slot-prompt-similarity", type=float, default=0.1,
+                        help="a new prompt takes the idle slot sharing more than this share of it")
     parser.add_argument("--slot-save-path", default="", help="enables /slots actions (erase) when set")
     parser.add_argument("--metrics", action="store_true", help="serve Prometheus /metrics")
     return parser
@@ -42,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     params.cpuparams.n_threads = args.threads
     params.cpuparams_batch.n_threads = args.threads
     params.cache_ram_mib = args.cache_ram
+    params.slot_prompt_similarity = args.slot_prompt_similarity
     # llama-server ends the folder with a separator; xllamacpp joins it to a file name as given
     params.slot_save_path = os.path.join(args.slot_save_path, "") if args.slot_save_path else ""
     params.endpoint_slots = True

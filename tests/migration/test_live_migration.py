@@ -9,10 +9,12 @@ from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
+import httpx
 import pytest
 
 from extproc.migration import slotfiles
-from extproc.migration.migrate import Limits, SharedFolder, migrate_out
+from extproc.migration.llama import LlamaServer
+from extproc.migration.migrate import Limits, Outcome, SharedFolder, migrate_out
 from extproc.migration.planner import Costs
 from extproc.service.admin_client import AdminClient
 from extproc.stack import models
@@ -49,18 +51,51 @@ def talk(lab: LocalLab, conversation: str) -> tuple[Chat, int]:
     return chat, answer["timings"]["cache_n"] + answer["timings"]["prompt_n"]
 
 
-def test_a_slot_file_of_another_model_is_a_clean_miss(lab: LocalLab) -> None:
+def test_chats_that_open_alike_keep_a_slot_each_which_a_migration_can_move(lab: LocalLab) -> None:
+    """replicas.slot_prompt_similarity 0.5: at llama.cpp's 0.1 the second chat takes the first's
+    slot (the template's default system prompt is most of a short opening) and the first is lost
+    (no host-RAM cache here), or held only there, which no migration moves."""
+    for prefix in ("alike-a", "alike-b"):
+        talk(lab, conversation_homed_on(lab, "llm-1", NAMES, prefix))
+    replica = LlamaServer(next(r.address for r in lab.stack.replica_list if r.name == "llm-1"))
+    assert [slot.tokens > 0 for slot in replica.slots()] == [True, True]
+
+
+def move_out(lab: LocalLab, staying: list[str], done: frozenset[tuple[int, int]] = frozenset(),
+             receiver_identity: slotfiles.Identity | None = None) -> Outcome:
+    """llm-2's conversations moved to `staying` (llm-2 stays in the lists)."""
     stack = lab.stack
-    conversation = conversation_homed_on(lab, "llm-2", NAMES, "other-model")
-    talk(lab, conversation)
     ours = slotfiles.Identity(stack.state.model_sha256, stack.replica_settings().slot_context, "f16")
-    other = replace(ours, model_sha256="0" * 64)  # a receiver that serves another model
     addresses = {r.name: r.address for r in stack.replica_list}
     folder = slot_folder(Path(stack.state.run_dir))
-    outcome = migrate_out(("llm-2", addresses["llm-2"]), {"llm-0": addresses["llm-0"], "llm-1": addresses["llm-1"]},
-                          [stack.state.router_address], folder, ours,
-                          SharedFolder(folder, {"llm-0": other, "llm-1": other}), Costs(4096, 0.01, 1e9),
-                          Limits(16, 2**30, 3600, 2**30), time.monotonic() + 30)
+    return migrate_out(("llm-2", addresses["llm-2"]), {name: addresses[name] for name in staying},
+                       [stack.state.router_address], folder, ours,
+                       SharedFolder(folder, dict.fromkeys(staying, receiver_identity or ours)), Costs(4096, 0.01, 1e9),
+                       Limits(16, 2**30, 3600, 2**30), time.monotonic() + 30, done=done)
+
+
+def test_a_second_pass_into_one_replica_restores_beside_the_first_and_both_continue_cached(lab: LocalLab) -> None:
+    chats, done = [], frozenset[tuple[int, int]]()
+    for prefix in ("first-pass", "second-pass"):
+        chat, held = talk(lab, conversation_homed_on(lab, "llm-2", NAMES, prefix))
+        outcome = move_out(lab, ["llm-0"], done)
+        assert len(outcome.moved) == 1, outcome
+        done |= frozenset(outcome.saved_slots)
+        chats.append((chat, held))
+    receiver = LlamaServer(next(r.address for r in lab.stack.replica_list if r.name == "llm-0"))
+    assert sorted(slot.tokens > 0 for slot in receiver.slots()) == [True, True]  # each restore listed in its slot
+    for chat, held in chats:  # straight to the receiver: llm-2 stays in the lists here, routing is not the point
+        body = {"messages": [*chat.history, {"role": "user", "content": "And who lives there now?"}], "max_tokens": 8}
+        answer = httpx.post(f"http://{receiver.address}/v1/chat/completions", json=body, timeout=60).json()
+        assert answer["timings"]["cache_n"] >= held - 1, chat.conversation
+
+
+def test_a_slot_file_of_another_model_is_a_clean_miss(lab: LocalLab) -> None:
+    conversation = conversation_homed_on(lab, "llm-2", NAMES, "other-model")
+    talk(lab, conversation)
+    other = replace(slotfiles.Identity(lab.stack.state.model_sha256, lab.stack.replica_settings().slot_context, "f16"),
+                    model_sha256="0" * 64)  # a receiver that serves another model
+    outcome = move_out(lab, ["llm-0", "llm-1"], receiver_identity=other)
     assert outcome.matched >= 1 and outcome.attempted >= 1
     assert outcome.moved == [] and outcome.failed == outcome.attempted
     assert any("a miss" in problem for problem in outcome.problems)
@@ -92,5 +127,6 @@ def test_a_rolling_restart_of_a_replica_keeps_its_conversation_cached_and_record
     assert step["migration"]["succeeded"] >= 1, step
     assert sorted(lab.stack.healthy_replicas()) == ["llm-0", "llm-1"]
     reply, answer = chat.turn("And who lives there now?")
-    assert reply.headers["x-routed-to"] == "llm-1" and "migrated" in reply.headers["x-route-reason"]
+    assert reply.headers["x-routed-to"] == "llm-1" and "migrated" in reply.headers["x-route-reason"], (
+        str(dict(reply.headers)), str(step["migration"]))
     assert answer["timings"]["cache_n"] >= held - 1
