@@ -82,7 +82,7 @@ def test_chwbl_never_picks_above_its_bound(loads, opening, avoid) -> None:
     router = Router(routing(policy="chwbl"), NAMES + ["llm-3"])
     for number, name in enumerate(loads):
         router.ledger.charge(f"x{number}", name, 1)
-    decision = router.route(RouteRequest("r", "c", 10, 1, prefix_blocks(opening)), avoid=avoid)
+    decision = router.route(RouteRequest("r", "c", 10, 1, prefix_blocks(opening)), avoid=avoid).decision
     assert decision is not None and decision.replica not in avoid
     checks = decision.trace.checks
     assert checks[-1].replica == decision.replica and checks[-1].accepted

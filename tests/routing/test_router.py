@@ -12,7 +12,7 @@ REPLICAS = ["llm-0", "llm-1", "llm-2"]
 def test_route_then_complete_returns_every_counter_to_zero(policy: str) -> None:
     router = Router(routing(policy=policy), REPLICAS)
     for index in range(50):
-        decision = router.route(RouteRequest(str(index), f"c{index % 7}", 100 + index, 32))
+        decision = router.route(RouteRequest(str(index), f"c{index % 7}", 100 + index, 32)).decision
         assert decision is not None and decision.reason in reasons()  # every reason is documented
     assert router.ledger.total_requests() == 50
     for index in range(50):
@@ -30,17 +30,17 @@ def test_no_replicas_means_no_decision() -> None:
 
 def test_round_robin_rotates_and_mod_n_hashes() -> None:
     rr = Router(routing(policy="round-robin"), REPLICAS)
-    picks = [rr.route(RouteRequest(str(i), "same", 10, 1)).replica for i in range(6)]  # type: ignore[union-attr]
+    picks = [rr.route(RouteRequest(str(i), "same", 10, 1)).decision.replica for i in range(6)]  # type: ignore[union-attr]
     assert picks == REPLICAS * 2
     mod = Router(routing(policy="mod-n"), REPLICAS)
-    assert len({mod.route(RouteRequest(str(i), "same", 10, 1)).replica for i in range(6)}) == 1  # type: ignore[union-attr]
+    assert len({mod.route(RouteRequest(str(i), "same", 10, 1)).decision.replica for i in range(6)}) == 1  # type: ignore[union-attr]
 
 
 def test_avoided_replicas_are_never_picked() -> None:
     for policy in ["round-robin", "mod-n", "consistent", "bounded", "llm-aware"]:
         router = Router(routing(policy=policy), REPLICAS)
         for index in range(30):
-            decision = router.route(RouteRequest(f"{policy}{index}", f"c{index}", 50, 5), avoid={"llm-1"})
+            decision = router.route(RouteRequest(f"{policy}{index}", f"c{index}", 50, 5), avoid={"llm-1"}).decision
             assert decision is not None and decision.replica != "llm-1"
 
 
@@ -53,7 +53,7 @@ def test_a_duplicate_request_id_is_refused() -> None:
 
 def test_removing_a_replica_drops_its_load_and_its_requests_complete_harmlessly() -> None:
     router = Router(routing(policy="consistent"), REPLICAS)
-    decisions = [router.route(RouteRequest(str(i), f"c{i}", 10, 1)) for i in range(30)]
+    decisions = [router.route(RouteRequest(str(i), f"c{i}", 10, 1)).decision for i in range(30)]
     router.set_replicas(["llm-0", "llm-2"])
     for index, decision in enumerate(decisions):
         assert decision is not None
@@ -72,7 +72,7 @@ def test_failed_requests_are_not_remembered() -> None:
 def test_an_answer_from_another_replica_is_remembered_there() -> None:
     """The proxy failed over: the cache is now where the answer came from, not on the pick."""
     router = Router(routing(), REPLICAS)
-    decision = router.route(RouteRequest("r", "c", 10, 1))
+    decision = router.route(RouteRequest("r", "c", 10, 1)).decision
     assert decision is not None
     other = next(name for name in REPLICAS if name != decision.replica)
     router.complete("r", ok=True, served=other)
