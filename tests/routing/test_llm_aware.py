@@ -38,12 +38,11 @@ def test_placement_memory_keeps_a_redirected_conversation_where_its_cache_now_is
     conversation = key_with_walk(router, "llm-0", "llm-1")
     router.ledger.charge("hot", "llm-0", 5000)
     first = router.route(RouteRequest("t1", conversation, 300, 50)).decision
-    assert first is not None and (first.replica, first.reason) == ("llm-1", "overflow")
+    assert (first.replica, first.reason) == ("llm-1", "overflow")
     router.complete("t1")
     router.complete("hot")  # llm-0 is idle again: bounded would go back home
 
     second = router.route(RouteRequest("t2", conversation, 400, 50)).decision
-    assert second is not None
     assert (second.replica, second.reason) == ("llm-1", "sticky")
     assert second.predicted_cached_tokens == 300
     assert second.cost == 100 + 50
@@ -57,14 +56,13 @@ def test_a_busy_replica_still_accepts_its_own_cached_conversation() -> None:
     for name, load in {"llm-0": 1300, "llm-1": 1000, "llm-2": 1000}.items():
         router.ledger.charge(f"bg-{name}", name, load)
     decision = router.route(RouteRequest("r", conversation, 1050, 50)).decision
-    assert decision is not None
     assert (decision.replica, decision.reason, decision.cost) == ("llm-0", "home", 100)
 
     bounded = Router(routing(policy="bounded", load_unit="tokens"), REPLICAS)
     for name, load in {"llm-0": 1300, "llm-1": 1000, "llm-2": 1000}.items():
         bounded.ledger.charge(f"bg-{name}", name, load)
     other = bounded.route(RouteRequest("r", conversation, 1050, 50)).decision
-    assert other is not None and other.replica != "llm-0"
+    assert other.replica != "llm-0"
 
 
 def test_long_stickiness_only_for_long_cached_conversations() -> None:
@@ -78,7 +76,7 @@ def test_long_stickiness_only_for_long_cached_conversations() -> None:
     short_decision = router.route(RouteRequest("s", short, 540, 48)).decision
     router.complete("s", ok=False)
     long_decision = router.route(RouteRequest("l", long_, 860, 48)).decision
-    assert short_decision is not None and long_decision is not None
+    assert long_decision is not None
     assert short_decision.trace.long_cap is None and short_decision.reason == "overflow"
     assert long_decision.reason == "home-long"
 
@@ -91,7 +89,6 @@ def test_sticky_long_when_the_remembered_replica_is_not_home() -> None:
         if load:
             router.ledger.charge(f"bg-{name}", name, load)
     decision = router.route(RouteRequest("r", conversation, 950, 48)).decision
-    assert decision is not None
     assert (decision.replica, decision.reason) == ("llm-1", "sticky-long")
 
 
@@ -100,7 +97,6 @@ def test_memory_pointing_at_an_avoided_replica_is_ignored() -> None:
     conversation = key_with_walk(router, "llm-0", "llm-1")
     router.memory.remember(router.conversation_key(conversation), "llm-0", 900)
     decision = router.route(RouteRequest("r", conversation, 950, 48), avoid={"llm-0"}).decision
-    assert decision is not None
     assert (decision.replica, decision.reason, decision.predicted_cached_tokens) == ("llm-1", "home", 0)
 
 
@@ -113,7 +109,6 @@ def test_the_cached_replica_keeps_one_request_of_slack_under_the_cap() -> None:
     router.memory.remember(router.conversation_key(cached), "llm-0", 250)
 
     decision = router.route(RouteRequest("c", cached, 270, 16)).decision  # costs 20 + 16 on llm-0
-    assert decision is not None
     assert round(decision.trace.cap, 1) == 306.7 and decision.trace.cap < 300 + 36
     assert (decision.replica, decision.reason, decision.cost) == ("llm-0", "home", 36)
     assert render_trace(decision).endswith(
@@ -121,4 +116,4 @@ def test_the_cached_replica_keeps_one_request_of_slack_under_the_cap() -> None:
     router.complete("c", ok=False)
 
     same_size_no_cache = router.route(RouteRequest("f", fresh, 20, 16)).decision  # also 36, but nothing cached
-    assert same_size_no_cache is not None and same_size_no_cache.reason == "overflow"
+    assert same_size_no_cache.reason == "overflow"

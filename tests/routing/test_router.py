@@ -13,7 +13,7 @@ def test_route_then_complete_returns_every_counter_to_zero(policy: str) -> None:
     router = Router(routing(policy=policy), REPLICAS)
     for index in range(50):
         decision = router.route(RouteRequest(str(index), f"c{index % 7}", 100 + index, 32)).decision
-        assert decision is not None and decision.reason in reasons()  # every reason is documented
+        assert decision.reason in reasons()  # every reason is documented
     assert router.ledger.total_requests() == 50
     for index in range(50):
         assert router.complete(str(index)) is not None
@@ -41,7 +41,7 @@ def test_avoided_replicas_are_never_picked() -> None:
         router = Router(routing(policy=policy), REPLICAS)
         for index in range(30):
             decision = router.route(RouteRequest(f"{policy}{index}", f"c{index}", 50, 5), avoid={"llm-1"}).decision
-            assert decision is not None and decision.replica != "llm-1"
+            assert decision.replica != "llm-1"
 
 
 def test_a_duplicate_request_id_is_refused() -> None:
@@ -97,7 +97,6 @@ def test_an_answer_from_another_replica_is_remembered_there() -> None:
     """The proxy failed over: the cache is now where the answer came from, not on the pick."""
     router = Router(routing(), REPLICAS)
     decision = router.route(RouteRequest("r", "c", 10, 1)).decision
-    assert decision is not None
     other = next(name for name in REPLICAS if name != decision.replica)
     router.complete("r", ok=True, served=other)
     remembered = router.memory.get(router.conversation_key("c"))
