@@ -136,12 +136,12 @@ class Router:
             placement = None  # that cache is gone or unreachable
         decision = self.policy.decide(new(Situation, (request, key, ring, self.ledger, placement, avoided, eligible,
                                                     self.speeds)))
-        if self._migrated and decision is not None:
+        if decision is None:
+            return None
+        if self._migrated:
             moved_to = self._migrated.pop(key, None)
             if moved_to is not None and moved_to == decision.replica:  # the trace says why it is cached there
                 decision = decision._replace(reason=f"{decision.reason}+migrated")
-        if decision is None:
-            return None
         self.ledger.charge(request_id, decision.replica, decision.charged_tokens)
         ticket = self._in_flight[request_id] = Ticket(request, decision, key, self)
         if self._view is not None:
@@ -222,7 +222,8 @@ class Router:
             self.speeds.learning, self.speeds.ewma_weight = settings.speed_learning, settings.speed_ewma_weight
 
     def reset(self) -> None:
-        """Forget in-flight load, placement memory and policy state (between experiment runs)."""
+        """Forget in-flight load (its tickets release nothing), placement memory and policy state
+        (between experiment runs)."""
         self.ledger.clear()
         self.memory.clear()
         self._in_flight.clear()
