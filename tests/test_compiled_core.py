@@ -43,16 +43,18 @@ for spec in specs:
         blocks = prefix_blocks(text, block_chars) if block_chars else ()
         request = RouteRequest(str(number), f"c{slot}", len(text) // 4, 32 + rng.randrange(64), blocks)
         avoid = {f"r{rng.randrange(6)}"} if rng.random() < 0.1 else ()
-        decision = router.route(request, avoid)
-        if decision is None:
+        ticket = router.route(request, avoid)
+        if ticket is None:
             continue
+        decision = ticket.decision
         out["decisions"].append([decision.replica, decision.reason, decision.cost, decision.charged_tokens,
                                  decision.predicted_cached_tokens, decision.trace.as_dict()])
-        in_flight.append((request, decision))
+        in_flight.append(ticket)
         while len(in_flight) > 12 or (in_flight and rng.random() < 0.3):
-            done, made = in_flight.pop(rng.randrange(len(in_flight)))
-            router.complete(done.request_id, ok=rng.random() < 0.95)
-            router.report_cached(done, made.replica, made.predicted_cached_tokens,
+            done = in_flight.pop(rng.randrange(len(in_flight)))
+            done.release(ok=rng.random() < 0.95)
+            made = done.decision
+            router.report_cached(done.request, made.replica, made.predicted_cached_tokens,
                                  max(0, made.predicted_cached_tokens - rng.randrange(600)))
         if number == 300:
             router.set_replicas(replicas[:5])  # one replica leaves, its load and blocks with it

@@ -11,11 +11,11 @@ from extproc.routing.policies import REGISTRY as POLICIES
 from extproc.routing.policies import make_policy, reasons
 from extproc.routing.render import render_trace
 from extproc.routing.ring import HashRing
-from extproc.routing.router import Router
+from extproc.routing.router import Router, Ticket
 from extproc.routing.tokens import estimate_tokens
 
 __all__ = [
     "POLICIES", "Check", "Decision", "HashRing", "LoadLedger", "Placement",
-    "PlacementMemory", "RouteRequest", "Router", "Trace", "estimate_tokens", "make_policy",
+    "PlacementMemory", "RouteRequest", "Router", "Ticket", "Trace", "estimate_tokens", "make_policy",
     "reasons", "render_trace", "stable_hash",
 ]

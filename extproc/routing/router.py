@@ -1,8 +1,11 @@
 """The router: a policy, the ring, the load ledger and placement memory, wired together.
 
 Pure and synchronous: the gRPC service, the simulator and the tests all drive this
-same object. One request = ``route`` (charges load) then exactly one ``complete``
-(releases it), whatever happened in between. Its state is given to it: the load ledger and
+same object. One request = ``route``, which charges its load and returns its ``Ticket`` (the
+decision and its release), then one release (``Ticket.release``, or ``complete`` by request id),
+whatever happened in between; a second does nothing. The router's table of requests in flight,
+by request id, holds the tickets and is the only one: the gateway and the simulator keep a
+request's ticket next to their own state of it. Its state is given to it: the load ledger and
 placement memory (a store-backed pair in the simulator's store model, one ledger shared by
 several routers in its shared-load model; by default its own); the policy, with its indexes,
 comes from the settings. With several routers, ``route`` may be given
@@ -30,6 +33,32 @@ from extproc.routing.speeds import AnswerTimings, ReplicaSpeeds, Speed
 _NOTHING: frozenset[str] = frozenset()
 
 
+# compiled (extproc/compiled.py); one is made per routed request
+class Ticket:
+    """A routed request's hold on the router that picked: what it decided, and the release of its
+    load. Released once: a second release, or one after ``reset`` or after its replica left the
+    fleet (its load went with it), does nothing."""
+
+    __slots__ = ("request", "decision", "key", "router")
+
+    def __init__(self, request: RouteRequest, decision: Decision, key: int, router: Router) -> None:
+        self.request = request
+        self.decision = decision
+        self.key = key  # the conversation's key in placement memory
+        self.router = router
+
+    def release(self, ok: bool = True, served: str | None = None) -> bool:
+        """Release the load; on success remember where the conversation's cache now is: on the
+        pick, or on ``served`` when another replica answered (the proxy failed over). False when
+        it was released already."""
+        return self.router._release(self, ok, served)
+
+    @property
+    def held(self) -> bool:
+        """Routed and not yet released."""
+        return self.router._in_flight.get(self.request.request_id) is self
+
+
 # compiled (extproc/compiled.py); tests extend it to watch its calls
 @mypyc_attr(allow_interpreted_subclasses=True)
 class Router:
@@ -45,7 +74,7 @@ class Router:
         self._mover = _mover_of(self.policy)
         self._ring = HashRing((), settings.virtual_nodes, settings.hash_seed)
         self._members: frozenset[str] = frozenset()
-        self._in_flight: dict[str, tuple[RouteRequest, Decision, int]] = {}
+        self._in_flight: dict[str, Ticket] = {}  # request id -> its ticket, until released
         self._migrated: dict[int, str] = {}  # conversation key -> the replica its cache was moved to
         # a replica that left -> {key: prompt tokens} of the requests it was serving then: their
         # caches end up there, though placement memory is not told (a migration looks for them)
@@ -74,17 +103,17 @@ class Router:
         self.speeds.set_replicas(names)
         if self._view is not None:
             self._view.set_replicas(names)
-        gone = [rid for rid, (_, decision, _) in self._in_flight.items() if decision.replica not in names]
-        for request_id in gone:  # their load went with the replica; completing them is a no-op
-            request, decision, key = self._in_flight.pop(request_id)
-            self._left_serving.setdefault(decision.replica, {})[key] = request.prompt_tokens
+        gone = [ticket for ticket in self._in_flight.values() if ticket.decision.replica not in names]
+        for ticket in gone:  # their load went with the replica; releasing them is a no-op
+            del self._in_flight[ticket.request.request_id]
+            self._left_serving.setdefault(ticket.decision.replica, {})[ticket.key] = ticket.request.prompt_tokens
         for name in names:  # back in the fleet: a fresh server
             self._left_serving.pop(name, None)
 
     def route(
         self, request: RouteRequest, avoid: Collection[str] = (), peers: PeerView | None = None
-    ) -> Decision | None:
-        """Pick a replica for ``request`` and charge it; None when no replica is eligible.
+    ) -> Ticket | None:
+        """Pick a replica for ``request`` and charge it: its ticket; None when no replica is eligible.
         peers: the other routers' picture for this request (None: this router's state as it is)."""
         request_id = request.request_id
         if request_id in self._in_flight:
@@ -107,30 +136,38 @@ class Router:
             placement = None  # that cache is gone or unreachable
         decision = self.policy.decide(new(Situation, (request, key, ring, self.ledger, placement, avoided, eligible,
                                                     self.speeds)))
-        if self._migrated and decision is not None:
+        if decision is None:
+            return None
+        if self._migrated:
             moved_to = self._migrated.pop(key, None)
             if moved_to is not None and moved_to == decision.replica:  # the trace says why it is cached there
                 decision = decision._replace(reason=f"{decision.reason}+migrated")
-        if decision is not None:
-            self.ledger.charge(request_id, decision.replica, decision.charged_tokens)
-            self._in_flight[request_id] = (request, decision, key)
-            if self._view is not None:
-                self._view.routed(request, decision)
-        return decision
+        self.ledger.charge(request_id, decision.replica, decision.charged_tokens)
+        ticket = self._in_flight[request_id] = Ticket(request, decision, key, self)
+        if self._view is not None:
+            self._view.routed(request, decision)
+        return ticket
 
     def complete(self, request_id: str, ok: bool = True, served: str | None = None) -> Decision | None:
-        """Release the request's load (once). On success remember where its cache now is: on
-        the pick, or on ``served`` when another replica answered (the proxy failed over)."""
-        entry = self._in_flight.pop(request_id, None)
-        if entry is None:
+        """``Ticket.release`` by request id, for a caller that holds only the id: the request's
+        decision, None when none is in flight under it (released already, or never routed)."""
+        ticket = self._in_flight.get(request_id)
+        if ticket is None:
             return None
-        request, decision, key = entry
-        self.ledger.release(request_id)
+        self._release(ticket, ok, served)
+        return ticket.decision
+
+    def _release(self, ticket: Ticket, ok: bool, served: str | None) -> bool:
+        request, decision = ticket.request, ticket.decision
+        if self._in_flight.get(request.request_id) is not ticket:
+            return False
+        del self._in_flight[request.request_id]
+        self.ledger.release(request.request_id)
         if self._view is not None:  # answered by another replica: the pick refused it and cached nothing
             self._view.completed(request, decision, ok and served in (None, decision.replica))
         if ok:
-            self.memory.remember(key, served or decision.replica, request.prompt_tokens)
-        return decision
+            self.memory.remember(ticket.key, served or decision.replica, request.prompt_tokens)
+        return True
 
     def report_cached(self, request: RouteRequest, replica: str, predicted: int, cached: int,
                       timings: AnswerTimings | None = None) -> None:
@@ -185,7 +222,8 @@ class Router:
             self.speeds.learning, self.speeds.ewma_weight = settings.speed_learning, settings.speed_ewma_weight
 
     def reset(self) -> None:
-        """Forget in-flight load, placement memory and policy state (between experiment runs)."""
+        """Forget in-flight load (its tickets release nothing), placement memory and policy state
+        (between experiment runs)."""
         self.ledger.clear()
         self.memory.clear()
         self._in_flight.clear()
@@ -197,10 +235,6 @@ class Router:
 
     def in_flight(self) -> int:
         return len(self._in_flight)
-
-    def holds(self, request_id: str) -> bool:
-        """Whether ``request_id`` is in flight here (routed, not yet completed)."""
-        return request_id in self._in_flight
 
     def _set_policy(self, policy: Policy) -> None:
         """A new policy starts with an empty view of the current fleet (in-flight requests

@@ -27,7 +27,7 @@ turn still looks in flight and its cache unplaced. The next turn itself proves t
 answered: its messages are the last turn's messages plus the answer (bodies.py: ``answered``
 holds the histories a body shows answered). So before routing a chat request, every pending
 request of the same conversation whose history it shows answered is released (load freed,
-placement remembered, ``Router.complete``) — by construction, whatever the timing, for JSON
+placement remembered: its ``Ticket.release``) — by construction, whatever the timing, for JSON
 and SSE answers alike. Such a request still waits in ``pending`` for its access log entry,
 which brings its outcome and timings. Parallel requests on one prefix carry no answer of each
 other: each stays charged until its own end.
@@ -55,7 +55,7 @@ import xxhash
 from extproc.envoy.contract import (
     STREAM_IDLE_TIMEOUT_S,
 )
-from extproc.routing import Decision, Router, RouteRequest, estimate_tokens
+from extproc.routing import Decision, Router, RouteRequest, Ticket, estimate_tokens
 from extproc.routing.blocks import BlockMemory
 from extproc.routing.continuation import Claim, ConversationDigests, Shown, claim, shown
 from extproc.routing.peers import PeerRequest, PeerView, peer_view
@@ -116,10 +116,13 @@ class Prepared:
 
 @dataclass(slots=True)
 class Pending:
-    """A routed request between its decision and the release of its load."""
+    """A routed request from its decision to its end (its load may be released before: by a next
+    turn showing its answer): the router's ticket and the service's own state of the request."""
 
-    request: RouteRequest
-    decision: Decision
+    ticket: Ticket  # the request, the router's decision and the release of its load (once)
+    predicted_cached_tokens: int  # the decision's, or what the pick holds of the prompt's opening
+    digest: int  # of its history (continuation.py): who may use its placement once it is done
+    continued: bool  # it continued a conversation the router knew
     endpoint: str
     path: str
     turn: str
@@ -141,6 +144,14 @@ class Pending:
     size: int = 0
     timings: Timings | None = None  # from the access log (JSON answers)
     timer: asyncio.TimerHandle | None = None
+
+    @property
+    def request(self) -> RouteRequest:
+        return self.ticket.request
+
+    @property
+    def decision(self) -> Decision:
+        return self.ticket.decision
 
 
 class Gateway:
@@ -175,7 +186,6 @@ class Gateway:
         self.block_memory: BlockMemory | None = None  # the last prompt's blocks per conversation, when hashed
         # conversation key -> digest of its last completed request: who may use its placement
         self.digests = ConversationDigests(router.settings.memory_capacity)
-        self.claims: dict[str, tuple[int, bool]] = {}  # request id -> (its digest, it continued), while in flight
         self.migrations = Migrations(router.settings.memory_capacity, metrics.registry)
 
     # ------------------------------------------------------------------ replicas
@@ -248,18 +258,17 @@ class Gateway:
                         history),
         )  # fmt: skip
 
-    def _complete(self, request_id: str, request: RouteRequest, ok: bool, served: str | None = None) -> None:
-        """Release a request's load (Router.complete: once), remember who continues its
+    def _release(self, pending: Pending, ok: bool, served: str | None = None) -> None:
+        """Release a request's load (its ticket: once), remember who continues its
         conversation and tell the store."""
-        decision = self.router.complete(request_id, ok=ok, served=served)
-        digest, continued = self.claims.pop(request_id, (0, False))
-        if decision is not None:
+        if pending.ticket.release(ok, served):
+            request, decision = pending.request, pending.decision
             key = self.router.conversation_key(request.conversation)
             if ok:
-                self.digests.remember(key, digest)
+                self.digests.remember(key, pending.digest)
             if self.store is not None:
                 placement = Placement(served or decision.replica, request.prompt_tokens) if ok else None
-                self.store.completed(key, request_id, placement, digest, continued)
+                self.store.completed(key, request.request_id, placement, pending.digest, pending.continued)
 
     # ------------------------------------------------------------------ route stream
 
@@ -398,26 +407,28 @@ class Gateway:
         if self._to_shed(avoid):
             self.metrics.errors["shed"] += 1
             return immediate(429, "every replica is at service.shed_requests_per_replica requests in flight"), None
-        decision = self.router.route(request, avoid=avoid, peers=peers) if len(avoid) < len(self.endpoints) else None
-        if decision is None:
+        ticket = self.router.route(request, avoid=avoid, peers=peers) if len(avoid) < len(self.endpoints) else None
+        if ticket is None:
             return self._no_replica(subset), None
+        decision = ticket.decision
+        predicted = decision.predicted_cached_tokens
         if parsed.opening:
-            decision = self._with_opening(decision, parsed.opening, request.prompt_tokens)
+            predicted = self._with_opening(decision, parsed.opening, request.prompt_tokens)
         # Behind an Endpoint Picker's gateway no access log comes: the stream itself says when
         # the request is over (stream_ended), as if logged at once.
         self.pending[unique_id] = Pending(
-            request, decision, self.endpoints[decision.replica], step.path, bounded(turn), parsed.stream, started,
-            time.monotonic(), envoy_id=self._remember_envoy_id(request_id, unique_id), logged=phase != "own",
+            ticket, predicted, step.shown.digest, step.claim.continues, self.endpoints[decision.replica], step.path,
+            bounded(turn), parsed.stream, started, time.monotonic(),
+            envoy_id=self._remember_envoy_id(request_id, unique_id), logged=phase != "own",
         )  # fmt: skip
         if parsed.history:
             self.unanswered.setdefault(conversation, {})[unique_id] = parsed.history
-        self.claims[unique_id] = (step.shown.digest, step.claim.continues)
         if self.store is not None:
             self._publish_pending(unique_id, parsed.history)
         self.metrics.decision(decision.trace.policy, decision.reason, time.perf_counter() - started)
         answer = self._pick_answer(decision.replica, decision.reason, parsed.stream, phase, subset)
         if self.settings.routing_headers:
-            answer += self.answers.predicted_cached(decision.predicted_cached_tokens, phase)
+            answer += self.answers.predicted_cached(predicted, phase)
         if phase == "own":  # our id, for Envoy's access log entry; a gateway's own id is left alone
             answer += request_id_header(unique_id)
         return answer, unique_id
@@ -433,12 +444,13 @@ class Gateway:
         if placement is not None and placement.prompt_tokens < held <= request.prompt_tokens:
             self.router.memory.remember(key, placement.replica, held)
 
-    def _with_opening(self, decision: Decision, opening: tuple[int, ...], prompt_tokens: int) -> Decision:
-        """The decision predicting at least what the pick shares with the last prompts sent to it:
-        the chat template's opening and a common system prompt are cached for a new conversation
-        too. llama.cpp gives a request the idle slot most like it, so only while a slot that holds
-        a prompt is idle: fewer requests in flight there (this one aside) than slots filled. At
-        most the prompt but one token: the replica computes one at least."""
+    def _with_opening(self, decision: Decision, opening: tuple[int, ...], prompt_tokens: int) -> int:
+        """The prompt tokens predicted cached: the decision's, or what the pick shares with the last
+        prompts sent to it when that is more: the chat template's opening and a common system
+        prompt are cached for a new conversation too. llama.cpp gives a request the idle slot most
+        like it, so only while a slot that holds a prompt is idle: fewer requests in flight there
+        (this one aside) than slots filled. At most the prompt but one token: the replica
+        computes one at least."""
         routing = self.router.settings
         slots = max(1, getattr(routing.params[routing.policy], "replica_slots", 1))  # llm-aware's; others: one
         seen = self.openings.get(decision.replica)
@@ -447,9 +459,7 @@ class Gateway:
         idle_filled = len(seen) > self.router.ledger.requests(decision.replica) - 1
         shared = min(shared_opening(opening, seen), prompt_tokens - 1) if idle_filled else 0
         seen.append(opening)
-        if shared > decision.predicted_cached_tokens:
-            return decision._replace(predicted_cached_tokens=shared)
-        return decision
+        return max(shared, decision.predicted_cached_tokens)
 
     def _release_answered(self, conversation: str, answered: frozenset[int]) -> None:
         """Release the pending requests of ``conversation`` that this new body shows answered."""
@@ -460,7 +470,7 @@ class Gateway:
             del waiting[request_id]
             pending = self.pending[request_id]
             pending.released_by_next_turn = True
-            self._complete(request_id, pending.request, ok=True)
+            self._release(pending, ok=True)
             self.metrics.released_by_next_turn += 1
         if not waiting:
             del self.unanswered[conversation]
@@ -584,9 +594,8 @@ class Gateway:
         waiting = self.unanswered.get(pending.request.conversation)
         if waiting is not None and waiting.pop(request_id, None) is not None and not waiting:
             del self.unanswered[pending.request.conversation]
-        self._complete(  # a no-op when a later turn released it already
-            request_id,
-            pending.request,
+        self._release(  # a no-op when a later turn released it already
+            pending,
             ok=succeeded,
             served=served_replica if failed_over and served_replica in self.endpoints else None,
         )
@@ -603,13 +612,13 @@ class Gateway:
             timings = parse_timings(b"".join(pending.chunks), pending.event_stream)
         if timings is not None and timings.cache_n is not None:
             learnt = answer_timings(timings)
-            self.router.report_cached(pending.request, served_replica, decision.predicted_cached_tokens,
+            self.router.report_cached(pending.request, served_replica, pending.predicted_cached_tokens,
                                       timings.cache_n, learnt)
             if self.store is not None and self.router.speeds.learning and served_replica in self.router.replicas:
                 self.store.answered(served_replica, learnt)  # the other routers learn from it too
             self.metrics.cache_tokens(
                 served_replica,
-                decision.predicted_cached_tokens,
+                pending.predicted_cached_tokens,
                 timings.cache_n,
                 timings.cache_n + (timings.prompt_n or 0),
             )
@@ -642,7 +651,7 @@ class Gateway:
             "max_tokens": pending.request.max_tokens,
             "cost": decision.cost,
             "charged_tokens": decision.charged_tokens,
-            "predicted_cached_tokens": decision.predicted_cached_tokens,
+            "predicted_cached_tokens": pending.predicted_cached_tokens,
             "trace": decision.trace.as_dict(),
             "outcome": outcome,
             "status": pending.status,

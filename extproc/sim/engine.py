@@ -1,7 +1,8 @@
 """The discrete-event loop: requests arrive, the real Router picks, replicas serve.
 
 The router is the service's own ``extproc.routing.Router``: ``route()`` when a request
-arrives, ``complete()`` when its answer is done, ``set_replicas()`` at scale events.
+arrives (its ticket is kept on the request), the ticket's release when its answer is done,
+``set_replicas()`` at scale events.
 The loop keeps a heap of (time, sequence, kind, payload); ties are broken by the
 sequence number, so a run is fully deterministic.
 
@@ -28,7 +29,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from heapq import heappush
 
-from extproc.routing import Router
+from extproc.routing import Router, Ticket
 from extproc.routing.speeds import AnswerTimings, ReplicaSpeeds, Speed
 from extproc.sim.costmodel import CostModel
 from extproc.sim.paged import PagedReplica
@@ -110,14 +111,19 @@ class _Simulation:
         self.seq = 0
         self.outcome = Outcome()
         self.record = self.outcome.requests.append
-        self.route, self.complete = router.route, router.complete
+        self.route = router.route
         self.shared_host = fleet.host_cores > 0
         self.now = 0.0
-        # a request released by the next turn, which carries its answer
-        self.complete_answered: Callable[[str], object] = router.complete
+        self.release: Callable[[Ticket, bool], object]
+        self.release_answered: Callable[[Ticket], object]  # released by the next turn, which carries its answer
+        self.report: Callable[[Ticket, str, int, int, AnswerTimings], None]
         if isinstance(router, RouterTier):
             router.clock = lambda: self.now  # a store's lag is measured in simulated time
-            self.complete_answered = lambda request_id: router.complete(request_id, True, by_next_turn=True)
+            self.release, self.report = router.release, router.report_cached
+            self.release_answered = lambda ticket: router.release(ticket, True, by_next_turn=True)
+        else:
+            self.release = self.release_answered = Ticket.release
+            self.report = lambda ticket, *answer: router.report_cached(ticket.request, *answer)
         self.pending: Iterator[Request] = iter(())
         self.deadline = float("inf")
         self.busy = 0  # replicas with at least one running request
@@ -157,7 +163,7 @@ class _Simulation:
             elif kind == _USER:
                 self._next_conversation(now)
             elif kind == _RELEASE:
-                self.complete(payload.request_id, True)  # a no-op when its next turn released it
+                self.release(payload.ticket, True)  # a no-op when its next turn released it
             elif kind == _SLOW:
                 self._slow_down(payload[0], payload[1], now)
             elif kind == _HOOK:
@@ -177,16 +183,18 @@ class _Simulation:
 
     def _send(self, request: Request, now: float) -> None:
         request.arrived_at = now
-        if request.previous is not None and self.fleet.release_by_next_turn:  # it carries the last answer
-            self.complete_answered(request.previous.request_id)
+        previous = request.previous
+        if previous is not None and previous.ticket is not None and self.fleet.release_by_next_turn:
+            self.release_answered(previous.ticket)  # it carries the last answer
         for side in request.sides:
             self._send(side, now)
-        decision = self.route(request.route)
-        if decision is None:  # no replica at all: answered at once with 503, like the gateway
+        request.ticket = ticket = self.route(request.route)
+        if ticket is None:  # no replica at all: answered at once with 503, like the gateway
             request.status, request.error = 503, "no replica"
             request.started_at = request.first_token_at = request.finished_at = now
             self._done(request, now)
             return
+        decision = ticket.decision
         request.replica = decision.replica
         request.reason = decision.reason
         request.predicted_cached = decision.predicted_cached_tokens
@@ -219,7 +227,8 @@ class _Simulation:
         """Longer than the server's context: answered at once with 400, like vLLM and llama.cpp."""
         request.status, request.error = 400, "context length exceeded"
         request.started_at = request.first_token_at = request.finished_at = now
-        self.complete(request.request_id, False)
+        assert request.ticket is not None  # routed, then refused
+        self.release(request.ticket, False)
         self._done(request, now)
 
     def _wake(self, replica: Replica | PagedReplica, now: float) -> None:
@@ -234,18 +243,20 @@ class _Simulation:
         if not replica.running and self.shared_host:
             self._share_host(now, -1)
         lag = self.fleet.release_lag_s
-        complete, report = self.complete, self.router.report_cached
+        release, report = self.release, self.report
         speeds = self.learnt_speeds()
         for request in finished:
             request.status = 200
-            report(request.route, replica.name, request.predicted_cached or 0, request.cache_n, timings_of(request))
+            ticket = request.ticket
+            assert ticket is not None  # served, so routed
+            report(ticket, replica.name, request.predicted_cached or 0, request.cache_n, timings_of(request))
             if speeds is not None:
                 self.outcome.speeds.append((now, replica.name, replica.cost.name, speeds.speed(replica.name),
                                             true_speed(replica)))
             if lag:
                 self.push(now + lag, _RELEASE, request)
             else:
-                complete(request.request_id, True)
+                release(ticket, True)
             self._done(request, now)
 
     def _done(self, request: Request, now: float) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 
-from extproc.routing import RouteRequest
+from extproc.routing import RouteRequest, Ticket
 from extproc.sim.prompts import BLOCK_TOKENS
 
 
@@ -15,7 +15,7 @@ class Request:
         "route", "request_id", "conversation", "turn", "key", "blocks", "prompt_tokens", "max_tokens", "arrival_s",
         "think_s", "next", "previous", "sides", "waiting", "head", "replica", "reason", "predicted_cached",
         "cache_n", "prompt_n", "arrived_at", "started_at", "first_token_at", "finished_at", "status", "error",
-        "order", "target", "slot",
+        "order", "target", "slot", "ticket",
     )
 
     def __init__(
@@ -39,6 +39,7 @@ class Request:
         self.sides: tuple[Request, ...] = ()  # sent at the same moment on the same history (fan-out)
         self.waiting = 0  # with sides: requests of this turn not yet answered
         self.head: Request = self  # the turn a side belongs to (itself otherwise)
+        self.ticket: Ticket | None = None  # the router's, from its decision to its release
         self.replica: str | None = None
         self.reason: str | None = None
         self.predicted_cached: int | None = None

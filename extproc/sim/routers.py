@@ -30,8 +30,9 @@ every parallel side of a turn) meets a router of its own:
   writes its requests in flight again (what the others held of it before is dropped) and
   reads on.
 
-The engine drives a tier as it drives one ``Router``; it also gives it the simulated time
-(``clock``, for the store's lag), says which releases come with the next turn, and lets the
+The engine drives a tier as it drives one ``Router``: ``route`` returns the ticket of the router
+that picked, and the tier releases it (``release``) there; it also gives the tier the simulated
+time (``clock``, for the store's lag), says which releases come with the next turn, and lets the
 store catch up at the end of a run (``settle``).
 """
 
@@ -40,8 +41,8 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Iterable
 
-from extproc.routing import Router
-from extproc.routing.decision import Decision, RouteRequest
+from extproc.routing import Router, Ticket
+from extproc.routing.decision import RouteRequest
 from extproc.routing.hashing import stable_hash
 from extproc.routing.ledger import LoadLedger
 from extproc.routing.placement import PlacementMemory
@@ -85,7 +86,6 @@ class RouterTier:
         self.routed = [0] * count  # requests each router decided
         self._seed = seed
         self._draw = random.Random(f"router-tier:{seed}").randrange  # the Service's spread, fixed per seed
-        self._distinct = self.distinct()
 
     def pick(self, request: RouteRequest) -> int:
         """The router this request's connection lands on."""
@@ -93,41 +93,35 @@ class RouterTier:
             return stable_hash(request.conversation, self._seed) % len(self.routers)
         return self._draw(len(self.routers))
 
-    def route(self, request: RouteRequest) -> Decision | None:
+    def route(self, request: RouteRequest) -> Ticket | None:
         index = self.pick(request)
         router = self.routers[index]
         if self.store is not None:
             self.store.read(index, self.clock())
-        decision = router.route(request)
+        ticket = router.route(request)
         self.routed[index] += 1
-        return decision
+        return ticket
 
-    def _owner(self, request_id: str) -> Router | None:
-        """The router that routed ``request_id`` while it is in flight there (each router's
-        table of requests in flight is the only one)."""
-        return next((router for router in self._distinct if router.holds(request_id)), None)
-
-    def complete(self, request_id: str, ok: bool = True, by_next_turn: bool = False) -> Decision | None:
-        """Completed by the router that routed it (a no-op for one already completed);
+    def release(self, ticket: Ticket, ok: bool = True, by_next_turn: bool = False) -> bool:
+        """Released on the router that routed it (a no-op for one released already);
         ``by_next_turn``: its conversation's next turn, carrying its answer, has arrived."""
-        router = self._owner(request_id)
-        if router is None:
-            return None
         if self.store is None:
-            return router.complete(request_id, ok)
-        self.store.read(self.routers.index(router), self.clock())  # the writes before these, in order
+            return ticket.release(ok)
+        if not ticket.held:
+            return False
+        self.store.read(self.routers.index(ticket.router), self.clock())  # the writes before these, in order
         first = len(self.store.writes)
-        decision = router.complete(request_id, ok)
+        ticket.release(ok)
         if by_next_turn and self.handoff:
             self.store.share_at_once(first)
-        return decision
+        return True
 
-    def report_cached(self, request: RouteRequest, replica: str, predicted: int, cached: int,
+    def report_cached(self, ticket: Ticket, replica: str, predicted: int, cached: int,
                       timings: AnswerTimings | None = None) -> None:
         """An answer's cached tokens and timings go to the router that routed it (reported before its release)."""
-        router = self._owner(request.request_id)
-        if router is None:
+        if not ticket.held:
             return
+        router, request = ticket.router, ticket.request
         store = self.store if timings is not None and router.speeds.learning else None
         if store is None:
             router.report_cached(request, replica, predicted, cached, timings)

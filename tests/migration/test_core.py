@@ -115,11 +115,9 @@ def test_the_router_lists_what_a_leaving_replica_served_and_marks_a_migrated_con
     from extproc.settings import load_settings
 
     router = Router(load_settings("extproc/service/router.toml", environ={}).routing, ["a", "b", "c"])
-    done = router.route(RouteRequest("1", "done", 400, 8))
-    assert done is not None
+    done = router.route(RouteRequest("1", "done", 400, 8)).decision
     router.complete("1")
-    serving = router.route(RouteRequest("2", "serving", 300, 8))
-    assert serving is not None
+    serving = router.route(RouteRequest("2", "serving", 300, 8)).decision
     leaving = done.replica
     router.set_replicas([n for n in "abc" if n != leaving])
     keys = dict(router.placed_on(leaving))
@@ -129,11 +127,11 @@ def test_the_router_lists_what_a_leaving_replica_served_and_marks_a_migrated_con
     receiver = next(n for n in "abc" if n != leaving)
     assert not router.migrated(router.conversation_key("done"), leaving, 400)  # not a member
     assert router.migrated(router.conversation_key("done"), receiver, 400)
-    after = router.route(RouteRequest("3", "done", 420, 8))
-    assert after is not None and after.replica == receiver and after.reason.endswith("+migrated")
+    after = router.route(RouteRequest("3", "done", 420, 8)).decision
+    assert after.replica == receiver and after.reason.endswith("+migrated")
     router.complete("3")
-    again = router.route(RouteRequest("4", "done", 440, 8))
-    assert again is not None and "migrated" not in again.reason  # only the first decision after the move
+    again = router.route(RouteRequest("4", "done", 440, 8)).decision
+    assert "migrated" not in again.reason  # only the first decision after the move
     router.set_replicas("abc")  # back as a fresh server: nothing is cached there
     assert router.placed_on(leaving) == []
 
@@ -149,13 +147,11 @@ def test_a_migration_points_the_prefix_index_at_the_receiver_even_while_the_sour
 
     def follow_up(moved_blocks: tuple[int, ...]) -> tuple[str, str, str, int]:
         router = Router(settings, ["a", "b", "c"])
-        first = router.route(RouteRequest("1", "chat", 640, 8, blocks))
-        assert first is not None
+        first = router.route(RouteRequest("1", "chat", 640, 8, blocks)).decision
         router.complete("1")
         receiver = next(n for n in "abc" if n != first.replica)
         assert router.migrated(router.conversation_key("chat"), receiver, 648, moved_blocks)
-        then = router.route(RouteRequest("2", "chat", 700, 8, (*blocks, 2000, 2001, 2002)))
-        assert then is not None
+        then = router.route(RouteRequest("2", "chat", 700, 8, (*blocks, 2000, 2001, 2002))).decision
         return first.replica, receiver, then.replica, then.predicted_cached_tokens
 
     source, receiver, went, cached = follow_up(blocks)

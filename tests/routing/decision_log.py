@@ -13,7 +13,7 @@ import random
 from collections.abc import Callable
 from typing import Any
 
-from extproc.routing import Router, RouteRequest
+from extproc.routing import Router, RouteRequest, Ticket
 from extproc.routing.blocks import prefix_blocks
 from extproc.routing.speeds import AnswerTimings
 
@@ -43,7 +43,7 @@ def decisions(router: Router, decisions: int = DECISIONS) -> list[dict[str, Any]
     """Drive ``router`` (on REPLICAS) through the workload; each decision as data (None: no pick)."""
     rng = random.Random(7)
     block_chars = router.policy.prefix_block_chars
-    in_flight: list[RouteRequest] = []
+    in_flight: list[Ticket] = []
     turns: dict[int, int] = {}
     out: list[dict[str, Any]] = []
     for index in range(decisions):
@@ -57,24 +57,25 @@ def decisions(router: Router, decisions: int = DECISIONS) -> list[dict[str, Any]
         request = RouteRequest(str(index), f"c-{slot}", len(text) // 4 + rng.randrange(20), rng.choice((32, 64, 256)),
                                prefix_blocks(text, block_chars) if block_chars else ())
         avoid = (rng.choice(REPLICAS),) if rng.random() < 0.1 else ()
-        decision = router.route(request, avoid)
+        ticket = router.route(request, avoid)
+        decision = None if ticket is None else ticket.decision
         out.append(None if decision is None else {
             "replica": decision.replica, "reason": decision.reason, "cost": decision.cost,
             "charged_tokens": decision.charged_tokens, "predicted_cached_tokens": decision.predicted_cached_tokens,
             "trace": decision.trace.as_dict()})
-        if decision is not None:
-            in_flight.append(request)
+        if ticket is not None:
+            in_flight.append(ticket)
         while len(in_flight) > 6 or (in_flight and rng.random() < 0.3):
             done = in_flight.pop(rng.randrange(len(in_flight)))
             _finish(router, rng, done)
     return out
 
 
-def _finish(router: Router, rng: random.Random, request: RouteRequest) -> None:
+def _finish(router: Router, rng: random.Random, ticket: Ticket) -> None:
     ok = rng.random() > 0.08
     served = rng.choice(REPLICAS) if ok and rng.random() < 0.05 else None
-    decision = router.complete(request.request_id, ok=ok, served=served)
-    if decision is not None and ok:
+    request, decision = ticket.request, ticket.decision
+    if ticket.release(ok, served) and ok:  # False: its replica left, its load with it
         cached = max(0, decision.predicted_cached_tokens - rng.choice((0, 0, 0, 64, 200)))
         timings = AnswerTimings(request.prompt_tokens - cached, 10.0 + request.prompt_tokens / 50,
                                 request.max_tokens, request.max_tokens * 18.0, cached)

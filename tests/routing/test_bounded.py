@@ -27,8 +27,7 @@ def test_never_above_the_cap_while_a_replica_under_it_exists(n, epsilon, ops, un
         if complete and open_ids:
             router.complete(open_ids.pop(0))
         loads = dict(router.ledger.loads(unit))
-        decision = router.route(RouteRequest(str(index), f"c{conversation}", prompt, 16))
-        assert decision is not None
+        decision = router.route(RouteRequest(str(index), f"c{conversation}", prompt, 16)).decision
         open_ids.append(str(index))
         cap = decision.trace.cap
         fits = [name for name, load in loads.items() if load + decision.cost <= cap]
@@ -56,8 +55,7 @@ def test_average_includes_the_new_request() -> None:
     router = Router(routing(policy="bounded", load_unit="requests"), ["llm-0", "llm-1", "llm-2"])
     conversation = key_with_walk(router, "llm-0", "llm-1")
     router.ledger.charge("busy", "llm-0", 10)
-    decision = router.route(RouteRequest("r", conversation, 10, 1))
-    assert decision is not None
+    decision = router.route(RouteRequest("r", conversation, 10, 1)).decision
     assert decision.trace.total == 2
     assert decision.trace.average == 2 / 3
     assert decision.trace.cap == 1
@@ -67,8 +65,7 @@ def test_average_includes_the_new_request() -> None:
 def test_light_traffic_goes_home_even_when_one_request_exceeds_its_token_share() -> None:
     router = Router(routing(policy="bounded", load_unit="tokens"), ["llm-0", "llm-1", "llm-2"])
     conversation = key_with_walk(router, "llm-2")
-    decision = router.route(RouteRequest("r", conversation, 900, 100))
-    assert decision is not None
+    decision = router.route(RouteRequest("r", conversation, 900, 100)).decision
     assert decision.trace.cap < 1000  # 1.25 x 1000 / 3
     assert (decision.replica, decision.reason) == ("llm-2", "home")
 
@@ -77,6 +74,5 @@ def test_everyone_over_the_cap_takes_the_least_loaded() -> None:
     router = Router(routing(policy="bounded", load_unit="tokens"), ["llm-0", "llm-1", "llm-2"])
     for name, load in {"llm-0": 100, "llm-1": 50, "llm-2": 80}.items():
         router.ledger.charge(f"bg-{name}", name, load)
-    decision = router.route(RouteRequest("r", key_with_walk(router, "llm-0"), 5000, 0))
-    assert decision is not None
+    decision = router.route(RouteRequest("r", key_with_walk(router, "llm-0"), 5000, 0)).decision
     assert (decision.replica, decision.reason) == ("llm-1", "least-loaded")

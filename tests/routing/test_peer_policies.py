@@ -38,8 +38,8 @@ def test_route_then_complete_leaves_nothing_charged_and_every_reason_is_document
     router = Router(routing(policy=policy), REPLICAS)
     for index in range(60):
         prompt = blocks("system", f"user-{index % 5}", f"turn-{index}")
-        decision = router.route(RouteRequest(str(index), f"c{index % 5}", 300, 16, prompt))
-        assert decision is not None and decision.reason in reasons()
+        decision = router.route(RouteRequest(str(index), f"c{index % 5}", 300, 16, prompt)).decision
+        assert decision.reason in reasons()
         assert 0 <= decision.predicted_cached_tokens <= 300
         assert render_trace(decision).startswith(f"{policy} → {decision.replica}")
         if index >= 6:
@@ -54,8 +54,8 @@ def test_route_then_complete_leaves_nothing_charged_and_every_reason_is_document
 def test_peers_route_requests_without_blocks_and_never_pick_an_avoided_replica(policy: str) -> None:
     router = Router(routing(policy=policy), REPLICAS)
     for index in range(30):
-        decision = router.route(RouteRequest(str(index), f"c{index % 4}", 200, 8), avoid={"llm-1"})
-        assert decision is not None and decision.replica != "llm-1"
+        decision = router.route(RouteRequest(str(index), f"c{index % 4}", 200, 8), avoid={"llm-1"}).decision
+        assert decision.replica != "llm-1"
     assert router.route(RouteRequest("none", "c", 10, 1), avoid=set(REPLICAS)) is None
 
 
@@ -64,17 +64,16 @@ def test_prefix_affinity_scores_three_prefix_two_queue_two_kv() -> None:
     kv-cache-utilization-scorer 2; prefix/plugin.go Score = MatchBlocks / TotalBlocks;
     queuedepth/queue.go (max - q) / (max - min); max-score picker takes the highest."""
     router = Router(routing(policy="prefix-affinity"), REPLICAS)
-    first = router.route(RouteRequest("a", "c", 400, 100, blocks("s", "u1", "a1", "u2")))
-    assert first is not None  # still in flight: its replica has queue 1, the others 0
+    first = router.route(RouteRequest("a", "c", 400, 100, blocks("s", "u1", "a1", "u2"))).decision
     held = first.replica
-    follow_up = router.route(RouteRequest("b", "c", 500, 100, blocks("s", "u1", "a1", "u2", "u3")))
-    assert follow_up is not None and follow_up.replica == held  # 3 x 4/5 = 2.4 beats the queue's 2
+    follow_up = router.route(RouteRequest("b", "c", 500, 100, blocks("s", "u1", "a1", "u2", "u3"))).decision
+    assert follow_up.replica == held  # 3 x 4/5 = 2.4 beats the queue's 2
     scores = {c.replica: c.score for c in follow_up.trace.candidates}
     capacity = BASE["prefix-affinity"]["kv_capacity_tokens"]
     assert scores[held] == pytest.approx(3 * 4 / 5 + 2 * 0 + 2 * (1 - 500 / capacity))
     assert all(score == pytest.approx(2 * 1 + 2 * 1) for name, score in scores.items() if name != held)
-    other = router.route(RouteRequest("c", "c2", 500, 100, blocks("s", "x1", "x2", "x3", "x4")))
-    assert other is not None and other.replica != held  # 3 x 1/5 = 0.6 < 2 x (queue 2 -> 0 vs 1)
+    other = router.route(RouteRequest("c", "c2", 500, 100, blocks("s", "x1", "x2", "x3", "x4"))).decision
+    assert other.replica != held  # 3 x 1/5 = 0.6 < 2 x (queue 2 -> 0 vs 1)
 
 
 def test_radix_balance_leaves_the_cache_only_when_both_imbalance_thresholds_are_crossed() -> None:
@@ -85,17 +84,18 @@ def test_radix_balance_leaves_the_cache_only_when_both_imbalance_thresholds_are_
     prompt = blocks("s", "u", "a", "u2")
     reasons = []
     for index in range(65):
-        decision = router.route(RouteRequest(str(index), "c", 400, 10, prompt))
-        assert decision is not None and decision.replica == "llm-0"  # first by name, then the match
+        decision = router.route(RouteRequest(str(index), "c", 400, 10, prompt)).decision
+        assert decision.replica == "llm-0"  # first by name, then the match
         reasons.append(decision.reason)
     assert reasons == ["min-load"] + ["cache-match"] * 64  # 64 - 0 is not > 64: still balanced
-    spill = router.route(RouteRequest("65", "c", 400, 10, prompt))
-    assert spill is not None and (spill.replica, spill.reason) == ("llm-1", "imbalanced")  # 65 - 0 > 64
+    spill = router.route(RouteRequest("65", "c", 400, 10, prompt)).decision
+    assert (spill.replica, spill.reason) == ("llm-1", "imbalanced")  # 65 - 0 > 64
     router.complete("0")  # 64 - 0 again: balanced, a full match wins despite the load
-    back = router.route(RouteRequest("66", "c", 400, 10, prompt))  # both trees hold it (imbalanced mode inserts too)
-    assert back is not None and back.reason == "cache-match" and back.replica in {"llm-0", "llm-1"}
-    weak = router.route(RouteRequest("67", "c", 400, 10, blocks("s", "v", "w", "x")))
-    assert weak is not None and weak.reason == "min-load" and weak.replica == "llm-2"  # 1/4 <= 0.3
+    # both trees hold it (imbalanced mode inserts too)
+    back = router.route(RouteRequest("66", "c", 400, 10, prompt)).decision
+    assert back.reason == "cache-match" and back.replica in {"llm-0", "llm-1"}
+    weak = router.route(RouteRequest("67", "c", 400, 10, blocks("s", "v", "w", "x"))).decision
+    assert weak.reason == "min-load" and weak.replica == "llm-2"  # 1/4 <= 0.3
 
 
 def test_chwbl_compares_the_load_before_the_request_with_one_and_a_quarter_of_the_mean() -> None:
@@ -107,13 +107,13 @@ def test_chwbl_compares_the_load_before_the_request_with_one_and_a_quarter_of_th
     home, second = walk[0], walk[1]
     for index, name in enumerate([home, second, walk[2]]):  # 3 in flight: cap = 4 / 4 x 1.25
         router.ledger.charge(f"x{index}", name, 1)
-    at_home = router.route(RouteRequest("r1", "c", 100, 1, prompt))
-    assert at_home is not None and (at_home.replica, at_home.reason) == (home, "home")  # 1 <= 1.25
+    at_home = router.route(RouteRequest("r1", "c", 100, 1, prompt)).decision
+    assert (at_home.replica, at_home.reason) == (home, "home")  # 1 <= 1.25
     assert at_home.trace.cap == pytest.approx(4 / 4 * BASE["chwbl"]["load_factor"])
     router.complete("r1")
     router.ledger.charge("x3", home, 1)  # home 2 of 4 in flight: cap = 5 / 4 x 1.25 = 1.5625
-    moved = router.route(RouteRequest("r2", "c", 100, 1, prompt))
-    assert moved is not None and (moved.replica, moved.reason) == (second, "overflow")  # 1 <= 1.5625
+    moved = router.route(RouteRequest("r2", "c", 100, 1, prompt)).decision
+    assert (moved.replica, moved.reason) == (second, "overflow")  # 1 <= 1.5625
     assert [(check.replica, check.accepted) for check in moved.trace.checks] == [(home, False), (second, True)]
 
 
@@ -158,18 +158,17 @@ def test_prefix_affinity_forgets_the_least_recently_sent_blocks_per_replica() ->
 def test_a_removed_replica_leaves_the_view_and_a_switch_starts_from_an_empty_one(policy: str) -> None:
     router = Router(routing(policy=policy), REPLICAS)
     prompt = blocks("system", "question")
-    first = router.route(RouteRequest("1", "c", 200, 8, prompt))
-    assert first is not None
+    first = router.route(RouteRequest("1", "c", 200, 8, prompt)).decision
     router.complete("1")
-    again = router.route(RouteRequest("2", "c", 200, 8, prompt))
-    assert again is not None and again.replica == first.replica and again.predicted_cached_tokens == 200
+    again = router.route(RouteRequest("2", "c", 200, 8, prompt)).decision
+    assert again.replica == first.replica and again.predicted_cached_tokens == 200
     router.complete("2")
     router.set_replicas([name for name in REPLICAS if name != first.replica])  # its cache went with it
-    moved = router.route(RouteRequest("3", "c", 200, 8, prompt))
-    assert moved is not None and moved.replica != first.replica and moved.predicted_cached_tokens == 0
+    moved = router.route(RouteRequest("3", "c", 200, 8, prompt)).decision
+    assert moved.replica != first.replica and moved.predicted_cached_tokens == 0
     router.reconfigure(routing(policy=policy, speed_ewma_weight=0.5))  # a new policy object: nothing remembered
-    fresh = router.route(RouteRequest("4", "c", 200, 8, prompt))
-    assert fresh is not None and fresh.predicted_cached_tokens == 0
+    fresh = router.route(RouteRequest("4", "c", 200, 8, prompt)).decision
+    assert fresh.predicted_cached_tokens == 0
     router.complete("3")  # routed before the switch: the new view knows nothing of it
     router.complete("4")
     assert router.in_flight() == router.ledger.total_requests() == 0

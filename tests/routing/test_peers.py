@@ -129,15 +129,15 @@ def test_the_later_placement_is_the_one_with_more_prompt_tokens() -> None:
 def test_a_router_uses_a_later_shared_placement_and_remembers_it() -> None:
     router = Router(routing(), REPLICAS)
     conversation = key_with_walk(router, "a", "b")
-    first = router.route(RouteRequest("1", conversation, 100, 16))
-    assert first is not None and first.replica == "a"
+    first = router.route(RouteRequest("1", conversation, 100, 16)).decision
+    assert first.replica == "a"
     router.complete("1")
     shared = PeerView({}, Placement("b", 400))  # a later turn, served on b through another router
-    decision = router.route(RouteRequest("2", conversation, 500, 16), peers=shared)
-    assert decision is not None and decision.replica == "b" and decision.predicted_cached_tokens == 400
+    decision = router.route(RouteRequest("2", conversation, 500, 16), peers=shared).decision
+    assert decision.replica == "b" and decision.predicted_cached_tokens == 400
     router.complete("2")
-    again = router.route(RouteRequest("3", conversation, 600, 16), peers=PeerView({}, Placement("a", 100)))
-    assert again is not None and again.replica == "b"  # an older shared entry loses to this router's own
+    again = router.route(RouteRequest("3", conversation, 600, 16), peers=PeerView({}, Placement("a", 100))).decision
+    assert again.replica == "b"  # an older shared entry loses to this router's own
 
 
 @settings(max_examples=60, deadline=None)
@@ -151,8 +151,7 @@ def test_the_bound_holds_on_the_load_seen_with_peers(ops, unit) -> None:
         if complete and open_ids:
             router.complete(open_ids.pop(0))
         decision = router.route(RouteRequest(str(index), f"c{conversation}", prompt, 16),
-                                peers=PeerView(elsewhere, None))
-        assert decision is not None
+                                peers=PeerView(elsewhere, None)).decision
         open_ids.append(str(index))
         before = dict(decision.trace.loads)
         assert decision.trace.total == sum(before.values()) + decision.cost

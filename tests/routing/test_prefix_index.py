@@ -80,13 +80,12 @@ def test_bytes_per_block_stay_bounded() -> None:
 def test_expected_cache_is_the_longest_held_prefix_on_each_candidate_and_the_trace_says_so() -> None:
     router = Router(routing(prefix_index=True, placement_memory=True), NAMES)
     shared = blocks("system", "tools")
-    first = router.route(RouteRequest("a", "alice", 600, 10, shared + blocks("alice")[2:]))
-    assert first is not None
+    first = router.route(RouteRequest("a", "alice", 600, 10, shared + blocks("alice")[2:])).decision
     router.complete("a")
     # bob shares only the opening with alice: a new conversation, cheaper where alice went
     bob = RouteRequest("b", "bob", 400, 10, shared + blocks("system", "tools", "bob", "more")[2:])
-    decision = router.route(bob)
-    assert decision is not None and decision.replica == first.replica
+    decision = router.route(bob).decision
+    assert decision.replica == first.replica
     assert decision.predicted_cached_tokens == covered_tokens(400, 4, 2) == 200
     trace = decision.trace
     assert trace.preferred_by in ("prefix", "ring") and trace.cached_tokens == 200 and trace.prompt_blocks == 4
@@ -98,15 +97,13 @@ def test_expected_cache_is_the_longest_held_prefix_on_each_candidate_and_the_tra
 def test_a_turn_after_one_too_short_for_a_block_keeps_to_placement_memory() -> None:
     """The index never saw a prompt shorter than a block; placement memory did."""
     router = Router(routing(prefix_index=True), NAMES)
-    first = router.route(RouteRequest("b1", "bob", 12, 10, ()))  # too short for one block
-    assert first is not None
+    first = router.route(RouteRequest("b1", "bob", 12, 10, ())).decision  # too short for one block
     router.complete("b1")
     home = router.ring.home(router.conversation_key("bob"))
     for number in range(3):  # other prompts go somewhere; bob's replica holds nothing of bob's
         router.route(RouteRequest(f"x{number}", f"x{number}", 400, 10, blocks(f"x{number}", "1")))
         router.complete(f"x{number}")
-    follow_up = router.route(RouteRequest("b2", "bob", 300, 10, blocks("bob", "b1")))  # 2 blocks of 150 tokens
-    assert follow_up is not None
+    follow_up = router.route(RouteRequest("b2", "bob", 300, 10, blocks("bob", "b1"))).decision  # 2 blocks of 150 tokens
     assert follow_up.replica == first.replica and follow_up.predicted_cached_tokens == 12
     assert follow_up.trace.preferred_by == "memory"
     assert follow_up.reason == ("home" if first.replica == home else "sticky")
@@ -114,8 +111,8 @@ def test_a_turn_after_one_too_short_for_a_block_keeps_to_placement_memory() -> N
     router.complete("b2")
     router.set_replicas([name for name in NAMES if name != first.replica])
     router.set_replicas(NAMES)  # the replica came back empty; placement memory still names it
-    again = router.route(RouteRequest("b3", "bob", 400, 10, blocks("bob", "b1", "b2")))
-    assert again is not None and again.predicted_cached_tokens == 0
+    again = router.route(RouteRequest("b3", "bob", 400, 10, blocks("bob", "b1", "b2"))).decision
+    assert again.predicted_cached_tokens == 0
 
 
 def test_an_evicted_prefix_is_not_predicted_while_placement_memory_still_claims_it() -> None:
@@ -128,14 +125,15 @@ def test_an_evicted_prefix_is_not_predicted_while_placement_memory_still_claims_
         router.route(RouteRequest(f"x{number}", f"x{number}", 400, 10, blocks(f"x{number}", "1", "2", "3")))
         router.complete(f"x{number}")
     assert index_of(router).used("llm-0") <= capacity
-    decision = router.route(RouteRequest("a2", "alice", 500, 10, alice + blocks("alice", "a1", "a2", "a3", "a4")[4:]))
-    assert decision is not None and decision.predicted_cached_tokens == 0
+    follow_up = RouteRequest("a2", "alice", 500, 10, alice + blocks("alice", "a1", "a2", "a3", "a4")[4:])
+    decision = router.route(follow_up).decision
+    assert decision.predicted_cached_tokens == 0
     assert decision.trace.remembered == "llm-0"  # placement memory alone would have said 400 cached
     off = Router(routing(prefix_index=False), ["llm-0"])
     off.route(RouteRequest("a1", "alice", 400, 10))
     off.complete("a1")
-    again = off.route(RouteRequest("a2", "alice", 500, 10))
-    assert again is not None and again.predicted_cached_tokens == 400
+    again = off.route(RouteRequest("a2", "alice", 500, 10)).decision
+    assert again.predicted_cached_tokens == 400
 
 
 def test_a_flood_on_one_system_prompt_stays_under_the_cap_and_reuses_it_where_held() -> None:
@@ -151,7 +149,7 @@ def test_a_flood_on_one_system_prompt_stays_under_the_cap_and_reuses_it_where_he
     for number in range(1000):
         prompt = blocks(*system, f"user-{number}", "question")
         held = {name: index_of(router).held_prefix(name, prompt) for name in REPLICAS}
-        decision = router.route(RouteRequest(str(number), f"c{number}", 800, 50, prompt))
+        decision = router.route(RouteRequest(str(number), f"c{number}", 800, 50, prompt)).decision
         assert decision is not None
         chosen_count[decision.replica] = chosen_count.get(decision.replica, 0) + 1
         trace = decision.trace
@@ -191,8 +189,8 @@ def test_with_the_index_off_blocks_change_nothing_and_with_no_blocks_the_index_c
     for number, (conversation, prompt, max_tokens, shared, done) in enumerate(sent):
         plain = RouteRequest(str(number), f"c{conversation}", prompt, max_tokens)
         with_blocks = plain._replace(prefix_blocks=blocks(*(["s"] * shared), f"c{conversation}", str(number)))
-        reference = off.route(plain)
-        assert reference == off_with_blocks.route(with_blocks) == on_without_blocks.route(plain)
+        reference = off.route(plain).decision
+        assert reference == off_with_blocks.route(with_blocks).decision == on_without_blocks.route(plain).decision
         if done and number:
             for router in (off, off_with_blocks, on_without_blocks):
                 router.complete(str(number - 1))
@@ -209,8 +207,8 @@ def test_a_replica_reporting_whole_blocks_missing_gets_a_smaller_capacity_and_ke
             router.route(RouteRequest(str(number), conversation, 100 * len(sent), 10, sent))
             router.complete(str(number))
         second = RouteRequest("2", "alice", 500, 10, prompt)
-        decision = router.route(second)
-        assert decision is not None and decision.predicted_cached_tokens == 500
+        decision = router.route(second).decision
+        assert decision.predicted_cached_tokens == 500
         router.complete("2")
         router.report_cached(second, "llm-0", 500, 30)  # part of its first block: 4 whole blocks missing
         index = index_of(router)
@@ -228,8 +226,8 @@ def test_a_paged_servers_partial_last_block_is_not_taken_for_a_missing_block() -
     router.route(RouteRequest("1", "alice", 1300, 10, prompt))
     router.complete("1")
     second = RouteRequest("2", "alice", 1300, 10, prompt)
-    decision = router.route(second)
-    assert decision is not None and decision.predicted_cached_tokens == 1300
+    decision = router.route(second).decision
+    assert decision.predicted_cached_tokens == 1300
     router.report_cached(second, "llm-0", 1300, 1024)
     assert index_of(router).capacity_of("llm-0") == 5000
     router.report_cached(second, "llm-0", 1300, 512)  # one whole block missing: 650 tokens (1,300 / 2)
@@ -240,8 +238,7 @@ def test_a_report_at_or_above_the_prediction_or_from_an_unknown_replica_changes_
     prompt = blocks("alice", "a1", "a2")
     router = Router(routing(prefix_index=True, prefix_feedback=True), ["llm-0", "llm-1"])
     request = RouteRequest("1", "alice", 300, 10, prompt)
-    decision = router.route(request)
-    assert decision is not None
+    decision = router.route(request).decision
     router.complete("1")
     router.report_cached(request, decision.replica, 0, 0)
     router.report_cached(request, "gone", 300, 0)
@@ -354,20 +351,18 @@ def test_a_failed_request_leaves_only_what_its_replica_held_before_it() -> None:
     brought are forgotten, the turn before it is still held, and a retry is predicted as much."""
     first, second = blocks("system", "alice"), blocks("system", "alice", "a long paste", "more")
     router = Router(routing(prefix_index=True), NAMES)
-    decision = router.route(RouteRequest("1", "alice", 200, 10, first))
-    assert decision is not None
+    decision = router.route(RouteRequest("1", "alice", 200, 10, first)).decision
     router.complete("1")
-    failed = router.route(RouteRequest("2", "alice", 400, 10, second))
-    assert failed is not None and failed.replica == decision.replica
+    failed = router.route(RouteRequest("2", "alice", 400, 10, second)).decision
+    assert failed.replica == decision.replica
     assert index_of(router).held_prefix(decision.replica, second) == 4  # sent: believed held until it fails
     router.complete("2", ok=False)
     index = index_of(router)
     assert index.held_prefix(decision.replica, second) == 2 and index.used(decision.replica) == 200
-    retry = router.route(RouteRequest("3", "alice", 400, 10, second))
-    assert retry is not None and retry.predicted_cached_tokens == 200
+    retry = router.route(RouteRequest("3", "alice", 400, 10, second)).decision
+    assert retry.predicted_cached_tokens == 200
     router.complete("3", ok=False)
-    lone = router.route(RouteRequest("4", "bob", 400, 10, blocks("bob", "b1", "b2", "b3")))
-    assert lone is not None
+    lone = router.route(RouteRequest("4", "bob", 400, 10, blocks("bob", "b1", "b2", "b3"))).decision
     router.complete("4", ok=False)  # nothing held before it: nothing left of it
     assert index.size(lone.replica) == (2 if lone.replica == decision.replica else 0)
 
@@ -375,12 +370,11 @@ def test_a_failed_request_leaves_only_what_its_replica_held_before_it() -> None:
 def test_a_request_answered_by_a_fallback_leaves_nothing_new_on_its_pick() -> None:
     """The proxy failed over (the pick refused): the pick cached none of the prompt's new blocks."""
     router = Router(routing(prefix_index=True), NAMES)
-    first = router.route(RouteRequest("1", "alice", 200, 10, blocks("system", "alice")))
-    assert first is not None
+    first = router.route(RouteRequest("1", "alice", 200, 10, blocks("system", "alice"))).decision
     router.complete("1")
     longer = blocks("system", "alice", "turn 2")
-    second = router.route(RouteRequest("2", "alice", 300, 10, longer))
-    assert second is not None and second.replica == first.replica
+    second = router.route(RouteRequest("2", "alice", 300, 10, longer)).decision
+    assert second.replica == first.replica
     fallback = next(name for name in NAMES if name != first.replica)
     router.complete("2", served=fallback)
     assert index_of(router).held_prefix(first.replica, longer) == 2
@@ -394,8 +388,7 @@ def test_requests_in_flight_on_a_replica_that_left_are_not_remembered() -> None:
     assert isinstance(policy, LlmAwarePrefix)
     picks = {}
     for number in range(12):
-        decision = router.route(RouteRequest(str(number), f"c{number}", 200, 10, blocks(f"c{number}", "x")))
-        assert decision is not None
+        decision = router.route(RouteRequest(str(number), f"c{number}", 200, 10, blocks(f"c{number}", "x"))).decision
         picks[str(number)] = decision.replica
     gone = picks["0"]
     router.set_replicas([name for name in NAMES if name != gone])
@@ -411,34 +404,32 @@ def test_a_prompt_no_replica_holds_goes_where_the_fleet_forgets_its_least_recent
     router = Router(routing(prefix_index=True, prefix_capacity_tokens=400), NAMES)
     placed = []
     for name in ("a", "b", "c"):
-        decision = router.route(RouteRequest(name, name, 400, 10, blocks(name, "1", "2", "3")))
-        assert decision is not None
+        decision = router.route(RouteRequest(name, name, 400, 10, blocks(name, "1", "2", "3"))).decision
         placed.append(decision.replica)
     assert sorted(placed) == NAMES  # each one where there was room
     for name in ("c", "a", "b"):  # c's replica now holds the least recently used prompt
         router.complete(name)
     oldest, next_oldest = placed[2], placed[0]
     key = key_with_walk(router, next(name for name in NAMES if name != oldest))  # its ring home is elsewhere
-    decision = router.route(RouteRequest("d", key, 400, 10, blocks("d", "1", "2", "3")))
-    assert decision is not None and decision.replica == oldest and decision.reason == "least-recent"
+    decision = router.route(RouteRequest("d", key, 400, 10, blocks("d", "1", "2", "3"))).decision
+    assert decision.replica == oldest and decision.reason == "least-recent"
     assert decision.trace.preferred_by == "lru" and ("least_recent_use", 4) in decision.trace.figures
     assert f"under the cap {oldest}'s least recent prompt is the oldest (use 4)" in render_trace(decision)
     router.complete("d")
-    busy = router.route(RouteRequest("d2", key, 800, 10, blocks("d", "1", "2", "3", "4", "5", "6", "7")))
-    assert busy is not None and busy.replica == oldest  # its follow-up, in flight: over the cap there now
-    decision = router.route(RouteRequest("e", key_with_walk(router, oldest), 400, 10, blocks("e", "1", "2", "3")))
-    assert decision is not None and decision.replica == next_oldest
+    busy = router.route(RouteRequest("d2", key, 800, 10, blocks("d", "1", "2", "3", "4", "5", "6", "7"))).decision
+    assert busy.replica == oldest  # its follow-up, in flight: over the cap there now
+    other = RouteRequest("e", key_with_walk(router, oldest), 400, 10, blocks("e", "1", "2", "3"))
+    decision = router.route(other).decision
+    assert decision.replica == next_oldest
 
 
 def test_the_rendered_trace_names_the_index_as_the_reason_for_the_preference() -> None:
     router = Router(routing(prefix_index=True), NAMES)
-    first = router.route(RouteRequest("a", "alice", 600, 10, blocks("system", "tools", "alice", "x")))
-    assert first is not None
+    first = router.route(RouteRequest("a", "alice", 600, 10, blocks("system", "tools", "alice", "x"))).decision
     router.complete("a")
     for number in range(50):  # some conversation whose ring home is elsewhere
         decision = router.route(RouteRequest(f"b{number}", f"bob{number}", 600, 10,
-                                             blocks("system", "tools", f"bob{number}", "y")))
-        assert decision is not None
+                                             blocks("system", "tools", f"bob{number}", "y"))).decision
         router.complete(f"b{number}")
         if decision.trace.home != first.replica:
             break
@@ -486,13 +477,12 @@ def test_over_the_cap_the_cached_replica_keeps_a_request_unless_another_lands_a_
     follow_up = opening + blocks(*(f"a{n}" for n in range(11)))[10:]
     for backlog, reason, stays in ((1000, "kept", True), (1500, "least-loaded", False), (2000, "overflow", False)):
         router = Router(routing(prefix_index=True, long_stickiness=False), ["llm-0", "llm-1"])
-        first = router.route(RouteRequest("1", "alice", 1000, 10, opening))
-        assert first is not None
+        first = router.route(RouteRequest("1", "alice", 1000, 10, opening)).decision
         router.complete("1")
         for part in ("busy-1", "busy-2"):  # two requests: the cached replica is over the cap in requests too
             router.ledger.charge(part, first.replica, backlog // 2)
-        decision = router.route(RouteRequest("2", "alice", 1100, 10, follow_up))
-        assert decision is not None and decision.reason == reason
+        decision = router.route(RouteRequest("2", "alice", 1100, 10, follow_up)).decision
+        assert decision.reason == reason
         assert (decision.replica == first.replica) is stays
         assert decision.cost == (110 if stays else 1110)
         if stays:
@@ -514,13 +504,12 @@ def test_over_its_limit_in_tokens_the_cached_replica_keeps_a_request_while_withi
     follow_up = opening + blocks(*(f"a{n}" for n in range(11)))[10:]
     for parts, reason, stays in ((1, "-requests", True), (2, "overflow", False)):
         router = Router(routing(prefix_index=True, long_stickiness=False), ["llm-0", "llm-1"])
-        first = router.route(RouteRequest("1", "alice", 1000, 10, opening))
-        assert first is not None
+        first = router.route(RouteRequest("1", "alice", 1000, 10, opening)).decision
         router.complete("1")
         for part in range(parts):
             router.ledger.charge(f"busy-{part}", first.replica, 3000 // parts)
-        decision = router.route(RouteRequest("2", "alice", 1100, 10, follow_up))
-        assert decision is not None and decision.reason.endswith(reason)
+        decision = router.route(RouteRequest("2", "alice", 1100, 10, follow_up)).decision
+        assert decision.reason.endswith(reason)
         assert (decision.replica == first.replica) is stays
         assert decision.cost == (110 if stays else 1110)
         assert dict(decision.trace.figures)["requests"] == parts
@@ -538,12 +527,11 @@ def test_below_one_request_a_replica_a_follow_up_stays_beside_one_long_prefill_a
     follow_up = opening + blocks(*(f"a{n}" for n in range(11)))[10:]
     for conversation, stays in (("alice", True), ("bob", False)):
         router = Router(routing(prefix_index=True, long_stickiness=False), REPLICAS)
-        first = router.route(RouteRequest("1", "alice", 1000, 10, opening))
-        assert first is not None
+        first = router.route(RouteRequest("1", "alice", 1000, 10, opening)).decision
         router.complete("1")
         router.ledger.charge("busy", first.replica, 20_000)
-        decision = router.route(RouteRequest("2", conversation, 1100, 10, follow_up))
-        assert decision is not None and decision.predicted_cached_tokens == (1000 if stays else 0)
+        decision = router.route(RouteRequest("2", conversation, 1100, 10, follow_up)).decision
+        assert decision.predicted_cached_tokens == (1000 if stays else 0)
         assert (decision.replica == first.replica) is stays
         assert decision.cost == (110 if stays else 1110)
         figures = dict(decision.trace.figures)
@@ -565,13 +553,12 @@ def test_with_the_index_the_long_cap_is_measured_against_the_cached_prefix_when_
     follow_up = opening + blocks(*(f"a{n}" for n in range(11)))[10:]
     for backlog, stays in ((1500, True), (2500, False)):
         router = Router(routing(prefix_index=True), names)
-        first = router.route(RouteRequest("1", "alice", 1000, 10, opening))
-        assert first is not None
+        first = router.route(RouteRequest("1", "alice", 1000, 10, opening)).decision
         router.complete("1")
         for part in range(5):  # 5 requests: over the cap in requests too (5 > ⌈1.25 × 6 / 4⌉ = 2)
             router.ledger.charge(f"busy-{part}", first.replica, backlog // 5)
-        decision = router.route(RouteRequest("2", "alice", 1100, 10, follow_up))
-        assert decision is not None and decision.trace.long_cap == 2000
+        decision = router.route(RouteRequest("2", "alice", 1100, 10, follow_up)).decision
+        assert decision.trace.long_cap == 2000
         assert (decision.replica == first.replica) is stays
         assert decision.reason == (decision.reason.partition("-")[0] + "-long" if stays else "least-loaded")
 
@@ -590,8 +577,7 @@ def test_with_the_index_a_replica_goes_over_the_cap_only_when_none_fits_and_kept
     router = Router(routing(prefix_index=True, epsilon=epsilon), NAMES)
     for number, (opening, conversation, turns, prompt, done) in enumerate(sent):
         chain = blocks(f"system-{opening}", f"c{conversation}", *(f"t{n}" for n in range(turns)))
-        decision = router.route(RouteRequest(str(number), f"c{opening}-{conversation}", prompt, 10, chain))
-        assert decision is not None
+        decision = router.route(RouteRequest(str(number), f"c{opening}-{conversation}", prompt, 10, chain)).decision
         trace = decision.trace
         assert trace.cap is not None
         landing = {check.replica: check.load + check.cost for check in trace.checks}
@@ -634,8 +620,8 @@ def test_every_pick_is_charged_and_predicted_what_the_index_holds_there(
         chain = blocks(f"system-{opening}", f"c{conversation}", *(f"t{n}" for n in range(turns)))
         held = {name: index.held_prefix(name, chain) for name in names}  # before the request is sent
         key = f"c{opening}-{conversation}"
-        decision = router.route(RouteRequest(str(number), key, prompt, 10, chain), avoid)
-        assert decision is not None and decision.replica not in avoid
+        decision = router.route(RouteRequest(str(number), key, prompt, 10, chain), avoid).decision
+        assert decision.replica not in avoid
         depth = held[decision.replica]
         cached = covered_tokens(prompt, len(chain), depth)
         last = last_served.get(key)
@@ -662,8 +648,7 @@ def test_a_tie_among_more_holders_than_a_trace_lists_is_charged_as_cached_wherev
         index_of(router).add_prompt(name, system, 100)
     for number in range(40):  # new conversations: each lands on its ring home, half past the 8 listed
         chain = system + blocks("system", "tools", f"user-{number}")[2:]
-        decision = router.route(RouteRequest(str(number), f"user-{number}", 300, 10, chain))
-        assert decision is not None
+        decision = router.route(RouteRequest(str(number), f"user-{number}", 300, 10, chain)).decision
         assert decision.replica == router.ring.home(router.conversation_key(f"user-{number}"))
         assert decision.predicted_cached_tokens == 200 and decision.charged_tokens == 300 - 200 + 10
         assert len(decision.trace.candidates) == 8 and dict(decision.trace.figures)["holders"] == 16

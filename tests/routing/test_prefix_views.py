@@ -82,8 +82,8 @@ def test_chwbl_never_picks_above_its_bound(loads, opening, avoid) -> None:
     router = Router(routing(policy="chwbl"), NAMES + ["llm-3"])
     for number, name in enumerate(loads):
         router.ledger.charge(f"x{number}", name, 1)
-    decision = router.route(RouteRequest("r", "c", 10, 1, prefix_blocks(opening)), avoid=avoid)
-    assert decision is not None and decision.replica not in avoid
+    decision = router.route(RouteRequest("r", "c", 10, 1, prefix_blocks(opening)), avoid=avoid).decision
+    assert decision.replica not in avoid
     checks = decision.trace.checks
     assert checks[-1].replica == decision.replica and checks[-1].accepted
     assert all(not check.accepted and check.load > check.limit for check in checks[:-1])

@@ -12,8 +12,8 @@ REPLICAS = ["llm-0", "llm-1", "llm-2"]
 def test_route_then_complete_returns_every_counter_to_zero(policy: str) -> None:
     router = Router(routing(policy=policy), REPLICAS)
     for index in range(50):
-        decision = router.route(RouteRequest(str(index), f"c{index % 7}", 100 + index, 32))
-        assert decision is not None and decision.reason in reasons()  # every reason is documented
+        decision = router.route(RouteRequest(str(index), f"c{index % 7}", 100 + index, 32)).decision
+        assert decision.reason in reasons()  # every reason is documented
     assert router.ledger.total_requests() == 50
     for index in range(50):
         assert router.complete(str(index)) is not None
@@ -30,18 +30,18 @@ def test_no_replicas_means_no_decision() -> None:
 
 def test_round_robin_rotates_and_mod_n_hashes() -> None:
     rr = Router(routing(policy="round-robin"), REPLICAS)
-    picks = [rr.route(RouteRequest(str(i), "same", 10, 1)).replica for i in range(6)]  # type: ignore[union-attr]
+    picks = [rr.route(RouteRequest(str(i), "same", 10, 1)).decision.replica for i in range(6)]  # type: ignore[union-attr]
     assert picks == REPLICAS * 2
     mod = Router(routing(policy="mod-n"), REPLICAS)
-    assert len({mod.route(RouteRequest(str(i), "same", 10, 1)).replica for i in range(6)}) == 1  # type: ignore[union-attr]
+    assert len({mod.route(RouteRequest(str(i), "same", 10, 1)).decision.replica for i in range(6)}) == 1  # type: ignore[union-attr]
 
 
 def test_avoided_replicas_are_never_picked() -> None:
     for policy in ["round-robin", "mod-n", "consistent", "bounded", "llm-aware"]:
         router = Router(routing(policy=policy), REPLICAS)
         for index in range(30):
-            decision = router.route(RouteRequest(f"{policy}{index}", f"c{index}", 50, 5), avoid={"llm-1"})
-            assert decision is not None and decision.replica != "llm-1"
+            decision = router.route(RouteRequest(f"{policy}{index}", f"c{index}", 50, 5), avoid={"llm-1"}).decision
+            assert decision.replica != "llm-1"
 
 
 def test_a_duplicate_request_id_is_refused() -> None:
@@ -53,13 +53,37 @@ def test_a_duplicate_request_id_is_refused() -> None:
 
 def test_removing_a_replica_drops_its_load_and_its_requests_complete_harmlessly() -> None:
     router = Router(routing(policy="consistent"), REPLICAS)
-    decisions = [router.route(RouteRequest(str(i), f"c{i}", 10, 1)) for i in range(30)]
+    decisions = [router.route(RouteRequest(str(i), f"c{i}", 10, 1)).decision for i in range(30)]
     router.set_replicas(["llm-0", "llm-2"])
     for index, decision in enumerate(decisions):
         assert decision is not None
         completed = router.complete(str(index))
         assert (completed is None) == (decision.replica == "llm-1")
     assert router.ledger.total_requests() == 0
+
+
+def test_a_ticket_releases_its_request_once_and_never_a_later_request_under_the_same_id() -> None:
+    router = Router(routing(), REPLICAS)
+    first = router.route(RouteRequest("r", "c", 10, 1))
+    assert first is not None and first.held and router.ledger.total_requests() == 1
+    assert first.release() and not first.held and router.ledger.total_requests() == 0
+    assert not first.release() and router.complete("r") is None  # once, by ticket or by id
+    again = router.route(RouteRequest("r", "c", 10, 1))  # the id is free again
+    assert again is not None and not first.release() and again.held  # the old ticket is not this request's
+    assert router.complete("r") == again.decision and not again.held and not again.release()
+    assert router.ledger.total_requests() == router.in_flight() == 0
+
+
+def test_the_tickets_of_a_replica_that_left_release_nothing_and_its_caches_are_still_found_there() -> None:
+    router = Router(routing(policy="consistent"), REPLICAS)
+    tickets = [router.route(RouteRequest(str(i), f"c{i}", 10 + i, 1)) for i in range(30)]
+    router.set_replicas(["llm-0", "llm-2"])
+    gone = [ticket for ticket in tickets if ticket is not None and ticket.decision.replica == "llm-1"]
+    assert gone and not any(ticket.held or ticket.release() for ticket in gone)
+    # a migration looks for them there: the load went, their caches did not
+    assert dict(router.placed_on("llm-1")) == {ticket.key: ticket.request.prompt_tokens for ticket in gone}
+    assert all(ticket.release() for ticket in tickets if ticket is not None and ticket not in gone)
+    assert router.ledger.total_requests() == router.in_flight() == 0
 
 
 def test_failed_requests_are_not_remembered() -> None:
@@ -72,8 +96,7 @@ def test_failed_requests_are_not_remembered() -> None:
 def test_an_answer_from_another_replica_is_remembered_there() -> None:
     """The proxy failed over: the cache is now where the answer came from, not on the pick."""
     router = Router(routing(), REPLICAS)
-    decision = router.route(RouteRequest("r", "c", 10, 1))
-    assert decision is not None
+    decision = router.route(RouteRequest("r", "c", 10, 1)).decision
     other = next(name for name in REPLICAS if name != decision.replica)
     router.complete("r", ok=True, served=other)
     remembered = router.memory.get(router.conversation_key("c"))
@@ -85,12 +108,13 @@ def test_reconfigure_switches_policy_and_keeps_load_reset_forgets() -> None:
     router = Router(routing(policy="bounded"), REPLICAS)
     router.route(RouteRequest("r", "c", 10, 1))
     router.complete("r")
-    router.route(RouteRequest("r2", "c", 10, 1))
+    ticket = router.route(RouteRequest("r2", "c", 10, 1))
     router.reconfigure(routing(policy="round-robin", virtual_nodes=7))
     assert router.policy.name == "round-robin" and router.ledger.total_requests() == 1
+    assert ticket is not None and ticket.held
     router.reset()
     assert router.ledger.total_requests() == 0 and router.memory.get(router.conversation_key("c")) is None
-    assert router.complete("r2") is None
+    assert router.complete("r2") is None and not ticket.held and not ticket.release()
 
 
 def test_placement_memory_is_keyed_by_the_ring_hash_and_a_new_seed_starts_it_afresh() -> None:

@@ -20,9 +20,8 @@ def test_llm_aware_keeps_long_cached_conversation_home_above_normal_cap() -> Non
     conversation = key_with_walk(router, "llm-0", "llm-2")
     router.memory.remember(router.conversation_key(conversation), "llm-0", 820)
 
-    decision = router.route(RouteRequest("r1", conversation, prompt_tokens=860, max_tokens=48))
+    decision = router.route(RouteRequest("r1", conversation, prompt_tokens=860, max_tokens=48)).decision
 
-    assert decision is not None
     assert (decision.replica, decision.reason, decision.cost) == ("llm-0", "home-long", 88)
     assert decision.predicted_cached_tokens == 820
     assert render_trace(decision) == "\n".join([
@@ -40,9 +39,8 @@ def test_bounded_tokens_redirects_the_same_request_away_from_its_cache() -> None
     conversation = key_with_walk(router, "llm-0", "llm-2")
     router.memory.remember(router.conversation_key(conversation), "llm-0", 820)
 
-    decision = router.route(RouteRequest("r1", conversation, prompt_tokens=860, max_tokens=48))
+    decision = router.route(RouteRequest("r1", conversation, prompt_tokens=860, max_tokens=48)).decision
 
-    assert decision is not None
     assert (decision.replica, decision.reason, decision.cost) == ("llm-2", "overflow", 908)
     assert decision.predicted_cached_tokens == 0  # its cache is on llm-0
     assert render_trace(decision) == "\n".join([
@@ -57,8 +55,7 @@ def test_trace_is_data_with_every_number() -> None:
     router = loaded_router("llm-aware")
     conversation = key_with_walk(router, "llm-0")
     router.memory.remember(router.conversation_key(conversation), "llm-0", 820)
-    decision = router.route(RouteRequest("r1", conversation, 860, 48))
-    assert decision is not None
+    decision = router.route(RouteRequest("r1", conversation, 860, 48)).decision
     data = decision.trace.as_dict()
     assert data["loads"] == LOADS
     assert data["total"] == 4288

@@ -34,7 +34,7 @@ def toy() -> Iterator[None]:
 def test_the_router_runs_it_with_its_parameter_reasons_and_details(toy: None) -> None:
     router = Router(routing(policy="toy", max_in_flight=2), ["llm-0", "llm-1", "llm-2"])
     key = key_with_walk(router, "llm-1")
-    picks = [router.route(RouteRequest(str(n), key, 100, 10)) for n in range(3)]
+    picks = [router.route(RouteRequest(str(n), key, 100, 10)).decision for n in range(3)]
     assert [(d.replica, d.reason) for d in picks if d] == [("llm-1", "toy-home"), ("llm-1", "toy-home"),
                                                           ("llm-0", "toy-spill")]
     third = picks[2]
@@ -42,7 +42,7 @@ def test_the_router_runs_it_with_its_parameter_reasons_and_details(toy: None) ->
     assert render_trace(third).splitlines() == ["toy → llm-0 (toy-spill)", "  home_in_flight=2 max_in_flight=2"]
     assert {"toy-home", "toy-spill"} <= set(reasons())
     router.complete("0")
-    assert router.route(RouteRequest("3", key, 100, 10)).reason == "toy-home"  # type: ignore[union-attr]
+    assert router.route(RouteRequest("3", key, 100, 10)).decision.reason == "toy-home"  # type: ignore[union-attr]
 
 
 def test_its_section_is_checked_like_any_policy_s(toy: None) -> None:

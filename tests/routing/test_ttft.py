@@ -23,8 +23,8 @@ def test_a_follow_up_stays_with_its_cache_beside_a_long_prefill_on_an_idle_fleet
     conversation = key_with_walk(router, "llm-0", "llm-1")
     router.memory.remember(router.conversation_key(conversation), "llm-0", 400)
     busy(router, "llm-0", 1, 1200)  # one document's prefill; the others idle
-    decision = router.route(RouteRequest("r", conversation, 440, 8))
-    assert decision is not None and (decision.replica, decision.reason) == ("llm-0", "home")
+    decision = router.route(RouteRequest("r", conversation, 440, 8)).decision
+    assert (decision.replica, decision.reason) == ("llm-0", "home")
     predicted = dict(decision.trace.predicted)
     # it shares llm-0 with one request (delayed by at most its own 48 tokens) against 448 tokens elsewhere
     assert predicted["llm-0"] < predicted["llm-1"]
@@ -34,8 +34,8 @@ def test_a_follow_up_stays_with_its_cache_beside_a_long_prefill_on_an_idle_fleet
     walk = Router(routing(policy="llm-aware", ttft_decisions=False, long_stickiness=False), REPLICAS)
     walk.memory.remember(walk.conversation_key(conversation), "llm-0", 400)
     busy(walk, "llm-0", 1, 1200)
-    moved = walk.route(RouteRequest("r", conversation, 440, 8))
-    assert moved is not None and moved.reason == "overflow"
+    moved = walk.route(RouteRequest("r", conversation, 440, 8)).decision
+    assert moved.reason == "overflow"
 
 
 def test_it_moves_only_when_predicted_faster_by_the_margin() -> None:
@@ -44,8 +44,7 @@ def test_it_moves_only_when_predicted_faster_by_the_margin() -> None:
         conversation = key_with_walk(router, "llm-0", "llm-1")
         router.memory.remember(router.conversation_key(conversation), "llm-0", 400)
         busy(router, "llm-0", 4, queued)  # all slots taken: it waits behind all of it
-        decision = router.route(RouteRequest("r", conversation, 440, 8))
-        assert decision is not None
+        decision = router.route(RouteRequest("r", conversation, 440, 8)).decision
         return decision.replica, decision.reason
 
     # stay: queued + 48 tokens; move: 448 tokens. Margin 1: move once 448 × 2 < queued + 48
@@ -61,8 +60,7 @@ def test_a_move_pays_the_tokens_it_computes_again() -> None:
         conversation = key_with_walk(router, "llm-0", "llm-1")
         router.memory.remember(router.conversation_key(conversation), "llm-0", 400)
         busy(router, "llm-0", 4, 600)
-        decision = router.route(RouteRequest("r", conversation, 440, 8))
-        assert decision is not None
+        decision = router.route(RouteRequest("r", conversation, 440, 8)).decision
         return decision.reason
 
     # stay 648 tokens; move 448, plus the 400 cached tokens computed again: 848
@@ -74,16 +72,16 @@ def test_past_the_guard_rail_the_bounded_walk_decides() -> None:
     cached = key_with_walk(light, "llm-0")
     light.memory.remember(light.conversation_key(cached), "llm-0", 400)
     busy(light, "llm-0", 1, 3000)  # past it in tokens, but one long prefill on a light fleet is no imbalance
-    decision = light.route(RouteRequest("r", cached, 440, 8))
-    assert decision is not None and decision.trace.predicted and decision.replica == "llm-0"
+    decision = light.route(RouteRequest("r", cached, 440, 8)).decision
+    assert decision.trace.predicted and decision.replica == "llm-0"
 
     router = timed(ttft_guard_factor=1.5, long_stickiness=False)
     conversation = key_with_walk(router, "llm-0", "llm-1")
     router.memory.remember(router.conversation_key(conversation), "llm-0", 400)
     busy(router, "llm-0", 4, 3000)  # past 1.5 x the average in tokens and in requests
     busy(router, "llm-1", 1, 100)
-    decision = router.route(RouteRequest("r", conversation, 440, 8))
-    assert decision is not None and decision.trace.checks and decision.trace.predicted == ()
+    decision = router.route(RouteRequest("r", conversation, 440, 8)).decision
+    assert decision.trace.checks and decision.trace.predicted == ()
     assert decision.reason == "overflow"
 
 
@@ -94,8 +92,7 @@ def test_a_full_replica_makes_a_request_wait_behind_all_its_work() -> None:
         busy(router, "llm-0", 2, 2000)
         busy(router, "llm-1", 2, 2000)
         busy(router, "llm-2", 2, 2000)
-        decision = router.route(RouteRequest("r", conversation, 100, 8))
-        assert decision is not None
+        decision = router.route(RouteRequest("r", conversation, 100, 8)).decision
         return dict(decision.trace.predicted)[decision.replica]
 
     prior = 1 / 167
@@ -113,8 +110,7 @@ def test_new_conversations_go_to_the_replica_learnt_faster() -> None:
     assert router.speeds.answers["llm-2"] == 50
     picks = set()
     for number in range(10):
-        decision = router.route(RouteRequest(f"n{number}", f"new-{number}", 600, 8))
-        assert decision is not None
+        decision = router.route(RouteRequest(f"n{number}", f"new-{number}", 600, 8)).decision
         picks.add(decision.replica)
         router.complete(f"n{number}")
     assert picks == {"llm-2"}
@@ -137,14 +133,13 @@ def test_the_prefix_index_predicts_the_last_prompt_where_it_was_served() -> None
     the last prompt's length, tail included, and that nothing of this turn's text is cached."""
     router = Router(routing(policy="llm-aware", ttft_decisions=True, prefix_index=True), REPLICAS)
     first = RouteRequest("t1", "c", 86, 8, (11,))  # one whole block of 64 tokens and a tail
-    made = router.route(first)
-    assert made is not None
+    made = router.route(first).decision
     router.complete("t1")
-    follow = router.route(RouteRequest("t2", "c", 127, 8, (11,)))  # the same one whole block
-    assert follow is not None and follow.replica == made.replica
+    follow = router.route(RouteRequest("t2", "c", 127, 8, (11,))).decision  # the same one whole block
+    assert follow.replica == made.replica
     assert follow.predicted_cached_tokens == 86 and follow.cost == 127 - 86 + 8
-    deeper = router.route(RouteRequest("t3", "other", 300, 8, (11, 12, 13, 14)))  # a prompt never served
-    assert deeper is not None and deeper.predicted_cached_tokens == 75  # one block of four
+    deeper = router.route(RouteRequest("t3", "other", 300, 8, (11, 12, 13, 14))).decision  # a prompt never served
+    assert deeper.predicted_cached_tokens == 75  # one block of four
 
 
 def test_a_large_fleet_weighs_a_few_candidates_the_fastest_among_them() -> None:
@@ -156,8 +151,8 @@ def test_a_large_fleet_weighs_a_few_candidates_the_fastest_among_them() -> None:
             router.report_cached(RouteRequest(f"{name}-{number}", "x", 100, 8), name, 0, 0,
                                  AnswerTimings(tokens, tokens / 167 * factor * 1000, 8, 48.0, 0))
     assert router.speeds.fastest == "llm-17"
-    decision = router.route(RouteRequest("r", key_with_walk(router, "llm-0"), 600, 8))
-    assert decision is not None and (decision.replica, decision.reason) == ("llm-17", "faster")
+    decision = router.route(RouteRequest("r", key_with_walk(router, "llm-0"), 600, 8)).decision
+    assert (decision.replica, decision.reason) == ("llm-17", "faster")
     for number in range(100):  # it slows down past llm-3: of the replicas that answered, llm-3 is the fastest
         router.report_cached(RouteRequest(f"s{number}", "x", 100, 8), "llm-17", 0, 0,
                              AnswerTimings(100 + number, (100 + number) / 167 * 5000, 8, 48.0, 0))
@@ -182,5 +177,5 @@ def test_a_replica_that_answered_a_few_short_prompts_is_not_starved() -> None:
     for number in range(3):
         answer("llm-15", number, 40 + number)
     assert router.speeds.speed("llm-15") == router.speeds.fleet
-    decision = router.route(RouteRequest("new", key_with_walk(router, "llm-15"), 2_000, 8))
-    assert decision is not None and (decision.replica, decision.reason) == ("llm-15", "home")
+    decision = router.route(RouteRequest("new", key_with_walk(router, "llm-15"), 2_000, 8)).decision
+    assert (decision.replica, decision.reason) == ("llm-15", "home")

@@ -145,7 +145,7 @@ def test_a_follow_up_is_predicted_to_find_the_previous_prompt_and_answer() -> No
     _, follow_up = route(gateway, second, "c-1")
     counted = smollm2().count_chat([(m["role"], m["content"]) for m in second])
     # measured on llama.cpp: cache_n = the tokens through the answer's end but its last one
-    assert follow_up.decision.predicted_cached_tokens == counted.answered - 1
+    assert follow_up.predicted_cached_tokens == counted.answered - 1
     assert follow_up.decision.replica == pending.decision.replica
     assert follow_up.request.prompt_tokens == counted.prompt > counted.answered
 
@@ -154,7 +154,7 @@ def test_a_new_conversation_is_predicted_to_find_the_opening_it_shares_while_a_f
     gateway = counting_gateway()
     system = {"role": "system", "content": "Session 1a2b3c4d.\n\nYou answer briefly."}
     request_id, pending = route(gateway, [system, {"role": "user", "content": "Why is the sky blue?"}], "c-1")
-    assert pending.decision.predicted_cached_tokens == 0  # nothing was sent there before
+    assert pending.predicted_cached_tokens == 0  # nothing was sent there before
     gateway.access_logged(request_id, 200, pending.endpoint, cut_off=False, timings=TIMINGS)
     replica = pending.decision.replica
     shared = smollm2().count_text("<|im_start|>system\nSession 1a2b3c4d.\n\nYou answer")
@@ -162,7 +162,7 @@ def test_a_new_conversation_is_predicted_to_find_the_opening_it_shares_while_a_f
         _, other = route(gateway, [system, {"role": "user", "content": f"{conversation}: tell me more."}],
                          conversation)
         if other.decision.replica == replica:
-            assert other.decision.predicted_cached_tokens >= shared - 1
+            assert other.predicted_cached_tokens >= shared - 1
             break
     else:
         pytest.fail("no new conversation went to the first one's replica")

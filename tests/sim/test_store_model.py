@@ -160,10 +160,11 @@ def test_the_next_turn_on_another_router_sees_the_handoff_at_once_or_lag_late(ha
     tier = Steered(policy_settings("llm-aware"), 2, "store", 0, store_lag_s=1.0, store_handoff=handoff)
     tier.set_replicas(["llm-0", "llm-1", "llm-2"])
     tier.clock = lambda: 10.0
-    first = tier.route(RouteRequest("r0-turn1", "c", 400, 8))
-    assert first is not None
+    ticket = tier.route(RouteRequest("r0-turn1", "c", 400, 8))
+    assert ticket is not None
+    first = ticket.decision
     tier.clock = lambda: 20.0  # answered; the next turn arrives at once, on router 1
-    tier.complete("r0-turn1", True, by_next_turn=True)
+    assert tier.release(ticket, True, by_next_turn=True)
     reader = tier.routers[1]
     tier.store.read(1, 20.0)  # what router 1 knows as it decides
     placement = reader.memory.get(reader.conversation_key("c"))

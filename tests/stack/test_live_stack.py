@@ -60,8 +60,7 @@ class Chat:
 def home(lab: LocalLab, conversation: str, replicas: list[str]) -> str:
     """Where the policy sends a conversation's first turn on an idle stack (the core decides)."""
     routing = load_settings(Path(lab.stack.state.run_dir) / "router.toml", environ={}).routing
-    decision = Router(routing, replicas).route(RouteRequest("probe", conversation, 40, 8))
-    assert decision is not None
+    decision = Router(routing, replicas).route(RouteRequest("probe", conversation, 40, 8)).decision
     return decision.replica
 
 
