@@ -100,7 +100,9 @@ class Timings:
     predicted_ms: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in self.__slots__ if getattr(self, name) is not None}
+        named = (("cache_n", self.cache_n), ("prompt_n", self.prompt_n), ("prompt_ms", self.prompt_ms),
+                 ("predicted_n", self.predicted_n), ("predicted_ms", self.predicted_ms))
+        return {name: value for name, value in named if value is not None}
 
 
 def parse_request(
