@@ -210,7 +210,7 @@ def _compile_template(name: str, source: str) -> Any:
     class Sandbox(ImmutableSandboxedEnvironment):
         """The sandbox, its checks skipped where they always pass: a public attribute of Jinja's
         own loop object (``loop.first``, ``loop.last``: the sandbox's checks refuse only names
-        starting with "_" there). Templates read them once per message: a third of a render."""
+        starting with "_" there). Templates read them once per message: a quarter of a render."""
 
         def getattr(self, obj: Any, attribute: str) -> Any:
             if type(obj) is LoopContext and not attribute.startswith("_"):
