@@ -63,11 +63,14 @@ class CharCounter:
         return estimate_tokens(len(text), self.chars_per_token)
 
     def count_chat(self, messages: Sequence[Message]) -> ChatCount:
-        last_answer = max((index for index, (role, _) in enumerate(messages) if role == "assistant"), default=-1)
-        answered = sum(len(text) for _, text in messages[: last_answer + 1])
-        total = answered + sum(len(text) for _, text in messages[last_answer + 1 :])
+        total = answered = 0  # characters of all messages, and of those up to the last assistant message
+        answer_seen = False
+        for role, text in messages:
+            total += len(text)
+            if role == "assistant":
+                answered, answer_seen = total, True
         return ChatCount(estimate_tokens(total, self.chars_per_token),
-                         estimate_tokens(answered, self.chars_per_token) if last_answer >= 0 else 0, ())
+                         estimate_tokens(answered, self.chars_per_token) if answer_seen else 0, ())
 
 
 def shared_opening(opening: tuple[int, ...], seen: Sequence[tuple[int, ...]]) -> int:

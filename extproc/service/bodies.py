@@ -47,9 +47,10 @@ import xxhash
 
 from extproc.envoy.contract import RESPONSE_METADATA
 from extproc.routing.blocks import BLOCK_CHARS, BlockMemory, prefix_blocks
-from extproc.routing.tokens import Message, TokenCounter
+from extproc.routing.tokens import ChatCount, Message, TokenCounter
 
 OPENING_CHARS = 512
+NOT_COUNTED = ChatCount(0, 0, ())  # no counter given
 CHAT_PATHS = frozenset({"/v1/chat/completions"})
 COMPLETION_PATHS = frozenset({"/completion", "/v1/completions"})
 
@@ -99,7 +100,9 @@ class Timings:
     predicted_ms: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in self.__slots__ if getattr(self, name) is not None}
+        named = (("cache_n", self.cache_n), ("prompt_n", self.prompt_n), ("prompt_ms", self.prompt_ms),
+                 ("predicted_n", self.predicted_n), ("predicted_ms", self.predicted_ms))
+        return {name: value for name, value in named if value is not None}
 
 
 def parse_request(
@@ -127,16 +130,14 @@ def parse_request(
     if path in CHAT_PATHS:
         key, chars, history, answered, messages = _chat(data.get("messages"), limits)
         max_tokens = _max_tokens(data, limits, "max_tokens", "max_completion_tokens")
-        parsed = ParsedRequest(key, chars, 0, max_tokens, stream, history, answered)
-        if counter is not None:
-            counted = counter.count_chat(messages)
-            parsed = replace(parsed, prompt_tokens=counted.prompt, answered_tokens=counted.answered,
-                             opening=counted.opening)
+        counted = counter.count_chat(messages) if counter is not None else NOT_COUNTED
+        parsed = ParsedRequest(key, chars, 0, max_tokens, stream, history, answered, (), counted.prompt,
+                               counted.answered, counted.opening)
     elif path in COMPLETION_PATHS:
         key, chars, ids = _completion(data.get("prompt"), limits)
-        parsed = ParsedRequest(key, chars, ids, _max_tokens(data, limits, "n_predict", "max_tokens"), stream)
-        if counter is not None and not ids:
-            parsed = replace(parsed, prompt_tokens=counter.count_text(data["prompt"]))
+        max_tokens = _max_tokens(data, limits, "n_predict", "max_tokens")
+        tokens = counter.count_text(data["prompt"]) if counter is not None and not ids else 0
+        parsed = ParsedRequest(key, chars, ids, max_tokens, stream, prompt_tokens=tokens)
     else:
         raise BadRequest(404, f"unknown path {path!r}")
     if not block_chars:

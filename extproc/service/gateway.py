@@ -78,6 +78,7 @@ from extproc.service.bodies import (
     parse_request,
     parse_timings,
 )
+from extproc.service.decision_log import through_structlog
 from extproc.service.metrics import Metrics, ReplicaState
 from extproc.service.migrations import Migrations
 from extproc.service.store import EntryBounds, SharedStore
@@ -187,6 +188,7 @@ class Gateway:
         # conversation key -> digest of its last completed request: who may use its placement
         self.digests = ConversationDigests(router.settings.memory_capacity)
         self.migrations = Migrations(router.settings.memory_capacity, metrics.registry)
+        self.decision_log: Callable[[dict[str, Any]], None] = through_structlog  # main.py: DecisionLog
 
     # ------------------------------------------------------------------ replicas
 
@@ -665,7 +667,7 @@ class Gateway:
             fields["released_by_next_turn"] = True
         if timings is not None:
             fields.update(timings.as_dict())
-        log.info("route_decision", **fields)
+        self.decision_log(fields)
 
     # ------------------------------------------------------------------ helpers
 

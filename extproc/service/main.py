@@ -39,6 +39,7 @@ from extproc.envoy.contract import split_host_port, write_endpoints_file
 from extproc.routing import Router
 from extproc.service import admin_pb2_grpc
 from extproc.service.admin import AdminService, MigrationService
+from extproc.service.decision_log import DecisionLog
 from extproc.service.drain import drain
 from extproc.service.gateway import Gateway
 from extproc.service.http_probes import Readiness, start_metrics_server
@@ -106,6 +107,8 @@ async def serve(settings: Settings) -> int:
     metrics = Metrics()
     metrics.tokenizer(counter.name)
     gateway = Gateway(Router(settings.routing), service, metrics, counter=counter)
+    if getattr(logging, service.log_level.upper()) <= logging.INFO:  # the per-request line, its own fast path
+        gateway.decision_log = DecisionLog(sys.stdout.buffer)
     health = ReplicaHealth(gateway, service.health_probe_seconds)
     gateway.on_replica_failed = health.replica_failed
     metrics.watch(gateway.replica_states, lambda: gateway.router.speeds.speeds())  # reconfigure may replace them

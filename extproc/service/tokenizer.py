@@ -201,12 +201,26 @@ def _restore(name: str, encoder: str, specials: list[str], bos: str, add_bos: bo
 def _compile_template(name: str, source: str) -> Any:
     """The chat template as llama.cpp's Jinja engine reads it: blocks trimmed, JSON unescaped."""
     from jinja2 import TemplateError
+    from jinja2.runtime import LoopContext
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     def raise_exception(message: str) -> None:
         raise TemplateError(message)
 
-    environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    class Sandbox(ImmutableSandboxedEnvironment):
+        """The sandbox, its checks skipped where they always pass: a public attribute of Jinja's
+        own loop object (``loop.first``, ``loop.last``: the sandbox's checks refuse only names
+        starting with "_" there). Templates read them once per message: a quarter of a render."""
+
+        def getattr(self, obj: Any, attribute: str) -> Any:
+            if type(obj) is LoopContext and not attribute.startswith("_"):
+                try:
+                    return getattr(obj, attribute)
+                except AttributeError:
+                    pass
+            return super().getattr(obj, attribute)
+
+    environment = Sandbox(trim_blocks=True, lstrip_blocks=True)
     environment.filters["tojson"] = lambda value, indent=None: json.dumps(value, ensure_ascii=False, indent=indent)
     environment.globals["raise_exception"] = raise_exception
     try:

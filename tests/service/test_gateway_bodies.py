@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from extproc.service.bodies import RESPONSE_METADATA, BadRequest, parse_request, parse_timings, timings_from_metadata
+from extproc.service.bodies import (
+    RESPONSE_METADATA,
+    BadRequest,
+    Timings,
+    parse_request,
+    parse_timings,
+    timings_from_metadata,
+)
 
 CHAT = "/v1/chat/completions"
 text = st.text(min_size=1, max_size=200)
@@ -160,3 +168,9 @@ def test_timings_from_metadata_agree_with_the_body_for_any_numbers(timings: dict
     # a timings object without a single number is not a llama.cpp answer: Envoy copies nothing of it
     assume(timings is None or any(key in extracted for key in timings))
     assert timings_from_metadata(extracted) == parse_timings(json.dumps(body).encode(), event_stream=False)
+
+
+def test_every_timing_field_reaches_the_log_in_declaration_order() -> None:
+    values = {field.name: index + 1 for index, field in enumerate(dataclasses.fields(Timings))}
+    assert Timings(**values).as_dict() == values and list(Timings(**values).as_dict()) == list(values)
+    assert Timings(cache_n=0, prompt_ms=2.5).as_dict() == {"cache_n": 0, "prompt_ms": 2.5}

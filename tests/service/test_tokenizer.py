@@ -23,7 +23,7 @@ from extproc.service import admin_pb2
 from extproc.service.admin import AdminService
 from extproc.service.gateway import Gateway
 from extproc.service.metrics import Metrics
-from extproc.service.tokenizer import CHARS, GgufTokenizer, TokenizerError, make_counter
+from extproc.service.tokenizer import CHARS, GgufTokenizer, TokenizerError, _compile_template, make_counter
 from extproc.stack.models import smollm2_gguf
 from tests.service.test_gateway_lifecycle import ENDPOINTS, SETTINGS, TIMINGS
 
@@ -168,3 +168,14 @@ def test_a_new_conversation_is_predicted_to_find_the_opening_it_shares_while_a_f
         pytest.fail("no new conversation went to the first one's replica")
     asyncio.run(AdminService(gateway).Reset(admin_pb2.ResetRequest(), None))  # type: ignore[arg-type]
     assert not gateway.openings  # a reset starts on emptied caches (a run restarts its replicas first)
+
+
+def test_the_templates_loop_object_is_read_as_the_plain_sandbox_reads_it() -> None:
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    source = ("{% for m in messages %}[{{ loop.first }} {{ loop.last }} {{ loop.index0 }} {{ loop.cycle('a', 'b') }} "
+              "{{ loop.length }} {{ loop.missing }} {{ loop._length }} {{ loop.__class__ }}]{% endfor %}")
+    plain = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(source)
+    rendered = _compile_template("test", source).render(messages=[1, 2, 3])
+    assert rendered == plain.render(messages=[1, 2, 3])
+    assert rendered.startswith("[True False 0 a 3   ][False")  # missing and private: empty, as in the sandbox
