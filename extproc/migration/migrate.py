@@ -115,11 +115,22 @@ def migrate_out(leaving: tuple[str, str], staying: Mapping[str, str], routers: S
         moves = plan(candidates, ring, {r: len(s) for r, s in idle.items()}, costs, limits.min_tokens,
                      limits.max_bytes)
         if moves and time.monotonic() < deadline:
-            # the routers first: each restore then reaches its receiver before any next turn they
+            # each file first where its receiver can read it: a receiver that may not load it (another
+            # model, context or KV type) is a miss that no router hears of
+            with ThreadPoolExecutor(len(moves)) as pool:
+                files = list(pool.map(lambda m: transport.deliver(m.receiver, m.conversation_key), moves))
+            for move, file in zip(moves, files, strict=True):
+                if file is None:
+                    outcome.attempted += 1
+                    outcome.failed += 1
+                    outcome.problems.append(f"{move.receiver}: no slot file of its identity (a miss)")
+            delivered = {m.conversation_key: file for m, file in zip(moves, files, strict=True) if file is not None}
+            moves = [m for m in moves if m.conversation_key in delivered]
+            # then the routers: each restore then reaches its receiver before any next turn they
             # send there, and llama.cpp runs its tasks in the order they arrive
             _tell(routers, [(m.conversation_key, m.receiver, m.tokens) for m in moves], outcome)
             receivers = {r: LlamaServer(staying[r], max(1.0, deadline - time.monotonic())) for r in idle}
-            results = _restore_all(moves, receivers, idle, transport, {k: t for k, (_, t) in saved.items()})
+            results = _restore_all(moves, receivers, idle, delivered, {k: t for k, (_, t) in saved.items()})
             for move, problem in zip(moves, results, strict=True):
                 outcome.attempted += 1
                 if problem is None:
@@ -195,14 +206,14 @@ class Taken(str):
 
 
 def _restore_all(moves: Sequence[Move], receivers: Mapping[str, LlamaServer], idle: Mapping[str, list[Slot]],
-                 transport: Transport, tokens: Mapping[int, list[int]]) -> list[str | None]:
+                 files: Mapping[int, tuple[str, int]], tokens: Mapping[int, list[int]]) -> list[str | None]:
     """Every move restored at once, each into its own idle slot of its receiver; a move whose
     slot did not keep it (a request took the slot first) is tried once more, in an idle slot
     (read afresh) that no move of this pass used. Per move: None, or what went wrong (a miss)."""
     slots = {r: [s.id for s in free] for r, free in idle.items()}
     first = [slots[m.receiver].pop(0) for m in moves]
     with ThreadPoolExecutor(len(moves)) as pool:
-        results = list(pool.map(lambda m, slot: _restore(m, receivers[m.receiver], slot, transport,
+        results = list(pool.map(lambda m, slot: _restore(m, receivers[m.receiver], slot, files[m.conversation_key],
                                                           tokens[m.conversation_key]), moves, first))
     # the slots this pass restored into, and those a request took
     used = {(m.receiver, slot) for m, slot, result in zip(moves, first, results, strict=True)
@@ -220,17 +231,15 @@ def _restore_all(moves: Sequence[Move], receivers: Mapping[str, LlamaServer], id
             results[i] = f"{result}; no other idle slot"
             continue
         used.add((move.receiver, other))
-        results[i] = _restore(move, server, other, transport, tokens[move.conversation_key])
+        results[i] = _restore(move, server, other, files[move.conversation_key], tokens[move.conversation_key])
     return [None if r is None else str(r) for r in results]
 
 
-def _restore(move: Move, server: LlamaServer, slot: int, transport: Transport, tokens: list[int]) -> str | None:
-    """The conversation's file restored into `slot` of the receiver, then checked there (`held`);
-    None, or what went wrong (a miss), a `Taken` when the slot did not keep it."""
-    delivered = transport.deliver(move.receiver, move.conversation_key)
-    if delivered is None:
-        return f"{move.receiver}: no slot file of its identity (a miss)"
-    filename, count = delivered
+def _restore(move: Move, server: LlamaServer, slot: int, file: tuple[str, int], tokens: list[int]) -> str | None:
+    """The conversation's delivered file (its name on the receiver, its tokens) restored into
+    `slot` of the receiver, then checked there (`held`); None, or what went wrong (a miss), a
+    `Taken` when the slot did not keep it."""
+    filename, count = file
     try:
         restored = server.restore(slot, filename)
         if int(restored.get("n_restored", 0)) != count:

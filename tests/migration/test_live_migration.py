@@ -95,10 +95,14 @@ def test_a_slot_file_of_another_model_is_a_clean_miss(lab: LocalLab) -> None:
     talk(lab, conversation)
     other = replace(slotfiles.Identity(lab.stack.state.model_sha256, lab.stack.replica_settings().slot_context, "f16"),
                     model_sha256="0" * 64)  # a receiver that serves another model
-    outcome = move_out(lab, ["llm-0", "llm-1"], receiver_identity=other)
-    assert outcome.matched >= 1 and outcome.attempted >= 1
-    assert outcome.moved == [] and outcome.failed == outcome.attempted
-    assert any("a miss" in problem for problem in outcome.problems)
+    with AdminClient(lab.stack.state.router_address) as admin:
+        placed = {key for key, _, _ in admin.placements("llm-2")}
+        outcome = move_out(lab, ["llm-0", "llm-1"], receiver_identity=other)
+        assert outcome.matched >= 1 and outcome.attempted >= 1
+        assert outcome.moved == [] and outcome.failed == outcome.attempted
+        assert any("a miss" in problem for problem in outcome.problems)
+        # no router was told of a move that could not be delivered: the conversations stay placed
+        assert placed and {key for key, _, _ in admin.placements("llm-2")} == placed
 
 
 def test_a_conversation_whose_replica_leaves_continues_elsewhere_with_its_history_cached(lab: LocalLab) -> None:

@@ -37,9 +37,7 @@ class Replica:
         return [Slot(i, len(t), False, -1) for i, t in sorted(self.held_tokens.items())]
 
 
-class Files:
-    def deliver(self, receiver: str, conversation_key: int) -> tuple[str, int] | None:
-        return f"{conversation_key}.bin", len(TOKENS[conversation_key])
+FILES = {key: (f"{key}.bin", len(tokens)) for key, tokens in TOKENS.items()}  # as delivered to the receiver
 
 
 def moves_to(receiver: str) -> list[Move]:
@@ -48,7 +46,7 @@ def moves_to(receiver: str) -> list[Move]:
 
 def run(replica: Replica) -> list[str | None]:
     server = cast(LlamaServer, replica)
-    return _restore_all(moves_to("r"), {"r": server}, {"r": _idle_slots(server)}, Files(), TOKENS)
+    return _restore_all(moves_to("r"), {"r": server}, {"r": _idle_slots(server)}, FILES, TOKENS)
 
 
 def test_each_restore_lands_in_its_own_slot_and_is_found_there() -> None:
