@@ -202,9 +202,9 @@ class Router:
                  blocks: tuple[int, ...] = ()) -> bool:
         """The conversation's cache was moved to ``replica`` (extproc/migration): its next turn goes
         there as if it had been served there, and its decision says so (a request routed before
-        and released after the move does not place it back: ``Ticket.overtaken``); a policy with a view of
-        the caches (the prefix index) learns that ``replica`` holds its last prompt's ``blocks``
-        and its last replica no longer does. False for an unknown replica."""
+        and released after the move does not place it back: ``Ticket.overtaken``); a policy with
+        a view of the caches (the prefix index) learns that ``replica`` holds its last prompt's
+        ``blocks`` and its last replica no longer does. False for an unknown replica."""
         if replica not in self._members:
             return False
         if self._mover is not None and blocks:

@@ -270,7 +270,7 @@ class Gateway:
                 self.digests.remember(key, pending.digest)
             if self.store is not None:
                 placement = None
-                if ok:  # overtaken: the move's placement, now under this request's digest (the move's was older)
+                if ok:  # overtaken: the move's placement again, under this request's digest (the move's is older)
                     moved = self.router.memory.get(key) if pending.ticket.overtaken else None
                     placement = moved or Placement(served or decision.replica, request.prompt_tokens)
                 self.store.completed(key, request.request_id, placement, pending.digest, pending.continued)
