@@ -49,14 +49,20 @@ class Ticket:
 
     def release(self, ok: bool = True, served: str | None = None) -> bool:
         """Release the load; on success remember where the conversation's cache now is: on the
-        pick, or on ``served`` when another replica answered (the proxy failed over). False when
-        it was released already."""
+        pick, or on ``served`` when another replica answered (the proxy failed over), unless
+        ``overtaken``. False when it was released already."""
         return self.router._release(self, ok, served)
 
     @property
     def held(self) -> bool:
         """Routed and not yet released."""
         return self.router._in_flight.get(self.request.request_id) is self
+
+    @property
+    def overtaken(self) -> bool:
+        """A migration moved its conversation's cache after it was routed (and the conversation
+        was not routed since): its release leaves placement memory to that move."""
+        return self.key in self.router._migrated
 
 
 # compiled (extproc/compiled.py); tests extend it to watch its calls
@@ -75,7 +81,8 @@ class Router:
         self._ring = HashRing((), settings.virtual_nodes, settings.hash_seed)
         self._members: frozenset[str] = frozenset()
         self._in_flight: dict[str, Ticket] = {}  # request id -> its ticket, until released
-        self._migrated: dict[int, str] = {}  # conversation key -> the replica its cache was moved to
+        # conversation key -> the replica its cache was moved to, until the conversation's next route
+        self._migrated: dict[int, str] = {}
         # a replica that left -> {key: prompt tokens} of the requests it was serving then: their
         # caches end up there, though placement memory is not told (a migration looks for them)
         self._left_serving: dict[str, dict[int, int]] = {}
@@ -165,7 +172,9 @@ class Router:
         self.ledger.release(request.request_id)
         if self._view is not None:  # answered by another replica: the pick refused it and cached nothing
             self._view.completed(request, decision, ok and served in (None, decision.replica))
-        if ok:
+        # a migration reported before this release (its answer's stream may end after the slot
+        # was moved) holds the later cache: the next turn goes to the receiver, not back here
+        if ok and not ticket.overtaken:
             self.memory.remember(ticket.key, served or decision.replica, request.prompt_tokens)
         return True
 
@@ -192,9 +201,10 @@ class Router:
     def migrated(self, conversation_key: int, replica: str, prompt_tokens: int,
                  blocks: tuple[int, ...] = ()) -> bool:
         """The conversation's cache was moved to ``replica`` (extproc/migration): its next turn goes
-        there as if it had been served there, and its decision says so; a policy with a view of
-        the caches (the prefix index) learns that ``replica`` holds its last prompt's ``blocks``
-        and its last replica no longer does. False for an unknown replica."""
+        there as if it had been served there, and its decision says so (a request routed before
+        and released after the move does not place it back: ``Ticket.overtaken``); a policy with
+        a view of the caches (the prefix index) learns that ``replica`` holds its last prompt's
+        ``blocks`` and its last replica no longer does. False for an unknown replica."""
         if replica not in self._members:
             return False
         if self._mover is not None and blocks:

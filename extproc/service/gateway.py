@@ -269,7 +269,10 @@ class Gateway:
             if ok:
                 self.digests.remember(key, pending.digest)
             if self.store is not None:
-                placement = Placement(served or decision.replica, request.prompt_tokens) if ok else None
+                placement = None
+                if ok:  # overtaken: the move's placement again, under this request's digest (the move's is older)
+                    moved = self.router.memory.get(key) if pending.ticket.overtaken else None
+                    placement = moved or Placement(served or decision.replica, request.prompt_tokens)
                 self.store.completed(key, request.request_id, placement, pending.digest, pending.continued)
 
     # ------------------------------------------------------------------ route stream

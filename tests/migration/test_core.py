@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import struct
 from pathlib import Path
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -136,6 +138,34 @@ def test_the_router_lists_what_a_leaving_replica_served_and_marks_a_migrated_con
     assert router.placed_on(leaving) == []
 
 
+ROLL_EVENTS = ("migrated", "released", "left", "rejoined")  # after the turn it moves is routed
+
+
+@pytest.mark.parametrize("order", [order for order in itertools.permutations(ROLL_EVENTS)
+                                   if order.index("left") < order.index("rejoined")], ids="-".join)
+def test_a_migrated_conversations_next_turn_goes_to_the_receiver_whatever_the_order_of_a_roll(
+        order: tuple[str, ...]) -> None:
+    """A roll reports the move while the turn's answer may still be streaming (its release comes
+    later: the stream's end, or the next turn's body), and the replica leaves and rejoins around
+    them. The receiver holds the cache in every order; the rejoined source holds nothing."""
+    from extproc.routing import Router, RouteRequest
+    from extproc.settings import load_settings
+
+    router = Router(load_settings("extproc/service/router.toml", environ={}).routing, ["llm-0", "llm-1"])
+    chat = next(f"chat-{i}" for i in range(100) if router.ring.home(router.conversation_key(f"chat-{i}")) == "llm-0")
+    router.route(RouteRequest("1", chat, 40, 8)).release()
+    turn = router.route(RouteRequest("2", chat, 83, 8))
+    assert turn.decision.replica == "llm-0"
+    events = {"migrated": lambda: router.migrated(router.conversation_key(chat), "llm-1", 90),
+              "released": turn.release,
+              "left": lambda: router.set_replicas(["llm-1"]),
+              "rejoined": lambda: router.set_replicas(["llm-0", "llm-1"])}
+    for event in order:
+        events[event]()
+    after = router.route(RouteRequest("3", chat, 100, 8)).decision
+    assert (after.replica, after.reason, after.predicted_cached_tokens) == ("llm-1", "sticky+migrated", 90)
+
+
 def test_a_migration_points_the_prefix_index_at_the_receiver_even_while_the_source_still_serves() -> None:
     from extproc.routing import Router, RouteRequest
     from extproc.routing.settings import with_knobs
@@ -192,3 +222,46 @@ def test_a_reused_conversation_id_is_listed_with_its_own_opening_after_a_reset()
     reply = asyncio.run(AdminService(gateway).Placements(admin_pb2.PlacementsRequest(replica=replica), None))  # type: ignore[arg-type]
     (listed,) = reply.conversations
     assert listed.opening == opening_key([("user", "this run's chat")])
+
+
+@pytest.mark.parametrize("ended_by", ["its access log", "the next turn's body"])
+def test_a_turn_whose_answer_ends_after_its_move_leaves_the_next_turn_to_the_receiver(ended_by: str) -> None:
+    """The service's order in a roll: the slot of a turn answered whole is moved and the move
+    reported (Migrated) before Envoy ends that turn's request; the next turn goes to the receiver."""
+    import asyncio
+
+    import orjson
+
+    from extproc.service import admin_pb2
+    from extproc.service.admin import AdminService
+    from tests.service.test_gateway_lifecycle import ENDPOINTS, make_gateway
+
+    gateway = make_gateway()
+
+    def routed(messages: list[dict[str, str]]) -> str:
+        _, request_id = gateway.route_request(path="/v1/chat/completions", content_type="application/json",
+                                              conversation_id="c-1", turn="", request_id="envoy-id",
+                                              body=orjson.dumps({"messages": messages, "max_tokens": 8}))
+        assert request_id is not None
+        return request_id
+
+    def ended(request_id: str) -> None:
+        replica = gateway.pending[request_id].decision.replica
+        gateway.access_logged(request_id, 200, ENDPOINTS[replica], cut_off=False, timings=None)
+
+    history = [{"role": "user", "content": "an opening question"}]
+    ended(routed(history))
+    history += [{"role": "assistant", "content": "an answer"}, {"role": "user", "content": "a second question"}]
+    second = routed(history)
+    source = gateway.pending[second].decision.replica
+    receiver = next(name for name in sorted(ENDPOINTS) if name != source)
+    move = admin_pb2.Move(key=gateway.router.conversation_key("c-1"), replica=receiver, tokens=40)
+    reply = asyncio.run(AdminService(gateway).Migrated(admin_pb2.MigratedRequest(moves=[move], attempted=1), None))  # type: ignore[arg-type]
+    assert reply.applied == 1
+    if ended_by == "its access log":
+        ended(second)
+    history += [{"role": "assistant", "content": "another answer"}, {"role": "user", "content": "and then?"}]
+    ticket = gateway.pending[second].ticket if second in gateway.pending else None
+    decision = gateway.pending[routed(history)].decision
+    assert ticket is None or not ticket.held  # released: by its access log, or as the next body shows it answered
+    assert decision.replica == receiver and decision.reason.endswith("+migrated"), decision.trace

@@ -217,7 +217,11 @@ def test_every_router_learns_the_replica_speeds_from_every_answer(server: Runnin
     run_closing(run)
 
 
-def test_a_migration_told_to_one_router_sends_the_next_turn_through_another_to_the_receiver(server: Running) -> None:
+@pytest.mark.parametrize("answered_after_the_move", [False, True])
+def test_a_migration_told_to_one_router_sends_the_next_turn_through_another_to_the_receiver(
+        server: Running, answered_after_the_move: bool) -> None:
+    """Told of the move before or after the moved turn's answer ended (a roll moves an idle slot
+    while Envoy may not have closed its request yet): its end does not place it back."""
     from extproc.service import admin_pb2
     from extproc.service.admin import AdminService
 
@@ -226,15 +230,21 @@ def test_a_migration_told_to_one_router_sends_the_next_turn_through_another_to_t
         t1 = await ask(a, [USER1])
         home = a.pending[t1].decision.replica
         tokens = a.pending[t1].request.prompt_tokens
-        answered(a, t1)
+        if not answered_after_the_move:
+            answered(a, t1)
         await a.store.flushed()  # type: ignore[union-attr]
         receiver = next(name for name in sorted(ENDPOINTS) if name != home)
         move = admin_pb2.Move(key=a.router.conversation_key("c-1"), replica=receiver, tokens=tokens + 8)
         reply = await AdminService(a).Migrated(admin_pb2.MigratedRequest(moves=[move], attempted=1), None)  # type: ignore[arg-type]
         assert reply.applied == 1
+        if answered_after_the_move:
+            answered(a, t1)
         await a.store.flushed()  # type: ignore[union-attr]
         t2 = await ask(b, follow_up([USER1], "an answer", "more"))  # b was not told: it reads the store
         assert b.pending[t2].decision.replica == receiver != home
+        assert "migrated" not in b.pending[t2].decision.reason  # b reads a placement, not a move
+        t2_on_a = await ask(a, follow_up([USER1], "an answer", "more"))
+        assert a.pending[t2_on_a].decision.replica == receiver
 
     run_closing(run)
 
