@@ -623,19 +623,18 @@ def test_every_pick_is_charged_and_predicted_what_the_index_holds_there(
         decision = router.route(RouteRequest(str(number), key, prompt, 10, chain), avoid).decision
         assert decision.replica not in avoid
         depth = held[decision.replica]
-        cached = {covered_tokens(prompt, len(chain), depth)}
+        cached = covered_tokens(prompt, len(chain), depth)
         last = last_served.get(key)
         if last is not None and last[0] == decision.replica:
             # the replica that served the conversation's last prompt, holding its whole blocks
             # and no more (one block of rounding), caches that prompt: its tokens, not the blocks'
-            # (a walk past the preferred replica enters every holder by its blocks again: either)
+            # (also when the walk past the preferred replica enters the other holders)
             remembered = min(last[1], prompt)
             whole = remembered * len(chain) // prompt
             if whole <= depth <= whole + 1:
-                cached.add(remembered)
-        assert decision.predicted_cached_tokens in cached
-        cached_tokens = decision.predicted_cached_tokens
-        assert decision.charged_tokens == (max(1, prompt - cached_tokens) + 10 if cached_tokens else prompt + 10)
+                cached = remembered
+        assert decision.predicted_cached_tokens == cached
+        assert decision.charged_tokens == (max(1, prompt - cached) + 10 if cached else prompt + 10)
         assert dict(decision.trace.figures)["holders"] == sum(1 for name in names if held[name] and name not in avoid)
         if done:
             router.complete(str(number))

@@ -349,7 +349,7 @@ class LlmAwarePrefix(LlmAware):
             tokens = self.with_last_prompt(situation, replica, depth, enter(depth, (replica,)), expected, costs)
             candidate = new(Candidate, (replica, depth, loads[replica], tokens))
             holding = index.holder_bits(blocks[0]).bit_count()
-            later = partial(self.enter_holders, blocks, None, enter) if holding > 1 else None
+            later = partial(self.enter_holders, blocks, None, expected, enter) if holding > 1 else None
             return replica, expected, costs, (count, (candidate,), self.figures(holding)), later
         groups = index.lookup(blocks, situation.avoid)
         candidates: list[Candidate] = []  # Candidate(replica, matched blocks, load, expected)
@@ -376,7 +376,7 @@ class LlmAwarePrefix(LlmAware):
         self.with_last_prompt(situation, cached_on, depth, expected[cached_on], expected, costs)
         if not self.placement_memory and home not in expected:  # then home is preferred
             enter(next((depth for depth, bits in groups if bits & index.bit(home)), 0), (home,))
-        later = partial(self.enter_holders, blocks, groups, enter) if holding > 1 else None
+        later = partial(self.enter_holders, blocks, groups, expected, enter) if holding > 1 else None
         return cached_on, expected, costs, seen, later
 
     def with_last_prompt(self, situation: Situation, replica: str, depth: int, tokens: int,
@@ -403,13 +403,14 @@ class LlmAwarePrefix(LlmAware):
         return ("capacity_tokens", self.index.capacity), ("holders", holding)
 
     def enter_holders(self, blocks: tuple[int, ...], groups: list[tuple[int, int]] | None,
-                      enter: Callable[[int, tuple[str, ...]], int]) -> tuple[str, ...]:
-        """Every replica holding part of ``blocks``, deepest first, each entered (``groups``: the
-        lookup's, None: looked up now)."""
+                      expected: Mapping[str, int], enter: Callable[[int, tuple[str, ...]], int]) -> tuple[str, ...]:
+        """Every replica holding part of ``blocks``, deepest first, each entered unless already in
+        ``expected`` (the last prompt's replica keeps its prediction, finer than its blocks')
+        (``groups``: the lookup's, None: looked up now)."""
         index = self.index
         named = [(depth, index.names(bits)) for depth, bits in (index.lookup(blocks) if groups is None else groups)]
         for depth, names in named:
-            enter(depth, names)
+            enter(depth, tuple(name for name in names if name not in expected))
         return tuple(name for _, names in named for name in names)
 
     def least_recent_fit(self, situation: Situation, loads: Mapping[str, int], work: int,
