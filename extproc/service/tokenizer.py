@@ -67,6 +67,7 @@ class GgufTokenizer:
         self._bos, self._eos, self._add_bos = bos, eos, add_bos
         self._template_source = template_source
         self._template = None if template_source is None else _compile_template(name, template_source)
+        self._template_globals = {} if self._template is None else dict(self._template.globals)
         self._pieces: dict[bytes, int] = {}  # piece hash -> its tokens
         self._heads: dict[bytes, tuple[int, ...]] = {}  # piece hash -> the ids of its head (openings)
 
@@ -182,10 +183,13 @@ class GgufTokenizer:
         if self._template is None:
             return "".join(f"<|im_start|>{role}\n{text}<|im_end|>\n" for role, text in messages) + \
                 "<|im_start|>assistant\n"
-        rendered: str = self._template.render(
-            messages=[{"role": role, "content": text} for role, text in messages],
-            add_generation_prompt=True, bos_token=self._bos, eos_token=self._eos,
-        )
+        # Template.render copies the template's globals (a ChainMap, iterated key by key) into
+        # every context: half a render's time. The copy made once is passed shared instead.
+        context = self._template.new_context({
+            **self._template_globals, "messages": [{"role": role, "content": text} for role, text in messages],
+            "add_generation_prompt": True, "bos_token": self._bos, "eos_token": self._eos,
+        }, shared=True)
+        rendered: str = "".join(self._template.root_render_func(context))
         if self._add_bos and self._bos and rendered.startswith(self._bos):  # llama.cpp adds it once
             rendered = rendered[len(self._bos):]
         return rendered
