@@ -15,7 +15,7 @@ placement of the conversation is used when it is later than this router's own.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
 
 from mypy_extensions import mypyc_attr
 
@@ -71,10 +71,12 @@ class Router:
     def __init__(self, settings: RoutingSettings, replicas: Iterable[str] = (), ledger: LoadLedger | None = None,
                  memory: PlacementMemory | None = None) -> None:
         self.settings = settings
+        self._seed = settings.hash_seed  # read on every route: bound here and by reconfigure
         self.ledger = LoadLedger() if ledger is None else ledger
         self.memory = PlacementMemory(settings.memory_capacity) if memory is None else memory
         self.speeds = _speeds(settings)
         self.policy: Policy = make_policy(settings)
+        self._decide: Callable[[Situation], Decision | None] = self.policy.decide  # bound once, not per route
         self._view = _view_of(self.policy)
         self._learner = _learner_of(self.policy)
         self._mover = _mover_of(self.policy)
@@ -98,7 +100,7 @@ class Router:
 
     def conversation_key(self, conversation: str) -> int:
         """The conversation's ring position, also its key in placement memory (hashed once)."""
-        return stable_hash(conversation, self.settings.hash_seed)
+        return stable_hash(conversation, self._seed)
 
     def set_replicas(self, replicas: Iterable[str]) -> None:
         names = tuple(sorted(set(replicas)))
@@ -123,7 +125,8 @@ class Router:
         """Pick a replica for ``request`` and charge it: its ticket; None when no replica is eligible.
         peers: the other routers' picture for this request (None: this router's state as it is)."""
         request_id = request.request_id
-        if request_id in self._in_flight:
+        in_flight = self._in_flight
+        if request_id in in_flight:
             raise ValueError(f"request {request_id!r} is already in flight")
         ring = self._ring
         if avoid:
@@ -131,7 +134,7 @@ class Router:
             eligible = tuple(name for name in ring.replicas if name not in avoided)
         else:
             avoided, eligible = _NOTHING, ring.replicas
-        key = hash_bytes(request.conversation.encode(), self.settings.hash_seed)  # = conversation_key()
+        key = hash_bytes(request.conversation.encode(), self._seed)  # = conversation_key()
         placement = self.memory.get(key)
         if peers is not None:
             self.ledger.set_elsewhere(peers.elsewhere)
@@ -141,8 +144,8 @@ class Router:
                 placement = shared
         if placement is not None and (placement.replica not in self._members or placement.replica in avoided):
             placement = None  # that cache is gone or unreachable
-        decision = self.policy.decide(new(Situation, (request, key, ring, self.ledger, placement, avoided, eligible,
-                                                    self.speeds)))
+        decision = self._decide(new(Situation, (request, key, ring, self.ledger, placement, avoided, eligible,
+                                                self.speeds)))
         if decision is None:
             return None
         if self._migrated:
@@ -150,7 +153,7 @@ class Router:
             if moved_to is not None and moved_to == decision.replica:  # the trace says why it is cached there
                 decision = decision._replace(reason=f"{decision.reason}+migrated")
         self.ledger.charge(request_id, decision.replica, decision.charged_tokens)
-        ticket = self._in_flight[request_id] = Ticket(request, decision, key, self)
+        ticket = in_flight[request_id] = Ticket(request, decision, key, self)
         if self._view is not None:
             self._view.routed(request, decision)
         return ticket
@@ -218,7 +221,7 @@ class Router:
 
     def reconfigure(self, settings: RoutingSettings) -> None:
         """Switch policy or knobs at run time; in-flight load is kept."""
-        old, self.settings = self.settings, settings
+        old, self.settings, self._seed = self.settings, settings, settings.hash_seed
         self._set_policy(make_policy(settings))
         if (old.virtual_nodes, old.hash_seed) != (settings.virtual_nodes, settings.hash_seed):
             self._ring = HashRing(self._ring.replicas, settings.virtual_nodes, settings.hash_seed)
@@ -249,7 +252,8 @@ class Router:
     def _set_policy(self, policy: Policy) -> None:
         """A new policy starts with an empty view of the current fleet (in-flight requests
         it did not route are unknown to it; completing them tells it nothing)."""
-        self.policy, self._view, self._learner = policy, _view_of(policy), _learner_of(policy)
+        self.policy, self._decide = policy, policy.decide
+        self._view, self._learner = _view_of(policy), _learner_of(policy)
         self._mover = _mover_of(policy)
         if self._view is not None:
             self._view.set_replicas(self._ring.replicas)
