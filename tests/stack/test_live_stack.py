@@ -134,9 +134,10 @@ def test_scale_up_and_down_while_traffic_flows(lab: LocalLab) -> None:
         newcomer = Chat(lab.gateway_url, conversation_homed_on(lab, "llm-2", ["llm-0", "llm-1", "llm-2"], "new"))
         reply, _ = newcomer.turn("A new conversation after the scale-up.")
         assert reply.status_code == 200
-        # its ring home is the newcomer; only a load above the cap there may send it on
-        assert (reply.headers["x-routed-to"], reply.headers["x-route-reason"]) in {
-            ("llm-2", "home"), (reply.headers["x-routed-to"], "overflow")}
+        # its ring home is the newcomer; only the load there may send it on: above the cap
+        # (overflow), or past the guard rail with another replica's first token predicted sooner
+        routed, reason = reply.headers["x-routed-to"], reply.headers["x-route-reason"]
+        assert (routed, reason) == ("llm-2", "home") or (routed != "llm-2" and reason in {"overflow", "faster"})
         time.sleep(1.0)
         lab.scale(2)
         assert set(lab.replicas()) == {"llm-0", "llm-1"}
