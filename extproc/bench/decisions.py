@@ -21,10 +21,14 @@ import subprocess
 import sys
 import time
 import tracemalloc
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import extproc
 from extproc import compiled
+from extproc.bench import against
+from extproc.cli_input import UsageError
 from extproc.experiments.run import parse_policy
 from extproc.routing import POLICIES, PlacementMemory, Router, RouteRequest, make_policy, stable_hash
 from extproc.routing.blocks import BLOCK_CHARS, BlockMemory, prefix_blocks
@@ -45,6 +49,10 @@ TARGET_BYTES_PER_CONVERSATION = 200.0
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decisions", type=int, default=20_000, help="timed decisions per cell")
     parser.add_argument("--fleets", type=int, nargs="+", default=list(FLEETS), help="replica counts")
+    parser.add_argument("--against", metavar="DIR",
+                        help="another llm-ring checkout: every cell timed here and there in alternating pairs, "
+                             "the median of the pairs' ratios printed (against.py)")
+    parser.add_argument("--rounds", type=int, default=15, help="pairs per cell with --against")
 
 
 def bench_settings(**knobs: object) -> RoutingSettings:
@@ -176,11 +184,10 @@ def main(args: argparse.Namespace) -> int:
     results: list[dict[str, Any]] = []
     if not args.json:
         print(f"  routing core: {compiled.describe(extproc.CORE)}", flush=True)
+    if getattr(args, "against", None):
+        return compare(args, decisions, fleets)
     floor: dict[int, float] = {}  # round-robin's median per fleet: what this machine charges for any decision
-    cells: list[tuple[str, int]] = [
-        (policy, replicas) for policy in POLICIES if not _peer(policy) for replicas in fleets]
-    cells += [(policy, PEER_FLEET) for policy in POLICIES if _peer(policy)] + [(PREFIX_INDEX, PEER_FLEET)]
-    for policy, replicas in cells:
+    for policy, replicas in bench_cells(fleets):
         cell = time_decisions(policy, replicas, decisions)
         floor.setdefault(replicas, cell["median_us"])
         cell["x_round_robin"] = cell["median_us"] / floor[replicas]
@@ -231,6 +238,36 @@ def main(args: argparse.Namespace) -> int:
     if target:
         print(f"  llm-aware at 64 replicas: median {target['median_us']:.1f} µs "
               f"(target ≤ {TARGET_MEDIAN_US:.0f} µs, ratio {target['median_us'] / TARGET_MEDIAN_US:.2f})")
+    return 0
+
+
+def bench_cells(fleets: Sequence[int]) -> list[tuple[str, int]]:
+    """(policy, replicas) of each timed cell: ours at each fleet, the peers and the index at PEER_FLEET."""
+    cells = [(policy, replicas) for policy in POLICIES if not _peer(policy) for replicas in fleets]
+    return cells + [(policy, PEER_FLEET) for policy in POLICIES if _peer(policy)] + [(PREFIX_INDEX, PEER_FLEET)]
+
+
+def compare(args: argparse.Namespace, decisions: int, fleets: Sequence[int]) -> int:
+    """--against DIR: every cell here and in DIR, in alternating pairs (against.py)."""
+    other = against.checkout(args.against)
+    if args.rounds < 1:
+        raise UsageError(f"--rounds: {args.rounds} is not a positive number of pairs")
+    here = Path(extproc.__file__).resolve().parent.parent
+    show = None if args.json else (lambda row: print(against.render_row(row), flush=True))
+    if show is not None:
+        print(f"  against {other} (its core chosen by the same {compiled.ENV}), {args.rounds} pairs per cell, "
+              f"{decisions:,} decisions each: the median of the pairs' ratios (here / there) and their range",
+              flush=True)
+    cells = [(policy, replicas, decisions) for policy, replicas in bench_cells(fleets)]
+    rows = against.paired_cells(here, other, cells, args.rounds, show)
+    slower = [row for row in rows if row.get("ratio", 0) > against.SLOWER_THAN]
+    if args.json:
+        print(json.dumps({"core": extproc.CORE, "against": str(other), "rounds": args.rounds, "cells": rows}))
+    else:
+        compared = sum("ratio" in row for row in rows)
+        named = ", ".join(f"{row['policy']} at {row['replicas']}" for row in slower)
+        print(f"  {compared - len(slower)} of {compared} cells within 5 % of {other}"
+              + (f"; slower: {named}" if slower else ""))
     return 0
 
 
