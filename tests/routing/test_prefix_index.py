@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import tracemalloc
 
-from hypothesis import assume, given, settings
+from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
 from extproc.routing import Router, RouteRequest, Trace, reasons, render_trace
@@ -607,6 +607,9 @@ def test_with_the_index_a_replica_goes_over_the_cap_only_when_none_fits_and_kept
 @given(st.sampled_from([2, 5, 12, 16]), st.lists(st.tuples(st.integers(0, 2), st.integers(0, 30), st.integers(0, 6),
                                               st.integers(200, 4_000), st.booleans()), min_size=1, max_size=80),
        st.booleans(), st.sets(st.integers(0, 15), max_size=3))
+# six requests still in flight send the walk past the preferred replica, onto the one that served
+# the conversation's last prompt: predicted that prompt's 200 tokens, not its blocks' 201
+@example(5, [(0, 0, 0, 200, False)] * 6 + [(0, 0, 0, 200, True), (0, 0, 0, 201, False)], False, set())
 def test_every_pick_is_charged_and_predicted_what_the_index_holds_there(
         replicas: int, sent, placement_memory: bool, avoided: set[int]) -> None:
     """Only some holders are entered into a decision at once (the rest when the walk asks):

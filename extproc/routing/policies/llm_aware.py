@@ -341,13 +341,13 @@ class LlmAwarePrefix(LlmAware):
         index = self.index
         expected: dict[str, int] = {}  # replica -> cached tokens there, deepest first
         costs: dict[str, int] = {}  # replica -> the request's new tokens there
-        enter = partial(_enter, expected, costs, prompt, count, request.max_tokens)
+        enter = partial(self.enter_holding, situation, expected, costs)
         loads = situation.ledger.loads("tokens")
         own = self.deepest_on_its_replica(situation, blocks)
         if own:  # one replica, one candidate
             replica, depth = own
-            tokens = self.with_last_prompt(situation, replica, depth, enter(depth, (replica,)), expected, costs)
-            candidate = new(Candidate, (replica, depth, loads[replica], tokens))
+            enter(depth, (replica,))
+            candidate = new(Candidate, (replica, depth, loads[replica], expected[replica]))
             holding = index.holder_bits(blocks[0]).bit_count()
             later = partial(self.enter_holders, blocks, None, expected, enter) if holding > 1 else None
             return replica, expected, costs, (count, (candidate,), self.figures(holding)), later
@@ -355,8 +355,9 @@ class LlmAwarePrefix(LlmAware):
         candidates: list[Candidate] = []  # Candidate(replica, matched blocks, load, expected)
         for depth, bits in groups:
             shown = index.names(bits)[: CANDIDATES_TRACED - len(candidates)]
+            enter(depth, shown)
             candidates += map(new, repeat(Candidate), zip(shown, repeat(depth), map(loads.__getitem__, shown),
-                                                          repeat(enter(depth, shown))))
+                                                          map(expected.__getitem__, shown)))
             if len(candidates) == CANDIDATES_TRACED:
                 break
         holding = sum(bits.bit_count() for _, bits in groups)
@@ -373,37 +374,37 @@ class LlmAwarePrefix(LlmAware):
             bit_of = index.bit
             cached_on = home if bit_of(home) & tied else next(name for name in situation.walk() if bit_of(name) & tied)
             enter(depth, (cached_on,))
-        self.with_last_prompt(situation, cached_on, depth, expected[cached_on], expected, costs)
         if not self.placement_memory and home not in expected:  # then home is preferred
             enter(next((depth for depth, bits in groups if bits & index.bit(home)), 0), (home,))
         later = partial(self.enter_holders, blocks, groups, expected, enter) if holding > 1 else None
         return cached_on, expected, costs, seen, later
 
-    def with_last_prompt(self, situation: Situation, replica: str, depth: int, tokens: int,
-                         expected: dict[str, int], costs: dict[str, int]) -> int:
-        """The tokens expected cached on ``replica``, which holds ``depth`` of the prompt's blocks
-        (``tokens``, counted as if the blocks covered the whole prompt): the conversation's last
-        prompt when ``replica`` served it and holds its whole blocks and no more (up to one block
-        of rounding): the replica caches that prompt, tail included, and nothing of what this turn
-        adds. Entered in ``expected`` and ``costs``."""
-        placement, request = situation.placement, situation.request
-        if placement is None or placement.replica != replica:
-            return tokens
+    def enter_holding(self, situation: Situation, expected: dict[str, int], costs: dict[str, int], depth: int,
+                      names: tuple[str, ...]) -> None:
+        """Enter ``names``, each holding ``depth`` of the prompt's blocks, in ``expected`` (the tokens
+        cached there, counted as if the blocks covered the whole prompt) and ``costs``. The
+        replica that served the conversation's last prompt, whichever step enters it, when it
+        holds that prompt's whole blocks and no more (up to one block of rounding): that prompt,
+        tail included, and nothing of what this turn adds."""
+        request = situation.request
         prompt = request.prompt_tokens
+        blocks = len(request.prefix_blocks)
+        tokens = _enter(expected, costs, prompt, blocks, request.max_tokens, depth, names)
+        placement = situation.placement
+        if not depth or placement is None or placement.replica not in names:
+            return
         remembered = min(placement.prompt_tokens, prompt)
-        whole = remembered * len(request.prefix_blocks) // prompt  # the last prompt's whole blocks, about
-        if remembered == tokens or not whole <= depth <= whole + 1:
-            return tokens
-        expected[replica] = remembered
-        costs[replica] = max(1, prompt - remembered) + request.max_tokens
-        return remembered
+        whole = remembered * blocks // prompt  # the last prompt's whole blocks, about
+        if remembered != tokens and whole <= depth <= whole + 1:
+            expected[placement.replica] = remembered
+            costs[placement.replica] = max(1, prompt - remembered) + request.max_tokens
 
     def figures(self, holding: int) -> tuple[tuple[str, float], ...]:
         """The trace's figures of the index: its capacity, the replicas holding part of the prompt."""
         return ("capacity_tokens", self.index.capacity), ("holders", holding)
 
     def enter_holders(self, blocks: tuple[int, ...], groups: list[tuple[int, int]] | None,
-                      expected: Mapping[str, int], enter: Callable[[int, tuple[str, ...]], int]) -> tuple[str, ...]:
+                      expected: Mapping[str, int], enter: Callable[[int, tuple[str, ...]], None]) -> tuple[str, ...]:
         """Every replica holding part of ``blocks``, deepest first, each entered unless already in
         ``expected`` (the last prompt's replica keeps its prediction, finer than its blocks')
         (``groups``: the lookup's, None: looked up now)."""
