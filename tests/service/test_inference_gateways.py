@@ -151,7 +151,7 @@ def test_the_openai_sdk_with_no_custom_header_stays_on_its_cache(plane: Plane) -
 
 
 def test_a_fan_out_on_one_prefix_is_answered_whole_and_its_follow_up_finds_its_cache(plane: Plane) -> None:
-    LENGTHS = (24, 4)  # noqa: N806 - branch 0 ends last, by a few hundred milliseconds of decoding
+    LENGTHS = (24, 4)  # noqa: N806 - branch 0 is sent once branch 1 is charged, and decodes longer: it ends last
     shared = [{"role": "system", "content": "You plan tasks. " * 20}, {"role": "user", "content": "Plan."},
               {"role": "assistant", "content": "OK."}]  # fmt: skip
 
@@ -162,8 +162,13 @@ def test_a_fan_out_on_one_prefix_is_answered_whole_and_its_follow_up_finds_its_c
         return {"messages": messages, "reply": reply.json(), "replica": replica}
 
     # two: a replica's two slots hold both prompts, so the follow-up's prefix is still in one
-    with ThreadPoolExecutor(2) as pool:
-        answers = list(pool.map(ask, range(2)))
+    with ThreadPoolExecutor(1) as pool:
+        short = pool.submit(ask, 1)
+        deadline = time.monotonic() + 10
+        while not (short.done() or plane.state()["in_flight_requests"]):  # branch 1 decided first
+            assert time.monotonic() < deadline, "branch 1 was never routed"
+            time.sleep(0.01)
+        answers = [ask(0), short.result()]
     assert [answer["reply"]["timings"]["predicted_n"] for answer in answers] == list(LENGTHS)
     # the branch answered last (the longer one) is the conversation's history now: a follow-up of
     # another branch shows no proof of it, and is routed as a new conversation (docs/security.md)
