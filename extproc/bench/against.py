@@ -70,9 +70,13 @@ class Worker:
         self.process.wait(10)
 
     def _answer(self) -> dict[str, Any] | None:
+        """The worker's next JSON line (anything else its checkout prints is passed over); None: it ended."""
         stdout: IO[str] | None = self.process.stdout
-        line = stdout.readline() if stdout is not None else ""
-        return json.loads(line) if line else None
+        while stdout is not None and (line := stdout.readline()):
+            if line.startswith("{"):
+                answer: dict[str, Any] = json.loads(line)
+                return answer
+        return None
 
     def _last_error(self) -> str:
         self.process.wait(10)
