@@ -182,10 +182,13 @@ def main(args: argparse.Namespace) -> int:
     decisions = getattr(args, "decisions", 20_000)
     fleets = getattr(args, "fleets", list(FLEETS))
     results: list[dict[str, Any]] = []
+    other = against.checkout(args.against) if getattr(args, "against", None) else None  # checked before any output
+    if other is not None and args.rounds < 1:
+        raise UsageError(f"--rounds: {args.rounds} is not a positive number of pairs")
     if not args.json:
         print(f"  routing core: {compiled.describe(extproc.CORE)}", flush=True)
-    if getattr(args, "against", None):
-        return compare(args, decisions, fleets)
+    if other is not None:
+        return compare(args, other, decisions, fleets)
     floor: dict[int, float] = {}  # round-robin's median per fleet: what this machine charges for any decision
     for policy, replicas in bench_cells(fleets):
         cell = time_decisions(policy, replicas, decisions)
@@ -247,11 +250,8 @@ def bench_cells(fleets: Sequence[int]) -> list[tuple[str, int]]:
     return cells + [(policy, PEER_FLEET) for policy in POLICIES if _peer(policy)] + [(PREFIX_INDEX, PEER_FLEET)]
 
 
-def compare(args: argparse.Namespace, decisions: int, fleets: Sequence[int]) -> int:
-    """--against DIR: every cell here and in DIR, in alternating pairs (against.py)."""
-    other = against.checkout(args.against)
-    if args.rounds < 1:
-        raise UsageError(f"--rounds: {args.rounds} is not a positive number of pairs")
+def compare(args: argparse.Namespace, other: Path, decisions: int, fleets: Sequence[int]) -> int:
+    """--against DIR: every cell here and in ``other``, in alternating pairs (against.py)."""
     here = Path(extproc.__file__).resolve().parent.parent
     show = None if args.json else (lambda row: print(against.render_row(row), flush=True))
     if show is not None:

@@ -74,3 +74,10 @@ def test_against_a_checkout_whose_core_cannot_load_names_the_worker_and_its_erro
     assert cli.main(["bench", "decisions", "--fleets", "3", "--decisions", "100", "--against", str(broken)]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert f"the worker of {broken} did not start: llm-ring: the routing core is stale" in err
+
+
+def test_against_with_no_pairs_is_refused_before_anything_is_printed(capsys: pytest.CaptureFixture[str]) -> None:
+    here = Path(extproc.__file__).resolve().parent.parent
+    assert cli.main(["bench", "decisions", "--against", str(here), "--rounds", "0"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.strip().endswith("--rounds: 0 is not a positive number of pairs")
