@@ -193,28 +193,37 @@ def test_parallel_requests_of_one_conversation_are_each_charged_until_their_own_
     """An agent fans out three requests on one prefix; the short one's answer comes back and the
     agent goes on at once. At that next turn's decision the two long ones are still charged
     (their generations run on) and the short one is not: the load the decision saw is exactly
-    the long ones' charges. All load is gone once every answer is in."""
-    gw.wait_idle()
+    the long ones' charges. All load is gone once every answer is in. SmolLM2-135M decodes
+    ~2,000 tokens a second here, so on a busy machine the long ones may end first: the fan-out
+    is tried again then (the test needs the overlap, the router's rule does not)."""
     shared = [SYSTEM, {"role": "user", "content": "Plan three tasks."}, {"role": "assistant", "content": "OK."}]
-    headers = {"x-conversation-id": "fan-out"}
 
-    def ask(task: str, max_tokens: int) -> httpx.Response:
-        body = {"messages": [*shared, {"role": "user", "content": task}], "max_tokens": max_tokens, "ignore_eos": True}
-        return httpx.post(gw.url + CHAT, json=body, headers=headers, timeout=120)
+    def fan_out(conversation: str) -> tuple[dict[str, Any], list[str]] | None:
+        """(the next turn's decision, the long requests' ids); None when the long ones ended first."""
+        gw.wait_idle()
+        headers = {"x-conversation-id": conversation}
 
-    with ThreadPoolExecutor(3) as pool:
-        long_ones = [pool.submit(ask, f"Task {i}: write a long story.", 320) for i in (1, 2)]
-        _until(lambda: gw.state()["in_flight_requests"] == 2)  # both decided and charged
-        short = ask("Task 0: say yes.", 2).json()
-        follow = [*shared, {"role": "user", "content": "Task 0: say yes."},
-                  {"role": "assistant", "content": short["choices"][0]["message"]["content"]},
-                  {"role": "user", "content": "Good, next."}]  # fmt: skip
-        reply = httpx.post(gw.url + CHAT, json={"messages": follow, "max_tokens": 2}, headers=headers, timeout=60)
-        assert reply.status_code == 200
-        still_running = sum(not future.done() for future in long_ones)
-        long_ids = [future.result().headers["x-request-id"] for future in long_ones]
-    assert still_running == 2, "the long generations ended before the next turn: the test saw no overlap"
-    seen = _decision(gw, reply.headers["x-request-id"])["trace"]
+        def ask(task: str, max_tokens: int) -> httpx.Response:
+            body = {"messages": [*shared, {"role": "user", "content": task}], "max_tokens": max_tokens,
+                    "ignore_eos": True}
+            return httpx.post(gw.url + CHAT, json=body, headers=headers, timeout=120)
+
+        with ThreadPoolExecutor(2) as pool:
+            long_ones = [pool.submit(ask, f"Task {i}: write a long story.", 900) for i in (1, 2)]
+            _until(lambda: gw.state()["in_flight_requests"] == 2)  # both decided and charged
+            short = ask("Task 0: say yes.", 2).json()
+            follow = [*shared, {"role": "user", "content": "Task 0: say yes."},
+                      {"role": "assistant", "content": short["choices"][0]["message"]["content"]},
+                      {"role": "user", "content": "Good, next."}]  # fmt: skip
+            reply = httpx.post(gw.url + CHAT, json={"messages": follow, "max_tokens": 2}, headers=headers, timeout=60)
+            assert reply.status_code == 200
+            overlapped = not any(future.done() for future in long_ones)
+            long_ids = [future.result().headers["x-request-id"] for future in long_ones]
+        return (_decision(gw, reply.headers["x-request-id"]), long_ids) if overlapped else None
+
+    seen = next(filter(None, (fan_out(f"fan-out-{attempt}") for attempt in range(3))), None)
+    assert seen is not None, "in 3 tries the long generations always ended before the next turn: no overlap"
+    decision, long_ids = seen
     charged = sum(_decision(gw, request_id)["charged_tokens"] for request_id in long_ids)
-    assert sum(seen["loads"].values()) == charged  # the long ones, not the short one
+    assert sum(decision["trace"]["loads"].values()) == charged  # the long ones, not the short one
     assert gw.wait_idle()["in_flight_requests"] == 0
