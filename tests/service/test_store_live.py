@@ -217,8 +217,8 @@ def test_a_store_killed_and_restarted_empty_gets_the_placements_back(
         redis_server.process.wait()
         restarted = start_redis(folder, port)
         stack.callback(restarted.stop)
-        # the routers may refill it before a check here could see it empty: their count of
-        # republishing says they found it so
+        # it starts empty (SIGKILL, no snapshots), and the routers may refill it before a check
+        # here could see that: what is checked is that they published their state again
         wait_for(lambda: all(in_use(url) for url in metrics), "the routers did not come back", timeout=5.0)
         wait_for(lambda: sum(metric(url, "llm_ring_store_republished_total") for url in metrics) > republished,
                  "no router republished its state", timeout=5.0)
