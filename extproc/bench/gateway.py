@@ -54,6 +54,7 @@ from extproc.stack.redis_server import password_file, redis_server_binary, start
 TARGET_ADDED_P50_MS = 1.0
 TARGET_ADDED_P99_MS = 5.0
 TARGET_RPS = 1500.0
+BUSY_LOAD_PER_CPU = 0.5  # a 1-minute load average above this per CPU at the start: other work shares the cores
 MODES = ("direct", "envoy", "envoy+stub_ext_proc", "envoy+ext_proc")
 STORE_MODE = "envoy+ext_proc+store"
 TOKENIZER_MODE = "envoy+ext_proc+tokenizer"
@@ -108,6 +109,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     with_tokenizer = "on" in getattr(args, "tokenizer", ())
     modes = (*MODES, *((STORE_MODE,) if with_store else ()), *((TOKENIZER_MODE,) if with_tokenizer else ()),
              *(POOL_MODES if with_pool else ()))
+    load_at_start = os.getloadavg()[0]  # before the benchmark's own processes add theirs
     workdir = Path(tempfile.mkdtemp(prefix="llm-ring-bench-gateway-"))
     started: list[Running] = []
     try:
@@ -168,6 +170,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     )
         cells = [{"mode": mode, "concurrency": level, **median_cell(runs)} for (mode, level), runs in measured.items()]
         result = summarize(cells, seconds, rounds, str(workdir) if getattr(args, "keep", False) else None)
+        result["load_average_1m_at_start"] = round(load_at_start, 2)
         if with_store:
             result["store"] = store_health(processes[STORE_MODE]["ext_proc"])
         return result
@@ -370,8 +373,15 @@ def render_table(result: dict[str, Any]) -> str:
         lines.append(f"{level:>4} | " + " | ".join(parts))
     lines.append(
         f"each figure: the median of {result['rounds']} rounds of {result['seconds_per_cell']:g} s, modes alternating; "
-        f"machine: {result['cpus']} CPUs, 1-minute load average {result['load_average_1m']} at the end"
+        f"machine: {result['cpus']} CPUs, 1-minute load average {result['load_average_1m_at_start']} at the start, "
+        f"{result['load_average_1m']} at the end"
     )
+    if result["load_average_1m_at_start"] > BUSY_LOAD_PER_CPU * result["cpus"]:
+        lines.append(
+            f"note: the machine was busy before the benchmark started (load average "
+            f"{result['load_average_1m_at_start']} on {result['cpus']} CPUs): the ratios to the floor compare "
+            f"only with runs on a quiet machine"
+        )
     errors = sum(cell["errors"] for cell in result["cells"])
     if errors:
         first = next(cell["first_error"] for cell in result["cells"] if cell["first_error"])

@@ -22,6 +22,9 @@ def test_every_mode_is_measured_and_ext_proc_really_is_in_the_path() -> None:
     assert cells["envoy+ext_proc"]["ext_proc_cpu_us_per_request"] > 0
     table = render_table(result)
     assert "targets:" in table and "median of 2 rounds" in table
+    assert f"load average {result['load_average_1m_at_start']} at the start" in table
+    quiet, busy = dict(result, load_average_1m_at_start=0.0), dict(result, load_average_1m_at_start=99.0)
+    assert "was busy" not in render_table(quiet) and "was busy before the benchmark started" in render_table(busy)
 
 
 def test_a_cell_is_the_median_of_its_rounds() -> None:
