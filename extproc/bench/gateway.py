@@ -169,8 +169,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         + (f" {cell['errors']} errors ({cell['first_error']})" if cell["errors"] else "")
                     )
         cells = [{"mode": mode, "concurrency": level, **median_cell(runs)} for (mode, level), runs in measured.items()]
-        result = summarize(cells, seconds, rounds, str(workdir) if getattr(args, "keep", False) else None)
-        result["load_average_1m_at_start"] = round(load_at_start, 2)
+        result = summarize(cells, seconds, rounds, str(workdir) if getattr(args, "keep", False) else None,
+                           load_at_start)
         if with_store:
             result["store"] = store_health(processes[STORE_MODE]["ext_proc"])
         return result
@@ -245,7 +245,8 @@ def args_envoy_concurrency(args: argparse.Namespace) -> int:
     return int(getattr(args, "envoy_concurrency", 2))
 
 
-def summarize(cells: list[dict[str, Any]], seconds: float, rounds: int, workdir: str | None) -> dict[str, Any]:
+def summarize(cells: list[dict[str, Any]], seconds: float, rounds: int, workdir: str | None,
+              load_at_start: float) -> dict[str, Any]:
     by = {(cell["mode"], cell["concurrency"]): cell for cell in cells}
     added = []
     for level in sorted({cell["concurrency"] for cell in cells}):
@@ -294,6 +295,7 @@ def summarize(cells: list[dict[str, Any]], seconds: float, rounds: int, workdir:
         },
         "workdir": workdir,
         # other work on these cores shows in every figure: say how busy the machine was
+        "load_average_1m_at_start": round(load_at_start, 2),
         "load_average_1m": round(os.getloadavg()[0], 2),
         "cpus": os.cpu_count(),
     }
