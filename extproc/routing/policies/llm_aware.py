@@ -406,8 +406,8 @@ class LlmAwarePrefix(LlmAware):
     def enter_holders(self, blocks: tuple[int, ...], groups: list[tuple[int, int]] | None,
                       expected: Mapping[str, int], enter: Callable[[int, tuple[str, ...]], None]) -> tuple[str, ...]:
         """Every replica holding part of ``blocks``, deepest first, each entered unless already in
-        ``expected`` (entered again it would get the same figures) (``groups``: the lookup's,
-        None: looked up now)."""
+        ``expected``: entering it again would give the same figures. ``groups``: the lookup's
+        (None: looked up now)."""
         index = self.index
         named = [(depth, index.names(bits)) for depth, bits in (index.lookup(blocks) if groups is None else groups)]
         for depth, names in named:
