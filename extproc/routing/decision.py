@@ -5,20 +5,14 @@ the simulator store ``Trace.as_dict()`` so every decision can be queried later.
 Immutable NamedTuples, not frozen dataclasses: a frozen dataclass's __init__ costs
 ~8x more, and one is built on every request.
 
-On the per-request path (bounded, llm-aware) a Trace is built positionally, in field
-order, with ``tuple.__new__`` (``situation.new``; each slot named by a comment), not with
-``Trace(...)`` and keywords. Measured on a 2-core x86_64 machine (2026-12-01): the
-keyword call costs 1.96 µs against 0.64 µs (timeit, llm-aware's 18 fields), and in one
-``llm-ring bench decisions --fleets 3 64`` run each, llm-aware's median went from 6.8 /
-8.4 µs (3 / 64 replicas) to 7.6 / 9.3 µs with keywords: +11 %, so the positional form
-stays. The peer policies, slower by far for other reasons, use keywords
-(``situation.peer_decision``).
+A trace holds what every decision shares (the policy, the request's size) and the
+policy's own numbers as ``details``: a NamedTuple its file defines (``BoundedTrace``,
+``LlmAwareTrace``, ...), flattened into ``as_dict()`` by ``detail_fields``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from types import MappingProxyType
 from typing import Any, NamedTuple
 
 
@@ -42,16 +36,6 @@ class Check(NamedTuple):
     accepted: bool
     long_limit: bool = False  # ``limit`` is the long-conversation cap
 
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "replica": self.replica,
-            "load": self.load,
-            "cost": self.cost,
-            "limit": self.limit,
-            "accepted": self.accepted,
-            "long_limit": self.long_limit,
-        }
-
 
 class Candidate(NamedTuple):
     """One replica as a peer policy scored it."""
@@ -61,61 +45,39 @@ class Candidate(NamedTuple):
     load: int  # what the policy weighs as load (requests in flight; kv-cost: active blocks)
     score: float  # the policy's number for it (see the policy's rule: higher or lower wins)
 
-    def as_dict(self) -> dict[str, Any]:
-        return {"replica": self.replica, "matched_blocks": self.matched_blocks, "load": self.load,
-                "score": self.score}
-
 
 class Trace(NamedTuple):
+    """Every decision's trace: the request as its policy saw it, and the policy's own numbers."""
+
     policy: str
     prompt_tokens: int
     max_tokens: int
-    unit: str | None = None  # "requests" or "tokens" for load-aware policies
-    home: str | None = None  # ring home (or mod-n pick)
-    preferred: str | None = None
-    preferred_by: str | None = None  # "ring" | "memory" | "prefix" | "lru"
-    remembered: str | None = None  # placement memory: last replica
-    remembered_tokens: int | None = None  # ... and the prompt size served there
-    cached_tokens: int = 0  # predicted cached prefix on the preferred replica
-    preferred_cost: int | None = None
-    loads: Mapping[str, int] = MappingProxyType({})  # the eligible replicas' loads at the decision (a copy)
-    total: int | None = None
-    average: float | None = None
-    cap: float | None = None
-    long_cap: float | None = None
-    long_threshold: int | None = None  # prompt tokens from which a conversation counts as long
-    checks: tuple[Check, ...] = ()
-    # peer policies
-    prompt_blocks: int | None = None  # len(request.prefix_blocks)
-    candidates: tuple[Candidate, ...] = ()
-    figures: tuple[tuple[str, float], ...] = ()  # named numbers of the policy's rule (thresholds, spreads)
-    # llm-aware on predicted time: (replica, predicted seconds to the first token) of the candidates weighed
-    predicted: tuple[tuple[str, float], ...] = ()
-    # a policy's own typed details, a NamedTuple of its file (None: it has none beyond the fields above)
-    details: tuple[Any, ...] | None = None
+    details: tuple[Any, ...] | None = None  # a NamedTuple of the policy's file (None: it has none)
 
     def as_dict(self) -> dict[str, Any]:
+        """One flat record: these fields, then the details' fields that are set. ``cached_tokens``
+        is always there (0 when the policy does not predict any)."""
         data: dict[str, Any] = {"policy": self.policy, "prompt_tokens": self.prompt_tokens,
-                                "max_tokens": self.max_tokens, "cached_tokens": self.cached_tokens}
-        for name in ("unit", "home", "preferred", "preferred_by", "remembered", "remembered_tokens",
-                     "preferred_cost", "total", "average", "cap", "long_cap", "long_threshold",
-                     "prompt_blocks"):
-            value = getattr(self, name)
-            if value is not None:
-                data[name] = value
-        if self.loads:
-            data["loads"] = dict(self.loads)
-        if self.checks:
-            data["checks"] = [check.as_dict() for check in self.checks]
-        if self.candidates:
-            data["candidates"] = [candidate.as_dict() for candidate in self.candidates]
-        if self.figures:
-            data["figures"] = dict(self.figures)
-        if self.predicted:
-            data["predicted_ttft_s"] = dict(self.predicted)
+                                "max_tokens": self.max_tokens, "cached_tokens": 0}
         if self.details is not None:
-            data["details"] = self.details._asdict()  # type: ignore[attr-defined]
+            data.update(detail_fields(self.details))
         return data
+
+
+def detail_fields(details: tuple[Any, ...]) -> dict[str, Any]:
+    """A policy's trace details as data: every field that is set (None and empty left out); a
+    mapping as a dict, a tuple of records (``Check``, ``Candidate``) as a list of dicts, a tuple
+    of (name, number) pairs as a dict."""
+    data: dict[str, Any] = {}
+    for name, value in zip(details._fields, details, strict=True):  # type: ignore[attr-defined]  # a NamedTuple
+        if value is None or (isinstance(value, (tuple, Mapping)) and not value):
+            continue
+        if isinstance(value, Mapping):
+            value = dict(value)
+        elif isinstance(value, tuple):
+            value = [item._asdict() for item in value] if hasattr(value[0], "_asdict") else dict(value)
+        data[name] = value
+    return data
 
 
 class Decision(NamedTuple):

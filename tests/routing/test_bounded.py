@@ -29,7 +29,7 @@ def test_never_above_the_cap_while_a_replica_under_it_exists(n, epsilon, ops, un
         loads = dict(router.ledger.loads(unit))
         decision = router.route(RouteRequest(str(index), f"c{conversation}", prompt, 16)).decision
         open_ids.append(str(index))
-        cap = decision.trace.cap
+        cap = decision.trace.details.cap
         fits = [name for name, load in loads.items() if load + decision.cost <= cap]
         if fits:
             assert loads[decision.replica] + decision.cost <= cap
@@ -56,9 +56,9 @@ def test_average_includes_the_new_request() -> None:
     conversation = key_with_walk(router, "llm-0", "llm-1")
     router.ledger.charge("busy", "llm-0", 10)
     decision = router.route(RouteRequest("r", conversation, 10, 1)).decision
-    assert decision.trace.total == 2
-    assert decision.trace.average == 2 / 3
-    assert decision.trace.cap == 1
+    assert decision.trace.details.total == 2
+    assert decision.trace.details.average == 2 / 3
+    assert decision.trace.details.cap == 1
     assert (decision.replica, decision.reason) == ("llm-1", "overflow")
 
 
@@ -66,7 +66,7 @@ def test_light_traffic_goes_home_even_when_one_request_exceeds_its_token_share()
     router = Router(routing(policy="bounded", load_unit="tokens"), ["llm-0", "llm-1", "llm-2"])
     conversation = key_with_walk(router, "llm-2")
     decision = router.route(RouteRequest("r", conversation, 900, 100)).decision
-    assert decision.trace.cap < 1000  # 1.25 x 1000 / 3
+    assert decision.trace.details.cap < 1000  # 1.25 x 1000 / 3
     assert (decision.replica, decision.reason) == ("llm-2", "home")
 
 

@@ -77,7 +77,7 @@ def test_long_stickiness_only_for_long_cached_conversations() -> None:
     router.complete("s", ok=False)
     long_decision = router.route(RouteRequest("l", long_, 860, 48)).decision
     assert long_decision is not None
-    assert short_decision.trace.long_cap is None and short_decision.reason == "overflow"
+    assert short_decision.trace.details.long_cap is None and short_decision.reason == "overflow"
     assert long_decision.reason == "home-long"
 
 
@@ -109,7 +109,7 @@ def test_the_cached_replica_keeps_one_request_of_slack_under_the_cap() -> None:
     router.memory.remember(router.conversation_key(cached), "llm-0", 250)
 
     decision = router.route(RouteRequest("c", cached, 270, 16)).decision  # costs 20 + 16 on llm-0
-    assert round(decision.trace.cap, 1) == 306.7 and decision.trace.cap < 300 + 36
+    assert round(decision.trace.details.cap, 1) == 306.7 and decision.trace.details.cap < 300 + 36
     assert (decision.replica, decision.reason, decision.cost) == ("llm-0", "home", 36)
     assert render_trace(decision).endswith(
         "llm-0: 300+36=336 > 306.7 but 300 < 306.7: cached, one request of slack → home")

@@ -68,7 +68,7 @@ def test_prefix_affinity_scores_three_prefix_two_queue_two_kv() -> None:
     held = first.replica
     follow_up = router.route(RouteRequest("b", "c", 500, 100, blocks("s", "u1", "a1", "u2", "u3"))).decision
     assert follow_up.replica == held  # 3 x 4/5 = 2.4 beats the queue's 2
-    scores = {c.replica: c.score for c in follow_up.trace.candidates}
+    scores = {c.replica: c.score for c in follow_up.trace.details.candidates}
     capacity = BASE["prefix-affinity"]["kv_capacity_tokens"]
     assert scores[held] == pytest.approx(3 * 4 / 5 + 2 * 0 + 2 * (1 - 500 / capacity))
     assert all(score == pytest.approx(2 * 1 + 2 * 1) for name, score in scores.items() if name != held)
@@ -109,12 +109,12 @@ def test_chwbl_compares_the_load_before_the_request_with_one_and_a_quarter_of_th
         router.ledger.charge(f"x{index}", name, 1)
     at_home = router.route(RouteRequest("r1", "c", 100, 1, prompt)).decision
     assert (at_home.replica, at_home.reason) == (home, "home")  # 1 <= 1.25
-    assert at_home.trace.cap == pytest.approx(4 / 4 * BASE["chwbl"]["load_factor"])
+    assert at_home.trace.details.cap == pytest.approx(4 / 4 * BASE["chwbl"]["load_factor"])
     router.complete("r1")
     router.ledger.charge("x3", home, 1)  # home 2 of 4 in flight: cap = 5 / 4 x 1.25 = 1.5625
     moved = router.route(RouteRequest("r2", "c", 100, 1, prompt)).decision
     assert (moved.replica, moved.reason) == (second, "overflow")  # 1 <= 1.5625
-    assert [(check.replica, check.accepted) for check in moved.trace.checks] == [(home, False), (second, True)]
+    assert [(check.replica, check.accepted) for check in moved.trace.details.checks] == [(home, False), (second, True)]
 
 
 def test_kv_cost_is_prefill_blocks_after_overlap_plus_active_decode_blocks() -> None:
@@ -131,12 +131,12 @@ def test_kv_cost_is_prefill_blocks_after_overlap_plus_active_decode_blocks() -> 
     follow_up = RouteRequest("2", "c", 800, 10, blocks("p1", "p2", "p3", "p4", "p5", "p6", "p7", "p8"))
     decision = policy.decide(situation(router, follow_up))
     assert decision is not None and decision.replica == "llm-a"
-    assert {c.replica: c.score for c in decision.trace.candidates} == {"llm-a": 8 - 4 + 8, "llm-b": 8 + 8}
+    assert {c.replica: c.score for c in decision.trace.details.candidates} == {"llm-a": 8 - 4 + 8, "llm-b": 8 + 8}
     busy = RouteRequest("3", "other", 1000, 10, blocks(*(f"q{i}" for i in range(10))))
     policy.routed(busy, sent("llm-a"))  # in flight: 1000 prefill tokens and 10 active blocks on llm-a
     decision = policy.decide(situation(router, follow_up))
     assert decision is not None and decision.replica == "llm-b"
-    assert {c.replica: c.score for c in decision.trace.candidates} == {"llm-a": 18 - 4 + 10 + 8, "llm-b": 16}
+    assert {c.replica: c.score for c in decision.trace.details.candidates} == {"llm-a": 18 - 4 + 10 + 8, "llm-b": 16}
     text = render_trace(decision).splitlines()  # lowest cost first for kv-cost
     assert text[0] == "kv-cost → llm-b (min-cost)"
     assert text[-2:] == ["  llm-b: matched 0 blocks, load 0, score 16.000 ← pick",

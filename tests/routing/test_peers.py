@@ -153,11 +153,11 @@ def test_the_bound_holds_on_the_load_seen_with_peers(ops, unit) -> None:
         decision = router.route(RouteRequest(str(index), f"c{conversation}", prompt, 16),
                                 peers=PeerView(elsewhere, None)).decision
         open_ids.append(str(index))
-        before = dict(decision.trace.loads)
-        assert decision.trace.total == sum(before.values()) + decision.cost
-        fits = [name for name, load in before.items() if load + decision.cost <= decision.trace.cap]
+        before = dict(decision.trace.details.loads)
+        assert decision.trace.details.total == sum(before.values()) + decision.cost
+        fits = [name for name, load in before.items() if load + decision.cost <= decision.trace.details.cap]
         if fits:
-            assert before[decision.replica] + decision.cost <= decision.trace.cap
+            assert before[decision.replica] + decision.cost <= decision.trace.details.cap
     for request_id in open_ids:
         router.complete(request_id)
     assert router.ledger.total_requests() == router.ledger.total_tokens() == 0

@@ -9,9 +9,9 @@ import tracemalloc
 from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
-from extproc.routing import Router, RouteRequest, Trace, reasons, render_trace
+from extproc.routing import Router, RouteRequest, reasons, render_trace
 from extproc.routing.blocks import covered_tokens, prefix_blocks
-from extproc.routing.policies.llm_aware import LlmAwarePrefix
+from extproc.routing.policies.llm_aware import LlmAwarePrefix, LlmAwareTrace
 from extproc.routing.prefix_index import PrefixIndex
 from extproc.routing.prefix_views import BlockIndex
 from tests.routing.conftest import key_with_walk, routing
@@ -87,7 +87,7 @@ def test_expected_cache_is_the_longest_held_prefix_on_each_candidate_and_the_tra
     decision = router.route(bob).decision
     assert decision.replica == first.replica
     assert decision.predicted_cached_tokens == covered_tokens(400, 4, 2) == 200
-    trace = decision.trace
+    trace = decision.trace.details
     assert trace.preferred_by in ("prefix", "ring") and trace.cached_tokens == 200 and trace.prompt_blocks == 4
     assert [(c.replica, c.matched_blocks, c.score) for c in trace.candidates] == [(first.replica, 2, 200)]
     assert decision.cost == 400 - 200 + 10  # charged only the new tokens there
@@ -105,7 +105,7 @@ def test_a_turn_after_one_too_short_for_a_block_keeps_to_placement_memory() -> N
         router.complete(f"x{number}")
     follow_up = router.route(RouteRequest("b2", "bob", 300, 10, blocks("bob", "b1"))).decision  # 2 blocks of 150 tokens
     assert follow_up.replica == first.replica and follow_up.predicted_cached_tokens == 12
-    assert follow_up.trace.preferred_by == "memory"
+    assert follow_up.trace.details.preferred_by == "memory"
     assert follow_up.reason == ("home" if first.replica == home else "sticky")
     # once the last prompt had a block, only the index speaks: here it holds none of it
     router.complete("b2")
@@ -128,7 +128,7 @@ def test_an_evicted_prefix_is_not_predicted_while_placement_memory_still_claims_
     follow_up = RouteRequest("a2", "alice", 500, 10, alice + blocks("alice", "a1", "a2", "a3", "a4")[4:])
     decision = router.route(follow_up).decision
     assert decision.predicted_cached_tokens == 0
-    assert decision.trace.remembered == "llm-0"  # placement memory alone would have said 400 cached
+    assert decision.trace.details.remembered == "llm-0"  # placement memory alone would have said 400 cached
     off = Router(routing(prefix_index=False), ["llm-0"])
     off.route(RouteRequest("a1", "alice", 400, 10))
     off.complete("a1")
@@ -152,7 +152,7 @@ def test_a_flood_on_one_system_prompt_stays_under_the_cap_and_reuses_it_where_he
         decision = router.route(RouteRequest(str(number), f"c{number}", 800, 50, prompt)).decision
         assert decision is not None
         chosen_count[decision.replica] = chosen_count.get(decision.replica, 0) + 1
-        trace = decision.trace
+        trace = decision.trace.details
         assert trace.cap is not None
         chosen = trace.checks[-1] if decision.reason not in ("least-loaded", "kept") else None
         if chosen is not None:  # within the cap, the cached replica's one request of slack, or its cap in requests
@@ -413,7 +413,7 @@ def test_a_prompt_no_replica_holds_goes_where_the_fleet_forgets_its_least_recent
     key = key_with_walk(router, next(name for name in NAMES if name != oldest))  # its ring home is elsewhere
     decision = router.route(RouteRequest("d", key, 400, 10, blocks("d", "1", "2", "3"))).decision
     assert decision.replica == oldest and decision.reason == "least-recent"
-    assert decision.trace.preferred_by == "lru" and ("least_recent_use", 4) in decision.trace.figures
+    assert decision.trace.details.preferred_by == "lru" and ("least_recent_use", 4) in decision.trace.details.figures
     assert f"under the cap {oldest}'s least recent prompt is the oldest (use 4)" in render_trace(decision)
     router.complete("d")
     busy = router.route(RouteRequest("d2", key, 800, 10, blocks("d", "1", "2", "3", "4", "5", "6", "7"))).decision
@@ -431,7 +431,7 @@ def test_the_rendered_trace_names_the_index_as_the_reason_for_the_preference() -
         decision = router.route(RouteRequest(f"b{number}", f"bob{number}", 600, 10,
                                              blocks("system", "tools", f"bob{number}", "y"))).decision
         router.complete(f"b{number}")
-        if decision.trace.home != first.replica:
+        if decision.trace.details.home != first.replica:
             break
     assert decision.reason == "prefix" and decision.replica == first.replica
     text = render_trace(decision)
@@ -490,8 +490,8 @@ def test_over_the_cap_the_cached_replica_keeps_a_request_unless_another_lands_a_
             assert f"{first.replica} lands at {backlog + 110}, no other at 1.25x lower (least 1110)" in text
 
 
-def within_requests_cap(trace: Trace) -> bool:
-    figures = dict(trace.figures)
+def within_requests_cap(details: LlmAwareTrace) -> bool:
+    figures = dict(details.figures)
     return figures["requests"] + 1 <= figures["requests_cap"]
 
 
@@ -512,9 +512,9 @@ def test_over_its_limit_in_tokens_the_cached_replica_keeps_a_request_while_withi
         assert decision.reason.endswith(reason)
         assert (decision.replica == first.replica) is stays
         assert decision.cost == (110 if stays else 1110)
-        assert dict(decision.trace.figures)["requests"] == parts
+        assert dict(decision.trace.details.figures)["requests"] == parts
         if stays:
-            assert decision.reason in reasons() and within_requests_cap(decision.trace)
+            assert decision.reason in reasons() and within_requests_cap(decision.trace.details)
             assert "3000+110=3110 > 1943.8 but 2 requests ≤ the cap in requests 2: cached" in render_trace(decision)
 
 
@@ -534,7 +534,7 @@ def test_below_one_request_a_replica_a_follow_up_stays_beside_one_long_prefill_a
         assert decision.predicted_cached_tokens == (1000 if stays else 0)
         assert (decision.replica == first.replica) is stays
         assert decision.cost == (110 if stays else 1110)
-        figures = dict(decision.trace.figures)
+        figures = dict(decision.trace.details.figures)
         assert (figures["requests"], figures["requests_cap"]) == (1, 2 if stays else 1)
         if stays:
             assert decision.reason == "prefix-requests" or decision.reason == "home-requests"
@@ -558,7 +558,7 @@ def test_with_the_index_the_long_cap_is_measured_against_the_cached_prefix_when_
         for part in range(5):  # 5 requests: over the cap in requests too (5 > ⌈1.25 × 6 / 4⌉ = 2)
             router.ledger.charge(f"busy-{part}", first.replica, backlog // 5)
         decision = router.route(RouteRequest("2", "alice", 1100, 10, follow_up)).decision
-        assert decision.trace.long_cap == 2000
+        assert decision.trace.details.long_cap == 2000
         assert (decision.replica == first.replica) is stays
         assert decision.reason == (decision.reason.partition("-")[0] + "-long" if stays else "least-loaded")
 
@@ -578,7 +578,7 @@ def test_with_the_index_a_replica_goes_over_the_cap_only_when_none_fits_and_kept
     for number, (opening, conversation, turns, prompt, done) in enumerate(sent):
         chain = blocks(f"system-{opening}", f"c{conversation}", *(f"t{n}" for n in range(turns)))
         decision = router.route(RouteRequest(str(number), f"c{opening}-{conversation}", prompt, 10, chain)).decision
-        trace = decision.trace
+        trace = decision.trace.details
         assert trace.cap is not None
         landing = {check.replica: check.load + check.cost for check in trace.checks}
         fits = {check.replica for check in trace.checks if check.load + check.cost <= check.limit}
@@ -638,7 +638,8 @@ def test_every_pick_is_charged_and_predicted_what_the_index_holds_there(
                 cached = remembered
         assert decision.predicted_cached_tokens == cached
         assert decision.charged_tokens == (max(1, prompt - cached) + 10 if cached else prompt + 10)
-        assert dict(decision.trace.figures)["holders"] == sum(1 for name in names if held[name] and name not in avoid)
+        holders = sum(1 for name in names if held[name] and name not in avoid)
+        assert dict(decision.trace.details.figures)["holders"] == holders
         if done:
             router.complete(str(number))
             last_served[key] = (decision.replica, prompt)
@@ -655,5 +656,5 @@ def test_a_tie_among_more_holders_than_a_trace_lists_is_charged_as_cached_wherev
         decision = router.route(RouteRequest(str(number), f"user-{number}", 300, 10, chain)).decision
         assert decision.replica == router.ring.home(router.conversation_key(f"user-{number}"))
         assert decision.predicted_cached_tokens == 200 and decision.charged_tokens == 300 - 200 + 10
-        assert len(decision.trace.candidates) == 8 and dict(decision.trace.figures)["holders"] == 16
+        assert len(decision.trace.details.candidates) == 8 and dict(decision.trace.details.figures)["holders"] == 16
         router.complete(str(number))

@@ -84,10 +84,10 @@ def test_chwbl_never_picks_above_its_bound(loads, opening, avoid) -> None:
         router.ledger.charge(f"x{number}", name, 1)
     decision = router.route(RouteRequest("r", "c", 10, 1, prefix_blocks(opening)), avoid=avoid).decision
     assert decision.replica not in avoid
-    checks = decision.trace.checks
+    checks = decision.trace.details.checks
     assert checks[-1].replica == decision.replica and checks[-1].accepted
     assert all(not check.accepted and check.load > check.limit for check in checks[:-1])
-    assert router.ledger.requests(decision.replica) - 1 <= decision.trace.cap  # type: ignore[operator]
+    assert router.ledger.requests(decision.replica) - 1 <= decision.trace.details.cap  # type: ignore[operator]
 
 
 @given(st.text(max_size=300), st.text(max_size=300))

@@ -38,8 +38,11 @@ def test_the_router_runs_it_with_its_parameter_reasons_and_details(toy: None) ->
     assert [(d.replica, d.reason) for d in picks if d] == [("llm-1", "toy-home"), ("llm-1", "toy-home"),
                                                           ("llm-0", "toy-spill")]
     third = picks[2]
-    assert third is not None and third.trace.as_dict()["details"] == {"home_in_flight": 2, "max_in_flight": 2}
-    assert render_trace(third).splitlines() == ["toy → llm-0 (toy-spill)", "  home_in_flight=2 max_in_flight=2"]
+    assert third is not None and third.trace.as_dict() == {
+        "policy": "toy", "prompt_tokens": 100, "max_tokens": 10, "cached_tokens": 0,
+        "home": "llm-1", "home_in_flight": 2, "max_in_flight": 2}
+    assert render_trace(third).splitlines() == ["toy → llm-0 (toy-spill)",
+                                                "  home=llm-1 home_in_flight=2 max_in_flight=2"]
     assert {"toy-home", "toy-spill"} <= set(reasons())
     router.complete("0")
     assert router.route(RouteRequest("3", key, 100, 10)).decision.reason == "toy-home"  # type: ignore[union-attr]

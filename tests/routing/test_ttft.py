@@ -25,10 +25,10 @@ def test_a_follow_up_stays_with_its_cache_beside_a_long_prefill_on_an_idle_fleet
     busy(router, "llm-0", 1, 1200)  # one document's prefill; the others idle
     decision = router.route(RouteRequest("r", conversation, 440, 8)).decision
     assert (decision.replica, decision.reason) == ("llm-0", "home")
-    predicted = dict(decision.trace.predicted)
+    predicted = dict(decision.trace.details.predicted_ttft_s)
     # it shares llm-0 with one request (delayed by at most its own 48 tokens) against 448 tokens elsewhere
     assert predicted["llm-0"] < predicted["llm-1"]
-    assert decision.trace.checks == ()  # the walk was not asked
+    assert decision.trace.details.checks == ()  # the walk was not asked
     assert "predicted first token: llm-0=" in render_trace(decision)
     # the bounded walk alone sends it away: 1200 + 48 > (1 + ε) × average
     walk = Router(routing(policy="llm-aware", ttft_decisions=False, long_stickiness=False), REPLICAS)
@@ -73,7 +73,7 @@ def test_past_the_guard_rail_the_bounded_walk_decides() -> None:
     light.memory.remember(light.conversation_key(cached), "llm-0", 400)
     busy(light, "llm-0", 1, 3000)  # past it in tokens, but one long prefill on a light fleet is no imbalance
     decision = light.route(RouteRequest("r", cached, 440, 8)).decision
-    assert decision.trace.predicted and decision.replica == "llm-0"
+    assert decision.trace.details.predicted_ttft_s and decision.replica == "llm-0"
 
     router = timed(ttft_guard_factor=1.5, long_stickiness=False)
     conversation = key_with_walk(router, "llm-0", "llm-1")
@@ -81,7 +81,7 @@ def test_past_the_guard_rail_the_bounded_walk_decides() -> None:
     busy(router, "llm-0", 4, 3000)  # past 1.5 x the average in tokens and in requests
     busy(router, "llm-1", 1, 100)
     decision = router.route(RouteRequest("r", conversation, 440, 8)).decision
-    assert decision.trace.checks and decision.trace.predicted == ()
+    assert decision.trace.details.checks and decision.trace.details.predicted_ttft_s == ()
     assert decision.reason == "overflow"
 
 
@@ -93,7 +93,7 @@ def test_a_full_replica_makes_a_request_wait_behind_all_its_work() -> None:
         busy(router, "llm-1", 2, 2000)
         busy(router, "llm-2", 2, 2000)
         decision = router.route(RouteRequest("r", conversation, 100, 8)).decision
-        return dict(decision.trace.predicted)[decision.replica]
+        return dict(decision.trace.details.predicted_ttft_s)[decision.replica]
 
     prior = 1 / 167
     assert abs(predicted(4) - (0.019 + (2 * 108 + 108) * prior)) < 1e-9  # shares: each delays it by 108 at most

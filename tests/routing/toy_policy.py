@@ -20,9 +20,10 @@ ToyParams = NamedTuple("ToyParams", [  # [routing.toy]
 REASONS = {"toy-home": "toy: the ring home, under max_in_flight", "toy-spill": "toy: the home was full; the fewest"}
 
 
-class ToyDetails(NamedTuple):
-    """What the toy's trace adds (Trace.details)."""
+class ToyTrace(NamedTuple):
+    """The toy's numbers (Trace.details)."""
 
+    home: str
     home_in_flight: int
     max_in_flight: int
 
@@ -43,8 +44,7 @@ class Toy:
         if loads[home] >= self.limit:
             replica, reason = min(situation.eligible, key=lambda name: (loads[name], name)), "toy-spill"
         request = situation.request
-        trace = Trace(self.name, request.prompt_tokens, request.max_tokens, "requests", home=home,
-                      loads=situation.load_copy("requests"), details=ToyDetails(loads[home], self.limit))
+        trace = Trace(self.name, request.prompt_tokens, request.max_tokens, ToyTrace(home, loads[home], self.limit))
         return Decision(replica, reason, 1, request.prompt_tokens + request.max_tokens,
                         situation.cached_tokens_on(replica), trace)
 

@@ -8,15 +8,16 @@ costs its whole prompt + max_tokens, wherever it goes: the cache is ignored).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Annotated, ClassVar, NamedTuple
 
 from pydantic import Field
 
-from extproc.routing.decision import Decision, Trace
+from extproc.routing.decision import Check, Decision, Trace
 from extproc.routing.ledger import LoadUnit
 from extproc.routing.policies.bounded_walk import WALK_REASONS, average_and_cap, first_fit, least_loaded
 from extproc.routing.policies.plugin import PolicyPlugin
-from extproc.routing.policies.situation import HOME_REASON, NO_PEER_FIELDS, Situation, new
+from extproc.routing.policies.situation import HOME_REASON, Situation, new
 
 # [routing.bounded] (plugin.py: the functional form keeps the constraints under mypyc)
 BoundedParams = NamedTuple("BoundedParams", [
@@ -24,6 +25,18 @@ BoundedParams = NamedTuple("BoundedParams", [
     ("load_unit", Annotated[LoadUnit, Field(description="count load in requests or in prompt + max tokens")]),
 ])
 REASONS = {**HOME_REASON, **WALK_REASONS}
+
+
+class BoundedTrace(NamedTuple):
+    """bounded's numbers: the loads it weighed, the cap they give and the walk from the home."""
+
+    unit: LoadUnit
+    home: str  # the conversation's ring home, where the walk starts
+    loads: Mapping[str, int]  # the eligible replicas' loads at the decision (a copy)
+    total: int  # with this request
+    average: float  # total / eligible replicas
+    cap: float  # (1 + epsilon) x average (in requests, rounded up to a whole request)
+    checks: tuple[Check, ...]  # each replica the walk looked at, in order
 
 
 class Bounded:
@@ -52,14 +65,8 @@ class Bounded:
             chosen, reason = least_loaded(eligible, loads, cost), "least-loaded"
         else:
             reason = "home" if chosen == home else "overflow"
-        trace = new(Trace, (
-            self.name, request.prompt_tokens, request.max_tokens, unit, home,
-            None, None, None, None, 0, None,  # preferred, preferred_by, remembered, remembered_tokens, cached, cost
-            situation.load_copy(unit), total, average, cap,
-            None, None,  # long_cap, long_threshold
-            checks,
-            *NO_PEER_FIELDS,  # prompt_blocks, candidates, figures, predicted, details
-        ))
+        details = new(BoundedTrace, (unit, home, situation.load_copy(unit), total, average, cap, checks))
+        trace = new(Trace, (self.name, request.prompt_tokens, request.max_tokens, details))
         return new(Decision, (chosen, reason, cost, work, situation.cached_tokens_on(chosen), trace))
 
 

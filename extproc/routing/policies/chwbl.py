@@ -65,8 +65,7 @@ class Chwbl:
                 break
         chosen, home = checks[-1].replica, checks[0].replica
         return peer_decision(self.name, situation, chosen, "home" if chosen == home else "overflow", 0,
-                             figures=(("load_factor", self.load_factor),), home=home, total=total + 1, cap=cap,
-                             checks=tuple(checks))
+                             figures=(("load_factor", self.load_factor),), walk=(home, total + 1, cap, tuple(checks)))
 
 
 PLUGIN: PolicyPlugin = PolicyPlugin("chwbl", ChwblParams, lambda params, routing: Chwbl(params, routing.hash_seed), {

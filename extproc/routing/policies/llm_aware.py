@@ -44,7 +44,7 @@ from extproc.routing.blocks import covered_tokens
 from extproc.routing.decision import Candidate, Check, Decision, RouteRequest, Trace
 from extproc.routing.policies.bounded_walk import WALK_REASONS, Discount, average_and_cap, first_fit, least_loaded
 from extproc.routing.policies.plugin import PolicyPlugin
-from extproc.routing.policies.situation import HOME_REASON, NO_PEER_FIELDS, Situation, new
+from extproc.routing.policies.situation import HOME_REASON, Situation, new
 from extproc.routing.prefix_index import PrefixIndex
 from extproc.routing.speeds import Speed
 
@@ -99,6 +99,33 @@ REASONS = {
     **WALK_REASONS,
     "kept": "llm-aware, prefix index: none fitted under the cap; the cached replica, none landing (1 + ε) x lower",
 }
+
+
+
+class LlmAwareTrace(NamedTuple):
+    """llm-aware's numbers: where it preferred and why, the request's cost there, the loads and
+    caps of the bounded walk, the prefix index's view and the predicted first tokens."""
+
+    unit: str  # "tokens": llm-aware bounds loads in tokens
+    home: str  # the conversation's ring home
+    preferred: str
+    preferred_by: str  # "ring" | "memory" | "prefix" | "lru"
+    remembered: str | None  # placement memory: the conversation's last replica ...
+    remembered_tokens: int | None  # ... and the prompt size served there
+    cached_tokens: int  # predicted cached prefix on the preferred replica
+    preferred_cost: int  # the request's cost there: new tokens only where cached
+    loads: Mapping[str, int]  # the eligible replicas' loads at the decision (a copy)
+    total: int  # with this request's cost on the preferred replica
+    average: float
+    cap: float  # (1 + epsilon) x average
+    long_cap: float | None  # long stickiness: the cached replica's limit instead of the cap
+    long_threshold: int | None  # prompt tokens from which a conversation counts as long
+    checks: tuple[Check, ...]  # the bounded walk (empty when the prediction decided)
+    prompt_blocks: int | None  # the prefix index: the prompt's blocks ...
+    candidates: tuple[Candidate, ...]  # ... the holders it entered, deepest first ...
+    figures: tuple[tuple[str, float], ...]  # ... and its figures (capacity, holders, the cap in requests)
+    predicted_ttft_s: tuple[tuple[str, float], ...]  # (replica, predicted seconds to the first token) weighed
+
 
 # (where the cache is, replica -> cached tokens there, replica -> cost there, trace fields,
 # the holders to try after the preferred replica, most expected reuse first: asked for only then)
@@ -199,24 +226,19 @@ class LlmAware:
             reason = "overflow"
         cost = costs.get(chosen, work)
         placement = situation.placement
-        trace = new(Trace, (
-            self.name, prompt, max_tokens,
-            "tokens",  # unit
-            home,
-            preferred,
+        details = new(LlmAwareTrace, (
+            "tokens", home, preferred,
             ("prefix" if seen else "memory") if by_memory else ("lru" if least_recent else "ring"),  # preferred_by
             placement.replica if placement else None,  # remembered
             placement.prompt_tokens if placement else None,  # remembered_tokens
             expected.get(preferred, 0),  # cached_tokens
-            preferred_cost,
-            situation.load_copy("tokens"),  # loads
-            total, average, cap, long_cap,
+            preferred_cost, situation.load_copy("tokens"), total, average, cap, long_cap,
             self.long_prompt_tokens if long_cap is not None else None,  # long_threshold
             checks,
-            *(seen or NO_PEER_FIELDS[:3]),  # prompt_blocks, candidates, figures
+            *(seen or (None, (), ())),  # prompt_blocks, candidates, figures
             predicted,
-            None,  # details
         ))
+        trace = new(Trace, (self.name, prompt, max_tokens, details))
         return new(Decision, (chosen, reason, cost, cost, expected.get(chosen, 0), trace))
 
     def guard(self, situation: Situation, average: float) -> GuardRail:
@@ -444,7 +466,9 @@ class LlmAwarePrefix(LlmAware):
     def routed(self, request: RouteRequest, decision: Decision) -> None:
         blocks = request.prefix_blocks
         if blocks:
-            listed = decision.trace.candidates  # deepest first: the pick's held blocks when it heads them
+            details = decision.trace.details
+            # the holders entered, deepest first: the pick's held blocks when it heads them
+            listed = details.candidates if isinstance(details, LlmAwareTrace) else ()
             held = listed[0].matched_blocks if listed and listed[0].replica == decision.replica else None
             if held is None:
                 held = self.index.held_prefix(decision.replica, blocks)

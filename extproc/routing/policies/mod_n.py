@@ -19,7 +19,7 @@ class ModN:
         if not eligible:
             return None
         replica = eligible[situation.key_hash % len(eligible)]
-        return unbounded_decision(self.name, situation, replica, "hash", home=replica)
+        return unbounded_decision(self.name, situation, replica, "hash", replica)
 
 
 PLUGIN: PolicyPlugin = PolicyPlugin("mod-n", NoParams, lambda params, routing: ModN(),

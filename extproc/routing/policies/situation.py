@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Any, NamedTuple
+from collections.abc import Iterator, Mapping
+from typing import NamedTuple
 
 from extproc.routing.blocks import covered_tokens
-from extproc.routing.decision import Candidate, Decision, RouteRequest, Trace
+from extproc.routing.decision import Candidate, Check, Decision, RouteRequest, Trace
 from extproc.routing.ledger import LoadLedger, LoadUnit
 from extproc.routing.placement import Placement
 from extproc.routing.ring import HashRing
@@ -17,8 +17,28 @@ from extproc.routing.speeds import ReplicaSpeeds
 # in field order, with tuple.__new__(Cls, (...)) (~0.1 µs); the tests pin every field.
 new = tuple.__new__
 HOME_REASON = {"home": "the conversation's ring home (or, without a cap, the ring's pick)"}  # a reason of several
-_UNBOUNDED_REST = tuple(Trace._field_defaults[name] for name in Trace._fields[5:])  # preferred .. figures
-NO_PEER_FIELDS = tuple(Trace._field_defaults[name] for name in Trace._fields[Trace._fields.index("prompt_blocks"):])
+
+
+class HomeTrace(NamedTuple):
+    """The trace details of a pick made from the conversation's key alone (mod-n, consistent)."""
+
+    home: str
+
+
+class PeerTrace(NamedTuple):
+    """A peer policy's trace details: what its view says of the prompt, the loads it weighed,
+    its candidates' scores and its rule's figures; chwbl also walks the ring under a cap."""
+
+    unit: str  # "requests": a peer's decision charges one request
+    cached_tokens: int  # predicted cached on the pick (its view's matched blocks)
+    prompt_blocks: int  # len(request.prefix_blocks)
+    loads: Mapping[str, int]  # the eligible replicas' requests in flight (a copy)
+    candidates: tuple[Candidate, ...]
+    figures: tuple[tuple[str, float], ...]  # named numbers of the policy's rule (thresholds, weights)
+    home: str | None = None  # chwbl: where its walk began ...
+    total: int | None = None  # ... the requests in flight with this one ...
+    cap: float | None = None  # ... its bound on a replica's load ...
+    checks: tuple[Check, ...] = ()  # ... and the replicas it looked at
 
 
 class Situation(NamedTuple):
@@ -76,7 +96,7 @@ def unbounded_decision(policy: str, situation: Situation, replica: str, reason: 
     cached = 0
     if placement is not None and placement.replica == replica:
         cached = min(placement.prompt_tokens, prompt)
-    trace = new(Trace, (policy, prompt, max_tokens, None, home) + _UNBOUNDED_REST)  # unit=None; the rest unset
+    trace = new(Trace, (policy, prompt, max_tokens, None if home is None else new(HomeTrace, (home,))))
     return new(Decision, (replica, reason, 1, prompt + max_tokens, cached, trace))
 
 
@@ -90,13 +110,14 @@ def best_candidate(candidates: list[Candidate], key_hash: int, highest: bool) ->
 
 def peer_decision(policy: str, situation: Situation, replica: str, reason: str, matched_blocks: int,
                   candidates: tuple[Candidate, ...] = (), figures: tuple[tuple[str, float], ...] = (),
-                  **trace: Any) -> Decision:
+                  walk: tuple[str, int, float, tuple[Check, ...]] | None = None) -> Decision:
     """A peer policy's pick: one request on the ledger, its whole prompt charged in tokens,
-    and the prompt share its view says the pick holds as the predicted cache."""
+    and the prompt share its view says the pick holds as the predicted cache. ``walk``: chwbl's
+    (home, total, cap, checks)."""
     request = situation.request
     prompt, max_tokens = request.prompt_tokens, request.max_tokens
     blocks = len(request.prefix_blocks)
     cached = covered_tokens(prompt, blocks, matched_blocks)
-    made = Trace(policy, prompt, max_tokens, "requests", cached_tokens=cached, prompt_blocks=blocks,
-                 candidates=candidates, figures=figures, loads=situation.load_copy("requests"), **trace)
-    return new(Decision, (replica, reason, 1, prompt + max_tokens, cached, made))
+    details = PeerTrace("requests", cached, blocks, situation.load_copy("requests"), candidates, figures,
+                        *(walk or ()))
+    return new(Decision, (replica, reason, 1, prompt + max_tokens, cached, Trace(policy, prompt, max_tokens, details)))
