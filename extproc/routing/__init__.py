@@ -11,7 +11,8 @@ from extproc.routing.policies import REGISTRY as POLICIES
 from extproc.routing.policies import make_policy, reasons
 from extproc.routing.render import render_trace
 from extproc.routing.ring import HashRing
-from extproc.routing.router import Router, Ticket
+from extproc.routing.router import Router
+from extproc.routing.ticket import Ticket
 from extproc.routing.tokens import estimate_tokens
 
 __all__ = [

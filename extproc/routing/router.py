@@ -29,40 +29,9 @@ from extproc.routing.policies.situation import Situation, new
 from extproc.routing.ring import HashRing
 from extproc.routing.settings import RoutingSettings
 from extproc.routing.speeds import AnswerTimings, ReplicaSpeeds, Speed
+from extproc.routing.ticket import Ticket
 
 _NOTHING: frozenset[str] = frozenset()
-
-
-# compiled (extproc/compiled.py); one is made per routed request
-class Ticket:
-    """A routed request's hold on the router that picked: what it decided, and the release of its
-    load. Released once: a second release, or one after ``reset`` or after its replica left the
-    fleet (its load went with it), does nothing."""
-
-    __slots__ = ("request", "decision", "key", "router")
-
-    def __init__(self, request: RouteRequest, decision: Decision, key: int, router: Router) -> None:
-        self.request = request
-        self.decision = decision
-        self.key = key  # the conversation's key in placement memory
-        self.router = router
-
-    def release(self, ok: bool = True, served: str | None = None) -> bool:
-        """Release the load; on success remember where the conversation's cache now is: on the
-        pick, or on ``served`` when another replica answered (the proxy failed over), unless
-        ``overtaken``. False when it was released already."""
-        return self.router._release(self, ok, served)
-
-    @property
-    def held(self) -> bool:
-        """Routed and not yet released."""
-        return self.router._in_flight.get(self.request.request_id) is self
-
-    @property
-    def overtaken(self) -> bool:
-        """A migration moved its conversation's cache after it was routed (and the conversation
-        was not routed since): its release leaves placement memory to that move."""
-        return self.key in self.router._migrated
 
 
 # compiled (extproc/compiled.py); tests extend it to watch its calls
@@ -153,7 +122,7 @@ class Router:
             if moved_to is not None and moved_to == decision.replica:  # the trace says why it is cached there
                 decision = decision._replace(reason=f"{decision.reason}+migrated")
         self.ledger.charge(request_id, decision.replica, decision.charged_tokens)
-        ticket = in_flight[request_id] = Ticket(request, decision, key, self)
+        ticket = in_flight[request_id] = new(Ticket, (request, decision, key, self))
         if self._view is not None:
             self._view.routed(request, decision)
         return ticket
