@@ -7,7 +7,7 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from extproc.routing.policies.llm_aware import least_loaded_both
+from extproc.routing.policies.llm_aware import least_loaded_both, least_loaded_by_min
 from extproc.routing.speeds import AnswerTimings, ReplicaSpeeds, Speed
 
 PRIOR = Speed(1 / 167, 1 / 55, 0.019)
@@ -118,5 +118,5 @@ def test_until_its_answers_outweigh_the_prior_a_replica_is_as_fast_as_the_fleet(
 def test_the_least_loaded_pair_is_min_with_its_ties(loads):
     tokens = {f"llm-{n}": load for n, (load, _) in enumerate(loads)}
     requests = {f"llm-{n}": running for n, (_, running) in enumerate(loads)}
-    assert least_loaded_both(tokens, requests) == (min(tokens, key=tokens.__getitem__),
-                                                   min(requests, key=requests.__getitem__))
+    assert least_loaded_both(tokens, requests) == least_loaded_by_min(tokens, requests) == (
+        min(tokens, key=tokens.__getitem__), min(requests, key=requests.__getitem__))

@@ -40,6 +40,7 @@ from typing import Annotated, ClassVar, NamedTuple
 
 from pydantic import Field
 
+import extproc
 from extproc.routing.blocks import covered_tokens
 from extproc.routing.decision import Candidate, Check, Decision, RouteRequest, Trace
 from extproc.routing.policies.bounded_walk import WALK_REASONS, Discount, average_and_cap, first_fit, least_loaded
@@ -298,8 +299,7 @@ class LlmAware:
         if len(eligible) <= PREDICT_ALL_REPLICAS or situation.avoid:
             return eligible
         picked = dict.fromkeys(costs)
-        picked.update(dict.fromkeys(least_loaded_both(situation.ledger.loads("tokens"),
-                                                      situation.ledger.loads("requests"))))
+        picked.update(dict.fromkeys(LEAST_LOADED(situation.ledger.loads("tokens"), situation.ledger.loads("requests"))))
         fastest = situation.speeds.fastest
         if fastest is not None:
             picked[fastest] = None
@@ -548,17 +548,28 @@ class GuardRail(NamedTuple):
 
 def least_loaded_both(tokens: Mapping[str, int], requests: Mapping[str, int]) -> tuple[str, str]:
     """(the replica least loaded in tokens, the one least loaded in requests), each the first
-    of its ties in the ledger's order: one pass (compiled, a loop; two min() calls with a key
-    cost ~3 µs at 64 replicas)."""
-    least_tokens = least_requests = ""
-    fewest_tokens = fewest_requests = -1
-    for name, load in tokens.items():
-        running = requests[name]
-        if fewest_tokens < 0 or load < fewest_tokens:
+    of its ties in the ledger's order, in one pass."""
+    items = iter(tokens.items())
+    least_tokens, fewest_tokens = next(items, ("", 0))
+    least_requests, fewest_requests = least_tokens, requests.get(least_tokens, 0)
+    for name, load in items:
+        if load < fewest_tokens:
             least_tokens, fewest_tokens = name, load
-        if fewest_requests < 0 or running < fewest_requests:
+        running = requests[name]
+        if running < fewest_requests:
             least_requests, fewest_requests = name, running
     return least_tokens, least_requests
+
+
+def least_loaded_by_min(tokens: Mapping[str, int], requests: Mapping[str, int]) -> tuple[str, str]:
+    """``least_loaded_both`` by two min() calls (the ledger keeps both maps in one order: the ties
+    fall alike)."""
+    return min(tokens, key=tokens.__getitem__), min(requests, key=requests.__getitem__)
+
+
+# Compiled, the loop costs half of the two min() calls at 64 replicas (0.9 against 1.9 µs, timeit);
+# as Python the min() calls run in C and a decision is ~0.3 µs faster with them.
+LEAST_LOADED = least_loaded_both if extproc.CORE == "compiled" else least_loaded_by_min
 
 
 def predicted_ttft(slots: int, speed: Speed, load: int, running: int, cost: int) -> float:
