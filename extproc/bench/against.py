@@ -2,12 +2,15 @@
 
 A change of a few per cent cannot be seen by running the benchmark twice on these shared
 machines: one run's cell differs from the next by 30 % and more. Here both checkouts run in
-one long-lived worker process each, pinned to the same CPU, and every cell is timed in pairs:
-this side, then the other, then the other first, ``rounds`` times. The figure is the median of
-the pairs' ratios: each pair ran within a fraction of a second, so a slow moment of the machine
-falls on both sides of it. The other checkout needs only ``extproc.bench.decisions``'s
-``time_decisions(spec, replicas, decisions)``; its routing core is chosen by the same
-``LLM_RING_CORE`` as this one's (compiled: it must be built there too).
+a worker process each, pinned to the same CPU, and every cell is timed in pairs: this side,
+then the other, then the other first, ``rounds`` times. The figure is the median of the pairs'
+ratios: each pair ran within a fraction of a second, so a slow moment of the machine falls on
+both sides of it. One process's own layout (its string hashes, where its heap landed) moved a
+cell by up to 8 % from one pair of workers to the next, so each cell's pairs are spread over
+``PROCESSES`` fresh pairs of workers, the two of a pair started with the same ``PYTHONHASHSEED``.
+The other checkout needs only ``extproc.bench.decisions``'s ``time_decisions(spec, replicas,
+decisions)``; its routing core is chosen by the same ``LLM_RING_CORE`` as this one's (compiled:
+it must be built there too).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from typing import IO, Any
 from extproc.cli_input import UsageError
 
 SLOWER_THAN = 1.05  # a ratio above this is called out: a change should keep each cell within 5 %
+PROCESSES = 3  # fresh pairs of workers per cell (at most one per pair of timings)
 
 # Runs in each worker, on the checkout's own code: one cell per line in, its figures out.
 WORKER = """
@@ -45,9 +49,9 @@ for line in sys.stdin:
 class Worker:
     """One checkout's worker process (WORKER above)."""
 
-    def __init__(self, name: str, checkout: Path, cpu: int) -> None:
+    def __init__(self, name: str, checkout: Path, cpu: int, hash_seed: int) -> None:
         self.name = name
-        env = {**os.environ, "PYTHONPATH": str(checkout)}
+        env = {**os.environ, "PYTHONPATH": str(checkout), "PYTHONHASHSEED": str(hash_seed)}
         self.process = subprocess.Popen(
             [sys.executable, "-c", WORKER, str(cpu)], cwd=checkout, env=env, text=True,
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -105,30 +109,33 @@ def paired_cells(here: Path, other: Path, cells: Sequence[tuple[str, int, int]],
     """Each (spec, replicas, decisions) cell timed ``rounds`` times on both checkouts, in pairs
     whose order alternates; a cell the other checkout cannot run carries its error."""
     cpu = shared_cpu()
-    workers = {"here": Worker(str(here), here, cpu)}
-    try:
-        workers["other"] = Worker(str(other), other, cpu)
-        results = []
-        for spec, replicas, decisions in cells:
-            row = _paired(workers, spec, replicas, decisions, rounds)
-            results.append(row)
-            if progress is not None:
-                progress(row)
-        return results
-    finally:
-        for worker in workers.values():
-            worker.close()
+    results = []
+    for spec, replicas, decisions in cells:
+        row = _paired(here, other, cpu, spec, replicas, decisions, rounds)
+        results.append(row)
+        if progress is not None:
+            progress(row)
+    return results
 
 
-def _paired(workers: dict[str, Worker], spec: str, replicas: int, decisions: int, rounds: int) -> dict[str, Any]:
+def _paired(here: Path, other: Path, cpu: int, spec: str, replicas: int, decisions: int,
+            rounds: int) -> dict[str, Any]:
     row: dict[str, Any] = {"policy": spec, "replicas": replicas}
     medians: dict[str, list[float]] = {"here": [], "other": []}
-    for turn in range(rounds):
-        for side in ("here", "other") if turn % 2 == 0 else ("other", "here"):
-            answer = workers[side].time(spec, replicas, decisions)
-            if "error" in answer:
-                return {**row, "error": f"{side}: {answer['error']}"}
-            medians[side].append(answer["median_us"])
+    processes = min(PROCESSES, rounds)
+    for seed in range(processes):
+        workers = {"here": Worker(str(here), here, cpu, seed)}
+        try:
+            workers["other"] = Worker(str(other), other, cpu, seed)
+            for turn in range(seed, rounds, processes):  # this pair's share of the rounds
+                for side in ("here", "other") if turn % 2 == 0 else ("other", "here"):
+                    answer = workers[side].time(spec, replicas, decisions)
+                    if "error" in answer:
+                        return {**row, "error": f"{side}: {answer['error']}"}
+                    medians[side].append(answer["median_us"])
+        finally:
+            for worker in workers.values():
+                worker.close()
     ratios = [a / b for a, b in zip(medians["here"], medians["other"], strict=True)]
     return {**row, "here_us": statistics.median(medians["here"]), "other_us": statistics.median(medians["other"]),
             "ratio": statistics.median(ratios), "lowest": min(ratios), "highest": max(ratios)}

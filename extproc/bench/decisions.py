@@ -255,9 +255,9 @@ def compare(args: argparse.Namespace, other: Path, decisions: int, fleets: Seque
     here = Path(extproc.__file__).resolve().parent.parent
     show = None if args.json else (lambda row: print(against.render_row(row), flush=True))
     if show is not None:
-        print(f"  against {other} (its core chosen by the same {compiled.ENV}), {args.rounds} pairs per cell, "
-              f"{decisions:,} decisions each: the median of the pairs' ratios (here / there) and their range",
-              flush=True)
+        print(f"  against {other} (its core chosen by the same {compiled.ENV}), {args.rounds} pairs per cell "
+              f"over {min(against.PROCESSES, args.rounds)} pairs of workers, {decisions:,} decisions each: the "
+              f"median of the pairs' ratios (here / there) and their range", flush=True)
     cells = [(policy, replicas, decisions) for policy, replicas in bench_cells(fleets)]
     rows = against.paired_cells(here, other, cells, args.rounds, show)
     slower = [row for row in rows if row.get("ratio", 0) > against.SLOWER_THAN]
