@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from extproc.routing.decision import Candidate, Check, Decision, Trace, detail_fields
 from extproc.routing.policies.bounded import BoundedTrace
 from extproc.routing.policies.llm_aware import LlmAwareTrace
-from extproc.routing.policies.situation import HomeTrace, PeerTrace
+from extproc.routing.policies.situation import PeerTrace
 
 CANDIDATES_SHOWN = 8
 LOWEST_WINS = frozenset({"kv-cost"})  # peer policies whose candidate score is a cost
@@ -27,7 +27,7 @@ def render_trace(decision: Decision) -> str:
             lines.extend(_check_line(check, decision.reason) for check in details.checks)
         lines.extend(_peer_lines(decision, details.prompt_blocks, details.loads, details.cap, details.figures,
                                  details.candidates))
-    elif details is not None and not isinstance(details, HomeTrace):  # another policy's own NamedTuple
+    elif details is not None:  # another policy's own NamedTuple
         lines.append("  " + " ".join(f"{name}={value}" for name, value in detail_fields(details).items()))
     return "\n".join(lines)
 

@@ -130,25 +130,31 @@ class Router:
     def complete(self, request_id: str, ok: bool = True, served: str | None = None) -> Decision | None:
         """``Ticket.release`` by request id, for a caller that holds only the id: the request's
         decision, None when none is in flight under it (released already, or never routed)."""
-        ticket = self._in_flight.get(request_id)
+        ticket = self._in_flight.pop(request_id, None)
         if ticket is None:
             return None
-        self._release(ticket, ok, served)
+        self._settle(ticket, ok, served)
         return ticket.decision
 
     def _release(self, ticket: Ticket, ok: bool, served: str | None) -> bool:
-        request, decision = ticket.request, ticket.decision
-        if self._in_flight.get(request.request_id) is not ticket:
+        request_id = ticket.request.request_id
+        if self._in_flight.get(request_id) is not ticket:
             return False
-        del self._in_flight[request.request_id]
+        del self._in_flight[request_id]
+        self._settle(ticket, ok, served)
+        return True
+
+    def _settle(self, ticket: Ticket, ok: bool, served: str | None) -> None:
+        """A ticket just taken out of the table: its load released, its cache placed."""
+        request, decision = ticket.request, ticket.decision
         self.ledger.release(request.request_id)
         if self._view is not None:  # answered by another replica: the pick refused it and cached nothing
             self._view.completed(request, decision, ok and served in (None, decision.replica))
         # a migration reported before this release (its answer's stream may end after the slot
         # was moved) holds the later cache: the next turn goes to the receiver, not back here
-        if ok and not ticket.overtaken:
+        # (Ticket.overtaken, without its call)
+        if ok and ticket.key not in self._migrated:
             self.memory.remember(ticket.key, served or decision.replica, request.prompt_tokens)
-        return True
 
     def report_cached(self, request: RouteRequest, replica: str, predicted: int, cached: int,
                       timings: AnswerTimings | None = None) -> None:

@@ -11,7 +11,7 @@ from extproc.routing.blocks import prefix_blocks
 from extproc.routing.decision import Candidate, detail_fields
 from extproc.routing.policies.bounded import BoundedTrace
 from extproc.routing.policies.llm_aware import LlmAwareTrace
-from extproc.routing.policies.situation import HomeTrace, PeerTrace
+from extproc.routing.policies.situation import PeerTrace
 from tests.routing.conftest import routing
 
 REPLICAS = ["llm-0", "llm-1", "llm-2"]
@@ -19,8 +19,8 @@ REPLICAS = ["llm-0", "llm-1", "llm-2"]
 
 @pytest.mark.parametrize(("knobs", "details_type"), [
     ({"policy": "round-robin"}, type(None)),
-    ({"policy": "mod-n"}, HomeTrace),
-    ({"policy": "consistent"}, HomeTrace),
+    ({"policy": "mod-n"}, type(None)),
+    ({"policy": "consistent"}, type(None)),
     ({"policy": "bounded"}, BoundedTrace),
     ({"policy": "llm-aware"}, LlmAwareTrace),
     ({"policy": "llm-aware", "prefix_index": True}, LlmAwareTrace),

@@ -7,21 +7,18 @@ from typing import ClassVar
 
 from extproc.routing.decision import Decision
 from extproc.routing.policies.plugin import NoParams, PolicyPlugin
-from extproc.routing.policies.situation import HOME_REASON, HomeTraces, Situation, unbounded_decision
+from extproc.routing.policies.situation import HOME_REASON, Situation, unbounded_decision
 
 
 class Consistent:
     name: ClassVar[str] = "consistent"
     prefix_block_chars: ClassVar[int] = 0
 
-    def __init__(self) -> None:
-        self._traces = HomeTraces()
-
     def decide(self, situation: Situation) -> Decision | None:
         replica = situation.home()
         if replica is None:
             return None
-        return unbounded_decision(self.name, situation, replica, "home", self._traces[replica])
+        return unbounded_decision(self.name, situation, replica, "home")
 
 
 PLUGIN: PolicyPlugin = PolicyPlugin("consistent", NoParams, lambda params, routing: Consistent(),

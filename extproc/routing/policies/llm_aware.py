@@ -197,7 +197,7 @@ class LlmAware:
                                   within_requests))
         timed = None
         if self.ttft:  # the bounded walk only past the guard rail
-            guard = self.guard(situation, average)
+            guard = self.guard(situation, loads, average)
             # one long prefill on the cached replica of a light fleet is no imbalance
             if not guard.past(preferred, preferred_cost, FOLLOW_UP_REQUESTS_FLOOR if cached else 1):
                 timed = self.soonest(situation, preferred, costs, work, guard,
@@ -242,10 +242,10 @@ class LlmAware:
         trace = new(Trace, (self.name, prompt, max_tokens, details))
         return new(Decision, (chosen, reason, cost, cost, expected.get(chosen, 0), trace))
 
-    def guard(self, situation: Situation, average: float) -> GuardRail:
-        """ttft_guard_factor × the average load in tokens (``average``: this request included)."""
-        ledger = situation.ledger
-        return new(GuardRail, (ledger.loads("tokens"), ledger.loads("requests"), self.guard_factor * average))
+    def guard(self, situation: Situation, loads: Mapping[str, int], average: float) -> GuardRail:
+        """ttft_guard_factor × the average load in tokens (``average``: this request included);
+        ``loads``: the ledger's in tokens. The rail carries both loads to the predictions."""
+        return new(GuardRail, (loads, situation.ledger.loads("requests"), self.guard_factor * average))
 
     def soonest(self, situation: Situation, preferred: str, costs: dict[str, int], work: int, guard: GuardRail,
                 cached: bool) -> tuple[str, tuple[tuple[str, float], ...]]:
@@ -256,7 +256,7 @@ class LlmAware:
         not candidates. Of the prefix index's holders only those the lookup entered count as
         cached (entering every holder of a shared system prompt changed no figure on the
         Mooncake trace and cost a p99 of 1.2 ms at 64 replicas)."""
-        loads, running = situation.ledger.loads("tokens"), situation.ledger.loads("requests")
+        loads, running = guard.tokens, guard.requests
         speed, slots = situation.speeds.speed, self.slots
         here = predicted_ttft(slots, speed(preferred), loads[preferred], running[preferred],
                               costs.get(preferred, work))
@@ -275,7 +275,7 @@ class LlmAware:
         prediction); (None, inf) when there is none. ``kept``: the request's cost on the cached
         preferred replica; a move is charged the tokens it computes again once more, the delay
         they bring the requests behind it (None: not charged)."""
-        loads, running = situation.ledger.loads("tokens"), situation.ledger.loads("requests")
+        loads, running = guard.tokens, guard.requests
         speed, slots = situation.speeds.speed, self.slots
         best, soonest = None, math.inf
         for name in self.candidates(situation, costs):
@@ -299,7 +299,8 @@ class LlmAware:
         if len(eligible) <= PREDICT_ALL_REPLICAS or situation.avoid:
             return eligible
         picked = dict.fromkeys(costs)
-        picked.update(dict.fromkeys(LEAST_LOADED(situation.ledger.loads("tokens"), situation.ledger.loads("requests"))))
+        least_tokens, least_requests = LEAST_LOADED(situation.ledger.loads("tokens"), situation.ledger.loads("requests"))
+        picked[least_tokens] = picked[least_requests] = None
         fastest = situation.speeds.fastest
         if fastest is not None:
             picked[fastest] = None

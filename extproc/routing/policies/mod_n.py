@@ -7,22 +7,19 @@ from typing import ClassVar
 
 from extproc.routing.decision import Decision
 from extproc.routing.policies.plugin import NoParams, PolicyPlugin
-from extproc.routing.policies.situation import HomeTraces, Situation, unbounded_decision
+from extproc.routing.policies.situation import Situation, unbounded_decision
 
 
 class ModN:
     name: ClassVar[str] = "mod-n"
     prefix_block_chars: ClassVar[int] = 0
 
-    def __init__(self) -> None:
-        self._traces = HomeTraces()
-
     def decide(self, situation: Situation) -> Decision | None:
         eligible = situation.eligible
         if not eligible:
             return None
         replica = eligible[situation.key_hash % len(eligible)]
-        return unbounded_decision(self.name, situation, replica, "hash", self._traces[replica])
+        return unbounded_decision(self.name, situation, replica, "hash")
 
 
 PLUGIN: PolicyPlugin = PolicyPlugin("mod-n", NoParams, lambda params, routing: ModN(),

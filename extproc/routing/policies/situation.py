@@ -19,23 +19,6 @@ new = tuple.__new__
 HOME_REASON = {"home": "the conversation's ring home (or, without a cap, the ring's pick)"}  # a reason of several
 
 
-class HomeTrace(NamedTuple):
-    """The trace details of a pick made from the conversation's key alone (mod-n, consistent)."""
-
-    home: str
-
-
-class HomeTraces(dict[str, HomeTrace]):
-    """Each replica's ``HomeTrace``, made at its first pick and shared after (it is immutable):
-    one built per request was a few per cent of mod-n's route as Python."""
-
-    def __missing__(self, home: str) -> HomeTrace:
-        if len(self) >= 4096:  # replica names come and go with pods: the oldest are not kept
-            self.clear()
-        made = self[home] = new(HomeTrace, (home,))
-        return made
-
-
 class PeerTrace(NamedTuple):
     """A peer policy's trace details: what its view says of the prompt, the loads it weighed,
     its candidates' scores and its rule's figures; chwbl also walks the ring under a cap."""
@@ -98,16 +81,16 @@ class Situation(NamedTuple):
         return min(placement.prompt_tokens, self.request.prompt_tokens)
 
 
-def unbounded_decision(policy: str, situation: Situation, replica: str, reason: str,
-                       details: HomeTrace | None = None) -> Decision:
-    """A pick made without looking at load: counts as one request, brings its whole prompt."""
+def unbounded_decision(policy: str, situation: Situation, replica: str, reason: str) -> Decision:
+    """A pick made without looking at load: counts as one request, brings its whole prompt. No
+    trace details: the pick is all there is to it (mod-n's and consistent's is the home)."""
     request = situation.request
     prompt, max_tokens = request.prompt_tokens, request.max_tokens
     placement = situation.placement
     cached = 0
     if placement is not None and placement.replica == replica:
         cached = min(placement.prompt_tokens, prompt)
-    trace = new(Trace, (policy, prompt, max_tokens, details))
+    trace = new(Trace, (policy, prompt, max_tokens, None))
     return new(Decision, (replica, reason, 1, prompt + max_tokens, cached, trace))
 
 
