@@ -144,6 +144,12 @@ class Router:
         self._settle(ticket, ok, served)
         return True
 
+    def _holds(self, ticket: Ticket) -> bool:
+        return self._in_flight.get(ticket.request.request_id) is ticket
+
+    def _overtaken(self, ticket: Ticket) -> bool:
+        return ticket.key in self._migrated
+
     def _settle(self, ticket: Ticket, ok: bool, served: str | None) -> None:
         """A ticket just taken out of the table: its load released, its cache placed."""
         request, decision = ticket.request, ticket.decision
@@ -152,8 +158,7 @@ class Router:
             self._view.completed(request, decision, ok and served in (None, decision.replica))
         # a migration reported before this release (its answer's stream may end after the slot
         # was moved) holds the later cache: the next turn goes to the receiver, not back here
-        # (Ticket.overtaken, without its call)
-        if ok and ticket.key not in self._migrated:
+        if ok and ticket.key not in self._migrated:  # not _overtaken(): a call less per release
             self.memory.remember(ticket.key, served or decision.replica, request.prompt_tokens)
 
     def report_cached(self, request: RouteRequest, replica: str, predicted: int, cached: int,

@@ -8,12 +8,19 @@ compiled router builds it in the same way.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple, Protocol
 
 from extproc.routing.decision import Decision, RouteRequest
 
-if TYPE_CHECKING:
-    from extproc.routing.router import Router
+
+class Holder(Protocol):
+    """What a ticket asks the router that routed it (router.py's ``Router``)."""
+
+    def _release(self, ticket: Ticket, ok: bool, served: str | None) -> bool: ...
+
+    def _holds(self, ticket: Ticket) -> bool: ...
+
+    def _overtaken(self, ticket: Ticket) -> bool: ...
 
 
 class Ticket(NamedTuple):
@@ -24,7 +31,7 @@ class Ticket(NamedTuple):
     request: RouteRequest
     decision: Decision
     key: int  # the conversation's key in placement memory
-    router: Router
+    router: Holder
 
     def release(self, ok: bool = True, served: str | None = None) -> bool:
         """Release the load; on success remember where the conversation's cache now is: on the
@@ -35,10 +42,10 @@ class Ticket(NamedTuple):
     @property
     def held(self) -> bool:
         """Routed and not yet released."""
-        return self.router._in_flight.get(self.request.request_id) is self
+        return self.router._holds(self)
 
     @property
     def overtaken(self) -> bool:
         """A migration moved its conversation's cache after it was routed (and the conversation
         was not routed since): its release leaves placement memory to that move."""
-        return self.key in self.router._migrated
+        return self.router._overtaken(self)

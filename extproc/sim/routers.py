@@ -109,7 +109,7 @@ class RouterTier:
             return ticket.release(ok)
         if not ticket.held:
             return False
-        self.store.read(self.routers.index(ticket.router), self.clock())  # the writes before these, in order
+        self.store.read(self.routers.index(routed_by(ticket)), self.clock())  # the writes before these, in order
         first = len(self.store.writes)
         ticket.release(ok)
         if by_next_turn and self.handoff:
@@ -121,7 +121,7 @@ class RouterTier:
         """An answer's cached tokens and timings go to the router that routed it (reported before its release)."""
         if not ticket.held:
             return
-        router, request = ticket.router, ticket.request
+        router, request = routed_by(ticket), ticket.request
         store = self.store if timings is not None and router.speeds.learning else None
         if store is None:
             router.report_cached(request, replica, predicted, cached, timings)
@@ -311,3 +311,10 @@ class StoredMemory(PlacementMemory):
         if at >= self._written.get(key, at):
             super().remember(key, replica, prompt_tokens)
             self._written[key] = at
+
+
+def routed_by(ticket: Ticket) -> Router:
+    """The router that routed ``ticket`` (the ticket knows it only as ticket.py's ``Holder``)."""
+    router = ticket.router
+    assert isinstance(router, Router)
+    return router

@@ -299,7 +299,8 @@ class LlmAware:
         if len(eligible) <= PREDICT_ALL_REPLICAS or situation.avoid:
             return eligible
         picked = dict.fromkeys(costs)
-        least_tokens, least_requests = LEAST_LOADED(situation.ledger.loads("tokens"), situation.ledger.loads("requests"))
+        ledger = situation.ledger
+        least_tokens, least_requests = LEAST_LOADED(ledger.loads("tokens"), ledger.loads("requests"))
         picked[least_tokens] = picked[least_requests] = None
         fastest = situation.speeds.fastest
         if fastest is not None:
