@@ -8,6 +8,7 @@ stops start-up with its dotted name, so what runs is exactly what the file says.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import tomllib
 from collections.abc import Mapping
@@ -16,7 +17,7 @@ from typing import Any, Literal, TypeVar
 from urllib.parse import urlsplit
 
 import tomli_w
-from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from extproc.cli_input import UsageError
 from extproc.routing.settings import RoutingSettings
@@ -43,7 +44,10 @@ class ServiceSettings(Strict):
     migration_listen: str = Field(description="host:port of the migration port: only the Admin API's GetState, "
                                               "Placements and Migrated, what a leaving replica's slot sidecar "
                                               "calls (empty: none; Kubernetes: the pod's address, fenced by "
-                                              "NetworkPolicy)")
+                                              "NetworkPolicy and migration_token_file)")
+    migration_token_file: str = Field(description="file holding the bearer token every call to the migration "
+                                                  "port must carry; required unless migration_listen is on "
+                                                  "loopback (empty: no token)")
     metrics_listen: str = Field(min_length=1, description="host:port of the Prometheus /metrics endpoint")
     tokenizer: str = Field(min_length=1, description='how prompt tokens are counted: "chars" (characters / '
                                                      'chars_per_token) or the path of the model\'s GGUF file '
@@ -79,6 +83,25 @@ class ServiceSettings(Strict):
             raise ValueError("migration_listen must differ from listen and admin_listen: it serves only what a "
                              "migration needs")
         return self
+
+    @field_validator("migration_token_file")
+    @classmethod
+    def _token_off_loopback(cls, path: str, info: ValidationInfo) -> str:
+        """Beyond loopback, a token is all that stands between the pod network and the port."""
+        listen = info.data.get("migration_listen", "")
+        if listen and not path and not _on_loopback(listen):
+            raise ValueError(f"required: migration_listen {listen!r} is not on loopback")
+        return path
+
+
+def _on_loopback(address: str) -> bool:
+    host = address.rpartition(":")[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name (or no host, "all addresses"): reachable from elsewhere
+        return False
 
 
 class DiscoverySettings(Strict):
@@ -138,6 +161,20 @@ class Settings(Strict):
 
 class SettingsError(UsageError):
     """A setting is missing or invalid; the message names the dotted key and where it came from."""
+
+
+def read_secret_file(key: str, path: str) -> str | None:
+    """The secret in the file a ``*_file`` setting names (None when it names none), read at
+    start-up; SettingsError naming the key when that file cannot be read or holds nothing."""
+    if not path:
+        return None
+    try:
+        secret = Path(path).read_text().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SettingsError(f"{key}: cannot read {path} ({type(exc).__name__})") from None
+    if not secret:
+        raise SettingsError(f"{key}: {path} is empty")
+    return secret
 
 
 def load_settings(path: str | Path, environ: Mapping[str, str] | None = None) -> Settings:

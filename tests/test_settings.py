@@ -3,6 +3,7 @@ from __future__ import annotations
 import re
 import tomllib
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -114,3 +115,25 @@ def test_a_store_url_the_client_could_not_use_is_refused_by_key(url: str, compla
         parse_settings(raw)
     raw["store"]["url"] = "redis://127.0.0.1:6379/0"
     assert parse_settings(raw).store.url == "redis://127.0.0.1:6379/0"
+
+
+
+def with_migration_port(listen: str) -> dict[str, Any]:
+    """The reference router.toml with ``listen`` as its migration port and no token file."""
+    raw = tomllib.loads((Path(__file__).parents[1] / "extproc" / "service" / "router.toml").read_text())
+    raw["service"] |= {"migration_listen": listen, "migration_token_file": ""}
+    return raw
+
+
+@pytest.mark.parametrize("listen", ["127.0.0.1:9004", "127.0.0.2:9004", "[::1]:9004", "localhost:9004"])
+def test_a_migration_port_on_loopback_may_go_without_a_token(listen: str) -> None:
+    assert parse_settings(with_migration_port(listen)).service.migration_listen == listen
+
+
+@pytest.mark.parametrize("listen", ["0.0.0.0:9004", "[::]:9004", "10.0.0.7:9004", "router:9004", ":9004"])
+def test_a_migration_port_off_loopback_needs_a_token_file(listen: str) -> None:
+    raw = with_migration_port(listen)
+    with pytest.raises(SettingsError, match=r"service\.migration_token_file: Value error, required"):
+        parse_settings(raw)
+    raw["service"]["migration_token_file"] = "/run/llm-ring/migration/token"
+    assert parse_settings(raw).service.migration_token_file == "/run/llm-ring/migration/token"

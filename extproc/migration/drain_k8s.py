@@ -43,7 +43,7 @@ from extproc.migration.migrate import Limits, Outcome, migrate_out
 from extproc.migration.planner import Costs
 from extproc.migration.settings import SlotSidecarSettings, load_sidecar_settings
 from extproc.migration.sidecar import Sidecars, SidecarSettings, make_server
-from extproc.settings import SettingsError
+from extproc.settings import SettingsError, read_secret_file
 
 POLL_SECONDS = 0.2
 API_TIMEOUT = (5.0, 10.0)  # connect, read
@@ -110,12 +110,15 @@ Lookup = Callable[[], Neighbours]
 
 class Drainer:
     """GET /drain: once per pod; a hook delivered twice (the kubelet's are "at least once")
-    waits for the first drain and gets its answer."""
+    waits for the first drain and gets its answer. router_token: what the routers' migration
+    ports want (sidecar.router_token_file's)."""
 
-    def __init__(self, settings: SlotSidecarSettings, pod: Pod, lookup: Lookup) -> None:
+    def __init__(self, settings: SlotSidecarSettings, pod: Pod, lookup: Lookup,
+                 router_token: str | None = None) -> None:
         self.settings = settings
         self.pod = pod
         self.lookup = lookup
+        self.router_token = router_token
         self.sidecar = f"{pod.ip}:{settings.sidecar.listen.rpartition(':')[2]}"  # where receivers fetch from
         self._once = threading.Lock()
         self._answer: dict[str, Any] | None = None
@@ -165,7 +168,7 @@ class Drainer:
             Costs(sidecar.kv_bytes_per_token, migration.prefill_ms_per_token / 1000,
                   migration.transfer_mib_per_second * 2**20),
             Limits(migration.min_tokens, limit, migration.max_age_seconds, limit), deadline,
-            progress=lambda line: print(line, flush=True), done=done)
+            progress=lambda line: print(line, flush=True), done=done, router_token=self.router_token)
 
     def _wait_idle(self, deadline: float) -> None:
         """Until no slot of this replica is processing a request (or the deadline)."""
@@ -179,13 +182,14 @@ class Drainer:
             time.sleep(POLL_SECONDS)
 
 
-def serve(settings: SlotSidecarSettings, pod: Pod, lookup: Lookup) -> ThreadingHTTPServer:
+def serve(settings: SlotSidecarSettings, pod: Pod, lookup: Lookup,
+          router_token: str | None = None) -> ThreadingHTTPServer:
     """The sidecar's HTTP server for this pod, on sidecar.listen (not yet serving)."""
     sidecar = settings.sidecar
     host, _, port = sidecar.listen.rpartition(":")
     limit = settings.migration.max_disk_mib * 2**20
     files = SidecarSettings(sidecar.folder, pod.identity, limit, settings.migration.max_age_seconds)
-    drainer = Drainer(settings, pod, lookup)
+    drainer = Drainer(settings, pod, lookup, router_token)
     server = make_server((host, int(port)), files, drainer)
     drainer.sidecar = f"{pod.ip}:{server.server_address[1]}"  # port 0: the one bound
     return server
@@ -200,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         if not settings.sidecar.folder.is_dir():
             raise SettingsError(f"{args.config}: sidecar.folder {settings.sidecar.folder} is not a folder")
         pod = pod_from_environment(os.environ, settings.sidecar.model_folder)
+        router_token = read_secret_file("sidecar.router_token_file", settings.sidecar.router_token_file)
     except SettingsError as exc:
         print(exc, file=sys.stderr)
         return 2
@@ -212,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
             api.append(default_api_client())
         return neighbours(api[0], settings, pod.name)
 
-    server = serve(settings, pod, lookup)
+    server = serve(settings, pod, lookup, router_token)
     print(f"slot sidecar of {pod.name} on {settings.sidecar.listen} for {settings.sidecar.folder} "
           f"({pod.identity.tag})", flush=True)
     server.serve_forever()

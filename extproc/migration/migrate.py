@@ -85,10 +85,12 @@ class SharedFolder:
 
 def migrate_out(leaving: tuple[str, str], staying: Mapping[str, str], routers: Sequence[str], folder: Path,
                 identity: slotfiles.Identity, transport: Transport, costs: Costs, limits: Limits, deadline: float,
-                progress: Progress = lambda _: None, done: frozenset[tuple[int, int]] = frozenset()) -> Outcome:
+                progress: Progress = lambda _: None, done: frozenset[tuple[int, int]] = frozenset(),
+                router_token: str | None = None) -> Outcome:
     """Move what is worth moving from `leaving` (name, address) to `staying` ({name: address});
     folder: where the leaving replica saves (its --slot-save-path), identity: its identity;
-    routers: the Admin addresses of every routing service; done: (slot, last task) an earlier
+    routers: the Admin addresses of every routing service (router_token: what their migration
+    ports want, sent with every call); done: (slot, last task) an earlier
     pass saved: a slot that ran a task since (its conversation came back) is saved again. A
     first pass moves the idle slots while the replica still serves (its routers then send those
     conversations to their receivers), a later one what changed since and what was busy."""
@@ -102,7 +104,7 @@ def migrate_out(leaving: tuple[str, str], staying: Mapping[str, str], routers: S
         framing = Framing.learn(source.render)
         placed: dict[str, dict[int, int]] = {}  # opening -> {conversation key: prompt tokens}
         for router in routers:
-            with AdminClient(router) as admin:
+            with AdminClient(router, token=router_token) as admin:
                 state = admin.state()["routing"]
                 for key, opening, tokens in admin.placements(name):
                     if opening:
@@ -128,7 +130,7 @@ def migrate_out(leaving: tuple[str, str], staying: Mapping[str, str], routers: S
             moves = [m for m in moves if m.conversation_key in delivered]
             # then the routers: each restore then reaches its receiver before any next turn they
             # send there, and llama.cpp runs its tasks in the order they arrive
-            _tell(routers, [(m.conversation_key, m.receiver, m.tokens) for m in moves], outcome)
+            _tell(routers, router_token, [(m.conversation_key, m.receiver, m.tokens) for m in moves], outcome)
             receivers = {r: LlamaServer(staying[r], max(1.0, deadline - time.monotonic())) for r in idle}
             results = _restore_all(moves, receivers, idle, delivered, {k: t for k, (_, t) in saved.items()})
             for move, problem in zip(moves, results, strict=True):
@@ -146,7 +148,7 @@ def migrate_out(leaving: tuple[str, str], staying: Mapping[str, str], routers: S
     except Exception as exc:  # a router that does not answer (grpc.RpcError): a miss, the scale goes on
         outcome.problems.append(f"{type(exc).__name__}: {exc}")
     outcome.seconds = time.monotonic() - began
-    _tell(routers, [], outcome)  # the counts, for the routers' metrics
+    _tell(routers, router_token, [], outcome)  # the counts, for the routers' metrics
     slotfiles.prune(folder, limits.folder_bytes, limits.max_age_seconds)
     progress(f"migration from {name}: {len(outcome.moved)} of {outcome.slots} slot(s) moved "
              f"({outcome.bytes:,} bytes, {outcome.seconds:.2f}s)"
@@ -252,7 +254,7 @@ def _restore(move: Move, server: LlamaServer, slot: int, file: tuple[str, int], 
                                                       f"tokens there after the restore")
 
 
-def _tell(routers: Sequence[str], moves: list[tuple[int, str, int]], outcome: Outcome) -> None:
+def _tell(routers: Sequence[str], token: str | None, moves: list[tuple[int, str, int]], outcome: Outcome) -> None:
     """Every router: ``moves`` (where each conversation's next turn goes), and this pass's counts
     so far (none while there are moves: they are told before the restores)."""
     from extproc.service.admin_client import AdminClient
@@ -260,7 +262,7 @@ def _tell(routers: Sequence[str], moves: list[tuple[int, str, int]], outcome: Ou
     counts = (0, 0, 0, 0.0) if moves else (outcome.attempted, outcome.failed, outcome.bytes, outcome.seconds)
     for router in routers:
         try:
-            with AdminClient(router) as admin:
+            with AdminClient(router, token=token) as admin:
                 admin.migrated(moves, *counts)
         except Exception as exc:  # that router routes the next turns as without migration
             outcome.problems.append(f"router {router}: {type(exc).__name__}")

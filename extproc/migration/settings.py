@@ -35,6 +35,8 @@ class SidecarSection(Strict):
     sidecar_port_name: str = Field(min_length=1, description="its port of the slot sidecars")
     routers_service: str = Field(min_length=1, description="the Service of every router's migration port")
     routers_port_name: str = Field(min_length=1)
+    router_token_file: str = Field(description="file holding the token the routers' migration ports want "
+                                               "(their service.migration_token_file's); empty: none")
     settle_seconds: float = Field(ge=0, le=60, description="after this pod's endpoint turns terminating: the "
                                                             "routers' watches see it, the last requests arrive")
 

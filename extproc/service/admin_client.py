@@ -4,6 +4,8 @@ with AdminClient("127.0.0.1:9002") as admin:
     admin.set_routing({"policy": "bounded", "epsilon": 0.5})
     admin.reset()
     print(admin.state()["replicas"])
+
+A router's migration port wants its token: AdminClient(address, token=...).
 """
 
 from __future__ import annotations
@@ -13,13 +15,15 @@ from typing import Any
 import grpc
 
 from extproc.service import admin_pb2, admin_pb2_grpc
+from extproc.service.bearer import bearer_metadata
 from extproc.settings import toml_text, toml_value
 
 
 class AdminClient:
-    def __init__(self, address: str, timeout: float = 5.0) -> None:
+    def __init__(self, address: str, timeout: float = 5.0, token: str | None = None) -> None:
         self.address = address
         self.timeout = timeout
+        self._metadata = bearer_metadata(token)  # sent with every call
         self._channel = grpc.insecure_channel(address)
         self._stub = admin_pb2_grpc.AdminStub(self._channel)
 
@@ -44,7 +48,8 @@ class AdminClient:
 
     def placements(self, replica: str) -> list[tuple[int, str, int]]:
         """(conversation key, opening key, prompt tokens) of the conversations last served by `replica`."""
-        reply = self._stub.Placements(admin_pb2.PlacementsRequest(replica=replica), timeout=self.timeout)
+        reply = self._stub.Placements(admin_pb2.PlacementsRequest(replica=replica), timeout=self.timeout,
+                                      metadata=self._metadata)
         return [(c.key, c.opening, c.prompt_tokens) for c in reply.conversations]
 
     def migrated(self, moves: list[tuple[int, str, int]], attempted: int, failed: int, moved_bytes: int,
@@ -54,11 +59,11 @@ class AdminClient:
         request = admin_pb2.MigratedRequest(
             moves=[admin_pb2.Move(key=key, replica=replica, tokens=tokens) for key, replica, tokens in moves],
             attempted=attempted, failed=failed, bytes=moved_bytes, seconds=seconds)
-        return int(self._stub.Migrated(request, timeout=self.timeout).applied)
+        return int(self._stub.Migrated(request, timeout=self.timeout, metadata=self._metadata).applied)
 
     def _call(self, method: Any, request: Any) -> dict[str, Any]:
         try:
-            reply = method(request, timeout=self.timeout)
+            reply = method(request, timeout=self.timeout, metadata=self._metadata)
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
                 raise ValueError(exc.details()) from None

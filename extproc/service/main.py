@@ -5,7 +5,8 @@ over TLS when service.tls is set, and the abstract socket service.ext_proc_socke
 what a gateway talks to: the ExternalProcessor, the access log service and gRPC health. The
 Admin service (proto/admin.proto) and gRPC health are on service.admin_listen only, so nothing
 that reaches the picker port can change the routing; service.migration_listen, when set, serves only the
-part a leaving replica's slot sidecar calls (admin.MigrationService). Prometheus metrics, and
+part a leaving replica's slot sidecar calls (admin.MigrationService), to callers carrying the token of
+service.migration_token_file (bearer.py). Prometheus metrics, and
 HTTP probes /livez and /readyz, are on service.metrics_listen (http_probes.py).
 Discovery snapshots update the router (and, when service.envoy_endpoints_file is set, the
 endpoint file Envoy watches).
@@ -39,6 +40,7 @@ from extproc.envoy.contract import split_host_port, write_endpoints_file
 from extproc.routing import Router
 from extproc.service import admin_pb2_grpc
 from extproc.service.admin import AdminService, MigrationService
+from extproc.service.bearer import BearerCheck
 from extproc.service.decision_log import DecisionLog
 from extproc.service.drain import drain
 from extproc.service.gateway import Gateway
@@ -49,7 +51,7 @@ from extproc.service.processor import SERVICE, access_log_handler, handler
 from extproc.service.replica_health import ReplicaHealth
 from extproc.service.tls import SELF_SIGNED, TlsError, server_credentials
 from extproc.service.tokenizer import TokenizerError, make_counter
-from extproc.settings import Settings, SettingsError, load_settings
+from extproc.settings import Settings, SettingsError, load_settings, read_secret_file
 
 log = structlog.get_logger("extproc.service")
 LOST_SWEEP_SECONDS = 30.0
@@ -94,6 +96,7 @@ def configure_logging(level: str) -> None:
 async def serve(settings: Settings) -> int:
     """Serve until SIGTERM/SIGINT (drained, exit status 0) or until discovery fails (1)."""
     service = settings.service
+    migration_token = read_secret_file("service.migration_token_file", service.migration_token_file)
     try:
         credentials = server_credentials(service.tls)
     except TlsError as exc:
@@ -129,7 +132,8 @@ async def serve(settings: Settings) -> int:
     admin_pb2_grpc.add_AdminServicer_to_server(admin_service, admin)
     servers = [picker, admin]
     if service.migration_listen:
-        migration = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        migration = grpc.aio.server(options=[("grpc.so_reuseport", 0)],
+                                    interceptors=_token_check(migration_token, metrics))
         admin_pb2_grpc.add_AdminServicer_to_server(MigrationService(admin_service), migration)
         if migration.add_insecure_port(service.migration_listen) == 0:
             raise SystemExit(f"llm-ring serve: cannot listen on service.migration_listen={service.migration_listen!r}")
@@ -203,6 +207,17 @@ async def _follow_discovery(
         readiness.replicas_known = bool(replicas)
         # Not "replicas_changed": that is discovery's own event (kubernetes.py), with another shape.
         log.info("replicas_applied", replicas=replicas)
+
+
+def _token_check(token: str | None, metrics: Metrics) -> list[BearerCheck]:
+    """The migration port's interceptors: none without a token (a loopback port)."""
+    if token is None:
+        return []
+
+    def refused() -> None:
+        metrics.errors["migration_unauthenticated"] += 1
+
+    return [BearerCheck(token, refused)]
 
 
 def _listen_picker(server: grpc.aio.Server, listen: str, socket: str, tls: grpc.ServerCredentials | None) -> str:

@@ -22,10 +22,11 @@ from extproc.routing.speeds import Speed
 # not_applied: Envoy never used the pick (fail-open after ext_proc's timeout) and served round robin
 OUTCOMES = ("ok", "failed_over", "failed", "abandoned", "not_applied")
 # non_utf8_repaired: a message from Envoy carried client bytes that are not UTF-8 (repaired,
-# see wire.py); undecodable: a message that was no protobuf at all (dropped)
+# see wire.py); undecodable: a message that was no protobuf at all (dropped); migration_unauthenticated:
+# a call to the migration port without its token (bearer.py)
 ERRORS = (
     "bad_request", "no_replica", "replica_failed", "replica_timed_out", "access_log_lost", "non_utf8_repaired",
-    "undecodable", "shed",
+    "undecodable", "shed", "migration_unauthenticated",
 )
 STREAMS = ("route", "observe", "access_log", "picker")
 # the shared store (store.py): a read before a decision, a batch of writes, a (re)connection

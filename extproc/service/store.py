@@ -58,7 +58,6 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import orjson
 import redis.asyncio as aioredis
@@ -71,7 +70,7 @@ from extproc.routing.peers import PeerRequest, ReplicaLoads
 from extproc.routing.placement import Placement
 from extproc.routing.speeds import AnswerTimings
 from extproc.service.metrics import Metrics
-from extproc.settings import SettingsError, StoreSettings
+from extproc.settings import StoreSettings, read_secret_file
 
 log = structlog.get_logger("extproc.service")
 
@@ -198,7 +197,7 @@ class SharedStore:
         self._pending_prefix = f"{prefix}:pending:"
         self._answers_key = f"{prefix}:answers"
         self._answers_seen = b"0-0"  # the last stream entry read: from the oldest kept at the start
-        password = _password(settings.password_file)
+        password = read_secret_file("store.password_file", settings.password_file)
         # the socket's own timeouts only catch a connection that hangs for good: each call's
         # bound is asyncio's (the timeout plus the loop's lag)
         pool = aioredis.BlockingConnectionPool.from_url(
@@ -589,15 +588,6 @@ def _link_lost(exc: BaseException) -> bool:
     if isinstance(exc, ConnectionRefusedError | ConnectionResetError | BrokenPipeError):
         return True
     return isinstance(exc, LinkError) and not isinstance(exc, TimeoutError)
-
-
-def _password(path: str) -> str | None:
-    if not path:
-        return None
-    try:
-        return Path(path).read_text().strip()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise SettingsError(f"store.password_file: cannot read {path} ({type(exc).__name__})") from None
 
 
 def _without_password(url: str) -> str:

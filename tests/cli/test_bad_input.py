@@ -160,6 +160,24 @@ def test_an_unreadable_store_password_file_stops_the_service_naming_the_key(tmp_
     assert_refused(*run_cli(capsys, "serve", "--config", str(ROUTER_TOML)), "store.password_file", "missing")
 
 
+def test_a_migration_port_off_loopback_without_a_token_file_stops_the_service(capsys, monkeypatch):
+    monkeypatch.setenv("LLM_RING__SERVICE__MIGRATION_LISTEN", '"0.0.0.0:9004"')
+    assert_refused(*run_cli(capsys, "serve", "--config", str(ROUTER_TOML)), "service.migration_token_file",
+                   "required", "not on loopback")
+
+
+@pytest.mark.parametrize(("token", "problem"), [(None, "cannot read"), ("", "is empty"), ("\n", "is empty")])
+def test_a_missing_or_empty_migration_token_file_stops_the_service_naming_the_key(tmp_path, capsys, monkeypatch,
+                                                                                 token, problem):
+    path = tmp_path / "token"
+    if token is not None:
+        path.write_text(token)
+    monkeypatch.setenv("LLM_RING__SERVICE__MIGRATION_LISTEN", '"0.0.0.0:9004"')
+    monkeypatch.setenv("LLM_RING__SERVICE__MIGRATION_TOKEN_FILE", f'"{path}"')
+    assert_refused(*run_cli(capsys, "serve", "--config", str(ROUTER_TOML)), "service.migration_token_file",
+                   str(path), problem)
+
+
 def test_a_missing_tokenizer_file_stops_the_service_naming_the_key(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("LLM_RING__SERVICE__TOKENIZER", f'"{tmp_path / "model.gguf"}"')
     assert_refused(*run_cli(capsys, "serve", "--config", str(ROUTER_TOML)), "service.tokenizer", "no such file")

@@ -26,6 +26,14 @@ INFERENCE_POOL = K8S / "inference-pool"  # llm-ring as an InferencePool's picker
 GATEWAY_FOLDERS = ("envoy-ai-gateway", "kgateway")  # one per gateway, beside INFERENCE_POOL's files
 PICKER_TOKEN = "picker-sa-token"
 KIND_CONFIG = REPO / "kind" / "kind-config.yaml"
+MIGRATION_TOKEN = "the-migration-token"  # the Secret llm-ring-migration's, here
+
+
+def migration_token_file(folder: Path) -> Path:
+    """Where a test's router or sidecar reads the migration token (the Secret's mount, here)."""
+    path = folder / "migration-token"
+    path.write_text(MIGRATION_TOKEN + "\n")
+    return path
 
 
 def manifest_files() -> list[Path]:

@@ -40,6 +40,7 @@ from k8s_support import (
     REPO,
     find,
     load_docs,
+    migration_token_file,
     picker_docs,
     picker_manifest_files,
     picker_settings_raw,
@@ -292,6 +293,7 @@ def test_llm_ring_serve_with_the_picker_configmap_serves_tls_and_follows_the_poo
         "LLM_RING__SERVICE__LISTEN": f'"{listen}"',
         "LLM_RING__SERVICE__ADMIN_LISTEN": f'"{admin}"',
         "LLM_RING__SERVICE__MIGRATION_LISTEN": f'"127.0.0.1:{free_port()}"',  # the ConfigMap's is the pod's address
+        "LLM_RING__SERVICE__MIGRATION_TOKEN_FILE": f'"{migration_token_file(tmp_path)}"',
         "LLM_RING__SERVICE__METRICS_LISTEN": f'"{metrics}"',
         "LLM_RING__DISCOVERY__KUBERNETES_BACKOFF_SECONDS": "0.05",
     }

@@ -41,6 +41,7 @@ from k8s_support import (
     load_docs,
     manifest_files,
     picker_docs,
+    picker_settings_raw,
     router_settings_raw,
     schema_version,
 )
@@ -431,7 +432,7 @@ def test_the_store_wants_the_routers_password_and_allows_only_their_commands():
     script = container["command"][2]
     assert f"~llm-ring:* resetchannels -@all {' '.join('+' + c for c in ROUTER_COMMANDS)}\\n" in script
     assert "user default off" in script and "--protected-mode yes" in script and "volatile-ttl" in script
-    assert not [d for d in all_docs() if d["kind"] == "Secret"]  # generated per cluster, never committed
+    assert not [d for d in all_docs() + picker_docs() if d["kind"] == "Secret"]  # made per cluster, never committed
     secrets = {v["name"]: v["secret"]["secretName"] for v in store["volumes"] if "secret" in v}
     assert secrets == {"password": "llm-ring-store"}
     settings = router_settings_raw()["store"]
@@ -440,3 +441,28 @@ def test_the_store_wants_the_routers_password_and_allows_only_their_commands():
     mounted = {m["name"]: m["mountPath"] for m in router["volumeMounts"]}
     assert Path(settings["password_file"]).parent == Path(mounted["store-password"])
     assert settings["url"].startswith("redis://llm-ring@")
+
+
+def test_the_migration_token_reaches_the_routers_and_the_slot_sidecars_alone():
+    """The Secret llm-ring-migration, which no manifest holds, is mounted read-only into the
+    containers that serve or call a migration port, where their settings' token file is, and
+    into no other; each pod's group may read it (0440)."""
+    slots = tomllib.loads(find("ConfigMap", "slot-sidecar-config")["data"]["slots.toml"])
+    token_files = {
+        ("Deployment/gateway", "router"): router_settings_raw()["service"]["migration_token_file"],
+        ("Deployment/picker", "picker"): picker_settings_raw()["service"]["migration_token_file"],
+        ("StatefulSet/llm", "slot-sidecar"): slots["sidecar"]["router_token_file"],
+    }
+    holders = {}
+    for name, spec in pod_specs():
+        volumes = {v["name"]: v for v in spec.get("volumes", [])
+                   if v.get("secret", {}).get("secretName") == "llm-ring-migration"}
+        for volume in volumes.values():
+            assert volume["secret"]["defaultMode"] == 0o440 and spec["securityContext"]["fsGroup"], name
+        for c in containers(spec):
+            for mount in (m for m in c.get("volumeMounts", []) if m["name"] in volumes):
+                assert mount["readOnly"] is True, (name, c["name"])
+                holders[name, c["name"]] = mount["mountPath"]
+    assert set(holders) == set(token_files), "only the routers and the slot sidecars (not llama-server, not Envoy)"
+    for holder, token_file in token_files.items():
+        assert Path(token_file) == Path(holders[holder]) / "token", holder

@@ -22,7 +22,16 @@ import grpc
 import httpx
 import pytest
 from fake_apiserver import Endpoint, FakeApiServer, endpoint_slice, identity_from_manifests
-from k8s_support import NAMESPACE, ROUTER_TOKEN, all_docs, find, picker_docs, router_settings
+from k8s_support import (
+    MIGRATION_TOKEN,
+    NAMESPACE,
+    ROUTER_TOKEN,
+    all_docs,
+    find,
+    migration_token_file,
+    picker_docs,
+    router_settings,
+)
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
@@ -32,7 +41,7 @@ from extproc.migration.settings import SlotSidecarSettings
 from extproc.migration.sidecar import SidecarSettings, make_server
 from extproc.migration.slotfiles import Identity
 from extproc.service.admin_client import AdminClient
-from extproc.settings import SettingsError
+from extproc.settings import SettingsError, read_secret_file
 
 SIDECAR_TOKEN = "slot-sidecar-token"
 REPO = Path(__file__).resolve().parents[2]
@@ -273,6 +282,22 @@ def test_the_sidecar_names_what_its_environment_lacks(tmp_path: Path, capsys: py
     assert "migration.min_tokens: missing" in error and "migration.min_token: unknown setting" in error
 
 
+def test_the_sidecar_stops_naming_a_router_token_file_it_cannot_read(tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture[str],
+                                                                    monkeypatch: pytest.MonkeyPatch):
+    (tmp_path / "m.gguf").write_bytes(b"weights")
+    for name, value in {"POD_NAME": "llm-0", "POD_IP": "10.0.0.10", "MODEL_FILE": "m.gguf",
+                        "LLAMA_ARG_CTX_SIZE": "4096", "LLAMA_ARG_N_PARALLEL": "2", "LLAMA_ARG_PORT": "8080"}.items():
+        monkeypatch.setenv(name, value)
+    slots = find("ConfigMap", "slot-sidecar-config")["data"]["slots.toml"]
+    config = tmp_path / "slots.toml"
+    config.write_text(slots.replace('"/slots"', f'"{tmp_path}"').replace('"/models"', f'"{tmp_path}"'))
+    token_file = tomllib.loads(slots)["sidecar"]["router_token_file"]  # the Secret's mount: not here
+    assert drain_k8s.main(["--config", str(config)]) == 2
+    (error,) = capsys.readouterr().err.strip().splitlines()
+    assert error == f"sidecar.router_token_file: cannot read {token_file} (FileNotFoundError)"
+
+
 # ----------------------------------------------------------------------------- live
 
 
@@ -294,16 +319,19 @@ def test_a_terminating_replicas_conversation_continues_cached_on_the_other(apise
     try:
         stack_replicas.wait_healthy(started, timeout=120, progress=lambda _: None)
         migration_listen = f"127.0.0.1:{free_port()}"
+        token_file = migration_token_file(tmp_path)  # the Secret llm-ring-migration, for routers and sidecars
         sidecars, pods, configs = {}, {}, {}
         for name in names:  # each pod: its own slot folder, its sidecar, its drain
             folder = stack_replicas.slot_folder(tmp_path / name)
             settings = sidecar_settings(listen="127.0.0.1:0", folder=str(folder), model_folder=str(model.parent),
-                                        min_tokens=16, drain_seconds=30, settle_seconds=0.5)
+                                        min_tokens=16, drain_seconds=30, settle_seconds=0.5,
+                                        router_token_file=str(token_file))
             pod = pod_from_environment({"POD_NAME": name, "POD_IP": "127.0.0.1", "MODEL_FILE": model.name,
                                         "LLAMA_ARG_CTX_SIZE": "2048", "LLAMA_ARG_N_PARALLEL": "2",
                                         "LLAMA_ARG_PORT": str(ports[name])}, model.parent)
             pods[name], configs[name] = pod, settings
-            server = drain_k8s.serve(settings, pod, lambda s=settings, n=name: neighbours(sidecar_api, s, n))
+            token = read_secret_file("sidecar.router_token_file", settings.sidecar.router_token_file)
+            server = drain_k8s.serve(settings, pod, lambda s=settings, n=name: neighbours(sidecar_api, s, n), token)
             threading.Thread(target=server.serve_forever, daemon=True).start()
             servers.append(server)
             sidecars[name] = f"127.0.0.1:{server.server_address[1]}"
@@ -317,7 +345,8 @@ def test_a_terminating_replicas_conversation_continues_cached_on_the_other(apise
         discovery = {"SOURCE": '"kubernetes"', "KUBERNETES_NAMESPACE": f'"{NAMESPACE}"',
                      "KUBERNETES_SERVICE": '"llm"', "KUBERNETES_PORT_NAME": '"http"',
                      "KUBERNETES_BACKOFF_SECONDS": "0.05"}
-        with gateway(tmp_path / "gateway", discovery, migration_listen=f'"{migration_listen}"') as gw:
+        with gateway(tmp_path / "gateway", discovery, migration_listen=f'"{migration_listen}"',
+                     migration_token_file=f'"{token_file}"') as gw:
             messages = [{"role": "user", "content": "Tell me about the old harbour of the city, its ships and "
                                                     "its trade, and the people on its quays."}]
             headers = {"x-conversation-id": "k8s-drain"}
@@ -348,8 +377,16 @@ def test_a_terminating_replicas_conversation_continues_cached_on_the_other(apise
             threading.Thread(target=other_model.serve_forever, daemon=True).start()
             servers.append(other_model)
             apiserver.apply(replica_slice(staying, "127.0.0.1", ports[staying], other_model.server_address[1]))
+            # a sidecar without the routers' token, or with another, is refused by every router:
+            # it moves nothing and tells nobody
+            for wrong in (None, "not-" + MIGRATION_TOKEN):
+                refused = drain_k8s.Drainer(configs[leaving], pods[leaving],
+                                            lambda: neighbours(sidecar_api, configs[leaving], leaving), wrong)
+                status, answer = refused()
+                assert status == 200 and answer["migration"]["attempted"] == 0, answer
+                assert any("UNAUTHENTICATED" in problem for problem in answer["migration"]["problems"]), answer
             missed = drain_k8s.Drainer(configs[leaving], pods[leaving],
-                                       lambda: neighbours(sidecar_api, configs[leaving], leaving))
+                                       lambda: neighbours(sidecar_api, configs[leaving], leaving), MIGRATION_TOKEN)
             missed.sidecar = sidecars[leaving]
             status, answer = missed()
             assert status == 200 and answer["migration"]["attempted"] >= 1, answer
@@ -371,7 +408,11 @@ def test_a_terminating_replicas_conversation_continues_cached_on_the_other(apise
             assert answer["timings"]["cache_n"] >= held - 1, "the whole history, less the last sampled token"
             assert list(stack_replicas.slot_folder(tmp_path / staying).glob("*.bin")), "fetched into its own folder"
 
-            with AdminClient(migration_listen) as migration:  # the migration port serves no more than a drain needs
+            with AdminClient(migration_listen) as anonymous, pytest.raises(grpc.RpcError) as refused_call:
+                anonymous.state()
+            assert refused_call.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            # the migration port serves no more than a drain needs
+            with AdminClient(migration_listen, token=MIGRATION_TOKEN) as migration:
                 assert migration.state()["routing"]["virtual_nodes"] > 0
                 with pytest.raises(grpc.RpcError) as refused:
                     migration.set_routing({"policy": "round-robin"})
