@@ -30,6 +30,17 @@ from extproc.stack.processes import (
 )
 
 
+def whole_records(log: Path) -> list[dict[str, Any]]:
+    """The JSON records a running service has written whole to ``log`` (the line it is writing
+    may be half there)."""
+    text = log.read_text()
+    return [json.loads(line) for line in text[:text.rfind("\n") + 1].splitlines() if line.startswith("{")]
+
+
+def route_decisions(log: Path) -> list[dict[str, Any]]:
+    return [record for record in whole_records(log) if record.get("event") == "route_decision"]
+
+
 @dataclass
 class Gateway:
     url: str
@@ -47,11 +58,7 @@ class Gateway:
         return reply.headers.get("x-routed-to", "")
 
     def decisions(self) -> list[dict[str, Any]]:
-        return [
-            record
-            for line in self.log.read_text().splitlines()
-            if line.startswith("{") and (record := json.loads(line)).get("event") == "route_decision"
-        ]
+        return route_decisions(self.log)
 
     def state(self) -> dict[str, Any]:
         with AdminClient(self.admin) as admin:

@@ -5,7 +5,6 @@ finishes, health turns NOT_SERVING at once, the process exits 0 within service.d
 from __future__ import annotations
 
 import asyncio
-import json
 import signal
 import threading
 from collections.abc import Iterator
@@ -23,7 +22,7 @@ from extproc.bench.stub_upstream import BODY
 from extproc.service.drain import drain, drain_envoy, main
 from extproc.service.processor import SERVICE
 from extproc.stack.processes import free_port, static_discovery
-from tests.service.gateway_support import Gateway, chat, gateway, post
+from tests.service.gateway_support import Gateway, chat, gateway, post, whole_records
 
 URL = "/v1/chat/completions"
 HEADERS = {"x-conversation-id": "c-drain", "x-turn": "1"}
@@ -96,11 +95,7 @@ def send_in_background(gw: Gateway) -> tuple[threading.Thread, dict[str, Any]]:
 
 
 def log_events(gw: Gateway) -> dict[str, dict[str, Any]]:
-    return {
-        record["event"]: record
-        for line in gw.log.read_text().splitlines()
-        if line.startswith("{") and (record := json.loads(line))["event"].startswith("drain_")
-    }
+    return {record["event"]: record for record in whole_records(gw.log) if record["event"].startswith("drain_")}
 
 
 @pytest.mark.live

@@ -32,6 +32,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from extproc.service.admin_client import AdminClient
 from extproc.stack.processes import ROUTER_REFERENCE, Running, free_port, service_env, start_service, static_discovery
+from tests.service.gateway_support import route_decisions
 
 Mode = processing_mode_pb2.ProcessingMode
 REPLICAS = {"llm-0": "10.9.0.1:8080", "llm-1": "10.9.0.2:8080", "llm-2": "10.9.0.3:8080"}
@@ -134,8 +135,7 @@ def run(coroutine: Any) -> Any:
 
 
 def decisions(service: Running) -> list[dict[str, Any]]:
-    return [record for line in service.log_path.read_text().splitlines()
-            if line.startswith("{") and (record := json.loads(line)).get("event") == "route_decision"]
+    return route_decisions(service.log_path)
 
 
 def in_flight(service: Running) -> int:
