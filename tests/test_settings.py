@@ -117,7 +117,6 @@ def test_a_store_url_the_client_could_not_use_is_refused_by_key(url: str, compla
     assert parse_settings(raw).store.url == "redis://127.0.0.1:6379/0"
 
 
-
 def with_migration_port(listen: str) -> dict[str, Any]:
     """The reference router.toml with ``listen`` as its migration port and no token file."""
     raw = tomllib.loads((Path(__file__).parents[1] / "extproc" / "service" / "router.toml").read_text())

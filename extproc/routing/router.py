@@ -137,10 +137,9 @@ class Router:
         return ticket.decision
 
     def _release(self, ticket: Ticket, ok: bool, served: str | None) -> bool:
-        request_id = ticket.request.request_id
-        if self._in_flight.get(request_id) is not ticket:
+        if not self._holds(ticket):
             return False
-        del self._in_flight[request_id]
+        del self._in_flight[ticket.request.request_id]
         self._settle(ticket, ok, served)
         return True
 
