@@ -13,7 +13,7 @@ import os
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 from urllib.parse import urlsplit
 
 import tomli_w
@@ -57,7 +57,7 @@ class ServiceSettings(Strict):
     max_body_bytes: int = Field(gt=0, description="larger request bodies are refused with 413")
     default_max_tokens: int = Field(gt=0, description="output tokens charged when a request names none")
     max_output_tokens: int = Field(
-        gt=0, description="max_tokens / n_predict above are refused (400); -1 is charged as this"
+        gt=0, description="one slot's context: a larger max_tokens / n_predict, or -1, is charged as this many"
     )
     max_messages: int = Field(gt=0, description="chat requests with more messages are refused (413)")
     max_prompt_chars: int = Field(gt=0, description="prompts with more characters (or token ids) are refused (413)")
@@ -72,6 +72,9 @@ class ServiceSettings(Strict):
                                               "x-route-predicted-cached-tokens (a debugging aid)")
     shed_requests_per_replica: int = Field(ge=0, description="429 when every eligible replica has this many requests "
                                                              "in flight (0: never shed)")
+    cors_origins: list[Annotated[str, Field(pattern=r"^(\*|https?://[^\s/,]+)$")]] = Field(
+        description='origins a browser may call the gateway from ("https://chat.example.com", or "*" for any); '
+                    'empty: no CORS headers, preflights refused')
 
     @model_validator(mode="after")
     def _reachable(self) -> ServiceSettings:

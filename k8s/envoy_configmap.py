@@ -57,6 +57,7 @@ def envoy_config(settings: Settings) -> str:
         fail_open=service.fail_open,
         max_request_bytes=service.max_body_bytes,
         retries=service.fallbacks,
+        cors_origins=service.cors_origins,
     )
 
 

@@ -45,7 +45,7 @@ import asyncio
 import secrets
 import time
 from collections import deque
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,6 +55,8 @@ import xxhash
 from extproc.envoy.contract import (
     STREAM_IDLE_TIMEOUT_S,
 )
+from extproc.envoy.cors import CorsPolicy
+from extproc.envoy.surface import ReadOnly, Refused
 from extproc.routing import Decision, Router, RouteRequest, Ticket, estimate_tokens
 from extproc.routing.blocks import BlockMemory
 from extproc.routing.continuation import Claim, ConversationDigests, Shown, claim, shown
@@ -67,6 +69,7 @@ from extproc.service.answers import (
     AnswerCache,
     Phase,
     immediate,
+    local_answer,
     request_id_header,
     route_answer,
 )
@@ -78,6 +81,7 @@ from extproc.service.bodies import (
     parse_request,
     parse_timings,
 )
+from extproc.service.catalog import ModelCatalog
 from extproc.service.decision_log import through_structlog
 from extproc.service.metrics import Metrics, ReplicaState
 from extproc.service.migrations import Migrations
@@ -91,7 +95,6 @@ MAX_JSON_RESPONSE_BYTES = 1 << 20  # larger JSON answers are passed on unread (n
 SSE_TAIL_BYTES = 64 << 10  # the last events of a stream are all we read
 LOST_AFTER_S = 2 * STREAM_IDLE_TIMEOUT_S  # no access log entry by then: it was lost
 BOUNDED_CHARS = 64  # client-chosen ids kept in state and logs: longer ones are cut and hashed
-PASS_THROUGH = "pass-through"  # the reason of a pick for a request that is no generation
 NO_PEERS = PeerView({}, None)  # the store is configured but not answering: this router's state alone
 TEMPLATE_OPENING_TOKENS = 1024  # what a chat template may add before the first message (a default system prompt)
 
@@ -179,9 +182,10 @@ class Gateway:
         self.unanswered: dict[str, dict[str, int]] = {}
         self.answers = AnswerCache(settings.routing_headers)
         self._sequence = 0
-        self._pass_turn = 0  # pass_through's rotation
         self._id_prefix = secrets.token_hex(3) + "-"  # ids differ across restarts of the service
         self.envoy_ids: dict[str, str] = {}  # Envoy's id -> ours, while pending
+        self.catalog = ModelCatalog()  # what each replica serves (main.py's ModelFetcher fills it)
+        self.cors = CorsPolicy(frozenset(settings.cors_origins))
         self.limits = BodyLimits(settings.max_messages, settings.max_prompt_chars, settings.max_output_tokens)
         self.store: SharedStore | None = None  # several routers' shared state (main.py sets it from [store])
         self.block_memory: BlockMemory | None = None  # the last prompt's blocks per conversation, when hashed
@@ -194,6 +198,7 @@ class Gateway:
 
     def set_replicas(self, replicas: Mapping[str, str]) -> None:
         self.endpoints = dict(replicas)
+        self.catalog.set_replicas(self.endpoints)
         self.openings = {name: seen for name, seen in self.openings.items() if name in self.endpoints}
         self.router.set_replicas(self.endpoints)
         self.unhealthy &= set(self.endpoints)
@@ -315,21 +320,51 @@ class Gateway:
         step, peers = await self._peers(step)
         return self._decide(step, turn, request_id, started, peers, phase, subset)
 
-    def pass_through(self, phase: Phase, subset: frozenset[str] | None) -> bytes:
-        """The answer for a request that is no generation (an Endpoint Picker sees every request
-        of its route: GET /v1/models, /health, ...): the next eligible replica in turn, no load
-        charged, nothing tracked."""
-        eligible = self._eligible(subset)
-        if not eligible:
-            return self._no_replica(subset)
-        self._pass_turn += 1
-        replica = eligible[self._pass_turn % len(eligible)]
-        self.metrics.passed_through += 1
-        return self._pick_answer(replica, PASS_THROUGH, False, phase, subset)
+    def answer_locally(self, asked: ReadOnly, headers: Sequence[tuple[str, str]] = ()) -> bytes:
+        """The gateway's own answer to a read-only request (surface.py): the fleet's models, one
+        model, or its health (200 while a replica is healthy). ``headers``: CORS, when allowed."""
+        self.metrics.answered_locally[asked.kind] += 1
+        if asked.kind == "models":
+            return local_answer(200, self.catalog.listing(), headers)
+        if asked.kind == "model":
+            entry = self.catalog.entry(asked.model)
+            if entry is None:
+                return self._model_not_found(asked.model, headers)
+            return local_answer(200, entry, headers)
+        if any(name not in self.unhealthy for name in self.endpoints):
+            return local_answer(200, b'{"status":"ok"}', headers)
+        return immediate(503, "no replica available", "no_replica", headers=headers)
 
-    def _eligible(self, subset: frozenset[str] | None) -> list[str]:
-        """The replicas a pick may land on: the healthy ones (all when none is) of the subset."""
-        names = sorted(self.endpoints)
+    def refuse(self, refused: Refused, headers: Sequence[tuple[str, str]] = ()) -> bytes:
+        """404 for a path the gateway does not serve, 405 for a method it does not take there."""
+        self.metrics.errors["refused_path"] += 1
+        allow = [("allow", refused.allow)] if refused.allow else []
+        return immediate(refused.status, refused.message, refused.code, headers=[*allow, *headers])
+
+    def preflight(self, cors: Sequence[tuple[str, str]], requested_headers: str) -> bytes:
+        """A CORS preflight from an allowed origin (``cors``: its answer headers)."""
+        self.metrics.answered_locally["preflight"] += 1
+        return local_answer(204, b"", [*cors, *self.cors.preflight_headers(requested_headers)])
+
+    def _model_not_found(self, model: str, headers: Sequence[tuple[str, str]] = ()) -> bytes:
+        self.metrics.errors["unknown_model"] += 1
+        served = ", ".join(entry.id for entry in self.catalog.entries()) or "none known yet"
+        return immediate(404, f"the model {bounded(model)!r} is not served here (served: {served})",
+                         "model_not_found", "model", headers)
+
+    def _avoid(self, subset: frozenset[str] | None, model: str) -> Collection[str]:
+        """The replicas a pick must not land on: outside the gateway's subset, not serving the
+        model named, and the unhealthy ones (unless no other is left)."""
+        serving = self.catalog.eligible(model)
+        if subset is None and len(serving) == len(self.endpoints):  # the common case: no list to build
+            return self.unhealthy if len(self.unhealthy) < len(self.endpoints) else ()
+        allowed = self._eligible(subset, serving)
+        return [name for name in self.endpoints if name not in allowed]
+
+    def _eligible(self, subset: frozenset[str] | None, serving: Collection[str]) -> list[str]:
+        """The replicas a pick may land on: the healthy ones (all when none is) of the subset
+        that serve the model."""
+        names = [name for name in sorted(self.endpoints) if name in serving]
         if subset is not None:
             names = [name for name in names if self.endpoints[name] in subset]
         healthy = [name for name in names if name not in self.unhealthy]
@@ -345,9 +380,10 @@ class Gateway:
     def _no_replica(self, subset: frozenset[str] | None) -> bytes:
         self.metrics.errors["no_replica"] += 1
         if subset is not None:
-            return immediate(503, "no replica of the gateway's subset is available", replicas=len(self.endpoints),
-                             subset=sorted(subset)[:16])  # fmt: skip
-        return immediate(503, "no replica available", replicas=len(self.endpoints), unhealthy=sorted(self.unhealthy))
+            return immediate(503, f"no replica of the gateway's subset is available ({len(subset)} endpoints named, "
+                             f"{len(self.endpoints)} replicas known)", "no_replica")
+        return immediate(503, f"no replica available ({len(self.endpoints)} known, {len(self.unhealthy)} unhealthy)",
+                         "no_replica")
 
     def _prepare(
         self, path: str, content_type: str, conversation_id: str, body: bytes,
@@ -358,7 +394,9 @@ class Gateway:
             parsed = self._parse(path, content_type, body, parsed_elsewhere)
         except BadRequest as exc:
             self.metrics.errors["bad_request"] += 1
-            return immediate(exc.status, exc.message)
+            return immediate(exc.status, exc.message, exc.code, exc.param)
+        if parsed.model and self.endpoints and not self.catalog.eligible(parsed.model):
+            return self._model_not_found(parsed.model)
         unique_id = self._request_id()
         digests = shown(parsed.history, parsed.answered, parsed.opening_key)
         named = bounded(conversation_id) or parsed.opening_key
@@ -366,11 +404,9 @@ class Gateway:
         claimed = claim(named, parsed.opening_key, () if known is None else (known,), digests)
         # under the key the router places it by (a reused id that does not continue its chat has its own)
         self.migrations.opened(self.router.conversation_key(claimed.conversation), parsed.opening_key)
-        prompt_tokens = parsed.prompt_token_ids or parsed.prompt_tokens
-        request = RouteRequest(
-            unique_id, claimed.conversation, prompt_tokens, parsed.max_tokens or self.settings.default_max_tokens,
-            parsed.prefix_blocks,
-        )
+        prompt_tokens = parsed.prompt_token_ids + parsed.prompt_tokens
+        max_tokens = (parsed.max_tokens or self.settings.default_max_tokens) * parsed.prompts
+        request = RouteRequest(unique_id, claimed.conversation, prompt_tokens, max_tokens, parsed.prefix_blocks)
         return Prepared(request, parsed, path, digests, claimed)
 
     async def _peers(self, step: Prepared) -> tuple[Prepared, PeerView]:
@@ -404,14 +440,11 @@ class Gateway:
             self._release_answered(conversation, parsed.answered)
         if parsed.answered_tokens:
             self._holds_answer(request, parsed.answered_tokens)
-        if subset is None:
-            avoid: Collection[str] = self.unhealthy if len(self.unhealthy) < len(self.endpoints) else ()
-        else:
-            allowed = self._eligible(subset)
-            avoid = [name for name in self.endpoints if name not in allowed]
+        avoid = self._avoid(subset, parsed.model)
         if self._to_shed(avoid):
             self.metrics.errors["shed"] += 1
-            return immediate(429, "every replica is at service.shed_requests_per_replica requests in flight"), None
+            return immediate(429, "every replica is at service.shed_requests_per_replica requests in flight",
+                             "rate_limit_exceeded"), None
         ticket = self.router.route(request, avoid=avoid, peers=peers) if len(avoid) < len(self.endpoints) else None
         if ticket is None:
             return self._no_replica(subset), None

@@ -41,6 +41,7 @@ from extproc.routing import Router
 from extproc.service import admin_pb2_grpc
 from extproc.service.admin import AdminService, MigrationService
 from extproc.service.bearer import BearerCheck
+from extproc.service.catalog import ModelFetcher
 from extproc.service.decision_log import DecisionLog
 from extproc.service.drain import drain
 from extproc.service.gateway import Gateway
@@ -113,6 +114,7 @@ async def serve(settings: Settings) -> int:
     if getattr(logging, service.log_level.upper()) <= logging.INFO:  # the per-request line, its own fast path
         gateway.decision_log = DecisionLog(sys.stdout.buffer)
     health = ReplicaHealth(gateway, service.health_probe_seconds)
+    models = ModelFetcher(gateway.catalog, lambda: gateway.endpoints, service.health_probe_seconds)
     gateway.on_replica_failed = health.replica_failed
     metrics.watch(gateway.replica_states, lambda: gateway.router.speeds.speeds())  # reconfigure may replace them
     if settings.store.url:  # several routers agree through it; a fresh id per start (the old one expires)
@@ -167,7 +169,7 @@ async def serve(settings: Settings) -> int:
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
-    watcher = loop.create_task(_follow_discovery(settings, gateway, health_service, readiness))
+    watcher = loop.create_task(_follow_discovery(settings, gateway, models, health_service, readiness))
     sweeper = loop.create_task(_release_lost(gateway))
     watcher.add_done_callback(lambda task: _discovery_ended(task, stop))
     try:
@@ -180,6 +182,7 @@ async def serve(settings: Settings) -> int:
         watcher.cancel()
         sweeper.cancel()
         health.close()
+        await models.close()
         await asyncio.gather(*(server.stop(grace=2) for server in servers))
         if gateway.store is not None:
             await gateway.store.close()
@@ -192,13 +195,15 @@ async def serve(settings: Settings) -> int:
 
 
 async def _follow_discovery(
-    settings: Settings, gateway: Gateway, health: health_aio.HealthServicer, readiness: Readiness
+    settings: Settings, gateway: Gateway, models: ModelFetcher, health: health_aio.HealthServicer,
+    readiness: Readiness,
 ) -> None:
     endpoints_file = settings.service.envoy_endpoints_file
     if endpoints_file:
         Path(endpoints_file).parent.mkdir(parents=True, exist_ok=True)
     async for replicas in make_discovery(settings.discovery).snapshots():
         gateway.set_replicas(replicas)
+        models.replicas_changed()
         if endpoints_file:
             write_endpoints_file(endpoints_file, replicas)
         status = health_pb2.HealthCheckResponse.SERVING if replicas else health_pb2.HealthCheckResponse.NOT_SERVING

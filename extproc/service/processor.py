@@ -18,6 +18,7 @@ from envoy.service.accesslog.v3 import als_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from extproc.envoy.contract import METADATA_NAMESPACE
+from extproc.envoy.surface import generation_path, read_only_path
 from extproc.service.answers import BODY_CONTINUE, immediate
 from extproc.service.bodies import timings_from_metadata
 from extproc.service.gateway import Gateway, bounded
@@ -29,7 +30,7 @@ log = structlog.get_logger("extproc.service")
 SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 ACCESS_LOG_SERVICE = "envoy.service.accesslog.v3.AccessLogService"
 ATTRIBUTES = "envoy.filters.http.ext_proc"  # the key Envoy files CEL attributes under
-EMPTY_BODY = immediate(400, "empty body: expected a JSON object")
+EMPTY_BODY = immediate(400, "empty body: expected a JSON object", "empty_body")
 
 
 def handler(gateway: Gateway, parser: BodyParser | None = None) -> grpc.GenericRpcHandler:
@@ -131,8 +132,15 @@ class Processor:
     async def _route(self, message: pb.ProcessingRequest, context: grpc.aio.ServicerContext) -> None:
         """The headers (with attributes), then the body, sent without waiting (one chunk: Envoy's
         buffer filter comes first). The headers get the pick, the body passes unchanged, and the
-        stream ends there: Envoy's access log entry says when the HTTP request is over."""
+        stream ends there: Envoy's access log entry says when the HTTP request is over. Envoy's
+        routes (config.py, from surface.py) send here only a POST on a generation path or a GET
+        on a read-only one, which the gateway answers itself."""
         attributes = message.attributes[ATTRIBUTES].fields
+        path = _text(attributes, "request.url_path")
+        read_only = read_only_path(path)
+        if read_only is not None:
+            await context.write(self.gateway.answer_locally(read_only))
+            return
         if message.request_headers.end_of_stream:  # a POST without a body
             await context.write(EMPTY_BODY)
             return
@@ -144,8 +152,9 @@ class Processor:
             chunks.append(message.request_body.body)
             if message.request_body.end_of_stream:
                 break
+        generation = generation_path(path)
         answer, routed_id = await route_body(
-            self.gateway, self.parser, path=_text(attributes, "request.url_path"),
+            self.gateway, self.parser, path=generation.path if generation is not None else path,
             content_type=_text(attributes, "request.headers['content-type']"),
             conversation_id=_text(attributes, "request.headers['x-conversation-id']"),
             turn=_text(attributes, "request.headers['x-turn']"), request_id=_text(attributes, "request.id"),

@@ -30,6 +30,7 @@ def start_envoy(stack: StackRun, gw: GatewayState, progress: Progress) -> None:
         ext_proc=ext_proc_address(gw.router_address, service.ext_proc_socket),
         endpoints=EndpointsFile(str(endpoints)),
         fail_open=service.fail_open, max_request_bytes=service.max_body_bytes, retries=service.fallbacks,
+        cors_origins=service.cors_origins,
     )
     (gw.envoy_dir / "envoy.yaml").write_text(config)
     envoy = spawn_envoy(stack.state, gw.envoy_dir / "envoy.yaml", gw.envoy_name)
