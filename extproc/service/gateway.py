@@ -56,12 +56,12 @@ from extproc.envoy.contract import (
     STREAM_IDLE_TIMEOUT_S,
 )
 from extproc.envoy.cors import CorsPolicy
-from extproc.envoy.surface import ReadOnly, Refused
+from extproc.envoy.surface import GENERATION_PATHS, ReadOnly, Refused
 from extproc.routing import Decision, Router, RouteRequest, Ticket, estimate_tokens
 from extproc.routing.blocks import BlockMemory
 from extproc.routing.continuation import Claim, ConversationDigests, Shown, claim, shown
 from extproc.routing.peers import PeerRequest, PeerView, peer_view
-from extproc.routing.placement import Placement
+from extproc.routing.placement import Placement, PlacementMemory
 from extproc.routing.speeds import AnswerTimings
 from extproc.routing.tokens import TokenCounter, shared_opening
 from extproc.service.answers import (
@@ -191,6 +191,9 @@ class Gateway:
         self.block_memory: BlockMemory | None = None  # the last prompt's blocks per conversation, when hashed
         # conversation key -> digest of its last completed request: who may use its placement
         self.digests = ConversationDigests(router.settings.memory_capacity)
+        # history digest of a completed chat request -> where it was served and its prompt tokens:
+        # where a branch of it (an edited or regenerated turn) finds its prefix cached
+        self.branch_points = PlacementMemory(router.settings.memory_capacity)
         self.migrations = Migrations(router.settings.memory_capacity, metrics.registry)
         self.decision_log: Callable[[dict[str, Any]], None] = through_structlog  # main.py: DecisionLog
 
@@ -273,6 +276,8 @@ class Gateway:
             key = self.router.conversation_key(request.conversation)
             if ok:
                 self.digests.remember(key, pending.digest)
+                if GENERATION_PATHS.get(pending.path) == "chat":
+                    self.branch_points.remember(pending.digest, served or decision.replica, request.prompt_tokens)
             if self.store is not None:
                 placement = None
                 if ok:  # overtaken: the move's placement again, under this request's digest (the move's is older)
@@ -404,10 +409,27 @@ class Gateway:
         claimed = claim(named, parsed.opening_key, () if known is None else (known,), digests)
         # under the key the router places it by (a reused id that does not continue its chat has its own)
         self.migrations.opened(self.router.conversation_key(claimed.conversation), parsed.opening_key)
+        if not claimed.continues and parsed.answered:
+            self._branch(claimed.conversation, digests.prefixes)
         prompt_tokens = parsed.prompt_token_ids + parsed.prompt_tokens
         max_tokens = (parsed.max_tokens or self.settings.default_max_tokens) * parsed.prompts
         request = RouteRequest(unique_id, claimed.conversation, prompt_tokens, max_tokens, parsed.prefix_blocks)
         return Prepared(request, parsed, path, digests, claimed)
+
+    def _branch(self, conversation: str, prefixes: frozenset[int]) -> None:
+        """A chat that continues no conversation known here but resends a completed request's whole
+        history (an edited or regenerated turn, a new id on an old chat) starts where that history
+        was served, under its own key: placed with the proven prefix's tokens, it finds that cache,
+        and its own completion never moves the conversation it branched from
+        (docs/security.md#edited-histories)."""
+        key = self.router.conversation_key(conversation)
+        if self.router.memory.get(key) is not None:
+            return
+        found = [point for digest in prefixes if (point := self.branch_points.get(digest)) is not None]
+        best = max(found, key=lambda point: point.prompt_tokens, default=None)
+        if best is not None and best.replica in self.endpoints:
+            self.router.memory.remember(key, best.replica, best.prompt_tokens)
+            self.metrics.branches += 1
 
     async def _peers(self, step: Prepared) -> tuple[Prepared, PeerView]:
         """What the other live routers hold, for this request (nothing while the store is not in
@@ -517,8 +539,9 @@ class Gateway:
 
     def access_logged(self, request_id: str, status: int, served: str, cut_off: bool, timings: Timings | None) -> None:
         """Envoy's access log entry for a request: it is over. cut_off: the client went away,
-        or the upstream broke off a started answer (ends as abandoned). A streamed answer's
-        timings are in its last events: wait for the observer's end, at most observe_grace."""
+        or the upstream broke off a started answer (a JSON answer ends as abandoned). A streamed
+        answer's end and timings are in its last events: wait for the observer's end, at most
+        observe_grace, cut off or not (whole when the replica sent ``[DONE]``: _finish)."""
         pending = self.pending.get(request_id)
         if pending is None:
             self._served_without_pick(request_id, status, served)
@@ -530,9 +553,9 @@ class Gateway:
         if not pending.stream:
             pending.timings = timings
             self._finish(request_id)
-        elif pending.observed_end or cut_off:
+        elif pending.observed_end:
             self._finish(request_id)
-        else:
+        else:  # a client that hangs up right after [DONE] is cut off too: the observer says whether it was whole
             grace = self.settings.observe_grace_ms / 1000
             pending.timer = asyncio.get_running_loop().call_later(grace, self._finish, request_id)
 
@@ -619,6 +642,9 @@ class Gateway:
         # (the pick refused; placement memory now points where the cache went); failed: an error
         # status; abandoned: the request ended before its answer did (the client hung up, or the
         # upstream broke off).
+        # A stream is whole when the replica sent its end ([DONE], after the timings), whether or
+        # not the client stayed to the end of the connection (the SDK closes it right after [DONE]).
+        pending.answered = pending.answered or (pending.event_stream and _stream_done(pending.chunks))
         succeeded = pending.answered and 200 <= pending.status < 300
         if pending.not_applied:
             outcome = "not_applied"
@@ -646,7 +672,7 @@ class Gateway:
             self.metrics.errors["replica_timed_out" if silent else "replica_failed"] += 1
             self.mark_unhealthy(decision.replica)
         timings = pending.timings
-        if pending.observed_end and pending.chunks:
+        if pending.chunks and (pending.observed_end or pending.event_stream):  # an SSE tail holds them at its end
             timings = parse_timings(b"".join(pending.chunks), pending.event_stream)
         if timings is not None and timings.cache_n is not None:
             learnt = answer_timings(timings)
@@ -748,6 +774,12 @@ class Gateway:
         envoy_id = bounded(envoy_id)
         self.envoy_ids[envoy_id] = request_id
         return envoy_id
+
+
+def _stream_done(chunks: deque[bytes]) -> bool:
+    """The tail of an SSE answer holds its last event, ``data: [DONE]``."""
+    tail = b"".join(list(chunks)[-2:])[-64:]
+    return b"data: [DONE]" in tail
 
 
 def answer_timings(timings: Timings) -> AnswerTimings:

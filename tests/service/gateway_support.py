@@ -112,13 +112,14 @@ def gateway(
 
 
 @contextmanager
-def inference_pool_gateway(workdir: Path, replicas: Mapping[str, str], **service: str) -> Iterator[Gateway]:
+def inference_pool_gateway(workdir: Path, replicas: Mapping[str, str], body_mode: str = "duplex",
+                           **service: str) -> Iterator[Gateway]:
     """`llm-ring serve` as a TLS Endpoint Picker behind Envoy AI Gateway's InferencePool data
-    plane (full duplex), the upstream shown in x-upstream-host; everything stopped on exit."""
+    plane (full duplex, or buffered), the upstream shown in x-upstream-host; everything stopped on exit."""
     picker = start_picker_service(workdir / "picker", replicas, health_probe_seconds="0.2", **service)
     try:
         envoy = start_inference_gateway_envoy(workdir / "envoy", AI_GATEWAY, picker.ext_proc, sorted(replicas.values()),
-                                              1, show_upstream=True)
+                                              1, show_upstream=True, body_mode=body_mode)
     except BaseException:
         picker.stop()
         raise
