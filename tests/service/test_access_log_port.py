@@ -16,6 +16,7 @@ import grpc
 import pytest
 from envoy.config.core.v3 import base_pb2
 from envoy.data.accesslog.v3 import accesslog_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.accesslog.v3 import als_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
@@ -28,6 +29,7 @@ from extproc.stack.processes import Running, free_port, service_env, start_servi
 pytestmark = pytest.mark.live
 REPLICAS = {"llm-0": "10.9.0.1:8080", "llm-1": "10.9.0.2:8080"}
 CHAT = "/v1/chat/completions"
+BUFFERED = processing_mode_pb2.ProcessingMode.BUFFERED
 
 
 @pytest.fixture(scope="module")
@@ -51,13 +53,18 @@ def channel_to(address: str) -> grpc.aio.Channel:
 
 
 async def route_as_our_envoy(address: str, conversation: str) -> pb.ProcessingResponse:
-    """What our Envoy's "route" filter sends: the headers with its CEL attributes, then the body."""
+    """What our Envoy's "route" filter sends: the headers with its CEL attributes (and its body
+    mode: buffered, sent without waiting), then the body."""
     attributes = struct_pb2.Struct()
     attributes.update({"request.url_path": CHAT, "request.id": f"envoy-{conversation}",
                        "request.headers['content-type']": "application/json",
                        "request.headers['x-conversation-id']": conversation})
     path = base_pb2.HeaderValue(key=":path", raw_value=CHAT.encode())
-    headers = pb.ProcessingRequest(request_headers=pb.HttpHeaders(headers=base_pb2.HeaderMap(headers=[path])))
+    headers = pb.ProcessingRequest(
+        request_headers=pb.HttpHeaders(headers=base_pb2.HeaderMap(headers=[path])),
+        protocol_config=pb.ProtocolConfiguration(request_body_mode=BUFFERED,
+                                                 send_body_without_waiting_for_header_response=True),
+    )
     headers.attributes[ATTRIBUTES].CopyFrom(attributes)
     body = json.dumps({"messages": [{"role": "user", "content": f"hello from {conversation}"}], "max_tokens": 4})
     async with channel_to(address) as channel:
