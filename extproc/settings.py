@@ -30,11 +30,12 @@ SectionsT = TypeVar("SectionsT", bound=BaseModel)
 class ServiceSettings(Strict):
     """The ext_proc gRPC service (the shell around the core)."""
 
-    listen: str = Field(description="host:port of the picker port: ext_proc + access log + health, what the gateway "
-                                    "reaches (empty: only ext_proc_socket)")
+    listen: str = Field(description="host:port of the picker port: ext_proc as an Endpoint Picker + health, what an "
+                                    "InferencePool gateway reaches (empty: none)")
     ext_proc_socket: str = Field(
         pattern=r"^[A-Za-z0-9._-]{0,100}$",
-        description="abstract unix socket name the same server also listens on, for Envoy (empty: Envoy uses listen)",
+        description="abstract unix socket name of our own Envoy, in this pod or on this host: ext_proc and the "
+                    "access log service, served nowhere else (empty: neither, as behind an InferencePool gateway)",
     )
     tls: str = Field(description='the picker port over TLS: "" plaintext, "self-signed" (a certificate made '
                                  'at start-up) or a folder holding tls.crt and tls.key (a mounted kubernetes.io/tls '

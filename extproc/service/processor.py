@@ -1,6 +1,11 @@
 """The gRPC servicers Envoy talks to: ExternalProcessor (one stream per HTTP request and
 filter) and the access log service (one long-lived stream per Envoy worker, batched entries).
 
+Our own Envoy's protocol (route streams carrying CEL attributes, observe streams, the access
+log that ends each request) is served only where that Envoy alone connects, the abstract
+socket (``own_envoy``); the picker port speaks the Endpoint Picker protocol alone, whose
+stream ends its request, so nothing that reaches it can release, time or pin another's load.
+
 Responses are written as pre-serialized bytes (the method's serializer passes bytes
 through), so the hot path allocates no response protobufs. A stream whose first message is
 in observability mode comes from the "observe" filter and is never answered.
@@ -33,8 +38,8 @@ ATTRIBUTES = "envoy.filters.http.ext_proc"  # the key Envoy files CEL attributes
 EMPTY_BODY = immediate(400, "empty body: expected a JSON object", "empty_body")
 
 
-def handler(gateway: Gateway, parser: BodyParser | None = None) -> grpc.GenericRpcHandler:
-    processor = Processor(gateway, parser)
+def handler(gateway: Gateway, parser: BodyParser | None, *, own_envoy: bool) -> grpc.GenericRpcHandler:
+    processor = Processor(gateway, parser, own_envoy=own_envoy)
     return grpc.method_handlers_generic_handler(
         SERVICE,
         {
@@ -106,9 +111,10 @@ def _stream_failed(gateway: Gateway, stream: str, exc: Exception) -> None:
 
 
 class Processor:
-    def __init__(self, gateway: Gateway, parser: BodyParser | None = None) -> None:
+    def __init__(self, gateway: Gateway, parser: BodyParser | None = None, *, own_envoy: bool) -> None:
         self.gateway = gateway
         self.parser = parser  # large bodies are parsed there (offload.py); None: all inline
+        self.own_envoy = own_envoy  # our Envoy's route and observe streams too (module docstring)
 
     async def process(self, _requests: Any, context: grpc.aio.ServicerContext) -> None:
         stream = "route"
@@ -116,11 +122,11 @@ class Processor:
             message = await context.read()
             if message is grpc.aio.EOF:
                 return
-            if message.observability_mode:
+            if self.own_envoy and message.observability_mode:
                 stream = "observe"
                 await self._observe(message, context)
             elif message.WhichOneof("request") == "request_headers":
-                if ATTRIBUTES in message.attributes:  # our own Envoy (extproc/envoy/config.py) asks for them
+                if self.own_envoy and ATTRIBUTES in message.attributes:  # our Envoy (envoy/config.py) asks for them
                     await self._route(message, context)
                 else:  # an Endpoint Picker's gateway: one stream carries the whole request (picker.py)
                     stream = "picker"

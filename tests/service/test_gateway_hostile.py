@@ -331,7 +331,7 @@ def test_a_bug_of_ours_fails_open_with_one_bounded_line_and_a_count(stream: str)
     body = pb.ProcessingRequest(request_body=pb.HttpBody(body=orjson.dumps(chat()), end_of_stream=True))
     context = Context([headers, body])
     with capture_logs() as logs:
-        asyncio.run(Processor(gateway).process(None, context))  # type: ignore[arg-type]
+        asyncio.run(Processor(gateway, own_envoy=True).process(None, context))  # type: ignore[arg-type]
     (line,) = logs
     assert line["event"] == "ext_proc_stream_failed" and line["error"] == "KeyError"
     assert "exc_info" not in line and len(orjson.dumps(line)) < 400

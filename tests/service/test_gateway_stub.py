@@ -184,12 +184,13 @@ def test_no_replica_gives_503_json(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("fail_open", "status"), [(True, 200), (False, 500)])
 def test_ext_proc_down(stubs: tuple[list[int], Running], tmp_path: Path, fail_open: bool, status: int) -> None:
-    """Nothing listens on the routing service's port: round robin (fail_open) or 500."""
+    """Nothing listens on the routing service's socket: round robin (fail_open) or 500."""
     ports, _ = stubs
     endpoints = tmp_path / "eds" / "replicas.json"
     endpoints.parent.mkdir()
     write_endpoints_file(endpoints, {"llm-0": f"127.0.0.1:{ports[0]}", "llm-1": f"127.0.0.1:{ports[1]}"})
-    envoy = start_gateway_envoy(tmp_path / "envoy", f"127.0.0.1:{free_port()}", endpoints, fail_open, concurrency=1)
+    envoy = start_gateway_envoy(tmp_path / "envoy", f"@llm-ring-nothing-{free_port()}", endpoints, fail_open,
+                                concurrency=1)
     try:
         time.sleep(0.3)  # EDS file loaded
         served = set()

@@ -31,6 +31,7 @@ from google.protobuf import struct_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from extproc.service.admin_client import AdminClient
+from extproc.service.processor import ACCESS_LOG_SERVICE
 from extproc.stack.processes import ROUTER_REFERENCE, Running, free_port, service_env, start_service, static_discovery
 from tests.service.gateway_support import error_message, route_decisions
 
@@ -296,7 +297,9 @@ def test_every_other_path_is_refused_by_the_picker_itself(picker: Running, metho
     assert in_flight(picker) == 0
 
 
-def test_the_picker_port_serves_tls_and_health_but_not_the_admin_api(picker: Running):
+def test_the_picker_port_serves_tls_and_health_but_neither_the_admin_api_nor_the_access_log(picker: Running):
+    """No access log behind an InferencePool gateway: its service is not served at all, so
+    nothing that reaches the port can end or time a request (test_access_log_port.py)."""
     with grpc.secure_channel(picker.listen, credentials(picker.listen),
                              options=[("grpc.ssl_target_name_override", "localhost")]) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
@@ -305,6 +308,9 @@ def test_the_picker_port_serves_tls_and_health_but_not_the_admin_api(picker: Run
             assert reply.status == health_pb2.HealthCheckResponse.SERVING, name
         with pytest.raises(grpc.RpcError) as refused:
             channel.unary_unary("/llmring.admin.v1.Admin/GetState")(b"", timeout=5)
+        assert refused.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        with pytest.raises(grpc.RpcError) as refused:
+            channel.stream_unary(f"/{ACCESS_LOG_SERVICE}/StreamAccessLogs")(iter([b""]), timeout=5)
         assert refused.value.code() == grpc.StatusCode.UNIMPLEMENTED
     with grpc.insecure_channel(picker.listen) as plain, pytest.raises(grpc.RpcError):
         health_pb2_grpc.HealthStub(plain).Check(health_pb2.HealthCheckRequest(service="liveness"), timeout=2)
