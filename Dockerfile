@@ -15,7 +15,7 @@ COPY constraints.txt ./
 # (tests/k8s/test_k8s_manifests.py checks this list against the service's imports).
 RUN /opt/llm-ring/bin/pip install --no-cache-dir -c constraints.txt \
         grpcio grpcio-health-checking xds-protos protobuf xxhash pydantic structlog \
-        prometheus-client kubernetes orjson redis mypy_extensions cryptography gguf tokenizers Jinja2 tomli_w
+        prometheus-client kubernetes orjson redis mypy_extensions cryptography gguf tokenizers Jinja2 tomli_w httpx
 # the build venv: mypyc and what the compiled modules import, for their types
 RUN /opt/build/bin/pip install --no-cache-dir -c constraints.txt mypy setuptools xxhash pydantic mypy_extensions
 COPY pyproject.toml README.md ./
