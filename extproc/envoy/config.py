@@ -66,6 +66,7 @@ from extproc.envoy.surface import (
     HEALTH_PATHS,
     MODEL_PREFIX,
     MODELS_PATHS,
+    SERVED_PATHS,
     error_document,
     error_type,
 )
@@ -362,8 +363,8 @@ def _route_config(retries: int, cors_origins: Sequence[str] = ()) -> dict[str, A
         routes.append({"match": {kind: path, "headers": [get]}, "route": _to_replicas(CLUSTER, retries),
                        "typed_per_filter_config": no_observer})
         routes.append(_not_allowed(path, "GET", {kind: path}))
-    routes.append(_local_reply({"prefix": "/"}, 404, "unknown path: the gateway serves " + ", ".join(GENERATION_PATHS)
-                               + ", GET /v1/models and /health", "unknown_path"))
+    unknown = f"unknown path: the gateway serves {SERVED_PATHS}"
+    routes.append(_local_reply({"prefix": "/"}, 404, unknown, "unknown_path"))
     host: dict[str, Any] = {"name": "llm", "domains": ["*"], "routes": routes}
     if cors_origins:
         host["typed_per_filter_config"] = {"envoy.filters.http.cors": _cors_policy(cors_origins)}

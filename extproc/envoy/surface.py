@@ -35,6 +35,7 @@ MODELS_PATHS = ("/v1/models", "/models")
 MODEL_PREFIX = "/v1/models/"  # GET /v1/models/{id}
 HEALTH_PATHS = ("/health", "/v1/health")
 CORS_METHODS = "GET, POST, OPTIONS"
+SERVED_PATHS = ", ".join(GENERATION_PATHS) + ", GET /v1/models and /health"  # what a 404 tells the client
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,8 +72,7 @@ def classify(method: str, raw_path: str) -> Surface:
     path = raw_path.partition("?")[0]
     generation, read_only = generation_path(path), read_only_path(path)
     if generation is None and read_only is None:
-        return Refused(404, f"unknown path {bounded_path(path)!r}: the gateway serves "
-                       + ", ".join(GENERATION_PATHS) + ", GET /v1/models and /health", "unknown_path")
+        return Refused(404, f"unknown path {bounded_path(path)!r}: the gateway serves {SERVED_PATHS}", "unknown_path")
     wanted = "POST" if generation is not None else "GET"
     if method == wanted:
         return generation if generation is not None else read_only  # type: ignore[return-value]
@@ -102,11 +102,6 @@ def read_only_path(path: str) -> ReadOnly | None:
     if path.startswith(MODEL_PREFIX) and len(path) > len(MODEL_PREFIX):
         return ReadOnly("model", unquote(path[len(MODEL_PREFIX):]))  # an id may hold a "/", quoted
     return None
-
-
-def served_paths() -> tuple[str, ...]:
-    """Every exact path the gateway serves (its routes and an HTTPRoute's matches), prefix aside."""
-    return (*GENERATION_PATHS, *(path + "/" for path in GENERATION_PATHS), *MODELS_PATHS, *HEALTH_PATHS)
 
 
 def bounded_path(text: str, limit: int = 80) -> str:

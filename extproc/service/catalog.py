@@ -23,6 +23,7 @@ log = structlog.get_logger("extproc.service.catalog")
 
 MAX_MODELS_BYTES = 1 << 20  # a replica's model list larger than this is not read
 MAX_MODEL_ID_CHARS = 256
+ELIGIBLE_KEPT = 256  # model names asked for whose eligible replicas are kept (clients choose the names)
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,7 +99,7 @@ class ModelCatalog:
             return self._replicas
         found = self._eligible.get(model)
         if found is None:
-            if len(self._eligible) >= MAX_MODEL_ID_CHARS:  # clients choose the names asked for: keep few
+            if len(self._eligible) >= ELIGIBLE_KEPT:
                 self._eligible.clear()
             found = self._eligible[model] = frozenset(
                 name for name in self._replicas
@@ -120,12 +121,11 @@ class ModelFetcher:
     (a replica loading its model answers 503); forgets replicas discovery removed."""
 
     def __init__(self, catalog: ModelCatalog, endpoints: Callable[[], Mapping[str, str]],
-                 retry_seconds: float = 1.0, timeout_seconds: float = 2.0,
-                 headers: Mapping[str, str] | None = None) -> None:
+                 retry_seconds: float = 1.0, timeout_seconds: float = 2.0) -> None:
         self.catalog = catalog
         self.endpoints = endpoints  # the gateway's replica name -> "host:port", read when needed
         self.retry = retry_seconds
-        self.client = httpx.AsyncClient(timeout=timeout_seconds, headers=dict(headers or {}))
+        self.client = httpx.AsyncClient(timeout=timeout_seconds)
         self._tasks: dict[str, asyncio.Task[None]] = {}
 
     def replicas_changed(self) -> None:

@@ -44,8 +44,9 @@ def render(tmp_path: Path, **overrides: object) -> str:
         {"fail_open": False},
         {"ext_proc": None},
         {"endpoints": DnsEndpoints("llm.llm-ring.svc.cluster.local:8080"), "listen": "0.0.0.0:8080"},
+        {"cors_origins": ["https://chat.example.com", "*"]},
     ],
-    ids=["local", "fail-closed", "envoy-alone", "dns-replicas"],
+    ids=["local", "fail-closed", "envoy-alone", "dns-replicas", "cors"],
 )
 @pytest.mark.live
 def test_envoy_validates_the_rendered_config(tmp_path: Path, overrides: dict) -> None:

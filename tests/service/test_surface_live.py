@@ -183,3 +183,15 @@ def test_a_list_of_prompts_is_routed_and_charged_per_prompt(plane: Gateway) -> N
     while not any(d["path"] == "/v1/completions" and d["max_tokens"] == 6 for d in plane.decisions()):
         assert time.monotonic() < deadline, "no decision charged 3 output tokens per prompt"
         time.sleep(0.1)
+
+
+def test_envoys_own_errors_are_in_openais_shape_too(tmp_path: Path) -> None:
+    """A replica that refuses every connection: Envoy's own 503, mapped to OpenAI's shape, its
+    response code details as the code."""
+    with gateway(tmp_path, static_discovery({"llm-0": "127.0.0.1:1"})) as gw:
+        reply = httpx.post(gw.url + "/v1/chat/completions", timeout=30,
+                           json={"messages": [{"role": "user", "content": "anyone?"}]})
+    assert reply.status_code == 503
+    assert "upstream connect error" in error_message(reply.json())
+    assert reply.json()["error"]["type"] == "server_error"
+    assert reply.json()["error"]["code"].startswith("upstream_reset_before_response_started")
