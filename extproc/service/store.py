@@ -29,18 +29,23 @@ Each router keeps its own in-flight ledger, the only writer of its own figures, 
     learning the kept entries.
 Every key has a TTL, so a store under maxmemory can always evict to take a router's write.
 
-The store runs no scripts for the routers (their user may not: docs/several-gateways.md#trust-model);
-every exchange is plain commands.
+The store runs no script for the routers (their user may not: a script's memory escapes
+maxmemory and a long one blocks the store; docs/several-gateways.md#trust-model): plain
+commands only.
 
-Before a decision: ONE round trip, a MULTI/EXEC transaction (one instant of the store, as a
-script gave) returning the placement, the pending requests, the router ids and the latest load
-of each other router the previous read found. Its ids are the next read's. Two rare cases cost
-more, within the same timeout: a router that joined since the previous read has its load read
-in one more round trip (once per reader; the decision still counts it), and one found gone is
-removed from ``<prefix>:routers`` (WATCH, EXISTS, MULTI/SREM/EXEC: three round trips, once).
-Loads are read a round trip later than the rest only in the first case, which a publish
-delayed by as much would do anyway. Every value read is checked (``_snapshot``): an
-entry that does not parse, or claims more than a router could publish, is skipped and counted
+Before a decision: ONE round trip, a MULTI/EXEC transaction (one instant of the store)
+returning the placement, the pending requests, the router ids and the latest load of each
+other router the previous read found; its ids are the next read's. A transaction cannot follow
+ids to keys as a script could, which costs two rare cases more, within the same timeout: a
+router that joined since the previous read has its load read in one more round trip, a moment
+after the rest (the decision still counts it, as it would count a publish landing that much
+later), and one found gone is removed from ``<prefix>:routers`` under WATCH (WATCH, EXISTS,
+MULTI/SREM/EXEC: three round trips, by the read that finds it). A router's publish (load,
+routers set, presence) is commands in the writer's pipeline, not one step: none needs
+another's result (the load's layout needs no check) and the id is added after the load, so a
+reader that finds the id finds the load, and one in between sees the router as before its
+publish. Every value read is checked (``_snapshot``): an entry that does not parse, or claims
+more than a router could publish, or is a load key of another type, is skipped and counted
 (``llm_ring_store_invalid_entries_total``), the rest used. The writes (pending, placement, own
 load) are queued and sent by one writer in pipelined batches (what came in within
 WRITE_EVERY_S), never waited for by a decision.
@@ -265,7 +270,8 @@ class SharedStore:
         pipe.srandmember(self._routers_key, MAX_ROUTERS)
         for router in peers:
             pipe.zrange(self._load_key(router), -1, -1)  # the highest seq
-        # an entry of the wrong type (forged) comes back as its error, skipped like any bad entry
+        # a load key of another type (forged, or an earlier release's hash) comes back as its error:
+        # skipped and counted like any bad entry
         placement, pending, members, *latest = await pipe.execute(raise_on_error=False)
         for reply in (placement, pending, members):
             if isinstance(reply, Exception):
