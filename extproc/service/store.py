@@ -1,13 +1,16 @@
 """Several routers' shared state in Redis (store.url; docs/several-gateways.md).
 
 Each router keeps its own in-flight ledger, the only writer of its own figures, and shares:
-  - ``<prefix>:load:<router>``: its own load per replica, a hash {seq, load} rewritten after
-    its load changes (at most once per batch of writes) and on a heartbeat every third of
-    store.load_ttl_seconds, expiring after that TTL: a router killed without a goodbye stops
-    counting on the others within it, so no load can leak. ``seq`` only grows: a write that
-    was delayed on the network never overwrites a newer one (the publish script checks).
-    ``<prefix>:routers`` is the set of router ids that published; an id whose load key has
-    expired is dropped from it by the next read.
+  - ``<prefix>:load:<router>``: its own load per replica, rewritten after its load changes (at
+    most once per batch of writes) and on a heartbeat every third of store.load_ttl_seconds,
+    expiring after that TTL: a router killed without a goodbye stops counting on the others
+    within it, so no load can leak. It is a sorted set holding the latest figures alone, their
+    score a ``seq`` that only grows: each write adds its figures (ZADD GT: a late copy of the
+    same figures does not lower their seq) and keeps the highest seq (ZREMRANGEBYRANK), so a
+    write that was delayed on the network never overwrites a newer one, whatever order they
+    land in, with nothing to check. ``<prefix>:routers`` is the set of router ids that
+    published, each added after its load; an id whose load key has gone (expired, evicted) is
+    dropped from it by the read that finds it so, unless it publishes again meanwhile (WATCH).
   - ``<prefix>:place:<conversation key>``: where the conversation was last served, its prompt
     tokens and the history digest of that request (continuation.py: only a body that continues
     it may use it), written when a request completes. A conversation's first placement expires
@@ -26,9 +29,23 @@ Each router keeps its own in-flight ledger, the only writer of its own figures, 
     learning the kept entries.
 Every key has a TTL, so a store under maxmemory can always evict to take a router's write.
 
-Before a decision: ONE round trip, a Lua script returning the placement, the pending
-requests and the other live routers' loads. Every value read is checked (``_snapshot``): an
-entry that does not parse, or claims more than a router could publish, is skipped and counted
+The store runs no script for the routers (their user may not: a script's memory escapes
+maxmemory and a long one blocks the store; docs/several-gateways.md#trust-model): plain
+commands only.
+
+Before a decision: ONE round trip, a MULTI/EXEC transaction (one instant of the store)
+returning the placement, the pending requests, the router ids and the latest load of each
+other router the previous read found; its ids are the next read's. A transaction cannot follow
+ids to keys as a script could, which costs two rare cases more, within the same timeout: a
+router that joined since the previous read has its load read in one more round trip, a moment
+after the rest (the decision still counts it, as it would count a publish landing that much
+later), and one found gone is removed from ``<prefix>:routers`` under WATCH (WATCH, EXISTS,
+MULTI/SREM/EXEC: three round trips, by the read that finds it). A router's publish (load,
+routers set, presence) is commands in the writer's pipeline, not one step: none needs
+another's result (the load's layout needs no check) and the id is added after the load, so a
+reader that finds the id finds the load, and one in between sees the router as before its
+publish. Every value read is checked (``_snapshot``): an entry that does not parse, or claims
+more than a router could publish, or is a load key of another type, is skipped and counted
 (``llm_ring_store_invalid_entries_total``), the rest used. The writes (pending, placement, own
 load) are queued and sent by one writer in pipelined batches (what came in within
 WRITE_EVERY_S), never waited for by a decision.
@@ -41,9 +58,9 @@ Failures cost as little as they can:
     key replace it; its answers alone are not sent again (an XADD is not idempotent). At most
     MAX_QUEUED_WRITES are kept; beyond, the oldest are dropped and counted
     (``llm_ring_store_writes_dropped_total``): only a long outage gets there;
-  - a lost link (refused, reset, the scripts gone after a restart, auth refused) puts the
-    router on its own state (``llm_ring_store_in_use`` 0, reads return None at once) and it
-    reconnects every store.retry_seconds;
+  - a lost link (refused, reset, auth refused) puts the router on its own state
+    (``llm_ring_store_in_use`` 0, reads return None at once) and it reconnects every
+    store.retry_seconds;
   - after a reconnection, or when the store is found emptied (this router missing from
     ``<prefix>:present``: a restart without persistence, a FLUSHALL), the router publishes again its load, its
     pending requests and the placements it wrote that have not expired (at most REPUBLISHED).
@@ -62,8 +79,9 @@ from dataclasses import dataclass, field
 import orjson
 import redis.asyncio as aioredis
 import structlog
+from redis.asyncio.client import Pipeline
 from redis.exceptions import ConnectionError as LinkError
-from redis.exceptions import NoScriptError, RedisError
+from redis.exceptions import RedisError, WatchError
 
 from extproc.envoy.contract import STREAM_IDLE_TIMEOUT_S
 from extproc.routing.peers import PeerRequest, ReplicaLoads
@@ -92,43 +110,6 @@ MAX_ANSWERS_PER_ENTRY = 4096  # answers read of one entry
 MAX_ANSWER_MS = PENDING_TTL_MS  # no answer takes longer (the pending TTL)
 LAG_EVERY_S = 0.02  # the event loop's lag is sampled this often
 LAG_DECAY = 0.9  # ... and remembered as a maximum that decays by this per sample
-
-# KEYS: placement, pending, routers set. ARGV: load key prefix, own router id, max routers.
-# -> {placement or nil, pending as [field, value, ...], loads as [router, load, ...]}
-READ_SCRIPT = """
-local loads = {}
-local ids = redis.call('SRANDMEMBER', KEYS[3], tonumber(ARGV[3]))
-for _, id in ipairs(ids) do
-  if id ~= ARGV[2] then
-    local load = redis.call('HGET', ARGV[1] .. id, 'load')
-    if load then
-      loads[#loads + 1] = id
-      loads[#loads + 1] = load
-    else
-      redis.call('SREM', KEYS[3], id)
-    end
-  end
-end
-return {redis.call('GET', KEYS[1]), redis.call('HGETALL', KEYS[2]), loads}
-"""
-
-# KEYS: own load key, routers set, present hash. ARGV: seq, load, ttl ms, own router id, present ttl ms.
-# -> 1 when the store knew this router already, 0 when not (first publish, or the store lost its
-# state: restarted empty, flushed). The present hash (router -> 1) lives as long as a placement,
-# so eviction (volatile-ttl) takes it last.
-PUBLISH_SCRIPT = """
-local seq = tonumber(redis.call('HGET', KEYS[1], 'seq') or '-1')
-if tonumber(ARGV[1]) > seq then
-  redis.call('HSET', KEYS[1], 'seq', ARGV[1], 'load', ARGV[2])
-end
-redis.call('PEXPIRE', KEYS[1], ARGV[3])
-redis.call('SADD', KEYS[2], ARGV[4])
-redis.call('PEXPIRE', KEYS[2], 10 * tonumber(ARGV[3]))
-local new = redis.call('HSETNX', KEYS[3], ARGV[4], '1')
-redis.call('PEXPIRE', KEYS[3], ARGV[5])
-return 1 - new
-"""
-
 
 @dataclass(frozen=True, slots=True)
 class EntryBounds:
@@ -191,8 +172,9 @@ class SharedStore:
         prefix = settings.key_prefix
         self._routers_key = f"{prefix}:routers"
         self._present_key = f"{prefix}:present"
-        self._load_prefix = f"{prefix}:load:"
-        self._load_key = self._load_prefix + router_id
+        self._load_prefix = f"{prefix}:load:".encode()
+        self._own = router_id.encode()
+        self._peers: tuple[bytes, ...] = ()  # the other routers' ids the last read found
         self._place_prefix = f"{prefix}:place:"
         self._pending_prefix = f"{prefix}:pending:"
         self._answers_key = f"{prefix}:answers"
@@ -205,7 +187,6 @@ class SharedStore:
             socket_timeout=10 * self.timeout, socket_connect_timeout=10 * self.timeout,
         )  # fmt: skip
         self.client = aioredis.Redis.from_pool(pool)
-        self._read_sha = self._publish_sha = ""
         self._writes = Batch()
         self._placed: OrderedDict[str, tuple[bytes, float]] = OrderedDict()  # key -> (placement, expires monotonic)
         self._load_dirty = False
@@ -251,7 +232,7 @@ class SharedStore:
             with contextlib.suppress(*FAILURES):
                 async with asyncio.timeout(self.timeout):
                     pipe = self.client.pipeline(transaction=False)
-                    pipe.delete(self._load_key)
+                    pipe.delete(self._load_key(self._own))
                     pipe.srem(self._routers_key, self.router_id)
                     pipe.hdel(self._present_key, self.router_id)
                     await pipe.execute()
@@ -264,20 +245,63 @@ class SharedStore:
         the loop's lag) when the store is not in use or does not answer in time."""
         if not self.in_use:
             return None
-        suffix = f"{conversation_key:016x}"
-        command = ("EVALSHA", self._read_sha, 3, self._place_prefix + suffix, self._pending_prefix + suffix,
-                   self._routers_key, self._load_prefix, self.router_id, MAX_ROUTERS)  # fmt: skip
+        deadline = asyncio.get_running_loop().time() + self._budget()
         try:
-            async with asyncio.timeout(self._budget()):
-                try:
-                    reply = await self.client.execute_command(*command)
-                except NoScriptError:  # the store restarted: load the scripts, publish again, read
-                    await self._scripts_reloaded()
-                    reply = await self.client.execute_command("EVALSHA", self._read_sha, *command[2:])
+            async with asyncio.timeout_at(deadline):
+                placement, pending, loads = await self._read_view(f"{conversation_key:016x}")
         except FAILURES as exc:
             self._failed("read", exc)
             return None
-        return self._snapshot(reply)
+        if gone := [router for router, latest in loads.items() if latest == []]:
+            with contextlib.suppress(*FAILURES):  # left for the next read to find again
+                async with asyncio.timeout_at(deadline):
+                    await self._forget(gone)
+        return self._snapshot(placement, pending, loads)
+
+    async def _read_view(self, suffix: str) -> tuple[bytes | None, dict[bytes, bytes], dict[bytes, object]]:
+        """The conversation's placement and pending requests, and the other routers' latest loads
+        (router id -> [load] or [] when its key is gone), as one transaction. The loads read are
+        those of the routers the previous read found; a router that joined since has its own read
+        at once, in one more round trip."""
+        peers = self._peers
+        pipe = self.client.pipeline(transaction=True)
+        pipe.get(self._place_prefix + suffix)
+        pipe.hgetall(self._pending_prefix + suffix)
+        pipe.srandmember(self._routers_key, MAX_ROUTERS)
+        for router in peers:
+            pipe.zrange(self._load_key(router), -1, -1)  # the highest seq
+        # a load key of another type (forged, or an earlier release's hash) comes back as its error:
+        # skipped and counted like any bad entry
+        placement, pending, members, *latest = await pipe.execute(raise_on_error=False)
+        for reply in (placement, pending, members):
+            if isinstance(reply, Exception):
+                raise reply
+        loads = dict(zip(peers, latest, strict=True))
+        self._peers = found = tuple(router for router in members if router != self._own)
+        if joined := [router for router in found if router not in loads]:
+            pipe = self.client.pipeline(transaction=False)
+            for router in joined:
+                pipe.zrange(self._load_key(router), -1, -1)
+            loads.update(zip(joined, await pipe.execute(raise_on_error=False), strict=True))
+        return placement, pending, {router: loads[router] for router in found}
+
+    async def _forget(self, routers: list[bytes]) -> None:
+        """Routers whose load key is gone (killed without a goodbye, or evicted) leave the routers
+        set, each unless it publishes again meanwhile: under WATCH, a write of its load key
+        between the check and the removal cancels the removal."""
+        for router in routers:
+            key = self._load_key(router)
+            async with self.client.pipeline(transaction=True) as pipe:
+                await pipe.watch(key)
+                if await pipe.exists(key):
+                    continue
+                pipe.multi()
+                pipe.srem(self._routers_key, router)
+                with contextlib.suppress(WatchError):
+                    await pipe.execute()
+
+    def _load_key(self, router: bytes) -> bytes:
+        return self._load_prefix + router
 
     # ------------------------------------------------------------------ after one (queued)
 
@@ -354,11 +378,7 @@ class SharedStore:
             except FAILURES as exc:
                 self._keep(writes, load_dirty)
                 self._failed("write", exc)
-                if isinstance(exc, NoScriptError):  # the store restarted: at once, not after retry_seconds
-                    with contextlib.suppress(*FAILURES):
-                        async with asyncio.timeout(self._budget()):
-                            await self._scripts_reloaded()
-                elif not self._closing:
+                if not self._closing:
                     await asyncio.sleep(WRITE_RETRY_S)
                 self._wake.set()
             finally:
@@ -383,21 +403,32 @@ class SharedStore:
             pipe.pexpire(key, PENDING_TTL_MS)
         for key, (placement, ttl_ms) in writes.placements.items():
             pipe.set(key, placement, px=ttl_ms)
-        if load_dirty:
-            self._seq += 1
-            load = orjson.dumps(dict(self.own_loads()))
-            ttl_ms = int(self.settings.load_ttl_seconds * 1000)
-            pipe.execute_command("EVALSHA", self._publish_sha, 3, self._load_key, self._routers_key,
-                                 self._present_key, self._seq, load, ttl_ms, self.router_id,
-                                 self.settings.placement_ttl_seconds * 1000)
+        present = self._publish(pipe) if load_dirty else 0
         async with asyncio.timeout(self._budget() + self.timeout * len(writes) / 1000):
             results = await pipe.execute()
         self._learn(results[0])
         if load_dirty:
-            if results[-1] == 0 and self._published:  # this router unknown: the store lost its state
+            if results[present] == 1 and self._published:  # this router unknown: the store lost its state
                 log.warning("store_emptied", router=self.router_id)
                 self._republish()
             self._published = True
+
+    def _publish(self, pipe: Pipeline) -> int:
+        """Queue this router's load, its id among the routers' and its presence; the index of the
+        presence's reply: 1 when the store did not know this router (first publish, or the store
+        lost its state: restarted empty, flushed). The presence hash (router -> 1) lives as long
+        as a placement, so eviction (volatile-ttl) takes it last."""
+        self._seq += 1
+        key, ttl_ms = self._load_key(self._own), int(self.settings.load_ttl_seconds * 1000)
+        pipe.zadd(key, {orjson.dumps(dict(self.own_loads())): self._seq}, gt=True)
+        pipe.zremrangebyrank(key, 0, -2)  # the highest seq alone stays, whatever order writes land in
+        pipe.pexpire(key, ttl_ms)
+        pipe.sadd(self._routers_key, self.router_id)  # after the load: a reader finding the id finds it
+        pipe.pexpire(self._routers_key, 10 * ttl_ms)
+        present = len(pipe)
+        pipe.hsetnx(self._present_key, self.router_id, "1")
+        pipe.pexpire(self._present_key, self.settings.placement_ttl_seconds * 1000)
+        return present
 
     def _keep(self, writes: Batch, load_dirty: bool) -> None:
         """A batch that was not written goes back in front of the queue (at most MAX_QUEUED_WRITES)."""
@@ -439,26 +470,16 @@ class SharedStore:
     async def _connect(self) -> None:
         await self.client.connection_pool.disconnect()  # connections to a store that went away are dead
         try:
-            async with asyncio.timeout(self._budget() + self.timeout):
-                await self._load_scripts()
+            async with asyncio.timeout(self._budget()):
+                members = await self.client.execute_command("SRANDMEMBER", self._routers_key, MAX_ROUTERS)
         except FAILURES as exc:
             self._failed("connect", exc)
             return
+        self._peers = tuple(router for router in members if router != self._own)  # the first read's
         self._lost.clear()
         self._published = False
         self.metrics.store_in_use = True
         log.info("store_in_use", url=_without_password(self.settings.url), router=self.router_id)
-        self._republish()
-
-    async def _load_scripts(self) -> None:
-        self._read_sha = await self.client.script_load(READ_SCRIPT)
-        self._publish_sha = await self.client.script_load(PUBLISH_SCRIPT)
-
-    async def _scripts_reloaded(self) -> None:
-        """The store restarted under a live connection (empty): the scripts again, then all we know."""
-        await self._load_scripts()
-        log.warning("store_restarted", router=self.router_id)
-        self._published = False
         self._republish()
 
     async def _watch_lag(self) -> None:
@@ -487,24 +508,27 @@ class SharedStore:
 
     # ------------------------------------------------------------------ what was read
 
-    def _snapshot(self, reply: object) -> Snapshot:
-        """The reply, every entry checked: what does not parse or is out of bounds is skipped and
-        counted, never fatal."""
+    def _snapshot(
+        self, raw_placement: bytes | None, raw_pending: dict[bytes, bytes], raw_loads: dict[bytes, object]
+    ) -> Snapshot:
+        """What was read, every entry checked: what does not parse or is out of bounds is skipped
+        and counted, never fatal."""
         placement, digest, pending, loads = None, 0, [], {}
-        raw_placement, raw_pending, raw_loads = reply if isinstance(reply, list) and len(reply) == 3 else (None, [], [])
         if raw_placement is not None:
             try:
                 placement, digest = self._placement(raw_placement)
             except (ValueError, TypeError):
                 self.metrics.store_invalid["placement"] += 1
-        for value in raw_pending[1 : 2 * MAX_PENDING : 2]:
+        for value in itertools.islice(raw_pending.values(), MAX_PENDING):
             try:
                 pending.append(self._pending(value))
             except (ValueError, TypeError):
                 self.metrics.store_invalid["pending"] += 1
-        for router, value in zip(raw_loads[::2], raw_loads[1::2], strict=False):
-            try:
-                loads[_name(router)] = self._loads(value)
+        for router, latest in raw_loads.items():
+            if latest == []:
+                continue  # its load key is gone: it left
+            try:  # an error reply (a key of another type) is no list: TypeError
+                loads[_name(router)] = self._loads(latest[0])  # type: ignore[index]
             except (ValueError, TypeError, UnicodeDecodeError):
                 self.metrics.store_invalid["load"] += 1
         return Snapshot(placement, digest, tuple(pending), loads)
@@ -583,8 +607,7 @@ def _digest(value: object) -> int:
 
 def _link_lost(exc: BaseException) -> bool:
     """The connection is gone (refused, reset, closed, auth refused); not a slow call, which
-    costs only itself, nor a store restarted under a live connection (its scripts gone: they
-    are loaded again at once)."""
+    costs only itself."""
     if isinstance(exc, ConnectionRefusedError | ConnectionResetError | BrokenPipeError):
         return True
     return isinstance(exc, LinkError) and not isinstance(exc, TimeoutError)

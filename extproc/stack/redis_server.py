@@ -3,8 +3,9 @@ and the local stack's gateways: on 127.0.0.1 only, nothing written to disk, boun
 its log in the caller's directory. Never the machine's system-wide service.
 
 Credentials: the ``default`` user is off; the routers connect as ``llm-ring`` (USER), allowed
-only the commands store.py sends (and its scripts call) on keys ``<key_prefix>:*``; ``admin``
-may do anything (inspection, drills). Both passwords are generated into 0600 files in the
+only the commands store.py sends on keys ``<key_prefix>:*`` (``router_rule``, which
+k8s/35-store.yaml repeats: a test checks they agree), no script nor function; ``admin`` may do
+anything (inspection, drills). Both passwords are generated into 0600 files in the
 server's folder (reused when it restarts there) and written into its 0600 config file, so no
 password is on a command line. Eviction: ``volatile-ttl``, the key nearest its expiry first:
 every key the routers write has a TTL, so a write is never refused for memory, and one-shot
@@ -24,10 +25,12 @@ from extproc.stack.processes import Running, StartError, accepts, free_port, spa
 MAX_MEMORY = "256mb"
 USER = "llm-ring"
 ADMIN = "admin"
-# every command store.py sends and its Lua scripts call (store.py's READ_SCRIPT, PUBLISH_SCRIPT)
+# every command store.py sends, and no other: no EVAL, EVALSHA, SCRIPT, FCALL nor FUNCTION (a script's
+# memory escapes maxmemory and a long one blocks the store: BUSY); MULTI/EXEC and WATCH make its
+# reads one instant and its check-and-set exact
 ROUTER_COMMANDS = (
-    "evalsha", "script|load", "get", "set", "del", "hget", "hgetall", "hset", "hsetnx", "hdel", "pexpire",
-    "sadd", "srem", "srandmember", "xadd", "xread",
+    "get", "set", "del", "exists", "hgetall", "hset", "hsetnx", "hdel", "pexpire", "sadd", "srem", "srandmember",
+    "zadd", "zrange", "zremrangebyrank", "xadd", "xread", "multi", "exec", "watch", "unwatch",
 )  # fmt: skip
 
 
@@ -44,16 +47,21 @@ def user_url(address: str) -> str:
     return f"redis://{USER}@{address}/0"
 
 
+def router_rule(key_prefix: str) -> str:
+    """The routers' ACL rules after ``user llm-ring on >password``: their keys, no channel, their
+    commands alone."""
+    return f"resetkeys ~{key_prefix}:* resetchannels -@all " + " ".join(f"+{command}" for command in ROUTER_COMMANDS)
+
+
 def write_config(port: int, folder: Path, key_prefix: str = "llm-ring", max_memory: str = MAX_MEMORY) -> Path:
     """The server's 0600 config file in ``folder`` (passwords generated once, beside it)."""
     folder.mkdir(parents=True, exist_ok=True)
     passwords = {user: _password(password_file(folder, user)) for user in (USER, ADMIN)}
-    commands = " ".join(f"+{command}" for command in ROUTER_COMMANDS)
     lines = [
         f"port {port}", f"bind {HOST}", "protected-mode yes", f"dir {folder}", 'save ""', "appendonly no",
         f"maxmemory {max_memory}", "maxmemory-policy volatile-ttl", "daemonize no",
         "user default off",
-        f"user {USER} on >{passwords[USER]} resetkeys ~{key_prefix}:* resetchannels -@all {commands}",
+        f"user {USER} on >{passwords[USER]} {router_rule(key_prefix)}",
         f"user {ADMIN} on >{passwords[ADMIN]} ~* &* +@all",
     ]  # fmt: skip
     config = folder / "redis.conf"

@@ -49,7 +49,7 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from extproc.settings import SettingsError, parse_settings
-from extproc.stack.redis_server import ROUTER_COMMANDS
+from extproc.stack.redis_server import USER, router_rule
 from extproc.traffic.profile import available_profiles, check_context, load_profile
 
 
@@ -442,7 +442,8 @@ def test_the_store_wants_the_routers_password_and_allows_only_their_commands():
     store = find("Deployment", "store")["spec"]["template"]["spec"]
     container = store["containers"][0]
     script = container["command"][2]
-    assert f"~llm-ring:* resetchannels -@all {' '.join('+' + c for c in ROUTER_COMMANDS)}\\n" in script
+    # the whole ACL file, as the local stack writes the routers' user: the same grant, no script
+    assert f"printf 'user default off\\nuser {USER} on >%s {router_rule('llm-ring')}\\n'" in script
     assert "user default off" in script and "--protected-mode yes" in script and "volatile-ttl" in script
     assert not [d for d in all_docs() + picker_docs() if d["kind"] == "Secret"]  # made per cluster, never committed
     secrets = {v["name"]: v["secret"]["secretName"] for v in store["volumes"] if "secret" in v}

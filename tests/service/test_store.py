@@ -24,7 +24,14 @@ from extproc.service.gateway import Gateway
 from extproc.service.metrics import Metrics
 from extproc.service.store import SharedStore
 from extproc.stack.processes import Running
-from extproc.stack.redis_server import ADMIN, password_file, redis_server_binary, start_redis, user_url
+from extproc.stack.redis_server import (
+    ADMIN,
+    ROUTER_COMMANDS,
+    password_file,
+    redis_server_binary,
+    start_redis,
+    user_url,
+)
 from tests.service.test_gateway_lifecycle import ENDPOINTS, SETTINGS, make_gateway, samples
 
 pytestmark = pytest.mark.skipif(
@@ -106,6 +113,12 @@ def answered(gateway: Gateway, request_id: str, served: str = "") -> None:
     pick = gateway.pending[request_id].decision.replica
     gateway.access_logged(request_id, 200, ENDPOINTS[served or pick], cut_off=False, timings=None)
     gateway.mark_healthy(pick)
+
+
+def published_load(raw: redis.Redis, router: str) -> Any:
+    """The latest load ``router`` published (the highest seq of its load key); None: none."""
+    latest = raw.zrange(f"llm-ring:load:{router}", -1, -1)
+    return orjson.loads(latest[0]) if latest else None
 
 
 def follow_up(messages: list[dict[str, str]], answer: str, question: str) -> list[dict[str, str]]:
@@ -279,7 +292,7 @@ def test_the_store_down_leaves_routing_on_local_state_and_it_recovers_without_le
 
         await eventually(back)
         await store.flushed()
-        own = orjson.loads(raw.hget("llm-ring:load:r-a", "load") or b"{}")
+        own = published_load(raw, "r-a") or {}
         assert sum(requests for requests, _ in own.values()) == a.router.ledger.total_requests() == 4
         pending = raw.hgetall("llm-ring:pending:" + f"{a.router.conversation_key('c0'):016x}")
         assert list(pending) == [during[0].encode()]  # republished: it is still waiting for its answer
@@ -287,7 +300,7 @@ def test_the_store_down_leaves_routing_on_local_state_and_it_recovers_without_le
         for request_id in list(a.pending):
             answered(a, request_id)
         await store.flushed()
-        assert orjson.loads(raw.hget("llm-ring:load:r-a", "load") or b"null") == {}
+        assert published_load(raw, "r-a") == {}
         assert not raw.keys("llm-ring:pending:*")
 
     try:
@@ -353,6 +366,48 @@ def test_a_slow_store_costs_a_decision_at_most_the_timeout(server: Running) -> N
         await store.flushed()  # the writes queued meanwhile reach the store
         pending_key = f"llm-ring:pending:{a.router.conversation_key('c-2'):016x}"
         assert not admin(server).hgetall(pending_key)
+
+    run_closing(run)
+
+
+def test_a_publish_delayed_on_the_network_never_overwrites_a_newer_one(server: Running) -> None:
+    """A batch of writes held on its way past the timeout is sent again with the newer figures;
+    the held one lands after them, with its older seq: the store keeps the newer figures."""
+    raw = admin(server)
+
+    def publishes() -> int:
+        return int(raw.info("commandstats").get("cmdstat_zadd", {}).get("calls", 0))
+
+    async def run() -> None:
+        proxy = DelayProxy(server.address)
+        address = await proxy.start()
+        b = await sharing(server, "r-b")
+        assert b.store is not None
+        figures = {"llm-0": (1, 100)}
+        settings = b.store.settings.model_copy(update={"url": address, "timeout_ms": 100, "load_ttl_seconds": 30})
+        late = SharedStore(settings, "r-late", lambda: dict(figures), Metrics(), b.store.bounds)
+        await late.start()
+        await late.flushed()
+        assert published_load(raw, "r-late") == {"llm-0": [1, 100]}
+        proxy.delay = 1.5  # what is sent now is held this long on its way
+        figures["llm-0"] = (2, 200)
+        late.load_changed()
+
+        async def timed_out() -> bool:
+            return late.metrics.store_errors["write"] >= 1
+
+        await eventually(timed_out)
+        proxy.delay = 0.0  # the batch is sent again on a new connection, at once
+        figures["llm-0"] = (3, 300)
+        await late.flushed()
+        assert published_load(raw, "r-late") == {"llm-0": [3, 300]}
+        before_the_held_one = publishes()
+        await asyncio.sleep(2.0)  # the held write lands
+        assert publishes() > before_the_held_one
+        assert published_load(raw, "r-late") == {"llm-0": [3, 300]}  # not overwritten by the older figures
+        snapshot = await b.store.read(b.router.conversation_key("c-1"))
+        assert snapshot is not None and snapshot.loads == {"r-late": {"llm-0": (3, 300)}}
+        await late.close()
 
     run_closing(run)
 
@@ -459,7 +514,7 @@ def test_entries_that_do_not_parse_or_are_out_of_bounds_are_skipped_and_counted(
         raw.hset(f"llm-ring:pending:{suffix}", mapping={"x": "[1, 2]", "y": orjson.dumps(["r-b", "llm-0", -5, 1, 1]),
                                                         "ok": orjson.dumps(["r-b", "llm-0", 10, 5, 7])})
         for router, load in {"huge": {"llm-0": [10**6, 1]}, "list": [1, 2], "ok": {"llm-1": [2, 20]}}.items():
-            raw.hset(f"llm-ring:load:{router}", "load", orjson.dumps(load))
+            raw.zadd(f"llm-ring:load:{router}", {orjson.dumps(load): 1})
             raw.sadd("llm-ring:routers", router)
         snapshot = await store.read(a.router.conversation_key("c-1"))
         assert snapshot is not None and store.in_use
@@ -477,3 +532,29 @@ def test_entries_that_do_not_parse_or_are_out_of_bounds_are_skipped_and_counted(
         assert a.router.speeds.answers["llm-0"] == a.metrics.store_answers_learnt == 1  # the valid one
 
     run_closing(run)
+
+
+def test_the_routers_user_runs_no_script_nor_function(server: Running) -> None:
+    """A script's memory escapes maxmemory and a long one blocks every other client (BUSY): the
+    routers' user may load, run or call none, not even one the admin loaded, nor queue one in a
+    transaction; its grant holds no command of Redis' own scripting category."""
+    raw = admin(server)
+    sha = raw.script_load("return 1")
+    raw.function_load("#!lua name=lib\nredis.register_function('one', function() return 1 end)")
+    assert raw.evalsha(sha, 0) == 1 and raw.fcall("one", 0) == 1  # the control: they exist and run
+    routers = redis.Redis.from_url(url(server), password=password_file(folder(server)).read_text().strip())
+    library = "#!lua name=other\nredis.register_function('two', function() return 2 end)"
+    for command in (("SCRIPT", "LOAD", "return 1"), ("EVAL", "return 1", 0), ("EVAL_RO", "return 1", 0),
+                    ("EVALSHA", sha, 0), ("EVALSHA_RO", sha, 0), ("FCALL", "one", 0), ("FCALL_RO", "one", 0),
+                    ("FUNCTION", "LOAD", library), ("FUNCTION", "DELETE", "lib"), ("FUNCTION", "FLUSH"),
+                    ("SCRIPT", "FLUSH"), ("SCRIPT", "KILL"), ("FUNCTION", "KILL")):
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            routers.execute_command(*command)
+    transaction = routers.pipeline(transaction=True)
+    transaction.get("llm-ring:place:0").execute_command("EVAL", "return 1", 0)
+    with pytest.raises(redis.exceptions.NoPermissionError):
+        transaction.execute()
+    scripting = set(raw.acl_cat("scripting"))
+    assert {"eval", "evalsha", "fcall", "script|load", "function|load"} <= scripting
+    assert not scripting & {*ROUTER_COMMANDS, *(command.split("|")[0] for command in ROUTER_COMMANDS)}
+    assert raw.function_list(library="other") == [] and raw.evalsha(sha, 0) == 1  # nothing loaded, nothing flushed

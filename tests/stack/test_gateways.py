@@ -25,7 +25,7 @@ from extproc.stack.daemons import Daemon
 from extproc.stack.errors import StackError
 from extproc.stack.gateways import PORTS_PER_GATEWAY, layout, port_purposes
 from extproc.stack.processes import ROUTER_REFERENCE, envoy_binary
-from extproc.stack.redis_server import ADMIN, password_file, redis_command, write_config
+from extproc.stack.redis_server import ADMIN, password_file, redis_command, router_rule, write_config
 from extproc.stack.router import render_router_settings
 from extproc.stack.settings import load_stack_settings
 from extproc.stack.stack import Stack
@@ -103,7 +103,7 @@ def test_the_store_keeps_nothing_on_disk_listens_on_loopback_and_wants_a_passwor
                        "daemonize": "no"}
     password = password_file(tmp_path).read_text().strip()
     assert "user default off" in lines and len(password) >= 32
-    assert f"user llm-ring on >{password} resetkeys ~llm-ring:* resetchannels -@all +evalsha" in config.read_text()
+    assert f"user llm-ring on >{password} {router_rule('llm-ring')}" in lines
     for private in (config, password_file(tmp_path), password_file(tmp_path, ADMIN)):
         assert private.stat().st_mode & 0o777 == 0o600, private
     assert write_config(6400, tmp_path).read_text() == config.read_text()  # a restart: the same passwords
