@@ -129,8 +129,7 @@ def prediction_line(runs: list[dict[str, Any]]) -> str:
 def verdict(label: str, paired: dict[str, dict[str, dict[str, Any]]]) -> str:
     """One sentence per comparison: each main metric's paired difference, or "within noise"
     when its 95 % interval includes 0."""
-    from extproc.analysis.metrics import METRICS
-    from extproc.analysis.report import format_cell
+    from extproc.analysis.metrics import METRICS, format_cell
 
     metrics = {metric.name: metric for metric in METRICS}
     sentences = []
