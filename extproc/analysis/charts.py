@@ -20,7 +20,10 @@ import altair as alt
 import duckdb
 
 from extproc.analysis.metrics import (
+    DEFAULT_HIT_SHARE,
     METRICS,
+    connect,
+    folder_labels,
     format_cell,
     hit_rate_over_time,
     latency_quantiles,
@@ -56,6 +59,12 @@ class Source:
     label: str  # its name in a series (folder_labels)
     path: Path
     con: duckdb.DuckDBPyConnection  # metrics.connect(path, hit_share)
+
+
+def open_sources(folders: Sequence[Path], hit_share: float = DEFAULT_HIT_SHARE) -> list[Source]:
+    """The folders, labelled as the report labels them (``folder_labels``)."""
+    return [Source(label, folder, connect(folder, hit_share))
+            for label, folder in zip(folder_labels(list(folders)), folders, strict=True)]
 
 
 def series_name(label: str, policy: str, several: bool) -> str:

@@ -253,6 +253,12 @@ def _sql_list(paths: list[Path]) -> str:
     return "[" + ", ".join("'" + str(p).replace("'", "''") + "'" for p in paths) + "]"
 
 
+def folder_labels(folders: list[Path]) -> list[str]:
+    """Each folder's name, or its whole path where two names clash."""
+    names = [folder.name for folder in folders]
+    return [name if names.count(name) == 1 else str(folder) for name, folder in zip(names, folders, strict=True)]
+
+
 def rows(con: duckdb.DuckDBPyConnection, sql: str, params: Any = None) -> list[dict[str, Any]]:
     result = con.execute(sql, params) if params is not None else con.execute(sql)
     names = [d[0] for d in result.description]

@@ -30,6 +30,7 @@ from extproc.analysis.metrics import (
     Metric,
     connect,
     decision_agreement,
+    folder_labels,
     format_cell,
     per_run,
     summary,
@@ -73,7 +74,8 @@ def main(args: argparse.Namespace) -> int:
         (folder / SUMMARY_FILE).write_text(render_markdown(one, with_runs=True))
     report = combine(args.dirs, reports)
     if args.charts or args.html:
-        write_pictures(args.dirs, report, args.charts, args.html, _command(args))
+        write_pictures(args.dirs, report, args.charts, args.html,
+                       report_command(args.dirs, args.charts, args.html, args.hit_share))
     if args.format == "json":
         print(json.dumps(report, default=str))
     elif args.format == "markdown":
@@ -134,14 +136,12 @@ def write_pictures(folders: list[Path], report: dict[str, Any], charts_dir: Path
     """The charts of ``report`` (``combine(folders, ...)``) as PNG and SVG into ``charts_dir``, and
     the HTML report into ``html_file``; both rendered before either is written."""
     from extproc.analysis import pictures
-    from extproc.analysis.charts import Source, figures
+    from extproc.analysis.charts import figures, open_sources
     from extproc.files import write_atomically
 
     if not report["summary"]:
         raise UsageError(f"{', '.join(map(str, folders))}: the records hold no request")
-    sources = [Source(label, folder, connect(folder, report["hit_share"]))
-               for label, folder in zip(folder_labels(folders), folders, strict=True)]
-    drawn = figures(sources, report["summary"])
+    drawn = figures(open_sources(folders, report["hit_share"]), report["summary"])
     files = pictures.chart_files(drawn) if charts_dir else {}
     page = html_file and pictures.page(
         f"llm-ring report: {report['experiment']}", command, pictures.machine(), pictures.now(),
@@ -155,12 +155,19 @@ def write_pictures(folders: list[Path], report: dict[str, Any], charts_dir: Path
         write_atomically(html_file, page)
 
 
-def _command(args: argparse.Namespace) -> str:
-    """The command line that makes these pictures again."""
-    words = ["llm-ring", "report", *map(str, args.dirs)]
-    if args.hit_share != DEFAULT_HIT_SHARE:
-        words += ["--hit-share", f"{args.hit_share:g}"]
-    words += [word for flag, value in (("--charts", args.charts), ("--html", args.html)) if value
+def pictures_hint(folder: Path) -> str:
+    """How to draw a folder's charts and HTML report (printed by `llm-ring run` and `sim`)."""
+    return "charts (PNG, SVG) and an HTML report: " + report_command([folder], folder / "charts",
+                                                                     folder / "report.html")
+
+
+def report_command(folders: Sequence[Path], charts: Path | None, html: Path | None,
+                   hit_share: float = DEFAULT_HIT_SHARE) -> str:
+    """The `llm-ring report` command line that draws these pictures."""
+    words = ["llm-ring", "report", *map(str, folders)]
+    if hit_share != DEFAULT_HIT_SHARE:
+        words += ["--hit-share", f"{hit_share:g}"]
+    words += [word for flag, value in (("--charts", charts), ("--html", html)) if value
               for word in (flag, str(value))]
     return " ".join(map(shlex.quote, words))
 
@@ -168,12 +175,6 @@ def _command(args: argparse.Namespace) -> str:
 def resolve_folders(folders: list[str | Path], root: Path = REPO_ROOT) -> list[Path]:
     """Experiment folders as the notebooks take them: a relative path is relative to the checkout."""
     return [Path(folder) if Path(folder).is_absolute() else root / folder for folder in folders]
-
-
-def folder_labels(folders: list[Path]) -> list[str]:
-    """Each folder's name, or its whole path where two names clash."""
-    names = [folder.name for folder in folders]
-    return [name if names.count(name) == 1 else str(folder) for name, folder in zip(names, folders, strict=True)]
 
 
 def summary_rows(
