@@ -95,12 +95,13 @@ def figures(sources: Sequence[Source], summary: Stats, bin_s: float | None = Non
         if (files := speeds_files(s.path))
         for row in learnt_speeds(s.con, files[0], bin_s)
     ]
-    over_time = collected(lambda con: hit_rate_over_time(con, bin_s))
+    over_time, marks = collected(lambda con: hit_rate_over_time(con, bin_s)), collected(scale_marks)
+    scaled = "; dashed: the new replica ready" if marks else ""
     drawn = [
         Figure("summary", "Hit rate, p95 latency and imbalance per policy (mean over seeds ± 95 % interval)",
                summary_chart(summary)),
-        Figure("hit_rate_over_time", "Hit rate over time (all seeds pooled), new replica ready dashed",
-               hit_rate_chart(over_time, collected(scale_marks), order)) if over_time else None,
+        Figure("hit_rate_over_time", "Hit rate over time (all seeds pooled)" + scaled,
+               hit_rate_chart(over_time, marks, order)) if over_time else None,
         Figure("latency_ttft", "Latency and TTFT distributions (ok requests, all seeds pooled)",
                distributions_chart(cdf, order)) if cdf else None,
         Figure("route_reasons", "Why the router chose what it chose (decisions per run)",
