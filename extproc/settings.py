@@ -13,7 +13,7 @@ import os
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 from urllib.parse import urlsplit
 
 import tomli_w
@@ -30,11 +30,12 @@ SectionsT = TypeVar("SectionsT", bound=BaseModel)
 class ServiceSettings(Strict):
     """The ext_proc gRPC service (the shell around the core)."""
 
-    listen: str = Field(description="host:port of the picker port: ext_proc + access log + health, what the gateway "
-                                    "reaches (empty: only ext_proc_socket)")
+    listen: str = Field(description="host:port of the picker port: ext_proc as an Endpoint Picker + health, what an "
+                                    "InferencePool gateway reaches (empty: none)")
     ext_proc_socket: str = Field(
         pattern=r"^[A-Za-z0-9._-]{0,100}$",
-        description="abstract unix socket name the same server also listens on, for Envoy (empty: Envoy uses listen)",
+        description="abstract unix socket name of our own Envoy, in this pod or on this host: ext_proc and the "
+                    "access log service, served nowhere else (empty: neither, as behind an InferencePool gateway)",
     )
     tls: str = Field(description='the picker port over TLS: "" plaintext, "self-signed" (a certificate made '
                                  'at start-up) or a folder holding tls.crt and tls.key (a mounted kubernetes.io/tls '
@@ -57,7 +58,7 @@ class ServiceSettings(Strict):
     max_body_bytes: int = Field(gt=0, description="larger request bodies are refused with 413")
     default_max_tokens: int = Field(gt=0, description="output tokens charged when a request names none")
     max_output_tokens: int = Field(
-        gt=0, description="max_tokens / n_predict above are refused (400); -1 is charged as this"
+        gt=0, description="one slot's context: a larger max_tokens / n_predict, or -1, is charged as this many"
     )
     max_messages: int = Field(gt=0, description="chat requests with more messages are refused (413)")
     max_prompt_chars: int = Field(gt=0, description="prompts with more characters (or token ids) are refused (413)")
@@ -72,6 +73,9 @@ class ServiceSettings(Strict):
                                               "x-route-predicted-cached-tokens (a debugging aid)")
     shed_requests_per_replica: int = Field(ge=0, description="429 when every eligible replica has this many requests "
                                                              "in flight (0: never shed)")
+    cors_origins: list[Annotated[str, Field(pattern=r"^(\*|https?://[^\s/,]+)$")]] = Field(
+        description='origins a browser may call the gateway from ("https://chat.example.com", or "*" for any); '
+                    'empty: no CORS headers, preflights refused')
 
     @model_validator(mode="after")
     def _reachable(self) -> ServiceSettings:

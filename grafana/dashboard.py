@@ -86,6 +86,11 @@ PANELS = (
           ((rate("llm_ring_requests_completed_total", "outcome"), "{{outcome}}"),
            (rate("llm_ring_released_by_next_turn_total"), "released by the next turn")),
           "failed_over: answered by a fallback; not_applied: Envoy served without the pick."),
+    Panel("Requests the gateway answered itself; branched chats", "reqps",
+          ((rate("llm_ring_answered_locally_total", "kind"), "answered locally: {{kind}}"),
+           (rate("llm_ring_branches_total"), "branches (edited or regenerated chats)")),
+          "Read-only requests (models, health, CORS preflight) need no replica; a branch starts where the "
+          "history it resends was served."),
     Panel("Requests refused or failed by kind", "reqps",
           ((rate("llm_ring_errors_total", "kind"), "{{kind}}"),),
           "shed: refused while every replica has service.shed_requests_per_replica requests in flight (the only "

@@ -74,7 +74,7 @@ def start_stub_processor(port: int, endpoint: str, workdir: Path) -> Running:
     running = spawn_child("stub ext_proc", command, workdir / "stub_processor.log")
     wait_until_ready(running, lambda: accepts(port), 10.0)
     running.address = address
-    running.ext_proc = ext_proc_address(address, socket_name(address))
+    running.ext_proc = ext_proc_address(socket_name(address))
     return running
 
 

@@ -19,7 +19,8 @@ Request path, in filter order:
      endpoint of the header, the next ones on retries, round robin when the header is absent
      (fail-open, ext_proc down).
 Every request's outcome (status, the upstream that served it, reset flags, those timings)
-reaches the service through Envoy's gRPC access log, batched on one long-lived stream.
+reaches the service through Envoy's gRPC access log, batched on one long-lived stream, on the
+service's abstract socket: the only place the service accepts it, so Envoy runs beside it.
 The route adds ``x-routed-to``/``x-route-reason`` to the response from the request headers the
 service set (``%REQ(..)%``), so the response needs no round trip to the service at all.
 """
@@ -27,6 +28,7 @@ service set (``%REQ(..)%``), so the response needs no round trip to the service 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -47,7 +49,6 @@ from extproc.envoy.contract import (
     RESPONSE_ATTRIBUTES,
     RESPONSE_METADATA,
     ROUTE_REASON,
-    ROUTED_PATHS,
     ROUTED_TO,
     SERVED,
     STREAM_IDLE_TIMEOUT_S,
@@ -57,6 +58,16 @@ from extproc.envoy.contract import (
     EndpointsFile,
     socket_address,
     split_host_port,
+)
+from extproc.envoy.cors import ALLOWED_HEADERS, EXPOSED_HEADERS, MAX_AGE_S
+from extproc.envoy.surface import (
+    CORS_METHODS,
+    GENERATION_PATHS,
+    HEALTH_PATHS,
+    MODEL_PREFIX,
+    MODELS_PATHS,
+    error_document,
+    error_type,
 )
 
 _T = "type.googleapis.com/"
@@ -74,11 +85,12 @@ def render_envoy_config(
     ext_proc_timeout_ms: int = 2000,
     connect_timeout_ms: int = 1000,
     stream_idle_timeout_s: int = STREAM_IDLE_TIMEOUT_S,
+    cors_origins: Sequence[str] = (),
 ) -> str:
     """Envoy bootstrap as JSON text (JSON is YAML: save it as envoy.yaml or envoy.json).
 
-    listen/admin are "host:port"; ext_proc is "host:port" (host may be a DNS name) or "@name",
-    the service's abstract unix socket (service.ext_proc_socket; see ext_proc_address);
+    listen/admin are "host:port"; ext_proc is "@name", the service's abstract unix socket
+    (service.ext_proc_socket; see ext_proc_address), where ext_proc and the access log are served;
     ext_proc=None renders the same proxy without the routing service (the benchmark's baseline).
     fail_open: when the routing service is unreachable, serve round robin (True) or 500 (False).
     max_request_bytes: the service's service.max_body_bytes: larger bodies get 413 from Envoy.
@@ -86,7 +98,11 @@ def render_envoy_config(
     stream_idle_timeout_s: a request with no bytes either way for this long gets 504 (the tests
     shorten it to drill a replica that never answers; the service's lost-entry sweep assumes
     STREAM_IDLE_TIMEOUT_S).
+    cors_origins: service.cors_origins, the browser origins allowed (none: no CORS filter).
     """
+    if ext_proc is not None and not ext_proc.startswith("@"):
+        raise ValueError(f"ext_proc={ext_proc!r}: the service's abstract socket '@name' (service.ext_proc_socket), "
+                         "the only place it serves the access log")
     listen_host, listen_port = split_host_port(listen)
     admin_host, admin_port = split_host_port(admin)
     config = {
@@ -106,7 +122,7 @@ def render_envoy_config(
                             "filters": [
                                 _http_connection_manager(
                                     ext_proc is not None, fail_open, ext_proc_timeout_ms, retries, max_request_bytes,
-                                    stream_idle_timeout_s,
+                                    stream_idle_timeout_s, cors_origins,
                                 )
                             ]
                         }
@@ -140,7 +156,7 @@ def _connection_limit() -> dict[str, Any]:
 
 def _http_connection_manager(
     with_ext_proc: bool, fail_open: bool, timeout_ms: int, retries: int, max_request_bytes: int,
-    stream_idle_timeout_s: int,
+    stream_idle_timeout_s: int, cors_origins: Sequence[str],
 ) -> dict[str, Any]:
     ext_proc = [
         _ext_proc_filter("route", fail_open, timeout_ms, observe=False),
@@ -159,32 +175,11 @@ def _http_connection_manager(
             "request_timeout": f"{REQUEST_TIMEOUT_S}s",
             "stream_idle_timeout": f"{stream_idle_timeout_s}s",
             "common_http_protocol_options": {"idle_timeout": f"{DOWNSTREAM_IDLE_TIMEOUT_S}s"},
-            "route_config": _route_config(retries),
+            "route_config": _route_config(retries, cors_origins),
             **({"access_log": [_access_log()]} if with_ext_proc else {}),
-            # Envoy's own 413 (body over the buffer limit) in the same JSON shape as ours; only
-            # Envoy's (its response code details): the service's 413s carry their own message.
-            "local_reply_config": {
-                "mappers": [
-                    {
-                        "filter": {
-                            "extension_filter": {
-                                "name": "envoy.access_loggers.extension_filters.cel",
-                                "typed_config": {
-                                    "@type": _T + "envoy.extensions.access_loggers.filters.cel.v3.ExpressionFilter",
-                                    "expression": "response.code == 413 && "
-                                    "response.code_details == 'request_payload_too_large'",
-                                },
-                            }
-                        },
-                        "body_format_override": {
-                            "json_format": {
-                                "error": f"request body over {max_request_bytes} bytes (service.max_body_bytes)"
-                            }
-                        },
-                    }
-                ]
-            },
+            "local_reply_config": _local_replies(max_request_bytes),
             "http_filters": [
+                *([_cors_filter()] if cors_origins else []),
                 _strip_client_routing_headers(),
                 *([_whole_body(max_request_bytes), *ext_proc] if with_ext_proc else []),
                 *([_timings_to_metadata()] if with_ext_proc else []),
@@ -195,6 +190,35 @@ def _http_connection_manager(
             ],
         },
     }
+
+
+def _local_replies(max_request_bytes: int) -> dict[str, Any]:
+    """Envoy's own error answers in OpenAI's shape, as the service's are: its 413 (body over the
+    buffer limit) with our message; any other (no healthy upstream, a reset, a timeout) with its
+    own text and response code details. Ours (direct responses, the service's immediate
+    answers: details "llm_ring_*") are in that shape already and left alone."""
+    def mapper(expression: str, document: dict[str, Any]) -> dict[str, Any]:
+        cel = {"@type": _T + "envoy.extensions.access_loggers.filters.cel.v3.ExpressionFilter",
+               "expression": expression}
+        return {"filter": {"extension_filter": {"name": "envoy.access_loggers.extension_filters.cel",
+                                                "typed_config": cel}},
+                "body_format_override": {"json_format": document}}
+
+    too_large = error_document(413, f"request body over {max_request_bytes} bytes (service.max_body_bytes)",
+                               "request_too_large")
+    envoy_own = "response.code_details != 'direct_response' && !response.code_details.startsWith('llm_ring_')"
+    return {"mappers": [
+        mapper("response.code == 413 && response.code_details == 'request_payload_too_large'", too_large),
+        *(mapper(f"response.code {bounds} && {envoy_own}",
+                 {"error": {"message": "%LOCAL_REPLY_BODY%", "type": error_type(status), "param": None,
+                            "code": "%RESPONSE_CODE_DETAILS%"}})
+          for bounds, status in ((">= 500", 500), (">= 400 && response.code < 500", 400))),
+    ]}
+
+
+def _cors_filter() -> dict[str, Any]:
+    return {"name": "envoy.filters.http.cors",
+            "typed_config": {"@type": _T + "envoy.extensions.filters.http.cors.v3.Cors"}}
 
 
 def _strip_client_routing_headers() -> dict[str, Any]:
@@ -305,30 +329,65 @@ def _access_log() -> dict[str, Any]:
     }
 
 
-def _route_config(retries: int) -> dict[str, Any]:
-    """POST on a routed path -> the replicas (the service's pick; round robin when the service
-    is down and fail_open is set), the answer observed only when the service asked for it;
-    another method -> 405; another path -> 404."""
+def _route_config(retries: int, cors_origins: Sequence[str] = ()) -> dict[str, Any]:
+    """The gateway's surface (surface.py), nothing more: POST on a generation path -> the replicas
+    (the service's pick; round robin when the service is down and fail_open is set; a trailing
+    slash dropped on the way), the answer observed only when the service asked for it; GET on a
+    read-only path -> the service, which answers it itself; another method there -> 405; any
+    other path -> 404. A CORS policy on the virtual host when cors_origins is set."""
     post = {"name": ":method", "string_match": {"exact": "POST"}}
+    get = {"name": ":method", "string_match": {"exact": "GET"}}
     observe = {"name": OBSERVE, "present_match": True}
     no_observer = {"ext_proc.observe": {"@type": _EXT_PROC_PER_ROUTE, "disabled": True}}
     # CONNECT (a tunnel; its body never ends) is refused at once: without this route the
     # buffer filter would wait for the end of that body (measured: no answer in 10 s).
-    routes: list[dict[str, Any]] = [_local_reply({"connect_matcher": {}}, 405, "method not allowed: CONNECT")]
-    for path in ROUTED_PATHS:
+    routes: list[dict[str, Any]] = [_local_reply({"connect_matcher": {}}, 405, "method CONNECT not allowed",
+                                                 "method_not_allowed")]
+    for path in GENERATION_PATHS:
+        # the path, or with one trailing slash, which the replica does not serve: dropped on the way
+        match = {"safe_regex": {"regex": f"^{re.escape(path)}/?$"}}
         for headers, per_filter, cluster in (([post, observe], {}, STREAMED_CLUSTER), ([post], no_observer, CLUSTER)):
             routes.append(
                 {
-                    "match": {"path": path, "headers": headers},
-                    "route": _to_replicas(cluster, retries),
+                    "match": {**match, "headers": headers},
+                    "route": {**_to_replicas(cluster, retries), "regex_rewrite": TRAILING_SLASH},
                     "request_headers_to_remove": [OBSERVE],
                     "response_headers_to_add": _response_headers(),
                     **({"typed_per_filter_config": per_filter} if per_filter else {}),
                 }
             )
-        routes.append(_local_reply({"path": path}, 405, f"method not allowed: {path} takes POST"))
-    routes.append(_local_reply({"prefix": "/"}, 404, "unknown path: the gateway routes " + ", ".join(ROUTED_PATHS)))
-    return {"name": "llm", "virtual_hosts": [{"name": "llm", "domains": ["*"], "routes": routes}]}
+        routes.append(_not_allowed(path, "POST", match))
+    read_only = [("path", path) for path in (*MODELS_PATHS, *HEALTH_PATHS)] + [("prefix", MODEL_PREFIX)]
+    for kind, path in read_only:
+        routes.append({"match": {kind: path, "headers": [get]}, "route": _to_replicas(CLUSTER, retries),
+                       "typed_per_filter_config": no_observer})
+        routes.append(_not_allowed(path, "GET", {kind: path}))
+    routes.append(_local_reply({"prefix": "/"}, 404, "unknown path: the gateway serves " + ", ".join(GENERATION_PATHS)
+                               + ", GET /v1/models and /health", "unknown_path"))
+    host: dict[str, Any] = {"name": "llm", "domains": ["*"], "routes": routes}
+    if cors_origins:
+        host["typed_per_filter_config"] = {"envoy.filters.http.cors": _cors_policy(cors_origins)}
+    return {"name": "llm", "virtual_hosts": [host]}
+
+
+def _not_allowed(path: str, method: str, match: dict[str, Any]) -> dict[str, Any]:
+    reply = _local_reply(match, 405, f"method not allowed on {path}: it takes {method}",
+                         "method_not_allowed")
+    reply["response_headers_to_add"].append({"header": {"key": "allow", "value": f"{method}, OPTIONS"}})
+    return reply
+
+
+def _cors_policy(origins: Sequence[str]) -> dict[str, Any]:
+    """Envoy's CORS filter answers preflights and adds the headers, as CorsPolicy (cors.py) does."""
+    allowed = [{"safe_regex": {"regex": ".*"}} if origin == "*" else {"exact": origin} for origin in origins]
+    return {
+        "@type": _T + "envoy.extensions.filters.http.cors.v3.CorsPolicy",
+        "allow_origin_string_match": allowed,
+        "allow_methods": CORS_METHODS,
+        "allow_headers": ALLOWED_HEADERS,
+        "expose_headers": EXPOSED_HEADERS,
+        "max_age": str(MAX_AGE_S),
+    }
 
 
 def _to_replicas(cluster: str, retries: int) -> dict[str, Any]:
@@ -361,16 +420,19 @@ def _response_headers() -> list[dict[str, Any]]:
     ]
 
 
+TRAILING_SLASH = {"pattern": {"regex": "/$"}, "substitution": ""}
 _EXT_PROC_PER_ROUTE = _T + "envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute"
 
 
-def _local_reply(match: dict[str, Any], status: int, message: str) -> dict[str, Any]:
-    """Answered by Envoy without reading the body (no buffering) nor asking the service."""
+def _local_reply(match: dict[str, Any], status: int, message: str, code: str) -> dict[str, Any]:
+    """Answered by Envoy without reading the body (no buffering) nor asking the service, as an
+    error in OpenAI's shape."""
     disabled = {"@type": _EXT_PROC_PER_ROUTE, "disabled": True}
     no_buffer = {"@type": _T + "envoy.extensions.filters.http.buffer.v3.BufferPerRoute", "disabled": True}
     return {
         "match": match,
-        "direct_response": {"status": status, "body": {"inline_string": json.dumps({"error": message})}},
+        "direct_response": {"status": status,
+                            "body": {"inline_string": json.dumps(error_document(status, message, code))}},
         "response_headers_to_add": [{"header": {"key": "content-type", "value": "application/json"}}],
         "typed_per_filter_config": {"ext_proc.route": disabled, "ext_proc.observe": disabled, "whole-body": no_buffer},
     }
@@ -457,17 +519,12 @@ def _replicas_cluster(
 
 
 def _ext_proc_cluster(address: str, connect_timeout_ms: int) -> dict[str, Any]:
-    """The routing service over HTTP/2: an abstract unix socket ("@name"; at c=16 the stub
+    """The routing service over HTTP/2 on its abstract unix socket ("@name"; at c=16 the stub
     floor measured 7 % more req/s and 7 % less CPU on both sides than over TCP loopback, the
-    real service 2 %), or host:port."""
-    if address.startswith("@"):
-        kind, endpoint = "STATIC", {"pipe": {"path": address}}
-    else:
-        host, port = split_host_port(address)
-        kind, endpoint = "STRICT_DNS", socket_address(host, port)
+    real service 2 %)."""
     return {
         "name": EXT_PROC_CLUSTER,
-        "type": kind,
+        "type": "STATIC",
         "connect_timeout": f"{connect_timeout_ms / 1000:g}s",
         "typed_extension_protocol_options": {
             "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
@@ -477,7 +534,7 @@ def _ext_proc_cluster(address: str, connect_timeout_ms: int) -> dict[str, Any]:
         },
         "load_assignment": {
             "cluster_name": EXT_PROC_CLUSTER,
-            "endpoints": [{"lb_endpoints": [{"endpoint": {"address": endpoint}}]}],
+            "endpoints": [{"lb_endpoints": [{"endpoint": {"address": {"pipe": {"path": address}}}}]}],
         },
     }
 

@@ -92,10 +92,13 @@ REQUEST_ATTRIBUTES = (
 RESPONSE_ATTRIBUTES = ("request.id", "response.code", "upstream.address")
 
 
-def ext_proc_address(listen: str, socket: str) -> str:
-    """Where Envoy reaches the service: its abstract unix socket ("@name") when it has one
-    (service.ext_proc_socket), else its TCP address (service.listen)."""
-    return f"@{socket}" if socket else listen
+def ext_proc_address(socket: str) -> str:
+    """Where our own Envoy reaches the service: its abstract unix socket ("@name",
+    service.ext_proc_socket), the one place that serves the access log (never the picker port)."""
+    if not socket:
+        raise ValueError("service.ext_proc_socket is empty: our own Envoy reaches ext_proc and the access log "
+                         "service there alone")
+    return f"@{socket}"
 
 
 def write_endpoints_file(path: str | Path, replicas: Mapping[str, str]) -> None:

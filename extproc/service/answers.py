@@ -15,7 +15,7 @@ a list), the next one as ``x-gateway-destination-endpoint-fallback`` in ``envoy.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import lru_cache
 from typing import Any, Literal
 
@@ -35,6 +35,7 @@ from extproc.envoy.contract import (
     ROUTE_REASON,
     ROUTED_TO,
 )
+from extproc.envoy.surface import error_document
 
 PREDICTED_HEADERS_KEPT = 1 << 16  # serialized x-route-predicted-cached-tokens values kept
 
@@ -80,11 +81,22 @@ RESPONSE_HEADERS_CONTINUE = pb.ProcessingResponse(response_headers=pb.HeadersRes
 
 def response_route_headers(replica: str, reason: str) -> bytes:
     """The answer to a picked request's response headers: the client sees where it went and why."""
-    headers = [header_option(ROUTED_TO, replica), header_option(ROUTE_REASON, reason)]
-    mutation = pb.HeaderMutation(set_headers=headers)
+    return response_headers([(ROUTED_TO, replica), (ROUTE_REASON, reason)])
+
+
+def response_headers(headers: Sequence[tuple[str, str]]) -> bytes:
+    """An answer to the response headers that sets ``headers`` (appended to another such answer,
+    it adds them: protobuf merges the two)."""
+    mutation = pb.HeaderMutation(set_headers=[header_option(*pair) for pair in headers])
     return pb.ProcessingResponse(
         response_headers=pb.HeadersResponse(response=pb.CommonResponse(header_mutation=mutation))
     ).SerializeToString()
+
+
+def immediate_headers(headers: Sequence[tuple[str, str]]) -> bytes:
+    """Headers added to an immediate answer it is appended to (protobuf merges the two)."""
+    mutation = pb.HeaderMutation(set_headers=[header_option(*pair) for pair in headers])
+    return pb.ProcessingResponse(immediate_response=pb.ImmediateResponse(headers=mutation)).SerializeToString()
 
 
 def request_id_header(request_id: str) -> bytes:
@@ -112,15 +124,22 @@ def _answer(common: pb.CommonResponse, phase: Phase, **extra: Any) -> bytes:
     return pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common), **extra).SerializeToString()
 
 
-def immediate(status: int, message: str, **details: Any) -> bytes:
-    """Envoy answers the client itself with this status and a JSON error body."""
-    body = orjson.dumps({"error": message, **details})
+def immediate(status: int, message: str, code: str, param: str | None = None,
+              headers: Sequence[tuple[str, str]] = ()) -> bytes:
+    """Envoy answers the client itself with this status and an error in OpenAI's shape."""
+    return local_answer(status, orjson.dumps(error_document(status, message, code, param)), headers,
+                        f"llm_ring_{status}")
+
+
+def local_answer(status: int, body: bytes, headers: Sequence[tuple[str, str]] = (), details: str = "") -> bytes:
+    """Envoy answers the client itself: ``status``, a JSON ``body`` (empty: none) and ``headers``."""
+    content = [("content-type", "application/json")] if body else []
     return pb.ProcessingResponse(
         immediate_response=pb.ImmediateResponse(
             status=http_status_pb2.HttpStatus(code=status),
-            headers=pb.HeaderMutation(set_headers=[header_option("content-type", "application/json")]),
+            headers=pb.HeaderMutation(set_headers=[header_option(*pair) for pair in (*content, *headers)]),
             body=body,
-            details=f"llm_ring_{status}",
+            details=details or f"llm_ring_{status}",
         )
     ).SerializeToString()
 

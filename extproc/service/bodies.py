@@ -46,13 +46,18 @@ import orjson
 import xxhash
 
 from extproc.envoy.contract import RESPONSE_METADATA
+from extproc.envoy.surface import GENERATION_PATHS
 from extproc.routing.blocks import BLOCK_CHARS, BlockMemory, prefix_blocks
 from extproc.routing.tokens import ChatCount, Message, TokenCounter
 
 OPENING_CHARS = 512
 NOT_COUNTED = ChatCount(0, 0, ())  # no counter given
-CHAT_PATHS = frozenset({"/v1/chat/completions"})
-COMPLETION_PATHS = frozenset({"/completion", "/v1/completions"})
+CHAT_PATHS = frozenset(path for path, kind in GENERATION_PATHS.items() if kind == "chat")
+# every field that sets how many tokens an answer may have, per kind (llama.cpp reads n_predict in both)
+OUTPUT_FIELDS = {
+    "chat": ("max_tokens", "max_completion_tokens", "n_predict"),
+    "completion": ("n_predict", "max_tokens"),
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,7 +65,7 @@ class ParsedRequest:
     opening_key: str  # conversation key derived from the body (used without x-conversation-id)
     prompt_chars: int
     prompt_token_ids: int  # > 0 when the prompt was given as token ids (no estimate needed)
-    max_tokens: int | None  # None: the client did not say
+    max_tokens: int | None  # None: the client did not say (per prompt: times ``prompts`` charged)
     stream: bool
     history: int = 0  # hash of all messages (chat); 0 for completion bodies
     answered: frozenset[int] = frozenset()  # histories this body shows answered (see above)
@@ -68,6 +73,8 @@ class ParsedRequest:
     prompt_tokens: int = 0  # counted by parse_request's counter (0: none given)
     answered_tokens: int = 0  # chat: the prompt's tokens up to the end of the last assistant message
     opening: tuple[int, ...] = ()  # chat: the token ids of the prompt's opening (tokens.OPENING_TOKENS)
+    model: str = ""  # the body's "model", "" when it names none
+    prompts: int = 1  # completion: the prompts of a list, each answered (and charged) on its own
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,19 +83,22 @@ class BodyLimits:
 
     max_messages: int
     max_prompt_chars: int  # token-id prompts: at most this many ids
-    max_output_tokens: int  # max_tokens / n_predict above are refused; -1 (until the context ends) is charged as this
+    max_output_tokens: int  # one slot's context: a larger max_tokens / n_predict, or -1, is charged as this
 
 
 class BadRequest(ValueError):
-    """The body cannot be routed; ``status`` is the HTTP status the client gets."""
+    """The body cannot be routed: the HTTP ``status`` the client gets, and OpenAI's error ``code``
+    and ``param`` (the field at fault)."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, code: str = "invalid_request", param: str | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
+        self.code = code
+        self.param = param
 
-    def __reduce__(self) -> tuple[type[BadRequest], tuple[int, str]]:  # crosses processes (offload.py)
-        return BadRequest, (self.status, self.message)
+    def __reduce__(self) -> tuple[type[BadRequest], tuple[int, str, str, str | None]]:  # crosses processes (offload.py)
+        return BadRequest, (self.status, self.message, self.code, self.param)
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,33 +126,39 @@ def parse_request(
     what the conversation's last prompt did not hold.
     counter: count the prompt's tokens with it (the module docstring)."""
     if not body:
-        raise BadRequest(400, "empty body: expected a JSON object")
+        raise BadRequest(400, "empty body: expected a JSON object", "empty_body")
     media = content_type.partition(";")[0].strip().lower()
     if media and media != "application/json":
-        raise BadRequest(415, f"content-type {media!r} is not supported: send application/json")
+        raise BadRequest(415, f"content-type {media[:80]!r} is not supported: send application/json",
+                         "unsupported_media_type")
     try:
         data = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
-        raise BadRequest(400, f"body is not valid JSON: {exc}") from None
+        raise BadRequest(400, f"body is not valid JSON: {exc}", "invalid_json") from None
     if not isinstance(data, dict):
-        raise BadRequest(400, f"body must be a JSON object, got {type(data).__name__}")
+        raise BadRequest(400, f"body must be a JSON object, got {type(data).__name__}", "invalid_json")
+    kind = GENERATION_PATHS.get(path)
+    if kind is None:
+        raise BadRequest(404, f"unknown path {path[:80]!r}", "unknown_path")
     stream = data.get("stream") is True
-    if path in CHAT_PATHS:
+    model = data.get("model")
+    if model is not None and not isinstance(model, str):
+        raise BadRequest(400, "'model' must be a string", "invalid_type", "model")
+    max_tokens = _max_tokens(data, limits, OUTPUT_FIELDS[kind])
+    if kind == "chat":
         key, chars, history, answered, messages = _chat(data.get("messages"), limits)
-        max_tokens = _max_tokens(data, limits, "max_tokens", "max_completion_tokens")
         counted = counter.count_chat(messages) if counter is not None else NOT_COUNTED
         parsed = ParsedRequest(key, chars, 0, max_tokens, stream, history, answered, (), counted.prompt,
-                               counted.answered, counted.opening)
-    elif path in COMPLETION_PATHS:
-        key, chars, ids = _completion(data.get("prompt"), limits)
-        max_tokens = _max_tokens(data, limits, "n_predict", "max_tokens")
-        tokens = counter.count_text(data["prompt"]) if counter is not None and not ids else 0
-        parsed = ParsedRequest(key, chars, ids, max_tokens, stream, prompt_tokens=tokens)
+                               counted.answered, counted.opening, model or "")
     else:
-        raise BadRequest(404, f"unknown path {path!r}")
+        prompts = _prompts(data.get("prompt"))
+        key, chars, ids = _completion(prompts, limits)
+        tokens = sum(counter.count_text(p) for p in prompts if isinstance(p, str)) if counter is not None else 0
+        parsed = ParsedRequest(key, chars, ids, max_tokens, stream, prompt_tokens=tokens, model=model or "",
+                               prompts=len(prompts))
     if not block_chars:
         return parsed
-    text = _prompt_text(path, data)
+    text = _prompt_text(kind, data)
     if memory is not None and memory.block_chars == block_chars:
         return replace(parsed, prefix_blocks=memory.blocks(parsed.opening_key, text))
     return replace(parsed, prefix_blocks=prefix_blocks(text, block_chars))
@@ -163,7 +179,7 @@ def too_many_messages(body: bytes, limits: BodyLimits) -> BadRequest | None:
 def _chat(messages: Any, limits: BodyLimits | None) -> tuple[str, int, int, frozenset[int], list[Message]]:
     """(opening key, characters, history, answered, (role, text) of each message): see the module docstring."""
     if not isinstance(messages, list) or not messages:
-        raise BadRequest(400, "'messages' must be a non-empty list")
+        raise BadRequest(400, "'messages' must be a non-empty list", "invalid_type", "messages")
     if limits is not None and len(messages) > limits.max_messages:
         raise _over("'messages'", len(messages), "messages", limits.max_messages, "max_messages")
     max_chars = limits.max_prompt_chars if limits is not None else None
@@ -174,10 +190,10 @@ def _chat(messages: Any, limits: BodyLimits | None) -> tuple[str, int, int, froz
     opening = True
     for index, message in enumerate(messages):
         if not isinstance(message, dict):
-            raise BadRequest(400, f"messages[{index}] must be an object")
+            raise BadRequest(400, f"messages[{index}] must be an object", "invalid_type", f"messages[{index}]")
         role = message.get("role")
         if not isinstance(role, str):
-            raise BadRequest(400, f"messages[{index}].role must be a string")
+            raise BadRequest(400, f"messages[{index}].role must be a string", "invalid_type", f"messages[{index}].role")
         text = _text(message.get("content"), f"messages[{index}].content")
         texts.append((role, text))
         chars += len(text)
@@ -204,68 +220,90 @@ def _text(content: Any, where: str) -> str:
         return content
     if isinstance(content, list):  # OpenAI content parts: only text counts
         return "".join(_part_text(part, f"{where}[{index}]") for index, part in enumerate(content))
-    raise BadRequest(400, f"{where} must be a string or a list of parts")
+    raise BadRequest(400, f"{where} must be a string or a list of parts", "invalid_type", where)
 
 
 def _part_text(part: Any, where: str) -> str:
     if not isinstance(part, dict):
-        raise BadRequest(400, f"{where} must be an object")
+        raise BadRequest(400, f"{where} must be an object", "invalid_type", where)
     text = part.get("text", "")
     if not isinstance(text, str):
-        raise BadRequest(400, f"{where}.text must be a string")
+        raise BadRequest(400, f"{where}.text must be a string", "invalid_type", f"{where}.text")
     return text
 
 
-def _completion(prompt: Any, limits: BodyLimits | None) -> tuple[str, int, int]:
-    size = len(prompt) if isinstance(prompt, str | list) else 0
-    if limits is not None and size > limits.max_prompt_chars:
-        raise _over("'prompt'", size, "characters or ids", limits.max_prompt_chars, "max_prompt_chars")
-    if isinstance(prompt, str) and prompt:
-        return "h:" + xxhash.xxh64_hexdigest(prompt[:OPENING_CHARS].encode()), len(prompt), 0
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-        return "h:" + xxhash.xxh64_hexdigest(repr(prompt[:OPENING_CHARS]).encode()), 0, len(prompt)
-    raise BadRequest(400, "'prompt' must be a non-empty string or a list of token ids")
+Prompt = str | list[int]
+
+
+def _prompts(prompt: Any) -> list[Prompt]:
+    """The prompts of a completion body: a string, a list of token ids, or a list of those (each
+    answered on its own, as OpenAI and llama.cpp allow)."""
+    if isinstance(prompt, str) and prompt or _token_ids(prompt):
+        return [prompt]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) and p or _token_ids(p) for p in prompt):
+        return prompt
+    raise BadRequest(400, "'prompt' must be a non-empty string, a list of token ids, or a list of those",
+                     "invalid_type", "prompt")
+
+
+def _token_ids(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(type(t) is int for t in value)
+
+
+def _completion(prompts: list[Prompt], limits: BodyLimits | None) -> tuple[str, int, int]:
+    """(opening key of the first prompt, characters, token ids) of a completion's prompts."""
+    chars = sum(len(p) for p in prompts if isinstance(p, str))
+    ids = sum(len(p) for p in prompts if isinstance(p, list))
+    if limits is not None and chars + ids > limits.max_prompt_chars:
+        raise _over("'prompt'", chars + ids, "characters or ids", limits.max_prompt_chars, "max_prompt_chars")
+    first = prompts[0]
+    opening = first[:OPENING_CHARS].encode() if isinstance(first, str) else repr(first[:OPENING_CHARS]).encode()
+    return "h:" + xxhash.xxh64_hexdigest(opening), chars, ids
 
 
 def request_blocks(path: str, body: bytes, block_chars: int = BLOCK_CHARS) -> tuple[int, ...]:
     """Prefix blocks of a body that ``parse_request`` accepted (() when it has no prompt text)."""
-    return prefix_blocks(_prompt_text(path, orjson.loads(body)), block_chars)
+    return prefix_blocks(_prompt_text(GENERATION_PATHS[path], orjson.loads(body)), block_chars)
 
 
-def _prompt_text(path: str, data: dict[str, Any]) -> str:
-    """The prompt as one text, as prefix blocks cut it (the module docstring)."""
-    if path in CHAT_PATHS:
+def _prompt_text(kind: str, data: dict[str, Any]) -> str:
+    """The prompt as one text, as prefix blocks cut it (the module docstring); a completion's
+    first prompt (its cache is the one a follow-up may find)."""
+    if kind == "chat":
         return "".join(f"{message.get('role')}\x00{_text(message.get('content'), 'content')}\x00"
                        for message in data["messages"])
-    prompt = data["prompt"]
+    prompt = _prompts(data["prompt"])[0]
     return prompt if isinstance(prompt, str) else "".join(f"{token}," for token in prompt)
 
 
 UNTIL_CONTEXT_ENDS = -1  # llama.cpp's n_predict (and max_tokens) -1: generate until the context is full
 
 
-def _max_tokens(data: dict[str, Any], limits: BodyLimits | None, *names: str) -> int | None:
-    """The output size the request asks for; -1 is charged as the maximum (None without limits)."""
+def _max_tokens(data: dict[str, Any], limits: BodyLimits | None, names: tuple[str, ...]) -> int | None:
+    """The most output tokens any of the fields ``names`` allows (every one is read: which one a
+    replica obeys is its business), at most one slot's context (service.max_output_tokens); -1
+    is that maximum. None: no field given, or -1 without limits."""
+    asked: list[int] = []
     for name in names:
         value = data.get(name)
         if value is None:
             continue
         if isinstance(value, bool) or not isinstance(value, int):
-            raise BadRequest(400, f"'{name}' must be an integer")
-        if value == UNTIL_CONTEXT_ENDS:
-            return limits.max_output_tokens if limits is not None else None
-        if value <= 0:
-            raise BadRequest(400, f"'{name}' must be a positive integer, or -1 (until the context is full)")
-        if limits is not None and value > limits.max_output_tokens:
-            raise BadRequest(
-                400, f"'{name}' {value} is over the maximum {limits.max_output_tokens} (service.max_output_tokens)"
-            )
-        return value
-    return None
+            raise BadRequest(400, f"'{name}' must be an integer", "invalid_type", name)
+        if value <= 0 and value != UNTIL_CONTEXT_ENDS:
+            raise BadRequest(400, f"'{name}' must be a positive integer, or -1 (until the context is full)",
+                             "invalid_value", name)
+        asked.append(value)
+    if not asked:
+        return None
+    if limits is None:
+        return None if UNTIL_CONTEXT_ENDS in asked else max(asked)
+    return limits.max_output_tokens if UNTIL_CONTEXT_ENDS in asked else min(max(asked), limits.max_output_tokens)
 
 
 def _over(what: str, size: int, unit: str, limit: int, setting: str) -> BadRequest:
-    return BadRequest(413, f"{what}: {size} {unit}, over the limit of {limit} (service.{setting})")
+    return BadRequest(413, f"{what}: {size} {unit}, over the limit of {limit} (service.{setting})",
+                      "request_too_large")
 
 
 def parse_timings(body: bytes, event_stream: bool) -> Timings | None:

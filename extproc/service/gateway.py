@@ -45,7 +45,7 @@ import asyncio
 import secrets
 import time
 from collections import deque
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,11 +55,13 @@ import xxhash
 from extproc.envoy.contract import (
     STREAM_IDLE_TIMEOUT_S,
 )
+from extproc.envoy.cors import CorsPolicy
+from extproc.envoy.surface import GENERATION_PATHS, ReadOnly, Refused
 from extproc.routing import Decision, Router, RouteRequest, Ticket, estimate_tokens
 from extproc.routing.blocks import BlockMemory
 from extproc.routing.continuation import Claim, ConversationDigests, Shown, claim, shown
 from extproc.routing.peers import PeerRequest, PeerView, peer_view
-from extproc.routing.placement import Placement
+from extproc.routing.placement import Placement, PlacementMemory
 from extproc.routing.speeds import AnswerTimings
 from extproc.routing.tokens import TokenCounter, shared_opening
 from extproc.service.answers import (
@@ -67,6 +69,7 @@ from extproc.service.answers import (
     AnswerCache,
     Phase,
     immediate,
+    local_answer,
     request_id_header,
     route_answer,
 )
@@ -78,6 +81,7 @@ from extproc.service.bodies import (
     parse_request,
     parse_timings,
 )
+from extproc.service.catalog import ModelCatalog
 from extproc.service.decision_log import through_structlog
 from extproc.service.metrics import Metrics, ReplicaState
 from extproc.service.migrations import Migrations
@@ -91,7 +95,6 @@ MAX_JSON_RESPONSE_BYTES = 1 << 20  # larger JSON answers are passed on unread (n
 SSE_TAIL_BYTES = 64 << 10  # the last events of a stream are all we read
 LOST_AFTER_S = 2 * STREAM_IDLE_TIMEOUT_S  # no access log entry by then: it was lost
 BOUNDED_CHARS = 64  # client-chosen ids kept in state and logs: longer ones are cut and hashed
-PASS_THROUGH = "pass-through"  # the reason of a pick for a request that is no generation
 NO_PEERS = PeerView({}, None)  # the store is configured but not answering: this router's state alone
 TEMPLATE_OPENING_TOKENS = 1024  # what a chat template may add before the first message (a default system prompt)
 
@@ -179,14 +182,18 @@ class Gateway:
         self.unanswered: dict[str, dict[str, int]] = {}
         self.answers = AnswerCache(settings.routing_headers)
         self._sequence = 0
-        self._pass_turn = 0  # pass_through's rotation
         self._id_prefix = secrets.token_hex(3) + "-"  # ids differ across restarts of the service
         self.envoy_ids: dict[str, str] = {}  # Envoy's id -> ours, while pending
+        self.catalog = ModelCatalog()  # what each replica serves (main.py's ModelFetcher fills it)
+        self.cors = CorsPolicy(frozenset(settings.cors_origins))
         self.limits = BodyLimits(settings.max_messages, settings.max_prompt_chars, settings.max_output_tokens)
         self.store: SharedStore | None = None  # several routers' shared state (main.py sets it from [store])
         self.block_memory: BlockMemory | None = None  # the last prompt's blocks per conversation, when hashed
         # conversation key -> digest of its last completed request: who may use its placement
         self.digests = ConversationDigests(router.settings.memory_capacity)
+        # history digest of a completed chat request -> where it was served and its prompt tokens:
+        # where a branch of it (an edited or regenerated turn) finds its prefix cached
+        self.branch_points = PlacementMemory(router.settings.memory_capacity)
         self.migrations = Migrations(router.settings.memory_capacity, metrics.registry)
         self.decision_log: Callable[[dict[str, Any]], None] = through_structlog  # main.py: DecisionLog
 
@@ -194,6 +201,7 @@ class Gateway:
 
     def set_replicas(self, replicas: Mapping[str, str]) -> None:
         self.endpoints = dict(replicas)
+        self.catalog.set_replicas(self.endpoints)
         self.openings = {name: seen for name, seen in self.openings.items() if name in self.endpoints}
         self.router.set_replicas(self.endpoints)
         self.unhealthy &= set(self.endpoints)
@@ -268,6 +276,8 @@ class Gateway:
             key = self.router.conversation_key(request.conversation)
             if ok:
                 self.digests.remember(key, pending.digest)
+                if GENERATION_PATHS.get(pending.path) == "chat":
+                    self.branch_points.remember(pending.digest, served or decision.replica, request.prompt_tokens)
             if self.store is not None:
                 placement = None
                 if ok:  # overtaken: the move's placement again, under this request's digest (the move's is older)
@@ -315,21 +325,51 @@ class Gateway:
         step, peers = await self._peers(step)
         return self._decide(step, turn, request_id, started, peers, phase, subset)
 
-    def pass_through(self, phase: Phase, subset: frozenset[str] | None) -> bytes:
-        """The answer for a request that is no generation (an Endpoint Picker sees every request
-        of its route: GET /v1/models, /health, ...): the next eligible replica in turn, no load
-        charged, nothing tracked."""
-        eligible = self._eligible(subset)
-        if not eligible:
-            return self._no_replica(subset)
-        self._pass_turn += 1
-        replica = eligible[self._pass_turn % len(eligible)]
-        self.metrics.passed_through += 1
-        return self._pick_answer(replica, PASS_THROUGH, False, phase, subset)
+    def answer_locally(self, asked: ReadOnly, headers: Sequence[tuple[str, str]] = ()) -> bytes:
+        """The gateway's own answer to a read-only request (surface.py): the fleet's models, one
+        model, or its health (200 while a replica is healthy). ``headers``: CORS, when allowed."""
+        self.metrics.answered_locally[asked.kind] += 1
+        if asked.kind == "models":
+            return local_answer(200, self.catalog.listing(), headers)
+        if asked.kind == "model":
+            entry = self.catalog.entry(asked.model)
+            if entry is None:
+                return self._model_not_found(asked.model, headers)
+            return local_answer(200, entry, headers)
+        if any(name not in self.unhealthy for name in self.endpoints):
+            return local_answer(200, b'{"status":"ok"}', headers)
+        return immediate(503, "no replica available", "no_replica", headers=headers)
 
-    def _eligible(self, subset: frozenset[str] | None) -> list[str]:
-        """The replicas a pick may land on: the healthy ones (all when none is) of the subset."""
-        names = sorted(self.endpoints)
+    def refuse(self, refused: Refused, headers: Sequence[tuple[str, str]] = ()) -> bytes:
+        """404 for a path the gateway does not serve, 405 for a method it does not take there."""
+        self.metrics.errors["refused_path"] += 1
+        allow = [("allow", refused.allow)] if refused.allow else []
+        return immediate(refused.status, refused.message, refused.code, headers=[*allow, *headers])
+
+    def preflight(self, cors: Sequence[tuple[str, str]], requested_headers: str) -> bytes:
+        """A CORS preflight from an allowed origin (``cors``: its answer headers)."""
+        self.metrics.answered_locally["preflight"] += 1
+        return local_answer(204, b"", [*cors, *self.cors.preflight_headers(requested_headers)])
+
+    def _model_not_found(self, model: str, headers: Sequence[tuple[str, str]] = ()) -> bytes:
+        self.metrics.errors["unknown_model"] += 1
+        served = ", ".join(entry.id for entry in self.catalog.entries()) or "none known yet"
+        return immediate(404, f"the model {bounded(model)!r} is not served here (served: {served})",
+                         "model_not_found", "model", headers)
+
+    def _avoid(self, subset: frozenset[str] | None, model: str) -> Collection[str]:
+        """The replicas a pick must not land on: outside the gateway's subset, not serving the
+        model named, and the unhealthy ones (unless no other is left)."""
+        serving = self.catalog.eligible(model)
+        if subset is None and len(serving) == len(self.endpoints):  # the common case: no list to build
+            return self.unhealthy if len(self.unhealthy) < len(self.endpoints) else ()
+        allowed = self._eligible(subset, serving)
+        return [name for name in self.endpoints if name not in allowed]
+
+    def _eligible(self, subset: frozenset[str] | None, serving: Collection[str]) -> list[str]:
+        """The replicas a pick may land on: the healthy ones (all when none is) of the subset
+        that serve the model."""
+        names = [name for name in sorted(self.endpoints) if name in serving]
         if subset is not None:
             names = [name for name in names if self.endpoints[name] in subset]
         healthy = [name for name in names if name not in self.unhealthy]
@@ -345,9 +385,10 @@ class Gateway:
     def _no_replica(self, subset: frozenset[str] | None) -> bytes:
         self.metrics.errors["no_replica"] += 1
         if subset is not None:
-            return immediate(503, "no replica of the gateway's subset is available", replicas=len(self.endpoints),
-                             subset=sorted(subset)[:16])  # fmt: skip
-        return immediate(503, "no replica available", replicas=len(self.endpoints), unhealthy=sorted(self.unhealthy))
+            return immediate(503, f"no replica of the gateway's subset is available ({len(subset)} endpoints named, "
+                             f"{len(self.endpoints)} replicas known)", "no_replica")
+        return immediate(503, f"no replica available ({len(self.endpoints)} known, {len(self.unhealthy)} unhealthy)",
+                         "no_replica")
 
     def _prepare(
         self, path: str, content_type: str, conversation_id: str, body: bytes,
@@ -358,7 +399,9 @@ class Gateway:
             parsed = self._parse(path, content_type, body, parsed_elsewhere)
         except BadRequest as exc:
             self.metrics.errors["bad_request"] += 1
-            return immediate(exc.status, exc.message)
+            return immediate(exc.status, exc.message, exc.code, exc.param)
+        if parsed.model and self.endpoints and not self.catalog.eligible(parsed.model):
+            return self._model_not_found(parsed.model)
         unique_id = self._request_id()
         digests = shown(parsed.history, parsed.answered, parsed.opening_key)
         named = bounded(conversation_id) or parsed.opening_key
@@ -366,12 +409,27 @@ class Gateway:
         claimed = claim(named, parsed.opening_key, () if known is None else (known,), digests)
         # under the key the router places it by (a reused id that does not continue its chat has its own)
         self.migrations.opened(self.router.conversation_key(claimed.conversation), parsed.opening_key)
-        prompt_tokens = parsed.prompt_token_ids or parsed.prompt_tokens
-        request = RouteRequest(
-            unique_id, claimed.conversation, prompt_tokens, parsed.max_tokens or self.settings.default_max_tokens,
-            parsed.prefix_blocks,
-        )
+        if not claimed.continues and parsed.answered:
+            self._branch(claimed.conversation, digests.prefixes)
+        prompt_tokens = parsed.prompt_token_ids + parsed.prompt_tokens
+        max_tokens = (parsed.max_tokens or self.settings.default_max_tokens) * parsed.prompts
+        request = RouteRequest(unique_id, claimed.conversation, prompt_tokens, max_tokens, parsed.prefix_blocks)
         return Prepared(request, parsed, path, digests, claimed)
+
+    def _branch(self, conversation: str, prefixes: frozenset[int]) -> None:
+        """A chat that continues no conversation known here but resends a completed request's whole
+        history (an edited or regenerated turn, a new id on an old chat) starts where that history
+        was served, under its own key: placed with the proven prefix's tokens, it finds that cache,
+        and its own completion never moves the conversation it branched from
+        (docs/security.md#edited-histories)."""
+        key = self.router.conversation_key(conversation)
+        if self.router.memory.get(key) is not None:
+            return
+        found = [point for digest in prefixes if (point := self.branch_points.get(digest)) is not None]
+        best = max(found, key=lambda point: point.prompt_tokens, default=None)
+        if best is not None and best.replica in self.endpoints:
+            self.router.memory.remember(key, best.replica, best.prompt_tokens)
+            self.metrics.branches += 1
 
     async def _peers(self, step: Prepared) -> tuple[Prepared, PeerView]:
         """What the other live routers hold, for this request (nothing while the store is not in
@@ -404,14 +462,11 @@ class Gateway:
             self._release_answered(conversation, parsed.answered)
         if parsed.answered_tokens:
             self._holds_answer(request, parsed.answered_tokens)
-        if subset is None:
-            avoid: Collection[str] = self.unhealthy if len(self.unhealthy) < len(self.endpoints) else ()
-        else:
-            allowed = self._eligible(subset)
-            avoid = [name for name in self.endpoints if name not in allowed]
+        avoid = self._avoid(subset, parsed.model)
         if self._to_shed(avoid):
             self.metrics.errors["shed"] += 1
-            return immediate(429, "every replica is at service.shed_requests_per_replica requests in flight"), None
+            return immediate(429, "every replica is at service.shed_requests_per_replica requests in flight",
+                             "rate_limit_exceeded"), None
         ticket = self.router.route(request, avoid=avoid, peers=peers) if len(avoid) < len(self.endpoints) else None
         if ticket is None:
             return self._no_replica(subset), None
@@ -484,8 +539,9 @@ class Gateway:
 
     def access_logged(self, request_id: str, status: int, served: str, cut_off: bool, timings: Timings | None) -> None:
         """Envoy's access log entry for a request: it is over. cut_off: the client went away,
-        or the upstream broke off a started answer (ends as abandoned). A streamed answer's
-        timings are in its last events: wait for the observer's end, at most observe_grace."""
+        or the upstream broke off a started answer (a JSON answer ends as abandoned). A streamed
+        answer's end and timings are in its last events: wait for the observer's end, at most
+        observe_grace, cut off or not (whole when the replica sent ``[DONE]``: _finish)."""
         pending = self.pending.get(request_id)
         if pending is None:
             self._served_without_pick(request_id, status, served)
@@ -497,9 +553,9 @@ class Gateway:
         if not pending.stream:
             pending.timings = timings
             self._finish(request_id)
-        elif pending.observed_end or cut_off:
+        elif pending.observed_end:
             self._finish(request_id)
-        else:
+        else:  # a client that hangs up right after [DONE] is cut off too: the observer says whether it was whole
             grace = self.settings.observe_grace_ms / 1000
             pending.timer = asyncio.get_running_loop().call_later(grace, self._finish, request_id)
 
@@ -586,6 +642,9 @@ class Gateway:
         # (the pick refused; placement memory now points where the cache went); failed: an error
         # status; abandoned: the request ended before its answer did (the client hung up, or the
         # upstream broke off).
+        # A stream is whole when the replica sent its end ([DONE], after the timings), whether or
+        # not the client stayed to the end of the connection (the SDK closes it right after [DONE]).
+        pending.answered = pending.answered or (pending.event_stream and _stream_done(pending.chunks))
         succeeded = pending.answered and 200 <= pending.status < 300
         if pending.not_applied:
             outcome = "not_applied"
@@ -613,7 +672,7 @@ class Gateway:
             self.metrics.errors["replica_timed_out" if silent else "replica_failed"] += 1
             self.mark_unhealthy(decision.replica)
         timings = pending.timings
-        if pending.observed_end and pending.chunks:
+        if pending.chunks and (pending.observed_end or pending.event_stream):  # an SSE tail holds them at its end
             timings = parse_timings(b"".join(pending.chunks), pending.event_stream)
         if timings is not None and timings.cache_n is not None:
             learnt = answer_timings(timings)
@@ -715,6 +774,12 @@ class Gateway:
         envoy_id = bounded(envoy_id)
         self.envoy_ids[envoy_id] = request_id
         return envoy_id
+
+
+def _stream_done(chunks: deque[bytes]) -> bool:
+    """The tail of an SSE answer holds its last event, ``data: [DONE]``."""
+    tail = b"".join(list(chunks)[-2:])[-64:]
+    return b"data: [DONE]" in tail
 
 
 def answer_timings(timings: Timings) -> AnswerTimings:

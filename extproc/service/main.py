@@ -1,8 +1,10 @@
 """`llm-ring serve --config FILE`: the ext_proc routing service.
 
-Two grpc.aio servers (three with service.migration_listen). The picker port (service.listen,
-over TLS when service.tls is set, and the abstract socket service.ext_proc_socket) carries
-what a gateway talks to: the ExternalProcessor, the access log service and gRPC health. The
+One grpc.aio server per audience. The picker port (service.listen, over TLS when service.tls is
+set) carries what an InferencePool gateway talks to: the ExternalProcessor, as an Endpoint
+Picker, and gRPC health. The abstract socket service.ext_proc_socket is our own Envoy's, in
+this pod or on this host: the ExternalProcessor and the access log service, whose entries
+release load; nothing else serves the access log (none behind an InferencePool gateway). The
 Admin service (proto/admin.proto) and gRPC health are on service.admin_listen only, so nothing
 that reaches the picker port can change the routing; service.migration_listen, when set, serves only the
 part a leaving replica's slot sidecar calls (admin.MigrationService), to callers carrying the token of
@@ -41,6 +43,7 @@ from extproc.routing import Router
 from extproc.service import admin_pb2_grpc
 from extproc.service.admin import AdminService, MigrationService
 from extproc.service.bearer import BearerCheck
+from extproc.service.catalog import ModelFetcher
 from extproc.service.decision_log import DecisionLog
 from extproc.service.drain import drain
 from extproc.service.gateway import Gateway
@@ -51,7 +54,7 @@ from extproc.service.processor import SERVICE, access_log_handler, handler
 from extproc.service.replica_health import ReplicaHealth
 from extproc.service.tls import SELF_SIGNED, TlsError, server_credentials
 from extproc.service.tokenizer import TokenizerError, make_counter
-from extproc.settings import Settings, SettingsError, load_settings, read_secret_file
+from extproc.settings import ServiceSettings, Settings, SettingsError, load_settings, read_secret_file
 
 log = structlog.get_logger("extproc.service")
 LOST_SWEEP_SECONDS = 30.0
@@ -113,6 +116,7 @@ async def serve(settings: Settings) -> int:
     if getattr(logging, service.log_level.upper()) <= logging.INFO:  # the per-request line, its own fast path
         gateway.decision_log = DecisionLog(sys.stdout.buffer)
     health = ReplicaHealth(gateway, service.health_probe_seconds)
+    models = ModelFetcher(gateway.catalog, lambda: gateway.endpoints, service.health_probe_seconds)
     gateway.on_replica_failed = health.replica_failed
     metrics.watch(gateway.replica_states, lambda: gateway.router.speeds.speeds())  # reconfigure may replace them
     if settings.store.url:  # several routers agree through it; a fresh id per start (the old one expires)
@@ -122,15 +126,14 @@ async def serve(settings: Settings) -> int:
     readiness = Readiness()
     metrics_server = start_metrics_server(metrics_host, metrics_port, metrics.registry, readiness)
 
-    # A buffered body up to max_body_bytes comes in one message (plus its envelope).
-    max_message = service.max_body_bytes + (64 << 10)
-    picker = grpc.aio.server(options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", max_message)])
     parser = BodyParser(gateway.limits, counter)
-    picker.add_generic_rpc_handlers((handler(gateway, parser), access_log_handler(gateway)))
+    health_service = health_aio.HealthServicer()
+    servers, listen = _gateway_servers(service, gateway, parser, health_service, credentials)
     admin = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     admin_service = AdminService(gateway)
     admin_pb2_grpc.add_AdminServicer_to_server(admin_service, admin)
-    servers = [picker, admin]
+    health_pb2_grpc.add_HealthServicer_to_server(health_service, admin)
+    servers.append(admin)
     if service.migration_listen:
         migration = grpc.aio.server(options=[("grpc.so_reuseport", 0)],
                                     interceptors=_token_check(migration_token, metrics))
@@ -138,10 +141,6 @@ async def serve(settings: Settings) -> int:
         if migration.add_insecure_port(service.migration_listen) == 0:
             raise SystemExit(f"llm-ring serve: cannot listen on service.migration_listen={service.migration_listen!r}")
         servers.append(migration)
-    health_service = health_aio.HealthServicer()
-    for server in (picker, admin):
-        health_pb2_grpc.add_HealthServicer_to_server(health_service, server)
-    listen = _listen_picker(picker, service.listen, service.ext_proc_socket, credentials)
     if admin.add_insecure_port(service.admin_listen) == 0:
         raise SystemExit(f"llm-ring serve: cannot listen on service.admin_listen={service.admin_listen!r}")
     for server in servers:
@@ -167,7 +166,7 @@ async def serve(settings: Settings) -> int:
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
-    watcher = loop.create_task(_follow_discovery(settings, gateway, health_service, readiness))
+    watcher = loop.create_task(_follow_discovery(settings, gateway, models, health_service, readiness))
     sweeper = loop.create_task(_release_lost(gateway))
     watcher.add_done_callback(lambda task: _discovery_ended(task, stop))
     try:
@@ -180,6 +179,7 @@ async def serve(settings: Settings) -> int:
         watcher.cancel()
         sweeper.cancel()
         health.close()
+        await models.close()
         await asyncio.gather(*(server.stop(grace=2) for server in servers))
         if gateway.store is not None:
             await gateway.store.close()
@@ -192,13 +192,15 @@ async def serve(settings: Settings) -> int:
 
 
 async def _follow_discovery(
-    settings: Settings, gateway: Gateway, health: health_aio.HealthServicer, readiness: Readiness
+    settings: Settings, gateway: Gateway, models: ModelFetcher, health: health_aio.HealthServicer,
+    readiness: Readiness,
 ) -> None:
     endpoints_file = settings.service.envoy_endpoints_file
     if endpoints_file:
         Path(endpoints_file).parent.mkdir(parents=True, exist_ok=True)
     async for replicas in make_discovery(settings.discovery).snapshots():
         gateway.set_replicas(replicas)
+        models.replicas_changed()
         if endpoints_file:
             write_endpoints_file(endpoints_file, replicas)
         status = health_pb2.HealthCheckResponse.SERVING if replicas else health_pb2.HealthCheckResponse.NOT_SERVING
@@ -220,23 +222,36 @@ def _token_check(token: str | None, metrics: Metrics) -> list[BearerCheck]:
     return [BearerCheck(token, refused)]
 
 
-def _listen_picker(server: grpc.aio.Server, listen: str, socket: str, tls: grpc.ServerCredentials | None) -> str:
-    """Bind the picker port (TLS when asked) and the abstract socket (plaintext: only this host
-    or pod reaches it); returns where it listens."""
-    where = []
-    if listen:
-        port = server.add_secure_port(listen, tls) if tls is not None else server.add_insecure_port(listen)
+def _gateway_servers(
+    service: ServiceSettings, gateway: Gateway, parser: BodyParser, health: health_aio.HealthServicer,
+    tls: grpc.ServerCredentials | None,
+) -> tuple[list[grpc.aio.Server], str]:
+    """The picker port's server (service.listen: ext_proc as an Endpoint Picker, health; TLS
+    when asked) and our own Envoy's (service.ext_proc_socket: ext_proc and the access log,
+    plaintext: only this host or pod reaches it), each when set; and where the port listens."""
+    # A buffered body up to max_body_bytes comes in one message (plus its envelope).
+    options = [("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", service.max_body_bytes + (64 << 10))]
+    servers, where = [], ""
+    if service.listen:
+        picker = grpc.aio.server(options=options)
+        picker.add_generic_rpc_handlers((handler(gateway, parser, own_envoy=False),))
+        health_pb2_grpc.add_HealthServicer_to_server(health, picker)
+        listen = service.listen
+        port = picker.add_secure_port(listen, tls) if tls is not None else picker.add_insecure_port(listen)
         if port == 0:
             raise SystemExit(f"llm-ring serve: cannot listen on service.listen={listen!r}")
-        where.append(f"{split_host_port(listen)[0]}:{port}")
-    if socket:
+        servers.append(picker)
+        where = f"{split_host_port(listen)[0]}:{port}"
+    if service.ext_proc_socket:
+        envoy = grpc.aio.server(options=options)
+        envoy.add_generic_rpc_handlers((handler(gateway, parser, own_envoy=True), access_log_handler(gateway)))
         try:
-            server.add_insecure_port(f"unix-abstract:{socket}")
+            envoy.add_insecure_port(f"unix-abstract:{service.ext_proc_socket}")
         except RuntimeError:
-            raise SystemExit(
-                f"llm-ring serve: cannot listen on service.ext_proc_socket={socket!r} (in use by another process?)"
-            ) from None
-    return " ".join(where)
+            raise SystemExit(f"llm-ring serve: cannot listen on service.ext_proc_socket={service.ext_proc_socket!r} "
+                             "(in use by another process?)") from None
+        servers.append(envoy)
+    return servers, where
 
 
 def _tls_kind(setting: str) -> str:

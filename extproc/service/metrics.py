@@ -23,11 +23,14 @@ from extproc.routing.speeds import Speed
 OUTCOMES = ("ok", "failed_over", "failed", "abandoned", "not_applied")
 # non_utf8_repaired: a message from Envoy carried client bytes that are not UTF-8 (repaired,
 # see wire.py); undecodable: a message that was no protobuf at all (dropped); migration_unauthenticated:
-# a call to the migration port without its token (bearer.py)
+# a call to the migration port without its token (bearer.py); refused_path: a path or method the
+# gateway does not serve (surface.py); unknown_model: a generation naming a model no replica serves
 ERRORS = (
     "bad_request", "no_replica", "replica_failed", "replica_timed_out", "access_log_lost", "non_utf8_repaired",
-    "undecodable", "shed", "migration_unauthenticated",
+    "undecodable", "shed", "migration_unauthenticated", "refused_path", "unknown_model",
 )
+# requests the gateway answers itself (surface.py): the fleet's models, one model, health, CORS preflights
+LOCAL_ANSWERS = ("models", "model", "health", "preflight")
 STREAMS = ("route", "observe", "access_log", "picker")
 # the shared store (store.py): a read before a decision, a batch of writes, a (re)connection
 STORE_CALLS = ("read", "write", "connect")
@@ -83,7 +86,8 @@ class Metrics:
         self.actual_cached: Counter[str] = Counter()
         self.actual_prompt: Counter[str] = Counter()
         self.released_by_next_turn = 0  # released when a later turn showed the answer (gateway.py)
-        self.passed_through = 0  # requests that are no generation, sent on untracked (gateway.pass_through)
+        self.branches = 0  # chats placed where a completed request they resend was served (gateway._branch)
+        self.answered_locally: Counter[str] = Counter({kind: 0 for kind in LOCAL_ANSWERS})
         self.store_errors: Counter[str] = Counter({call: 0 for call in STORE_CALLS})  # failed or timed out
         self.store_in_use = False  # a store is configured and answering (store.py)
         self.store_invalid: Counter[str] = Counter({kind: 0 for kind in STORE_ENTRIES})  # skipped when read
@@ -135,13 +139,13 @@ class _Collector(Collector):
         )
         released.add_metric([], m.released_by_next_turn)
         yield released
-        passed = CounterMetricFamily(
-            "llm_ring_passed_through",
-            "requests that are no generation (behind an Endpoint Picker's gateway: GET /v1/models, ...), "
-            "sent to a replica in turn, no load charged",
-        )
-        passed.add_metric([], m.passed_through)
-        yield passed
+        branches = CounterMetricFamily(
+            "llm_ring_branches", "chats that continue no known conversation but resend a completed request's "
+            "history (an edited or regenerated turn), started where that history was served")
+        branches.add_metric([], m.branches)
+        yield branches
+        yield _counter("llm_ring_answered_locally", "read-only requests the gateway answered itself (no replica)",
+                       ["kind"], m.answered_locally)
         yield _counter(
             "llm_ring_stream_failures",
             "gRPC streams (or access log entries) the service failed on: a bug; Envoy fails open",

@@ -13,7 +13,8 @@ bodies FULL_DUPLEX_STREAMED or BUFFERED. So one stream carries one whole HTTP re
   answered as they come (an SSE stream is never held) and watched for the answer's end and
   its timings -> the stream closes: the request is over (``Gateway.stream_ended``).
 
-A request that is no generation (another path) is passed to a replica in turn, untracked.
+A request that is no generation is answered by the gateway itself (surface.py: the fleet's
+models, its health, CORS preflights, 404/405 for the rest): nothing else reaches a replica.
 The protocol's modes come with the first message (``protocol_config``).
 """
 
@@ -26,8 +27,16 @@ import grpc
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-from extproc.envoy.contract import LB_NAMESPACE, ROUTED_PATHS, SERVED, SUBSET, SUBSET_NAMESPACE
-from extproc.service.answers import Phase, immediate
+from extproc.envoy.contract import LB_NAMESPACE, SERVED, SUBSET, SUBSET_NAMESPACE
+from extproc.envoy.surface import Generation, Preflight, ReadOnly, Refused, classify
+from extproc.service.answers import (
+    Phase,
+    header_option,
+    immediate,
+    immediate_headers,
+    more_headers,
+    response_headers,
+)
 from extproc.service.gateway import Gateway
 from extproc.service.offload import BodyParser
 
@@ -35,8 +44,11 @@ Mode = processing_mode_pb2.ProcessingMode
 FULL_DUPLEX = Mode.FULL_DUPLEX_STREAMED
 BUFFERED = Mode.BUFFERED
 NO_BODY = Mode.NONE
-WANTED = (":path", "content-type", "x-conversation-id", "x-turn", "x-request-id")
+WANTED = (":method", ":path", "content-type", "x-conversation-id", "x-turn", "x-request-id", "origin",
+          "access-control-request-headers")
 
+NO_PREFLIGHT = Refused(405, "CORS is not enabled for this origin (service.cors_origins)", "method_not_allowed",
+                       "GET, POST")
 HEADERS_CONTINUE = pb.ProcessingResponse(request_headers=pb.HeadersResponse()).SerializeToString()
 REQUEST_BODY_CONTINUE = pb.ProcessingResponse(request_body=pb.BodyResponse()).SerializeToString()
 REQUEST_TRAILERS_CONTINUE = pb.ProcessingResponse(request_trailers=pb.TrailersResponse()).SerializeToString()
@@ -112,6 +124,7 @@ class PickerStream:
         self.request_mode = NO_BODY
         self.response_mode = NO_BODY
         self.request_id: str | None = None  # ours, while the request is tracked
+        self.cors: list[tuple[str, str]] = []  # the answer's CORS headers, when its origin is allowed
 
     async def serve(self, first: pb.ProcessingRequest) -> None:
         self.request_mode = first.protocol_config.request_body_mode
@@ -126,11 +139,12 @@ class PickerStream:
     async def _request(self, first: pb.ProcessingRequest) -> bool:
         """Answer the request's headers and body; False when the answer ended the request."""
         values = header_values(first.request_headers, WANTED)
-        path = values.get(":path", "").partition("?")[0]
+        asked = classify(values.get(":method", ""), values.get(":path", ""))
+        self.cors = self.gateway.cors.answer_headers(values.get("origin", ""))
+        if not isinstance(asked, Generation):
+            await self.context.write(self._answer_locally(asked, values))
+            return False
         subset = subset_hint(first)
-        if path not in ROUTED_PATHS:
-            await self.context.write(self.gateway.pass_through("headers", subset))
-            return True
         # BUFFERED: Envoy sends the body only once the headers are answered (unless told not to wait);
         # a request without a body is decided on its headers (it is refused: a generation has a body)
         config, headers_end = first.protocol_config, first.request_headers.end_of_stream
@@ -142,10 +156,13 @@ class PickerStream:
         if chunks is None:
             return False
         phase: Phase = "body" if waits else "headers"
-        answer, self.request_id = await self._route(values, path, b"".join(chunks), phase, subset)
-        await self.context.write(answer)
+        answer, self.request_id = await self._route(values, asked.path, b"".join(chunks), phase, subset)
         if self.request_id is None:  # refused: Envoy answers the client itself
+            await self.context.write(answer + immediate_headers(self.cors) if self.cors else answer)
             return False
+        if asked.rewritten:  # the replica gets the path it serves (no trailing slash)
+            answer += more_headers([header_option(":path", asked.path)], phase)
+        await self.context.write(answer)
         if not waits and self.request_mode != NO_BODY:
             for index, chunk in enumerate(chunks):
                 last = index == len(chunks) - 1 and not trailers
@@ -153,6 +170,14 @@ class PickerStream:
         if trailers:
             await self.context.write(REQUEST_TRAILERS_CONTINUE)
         return True
+
+    def _answer_locally(self, asked: ReadOnly | Preflight | Refused, values: dict[str, str]) -> bytes:
+        cors = self.cors
+        if isinstance(asked, ReadOnly):
+            return self.gateway.answer_locally(asked, cors)
+        if isinstance(asked, Preflight) and cors:
+            return self.gateway.preflight(cors, values.get("access-control-request-headers", ""))
+        return self.gateway.refuse(asked if isinstance(asked, Refused) else NO_PREFLIGHT, cors)
 
     async def _read_body(self, headers_end: bool) -> tuple[list[bytes] | None, bool]:
         """(the body's chunks, whether it ended with trailers); None when refused (413, or the stream ended)."""
@@ -173,7 +198,8 @@ class PickerStream:
             size += len(chunk)
             if size > limit:
                 self.gateway.metrics.errors["bad_request"] += 1
-                await self.context.write(immediate(413, f"request body over {limit} bytes (service.max_body_bytes)"))
+                await self.context.write(immediate(413, f"request body over {limit} bytes (service.max_body_bytes)",
+                                                   "request_too_large"))
                 return None, False
             chunks.append(chunk)
             if message.request_body.end_of_stream:
@@ -204,7 +230,8 @@ class PickerStream:
                 await context.write(REQUEST_TRAILERS_CONTINUE)
             elif kind == "response_headers":
                 headers = message.response_headers
-                await context.write(gateway.response_headers_answer(tracked))
+                answer = gateway.response_headers_answer(tracked)
+                await context.write(answer + response_headers(self.cors) if self.cors else answer)
                 if tracked is not None:
                     status = header_values(headers, (":status",)).get(":status", "")
                     gateway.observe_start(tracked, int(status) if status.isdigit() else 0, served_endpoint(message))

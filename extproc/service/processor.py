@@ -1,6 +1,11 @@
 """The gRPC servicers Envoy talks to: ExternalProcessor (one stream per HTTP request and
 filter) and the access log service (one long-lived stream per Envoy worker, batched entries).
 
+Our own Envoy's protocol (route streams carrying CEL attributes, observe streams, the access
+log that ends each request) is served only where that Envoy alone connects, the abstract
+socket (``own_envoy``); the picker port speaks the Endpoint Picker protocol alone, whose
+stream ends its request, so nothing that reaches it can release, time or pin another's load.
+
 Responses are written as pre-serialized bytes (the method's serializer passes bytes
 through), so the hot path allocates no response protobufs. A stream whose first message is
 in observability mode comes from the "observe" filter and is never answered.
@@ -18,6 +23,7 @@ from envoy.service.accesslog.v3 import als_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from extproc.envoy.contract import METADATA_NAMESPACE
+from extproc.envoy.surface import generation_path, read_only_path
 from extproc.service.answers import BODY_CONTINUE, immediate
 from extproc.service.bodies import timings_from_metadata
 from extproc.service.gateway import Gateway, bounded
@@ -29,11 +35,11 @@ log = structlog.get_logger("extproc.service")
 SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 ACCESS_LOG_SERVICE = "envoy.service.accesslog.v3.AccessLogService"
 ATTRIBUTES = "envoy.filters.http.ext_proc"  # the key Envoy files CEL attributes under
-EMPTY_BODY = immediate(400, "empty body: expected a JSON object")
+EMPTY_BODY = immediate(400, "empty body: expected a JSON object", "empty_body")
 
 
-def handler(gateway: Gateway, parser: BodyParser | None = None) -> grpc.GenericRpcHandler:
-    processor = Processor(gateway, parser)
+def handler(gateway: Gateway, parser: BodyParser | None, *, own_envoy: bool) -> grpc.GenericRpcHandler:
+    processor = Processor(gateway, parser, own_envoy=own_envoy)
     return grpc.method_handlers_generic_handler(
         SERVICE,
         {
@@ -105,9 +111,10 @@ def _stream_failed(gateway: Gateway, stream: str, exc: Exception) -> None:
 
 
 class Processor:
-    def __init__(self, gateway: Gateway, parser: BodyParser | None = None) -> None:
+    def __init__(self, gateway: Gateway, parser: BodyParser | None = None, *, own_envoy: bool) -> None:
         self.gateway = gateway
         self.parser = parser  # large bodies are parsed there (offload.py); None: all inline
+        self.own_envoy = own_envoy  # our Envoy's route and observe streams too (module docstring)
 
     async def process(self, _requests: Any, context: grpc.aio.ServicerContext) -> None:
         stream = "route"
@@ -115,11 +122,11 @@ class Processor:
             message = await context.read()
             if message is grpc.aio.EOF:
                 return
-            if message.observability_mode:
+            if self.own_envoy and message.observability_mode:
                 stream = "observe"
                 await self._observe(message, context)
             elif message.WhichOneof("request") == "request_headers":
-                if ATTRIBUTES in message.attributes:  # our own Envoy (extproc/envoy/config.py) asks for them
+                if self.own_envoy and ATTRIBUTES in message.attributes:  # our Envoy (envoy/config.py) asks for them
                     await self._route(message, context)
                 else:  # an Endpoint Picker's gateway: one stream carries the whole request (picker.py)
                     stream = "picker"
@@ -131,8 +138,15 @@ class Processor:
     async def _route(self, message: pb.ProcessingRequest, context: grpc.aio.ServicerContext) -> None:
         """The headers (with attributes), then the body, sent without waiting (one chunk: Envoy's
         buffer filter comes first). The headers get the pick, the body passes unchanged, and the
-        stream ends there: Envoy's access log entry says when the HTTP request is over."""
+        stream ends there: Envoy's access log entry says when the HTTP request is over. Envoy's
+        routes (config.py, from surface.py) send here only a POST on a generation path or a GET
+        on a read-only one, which the gateway answers itself."""
         attributes = message.attributes[ATTRIBUTES].fields
+        path = _text(attributes, "request.url_path")
+        read_only = read_only_path(path)
+        if read_only is not None:
+            await context.write(self.gateway.answer_locally(read_only))
+            return
         if message.request_headers.end_of_stream:  # a POST without a body
             await context.write(EMPTY_BODY)
             return
@@ -144,8 +158,9 @@ class Processor:
             chunks.append(message.request_body.body)
             if message.request_body.end_of_stream:
                 break
+        generation = generation_path(path)
         answer, routed_id = await route_body(
-            self.gateway, self.parser, path=_text(attributes, "request.url_path"),
+            self.gateway, self.parser, path=generation.path if generation is not None else path,
             content_type=_text(attributes, "request.headers['content-type']"),
             conversation_id=_text(attributes, "request.headers['x-conversation-id']"),
             turn=_text(attributes, "request.headers['x-turn']"), request_id=_text(attributes, "request.id"),

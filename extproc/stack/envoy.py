@@ -27,9 +27,10 @@ def start_envoy(stack: StackRun, gw: GatewayState, progress: Progress) -> None:
     wait_until(endpoints.exists, 10.0, f"the routing service did not write {endpoints}")
     config = render_envoy_config(
         listen=gw.listen, admin=gw.envoy_admin,
-        ext_proc=ext_proc_address(gw.router_address, service.ext_proc_socket),
+        ext_proc=ext_proc_address(service.ext_proc_socket),
         endpoints=EndpointsFile(str(endpoints)),
         fail_open=service.fail_open, max_request_bytes=service.max_body_bytes, retries=service.fallbacks,
+        cors_origins=service.cors_origins,
     )
     (gw.envoy_dir / "envoy.yaml").write_text(config)
     envoy = spawn_envoy(stack.state, gw.envoy_dir / "envoy.yaml", gw.envoy_name)

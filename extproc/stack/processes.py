@@ -168,9 +168,8 @@ def start_service(workdir: Path, settings_env: Mapping[str, str], config: Path =
     admin = settings_env.get("LLM_RING__SERVICE__ADMIN_LISTEN", "").strip('"')
     wait_until_ready(running, lambda: grpc_serving(admin), 20.0)
     running.address = admin  # the Admin API and health
-    listen = settings_env.get("LLM_RING__SERVICE__LISTEN", "").strip('"')
     socket = settings_env.get("LLM_RING__SERVICE__EXT_PROC_SOCKET", '""').strip('"')
-    running.ext_proc = ext_proc_address(listen, socket)
+    running.ext_proc = ext_proc_address(socket) if socket else ""  # our own Envoy's door, if any
     return running
 
 

@@ -36,6 +36,11 @@ class ReplicaSettings:
     # a new prompt takes the idle slot sharing more than this share of it, else the least recently used
     slot_prompt_similarity: float = 0.1
     llama_server: str = ""  # backend llama-server: the binary
+    alias: str = ""  # the model's served name (answers' "model", GET /v1/models); "": the file's stem
+
+    @property
+    def served_name(self) -> str:
+        return self.alias or Path(self.model).stem
 
     @property
     def slot_context(self) -> int:
@@ -76,6 +81,7 @@ def command(settings: ReplicaSettings, port: int, slot_dir: Path) -> list[str]:
     return [
         *program,
         "--model", settings.model,
+        "--alias", settings.served_name,
         "--host", HOST,
         "--port", str(port),
         "--ctx-size", str(settings.ctx_size),

@@ -92,7 +92,7 @@ def render_router_settings(base: Path, *, policy: str, admin_listen: str, metric
         raw["routing"]["llm-aware"]["prefix_capacity_tokens"] = prefix_capacity_tokens
     if replica_slots is not None:
         raw["routing"]["llm-aware"]["replica_slots"] = replica_slots
-    raw["service"].update(  # Envoy reaches ext_proc on the socket alone
+    raw["service"].update(  # no picker port: Envoy reaches ext_proc and the access log on the socket
         listen="",
         admin_listen=admin_listen,
         ext_proc_socket=socket_name(admin_listen),  # one per router: several may run on one machine

@@ -18,6 +18,7 @@ import sys
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("-m", "--model", required=True, help="GGUF file")
+    parser.add_argument("-a", "--alias", default="", help="the model's served name (answers' model, /v1/models)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("-c", "--ctx-size", type=int, required=True, help="total context, shared by the slots")
@@ -37,6 +38,8 @@ def main(argv: list[str] | None = None) -> int:
 
     params = xllamacpp.CommonParams()
     params.model.path = args.model
+    if args.alias:
+        params.model_alias = {args.alias}
     params.hostnames = [args.host]
     params.port = args.port
     params.n_ctx = args.ctx_size

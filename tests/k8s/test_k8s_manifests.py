@@ -259,6 +259,18 @@ def test_envoy_configmap_is_the_rendering_of_the_single_source():
     )
 
 
+def test_envoy_reaches_the_router_and_its_access_log_on_the_pods_socket_alone():
+    """Not the router's port 9002, which other pods may reach: it serves no access log."""
+    settings = parse_settings(router_settings_raw())
+    config = json.loads(find("ConfigMap", "gateway-envoy")["data"]["envoy.yaml"])
+    (cluster,) = [c for c in config["static_resources"]["clusters"] if c["name"] == "ext_proc"]
+    (endpoint,) = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"]
+    assert endpoint["endpoint"]["address"] == {"pipe": {"path": f"@{settings.service.ext_proc_socket}"}}
+    without = settings.model_copy(update={"service": settings.service.model_copy(update={"ext_proc_socket": ""})})
+    with pytest.raises(SystemExit, match="service.ext_proc_socket is empty"):
+        envoy_configmap().envoy_config(without)
+
+
 def gateway_containers() -> dict[str, dict[str, Any]]:
     spec = find("Deployment", "gateway")["spec"]["template"]["spec"]
     return {c["name"]: c for c in containers(spec)}

@@ -29,6 +29,19 @@ from extproc.stack.processes import (
     start_service,
 )
 
+OPENAI_ERROR_TYPES = ("invalid_request_error", "rate_limit_error", "server_error")
+
+
+def error_message(document: Any) -> str:
+    """The message of an error in OpenAI's shape (``{"error": {"message", "type", "param", "code"}}``),
+    every field checked: what a client's SDK prints."""
+    error = document["error"]
+    assert set(error) == {"message", "type", "param", "code"}, error
+    assert isinstance(error["message"], str) and error["message"], error
+    assert error["type"] in OPENAI_ERROR_TYPES and isinstance(error["code"], str) and error["code"], error
+    assert error["param"] is None or isinstance(error["param"], str), error
+    return str(error["message"])
+
 
 def whole_records(log: Path) -> list[dict[str, Any]]:
     """The JSON records a running service has written whole to ``log`` (the line it is writing
@@ -99,13 +112,14 @@ def gateway(
 
 
 @contextmanager
-def inference_pool_gateway(workdir: Path, replicas: Mapping[str, str], **service: str) -> Iterator[Gateway]:
+def inference_pool_gateway(workdir: Path, replicas: Mapping[str, str], body_mode: str = "duplex",
+                           **service: str) -> Iterator[Gateway]:
     """`llm-ring serve` as a TLS Endpoint Picker behind Envoy AI Gateway's InferencePool data
-    plane (full duplex), the upstream shown in x-upstream-host; everything stopped on exit."""
+    plane (full duplex, or buffered), the upstream shown in x-upstream-host; everything stopped on exit."""
     picker = start_picker_service(workdir / "picker", replicas, health_probe_seconds="0.2", **service)
     try:
         envoy = start_inference_gateway_envoy(workdir / "envoy", AI_GATEWAY, picker.ext_proc, sorted(replicas.values()),
-                                              1, show_upstream=True)
+                                              1, show_upstream=True, body_mode=body_mode)
     except BaseException:
         picker.stop()
         raise
@@ -219,7 +233,8 @@ def _wait_for(condition: Any, timeout: float) -> None:
 def two_llama_replicas(run: Path) -> Iterator[dict[str, str]]:
     """Two real llama.cpp replicas (SmolLM2-135M, 2 slots, no prompt cache in RAM): name -> address."""
     settings = stack_replicas.ReplicaSettings(
-        backend="xllamacpp", model=str(smollm2_gguf()), ctx_size=2048, parallel=2, threads=1, cache_ram_mib=0
+        backend="xllamacpp", model=str(smollm2_gguf()), ctx_size=2048, parallel=2, threads=1, cache_ram_mib=0,
+        alias="smollm2",
     )
     started = stack_replicas.start({"llm-0": free_port(), "llm-1": free_port()}, settings, run)
     try:

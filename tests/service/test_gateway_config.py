@@ -28,7 +28,7 @@ def render(tmp_path: Path, **overrides: object) -> str:
     arguments: dict = {
         "listen": "127.0.0.1:19000",
         "admin": "127.0.0.1:19001",
-        "ext_proc": "127.0.0.1:19002",
+        "ext_proc": "@llm-ring-ext-proc",
         "endpoints": EndpointsFile(str(tmp_path / "replicas.json")),
         "fail_open": True,
         "max_request_bytes": 1 << 20,
@@ -43,14 +43,9 @@ def render(tmp_path: Path, **overrides: object) -> str:
         {},
         {"fail_open": False},
         {"ext_proc": None},
-        {"ext_proc": "@llm-ring-ext-proc"},
-        {
-            "endpoints": DnsEndpoints("llm.llm-ring.svc.cluster.local:8080"),
-            "ext_proc": "router.llm-ring.svc.cluster.local:9002",
-            "listen": "0.0.0.0:8080",
-        },
+        {"endpoints": DnsEndpoints("llm.llm-ring.svc.cluster.local:8080"), "listen": "0.0.0.0:8080"},
     ],
-    ids=["local", "fail-closed", "envoy-alone", "abstract-socket", "kubernetes"],
+    ids=["local", "fail-closed", "envoy-alone", "dns-replicas"],
 )
 @pytest.mark.live
 def test_envoy_validates_the_rendered_config(tmp_path: Path, overrides: dict) -> None:
@@ -150,23 +145,22 @@ def test_admin_stubs_match_the_proto(tmp_path: Path) -> None:
         assert (here / name).read_text() == generated, f"regenerate: python -m extproc.service.admin_proto ({name})"
 
 
-def test_an_abstract_socket_is_a_pipe_and_host_port_a_dns_name(tmp_path: Path) -> None:
-    def ext_proc_endpoint(ext_proc: str) -> tuple[str, dict]:
-        (cluster,) = [
-            c
-            for c in json.loads(render(tmp_path, ext_proc=ext_proc))["static_resources"]["clusters"]
-            if c["name"] == "ext_proc"
-        ]
-        return cluster["type"], cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]
-
-    assert ext_proc_endpoint(ext_proc_address("127.0.0.1:9002", "llm-ring-x")) == (
-        "STATIC",
-        {"pipe": {"path": "@llm-ring-x"}},
-    )
-    assert ext_proc_endpoint(ext_proc_address("127.0.0.1:9002", "")) == (
-        "STRICT_DNS",
-        {"socket_address": {"address": "127.0.0.1", "port_value": 9002}},
-    )
+def test_envoy_reaches_the_service_on_its_abstract_socket_alone(tmp_path: Path) -> None:
+    """ext_proc and the access log share the socket's cluster: the picker port (host:port)
+    serves no access log, so Envoy is never pointed there."""
+    config = json.loads(render(tmp_path, ext_proc=ext_proc_address("llm-ring-x")))
+    (cluster,) = [c for c in config["static_resources"]["clusters"] if c["name"] == "ext_proc"]
+    assert cluster["type"] == "STATIC"
+    assert cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"] == {
+        "pipe": {"path": "@llm-ring-x"}
+    }
+    hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    (access_log,) = hcm["access_log"]
+    assert access_log["typed_config"]["common_config"]["grpc_service"]["envoy_grpc"]["cluster_name"] == "ext_proc"
+    with pytest.raises(ValueError, match="service.ext_proc_socket"):
+        render(tmp_path, ext_proc="127.0.0.1:9002")
+    with pytest.raises(ValueError, match="service.ext_proc_socket is empty"):
+        ext_proc_address("")
 
 
 def test_every_router_setting_is_documented() -> None:

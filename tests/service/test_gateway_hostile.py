@@ -132,12 +132,32 @@ def test_wrong_json_types_are_refused_naming_the_field(body: bytes, says: str) -
 # ---------------------------------------------------------------- bounded numbers and work
 
 
-@pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])
-@pytest.mark.parametrize("value", [4097, 2**63 - 1, 2**64 - 1])
-def test_output_tokens_over_the_maximum_are_refused(field: str, value: int) -> None:
-    with pytest.raises(BadRequest) as caught:
-        parse_request(CHAT, "", json.dumps(chat(**{field: value})).encode(), LIMITS)
-    assert caught.value.status == 400 and f"'{field}'" in caught.value.message
+@pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens", "n_predict"])
+@pytest.mark.parametrize("value", [4097, 8192, 2**63 - 1, 2**64 - 1])
+def test_output_tokens_over_a_slot_are_charged_as_a_slot_not_refused(field: str, value: int) -> None:
+    """A chat front end's 8192 is an ordinary request: a replica stops at its slot's context anyway."""
+    parsed = parse_request(CHAT, "", json.dumps(chat(**{field: value})).encode(), LIMITS)
+    assert parsed.max_tokens == LIMITS.max_output_tokens
+
+
+OUTPUT_VALUES = st.one_of(st.none(), st.just(-1), st.integers(1, 2**64 - 1))  # JSON integers as parsed: 64 bits
+
+
+@given(max_tokens=OUTPUT_VALUES, max_completion_tokens=OUTPUT_VALUES, n_predict=OUTPUT_VALUES)
+def test_every_output_field_is_read_and_the_largest_is_charged(
+    max_tokens: int | None, max_completion_tokens: int | None, n_predict: int | None
+) -> None:
+    given_fields = {"max_tokens": max_tokens, "max_completion_tokens": max_completion_tokens, "n_predict": n_predict}
+    present = {name: value for name, value in given_fields.items() if value is not None}
+    parsed = parse_request(CHAT, "", json.dumps(chat(**present)).encode(), LIMITS)
+    values = list(present.values())
+    if not values:
+        assert parsed.max_tokens is None
+    elif -1 in values:
+        assert parsed.max_tokens == LIMITS.max_output_tokens
+    else:
+        assert parsed.max_tokens == min(max(values), LIMITS.max_output_tokens)
+        assert parsed.max_tokens >= min(*values, LIMITS.max_output_tokens)  # never less than a field allows
 
 
 def test_minus_one_means_until_the_context_ends_and_is_charged_as_the_maximum() -> None:
@@ -167,14 +187,11 @@ def test_too_many_messages_or_characters_are_refused_naming_the_limit() -> None:
 
 def test_the_service_applies_its_limits_and_admin_state_stays_representable() -> None:
     gateway = make_gateway()
-    answer, routed = decide(gateway, chat(max_tokens=2**63 - 1))
-    status, error = immediate_status(answer)
-    assert not routed and status == 400 and "max_tokens" in error["error"]
-    answer, routed = decide(gateway, chat(max_tokens=-1))
-    assert routed
-    (pending,) = gateway.pending.values()
-    assert pending.request.max_tokens == SETTINGS.service.max_output_tokens
-    assert AdminService(gateway).state().in_flight_requests == 1
+    for asked in (2**63 - 1, -1):
+        answer, routed = decide(gateway, chat(max_tokens=asked))
+        assert routed
+        assert gateway.pending[routed].request.max_tokens == SETTINGS.service.max_output_tokens
+    assert AdminService(gateway).state().in_flight_requests == 2
 
 
 # ---------------------------------------------------------------- ids and log fields
@@ -253,10 +270,12 @@ def test_large_bodies_are_parsed_in_the_worker_with_the_same_result() -> None:
 
 def test_the_gateway_decides_on_a_result_parsed_elsewhere() -> None:
     gateway = make_gateway()
-    refusal = BadRequest(413, "'messages': too many")
+    refusal = BadRequest(413, "'messages': too many", "request_too_large", "messages")
     answer, routed = gateway.route_request(path=CHAT, content_type="", conversation_id="", turn="", request_id="r",
                                     body=b"never parsed here", parsed_elsewhere=refusal)  # fmt: skip
-    assert not routed and immediate_status(answer) == (413, {"error": "'messages': too many"})
+    assert not routed and immediate_status(answer) == (413, {"error": {
+        "message": "'messages': too many", "type": "invalid_request_error", "param": "messages",
+        "code": "request_too_large"}})
 
 
 @given(
@@ -304,14 +323,15 @@ def test_a_bug_of_ours_fails_open_with_one_bounded_line_and_a_count(stream: str)
 
     gateway = make_gateway()
     gateway.route_request = lambda **_: (_ for _ in ()).throw(KeyError("x" * 10_000))  # type: ignore[method-assign]
-    path = base_pb2.HeaderValue(key=":path", raw_value=CHAT.encode())
-    headers = pb.ProcessingRequest(request_headers=pb.HttpHeaders(headers=base_pb2.HeaderMap(headers=[path])))
+    sent = [base_pb2.HeaderValue(key=":method", raw_value=b"POST"),
+            base_pb2.HeaderValue(key=":path", raw_value=CHAT.encode())]
+    headers = pb.ProcessingRequest(request_headers=pb.HttpHeaders(headers=base_pb2.HeaderMap(headers=sent)))
     if stream == "route":
         headers.attributes[ATTRIBUTES].update({"request.url_path": CHAT})
     body = pb.ProcessingRequest(request_body=pb.HttpBody(body=orjson.dumps(chat()), end_of_stream=True))
     context = Context([headers, body])
     with capture_logs() as logs:
-        asyncio.run(Processor(gateway).process(None, context))  # type: ignore[arg-type]
+        asyncio.run(Processor(gateway, own_envoy=True).process(None, context))  # type: ignore[arg-type]
     (line,) = logs
     assert line["event"] == "ext_proc_stream_failed" and line["error"] == "KeyError"
     assert "exc_info" not in line and len(orjson.dumps(line)) < 400

@@ -16,8 +16,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from structlog.testing import capture_logs
 
 from extproc.routing import Router
+from extproc.routing.placement import Placement
 from extproc.service.bodies import Timings
-from extproc.service.gateway import LOST_AFTER_S, Gateway
+from extproc.service.gateway import LOST_AFTER_S, Gateway, Pending
 from extproc.service.metrics import Metrics
 from extproc.settings import load_settings
 
@@ -119,14 +120,97 @@ def test_a_streamed_answer_whose_end_is_not_observed_is_released_after_the_grace
         with capture_logs() as logs:
             r1, endpoint = decide(gateway, "envoy-r1", stream=True)
             gateway.access_logged(r1, 200, endpoint, cut_off=cut_off, timings=None)
-            if not cut_off:  # the observer may still deliver the timings
-                assert in_flight(gateway) == 1
-                await asyncio.sleep(0.1)
+            assert in_flight(gateway) == 1  # the observer may still deliver the end and the timings
+            await asyncio.sleep(0.1)
             assert in_flight(gateway) == 0
         return logs
 
     (record,) = decisions(asyncio.run(scenario()))
     assert record["outcome"] == outcome and "cache_n" not in record
+
+
+@pytest.mark.parametrize("log_first", [True, False])
+@pytest.mark.parametrize("end_seen", [True, False])
+def test_a_stream_the_replica_ended_is_whole_though_the_client_hung_up_after_done(log_first: bool,
+                                                                                  end_seen: bool) -> None:
+    """The openai SDK closes the connection right after [DONE]: Envoy logs a downstream
+    termination, which is no abandonment when the replica had sent its end."""
+    async def scenario() -> list[dict[str, Any]]:
+        gateway = make_gateway(grace_ms=20)
+        with capture_logs() as logs:
+            r1, endpoint = decide(gateway, "envoy-r1", stream=True)
+            gateway.observe_start(r1, 200, endpoint)
+            if log_first:
+                gateway.access_logged(r1, 200, endpoint, cut_off=True, timings=None)
+            last = b'data: {"choices": [], "timings": {"cache_n": 7, "prompt_n": 1}}\n\ndata: [DONE]\n\n'
+            gateway.observe_body(r1, last, end_of_stream=end_seen)
+            if not log_first:
+                gateway.access_logged(r1, 200, endpoint, cut_off=True, timings=None)
+            await asyncio.sleep(0.1)
+            assert in_flight(gateway) == 0
+        return logs
+
+    (record,) = decisions(asyncio.run(scenario()))
+    assert record["outcome"] == "ok" and record["cache_n"] == 7
+
+
+def complete_turn(gateway: Gateway, messages: list[dict[str, str]]) -> Pending:
+    """One chat request with no conversation id (keyed on its opening), decided and answered whole."""
+    gateway.route_request(path="/v1/chat/completions", content_type="application/json", conversation_id="",
+                          turn="", request_id="", body=orjson.dumps({"messages": messages, "max_tokens": 8}))
+    ours = next(reversed(gateway.pending))
+    pending = gateway.pending[ours]
+    gateway.access_logged(ours, 200, pending.endpoint, cut_off=False, timings=TIMINGS)
+    return pending
+
+
+def four_turns(gateway: Gateway, name: str) -> tuple[list[dict[str, str]], list[Pending]]:
+    """A 4-turn chat: its messages and each turn's request."""
+    messages = [{"role": "system", "content": f"You help {name}."}]
+    turns = []
+    for turn in range(4):
+        messages.append({"role": "user", "content": f"{name}: question {turn} " + "lorem ipsum " * 40})
+        turns.append(complete_turn(gateway, messages))
+        messages.append({"role": "assistant", "content": f"answer {turn} to {name}"})
+    return messages, turns
+
+
+def placement(gateway: Gateway, request: Pending) -> Placement | None:
+    return gateway.router.memory.get(gateway.router.conversation_key(request.request.conversation))
+
+
+def test_an_edited_turn_starts_where_its_prefix_was_served_and_moves_nothing() -> None:
+    """Editing turn 2 of a chat (every chat UI allows it) resends turn 1 and its answer, then
+    another question: no continuation, a key of its own, and still the replica holding turn 1."""
+    gateway = make_gateway()
+    for chat in range(12):
+        messages, turns = four_turns(gateway, f"user {chat}")
+        placed = placement(gateway, turns[-1])
+        edited = [*messages[:3], {"role": "user", "content": f"user {chat}: an edited second question"}]
+        branch = complete_turn(gateway, edited)
+        assert branch.request.conversation != turns[-1].request.conversation  # a key of its own
+        assert branch.decision.replica == turns[0].decision.replica, chat
+        assert branch.predicted_cached_tokens >= turns[0].request.prompt_tokens - 1
+        assert placement(gateway, turns[-1]) == placed  # the chat it branched from is where it was
+        messages.append({"role": "user", "content": "and the next turn of the original"})
+        assert complete_turn(gateway, messages).decision.replica == turns[-1].decision.replica  # still continues
+    assert gateway.metrics.branches == 12
+
+
+def test_a_stranger_with_the_same_opening_moves_nothing_and_is_placed_only_by_the_prefix_it_proves() -> None:
+    gateway = make_gateway()
+    messages, turns = four_turns(gateway, "victim")
+    placed = placement(gateway, turns[-1])
+    forged = [*messages[:2], {"role": "assistant", "content": "a guessed answer"}, {"role": "user", "content": "?"}]
+    branch = complete_turn(gateway, forged)  # the opening alone is proven: the first turn's prompt
+    assert branch.decision.replica == turns[0].decision.replica
+    # no more than the first turn's prompt and its answer (what that replica holds of the opening)
+    assert branch.predicted_cached_tokens <= turns[0].request.prompt_tokens + (TIMINGS.predicted_n or 0) + 1
+    for _ in range(2):
+        complete_turn(gateway, forged)
+    assert placement(gateway, turns[-1]) == placed
+    messages.append({"role": "user", "content": "the victim's next turn"})
+    assert complete_turn(gateway, messages).decision.replica == turns[-1].decision.replica
 
 
 def test_metrics_count_what_happened() -> None:

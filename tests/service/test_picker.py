@@ -31,8 +31,9 @@ from google.protobuf import struct_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from extproc.service.admin_client import AdminClient
+from extproc.service.processor import ACCESS_LOG_SERVICE
 from extproc.stack.processes import ROUTER_REFERENCE, Running, free_port, service_env, start_service, static_discovery
-from tests.service.gateway_support import route_decisions
+from tests.service.gateway_support import error_message, route_decisions
 
 Mode = processing_mode_pb2.ProcessingMode
 REPLICAS = {"llm-0": "10.9.0.1:8080", "llm-1": "10.9.0.2:8080", "llm-2": "10.9.0.3:8080"}
@@ -67,17 +68,17 @@ def secure_channel(listen: str) -> grpc.aio.Channel:
     return grpc.aio.secure_channel(listen, credentials(listen), options=options)
 
 
-def headers(path: str, end_of_stream: bool = False, **values: str) -> pb.HttpHeaders:
-    pairs = {":method": "POST" if not end_of_stream else "GET", ":path": path, "content-type": "application/json",
+def headers(path: str, end_of_stream: bool = False, method: str = "POST", **values: str) -> pb.HttpHeaders:
+    pairs = {":method": method, ":path": path, "content-type": "application/json",
              **{name.replace("_", "-"): value for name, value in values.items()}}
     values_ = [base_pb2.HeaderValue(key=key, raw_value=value.encode()) for key, value in pairs.items()]
     return pb.HttpHeaders(headers=base_pb2.HeaderMap(headers=values_), end_of_stream=end_of_stream)
 
 
 def first_message(path: str, mode: int, *, end_of_stream: bool = False, subset: list[str] | None = None,
-                  wait: bool = True, **values: str) -> pb.ProcessingRequest:
+                  wait: bool = True, method: str = "POST", **values: str) -> pb.ProcessingRequest:
     message = pb.ProcessingRequest(
-        request_headers=headers(path, end_of_stream, **values),
+        request_headers=headers(path, end_of_stream, method, **values),
         protocol_config=pb.ProtocolConfiguration(request_body_mode=mode, response_body_mode=mode,
                                                  send_body_without_waiting_for_header_response=not wait),
     )
@@ -263,24 +264,42 @@ def test_a_fallback_that_served_is_remembered_and_a_cancelled_stream_is_released
     assert next(r for r in decisions(picker) if r["conversation"] == "cut-1")["outcome"] == "abandoned"
 
 
-def test_a_request_that_is_no_generation_passes_through_untracked(picker: Running):
-    async def exchange() -> tuple[pb.ProcessingResponse, pb.ProcessingResponse]:
+def answer_to(picker: Running, method: str, path: str) -> pb.ProcessingResponse:
+    """The picker's answer to a request's headers (no body), alone on its stream."""
+    async def exchange() -> pb.ProcessingResponse:
         async with secure_channel(picker.listen) as channel:
             x = Exchange(channel)
-            await x.send(first_message("/v1/models", Mode.FULL_DUPLEX_STREAMED, end_of_stream=True))
+            await x.send(first_message(path, Mode.FULL_DUPLEX_STREAMED, end_of_stream=True, method=method))
             answer = await x.answer()
-            response = await x.response_headers()
             await x.call.done_writing()
-            return answer, response
+            return answer
 
+    return run(exchange())
+
+
+def test_the_gateway_answers_read_only_requests_itself_untracked(picker: Running):
     before = len(decisions(picker))
-    answer, response = run(exchange())
-    assert set_headers(answer)["x-gateway-destination-endpoint"] in REPLICAS.values()
-    assert response.WhichOneof("response") == "response_headers"
+    for path in ("/v1/models", "/models", "/health", "/v1/health"):
+        answer = answer_to(picker, "GET", path)
+        assert answer.immediate_response.status.code == 200, path
+        assert json.loads(answer.immediate_response.body), path  # a JSON document, no replica asked
     assert in_flight(picker) == 0 and len(decisions(picker)) == before
 
 
-def test_the_picker_port_serves_tls_and_health_but_not_the_admin_api(picker: Running):
+@pytest.mark.parametrize("path", ["/slots", "/slots/0?action=erase", "/lora-adapters", "/props", "/metrics",
+                                  "/v1/embeddings", "/tokenize", "/infill", "//v1/chat/completions",
+                                  "/v1/chat/completions/../../slots", "/V1/CHAT/COMPLETIONS", "/%73lots", ""])
+@pytest.mark.parametrize("method", ["GET", "POST", "DELETE"])
+def test_every_other_path_is_refused_by_the_picker_itself(picker: Running, method: str, path: str):
+    answer = answer_to(picker, method, path)
+    assert answer.immediate_response.status.code == 404, (method, path)
+    assert error_message(json.loads(answer.immediate_response.body))
+    assert in_flight(picker) == 0
+
+
+def test_the_picker_port_serves_tls_and_health_but_neither_the_admin_api_nor_the_access_log(picker: Running):
+    """No access log behind an InferencePool gateway: its service is not served at all, so
+    nothing that reaches the port can end or time a request (test_access_log_port.py)."""
     with grpc.secure_channel(picker.listen, credentials(picker.listen),
                              options=[("grpc.ssl_target_name_override", "localhost")]) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
@@ -289,6 +308,9 @@ def test_the_picker_port_serves_tls_and_health_but_not_the_admin_api(picker: Run
             assert reply.status == health_pb2.HealthCheckResponse.SERVING, name
         with pytest.raises(grpc.RpcError) as refused:
             channel.unary_unary("/llmring.admin.v1.Admin/GetState")(b"", timeout=5)
+        assert refused.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        with pytest.raises(grpc.RpcError) as refused:
+            channel.stream_unary(f"/{ACCESS_LOG_SERVICE}/StreamAccessLogs")(iter([b""]), timeout=5)
         assert refused.value.code() == grpc.StatusCode.UNIMPLEMENTED
     with grpc.insecure_channel(picker.listen) as plain, pytest.raises(grpc.RpcError):
         health_pb2_grpc.HealthStub(plain).Check(health_pb2.HealthCheckRequest(service="liveness"), timeout=2)
@@ -322,6 +344,6 @@ def test_a_generation_without_a_body_is_refused_on_its_headers(picker: Running, 
             await x.call.done_writing()
             return answer
 
-    answer = run(exchange())  # not a "continue" first: the request would go upstream at once
+    answer = run(exchange())  # a POST without a body; not a "continue" first: the request would go upstream at once
     assert answer.immediate_response.status.code == 400
     assert in_flight(picker) == 0

@@ -1,0 +1,41 @@
+"""CORS: which browser origins may call the gateway (service.cors_origins), as response headers.
+
+Pure. Our own Envoy gets the same policy rendered into its CORS filter (config.py); an Endpoint
+Picker's gateway gets these headers in the service's answers (picker.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from extproc.envoy.surface import CORS_METHODS
+
+# what an OpenAI client sends besides the CORS-safelisted headers
+ALLOWED_HEADERS = "authorization, content-type, x-conversation-id, x-turn, x-request-id, openai-organization, " \
+                  "openai-project, x-stainless-*"
+EXPOSED_HEADERS = "x-request-id"
+MAX_AGE_S = 600
+
+
+@dataclass(frozen=True, slots=True)
+class CorsPolicy:
+    origins: frozenset[str]  # exact origins, or "*" for any
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.origins)
+
+    def answer_headers(self, origin: str) -> list[tuple[str, str]]:
+        """The headers an answer to a request from ``origin`` carries: none unless it is allowed."""
+        if not origin or not (origin in self.origins or "*" in self.origins):
+            return []
+        return [("access-control-allow-origin", origin), ("access-control-expose-headers", EXPOSED_HEADERS),
+                ("vary", "origin")]
+
+    @staticmethod
+    def preflight_headers(requested_headers: str) -> list[tuple[str, str]]:
+        """A preflight's extra headers: the methods served, and the headers asked for when given
+        (browsers send only the names they need), else the ones OpenAI clients use."""
+        return [("access-control-allow-methods", CORS_METHODS),
+                ("access-control-allow-headers", requested_headers[:1024] or ALLOWED_HEADERS),
+                ("access-control-max-age", str(MAX_AGE_S))]
