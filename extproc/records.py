@@ -30,6 +30,7 @@ from extproc.files import write_atomically
 REQUESTS_FILE = "requests.parquet"
 JOURNAL_FILE = "requests.jsonl"  # rows appended as they happen; survives an interrupted run
 RUN_FILE = "run.json"
+SPEEDS_FILE = "speeds.parquet"  # the simulator's learnt and true replica speeds (extproc/sim/runs.py)
 
 _TS = pa.timestamp("us", tz="UTC")
 

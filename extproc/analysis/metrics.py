@@ -37,13 +37,14 @@ the per-run values) comes with every metric.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import duckdb
 
-from extproc.records import REQUESTS_FILE, RUN_FILE
+from extproc.records import REQUESTS_FILE, RUN_FILE, SPEEDS_FILE
 
 DEFAULT_HIT_SHARE = 0.5
 
@@ -74,6 +75,28 @@ METRICS: tuple[Metric, ...] = (
     Metric("requests", "Requests per run", "count"),
     Metric("errors", "Errors per run", "count"),
 )
+
+
+def format_value(metric: Metric, value: float | None) -> str:
+    if value is None:
+        return "-"
+    if metric.kind == "pct":
+        return f"{100 * value:.1f}%"
+    if metric.kind == "seconds":
+        return f"{value:.3f} s" if value < 10 else f"{value:.1f} s"
+    if metric.kind == "ratio":
+        return f"{value:.3f}"
+    return f"{value:.1f}" if value != int(value) else f"{int(value)}"
+
+
+def format_cell(metric: Metric, stats: Mapping[str, Any]) -> str:
+    """The mean over runs ± the 95 % interval's half-width (one run: its value)."""
+    if stats["mean"] is None:
+        return "-"
+    mean = stats["mean"]
+    cell = "-" + format_value(metric, -mean) if mean < 0 else format_value(metric, mean)  # paired differences
+    return cell if stats["ci95"] is None else f"{cell} ± {format_value(metric, stats['ci95'])}"
+
 
 # Two-sided 95% Student t quantiles by degrees of freedom (n_runs - 1); 1.96 beyond.
 _T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306,
@@ -230,6 +253,12 @@ def _sql_list(paths: list[Path]) -> str:
     return "[" + ", ".join("'" + str(p).replace("'", "''") + "'" for p in paths) + "]"
 
 
+def folder_labels(folders: list[Path]) -> list[str]:
+    """Each folder's name, or its whole path where two names clash."""
+    names = [folder.name for folder in folders]
+    return [name if names.count(name) == 1 else str(folder) for name, folder in zip(names, folders, strict=True)]
+
+
 def rows(con: duckdb.DuckDBPyConnection, sql: str, params: Any = None) -> list[dict[str, Any]]:
     result = con.execute(sql, params) if params is not None else con.execute(sql)
     names = [d[0] for d in result.description]
@@ -355,4 +384,30 @@ def route_reasons(con: duckdb.DuckDBPyConnection) -> list[dict[str, Any]]:
             count(*) / any_value(n.runs) AS per_run
         FROM turns JOIN n USING (policy) GROUP BY ALL ORDER BY policy, route_reason
         """,
+    )
+
+
+
+def speeds_files(experiment_dir: str | Path) -> list[Path]:
+    """The folder's runs that recorded the router's learnt replica speeds, llm-aware's first (the
+    policy that decides on them; the others keep the prior speed)."""
+    files = Path(experiment_dir).glob(f"*/{SPEEDS_FILE}")
+    return sorted(files, key=lambda path: ("llm-aware" not in path.parent.name, path))
+
+
+def longest_run_s(con: duckdb.DuckDBPyConnection) -> float:
+    """Seconds from a run's first request to its last start, the longest run's."""
+    return float(rows(con, "SELECT coalesce(max(t_s), 0) AS longest FROM turns")[0]["longest"])
+
+
+def learnt_speeds(con: duckdb.DuckDBPyConnection, speeds_file: Path, bin_s: float) -> list[dict[str, Any]]:
+    """Per replica and time bin of one run: the learnt prefill speed and the true one when alone."""
+    return rows(
+        con,
+        """
+        SELECT replica, floor(at_s / $bin) * $bin AS t_s,
+            avg(learnt_prefill_tokens_per_s) AS learnt, avg(true_prefill_tokens_per_s) AS solo
+        FROM read_parquet($file) GROUP BY ALL ORDER BY ALL
+        """,
+        {"bin": bin_s, "file": str(speeds_file)},
     )

@@ -2,7 +2,9 @@
 
 Prints the per-policy summary (table, markdown or JSON); with ``--write`` it also
 (re)writes each ``DIR/summary.md`` (summary + per-run table + the definitions used),
-which `llm-ring run` and `sim` write once when they finish. Given several folders (a
+which `llm-ring run` and `sim` write once when they finish; ``--charts OUTDIR`` writes
+every chart as PNG and SVG (extproc/analysis/charts.py) and ``--html FILE`` one
+self-contained HTML report (extproc/analysis/pictures.py). Given several folders (a
 live run and its simulation, say), the columns sit side by side, grouped by policy:
 ``live: bounded``, ``sim: bounded``, ``live: llm-aware``, ...
 
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -27,6 +30,8 @@ from extproc.analysis.metrics import (
     Metric,
     connect,
     decision_agreement,
+    folder_labels,
+    format_cell,
     per_run,
     summary,
 )
@@ -48,9 +53,19 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="a follow-up is a hit when cache_n >= this share of the previous prompt (default 0.5)",
     )
     parser.add_argument("--write", action="store_true", help=f"also rewrite each DIR/{SUMMARY_FILE}")
+    parser.add_argument("--charts", type=Path, metavar="OUTDIR",
+                        help="also write every chart as OUTDIR/NAME.png and OUTDIR/NAME.svg")
+    parser.add_argument("--html", type=Path, metavar="FILE",
+                        help="also write one self-contained HTML report: the tables, the charts, the command, "
+                             "the machine")
 
 
 def main(args: argparse.Namespace) -> int:
+    from extproc.analysis.pictures import check_target
+
+    for target, flag, folder in ((args.charts, "--charts", True), (args.html, "--html", False)):
+        if target is not None:
+            check_target(target, flag, folder)
     try:
         reports = [build_report(folder, args.hit_share) for folder in args.dirs]
     except (FileNotFoundError, ValueError) as exc:  # bad input: one line, exit 2
@@ -58,6 +73,9 @@ def main(args: argparse.Namespace) -> int:
     for folder, one in zip(args.dirs, reports, strict=True) if args.write else ():
         (folder / SUMMARY_FILE).write_text(render_markdown(one, with_runs=True))
     report = combine(args.dirs, reports)
+    if args.charts or args.html:
+        write_pictures(args.dirs, report, args.charts, args.html,
+                       report_command(args.dirs, args.charts, args.html, args.hit_share))
     if args.format == "json":
         print(json.dumps(report, default=str))
     elif args.format == "markdown":
@@ -113,36 +131,50 @@ def side_by_side(reports: list[dict[str, Any]], labels: list[str],
     }
 
 
+def write_pictures(folders: list[Path], report: dict[str, Any], charts_dir: Path | None, html_file: Path | None,
+                   command: str) -> None:
+    """The charts of ``report`` (``combine(folders, ...)``) as PNG and SVG into ``charts_dir``, and
+    the HTML report into ``html_file``; both rendered before either is written."""
+    from extproc.analysis import pictures
+    from extproc.analysis.charts import figures, open_sources
+    from extproc.files import write_atomically
+
+    if not report["summary"]:
+        raise UsageError(f"{', '.join(map(str, folders))}: the records hold no request")
+    drawn = figures(open_sources(folders, report["hit_share"]), report["summary"])
+    files = pictures.chart_files(drawn) if charts_dir else {}
+    page = html_file and pictures.page(
+        f"llm-ring report: {report['experiment']}", command, pictures.machine(), pictures.now(),
+        pictures.Table(f"Summary per policy ({STATISTIC})", *summary_rows(report["summary"]),
+                       notes=tuple(_footnote(report).splitlines())),
+        drawn, [pictures.Table("Runs", *runs_rows(report))], pictures.vega_bundle(),
+    )
+    if charts_dir:
+        pictures.write_folder(charts_dir, files)
+    if html_file and page:
+        write_atomically(html_file, page)
+
+
+def pictures_hint(folder: Path) -> str:
+    """How to draw a folder's charts and HTML report (printed by `llm-ring run` and `sim`)."""
+    return "charts (PNG, SVG) and an HTML report: " + report_command([folder], folder / "charts",
+                                                                     folder / "report.html")
+
+
+def report_command(folders: Sequence[Path], charts: Path | None, html: Path | None,
+                   hit_share: float = DEFAULT_HIT_SHARE) -> str:
+    """The `llm-ring report` command line that draws these pictures."""
+    words = ["llm-ring", "report", *map(str, folders)]
+    if hit_share != DEFAULT_HIT_SHARE:
+        words += ["--hit-share", f"{hit_share:g}"]
+    words += [word for flag, value in (("--charts", charts), ("--html", html)) if value
+              for word in (flag, str(value))]
+    return " ".join(map(shlex.quote, words))
+
+
 def resolve_folders(folders: list[str | Path], root: Path = REPO_ROOT) -> list[Path]:
     """Experiment folders as the notebooks take them: a relative path is relative to the checkout."""
     return [Path(folder) if Path(folder).is_absolute() else root / folder for folder in folders]
-
-
-def folder_labels(folders: list[Path]) -> list[str]:
-    """Each folder's name, or its whole path where two names clash."""
-    names = [folder.name for folder in folders]
-    return [name if names.count(name) == 1 else str(folder) for name, folder in zip(names, folders, strict=True)]
-
-
-def format_value(metric: Metric, value: float | None) -> str:
-    if value is None:
-        return "-"
-    if metric.kind == "pct":
-        return f"{100 * value:.1f}%"
-    if metric.kind == "seconds":
-        return f"{value:.3f} s" if value < 10 else f"{value:.1f} s"
-    if metric.kind == "ratio":
-        return f"{value:.3f}"
-    return f"{value:.1f}" if value != int(value) else f"{int(value)}"
-
-
-def format_cell(metric: Metric, stats: dict[str, Any]) -> str:
-    """The mean over runs ± the 95 % interval's half-width (one run: its value)."""
-    if stats["mean"] is None:
-        return "-"
-    mean = stats["mean"]
-    cell = "-" + format_value(metric, -mean) if mean < 0 else format_value(metric, mean)  # paired differences
-    return cell if stats["ci95"] is None else f"{cell} ± {format_value(metric, stats['ci95'])}"
 
 
 def summary_rows(
@@ -177,12 +209,18 @@ def render_markdown(report: dict[str, Any], with_runs: bool) -> str:
     header, body = summary_rows(report["summary"])
     out = [f"# Summary: {report['experiment']}", "", *_md_table(header, body), "", _footnote(report)]
     if with_runs:
-        columns = ["run_id", "policy", "seed", "requests", "errors", "followups", "hit_rate",
-                   "avoidable_misses", "redirects", "latency_p50", "latency_p95", "imbalance",
-                   "moved_share"]  # fmt: skip
-        runs = [[_plain(run[c]) for c in columns] for run in report["runs"]]
-        out += ["", "## Runs", "", *_md_table(columns, runs)]
+        out += ["", "## Runs", "", *_md_table(*runs_rows(report))]
     return "\n".join(out) + "\n"
+
+
+def runs_rows(report: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    """One row per run (and its folder, side by side)."""
+    columns = ["run_id", "policy", "seed", "requests", "errors", "followups", "hit_rate",
+               "avoidable_misses", "redirects", "latency_p50", "latency_p95", "imbalance",
+               "moved_share"]  # fmt: skip
+    if any("experiment" in run for run in report["runs"]):
+        columns.insert(0, "experiment")
+    return columns, [[_plain(run[c]) for c in columns] for run in report["runs"]]
 
 
 def _footnote(report: dict[str, Any]) -> str:

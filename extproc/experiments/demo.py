@@ -6,8 +6,8 @@ experiment runner (one seed: a live run on a small machine is a smoke test, not 
 -> simulate the very same conversations on the same fleet over many seeds, and the `busy`
 profile, where replicas stay over the bounded cap and the policies really differ -> print
 the live and simulated tables side by side and, per simulated profile, one sentence that
-says which paired differences are within noise. The stack stops also on Ctrl-C or an error.
-The folders stay for `llm-ring report DIR [DIR ...]`.
+says which paired differences are within noise; write their charts and an HTML report. The
+stack stops also on Ctrl-C or an error. The folders stay for `llm-ring report DIR [DIR ...]`.
 """
 
 from __future__ import annotations
@@ -83,7 +83,8 @@ def main(args: argparse.Namespace) -> int:
     paired_busy = simulate(BUSY_PROFILE, args.policies, sim_seeds, BUSY_REPLICAS, cores, busy)
     _step(5, "report")
     live_report = build_report(live)
-    print(render_table(combine([live, same], [live_report, build_report(same)])), end="")
+    both = combine([live, same], [live_report, build_report(same)])
+    print(render_table(both), end="")
     print()
     print(verdict(f"{profile.name}, simulated ({len(sim_seeds)} seeds)", paired_same))
     print(verdict(f"{BUSY_PROFILE}, simulated ({len(sim_seeds)} seeds, {BUSY_REPLICAS} replicas)", paired_busy))
@@ -92,9 +93,21 @@ def main(args: argparse.Namespace) -> int:
           f"verdict: with {followups} follow-ups a run, one miss moves its hit rate by {100 / max(followups, 1):.1f} "
           f"points.")
     print(prediction_line(live_report["runs"]))
-    print(f"\ndemo done in {time.monotonic() - began:.0f}s; again: llm-ring report {live} {same}; "
+    charts, page = pictures(live, same, both, out)
+    print(f"\ncharts (PNG, SVG): {charts}\nHTML report (tables and charts, opens offline): {page}")
+    print(f"demo done in {time.monotonic() - began:.0f}s; again: llm-ring report {live} {same}; "
           f"llm-ring report {busy}")
     return 0
+
+
+def pictures(live: Path, same: Path, both: dict[str, Any], out: Path) -> tuple[Path, Path]:
+    """The live and simulated folders' charts into ``out/charts`` and their HTML report into
+    ``out/report.html``, as `llm-ring report` writes them."""
+    from extproc.analysis.report import report_command, write_pictures
+
+    charts, page = out / "charts", out / "report.html"
+    write_pictures([live, same], both, charts, page, report_command([live, same], charts, page))
+    return charts, page
 
 
 def simulate(profile: str, policies: list[str], seeds: list[int], replicas: int, host_cores: int,
@@ -129,8 +142,7 @@ def prediction_line(runs: list[dict[str, Any]]) -> str:
 def verdict(label: str, paired: dict[str, dict[str, dict[str, Any]]]) -> str:
     """One sentence per comparison: each main metric's paired difference, or "within noise"
     when its 95 % interval includes 0."""
-    from extproc.analysis.metrics import METRICS
-    from extproc.analysis.report import format_cell
+    from extproc.analysis.metrics import METRICS, format_cell
 
     metrics = {metric.name: metric for metric in METRICS}
     sentences = []

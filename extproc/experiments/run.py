@@ -551,7 +551,7 @@ def main(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print("llm-ring run: interrupted", file=sys.stderr)
         return 130
-    from extproc.analysis.report import SUMMARY_FILE, build_report, render_markdown, render_table
+    from extproc.analysis.report import SUMMARY_FILE, build_report, pictures_hint, render_markdown, render_table
 
     report = build_report(out)
     (out / SUMMARY_FILE).write_text(render_markdown(report, with_runs=True))
@@ -559,6 +559,7 @@ def main(args: argparse.Namespace) -> int:
     for run in sorted(p for p in out.iterdir() if p.is_dir()):
         for line in tier_lines(read_run_metadata(run)):
             print(f"{run.name}: {line}")
+    print(pictures_hint(out), file=sys.stderr)
     return 0
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from extproc.analysis.metrics import METRICS, connect, spread
-from extproc.analysis.report import SUMMARY_FILE, build_report, render_markdown, render_stats
+from extproc.analysis.report import SUMMARY_FILE, build_report, pictures_hint, render_markdown, render_stats
 from extproc.cli_input import UsageError, at_least, distinct, new_folder, parse_seeds
 from extproc.sim.arena import arena, ceiling_line
 from extproc.sim.costmodel import CostModel, CostModelError, load_cost_model
@@ -174,6 +174,7 @@ def main(args: argparse.Namespace) -> int:
             if paired:
                 print(f"\npaired by seed, difference to {args.policies[0]}:")
                 print(render_stats(paired))
+            print(pictures_hint(out_dir), file=sys.stderr)
         if source.trace is not None:
             metrics, table = arena(connect(out_dir), args.policies, ceiling)
             arenas[str(replicas)] = table

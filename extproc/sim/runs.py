@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 from extproc.files import write_atomically
 from extproc.policy_spec import ExperimentError
 from extproc.policy_spec import parse_policy as experiment_policy
-from extproc.records import REQUESTS_FILE, RunMeta, write_records, write_run_metadata
+from extproc.records import REQUESTS_FILE, SPEEDS_FILE, RunMeta, write_records, write_run_metadata
 from extproc.routing import POLICIES, make_policy
 from extproc.routing.settings import SHARED_ROUTING_KEYS, RoutingSettings, with_knobs
 from extproc.routing.speeds import Speed
@@ -31,7 +31,6 @@ from extproc.traffic import Profile, load_profile
 
 SIM_CONFIG = Path(__file__).parent / "sim.toml"
 # per answer, the speed the router learnt of its replica and the replica's true speed (notebooks chart them)
-SPEEDS_FILE = "speeds.parquet"
 
 
 @dataclass(frozen=True)

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import pytest
+from analysis.fixtures import make_experiment
 from hypothesis import given
 from hypothesis import strategies as st
 
-from extproc.experiments.demo import VERDICT_METRICS, prediction_line, simulate, verdict
+from extproc.analysis.report import build_report, combine
+from extproc.experiments.demo import VERDICT_METRICS, pictures, prediction_line, simulate, verdict
 
 
 def paired(**metrics: tuple[float, float]) -> dict:
@@ -47,3 +49,11 @@ def test_simulated_half_writes_a_folder_and_pairs_by_seed(tmp_path, profile, rep
     assert len([p for p in (tmp_path / "sim").iterdir() if p.is_dir()]) == 6
     assert differences["llm-aware - bounded"]["hit_rate"]["n_runs"] == 3
     assert "paired by seed" in verdict(profile, differences)
+
+
+def test_the_demo_writes_the_charts_and_html_report_of_its_live_and_simulated_folders(tmp_path):
+    live, same = make_experiment(tmp_path / "live"), tmp_path / "sim"
+    simulate("quick", ["bounded", "llm-aware"], [1, 2], 2, 2, same)
+    charts, page = pictures(live, same, combine([live, same], [build_report(live), build_report(same)]), tmp_path)
+    assert (charts / "summary.png").exists() and (charts / "hit_rate_over_time.svg").exists()
+    assert f"llm-ring report {live} {same} --charts {charts} --html {page}" in page.read_text()

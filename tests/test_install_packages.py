@@ -1,5 +1,6 @@
-"""scripts/install-redis-server (run by `make setup`): installs Debian's package only when the
-server is missing, with apt-get, and leaves the machine without a policy-rc.d it did not have."""
+"""scripts/install-redis-server and install-debian-package (run by `make setup`): install Debian's
+package only when the binary is missing, with apt-get, and leave the machine without a
+policy-rc.d it did not have; in CI every one of them is there."""
 
 from __future__ import annotations
 
@@ -52,3 +53,21 @@ def test_ci_has_the_redis_server_so_no_store_test_is_skipped() -> None:
     from extproc.stack.redis_server import redis_server_binary
 
     assert redis_server_binary() is not None, "scripts/install-redis-server did not install redis-server"
+
+
+@pytest.mark.skipif(os.environ.get("LLM_RING_REQUIRE_SERVERS") != "1", reason="only where .ci/run asks for it")
+@pytest.mark.parametrize("binary", ["/usr/bin/prometheus", "/usr/bin/promtool", "/usr/bin/chromium"])
+def test_ci_has_prometheus_and_chromium_so_no_dashboard_or_browser_test_is_skipped(binary: str) -> None:
+    assert os.access(binary, os.X_OK), f"make setup (scripts/install-debian-package) did not install {binary}"
+
+
+def test_the_generic_script_names_what_is_skipped_when_it_cannot_install(tmp_path: Path) -> None:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "id").write_text("#!/bin/sh\necho 1000\n")  # not root
+    (bin_dir / "id").chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    done = subprocess.run(["sh", str(SCRIPT.parent / "install-debian-package"), "prometheus",
+                           str(tmp_path / "prometheus"), "the dashboard test"],
+                          env=env, capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 0 and "the dashboard test will be skipped" in done.stderr
