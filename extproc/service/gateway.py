@@ -163,8 +163,11 @@ class Gateway:
         metrics: Metrics,
         on_replica_failed: Callable[[str], None] = lambda name: None,
         counter: TokenCounter | None = None,
+        replica_key: str | None = None,
     ) -> None:
-        """counter: how prompts are counted (None: the one service.tokenizer names)."""
+        """counter: how prompts are counted (None: the one service.tokenizer names);
+        replica_key: the replicas' API key (service.replica_api_key_file's), set on every
+        generation routed, never on a request passed through."""
         self.router = router
         self.counter = counter or make_counter(settings.tokenizer, settings.chars_per_token)
         # replica -> the openings of the last prompts sent to it, one per slot (routing.llm-aware.replica_slots)
@@ -177,7 +180,7 @@ class Gateway:
         self.pending: dict[str, Pending] = {}
         # conversation -> {request id: history} of pending requests not yet shown answered
         self.unanswered: dict[str, dict[str, int]] = {}
-        self.answers = AnswerCache(settings.routing_headers)
+        self.answers = AnswerCache(settings.routing_headers, replica_key or "")
         self._sequence = 0
         self._pass_turn = 0  # pass_through's rotation
         self._id_prefix = secrets.token_hex(3) + "-"  # ids differ across restarts of the service
@@ -325,7 +328,9 @@ class Gateway:
         self._pass_turn += 1
         replica = eligible[self._pass_turn % len(eligible)]
         self.metrics.passed_through += 1
-        return self._pick_answer(replica, PASS_THROUGH, False, phase, subset)
+        # without the replicas' key: llama.cpp refuses whatever control action got this far (401)
+        return route_answer(self._destination(replica, subset), replica, PASS_THROUGH, False, phase,
+                            self.settings.routing_headers)
 
     def _eligible(self, subset: frozenset[str] | None) -> list[str]:
         """The replicas a pick may land on: the healthy ones (all when none is) of the subset."""
@@ -698,7 +703,7 @@ class Gateway:
         if subset is None:
             return self.answers.route(replica, reason, streamed, self._destination, phase)
         return route_answer(self._destination(replica, subset), replica, reason, streamed, phase,
-                            self.settings.routing_headers)
+                            self.settings.routing_headers, self.answers.replica_key)
 
     def _destination(self, replica: str, subset: frozenset[str] | None = None) -> str:
         """The pick's endpoint, then up to service.fallbacks healthy others (in name order
