@@ -49,6 +49,9 @@ class ServiceSettings(Strict):
     migration_token_file: str = Field(description="file holding the bearer token every call to the migration "
                                                   "port must carry; required unless migration_listen is on "
                                                   "loopback (empty: no token)")
+    replica_api_key_file: str = Field(description="file holding the API key the replicas want (their "
+                                                  "--api-key-file), set on every generation routed "
+                                                  "(empty: none; our own Envoy adds it itself)")
     metrics_listen: str = Field(min_length=1, description="host:port of the Prometheus /metrics endpoint")
     tokenizer: str = Field(min_length=1, description='how prompt tokens are counted: "chars" (characters / '
                                                      'chars_per_token) or the path of the model\'s GGUF file '

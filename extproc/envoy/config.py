@@ -1,7 +1,8 @@
 """The one Envoy configuration, rendered for the local stack and for Kubernetes.
 
 Request path, in filter order:
-  1. header_mutation strips client-sent routing headers (a client must never pick the upstream);
+  1. header_mutation strips client-sent routing headers (a client must never pick the upstream)
+     and credentials (a client's key never reaches a replica);
   2. buffer: holds the request until its whole body is in (413 past max_request_bytes), so the
      next filter gets the headers and then the body in one piece;
   3. ext_proc "route" (blocking): the request headers with CEL attributes and, without waiting
@@ -15,7 +16,10 @@ Request path, in filter order:
      clears the route cache: the route that matches that header enables the filter, the
      others disable it (an ext_proc stream costs the service ~0.5 ms of CPU here);
   5. json_to_metadata "timings": a JSON answer's timings/usage numbers -> dynamic metadata;
-  6. router -> cluster ``replicas`` with the Override Host load-balancing policy: the first
+  6. credential_injector "inject-replica-key", on the generation routes alone: ``authorization:
+     Bearer <key>``, the key the replicas want, read by Envoy from a file (a secret of the
+     bootstrap that names only the file's path), also while the service is down;
+  7. router -> cluster ``replicas`` with the Override Host load-balancing policy: the first
      endpoint of the header, the next ones on retries, round robin when the header is absent
      (fail-open, ext_proc down).
 Every request's outcome (status, the upstream that served it, reset flags, those timings)
@@ -34,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from extproc.envoy.contract import (
+    CLIENT_KEY_HEADERS,
     CLUSTER,
     DESTINATION,
     DOWNSTREAM_IDLE_TIMEOUT_S,
@@ -42,6 +47,7 @@ from extproc.envoy.contract import (
     METADATA_NAMESPACE,
     OBSERVE,
     PREDICTED_CACHED,
+    REPLICA_KEY_HEADER,
     REQUEST_ATTRIBUTES,
     REQUEST_HEADERS_TIMEOUT_S,
     REQUEST_ID,
@@ -83,6 +89,7 @@ def render_envoy_config(
     fail_open: bool,
     max_request_bytes: int,
     retries: int,
+    replica_key_file: str | None,
     ext_proc_timeout_ms: int = 2000,
     connect_timeout_ms: int = 1000,
     stream_idle_timeout_s: int = STREAM_IDLE_TIMEOUT_S,
@@ -96,6 +103,8 @@ def render_envoy_config(
     fail_open: when the routing service is unreachable, serve round robin (True) or 500 (False).
     max_request_bytes: the service's service.max_body_bytes: larger bodies get 413 from Envoy.
     retries: the service's service.fallbacks: Envoy tries that many endpoints after the pick.
+    replica_key_file: the file holding the replicas' API key (their --api-key-file), sent as
+    ``authorization: Bearer <key>`` with every generation; None: no key (upstreams that want none).
     stream_idle_timeout_s: a request with no bytes either way for this long gets 504 (the tests
     shorten it to drill a replica that never answers; the service's lost-entry sweep assumes
     STREAM_IDLE_TIMEOUT_S).
@@ -123,7 +132,7 @@ def render_envoy_config(
                             "filters": [
                                 _http_connection_manager(
                                     ext_proc is not None, fail_open, ext_proc_timeout_ms, retries, max_request_bytes,
-                                    stream_idle_timeout_s, cors_origins,
+                                    stream_idle_timeout_s, cors_origins, replica_key_file is not None,
                                 )
                             ]
                         }
@@ -135,6 +144,7 @@ def render_envoy_config(
                 for name in (CLUSTER, STREAMED_CLUSTER)
             ]
             + ([_ext_proc_cluster(ext_proc, connect_timeout_ms)] if ext_proc is not None else []),
+            **({"secrets": [_replica_key_secret(replica_key_file)]} if replica_key_file is not None else {}),
         },
     }
     return json.dumps(config, indent=2) + "\n"
@@ -157,7 +167,7 @@ def _connection_limit() -> dict[str, Any]:
 
 def _http_connection_manager(
     with_ext_proc: bool, fail_open: bool, timeout_ms: int, retries: int, max_request_bytes: int,
-    stream_idle_timeout_s: int, cors_origins: Sequence[str],
+    stream_idle_timeout_s: int, cors_origins: Sequence[str], with_replica_key: bool,
 ) -> dict[str, Any]:
     ext_proc = [
         _ext_proc_filter("route", fail_open, timeout_ms, observe=False),
@@ -176,7 +186,7 @@ def _http_connection_manager(
             "request_timeout": f"{REQUEST_TIMEOUT_S}s",
             "stream_idle_timeout": f"{stream_idle_timeout_s}s",
             "common_http_protocol_options": {"idle_timeout": f"{DOWNSTREAM_IDLE_TIMEOUT_S}s"},
-            "route_config": _route_config(retries, cors_origins),
+            "route_config": _route_config(retries, with_replica_key, cors_origins),
             **({"access_log": [_access_log()]} if with_ext_proc else {}),
             "local_reply_config": _local_replies(max_request_bytes),
             "http_filters": [
@@ -184,6 +194,7 @@ def _http_connection_manager(
                 _strip_client_routing_headers(),
                 *([_whole_body(max_request_bytes), *ext_proc] if with_ext_proc else []),
                 *([_timings_to_metadata()] if with_ext_proc else []),
+                *([_inject_replica_key()] if with_replica_key else []),
                 {
                     "name": "envoy.filters.http.router",
                     "typed_config": {"@type": _T + "envoy.extensions.filters.http.router.v3.Router"},
@@ -223,14 +234,46 @@ def _cors_filter() -> dict[str, Any]:
 
 
 def _strip_client_routing_headers() -> dict[str, Any]:
+    removed = (DESTINATION, ROUTED_TO, ROUTE_REASON, PREDICTED_CACHED, OBSERVE, *CLIENT_KEY_HEADERS)
     return {
         "name": "strip-client-routing-headers",
         "typed_config": {
             "@type": _T + "envoy.extensions.filters.http.header_mutation.v3.HeaderMutation",
-            "mutations": {
-                "request_mutations": [
-                    {"remove": name} for name in (DESTINATION, ROUTED_TO, ROUTE_REASON, PREDICTED_CACHED, OBSERVE)
-                ]
+            "mutations": {"request_mutations": [{"remove": name} for name in removed]},
+        },
+    }
+
+
+REPLICA_KEY_SECRET = "replica-api-key"
+INJECT_REPLICA_KEY = "inject-replica-key"
+# A route's typed_per_filter_config entry that turns the injector (off by default) on: only a
+# route that sends a generation to the replicas carries the key, so a route added by mistake
+# reaches a replica without it and llama.cpp refuses it (401)
+_WITH_REPLICA_KEY = {INJECT_REPLICA_KEY: {"@type": _T + "envoy.config.route.v3.FilterConfig", "config": {}}}
+
+
+def _replica_key_secret(path: str) -> dict[str, Any]:
+    """The replicas' key as a secret of the bootstrap: only the file's path is in the config
+    (and Envoy's admin /config_dump shows even that as "[redacted]"). Read once at start-up."""
+    return {"name": REPLICA_KEY_SECRET, "generic_secret": {"secret": {"filename": path}}}
+
+
+def _inject_replica_key() -> dict[str, Any]:
+    """authorization: Bearer <key>, replacing any value (the client's was removed already)."""
+    return {
+        "name": INJECT_REPLICA_KEY,
+        "disabled": True,
+        "typed_config": {
+            "@type": _T + "envoy.extensions.filters.http.credential_injector.v3.CredentialInjector",
+            "overwrite": True,
+            "credential": {
+                "name": "envoy.http.injected_credentials.generic",
+                "typed_config": {
+                    "@type": _T + "envoy.extensions.http.injected_credentials.generic.v3.Generic",
+                    "credential": {"name": REPLICA_KEY_SECRET},
+                    "header": REPLICA_KEY_HEADER,
+                    "header_value_prefix": "Bearer ",
+                },
             },
         },
     }
@@ -330,16 +373,18 @@ def _access_log() -> dict[str, Any]:
     }
 
 
-def _route_config(retries: int, cors_origins: Sequence[str] = ()) -> dict[str, Any]:
+def _route_config(retries: int, with_replica_key: bool, cors_origins: Sequence[str] = ()) -> dict[str, Any]:
     """The gateway's surface (surface.py), nothing more: POST on a generation path -> the replicas
     (the service's pick; round robin when the service is down and fail_open is set; a trailing
-    slash dropped on the way), the answer observed only when the service asked for it; GET on a
-    read-only path -> the service, which answers it itself; another method there -> 405; any
-    other path -> 404. A CORS policy on the virtual host when cors_origins is set."""
+    slash dropped on the way; the replicas' key added when with_replica_key), the answer observed
+    only when the service asked for it; GET on a read-only path -> the service, which answers it
+    itself; another method there -> 405; any other path -> 404. A CORS policy on the virtual
+    host when cors_origins is set."""
     post = {"name": ":method", "string_match": {"exact": "POST"}}
     get = {"name": ":method", "string_match": {"exact": "GET"}}
     observe = {"name": OBSERVE, "present_match": True}
     no_observer = {"ext_proc.observe": {"@type": _EXT_PROC_PER_ROUTE, "disabled": True}}
+    key = _WITH_REPLICA_KEY if with_replica_key else {}
     # CONNECT (a tunnel; its body never ends) is refused at once: without this route the
     # buffer filter would wait for the end of that body (measured: no answer in 10 s).
     routes: list[dict[str, Any]] = [_local_reply({"connect_matcher": {}}, 405, "method CONNECT not allowed",
@@ -354,14 +399,14 @@ def _route_config(retries: int, cors_origins: Sequence[str] = ()) -> dict[str, A
                     "route": {**_to_replicas(cluster, retries), "regex_rewrite": TRAILING_SLASH},
                     "request_headers_to_remove": [OBSERVE],
                     "response_headers_to_add": _response_headers(),
-                    **({"typed_per_filter_config": per_filter} if per_filter else {}),
+                    **({"typed_per_filter_config": per_filter | key} if per_filter | key else {}),
                 }
             )
         routes.append(_not_allowed(path, "POST", match))
     read_only = [("path", path) for path in (*MODELS_PATHS, *HEALTH_PATHS)] + [("prefix", MODEL_PREFIX)]
     for kind, path in read_only:
         routes.append({"match": {kind: path, "headers": [get]}, "route": _to_replicas(CLUSTER, retries),
-                       "typed_per_filter_config": no_observer})
+                       "typed_per_filter_config": no_observer | key})
         routes.append(_not_allowed(path, "GET", {kind: path}))
     unknown = f"unknown path: the gateway serves {SERVED_PATHS}"
     routes.append(_local_reply({"prefix": "/"}, 404, unknown, "unknown_path"))
@@ -619,6 +664,7 @@ EXAMPLE_ARGUMENTS: dict[str, Any] = {
     "fail_open": True,
     "max_request_bytes": 4194304,
     "retries": 2,
+    "replica_key_file": ".llm-ring/replica-api-key",
 }
 
 

@@ -30,6 +30,11 @@ PREDICTED_CACHED = "x-route-predicted-cached-tokens"  # the router's guess, comp
 REQUEST_ID = "x-request-id"
 OBSERVE = "x-llm-ring-observe"  # set by the service on streamed requests: observe the answer
 ROUTED_PATHS = ("/v1/chat/completions", "/v1/completions", "/completion")
+# Where llama.cpp reads its API key from (--api-key-file; x-api-key when authorization is
+# absent): the gateway removes both from client requests and sets authorization on the ones
+# it routes, "Bearer <key>" (docs/security.md#the-replicas-api-key).
+REPLICA_KEY_HEADER = "authorization"
+CLIENT_KEY_HEADERS = (REPLICA_KEY_HEADER, "x-api-key")
 CLUSTER = "replicas"  # whole JSON answers: keep-alive connections
 STREAMED_CLUSTER = "replicas-streamed"  # the same replicas, one connection per streamed answer
 EXT_PROC_CLUSTER = "ext_proc"

@@ -27,6 +27,9 @@ class Lab(Protocol):
     def replicas(self) -> dict[str, str]:
         """The ready replicas: {name: "ip:port"}."""
 
+    def replica_headers(self) -> dict[str, str]:
+        """What a request straight to a replica carries: their API key ({}: they want none)."""
+
 
 @runtime_checkable
 class GatewayTier(Protocol):
@@ -79,3 +82,6 @@ class RemoteLab:
 
     def replicas(self) -> dict[str, str]:
         return {r["name"]: r["address"] for r in self._admin.state()["replicas"] if r["healthy"]}
+
+    def replica_headers(self) -> dict[str, str]:
+        return {}  # the replicas' key stays in the cluster: refused (401), the context check is skipped

@@ -174,7 +174,7 @@ def _check_inputs(
         generate_conversations(profile, seed)  # a first turn too long for the context fails here
     check_gateway(lab.gateway_url)
     for name, address in lab.replicas().items():
-        slot = slot_context(address)
+        slot = slot_context(address, lab.replica_headers())
         if slot is not None:
             try:
                 check_context(profile, slot)
@@ -206,21 +206,23 @@ def check_gateway(url: str, timeout: float = 3.0) -> None:
         ) from None
 
 
-def slot_context(address: str, timeout: float = 5.0) -> int | None:
-    """A llama.cpp replica's per-slot context (GET /props), or None if it does not say."""
+def slot_context(address: str, headers: dict[str, str], timeout: float = 5.0) -> int | None:
+    """A llama.cpp replica's per-slot context (GET /props), or None if it does not say.
+    headers: the replicas' key (Lab.replica_headers)."""
     try:
-        props = httpx.get(f"http://{address}/props", timeout=timeout).json()
+        props = httpx.get(f"http://{address}/props", headers=headers, timeout=timeout).json()
         return int(props["default_generation_settings"]["n_ctx"])
     except (httpx.HTTPError, ValueError, KeyError, TypeError):
         return None
 
 
-def warm_up(replicas: dict[str, str], timeout: float = 300.0) -> None:
-    """One tiny request per replica, straight to it (the router never sees it)."""
+def warm_up(replicas: dict[str, str], headers: dict[str, str], timeout: float = 300.0) -> None:
+    """One tiny request per replica, straight to it (the router never sees it); headers: the
+    replicas' key (Lab.replica_headers)."""
     body = {"messages": [{"role": "user", "content": "warm-up"}], "max_tokens": 2, "ignore_eos": True}
     for name, address in replicas.items():
         try:
-            httpx.post(f"http://{address}/v1/chat/completions", json=body, timeout=timeout)
+            httpx.post(f"http://{address}/v1/chat/completions", json=body, headers=headers, timeout=timeout)
         except httpx.HTTPError as exc:
             raise LabError(f"warm-up of replica {name} ({address}) failed: {exc}") from None
 
@@ -245,7 +247,7 @@ def _run_one(
         lab.scale(start_replicas)
     lab.reset()
     lab.set_policy(spec.routing)
-    warm_up(lab.replicas())
+    warm_up(lab.replicas(), lab.replica_headers())
     meta = RunMeta(
         run_id=run_id, policy=spec.label, seed=seed, simulated=False,
         profile=dataclasses.asdict(profile), routing=spec.routing,

@@ -111,14 +111,16 @@ Lookup = Callable[[], Neighbours]
 class Drainer:
     """GET /drain: once per pod; a hook delivered twice (the kubelet's are "at least once")
     waits for the first drain and gets its answer. router_token: what the routers' migration
-    ports want (sidecar.router_token_file's)."""
+    ports want (sidecar.router_token_file's); replica_key: what the replicas want
+    (sidecar.replica_api_key_file's)."""
 
     def __init__(self, settings: SlotSidecarSettings, pod: Pod, lookup: Lookup,
-                 router_token: str | None = None) -> None:
+                 router_token: str | None = None, replica_key: str | None = None) -> None:
         self.settings = settings
         self.pod = pod
         self.lookup = lookup
         self.router_token = router_token
+        self.replica_key = replica_key
         self.sidecar = f"{pod.ip}:{settings.sidecar.listen.rpartition(':')[2]}"  # where receivers fetch from
         self._once = threading.Lock()
         self._answer: dict[str, Any] | None = None
@@ -168,11 +170,12 @@ class Drainer:
             Costs(sidecar.kv_bytes_per_token, migration.prefill_ms_per_token / 1000,
                   migration.transfer_mib_per_second * 2**20),
             Limits(migration.min_tokens, limit, migration.max_age_seconds, limit), deadline,
-            progress=lambda line: print(line, flush=True), done=done, router_token=self.router_token)
+            progress=lambda line: print(line, flush=True), done=done, router_token=self.router_token,
+            replica_key=self.replica_key)
 
     def _wait_idle(self, deadline: float) -> None:
         """Until no slot of this replica is processing a request (or the deadline)."""
-        server = LlamaServer(self.pod.llama, timeout=5.0)
+        server = LlamaServer(self.pod.llama, 5.0, self.replica_key)
         while time.monotonic() < deadline:
             try:
                 if not any(slot.processing for slot in server.slots()):
@@ -183,13 +186,13 @@ class Drainer:
 
 
 def serve(settings: SlotSidecarSettings, pod: Pod, lookup: Lookup,
-          router_token: str | None = None) -> ThreadingHTTPServer:
+          router_token: str | None = None, replica_key: str | None = None) -> ThreadingHTTPServer:
     """The sidecar's HTTP server for this pod, on sidecar.listen (not yet serving)."""
     sidecar = settings.sidecar
     host, _, port = sidecar.listen.rpartition(":")
     limit = settings.migration.max_disk_mib * 2**20
     files = SidecarSettings(sidecar.folder, pod.identity, limit, settings.migration.max_age_seconds)
-    drainer = Drainer(settings, pod, lookup, router_token)
+    drainer = Drainer(settings, pod, lookup, router_token, replica_key)
     server = make_server((host, int(port)), files, drainer)
     drainer.sidecar = f"{pod.ip}:{server.server_address[1]}"  # port 0: the one bound
     return server
@@ -205,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
             raise SettingsError(f"{args.config}: sidecar.folder {settings.sidecar.folder} is not a folder")
         pod = pod_from_environment(os.environ, settings.sidecar.model_folder)
         router_token = read_secret_file("sidecar.router_token_file", settings.sidecar.router_token_file)
+        replica_key = read_secret_file("sidecar.replica_api_key_file", settings.sidecar.replica_api_key_file)
     except SettingsError as exc:
         print(exc, file=sys.stderr)
         return 2
@@ -217,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
             api.append(default_api_client())
         return neighbours(api[0], settings, pod.name)
 
-    server = serve(settings, pod, lookup, router_token)
+    server = serve(settings, pod, lookup, router_token, replica_key)
     print(f"slot sidecar of {pod.name} on {settings.sidecar.listen} for {settings.sidecar.folder} "
           f"({pod.identity.tag})", flush=True)
     server.serve_forever()

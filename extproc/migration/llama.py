@@ -1,4 +1,7 @@
-"""The few llama.cpp server endpoints a migration uses (the server must run with --slot-save-path)."""
+"""The few llama.cpp server endpoints a migration uses (the server must run with --slot-save-path).
+
+Every call carries the replicas' API key (their --api-key-file): llama.cpp answers 401
+without it (docs/security.md#the-replicas-api-key)."""
 
 from __future__ import annotations
 
@@ -21,10 +24,16 @@ class Slot:
     last_task: int  # the id of the last task it ran (-1: none): a larger one was used later
 
 
+def key_headers(key: str | None) -> dict[str, str]:
+    """What a request straight to a replica carries: its API key (nothing without one)."""
+    return {"authorization": f"Bearer {key}"} if key else {}
+
+
 class LlamaServer:
-    def __init__(self, address: str, timeout: float = 30.0) -> None:
+    def __init__(self, address: str, timeout: float = 30.0, key: str | None = None) -> None:
         self.address = address
         self.timeout = timeout
+        self.key = key
 
     def slots(self) -> list[Slot]:
         return [Slot(int(s["id"]), int(s.get("n_prompt_tokens") or 0), bool(s.get("is_processing")),
@@ -37,6 +46,10 @@ class LlamaServer:
     def restore(self, slot: int, filename: str) -> dict[str, Any]:
         """{"n_restored": tokens, "n_read": bytes, ...}"""
         return dict(self._call("POST", f"/slots/{slot}?action=restore", {"filename": filename}))
+
+    def erase(self, slot: int) -> None:
+        """Empty the slot's KV cache."""
+        self._call("POST", f"/slots/{slot}?action=erase")
 
     def held(self, slot: int, tokens: list[int]) -> int:
         """How many of `tokens` slot `slot` holds: runs them there, generating nothing (llama.cpp
@@ -57,7 +70,7 @@ class LlamaServer:
     def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
         data = None if body is None else json.dumps(body).encode()
         request = urllib.request.Request(f"http://{self.address}{path}", data=data, method=method,
-                                         headers={"content-type": "application/json"})
+                                         headers={"content-type": "application/json", **key_headers(self.key)})
         try:
             with urllib.request.urlopen(request, timeout=self.timeout) as reply:
                 return json.loads(reply.read())

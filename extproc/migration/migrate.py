@@ -86,11 +86,12 @@ class SharedFolder:
 def migrate_out(leaving: tuple[str, str], staying: Mapping[str, str], routers: Sequence[str], folder: Path,
                 identity: slotfiles.Identity, transport: Transport, costs: Costs, limits: Limits, deadline: float,
                 progress: Progress = lambda _: None, done: frozenset[tuple[int, int]] = frozenset(),
-                router_token: str | None = None) -> Outcome:
+                router_token: str | None = None, replica_key: str | None = None) -> Outcome:
     """Move what is worth moving from `leaving` (name, address) to `staying` ({name: address});
     folder: where the leaving replica saves (its --slot-save-path), identity: its identity;
     routers: the Admin addresses of every routing service (router_token: what their migration
-    ports want, sent with every call); done: (slot, last task) an earlier
+    ports want, sent with every call); replica_key: the replicas' API key, sent with every call
+    to a replica; done: (slot, last task) an earlier
     pass saved: a slot that ran a task since (its conversation came back) is saved again. A
     first pass moves the idle slots while the replica still serves (its routers then send those
     conversations to their receivers), a later one what changed since and what was busy."""
@@ -100,7 +101,7 @@ def migrate_out(leaving: tuple[str, str], staying: Mapping[str, str], routers: S
     outcome = Outcome(name)
     began = time.monotonic()
     try:
-        source = LlamaServer(address)
+        source = LlamaServer(address, key=replica_key)
         framing = Framing.learn(source.render)
         placed: dict[str, dict[int, int]] = {}  # opening -> {conversation key: prompt tokens}
         for router in routers:
@@ -112,8 +113,8 @@ def migrate_out(leaving: tuple[str, str], staying: Mapping[str, str], routers: S
         candidates, saved = _saved_slots(source, name, folder, identity, framing, placed, outcome, done)
         ring = HashRing(staying, int(state["virtual_nodes"]), int(state["hash_seed"]))
         with ThreadPoolExecutor(max(1, len(staying))) as pool:  # a busy replica answers after its batch: all at once
-            idle = dict(zip(staying, pool.map(lambda addr: _idle_slots(LlamaServer(addr)), staying.values()),
-                            strict=True))
+            servers = [LlamaServer(address, key=replica_key) for address in staying.values()]
+            idle = dict(zip(staying, pool.map(_idle_slots, servers), strict=True))
         moves = plan(candidates, ring, {r: len(s) for r, s in idle.items()}, costs, limits.min_tokens,
                      limits.max_bytes)
         if moves and time.monotonic() < deadline:
@@ -131,7 +132,7 @@ def migrate_out(leaving: tuple[str, str], staying: Mapping[str, str], routers: S
             # then the routers: each restore then reaches its receiver before any next turn they
             # send there, and llama.cpp runs its tasks in the order they arrive
             _tell(routers, router_token, [(m.conversation_key, m.receiver, m.tokens) for m in moves], outcome)
-            receivers = {r: LlamaServer(staying[r], max(1.0, deadline - time.monotonic())) for r in idle}
+            receivers = {r: LlamaServer(staying[r], max(1.0, deadline - time.monotonic()), replica_key) for r in idle}
             results = _restore_all(moves, receivers, idle, delivered, {k: t for k, (_, t) in saved.items()})
             for move, problem in zip(moves, results, strict=True):
                 outcome.attempted += 1

@@ -37,6 +37,9 @@ class SidecarSection(Strict):
     routers_port_name: str = Field(min_length=1)
     router_token_file: str = Field(description="file holding the token the routers' migration ports want "
                                                "(their service.migration_token_file's); empty: none")
+    replica_api_key_file: str = Field(description="file holding the API key every replica wants (their "
+                                                  "--api-key-file), for this pod's llama-server and the "
+                                                  "receivers'; empty: none")
     settle_seconds: float = Field(ge=0, le=60, description="after this pod's endpoint turns terminating: the "
                                                             "routers' watches see it, the last requests arrive")
 

@@ -31,6 +31,7 @@ from extproc.envoy.contract import (
     LB_NAMESPACE,
     OBSERVE,
     PREDICTED_CACHED,
+    REPLICA_KEY_HEADER,
     REQUEST_ID,
     ROUTE_REASON,
     ROUTED_TO,
@@ -47,14 +48,16 @@ Phase = Literal["own", "headers", "body"]
 
 
 def route_answer(
-    destination: str, replica: str, reason: str, streamed: bool, phase: Phase = "own", routing_headers: bool = True
+    destination: str, replica: str, reason: str, streamed: bool, phase: Phase = "own", routing_headers: bool = True,
+    replica_key: str = "",
 ) -> bytes:
     """Envoy's answer for a pick. ``destination``: the endpoint, then its fallbacks,
     comma-separated. Our own Envoy gets the whole list in header and metadata, and a streamed
     answer is marked to be observed (its config routes on that header); an Endpoint Picker's
     gateway gets the shape of the protocol (module docstring). routing_headers
     (service.routing_headers): the replica and the reason too, which reach the response (a header
-    left unset is not added: docs/security.md)."""
+    left unset is not added: docs/security.md). replica_key: the replicas' API key, set as
+    ``authorization: Bearer <key>`` over whatever the client sent ("": none)."""
     endpoint, _, fallbacks = destination.partition(",")
     metadata = struct_pb2.Struct()
     lb = metadata.get_or_create_struct(LB_NAMESPACE)
@@ -72,6 +75,7 @@ def route_answer(
         lb[DESTINATION] = endpoint
         if fallbacks:
             lb[DESTINATION_FALLBACK] = fallbacks.partition(",")[0]
+    headers += [header_option(REPLICA_KEY_HEADER, f"Bearer {replica_key}")] if replica_key else []
     common = pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=headers), clear_route_cache=True)
     return _answer(common, phase, dynamic_metadata=metadata)
 
@@ -162,8 +166,9 @@ class AnswerCache:
     valid until the replica set or its health changes (``forget_routes``), and the
     predicted-cached-tokens header per (value, phase) seen (at most PREDICTED_HEADERS_KEPT)."""
 
-    def __init__(self, routing_headers: bool = True) -> None:
+    def __init__(self, routing_headers: bool = True, replica_key: str = "") -> None:
         self.routing_headers = routing_headers
+        self.replica_key = replica_key
         self._routes: dict[tuple[str, str, bool, Phase], bytes] = {}
         self._predicted: dict[tuple[int, Phase], bytes] = {}
         self._responses: dict[tuple[str, str], bytes] = {}
@@ -176,7 +181,7 @@ class AnswerCache:
         answer = self._routes.get(key)
         if answer is None:
             answer = self._routes[key] = route_answer(
-                destination(replica), replica, reason, streamed, phase, self.routing_headers
+                destination(replica), replica, reason, streamed, phase, self.routing_headers, self.replica_key
             )
         return answer
 

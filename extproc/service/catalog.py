@@ -121,11 +121,13 @@ class ModelFetcher:
     (a replica loading its model answers 503); forgets replicas discovery removed."""
 
     def __init__(self, catalog: ModelCatalog, endpoints: Callable[[], Mapping[str, str]],
-                 retry_seconds: float = 1.0, timeout_seconds: float = 2.0) -> None:
+                 replica_key: str | None = None, retry_seconds: float = 1.0, timeout_seconds: float = 2.0) -> None:
+        """replica_key: the replicas' API key (service.replica_api_key_file), None when they want none."""
         self.catalog = catalog
         self.endpoints = endpoints  # the gateway's replica name -> "host:port", read when needed
         self.retry = retry_seconds
-        self.client = httpx.AsyncClient(timeout=timeout_seconds)
+        key = {"authorization": f"Bearer {replica_key}"} if replica_key else {}
+        self.client = httpx.AsyncClient(timeout=timeout_seconds, headers=key)
         self._tasks: dict[str, asyncio.Task[None]] = {}
 
     def replicas_changed(self) -> None:

@@ -166,8 +166,11 @@ class Gateway:
         metrics: Metrics,
         on_replica_failed: Callable[[str], None] = lambda name: None,
         counter: TokenCounter | None = None,
+        replica_key: str | None = None,
     ) -> None:
-        """counter: how prompts are counted (None: the one service.tokenizer names)."""
+        """counter: how prompts are counted (None: the one service.tokenizer names);
+        replica_key: the replicas' API key (service.replica_api_key_file's), set on every
+        generation routed, never on a request passed through."""
         self.router = router
         self.counter = counter or make_counter(settings.tokenizer, settings.chars_per_token)
         # replica -> the openings of the last prompts sent to it, one per slot (routing.llm-aware.replica_slots)
@@ -180,7 +183,7 @@ class Gateway:
         self.pending: dict[str, Pending] = {}
         # conversation -> {request id: history} of pending requests not yet shown answered
         self.unanswered: dict[str, dict[str, int]] = {}
-        self.answers = AnswerCache(settings.routing_headers)
+        self.answers = AnswerCache(settings.routing_headers, replica_key or "")
         self._sequence = 0
         self._id_prefix = secrets.token_hex(3) + "-"  # ids differ across restarts of the service
         self.envoy_ids: dict[str, str] = {}  # Envoy's id -> ours, while pending
@@ -757,7 +760,7 @@ class Gateway:
         if subset is None:
             return self.answers.route(replica, reason, streamed, self._destination, phase)
         return route_answer(self._destination(replica, subset), replica, reason, streamed, phase,
-                            self.settings.routing_headers)
+                            self.settings.routing_headers, self.answers.replica_key)
 
     def _destination(self, replica: str, subset: frozenset[str] | None = None) -> str:
         """The pick's endpoint, then up to service.fallbacks healthy others (in name order

@@ -100,6 +100,7 @@ async def serve(settings: Settings) -> int:
     """Serve until SIGTERM/SIGINT (drained, exit status 0) or until discovery fails (1)."""
     service = settings.service
     migration_token = read_secret_file("service.migration_token_file", service.migration_token_file)
+    replica_key = read_secret_file("service.replica_api_key_file", service.replica_api_key_file)
     try:
         credentials = server_credentials(service.tls)
     except TlsError as exc:
@@ -112,11 +113,11 @@ async def serve(settings: Settings) -> int:
         return 2
     metrics = Metrics()
     metrics.tokenizer(counter.name)
-    gateway = Gateway(Router(settings.routing), service, metrics, counter=counter)
+    gateway = Gateway(Router(settings.routing), service, metrics, counter=counter, replica_key=replica_key)
     if getattr(logging, service.log_level.upper()) <= logging.INFO:  # the per-request line, its own fast path
         gateway.decision_log = DecisionLog(sys.stdout.buffer)
     health = ReplicaHealth(gateway, service.health_probe_seconds)
-    models = ModelFetcher(gateway.catalog, lambda: gateway.endpoints, service.health_probe_seconds)
+    models = ModelFetcher(gateway.catalog, lambda: gateway.endpoints, replica_key, service.health_probe_seconds)
     gateway.on_replica_failed = health.replica_failed
     metrics.watch(gateway.replica_states, lambda: gateway.router.speeds.speeds())  # reconfigure may replace them
     if settings.store.url:  # several routers agree through it; a fresh id per start (the old one expires)

@@ -32,6 +32,8 @@ from typing import Any
 import httpx
 import numpy as np
 
+from extproc.migration.llama import key_headers
+from extproc.settings import read_secret_file
 from extproc.sim.costmodel import parse_cost_model
 
 WORDS = ("river", "stone", "paper", "light", "garden", "window", "morning", "silver", "market", "answer",
@@ -44,6 +46,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     target.add_argument("--from-records", type=Path, metavar="DIR",
                         help="fit the timings of a live experiment folder instead (concurrency included)")
     target.add_argument("--model", type=Path, help="a GGUF file: start an xllamacpp replica for the measurement")
+    parser.add_argument("--api-key-file", type=Path, metavar="FILE",
+                        help="--url: the file holding the replica's API key (a local stack's: "
+                             "<run dir>/replica-api-key)")
     parser.add_argument("--port", type=int, default=0, help="--model: loopback port (default: a free one)")
     parser.add_argument("--slots", type=int, default=4, help="--model: --parallel; also the concurrency measured")
     parser.add_argument("--threads", type=int, default=2, help="--model: CPU threads")
@@ -65,9 +70,12 @@ def main(args: argparse.Namespace) -> int:
     if args.from_records is not None:
         model = fit_records(args.from_records, args)
     else:
+        headers = {}
         if args.model is not None:
             server, url = _start_replica(args)
-        with httpx.Client(base_url=url, timeout=600) as client:
+        elif args.api_key_file is not None:
+            headers = key_headers(read_secret_file("--api-key-file", str(args.api_key_file)))
+        with httpx.Client(base_url=url, timeout=600, headers=headers) as client:
             _wait_healthy(client)
             model = calibrate(client, args)
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -21,6 +21,7 @@ def start_envoy(stack: StackRun, gw: GatewayState, progress: Progress) -> None:
     from extproc.envoy.config import render_envoy_config
     from extproc.envoy.contract import EndpointsFile, ext_proc_address
     from extproc.settings import load_settings
+    from extproc.stack.replicas import api_key_file
 
     service = load_settings(gw.router_settings).service
     endpoints = Path(service.envoy_endpoints_file)
@@ -31,6 +32,7 @@ def start_envoy(stack: StackRun, gw: GatewayState, progress: Progress) -> None:
         endpoints=EndpointsFile(str(endpoints)),
         fail_open=service.fail_open, max_request_bytes=service.max_body_bytes, retries=service.fallbacks,
         cors_origins=service.cors_origins,
+        replica_key_file=str(api_key_file(Path(stack.state.run_dir))),
     )
     (gw.envoy_dir / "envoy.yaml").write_text(config)
     envoy = spawn_envoy(stack.state, gw.envoy_dir / "envoy.yaml", gw.envoy_name)

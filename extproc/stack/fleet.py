@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import time
-import urllib.request
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -165,12 +164,12 @@ def migrate_draining(stack: StackRun, leaving: Replica, staying: list[Replica], 
     busy one as soon as its request ends (its conversation's next turn may come within
     seconds), until none is busy or the deadline."""
     if early is None:
-        _drain([leaving], deadline - time.monotonic(), progress)
+        _drain([leaving], deadline - time.monotonic(), progress, replica_key(stack))
         return {}
     from extproc.migration.llama import LlamaServer, SlotError
 
     total = early
-    source = LlamaServer(leaving.address, timeout=max(1.0, deadline - time.monotonic()))
+    source = LlamaServer(leaving.address, max(1.0, deadline - time.monotonic()), replica_key(stack))
     # a pass takes seconds on a loaded machine, and busy slots finish during it: whether
     # another pass is due is read from the slots themselves, not from which were busy before
     while time.monotonic() < deadline:
@@ -210,7 +209,7 @@ def _migrate(stack: StackRun, leaving: Replica, staying: list[Replica], deadline
     transport = SharedFolder(folder, {r.name: identity for r in staying})
     outcome = migrate_out((leaving.name, leaving.address), {r.name: r.address for r in staying},
                           [gw.router_address for gw in stack.gateway_list], folder, identity, transport, costs,
-                          limits, deadline, progress, done)
+                          limits, deadline, progress, done, replica_key=replica_key(stack))
     return outcome
 
 
@@ -226,13 +225,18 @@ def reset_caches(stack: StackRun, progress: Progress) -> None:
     current = stack.replica_list
     if settings.cache_ram_mib == 0:
         for replica in current:
-            replicas.erase_slots(replica.address, settings.parallel)
+            replicas.erase_slots(replica.address, settings.parallel, replica_key(stack))
     else:
         progress(f"restarting {len(current)} replica(s) to empty their caches")
         replicas.stop_all(current)
         stack.state.replicas = []
         start_replicas(stack, [r.name for r in current], [r.port for r in current], progress, port_wait=5.0)
         stack.save()
+
+
+def replica_key(stack: StackRun) -> str:
+    """The key this stack's replicas want (replicas.api_key_file)."""
+    return replicas.api_key(Path(stack.state.run_dir))
 
 
 def _new_port(stack: StackRun, index: int) -> int:
@@ -245,18 +249,20 @@ def _iso(wall: float) -> str:
     return datetime.fromtimestamp(wall, UTC).isoformat(timespec="milliseconds")
 
 
-def _drain(leaving: list[Replica], timeout: float, progress: Progress) -> None:
+def _drain(leaving: list[Replica], timeout: float, progress: Progress, key: str) -> None:
     """Wait until the leaving replicas finish what they were sent before they left the list."""
     deadline = time.monotonic() + timeout
     for replica in leaving:
-        while _busy_slots(replica.address) and time.monotonic() < deadline:
+        while _busy(replica.address, key) and time.monotonic() < deadline:
             time.sleep(0.1)
     progress(f"drained {', '.join(r.name for r in leaving)}")
 
 
-def _busy_slots(address: str) -> frozenset[int]:
+def _busy(address: str, key: str) -> bool:
+    """Whether a slot of the replica is processing a request (False when it does not answer)."""
+    from extproc.migration.llama import LlamaServer, SlotError
+
     try:
-        with urllib.request.urlopen(f"http://{address}/slots", timeout=2.0) as reply:
-            return frozenset(int(slot["id"]) for slot in json.loads(reply.read()) if slot.get("is_processing"))
-    except OSError:
-        return frozenset()
+        return any(slot.processing for slot in LlamaServer(address, 2.0, key).slots())
+    except SlotError:
+        return False

@@ -70,6 +70,12 @@ class LocalLab:
     def replicas(self) -> dict[str, str]:
         return self.stack.healthy_replicas()
 
+    def replica_headers(self) -> dict[str, str]:
+        from extproc.migration.llama import key_headers
+        from extproc.stack.replicas import api_key
+
+        return key_headers(api_key(Path(self.stack.state.run_dir)))
+
     def routers(self) -> dict[str, str]:
         """Every gateway's routing service: {gateway name: gRPC address}."""
         return {gw.name: gw.router_address for gw in self.stack.gateway_list}

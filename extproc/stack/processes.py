@@ -99,9 +99,11 @@ def start_gateway_envoy(
     concurrency: int = 2,
     fallbacks: int | None = None,
     stream_idle_timeout_s: int = STREAM_IDLE_TIMEOUT_S,
+    replica_key_file: Path | None = None,
 ) -> Running:
     """Envoy with the gateway configuration (render_envoy_config) on free loopback ports.
-    fallbacks: service.fallbacks of the service behind it (None: the reference settings')."""
+    fallbacks: service.fallbacks of the service behind it (None: the reference settings');
+    replica_key_file: the replicas' API key, added to every generation (None: upstreams that want none)."""
     listen, admin = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
     config = render_envoy_config(
         listen=listen,
@@ -111,7 +113,7 @@ def start_gateway_envoy(
         fail_open=fail_open,
         max_request_bytes=4 << 20,
         retries=load_settings(ROUTER_REFERENCE).service.fallbacks if fallbacks is None else fallbacks,
-
+        replica_key_file=None if replica_key_file is None else str(replica_key_file),
         stream_idle_timeout_s=stream_idle_timeout_s,
     )
     running = start_envoy(config, workdir, admin, concurrency)

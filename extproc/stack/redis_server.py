@@ -13,12 +13,11 @@ placements (short TTL) go before returning conversations (docs/several-gateways.
 
 from __future__ import annotations
 
-import os
-import secrets
 import shutil
 import socket
 from pathlib import Path
 
+from extproc.files import private_secret, write_private
 from extproc.stack.ports import HOST
 from extproc.stack.processes import Running, StartError, accepts, free_port, spawn_child, wait_until_ready
 
@@ -56,7 +55,7 @@ def router_rule(key_prefix: str) -> str:
 def write_config(port: int, folder: Path, key_prefix: str = "llm-ring", max_memory: str = MAX_MEMORY) -> Path:
     """The server's 0600 config file in ``folder`` (passwords generated once, beside it)."""
     folder.mkdir(parents=True, exist_ok=True)
-    passwords = {user: _password(password_file(folder, user)) for user in (USER, ADMIN)}
+    passwords = {user: private_secret(password_file(folder, user)) for user in (USER, ADMIN)}
     lines = [
         f"port {port}", f"bind {HOST}", "protected-mode yes", f"dir {folder}", 'save ""', "appendonly no",
         f"maxmemory {max_memory}", "maxmemory-policy volatile-ttl", "daemonize no",
@@ -65,7 +64,7 @@ def write_config(port: int, folder: Path, key_prefix: str = "llm-ring", max_memo
         f"user {ADMIN} on >{passwords[ADMIN]} ~* &* +@all",
     ]  # fmt: skip
     config = folder / "redis.conf"
-    _private(config, "\n".join(lines) + "\n")
+    write_private(config, "\n".join(lines) + "\n")
     return config
 
 
@@ -99,19 +98,3 @@ def redis_answers(port: int, timeout: float = 1.0) -> bool:
             return sock.recv(16).startswith((b"+PONG", b"-NOAUTH"))
     except OSError:
         return False
-
-
-def _password(path: Path) -> str:
-    if path.exists():
-        return path.read_text().strip()
-    password = secrets.token_hex(24)
-    _private(path, password + "\n")
-    return password
-
-
-def _private(path: Path, text: str) -> None:
-    """Written readable by the owner only, from its creation on (never briefly world-readable)."""
-    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(descriptor, "w") as file:
-        file.write(text)
-    os.chmod(path, 0o600)

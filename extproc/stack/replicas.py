@@ -3,18 +3,23 @@
 Two backends share one command line (the flag names are llama-server's):
 - ``xllamacpp``: ``python -m extproc.stack.xllamacpp_server`` (PyPI wheel, no compiler);
 - ``llama-server``: llama.cpp's own binary, given by path (see llama_build.py).
+
+Every replica wants an API key (``--api-key-file``): without it llama.cpp answers 401 to
+everything but /health, its slot actions among them (docs/security.md#the-replicas-api-key).
+The key is generated once into the run directory (``api_key_file``, mode 0600); the stack's
+Envoy adds it to the generations it forwards, and the stack's own callers send it.
 """
 
 from __future__ import annotations
 
 import sys
 import time
-import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from extproc.files import private_secret
 from extproc.stack.daemons import Daemon, http_ok, spawn, stop
 from extproc.stack.ports import HOST, check_ports_free
 
@@ -70,7 +75,7 @@ def replica_name(index: int) -> str:
     return f"llm-{index}"
 
 
-def command(settings: ReplicaSettings, port: int, slot_dir: Path) -> list[str]:
+def command(settings: ReplicaSettings, port: int, slot_dir: Path, key_file: Path) -> list[str]:
     if settings.backend == "xllamacpp":
         program = [sys.executable, "-m", "extproc.stack.xllamacpp_server"]
     elif settings.llama_server and Path(settings.llama_server).is_file():
@@ -90,19 +95,24 @@ def command(settings: ReplicaSettings, port: int, slot_dir: Path) -> list[str]:
         "--cache-ram", str(settings.cache_ram_mib),
         "--slot-prompt-similarity", str(settings.slot_prompt_similarity),
         "--slot-save-path", str(slot_dir),  # enables the /slots actions
+        "--api-key-file", str(key_file),  # ... for the key's holders alone
         "--metrics",
     ]
 
 
 def start(names_ports: Mapping[str, int], settings: ReplicaSettings, run_dir: Path,
-          die_with_parent: bool = False, port_wait: float = 0.0) -> list[Replica]:
-    """Spawn the replicas (not waiting): PortInUse first if a port stays taken for `port_wait` s."""
+          die_with_parent: bool = False, port_wait: float = 0.0, key_file: Path | None = None) -> list[Replica]:
+    """Spawn the replicas (not waiting): PortInUse first if a port stays taken for `port_wait` s.
+    key_file: the API key they want (None: the run directory's, made on first use)."""
     check_ports_free({port: f"replica {name}" for name, port in names_ports.items()}, port_wait)
     started = []
     slot_dir = slot_folder(run_dir)  # one folder for all: a slot saved by one is restored by another
     slot_dir.mkdir(parents=True, exist_ok=True)
+    if key_file is None:
+        key_file = api_key_file(run_dir)
+        private_secret(key_file)
     for name, port in names_ports.items():
-        process = spawn(command(settings, port, slot_dir), run_dir / "logs" / f"{name}.log",
+        process = spawn(command(settings, port, slot_dir, key_file), run_dir / "logs" / f"{name}.log",
                         die_with_parent=die_with_parent)
         started.append(Replica(name, port, process))
     return started
@@ -110,6 +120,16 @@ def start(names_ports: Mapping[str, int], settings: ReplicaSettings, run_dir: Pa
 
 def slot_folder(run_dir: Path) -> Path:
     return run_dir / "slots"
+
+
+def api_key_file(run_dir: Path) -> Path:
+    """The replicas' API key (their --api-key-file): one for every replica of the run directory."""
+    return run_dir / "replica-api-key"
+
+
+def api_key(run_dir: Path) -> str:
+    """The key the run directory's replicas want (made by start)."""
+    return private_secret(api_key_file(run_dir))
 
 
 def wait_healthy(replicas: Sequence[Replica], timeout: float, progress: Callable[[str], None] = print) -> float:
@@ -144,10 +164,11 @@ def healthy(address: str, timeout: float = 1.0) -> bool:
     return http_ok(f"http://{address}/health", timeout)
 
 
-def erase_slots(address: str, parallel: int) -> None:
+def erase_slots(address: str, parallel: int, key: str) -> None:
     """Empty each slot's KV cache. NOT a full reset: the host-RAM prompt cache (--cache-ram)
     survives and restores saved prefixes (measured), hence reset = restart (stack.reset)."""
+    from extproc.migration.llama import LlamaServer
+
+    server = LlamaServer(address, timeout=5.0, key=key)
     for slot in range(parallel):
-        request = urllib.request.Request(f"http://{address}/slots/{slot}?action=erase", method="POST")
-        with urllib.request.urlopen(request, timeout=5.0) as reply:
-            reply.read()
+        server.erase(slot)

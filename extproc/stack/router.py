@@ -15,6 +15,7 @@ from extproc.stack.errors import Progress, StackError
 from extproc.stack.gateways import STORE, GatewayState
 from extproc.stack.processes import ROUTER_REFERENCE, grpc_serving, socket_name
 from extproc.stack.redis_server import password_file
+from extproc.stack.replicas import api_key_file
 from extproc.stack.state import StackRun
 
 if TYPE_CHECKING:
@@ -40,6 +41,7 @@ def start_router(stack: StackRun, gw: GatewayState, base_settings: str, progress
         prefix_capacity_tokens=state.prefix_capacity_tokens or None,
         replica_slots=state.replica_settings["parallel"],
         tokenizer=stack.replica_settings().model,
+        replica_key_file=api_key_file(run),
     ))
     try:
         load_settings(gw.router_settings)
@@ -81,11 +83,12 @@ def render_router_settings(base: Path, *, policy: str, admin_listen: str, metric
                            envoy_endpoints_file: Path, store_url: str | None = None,
                            store_password_file: Path | None = None,
                            prefix_capacity_tokens: int | None = None, replica_slots: int | None = None,
-                           tokenizer: str | None = None) -> str:
+                           tokenizer: str | None = None, replica_key_file: Path | None = None) -> str:
     """The routing service's settings: `base` with this stack's addresses, files and policy.
     store_url, store_password_file (several gateways): their shared store, as [store] url and
     password_file; prefix_capacity_tokens: what this stack's replicas hold; replica_slots: their
-    --parallel; tokenizer: their GGUF model file (service.tokenizer: counted as they count)."""
+    --parallel; tokenizer: their GGUF model file (service.tokenizer: counted as they count);
+    replica_key_file: the key they want (service.replica_api_key_file: their /v1/models)."""
     raw = read_toml(base)
     raw["routing"]["policy"] = policy
     if prefix_capacity_tokens is not None:  # llm-aware's own settings ([routing.llm-aware])
@@ -102,6 +105,8 @@ def render_router_settings(base: Path, *, policy: str, admin_listen: str, metric
     )
     if tokenizer is not None:
         raw["service"]["tokenizer"] = tokenizer
+    if replica_key_file is not None:
+        raw["service"]["replica_api_key_file"] = str(replica_key_file)
     raw["discovery"].update(source="file", file=str(replicas_file))
     if store_url is not None:
         raw["store"]["url"] = store_url

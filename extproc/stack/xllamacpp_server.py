@@ -28,8 +28,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--slot-prompt-similarity", type=float, default=0.1,
                         help="a new prompt takes the idle slot sharing more than this share of it")
     parser.add_argument("--slot-save-path", default="", help="enables /slots actions (erase) when set")
+    parser.add_argument("--api-key-file", default="", help="each line a key: every request but /health must "
+                                                            "carry one (authorization: Bearer KEY)")
     parser.add_argument("--metrics", action="store_true", help="serve Prometheus /metrics")
     return parser
+
+
+def api_keys(path: str) -> list[str]:
+    """The keys in an --api-key-file, read as llama-server reads it (one a line, blank lines skipped)."""
+    if not path:
+        return []
+    with open(path) as file:
+        return [line.rstrip("\n") for line in file if line.rstrip("\n")]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -52,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     params.slot_save_path = os.path.join(args.slot_save_path, "") if args.slot_save_path else ""
     params.endpoint_slots = True
     params.endpoint_metrics = args.metrics
+    params.api_keys = api_keys(args.api_key_file)
     server = xllamacpp.Server(params)  # returns once the model is loaded and the port listens
     print(f"llm-ring replica listening on {server.listening_address}", flush=True)
     while True:

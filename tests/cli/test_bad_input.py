@@ -178,6 +178,23 @@ def test_a_missing_or_empty_migration_token_file_stops_the_service_naming_the_ke
                    str(path), problem)
 
 
+@pytest.mark.parametrize(("key", "problem"), [(None, "cannot read"), ("\n", "is empty")])
+def test_a_missing_or_empty_replica_key_file_stops_the_service_naming_the_key(tmp_path, capsys, monkeypatch, key,
+                                                                              problem):
+    path = tmp_path / "key"
+    if key is not None:
+        path.write_text(key)
+    monkeypatch.setenv("LLM_RING__SERVICE__REPLICA_API_KEY_FILE", f'"{path}"')
+    assert_refused(*run_cli(capsys, "serve", "--config", str(ROUTER_TOML)), "service.replica_api_key_file",
+                   str(path), problem)
+
+
+def test_calibrate_with_an_unreadable_api_key_file_stops_naming_the_option(tmp_path, capsys):
+    assert_refused(*run_cli(capsys, "calibrate", "--url", "http://127.0.0.1:1", "--api-key-file",
+                            str(tmp_path / "key"), "--name", "x", "--kv-bytes-per-token", "1",
+                            "--out", str(tmp_path / "x.json")), "--api-key-file", "cannot read")
+
+
 def test_a_missing_tokenizer_file_stops_the_service_naming_the_key(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("LLM_RING__SERVICE__TOKENIZER", f'"{tmp_path / "model.gguf"}"')
     assert_refused(*run_cli(capsys, "serve", "--config", str(ROUTER_TOML)), "service.tokenizer", "no such file")

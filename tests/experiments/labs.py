@@ -36,3 +36,6 @@ class DirectLab:
 
     def replicas(self) -> dict[str, str]:
         return {"llm-0": self.address}
+
+    def replica_headers(self) -> dict[str, str]:
+        return {}  # the test's replica wants no key

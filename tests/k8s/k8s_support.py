@@ -27,12 +27,21 @@ GATEWAY_FOLDERS = ("envoy-ai-gateway", "kgateway")  # one per gateway, beside IN
 PICKER_TOKEN = "picker-sa-token"
 KIND_CONFIG = REPO / "kind" / "kind-config.yaml"
 MIGRATION_TOKEN = "the-migration-token"  # the Secret llm-ring-migration's, here
+REPLICA_KEY = "the-replica-key"  # the Secret llm-ring-replica-key's, here
 
 
 def migration_token_file(folder: Path) -> Path:
     """Where a test's router or sidecar reads the migration token (the Secret's mount, here)."""
     path = folder / "migration-token"
     path.write_text(MIGRATION_TOKEN + "\n")
+    return path
+
+
+def replica_key_file(folder: Path) -> Path:
+    """Where a test's replicas, picker or sidecar read the replicas' API key (the Secret
+    llm-ring-replica-key's mount, here)."""
+    path = folder / "replica-key"
+    path.write_text(REPLICA_KEY + "\n")
     return path
 
 

@@ -44,6 +44,7 @@ from k8s_support import (
     picker_docs,
     picker_manifest_files,
     picker_settings_raw,
+    replica_key_file,
     schema_version,
 )
 
@@ -239,6 +240,19 @@ def test_the_route_sends_to_the_pool_through_each_gateway():
     assert envoy_class["spec"]["controllerName"] == "gateway.envoyproxy.io/gatewayclass-controller"
 
 
+def test_the_route_matches_only_the_paths_the_replicas_serve_to_clients():
+    """The generations on every path llama.cpp serves them on, the model list and health; no
+    prefix match reaches anything else (llama.cpp's /slots, /lora-adapters, /props, ...)."""
+    (rule,) = one(picker_docs(), "HTTPRoute")["spec"]["rules"]
+    matches = {(m.get("method"), m["path"]["type"], m["path"]["value"]) for m in rule["matches"]}
+    assert len(matches) == len(rule["matches"]) and all(m.keys() == {"method", "path"} for m in rule["matches"])
+    generations = ("/v1/chat/completions", "/chat/completions", "/v1/completions", "/completions", "/completion")
+    assert matches == {("POST", "Exact", path) for path in generations} | {
+        ("GET", "Exact", "/v1/models"), ("GET", "PathPrefix", "/v1/models/"), ("GET", "Exact", "/models"),
+        ("GET", "Exact", "/health"),
+    }
+
+
 # ----------------------------------------------------------------------------- network policies
 
 
@@ -294,6 +308,7 @@ def test_llm_ring_serve_with_the_picker_configmap_serves_tls_and_follows_the_poo
         "LLM_RING__SERVICE__ADMIN_LISTEN": f'"{admin}"',
         "LLM_RING__SERVICE__MIGRATION_LISTEN": f'"127.0.0.1:{free_port()}"',  # the ConfigMap's is the pod's address
         "LLM_RING__SERVICE__MIGRATION_TOKEN_FILE": f'"{migration_token_file(tmp_path)}"',
+        "LLM_RING__SERVICE__REPLICA_API_KEY_FILE": f'"{replica_key_file(tmp_path)}"',
         "LLM_RING__SERVICE__METRICS_LISTEN": f'"{metrics}"',
         "LLM_RING__DISCOVERY__KUBERNETES_BACKOFF_SECONDS": "0.05",
     }

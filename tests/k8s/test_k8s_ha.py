@@ -150,7 +150,7 @@ def test_the_routers_prestop_puts_an_envoy_with_the_pods_flags_into_its_drain(tm
     listen, admin = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
     (tmp_path / "envoy.yaml").write_text(render_envoy_config(
         listen=listen, admin=admin, ext_proc=None, endpoints=EndpointsFile(str(endpoints)),
-        fail_open=True, max_request_bytes=1 << 20, retries=0,
+        fail_open=True, max_request_bytes=1 << 20, retries=0, replica_key_file=None,
     ))  # fmt: skip
     drain_flags = ["--drain-time-s", envoy_flag("--drain-time-s"), "--drain-strategy", envoy_flag("--drain-strategy")]
     command = [envoy_binary(), "-c", str(tmp_path / "envoy.yaml"), "--concurrency", "1", "--disable-hot-restart"]

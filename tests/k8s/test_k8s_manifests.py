@@ -312,8 +312,11 @@ def test_envoy_starts_on_the_seeded_replica_file_with_the_pods_arguments(tmp_pat
     args = list(envoy["args"])
     config_path = Path(args[args.index("--config-path") + 1])
     config = find("ConfigMap", "gateway-envoy")["data"][config_path.name]
-    assert replica_dir in config
-    (tmp_path / config_path.name).write_text(config.replace(replica_dir, str(local_dir)))
+    key_dir = str(Path(envoy_configmap().REPLICA_KEY_FILE).parent)  # the Secret llm-ring-replica-key's mount
+    assert replica_dir in config and key_dir in config
+    (local_dir / "key").write_text("the-replica-key")
+    local_config = config.replace(replica_dir, str(local_dir)).replace(key_dir, str(local_dir))
+    (tmp_path / config_path.name).write_text(local_config)
     args[args.index("--config-path") + 1] = str(tmp_path / config_path.name)
     result = subprocess.run([envoy_binary(), "--mode", "validate", *args], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -479,3 +482,44 @@ def test_the_migration_token_reaches_the_routers_and_the_slot_sidecars_alone():
     assert set(holders) == set(token_files), "only the routers and the slot sidecars (not llama-server, not Envoy)"
     for holder, token_file in token_files.items():
         assert Path(token_file) == Path(holders[holder]) / "token", holder
+
+
+def runs_llama_server(container: dict[str, Any]) -> bool:
+    """llama.cpp's server image with its own entrypoint (llama-server), not a shell of that image."""
+    return container["image"].startswith("ghcr.io/ggml-org/llama.cpp:") and "command" not in container
+
+
+def test_every_llama_server_wants_the_replica_key_and_only_its_holders_mount_it():
+    """The Secret llm-ring-replica-key, which no manifest holds: every llama-server takes it as
+    --api-key-file (so the slot actions refuse whoever reaches the port without it), mounted
+    read-only; and it is mounted into those that call a replica with it, where their settings
+    name it (the gateway's Envoy and router, the picker, the slot sidecars), and into no other
+    container."""
+    slots = tomllib.loads(find("ConfigMap", "slot-sidecar-config")["data"]["slots.toml"])
+    envoy = json.loads(find("ConfigMap", "gateway-envoy")["data"]["envoy.yaml"])  # rendered as JSON
+    (secret,) = envoy["static_resources"]["secrets"]
+    key_files = {
+        ("StatefulSet/llm", "slot-sidecar"): slots["sidecar"]["replica_api_key_file"],
+        ("Deployment/gateway", "envoy"): secret["generic_secret"]["secret"]["filename"],
+        ("Deployment/picker", "picker"): picker_settings_raw()["service"]["replica_api_key_file"],
+        ("Deployment/gateway", "router"): router_settings_raw()["service"]["replica_api_key_file"],
+    }
+    holders, servers = {}, 0
+    for name, spec in pod_specs():
+        volumes = {v["name"] for v in spec.get("volumes", [])
+                   if v.get("secret", {}).get("secretName") == "llm-ring-replica-key"}
+        for volume in (v for v in spec["volumes"] if v["name"] in volumes):
+            assert volume["secret"]["defaultMode"] == 0o440 and spec["securityContext"]["fsGroup"], name
+        for c in containers(spec):
+            for mount in (m for m in c.get("volumeMounts", []) if m["name"] in volumes):
+                assert mount["readOnly"] is True, (name, c["name"])
+                holders[name, c["name"]] = mount["mountPath"]
+            if runs_llama_server(c):
+                servers += 1
+                args = c["args"]
+                assert "--api-key-file" in args and "--api-key" not in args, (name, c["name"])
+                key_files[name, c["name"]] = args[args.index("--api-key-file") + 1]
+    assert servers == 1, "the StatefulSet's llama container"
+    assert set(holders) == set(key_files), "llama-server and its callers alone (not the routers, not the store)"
+    for holder, key_file in key_files.items():
+        assert Path(key_file) == Path(holders[holder]) / "key", holder

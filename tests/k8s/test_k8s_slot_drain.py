@@ -25,11 +25,13 @@ from fake_apiserver import Endpoint, FakeApiServer, endpoint_slice, identity_fro
 from k8s_support import (
     MIGRATION_TOKEN,
     NAMESPACE,
+    REPLICA_KEY,
     ROUTER_TOKEN,
     all_docs,
     find,
     migration_token_file,
     picker_docs,
+    replica_key_file,
     router_settings,
 )
 from kubernetes import client
@@ -314,7 +316,9 @@ def test_a_terminating_replicas_conversation_continues_cached_on_the_other(apise
     replica = stack_replicas.ReplicaSettings("xllamacpp", str(model), 2048, 2, 1, 0)
     names = ["llm-0", "llm-1"]
     ports = {name: free_port() for name in names}
-    started = [stack_replicas.start({name: ports[name]}, replica, tmp_path / name)[0] for name in names]
+    key_file = replica_key_file(tmp_path)  # the Secret llm-ring-replica-key, for llama-server and the sidecars
+    started = [stack_replicas.start({name: ports[name]}, replica, tmp_path / name, key_file=key_file)[0]
+               for name in names]
     servers = []
     try:
         stack_replicas.wait_healthy(started, timeout=120, progress=lambda _: None)
@@ -325,13 +329,15 @@ def test_a_terminating_replicas_conversation_continues_cached_on_the_other(apise
             folder = stack_replicas.slot_folder(tmp_path / name)
             settings = sidecar_settings(listen="127.0.0.1:0", folder=str(folder), model_folder=str(model.parent),
                                         min_tokens=16, drain_seconds=30, settle_seconds=0.5,
-                                        router_token_file=str(token_file))
+                                        router_token_file=str(token_file), replica_api_key_file=str(key_file))
             pod = pod_from_environment({"POD_NAME": name, "POD_IP": "127.0.0.1", "MODEL_FILE": model.name,
                                         "LLAMA_ARG_CTX_SIZE": "2048", "LLAMA_ARG_N_PARALLEL": "2",
                                         "LLAMA_ARG_PORT": str(ports[name])}, model.parent)
             pods[name], configs[name] = pod, settings
             token = read_secret_file("sidecar.router_token_file", settings.sidecar.router_token_file)
-            server = drain_k8s.serve(settings, pod, lambda s=settings, n=name: neighbours(sidecar_api, s, n), token)
+            key = read_secret_file("sidecar.replica_api_key_file", settings.sidecar.replica_api_key_file)
+            server = drain_k8s.serve(settings, pod, lambda s=settings, n=name: neighbours(sidecar_api, s, n), token,
+                                     key)
             threading.Thread(target=server.serve_forever, daemon=True).start()
             servers.append(server)
             sidecars[name] = f"127.0.0.1:{server.server_address[1]}"
@@ -345,8 +351,8 @@ def test_a_terminating_replicas_conversation_continues_cached_on_the_other(apise
         discovery = {"SOURCE": '"kubernetes"', "KUBERNETES_NAMESPACE": f'"{NAMESPACE}"',
                      "KUBERNETES_SERVICE": '"llm"', "KUBERNETES_PORT_NAME": '"http"',
                      "KUBERNETES_BACKOFF_SECONDS": "0.05"}
-        with gateway(tmp_path / "gateway", discovery, migration_listen=f'"{migration_listen}"',
-                     migration_token_file=f'"{token_file}"') as gw:
+        with gateway(tmp_path / "gateway", discovery, replica_key_file=key_file,
+                     migration_listen=f'"{migration_listen}"', migration_token_file=f'"{token_file}"') as gw:
             messages = [{"role": "user", "content": "Tell me about the old harbour of the city, its ships and "
                                                     "its trade, and the people on its quays."}]
             headers = {"x-conversation-id": "k8s-drain"}
@@ -381,12 +387,22 @@ def test_a_terminating_replicas_conversation_continues_cached_on_the_other(apise
             # it moves nothing and tells nobody
             for wrong in (None, "not-" + MIGRATION_TOKEN):
                 refused = drain_k8s.Drainer(configs[leaving], pods[leaving],
-                                            lambda: neighbours(sidecar_api, configs[leaving], leaving), wrong)
+                                            lambda: neighbours(sidecar_api, configs[leaving], leaving), wrong,
+                                            REPLICA_KEY)
                 status, answer = refused()
                 assert status == 200 and answer["migration"]["attempted"] == 0, answer
                 assert any("UNAUTHENTICATED" in problem for problem in answer["migration"]["problems"]), answer
+            # ... and one without the replicas' key, or with another, by llama-server: nothing saved
+            for wrong in (None, "not-" + REPLICA_KEY):
+                keyless = drain_k8s.Drainer(configs[leaving], pods[leaving],
+                                            lambda: neighbours(sidecar_api, configs[leaving], leaving),
+                                            MIGRATION_TOKEN, wrong)
+                status, answer = keyless()
+                assert status == 200 and answer["migration"]["slots"] == 0, answer
+                assert any("HTTP 401" in problem for problem in answer["migration"]["problems"]), answer
             missed = drain_k8s.Drainer(configs[leaving], pods[leaving],
-                                       lambda: neighbours(sidecar_api, configs[leaving], leaving), MIGRATION_TOKEN)
+                                       lambda: neighbours(sidecar_api, configs[leaving], leaving), MIGRATION_TOKEN,
+                                       REPLICA_KEY)
             missed.sidecar = sidecars[leaving]
             status, answer = missed()
             assert status == 200 and answer["migration"]["attempted"] >= 1, answer

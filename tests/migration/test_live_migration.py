@@ -13,13 +13,13 @@ import httpx
 import pytest
 
 from extproc.migration import slotfiles
-from extproc.migration.llama import LlamaServer
+from extproc.migration.llama import LlamaServer, key_headers
 from extproc.migration.migrate import Limits, Outcome, SharedFolder, migrate_out
 from extproc.migration.planner import Costs
 from extproc.service.admin_client import AdminClient
 from extproc.stack import models
 from extproc.stack.lab import LocalLab
-from extproc.stack.replicas import slot_folder
+from extproc.stack.replicas import api_key, slot_folder
 from extproc.stack.settings import load_stack_settings
 from tests.stack.test_live_stack import FREE_PORTS, Chat, conversation_homed_on
 
@@ -43,6 +43,11 @@ def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalLab]:
         yield running
 
 
+def key(lab: LocalLab) -> str:
+    """The API key the stack's replicas want."""
+    return api_key(Path(lab.stack.state.run_dir))
+
+
 def talk(lab: LocalLab, conversation: str) -> tuple[Chat, int]:
     chat = Chat(lab.gateway_url, conversation)
     for text in (f"{conversation}: {TURNS[0]}", TURNS[1]):
@@ -57,7 +62,7 @@ def test_chats_that_open_alike_keep_a_slot_each_which_a_migration_can_move(lab: 
     (no host-RAM cache here), or held only there, which no migration moves."""
     for prefix in ("alike-a", "alike-b"):
         talk(lab, conversation_homed_on(lab, "llm-1", NAMES, prefix))
-    replica = LlamaServer(next(r.address for r in lab.stack.replica_list if r.name == "llm-1"))
+    replica = LlamaServer(next(r.address for r in lab.stack.replica_list if r.name == "llm-1"), key=key(lab))
     assert [slot.tokens > 0 for slot in replica.slots()] == [True, True]
 
 
@@ -71,7 +76,7 @@ def move_out(lab: LocalLab, staying: list[str], done: frozenset[tuple[int, int]]
     return migrate_out(("llm-2", addresses["llm-2"]), {name: addresses[name] for name in staying},
                        [stack.state.router_address], folder, ours,
                        SharedFolder(folder, dict.fromkeys(staying, receiver_identity or ours)), Costs(4096, 0.01, 1e9),
-                       Limits(16, 2**30, 3600, 2**30), time.monotonic() + 30, done=done)
+                       Limits(16, 2**30, 3600, 2**30), time.monotonic() + 30, done=done, replica_key=key(lab))
 
 
 def test_a_second_pass_into_one_replica_restores_beside_the_first_and_both_continue_cached(lab: LocalLab) -> None:
@@ -82,11 +87,12 @@ def test_a_second_pass_into_one_replica_restores_beside_the_first_and_both_conti
         assert len(outcome.moved) == 1, outcome
         done |= frozenset(outcome.saved_slots)
         chats.append((chat, held))
-    receiver = LlamaServer(next(r.address for r in lab.stack.replica_list if r.name == "llm-0"))
+    receiver = LlamaServer(next(r.address for r in lab.stack.replica_list if r.name == "llm-0"), key=key(lab))
     assert sorted(slot.tokens > 0 for slot in receiver.slots()) == [True, True]  # each restore listed in its slot
     for chat, held in chats:  # straight to the receiver: llm-2 stays in the lists here, routing is not the point
         body = {"messages": [*chat.history, {"role": "user", "content": "And who lives there now?"}], "max_tokens": 8}
-        answer = httpx.post(f"http://{receiver.address}/v1/chat/completions", json=body, timeout=60).json()
+        answer = httpx.post(f"http://{receiver.address}/v1/chat/completions", json=body, timeout=60,
+                            headers=key_headers(key(lab))).json()
         assert answer["timings"]["cache_n"] >= held - 1, chat.conversation
 
 

@@ -15,8 +15,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from extproc.files import private_secret
 from extproc.migration import slotfiles
-from extproc.migration.llama import LlamaServer
+from extproc.migration.llama import LlamaServer, key_headers
 from extproc.migration.sidecar import Sidecars, SidecarSettings, make_server
 from extproc.stack import models
 from extproc.stack.daemons import Daemon, spawn, stop
@@ -24,6 +25,7 @@ from extproc.stack.replicas import ReplicaSettings, command, healthy
 
 pytestmark = pytest.mark.live
 KEY = 0x1234ABCD
+KEY_FILE = "replica-api-key"  # the replicas' API key, in the pods' root folder
 
 
 def free_port() -> int:
@@ -38,6 +40,7 @@ def pods(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[tuple[str, P
     another identity on the second replica's folder."""
     model = models.prepare("tiny", models.data_dir(), progress=lambda _: None)
     root = tmp_path_factory.mktemp("pods")
+    private_secret(root / KEY_FILE)  # one key for both pods' replicas (a Secret mounted into each)
     settings = ReplicaSettings("xllamacpp", model.path, 2048, 2, 1, 0)
     identity = slotfiles.Identity(model.sha256, settings.slot_context, "f16")
     daemons: list[Daemon] = []
@@ -48,7 +51,8 @@ def pods(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[tuple[str, P
             folder = root / f"llm-{number}"
             folder.mkdir()
             port = free_port()
-            daemons.append(spawn(command(settings, port, folder), root / f"llm-{number}.log", die_with_parent=True))
+            daemons.append(spawn(command(settings, port, folder, root / KEY_FILE), root / f"llm-{number}.log",
+                                 die_with_parent=True))
             sidecar = make_server(("127.0.0.1", 0), SidecarSettings(folder, identity, 2**30, 3600))
             threading.Thread(target=sidecar.serve_forever, daemon=True).start()
             servers.append(sidecar)
@@ -71,10 +75,11 @@ def pods(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[tuple[str, P
 
 def test_a_slot_moves_between_pods_through_their_sidecars_and_another_identity_misses(pods: list) -> None:
     (source, source_folder, source_sidecar), (receiver, receiver_folder, receiver_sidecar), (_, _, other) = pods
+    api_key = private_secret(source_folder.parent / KEY_FILE)
     messages = [{"role": "user", "content": "Tell me about the old harbour of the city, its ships and its trade."}]
-    first = httpx.post(f"http://{source}/v1/chat/completions", timeout=60,
+    first = httpx.post(f"http://{source}/v1/chat/completions", timeout=60, headers=key_headers(api_key),
                        json={"messages": messages, "max_tokens": 8, "ignore_eos": True}).json()
-    server = LlamaServer(source)
+    server = LlamaServer(source, key=api_key)
     slot = max((s for s in server.slots() if s.tokens), key=lambda s: s.last_task)
     model_identity = slotfiles.Identity(models.prepare("tiny", models.data_dir(), lambda _: None).sha256, 1024, "f16")
     stem = slotfiles.stem(model_identity, KEY)
@@ -87,10 +92,10 @@ def test_a_slot_moves_between_pods_through_their_sidecars_and_another_identity_m
     delivered = Sidecars(source_sidecar, {"llm-1": receiver_sidecar}).deliver("llm-1", KEY)
     assert delivered == (f"{stem}.bin", len(tokens))
     assert (receiver_folder / f"{stem}.bin").read_bytes() == (source_folder / f"{stem}.bin").read_bytes()
-    restored = LlamaServer(receiver).restore(0, delivered[0])
+    restored = LlamaServer(receiver, key=api_key).restore(0, delivered[0])
     assert restored["n_restored"] == len(tokens)
     follow = [*messages, first["choices"][0]["message"], {"role": "user", "content": "And in winter?"}]
-    answer = httpx.post(f"http://{receiver}/v1/chat/completions", timeout=60,
+    answer = httpx.post(f"http://{receiver}/v1/chat/completions", timeout=60, headers=key_headers(api_key),
                         json={"messages": follow, "max_tokens": 8, "ignore_eos": True}).json()
     # the first prompt at least (the answer's tokens need not come back the same from its text)
     assert answer["timings"]["cache_n"] >= first["timings"]["prompt_n"] + first["timings"]["cache_n"] - 1

@@ -15,6 +15,7 @@ import httpx
 import openai
 
 from extproc.envoy.inference_gateways import AI_GATEWAY, UPSTREAM_HEADER
+from extproc.migration.llama import key_headers
 from extproc.service.admin_client import AdminClient
 from extproc.stack import replicas as stack_replicas
 from extproc.stack.daemons import stop
@@ -90,9 +91,10 @@ class Gateway:
 @contextmanager
 def gateway(
     workdir: Path, discovery: Mapping[str, str], fail_open: bool = True, envoy_idle_timeout_s: int | None = None,
-    **service: str,
+    replica_key_file: Path | None = None, **service: str,
 ) -> Iterator[Gateway]:
-    """`llm-ring serve` + Envoy rendered by render_envoy_config; everything stopped on exit."""
+    """`llm-ring serve` + Envoy rendered by render_envoy_config (replica_key_file: the key
+    Envoy adds to the generations, None: none); everything stopped on exit."""
     endpoints_file = workdir / "eds" / "replicas.json"
     listen = f"127.0.0.1:{free_port()}"
     started: list[Running] = []
@@ -101,7 +103,8 @@ def gateway(
         started.append(start_service(workdir / "service", service_env(listen, endpoints_file, discovery, **settings)))
         _wait_for(endpoints_file.exists, 5.0)
         idle = {"stream_idle_timeout_s": envoy_idle_timeout_s} if envoy_idle_timeout_s else {}
-        envoy = start_gateway_envoy(workdir / "envoy", started[0].ext_proc, endpoints_file, fail_open, 1, **idle)
+        envoy = start_gateway_envoy(workdir / "envoy", started[0].ext_proc, endpoints_file, fail_open, 1, **idle,
+                                    replica_key_file=replica_key_file)
         started.append(envoy)
         gw = Gateway(f"http://{envoy.listen}", started[0].address, started[0].log_path, endpoints_file, started)
         _wait_for(lambda: _has_endpoints(envoy.address), 5.0)
@@ -229,9 +232,22 @@ def _wait_for(condition: Any, timeout: float) -> None:
         time.sleep(0.05)
 
 
+@dataclass(frozen=True)
+class LlamaReplicas:
+    """Real llama.cpp replicas, started as the local stack starts them."""
+
+    addresses: dict[str, str]  # name -> host:port
+    key_file: Path  # the API key they want (their --api-key-file)
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """What a request straight to a replica carries: the key."""
+        return key_headers(self.key_file.read_text().strip())
+
+
 @contextmanager
-def two_llama_replicas(run: Path) -> Iterator[dict[str, str]]:
-    """Two real llama.cpp replicas (SmolLM2-135M, 2 slots, no prompt cache in RAM): name -> address."""
+def two_llama_replicas(run: Path) -> Iterator[LlamaReplicas]:
+    """Two real llama.cpp replicas (SmolLM2-135M, 2 slots, no prompt cache in RAM)."""
     settings = stack_replicas.ReplicaSettings(
         backend="xllamacpp", model=str(smollm2_gguf()), ctx_size=2048, parallel=2, threads=1, cache_ram_mib=0,
         alias="smollm2",
@@ -239,6 +255,6 @@ def two_llama_replicas(run: Path) -> Iterator[dict[str, str]]:
     started = stack_replicas.start({"llm-0": free_port(), "llm-1": free_port()}, settings, run)
     try:
         stack_replicas.wait_healthy(started, timeout=120, progress=lambda _: None)
-        yield {replica.name: replica.address for replica in started}
+        yield LlamaReplicas({replica.name: replica.address for replica in started}, stack_replicas.api_key_file(run))
     finally:
         stop([replica.process for replica in started])

@@ -12,6 +12,7 @@ import pytest
 from extproc.envoy.config import render_envoy_config
 from extproc.envoy.contract import (
     DESTINATION,
+    ROUTED_PATHS,
     DnsEndpoints,
     EndpointsFile,
     ext_proc_address,
@@ -33,6 +34,7 @@ def render(tmp_path: Path, **overrides: object) -> str:
         "fail_open": True,
         "max_request_bytes": 1 << 20,
         "retries": 2,
+        "replica_key_file": str(tmp_path / "replica-api-key"),
     }
     return render_envoy_config(**(arguments | overrides))
 
@@ -45,12 +47,14 @@ def render(tmp_path: Path, **overrides: object) -> str:
         {"ext_proc": None},
         {"endpoints": DnsEndpoints("llm.llm-ring.svc.cluster.local:8080"), "listen": "0.0.0.0:8080"},
         {"cors_origins": ["https://chat.example.com", "*"]},
+        {"replica_key_file": None},
     ],
-    ids=["local", "fail-closed", "envoy-alone", "dns-replicas", "cors"],
+    ids=["local", "fail-closed", "envoy-alone", "dns-replicas", "cors", "no-replica-key"],
 )
 @pytest.mark.live
 def test_envoy_validates_the_rendered_config(tmp_path: Path, overrides: dict) -> None:
     write_endpoints_file(tmp_path / "replicas.json", {"llm-0": "127.0.0.1:8081"})
+    (tmp_path / "replica-api-key").write_text("the-key\n")
     path = tmp_path / "envoy.yaml"
     path.write_text(render(tmp_path, **overrides))
     result = subprocess.run(
@@ -69,10 +73,11 @@ def test_client_routing_headers_are_stripped_before_ext_proc(tmp_path: Path) -> 
         "ext_proc.route",
         "ext_proc.observe",
         "timings",
+        "inject-replica-key",
         "envoy.filters.http.router",
     ]
     removed = [m["remove"] for m in manager["http_filters"][0]["typed_config"]["mutations"]["request_mutations"]]
-    assert DESTINATION in removed
+    assert {DESTINATION, "authorization", "x-api-key"} <= set(removed)
     whole_body, route, observe = (f["typed_config"] for f in manager["http_filters"][1:4])
     assert whole_body["max_request_bytes"] == 1 << 20  # one chunk for ext_proc, 413 past the limit
     assert route["failure_mode_allow"] is True and route["processing_mode"]["request_body_mode"] == "STREAMED"
@@ -104,6 +109,25 @@ def test_the_bench_and_test_gateway_retry_service_fallbacks(tmp_path: Path, monk
     processes.start_gateway_envoy(tmp_path, None, tmp_path / "replicas.json", fail_open=True, fallbacks=7)
     reference = load_settings(processes.ROUTER_REFERENCE).service.fallbacks
     assert [_num_retries(config) for config in rendered] == [{reference}, {7}]
+
+
+def test_the_replicas_key_is_a_file_envoy_reads_and_only_generation_routes_send_it(tmp_path: Path) -> None:
+    """The key is never in the config, only its file's path; the injector is off but where a
+    route turns it on, and only the routes to the replicas do: every generation route."""
+    text = render(tmp_path)
+    config = json.loads(text)
+    assert config["static_resources"]["secrets"] == [
+        {"name": "replica-api-key", "generic_secret": {"secret": {"filename": str(tmp_path / "replica-api-key")}}}]
+    manager = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    (injector,) = [f for f in manager["http_filters"] if f["name"] == "inject-replica-key"]
+    assert injector["disabled"] is True and injector["typed_config"]["overwrite"] is True
+    generic = injector["typed_config"]["credential"]["typed_config"]
+    assert (generic["header"], generic["header_value_prefix"]) == ("authorization", "Bearer ")
+    routes = manager["route_config"]["virtual_hosts"][0]["routes"]
+    keyed = [r for r in routes if "inject-replica-key" in r.get("typed_per_filter_config", {})]
+    assert keyed == [r for r in routes if "route" in r] and {r["match"]["path"] for r in keyed} == set(ROUTED_PATHS)
+    without = json.loads(render(tmp_path, replica_key_file=None))
+    assert "secrets" not in without["static_resources"] and "inject-replica-key" not in json.dumps(without)
 
 
 def _num_retries(config: dict) -> set[int]:

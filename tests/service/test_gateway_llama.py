@@ -1,6 +1,8 @@
-"""The gateway in front of real llama.cpp replicas (xllamacpp + SmolLM2-135M, 2 replicas):
-cache reuse across turns, SSE chunk by chunk, load released for finished and abandoned
-requests, replica list from a watched file."""
+"""The gateway in front of real llama.cpp replicas (xllamacpp + SmolLM2-135M, 2 replicas,
+started as the local stack starts them: they want an API key): cache reuse across turns, SSE
+chunk by chunk, load released for finished and abandoned requests, replica list from a
+watched file; the replicas refuse whoever lacks their key, and Envoy adds it to every
+generation, also failing open."""
 
 from __future__ import annotations
 
@@ -8,14 +10,18 @@ import json
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
+from extproc.envoy.contract import write_endpoints_file
 from extproc.routing import reasons
+from extproc.stack.processes import free_port, start_gateway_envoy
 from tests.service.gateway_support import (
     Gateway,
+    LlamaReplicas,
     assert_each_turn_reused_the_whole_previous_prompt,
     assert_sdk_turns_stay_on_one_cache,
     back_to_back,
@@ -29,18 +35,18 @@ SYSTEM = {"role": "system", "content": "You are a helpful assistant. Answer in o
 
 
 @pytest.fixture(scope="module")
-def llama(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+def llama(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LlamaReplicas]:
     with two_llama_replicas(tmp_path_factory.mktemp("replicas")) as replicas:
         yield replicas
 
 
 @pytest.fixture(scope="module")
-def gw(llama: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+def gw(llama: LlamaReplicas, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
     workdir = tmp_path_factory.mktemp("gw")
     replica_file = workdir / "replicas.json"
-    replica_file.write_text(json.dumps(llama))
+    replica_file.write_text(json.dumps(llama.addresses))
     discovery = {"SOURCE": '"file"', "FILE": f'"{replica_file}"', "FILE_POLL_SECONDS": "0.1"}
-    with gateway(workdir, discovery) as running:
+    with gateway(workdir, discovery, replica_key_file=llama.key_file) as running:
         yield running
 
 
@@ -78,7 +84,7 @@ def test_completion_endpoint_is_routed_and_its_timings_read(gw: Gateway) -> None
     assert logged["max_tokens"] == 4 and logged["predicted_n"] == reply.json()["timings"]["predicted_n"]
 
 
-def test_sse_arrives_chunk_by_chunk_through_envoy(gw: Gateway, llama: dict[str, str]) -> None:
+def test_sse_arrives_chunk_by_chunk_through_envoy(gw: Gateway, llama: LlamaReplicas) -> None:
     body = {
         "messages": [SYSTEM, {"role": "user", "content": "Count from one to twenty in words."}],
         "max_tokens": 32,
@@ -86,7 +92,7 @@ def test_sse_arrives_chunk_by_chunk_through_envoy(gw: Gateway, llama: dict[str, 
         "ignore_eos": True,
     }
     cold = _stream(gw.url + CHAT, body, {"x-conversation-id": "count"})  # the prompt is now cached there
-    direct = _stream(f"http://{llama[cold['routed_to']]}{CHAT}", body, {})
+    direct = _stream(f"http://{llama.addresses[cold['routed_to']]}{CHAT}", body, llama.headers)
     through = _stream(gw.url + CHAT, body, {"x-conversation-id": "count"})
     assert through["routed_to"] == cold["routed_to"]
     assert through["chunks"] >= 8  # not buffered into one piece
@@ -117,9 +123,9 @@ def test_abandoned_stream_releases_its_load(gw: Gateway) -> None:
     assert _decision(gw, request_id)["outcome"] == "abandoned"
 
 
-def test_replica_file_changes_are_followed(gw: Gateway, llama: dict[str, str]) -> None:
+def test_replica_file_changes_are_followed(gw: Gateway, llama: LlamaReplicas) -> None:
     replica_file = gw.log.parent.parent / "replicas.json"
-    replica_file.write_text(json.dumps({"llm-0": llama["llm-0"]}))
+    replica_file.write_text(json.dumps({"llm-0": llama.addresses["llm-0"]}))
     try:
         _until(lambda: [r["name"] for r in gw.state()["replicas"]] == ["llm-0"])
         for i in range(4):
@@ -131,8 +137,60 @@ def test_replica_file_changes_are_followed(gw: Gateway, llama: dict[str, str]) -
             )
             assert reply.headers["x-routed-to"] == "llm-0"
     finally:
-        replica_file.write_text(json.dumps(llama))
+        replica_file.write_text(json.dumps(llama.addresses))
         _until(lambda: len(gw.state()["replicas"]) == 2)
+
+
+# ---------------------------------------------------------------- the replicas' API key
+# llama.cpp's --api-key-file, as the local stack and the Kubernetes replicas run it: the slot
+# actions (--slot-save-path) and everything else but /health refuse a request without the key,
+# so a wrong route or NetworkPolicy still reaches no control action (docs/security.md).
+CONTROL = [("GET", "/slots"), ("POST", "/slots/0?action=erase"), ("POST", "/slots/0?action=save"),
+           ("POST", "/slots/0?action=restore"), ("POST", "/lora-adapters"), ("GET", "/props"), ("POST", "/props"),
+           ("GET", "/metrics"), ("POST", "/tokenize"), ("POST", CHAT), ("POST", "/completion")]
+
+
+@pytest.mark.parametrize("method, path", CONTROL)
+def test_a_replica_refuses_whoever_lacks_its_key(llama: LlamaReplicas, method: str, path: str) -> None:
+    body = {"filename": "attacker-written.bin"} if "action" in path else {"messages": [], "prompt": "x"}
+    for address in llama.addresses.values():
+        for credentials in ({}, {"authorization": "Bearer not-the-key"}, {"x-api-key": "not-the-key"}):
+            reply = httpx.request(method, f"http://{address}{path}", json=body, headers=credentials, timeout=10)
+            assert reply.status_code == 401, (address, credentials, reply.text)
+    assert not list(llama.key_file.parent.glob("slots/attacker-written.bin"))
+
+
+def test_with_the_key_the_same_replica_answers_and_health_needs_none(llama: LlamaReplicas) -> None:
+    """The refusals above are the key's doing: with it /slots answers (and the probes need none)."""
+    for address in llama.addresses.values():
+        slots = httpx.get(f"http://{address}/slots", headers=llama.headers, timeout=10)
+        assert slots.status_code == 200 and len(slots.json()) == 2
+        assert httpx.get(f"http://{address}/health", timeout=10).status_code == 200
+
+
+def test_envoy_adds_the_key_to_a_generation_over_whatever_the_client_sent(gw: Gateway) -> None:
+    for credentials in ({}, {"authorization": "Bearer not-the-key"}, {"x-api-key": "not-the-key"}):
+        reply = httpx.post(gw.url + CHAT, json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+                           headers=credentials, timeout=60)
+        assert reply.status_code == 200 and reply.headers["x-routed-to"] in ("llm-0", "llm-1"), reply.text
+
+
+def test_envoy_failing_open_still_adds_the_key(llama: LlamaReplicas, tmp_path: Path) -> None:
+    """No routing service (nothing listens on its port): Envoy serves round robin, with the key."""
+    endpoints = tmp_path / "replicas.json"
+    write_endpoints_file(endpoints, llama.addresses)
+    envoy = start_gateway_envoy(tmp_path / "envoy", f"127.0.0.1:{free_port()}", endpoints, True, 1,
+                                replica_key_file=llama.key_file)
+    try:
+        served = set()
+        for turn in range(4):
+            reply = httpx.post(f"http://{envoy.listen}{CHAT}", timeout=60,
+                               json={"messages": [{"role": "user", "content": f"open {turn}"}], "max_tokens": 2})
+            assert reply.status_code == 200 and "x-routed-to" not in reply.headers, reply.text
+            served.add(reply.headers["x-gateway-destination-endpoint-served"])
+        assert served == set(llama.addresses.values()), "round robin over both"
+    finally:
+        envoy.stop()
 
 
 def _stream(url: str, body: dict[str, Any], headers: dict[str, str]) -> dict[str, Any]:

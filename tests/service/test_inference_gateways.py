@@ -1,8 +1,9 @@
 """`llm-ring serve` as the Endpoint Picker of InferencePool gateways: real Envoy with each
 gateway's data plane (extproc.envoy.inference_gateways: Envoy AI Gateway full-duplex and
 buffered, kgateway and Istio full-duplex; the picker over TLS), real llama.cpp replicas
-(xllamacpp + SmolLM2-135M, 2 replicas). The picker is configured as a gateway user would
-(start_picker_service: static replicas, self-signed TLS, nothing else).
+(xllamacpp + SmolLM2-135M, 2 replicas, which want an API key). The picker is configured as a
+gateway user would (start_picker_service: static replicas, self-signed TLS, the replicas' key
+file, nothing else).
 
 Each plane: JSON and SSE turns back to back, the openai SDK with no custom header, a fan-out
 on one prefix, the subset hint (honoured; 503 when nothing in it is eligible), a stream the
@@ -47,7 +48,7 @@ from extproc.stack.processes import (
     start_picker_service,
     tls_grpc_serving,
 )
-from tests.service.gateway_support import assert_sdk_turns_stay_on_one_cache, two_llama_replicas
+from tests.service.gateway_support import LlamaReplicas, assert_sdk_turns_stay_on_one_cache, two_llama_replicas
 
 pytestmark = pytest.mark.live
 CHAT = "/v1/chat/completions"
@@ -76,14 +77,15 @@ class Plane:
 
 
 @pytest.fixture(scope="module")
-def llama(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+def llama(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LlamaReplicas]:
     with two_llama_replicas(tmp_path_factory.mktemp("replicas")) as replicas:
         yield replicas
 
 
 @pytest.fixture(scope="module")
-def picker(llama: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
-    running = start_picker_service(tmp_path_factory.mktemp("picker"), llama, health_probe_seconds="0.2",
+def picker(llama: LlamaReplicas, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
+    running = start_picker_service(tmp_path_factory.mktemp("picker"), llama.addresses, health_probe_seconds="0.2",
+                                   replica_api_key_file=f'"{llama.key_file}"',
                                    log_level='"debug"')
     try:
         yield running
@@ -92,12 +94,12 @@ def picker(llama: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> I
 
 
 @pytest.fixture(scope="module", params=PLANES, ids=PLANE_IDS)
-def plane(request: pytest.FixtureRequest, llama: dict[str, str], picker: Running,
+def plane(request: pytest.FixtureRequest, llama: LlamaReplicas, picker: Running,
           tmp_path_factory: pytest.TempPathFactory) -> Iterator[Plane]:
     gateway, mode, served = request.param
-    envoy = start_plane(tmp_path_factory.mktemp("envoy"), gateway, mode, served, picker, llama)
+    envoy = start_plane(tmp_path_factory.mktemp("envoy"), gateway, mode, served, picker, llama.addresses)
     try:
-        yield Plane(f"http://{envoy.listen}", picker, {address: name for name, address in llama.items()})
+        yield Plane(f"http://{envoy.listen}", picker, {address: name for name, address in llama.addresses.items()})
     finally:
         envoy.stop()
 
@@ -117,16 +119,18 @@ def test_the_picker_serves_the_protocol_health_names_over_tls(picker: Running) -
 
 
 def test_the_picker_serves_a_gateway_with_only_the_settings_the_guide_names(
-    tmp_path: Path, llama: dict[str, str]
+    tmp_path: Path, llama: LlamaReplicas
 ) -> None:
-    """Static replicas, the ports, no socket, no EDS file, self-signed TLS: nothing else set."""
-    minimal = start_picker_service(tmp_path / "picker", llama, private_admin=False)
+    """Static replicas, the ports, no socket, no EDS file, self-signed TLS, the replicas' key
+    file: nothing else set."""
+    minimal = start_picker_service(tmp_path / "picker", llama.addresses, private_admin=False,
+                                   replica_api_key_file=f'"{llama.key_file}"')
     try:
-        envoy = start_plane(tmp_path / "envoy", AI_GATEWAY, "duplex", False, minimal, llama)
+        envoy = start_plane(tmp_path / "envoy", AI_GATEWAY, "duplex", False, minimal, llama.addresses)
         try:
             reply = httpx.post(f"http://{envoy.listen}{CHAT}", timeout=60,
                                json={"messages": [{"role": "user", "content": "Hello?"}], "max_tokens": 2})
-            assert reply.status_code == 200 and reply.headers[UPSTREAM_HEADER] in llama.values(), reply.text
+            assert reply.status_code == 200 and reply.headers[UPSTREAM_HEADER] in llama.addresses.values(), reply.text
         finally:
             envoy.stop()
     finally:
@@ -206,6 +210,38 @@ def test_an_abandoned_stream_releases_its_load(plane: Plane) -> None:
         while plane.state()["in_flight_requests"] != 1:
             assert time.monotonic() < deadline, "the request was never charged"
             time.sleep(0.05)
+    plane.assert_idle()
+
+
+def test_a_generation_carries_the_replicas_key_over_whatever_the_client_sent(plane: Plane) -> None:
+    """The picker's answer sets authorization: a client's own (or none) never reaches the replica."""
+    for credentials in ({"authorization": "Bearer not-the-key"}, {"x-api-key": "not-the-key"}):
+        post(plane, {"messages": [{"role": "user", "content": "Who holds the key?"}], "max_tokens": 2}, credentials)
+    plane.assert_idle()
+
+
+CONTROL = [("GET", "/slots"), ("POST", "/slots/0?action=erase"), ("POST", "/slots/1?action=erase"),
+           ("POST", "/slots/0?action=save"), ("POST", "/slots/0?action=restore"), ("POST", "/lora-adapters"),
+           ("GET", "/props"), ("GET", "/metrics")]
+
+
+def test_no_control_action_reaches_a_replica_with_the_key_and_a_victims_cache_stays(plane: Plane) -> None:
+    """Whatever the gateway lets through to a replica besides a generation goes without the
+    replicas' key, so llama.cpp refuses it (401; or the gateway refuses it first): nobody's
+    slots are read, erased, saved or restored."""
+    history = [{"role": "user", "content": "Remember the lighthouse keeper and the storm of the north coast."}]
+    first = post(plane, {"messages": history, "max_tokens": 4, "ignore_eos": True}, {"x-conversation-id": "victim"})
+    answer = first.json()
+    held = answer["timings"]["cache_n"] + answer["timings"]["prompt_n"]
+    for _ in range(2):  # the pass-through turns round the replicas
+        for method, path in CONTROL:
+            reply = httpx.request(method, plane.url + path, json={"filename": "attacker-written.bin"}, timeout=30,
+                                  headers={"authorization": "Bearer not-the-key"})
+            assert reply.status_code in (401, 404), (method, path, reply.status_code, reply.text)
+    history += [answer["choices"][0]["message"], {"role": "user", "content": "What did he see?"}]
+    second = post(plane, {"messages": history, "max_tokens": 4}, {"x-conversation-id": "victim"})
+    assert second.headers[UPSTREAM_HEADER] == first.headers[UPSTREAM_HEADER]
+    assert second.json()["timings"]["cache_n"] >= held - 1, "the victim's cache is intact"
     plane.assert_idle()
 
 

@@ -38,6 +38,7 @@ from tests.service.gateway_support import error_message, route_decisions
 Mode = processing_mode_pb2.ProcessingMode
 REPLICAS = {"llm-0": "10.9.0.1:8080", "llm-1": "10.9.0.2:8080", "llm-2": "10.9.0.3:8080"}
 CHAT = "/v1/chat/completions"
+REPLICA_KEY = "the-replicas-key"  # service.replica_api_key_file's
 ANSWER = {"choices": [{"message": {"role": "assistant", "content": "hi"}}],
           "timings": {"cache_n": 7, "prompt_n": 3, "prompt_ms": 1.0, "predicted_n": 1, "predicted_ms": 1.0}}
 
@@ -45,10 +46,12 @@ ANSWER = {"choices": [{"message": {"role": "assistant", "content": "hi"}}],
 @pytest.fixture(scope="module")
 def picker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
     """`llm-ring serve` as the issue's one-liner configures it: static replicas, no socket, no
-    endpoints file, a self-signed certificate on the picker port."""
+    endpoints file, a self-signed certificate on the picker port; and the replicas' key."""
     workdir = tmp_path_factory.mktemp("picker")
     listen = f"127.0.0.1:{free_port()}"
-    env = service_env(listen, Path(""), static_discovery(REPLICAS), tls='"self-signed"', log_level='"debug"')
+    (workdir / "replica-key").write_text(REPLICA_KEY + "\n")
+    env = service_env(listen, Path(""), static_discovery(REPLICAS), tls='"self-signed"', log_level='"debug"',
+                      replica_api_key_file=f'"{workdir / "replica-key"}"')
     env.update({"LLM_RING__SERVICE__EXT_PROC_SOCKET": '""', "LLM_RING__SERVICE__ENVOY_ENDPOINTS_FILE": '""'})
     running = start_service(workdir, env)
     running.listen = listen
@@ -179,6 +182,7 @@ def test_full_duplex_gets_one_endpoint_its_body_back_in_order_and_releases_at_th
     assert lb(pick)["x-gateway-destination-endpoint"] == destination
     assert lb(pick)["x-gateway-destination-endpoint-fallback"] in set(REPLICAS.values()) - {destination}
     assert "x-request-id" not in set_headers(pick)  # the gateway's own request id is left alone
+    assert set_headers(pick)["authorization"] == f"Bearer {REPLICA_KEY}"  # the replicas want it
     streamed = [r.request_body.response.body_mutation.streamed_response for r in request[1:]]
     assert b"".join(s.body for s in streamed) == body and [s.end_of_stream for s in streamed] == [False, False, True]
     assert set_headers(response_headers)["x-routed-to"] == next(n for n, e in REPLICAS.items() if e == destination)
@@ -207,6 +211,7 @@ def test_buffered_mode_gets_the_pick_in_the_body_answer(picker: Running):
     assert headers_answer.WhichOneof("response") == "request_headers" and not set_headers(headers_answer)
     assert body_answer.WhichOneof("response") == "request_body"
     assert set_headers(body_answer)["x-gateway-destination-endpoint"] in REPLICAS.values()
+    assert set_headers(body_answer)["authorization"] == f"Bearer {REPLICA_KEY}"
     assert body_answer.request_body.response.clear_route_cache
     assert not body_answer.request_body.response.HasField("body_mutation")  # the body passes as it is
     eventually_idle(picker)

@@ -31,9 +31,11 @@ TEXTS = [
 
 
 @pytest.fixture(scope="module")
-def replica(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    with two_llama_replicas(tmp_path_factory.mktemp("replicas")) as replicas:
-        yield f"http://{replicas['llm-0']}"
+def replica(tmp_path_factory: pytest.TempPathFactory) -> Iterator[httpx.Client]:
+    """A client of one replica, its API key among its headers."""
+    with two_llama_replicas(tmp_path_factory.mktemp("replicas")) as replicas, \
+            httpx.Client(base_url=f"http://{replicas.addresses['llm-0']}", headers=replicas.headers) as client:
+        yield client
 
 
 @pytest.fixture(scope="module")
@@ -41,36 +43,37 @@ def counter() -> GgufTokenizer:
     return GgufTokenizer.load(smollm2_gguf())
 
 
-def test_token_ids_are_the_replicas_own(replica: str, counter: GgufTokenizer) -> None:
+def test_token_ids_are_the_replicas_own(replica: httpx.Client, counter: GgufTokenizer) -> None:
     for text in TEXTS:
-        answer = httpx.post(f"{replica}/tokenize", json={"content": text, "add_special": True, "parse_special": True})
+        answer = replica.post("/tokenize", json={"content": text, "add_special": True, "parse_special": True})
         expected = answer.raise_for_status().json()["tokens"]
         assert list(counter.encode(text)) == expected, text
         assert counter.count_text(text) == len(expected), text
 
 
-def test_a_first_turn_counts_the_prompt_the_replica_reports(replica: str, counter: GgufTokenizer) -> None:
+def test_a_first_turn_counts_the_prompt_the_replica_reports(replica: httpx.Client, counter: GgufTokenizer) -> None:
     for messages in ([("user", "Hi there, how are you?")],
                      [("system", "Session ab12cd34.\n\nYou are terse."), ("user", "What is 2+2?")]):
         body = [{"role": role, "content": text} for role, text in messages]
-        rendered = httpx.post(f"{replica}/apply-template", json={"messages": body}).raise_for_status().json()
+        rendered = replica.post("/apply-template", json={"messages": body}).raise_for_status().json()
         assert rendered["prompt"] == counter.render(messages)
-        answer = httpx.post(f"{replica}/v1/chat/completions", timeout=60,
-                            json={"messages": body, "max_tokens": 1, "cache_prompt": False}).raise_for_status()
+        answer = replica.post("/v1/chat/completions", timeout=60,
+                              json={"messages": body, "max_tokens": 1, "cache_prompt": False}).raise_for_status()
         timings = answer.json()["timings"]
         assert counter.count_chat(messages).prompt == timings["cache_n"] + timings["prompt_n"]
 
 
-def test_a_follow_up_finds_the_previous_prompt_and_answer_cached(replica: str, counter: GgufTokenizer) -> None:
+def test_a_follow_up_finds_the_previous_prompt_and_answer_cached(replica: httpx.Client,
+                                                                 counter: GgufTokenizer) -> None:
     messages = [("system", "Session 9f8e7d6c."), ("user", "Tell me about the moon.")]
     for _ in range(2):
         body = {"messages": [{"role": role, "content": text} for role, text in messages], "max_tokens": 8,
                 "ignore_eos": True, "cache_prompt": True}
-        answer = httpx.post(f"{replica}/v1/chat/completions", json=body, timeout=60).raise_for_status().json()
+        answer = replica.post("/v1/chat/completions", json=body, timeout=60).raise_for_status().json()
         messages += [("assistant", answer["choices"][0]["message"]["content"]), ("user", "And then?")]
     counted = counter.count_chat(messages)
     body = {"messages": [{"role": role, "content": text} for role, text in messages], "max_tokens": 1,
             "cache_prompt": True}
-    timings = httpx.post(f"{replica}/v1/chat/completions", json=body, timeout=60).raise_for_status().json()["timings"]
+    timings = replica.post("/v1/chat/completions", json=body, timeout=60).raise_for_status().json()["timings"]
     assert timings["cache_n"] == counted.answered - 1
     assert timings["cache_n"] + timings["prompt_n"] == counted.prompt

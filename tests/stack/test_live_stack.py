@@ -91,6 +91,22 @@ def test_three_turns_reuse_the_cache_on_one_replica_and_a_second_conversation_go
     assert (reply.headers["x-routed-to"], reply.headers["x-route-reason"]) == (other, "home")
 
 
+def test_the_replicas_want_the_stacks_own_key_which_envoy_reads_from_its_file(lab: LocalLab) -> None:
+    """`up` made the key (readable by its owner alone); the replicas refuse a slot action
+    without it, the gateway's generations carry it, and Envoy's config names only its file."""
+    run = Path(lab.stack.state.run_dir)
+    key_file = run / "replica-api-key"
+    assert key_file.stat().st_mode & 0o777 == 0o600
+    key = key_file.read_text().strip()
+    for address in lab.replicas().values():
+        assert httpx.get(f"http://{address}/slots", timeout=10).status_code == 401
+        assert httpx.get(f"http://{address}/slots", headers=lab.replica_headers(), timeout=10).status_code == 200
+    config = next(run.glob("**/envoy.yaml")).read_text()
+    assert str(key_file) in config and key not in config
+    reply, _ = Chat(lab.gateway_url, "keyed").turn("Hello?")
+    assert reply.status_code == 200, reply.text
+
+
 def test_reset_empties_the_replica_caches(lab: LocalLab) -> None:
     chat = Chat(lab.gateway_url, "reset-me")
     assert chat.turn("Remember this sentence about a lighthouse.")[0].status_code == 200
