@@ -48,6 +48,7 @@ from k8s_support import (
     schema_version,
 )
 
+from extproc.envoy.surface import GENERATION_PATHS, HEALTH_PATHS, MODEL_PREFIX, MODELS_PATHS
 from extproc.settings import Settings, apply_env_overrides, parse_settings
 
 FOLDERS = [INFERENCE_POOL] + [INFERENCE_POOL / name for name in GATEWAY_FOLDERS]
@@ -246,11 +247,8 @@ def test_the_route_matches_only_the_paths_the_replicas_serve_to_clients():
     (rule,) = one(picker_docs(), "HTTPRoute")["spec"]["rules"]
     matches = {(m.get("method"), m["path"]["type"], m["path"]["value"]) for m in rule["matches"]}
     assert len(matches) == len(rule["matches"]) and all(m.keys() == {"method", "path"} for m in rule["matches"])
-    generations = ("/v1/chat/completions", "/chat/completions", "/v1/completions", "/completions", "/completion")
-    assert matches == {("POST", "Exact", path) for path in generations} | {
-        ("GET", "Exact", "/v1/models"), ("GET", "PathPrefix", "/v1/models/"), ("GET", "Exact", "/models"),
-        ("GET", "Exact", "/health"),
-    }
+    assert matches == {("POST", "Exact", path) for path in GENERATION_PATHS} | {
+        ("GET", "Exact", path) for path in (*MODELS_PATHS, *HEALTH_PATHS)} | {("GET", "PathPrefix", MODEL_PREFIX)}
 
 
 # ----------------------------------------------------------------------------- network policies
