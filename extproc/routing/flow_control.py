@@ -1,0 +1,202 @@
+"""Flow control: a request goes to a replica while one has room, else it waits in the router
+(queue.py) and is dispatched, by priority and fair share, when room frees.
+
+**Room is a free slot.** A llama.cpp replica runs ``replica_slots`` requests at once
+(``--parallel``) and queues the rest itself, first come first served, blind to tenants: a
+request sent to a full replica waits there in an order the router no longer controls. So a
+replica has room while fewer than its slots are in flight (the ledger's requests, this
+router's and, with a store, the others'), and nothing more is sent to it: the router's queue
+replaces the replica's. A budget of predicted seconds would keep a queue inside the replica
+again (the order lost), rest on predictions that are worst exactly under a flood (a pasted
+document's prefill), and gain nothing a free slot misses: a slot frees when an answer ends,
+and the next request is sent then (llm-d's concurrency saturation detector counts requests
+in flight against a per-endpoint capacity in the same way).
+
+**Headroom.** ``reserved_slots`` of each replica's slots go only to a flow holding fewer
+requests in flight than its fair share of the others (the open slots of the fleet divided
+among the flows waiting or in flight): a flood alone never fills them, so a quiet tenant's
+request finds a slot at once and waits only for the batch step it joins (llama.cpp does not
+preempt). 0 keeps the fleet strictly work-conserving; each reserved slot costs the flood
+that slot's share of throughput.
+
+**Late binding.** The request to dispatch is chosen, and its replica picked by the policy
+among those with room, at the moment room frees, on the ledger and placement memory as they
+are then. When nothing waits and a replica has room, ``admit`` routes at once: the path of a
+router without flow control, except that full replicas are not candidates.
+
+**Work** charged to a flow's counter at dispatch: ``input_weight`` per prompt token the
+replica computes (the prompt less what the decision predicts cached there: a cached prefix
+costs the replica almost nothing) plus ``output_weight`` per output token asked for
+(max_tokens); corrected by ``settle`` with the tokens the replica reports (prompt_n,
+predicted_n). docs/flow-control.md says why the default weights are 1 and 2.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from typing import NamedTuple
+
+from extproc.routing.decision import Decision, RouteRequest
+from extproc.routing.flows import Flow, FlowSettings
+from extproc.routing.peers import PeerView
+from extproc.routing.queue import KINDS, Choice, FairQueue, Waiting
+from extproc.routing.router import Router
+from extproc.routing.ticket import Ticket
+
+QUEUE_FULL = "queue_full"
+NO_REPLICA = "no_replica"
+
+
+class Routed(NamedTuple):
+    ticket: Ticket
+
+
+class Queued(NamedTuple):
+    waiting: Waiting
+
+
+class Refused(NamedTuple):
+    reason: str  # QUEUE_FULL or NO_REPLICA
+
+
+class Dispatched(NamedTuple):
+    """A waiting request leaving the queue for a replica (``ticket``), or for a 503 (None: no
+    replica it may go to is left in the fleet)."""
+
+    waiting: Waiting
+    ticket: Ticket | None
+    waited: float  # seconds in the queue
+    kind: str  # "local", "new" or "fair" (queue.py)
+    counter: float  # its flow's counter when chosen
+    least: float  # the least counter among the flows that could go
+
+
+class _Charge(NamedTuple):
+    flow: Flow
+    input_tokens: int  # computed tokens charged
+    output_tokens: int
+
+
+class FlowControl:
+    def __init__(self, router: Router, settings: FlowSettings) -> None:
+        self.router = router
+        self.settings = settings
+        self.queue = FairQueue(settings.band_size, settings.locality_deficit)
+        self._charges: dict[str, _Charge] = {}  # request id -> what its flow was charged, until settled
+        self._running: dict[str, Flow] = {}  # request id -> its flow, until its load is released
+        self._room_cache: dict[tuple[Flow, frozenset[str]], tuple[str, ...]] = {}  # during one choice
+
+    def admit(self, request: RouteRequest, flow: Flow, avoid: Collection[str], now: float,
+              peers: PeerView | None = None) -> Routed | Queued | Refused:
+        """Route ``request`` now when nothing waits and a replica has room; else queue it (the
+        caller then calls ``dispatch``: it may leave at once). Refused when its band is full, or
+        when no replica of the fleet is one it may go to."""
+        avoided = frozenset(avoid)
+        if not any(name not in avoided for name in self.router.replicas):
+            return Refused(NO_REPLICA)
+        if not self.queue:
+            rooms = self._rooms(flow, avoided)
+            if rooms:
+                ticket = self.router.route(request, self._without(rooms), peers)
+                if ticket is not None:
+                    self.queue.charge_at_once(flow, self._charged(request, flow, ticket.decision))
+                    self._running[request.request_id] = flow
+                    return Routed(ticket)
+        key = self.router.conversation_key(request.conversation)
+        waiting = Waiting(request, flow, key, avoided, now, now + self.settings.ttl_seconds)
+        return Queued(waiting) if self.queue.push(waiting) else Refused(QUEUE_FULL)
+
+    def dispatch(self, now: float) -> list[Dispatched]:
+        """Send waiting requests to replicas with room, best first, until none can go."""
+        sent = []
+        while self.queue:
+            self._room_cache.clear()  # the loads changed with the last one sent
+            choice = self.queue.choose(self._cached_rooms, self._holder)
+            if choice is None:
+                break
+            sent.append(self._send(choice, now))
+        return sent
+
+    def _cached_rooms(self, waiting: Waiting) -> tuple[str, ...]:
+        key = (waiting.flow, waiting.avoid)
+        found = self._room_cache.get(key)
+        if found is None:
+            found = self._room_cache[key] = self._rooms(waiting.flow, waiting.avoid)
+        return found
+
+    def _send(self, choice: Choice, now: float) -> Dispatched:
+        waiting = choice.waiting
+        request = waiting.request
+        ticket = self.router.route(request, self._without(choice.rooms))
+        if ticket is None:
+            self.queue.remove(request.request_id)
+        else:
+            self.queue.take(waiting, self._charged(request, waiting.flow, ticket.decision))
+            self._running[request.request_id] = waiting.flow
+        return Dispatched(waiting, ticket, now - waiting.arrived, KINDS[choice.kind], choice.counter, choice.least)
+
+    def cancel(self, request_id: str) -> bool:
+        """A waiting request's client went away: out of the queue, nothing charged. False when it
+        was not waiting (dispatched or expired already)."""
+        return self.queue.remove(request_id) is not None
+
+    def expire(self, now: float) -> list[Waiting]:
+        """Take out the requests that waited ``ttl_seconds``: nothing charged (the caller answers them)."""
+        return self.queue.expired(now)
+
+    def released(self, request_id: str) -> None:
+        """A routed request's load was released (its slot is free: the caller calls ``dispatch``)."""
+        flow = self._running.pop(request_id, None)
+        if flow is not None:
+            self.queue.finished(flow)
+
+    def settle(self, request_id: str, computed: tuple[int, int] | None) -> None:
+        """The request is over: its flow's charge corrected by the (prompt tokens computed, tokens
+        generated) its replica reported; None: its charge stands."""
+        charge = self._charges.pop(request_id, None)
+        if charge is None or computed is None:
+            return
+        settings = self.settings
+        self.queue.correct(charge.flow, settings.input_weight * (computed[0] - charge.input_tokens)
+                           + settings.output_weight * (computed[1] - charge.output_tokens))
+
+    def reconfigure(self, settings: FlowSettings) -> None:
+        """New settings; what waits stays, in a queue of the new size and deficit."""
+        self.settings = settings
+        self.queue.band_size, self.queue.locality_deficit = settings.band_size, settings.locality_deficit
+
+    def work(self, request: RouteRequest, predicted_cached: int) -> float:
+        """The work a request brings, in tokens (module docstring)."""
+        computed = max(0, request.prompt_tokens - predicted_cached)
+        return self.settings.input_weight * computed + self.settings.output_weight * request.max_tokens
+
+    def _charged(self, request: RouteRequest, flow: Flow, decision: Decision) -> float:
+        """The work a routed request brings (its flow is charged it); kept until ``settle``."""
+        computed = max(0, request.prompt_tokens - decision.predicted_cached_tokens)
+        self._charges[request.request_id] = _Charge(flow, computed, request.max_tokens)
+        return self.work(request, decision.predicted_cached_tokens)
+
+    def _rooms(self, flow: Flow, avoid: frozenset[str]) -> tuple[str, ...]:
+        """The replicas with room for a request of ``flow`` (module docstring: headroom)."""
+        settings = self.settings
+        loads = self.router.ledger.loads("requests")
+        replicas = self.router.replicas
+        open_slots, slots = settings.open_slots, settings.replica_slots
+        if settings.reserved_slots:
+            active = max(1, len(self.queue.counters) + (flow not in self.queue.counters))
+            below_share = self.queue.held(flow) < open_slots * len(replicas) / active
+            limit = slots if below_share else open_slots
+        else:
+            limit = slots
+        return tuple(name for name in replicas if name not in avoid and loads.get(name, 0) < limit)
+
+    def _without(self, rooms: tuple[str, ...]) -> tuple[str, ...]:
+        """The replicas a pick must avoid so that it lands in ``rooms``."""
+        return tuple(name for name in self.router.replicas if name not in rooms)
+
+    def _holder(self, waiting: Waiting) -> str | None:
+        """Where the waiting request's conversation was last served (None: nowhere in the fleet)."""
+        placement = self.router.memory.get(waiting.key)
+        if placement is None or placement.replica in waiting.avoid or placement.replica not in self.router.replicas:
+            return None
+        return placement.replica

@@ -1,0 +1,165 @@
+"""Flow control's rules, one at a time, on a real Router (extproc/routing/flow_control.py)."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from extproc.routing import Router, RouteRequest
+from extproc.routing.flow_control import NO_REPLICA, QUEUE_FULL, FlowControl, Queued, Refused, Routed
+from extproc.routing.flows import Flow, flow_of
+from tests.routing.conftest import routing
+from tests.routing.flow_support import flow_settings
+
+REPLICAS = ["llm-0", "llm-1"]
+LOW, HIGH = Flow(0, "a"), Flow(10, "a")
+FILLER = Flow(0, "filler")
+
+
+def control(**changes: object) -> FlowControl:
+    return FlowControl(Router(routing(), REPLICAS), flow_settings(**changes))
+
+
+def request(rid: str, conversation: str | None = None, prompt: int = 100, max_tokens: int = 10) -> RouteRequest:
+    return RouteRequest(rid, conversation or f"conv-{rid}", prompt, max_tokens)
+
+
+def fill(flow_control: FlowControl, flow: Flow = FILLER, count: int = 4) -> list[str]:
+    """Fill every slot of the fleet (2 replicas x 2 slots) with ``flow``'s requests."""
+    ids = [f"fill-{flow.tenant}-{index}" for index in range(count)]
+    for rid in ids:
+        assert isinstance(flow_control.admit(request(rid), flow, (), 0.0), Routed)
+    return ids
+
+
+def release(flow_control: FlowControl, rid: str) -> None:
+    assert flow_control.router.complete(rid) is not None
+    flow_control.released(rid)
+    flow_control.settle(rid, None)
+
+
+def test_with_room_and_nothing_waiting_a_request_is_routed_at_once_as_without_flow_control() -> None:
+    flow_control, plain = control(), Router(routing(), REPLICAS)
+    for index in range(3):
+        admitted = flow_control.admit(request(str(index)), LOW, (), 0.0)
+        assert isinstance(admitted, Routed)
+        assert admitted.ticket.decision == plain.route(request(str(index))).decision  # type: ignore[union-attr]
+
+
+def test_a_full_fleet_holds_the_request_until_a_slot_frees_then_it_goes_there() -> None:
+    flow_control = control()
+    ids = fill(flow_control)
+    queued = flow_control.admit(request("late"), LOW, (), 1.0)
+    assert isinstance(queued, Queued) and flow_control.dispatch(1.0) == []
+    freed = flow_control.router.complete(ids[0])
+    assert freed is not None
+    flow_control.released(ids[0])
+    [sent] = flow_control.dispatch(3.5)
+    assert sent.ticket is not None and sent.ticket.decision.replica == freed.replica
+    assert sent.waited == pytest.approx(2.5) and sent.waiting.request.request_id == "late"
+
+
+def test_a_higher_band_goes_first_whatever_the_order_of_arrival() -> None:
+    flow_control = control()
+    ids = fill(flow_control)
+    for index in range(3):
+        flow_control.admit(request(f"low-{index}"), LOW, (), 1.0)
+    flow_control.admit(request("high"), HIGH, (), 2.0)
+    release(flow_control, ids[0])
+    [sent] = flow_control.dispatch(2.0)
+    assert sent.waiting.request.request_id == "high"
+
+
+def test_within_a_band_the_tenants_share_in_tokens_of_work_not_in_requests() -> None:
+    flow_control = control(locality_deficit=0.0)
+    ids = fill(flow_control)
+    for index in range(6):  # a heavy tenant with long prompts and a light one, both waiting
+        flow_control.admit(request(f"heavy-{index}", prompt=1000), Flow(0, "heavy"), (), 1.0)
+        flow_control.admit(request(f"light-{index}", prompt=100), Flow(0, "light"), (), 1.0)
+    order = []
+    for rid in ids:
+        release(flow_control, rid)
+        order += [sent.waiting.flow.tenant for sent in flow_control.dispatch(2.0)]
+    # equal counters: the first come goes first; then 1,020 tokens of work against 120 a request
+    assert order == ["heavy", "light", "light", "light"]
+
+
+def test_a_request_whose_cache_holder_has_room_goes_ahead_within_the_deficit_and_not_beyond() -> None:
+    for deficit, expected in ((10_000.0, "local"), (0.0, "new")):
+        flow_control = control(locality_deficit=deficit)
+        router = flow_control.router
+        ids = fill(flow_control)
+        # the filler, served 4 times already, is ahead of the quiet tenant by a request's work
+        flow_control.admit(request("first-come", prompt=50), Flow(0, "quiet"), (), 1.0)
+        flow_control.admit(request("follow-up", f"conv-{ids[0]}", prompt=150), Flow(0, "filler"), (), 2.0)
+        holder = router.complete(ids[0])  # the follow-up's cache is where this slot frees
+        assert holder is not None
+        flow_control.released(ids[0])
+        [sent] = flow_control.dispatch(2.0)
+        assert sent.kind == expected
+        assert sent.waiting.request.request_id == ("follow-up" if expected == "local" else "first-come")
+        if expected == "local":
+            assert sent.ticket is not None and sent.ticket.decision.replica == holder.replica
+            assert sent.counter <= sent.least + deficit
+
+
+def test_a_full_band_refuses_and_a_fleet_without_an_eligible_replica_refuses() -> None:
+    flow_control = control(band_size=2)
+    fill(flow_control)
+    assert isinstance(flow_control.admit(request("w1"), LOW, (), 0.0), Queued)
+    assert isinstance(flow_control.admit(request("w2"), LOW, (), 0.0), Queued)
+    assert flow_control.admit(request("w3"), LOW, (), 0.0) == Refused(QUEUE_FULL)
+    assert isinstance(flow_control.admit(request("w4"), HIGH, (), 0.0), Queued)  # another band, its own size
+    assert flow_control.admit(request("w5"), LOW, REPLICAS, 0.0) == Refused(NO_REPLICA)
+
+
+def test_expired_and_cancelled_requests_leave_the_queue_with_nothing_charged() -> None:
+    flow_control = control(ttl_seconds=5.0)
+    ids = fill(flow_control, Flow(0, "busy"))
+    before = dict(flow_control.queue.counters)
+    flow_control.admit(request("old"), LOW, (), 0.0)
+    flow_control.admit(request("gone"), Flow(0, "b"), (), 1.0)
+    flow_control.admit(request("young"), LOW, (), 4.0)
+    assert flow_control.cancel("gone") and not flow_control.cancel("gone")
+    assert [waiting.request.request_id for waiting in flow_control.expire(5.5)] == ["old"]
+    assert flow_control.queue.next_deadline() == 9.0
+    assert [waiting.request.request_id for waiting in flow_control.expire(9.0)] == ["young"]
+    assert flow_control.queue.counters == before  # only the routed flow is known, its counter untouched
+    for rid in ids:
+        release(flow_control, rid)
+    assert not flow_control.queue.counters and not flow_control.queue.in_flight
+    assert flow_control.router.ledger.total_requests() == 0
+
+
+def test_reserved_slots_stay_free_under_a_flood_and_a_quiet_tenant_takes_them_at_once() -> None:
+    flow_control = control(replica_slots=3, reserved_slots=1)
+    flood = Flow(0, "flood")
+    admitted = [flow_control.admit(request(f"f{index}"), flood, (), 0.0) for index in range(6)]
+    assert [isinstance(item, Routed) for item in admitted] == [True] * 4 + [False] * 2  # 2 open slots a replica
+    assert flow_control.dispatch(0.0) == []
+    quiet = flow_control.admit(request("q"), Flow(0, "quiet"), (), 0.1)
+    assert isinstance(quiet, Queued)  # the flood waits: a newcomer queues behind it ...
+    [sent] = flow_control.dispatch(0.1)  # ... but below its share it may take a reserved slot
+    assert sent.waiting.request.request_id == "q" and sent.ticket is not None
+
+
+def test_settle_corrects_the_estimate_with_what_the_replica_reported() -> None:
+    flow_control = control(input_weight=1.0, output_weight=2.0)
+    flow = Flow(0, "t")
+    admitted = flow_control.admit(request("r", prompt=100, max_tokens=50), flow, (), 0.0)
+    assert isinstance(admitted, Routed)
+    flow_control.admit(request("keep", prompt=1, max_tokens=1), flow, (), 0.0)  # keeps the flow known
+    charged = flow_control.queue.counters[flow]
+    assert charged == 100 + 2 * 50 + 1 + 2
+    flow_control.settle("r", (100, 5))  # 5 of the 50 tokens asked for were generated
+    assert flow_control.queue.counters[flow] == charged - 2 * 45
+
+
+def test_flows_come_from_the_headers_and_an_anonymous_request_is_capped() -> None:
+    settings = flow_settings(anonymous_max_priority=0)
+    assert flow_of(settings, "acme", "interactive") == Flow(10, "acme")
+    assert flow_of(settings, "", "interactive") == Flow(0, "default")  # no tenant: capped
+    assert flow_of(settings, "acme", "unknown") == Flow(0, "acme")
+    assert flow_of(settings, "", "batch") == Flow(-10, "default")
+    with pytest.raises(ValidationError, match="reserved_slots"):
+        flow_settings(reserved_slots=2)
