@@ -136,3 +136,43 @@ def test_a_migration_port_off_loopback_needs_a_token_file(listen: str) -> None:
         parse_settings(raw)
     raw["service"]["migration_token_file"] = "/run/llm-ring/migration/token"
     assert parse_settings(raw).service.migration_token_file == "/run/llm-ring/migration/token"
+
+
+def reference_with_flow(**flow: Any) -> dict[str, Any]:
+    """The reference router.toml with flow control on and ``flow`` changed."""
+    raw = tomllib.loads((Path(__file__).parents[1] / "extproc" / "service" / "router.toml").read_text())
+    raw["flow"] |= {"enabled": True, **flow}
+    return raw
+
+
+def test_a_missing_flow_key_stops_start_up_naming_it() -> None:
+    raw = reference_with_flow()
+    del raw["flow"]["ttl_seconds"]
+    with pytest.raises(SettingsError, match=r"settings: flow\.ttl_seconds: missing"):
+        parse_settings(raw)
+    del raw["flow"]
+    with pytest.raises(SettingsError, match=r"settings: flow: missing"):
+        parse_settings(raw)
+
+
+@pytest.mark.parametrize(
+    ("changes", "complaint"),
+    [
+        ({"reserved_slots": 4}, "reserved_slots (4) must be below replica_slots (4)"),
+        ({"tenant_header": "X-Tenant"}, "tenant_header: String should match pattern"),
+        ({"ttl_seconds": 26.0}, "ttl_seconds (26) must be at most 25 s"),
+        ({"objectives": {"fast": "high"}}, "flow.objectives.fast: Input should be a valid integer"),
+    ],
+)
+def test_flow_settings_that_could_not_work_are_refused_by_key(changes: dict[str, Any], complaint: str) -> None:
+    with pytest.raises(SettingsError, match=re.escape(complaint)):
+        parse_settings(reference_with_flow(**changes))
+
+
+def test_flow_control_and_shedding_are_not_both_on() -> None:
+    raw = reference_with_flow()
+    raw["service"]["shed_requests_per_replica"] = 4
+    with pytest.raises(SettingsError, match=r"flow: Value error, enabled: service\.shed_requests_per_replica"):
+        parse_settings(raw)
+    raw["flow"]["enabled"] = False
+    assert parse_settings(raw).service.shed_requests_per_replica == 4

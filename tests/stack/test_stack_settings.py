@@ -81,9 +81,10 @@ def test_router_settings_are_the_reference_with_this_stacks_addresses(tmp_path: 
         ROUTER_REFERENCE, policy="llm-aware", admin_listen="127.0.0.1:1234", metrics_listen="127.0.0.1:1235",
         replicas_file=tmp_path / "replicas.json", envoy_endpoints_file=tmp_path / "eds.json",
         prefix_capacity_tokens=4096, replica_slots=2))
-    sized_settings = load_settings(sized, environ={}).routing.params["llm-aware"]
+    sized_all = load_settings(sized, environ={})
+    sized_settings = sized_all.routing.params["llm-aware"]
     assert sized_settings.prefix_capacity_tokens == 4096  # what the replicas hold
-    assert sized_settings.replica_slots == 2  # their --parallel
+    assert sized_settings.replica_slots == sized_all.flow.replica_slots == 2  # their --parallel
 
 
 @pytest.mark.parametrize("port_key", ["gateway", "replica_base"])
@@ -121,6 +122,7 @@ def test_the_written_router_settings_read_back_as_the_base_with_only_the_stacks_
     expected = tomllib.loads(ROUTER_REFERENCE.read_text())
     expected["routing"]["policy"] = "kv-cost"
     expected["routing"]["llm-aware"] |= {"prefix_capacity_tokens": 4096, "replica_slots": 2}
+    expected["flow"]["replica_slots"] = 2
     expected["service"] |= {"listen": "", "admin_listen": "127.0.0.1:1234", "ext_proc_socket": "llm-ring-1234",
                             "metrics_listen": "127.0.0.1:1235", "envoy_endpoints_file": str(endpoints),
                             "routing_headers": True}
