@@ -10,6 +10,8 @@ Column meanings (timings come from llama.cpp's ``timings`` object):
 - ``predicted_cached_tokens``: what the router expected to find cached (null if not reported)
 - ``cache_n``: prompt tokens reused from the replica's cache; ``prompt_n``: prompt tokens processed
 - ``ttft_s``: time to first token (streamed answers only, else null); ``latency_s``: whole request
+- ``queue_wait_s``: time the request waited in the router's queue (flow control; null: off, or
+  not reported)
 - ``status``: HTTP status (0 = no response); ``error``: null when the request succeeded
 """
 
@@ -53,6 +55,7 @@ REQUEST_SCHEMA = pa.schema(
         pa.field("predicted_ms", pa.float64()),
         pa.field("ttft_s", pa.float64()),
         pa.field("latency_s", pa.float64()),
+        pa.field("queue_wait_s", pa.float64()),
         pa.field("status", pa.int32(), nullable=False),
         pa.field("error", pa.string()),
         pa.field("started_at", _TS, nullable=False),

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import yaml
 
-from extproc.envoy.config import render_envoy_config
+from extproc.envoy.config import flow_options, render_envoy_config
 from extproc.envoy.contract import EndpointsFile, ext_proc_address
 from extproc.settings import Settings, parse_settings
 
@@ -61,6 +61,7 @@ def envoy_config(settings: Settings) -> str:
         max_request_bytes=service.max_body_bytes,
         retries=service.fallbacks,
         cors_origins=service.cors_origins,
+        flow=flow_options(settings.flow),
         replica_key_file=REPLICA_KEY_FILE,
     )
 

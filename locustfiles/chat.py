@@ -202,6 +202,7 @@ class ChatUser(User):
             "route_reason": headers.get("x-route-reason"),
             "est_prompt_tokens": prompt_estimate(messages, profile.chars_per_token),
             "predicted_cached_tokens": header_int(headers, "x-route-predicted-cached-tokens"),
+            "queue_wait_s": None if (waited := header_int(headers, "x-route-queue-wait-ms")) is None else waited / 1000,
             **timing_fields(answer.timings),
             "ttft_s": ttft,
             "latency_s": finished - started,

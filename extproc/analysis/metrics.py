@@ -222,7 +222,8 @@ def connect(experiment_dir: str | Path, hit_share: float = DEFAULT_HIT_SHARE) ->
     if not 0 < hit_share <= 1:
         raise ValueError(f"hit_share must be in (0, 1] (got {hit_share})")
     con = duckdb.connect()
-    con.execute(f"CREATE TEMP VIEW requests AS SELECT * FROM read_parquet({_sql_list(parquet)})")
+    # by name: records written before a column was added read it as null
+    con.execute(f"CREATE TEMP VIEW requests AS SELECT * FROM read_parquet({_sql_list(parquet)}, union_by_name = true)")
     _create_runs_view(con, sorted(root.glob(f"*/{RUN_FILE}")))
     # DuckDB views cannot take parameters, so the hit share is inlined as a checked float.
     con.execute(_TURNS.replace("$hit_share", repr(float(hit_share))))

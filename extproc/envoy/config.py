@@ -32,8 +32,10 @@ service set (``%REQ(..)%``), so the response needs no round trip to the service 
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,10 +45,13 @@ from extproc.envoy.contract import (
     DESTINATION,
     DOWNSTREAM_IDLE_TIMEOUT_S,
     EXT_PROC_CLUSTER,
+    EXT_PROC_MESSAGE_TIMEOUT_MS,
     MAX_DOWNSTREAM_CONNECTIONS,
     METADATA_NAMESPACE,
     OBSERVE,
     PREDICTED_CACHED,
+    QUEUE_WAIT,
+    QUEUE_WAIT_MARGIN_S,
     REPLICA_KEY_HEADER,
     REQUEST_ATTRIBUTES,
     REQUEST_HEADERS_TIMEOUT_S,
@@ -76,6 +81,7 @@ from extproc.envoy.surface import (
     error_document,
     error_type,
 )
+from extproc.routing.flows import FlowSettings
 
 _T = "type.googleapis.com/"
 
@@ -90,10 +96,11 @@ def render_envoy_config(
     max_request_bytes: int,
     retries: int,
     replica_key_file: str | None,
-    ext_proc_timeout_ms: int = 2000,
+    ext_proc_timeout_ms: int = EXT_PROC_MESSAGE_TIMEOUT_MS,
     connect_timeout_ms: int = 1000,
     stream_idle_timeout_s: int = STREAM_IDLE_TIMEOUT_S,
     cors_origins: Sequence[str] = (),
+    flow: FlowOptions | None = None,
 ) -> str:
     """Envoy bootstrap as JSON text (JSON is YAML: save it as envoy.yaml or envoy.json).
 
@@ -109,6 +116,7 @@ def render_envoy_config(
     shorten it to drill a replica that never answers; the service's lost-entry sweep assumes
     STREAM_IDLE_TIMEOUT_S).
     cors_origins: service.cors_origins, the browser origins allowed (none: no CORS filter).
+    flow: flow control's headers and wait ([flow], flow_options); None: off.
     """
     if ext_proc is not None and not ext_proc.startswith("@"):
         raise ValueError(f"ext_proc={ext_proc!r}: the service's abstract socket '@name' (service.ext_proc_socket), "
@@ -132,7 +140,7 @@ def render_envoy_config(
                             "filters": [
                                 _http_connection_manager(
                                     ext_proc is not None, fail_open, ext_proc_timeout_ms, retries, max_request_bytes,
-                                    stream_idle_timeout_s, cors_origins, replica_key_file is not None,
+                                    stream_idle_timeout_s, cors_origins, replica_key_file is not None, flow,
                                 )
                             ]
                         }
@@ -148,6 +156,25 @@ def render_envoy_config(
         },
     }
     return json.dumps(config, indent=2) + "\n"
+
+
+@dataclass(frozen=True)
+class FlowOptions:
+    """Flow control behind our own Envoy: the headers naming a request's flow, sent to the
+    service as attributes, and how long a request may wait in the router."""
+
+    headers: tuple[str, ...]
+    ttl_seconds: float
+
+    @property
+    def max_wait_s(self) -> int:
+        """What Envoy lets the service ask for (max_message_timeout), in whole seconds."""
+        return math.ceil(self.ttl_seconds) + QUEUE_WAIT_MARGIN_S
+
+
+def flow_options(flow: FlowSettings) -> FlowOptions | None:
+    """[flow] as the renderer needs it; None when flow control is off."""
+    return FlowOptions((flow.tenant_header, flow.objective_header), flow.ttl_seconds) if flow.enabled else None
 
 
 def _connection_limit() -> dict[str, Any]:
@@ -167,10 +194,10 @@ def _connection_limit() -> dict[str, Any]:
 
 def _http_connection_manager(
     with_ext_proc: bool, fail_open: bool, timeout_ms: int, retries: int, max_request_bytes: int,
-    stream_idle_timeout_s: int, cors_origins: Sequence[str], with_replica_key: bool,
+    stream_idle_timeout_s: int, cors_origins: Sequence[str], with_replica_key: bool, flow: FlowOptions | None,
 ) -> dict[str, Any]:
     ext_proc = [
-        _ext_proc_filter("route", fail_open, timeout_ms, observe=False),
+        _ext_proc_filter("route", fail_open, timeout_ms, observe=False, flow=flow),
         _ext_proc_filter("observe", True, timeout_ms, observe=True),
     ]
     return {
@@ -234,7 +261,7 @@ def _cors_filter() -> dict[str, Any]:
 
 
 def _strip_client_routing_headers() -> dict[str, Any]:
-    removed = (DESTINATION, ROUTED_TO, ROUTE_REASON, PREDICTED_CACHED, OBSERVE, *CLIENT_KEY_HEADERS)
+    removed = (DESTINATION, ROUTED_TO, ROUTE_REASON, PREDICTED_CACHED, QUEUE_WAIT, OBSERVE, *CLIENT_KEY_HEADERS)
     return {
         "name": "strip-client-routing-headers",
         "typed_config": {
@@ -279,7 +306,8 @@ def _inject_replica_key() -> dict[str, Any]:
     }
 
 
-def _ext_proc_filter(name: str, fail_open: bool, timeout_ms: int, observe: bool) -> dict[str, Any]:
+def _ext_proc_filter(name: str, fail_open: bool, timeout_ms: int, observe: bool,
+                     flow: FlowOptions | None = None) -> dict[str, Any]:
     """route: the headers, then the body sent without waiting for the headers' answer (STREAMED;
     the buffer filter before makes it one chunk): one round trip. The service answers the
     headers with the pick, lets the body pass, and closes the stream; the access log says when
@@ -290,7 +318,10 @@ def _ext_proc_filter(name: str, fail_open: bool, timeout_ms: int, observe: bool)
     The headers cannot be skipped: with request_header_mode SKIP, Envoy 1.40 lets the headers
     go on to the router before the body is read, so the pick is ignored, and a POST without a
     body reaches the service not at all (both checked).
-    observe: the response body, never waited for."""
+    observe: the response body, never waited for. flow: the flow headers are sent too, and a
+    request the service holds in its queue may be waited for up to the TTL and a margin (the
+    service asks for it with override_message_timeout; any other answer keeps message_timeout,
+    so a hung service still fails open as soon)."""
     mode = {
         "request_header_mode": "SKIP" if observe else "SEND",
         "response_header_mode": "SKIP",
@@ -316,6 +347,9 @@ def _ext_proc_filter(name: str, fail_open: bool, timeout_ms: int, observe: bool)
     else:
         config["send_body_without_waiting_for_header_response"] = True
         config["request_attributes"] = list(REQUEST_ATTRIBUTES)
+        if flow is not None:
+            config["request_attributes"] += [f"request.headers['{header}']" for header in flow.headers]
+            config["max_message_timeout"] = f"{flow.max_wait_s}s"
         # Envoy drops the dynamic metadata an ext_proc answer carries unless its namespace is
         # listed (checked on 1.40): without this the envoy.lb copy of the pick never lands.
         config["metadata_options"] = {"receiving_namespaces": {"untyped": ["envoy.lb"]}}
@@ -461,6 +495,7 @@ def _response_headers() -> list[dict[str, Any]]:
         add(ROUTED_TO, f"%REQ({ROUTED_TO})%"),
         add(ROUTE_REASON, f"%REQ({ROUTE_REASON})%"),
         add(PREDICTED_CACHED, f"%REQ({PREDICTED_CACHED})%"),
+        add(QUEUE_WAIT, f"%REQ({QUEUE_WAIT})%"),
         add(SERVED, "%UPSTREAM_HOST%"),
         add(REQUEST_ID, f"%REQ({REQUEST_ID})%"),
     ]

@@ -27,6 +27,9 @@ SUBSET = "x-gateway-destination-endpoint-subset"
 ROUTED_TO = "x-routed-to"
 ROUTE_REASON = "x-route-reason"
 PREDICTED_CACHED = "x-route-predicted-cached-tokens"  # the router's guess, compared with cache_n
+QUEUE_WAIT = "x-route-queue-wait-ms"  # flow control: how long the request waited in the router
+# flow control's refusals (429, 503) say why, as llm-d's x-llm-d-request-dropped-reason does
+DROPPED_REASON = "x-llm-ring-dropped-reason"
 REQUEST_ID = "x-request-id"
 OBSERVE = "x-llm-ring-observe"  # set by the service on streamed requests: observe the answer
 ROUTED_PATHS = ("/v1/chat/completions", "/v1/completions", "/completion")
@@ -47,6 +50,11 @@ STREAM_IDLE_TIMEOUT_S = 300
 # itself. Without it Envoy may reuse a connection the replica is closing: 503 "upstream
 # connection termination" (measured: 1 request in 60 after 5.0 s idle gaps, none at 4.5 s).
 UPSTREAM_IDLE_TIMEOUT_S = 4
+# Envoy waits this long for each answer of the ext_proc service before it fails open (or 500).
+# A request waiting in the router's queue (flow control) asks for longer, up to the TTL and
+# this margin (the service's override_message_timeout, allowed up to max_message_timeout).
+EXT_PROC_MESSAGE_TIMEOUT_MS = 2000
+QUEUE_WAIT_MARGIN_S = 2
 # A client has this long to send its request headers, and this long for the whole request
 # (the body is buffered before the pick: an upload held open holds a buffer of up to
 # max_request_bytes). The timer stops once the request is sent upstream: generations,

@@ -49,6 +49,7 @@ NO_REPLICA = "no_replica"
 
 class Routed(NamedTuple):
     ticket: Ticket
+    wait: Wait  # kind "at_once"
 
 
 class Queued(NamedTuple):
@@ -59,16 +60,27 @@ class Refused(NamedTuple):
     reason: str  # QUEUE_FULL or NO_REPLICA
 
 
+class Wait(NamedTuple):
+    """How a request went through flow control: its decision trace keeps it."""
+
+    flow: Flow
+    waited: float  # seconds in the queue
+    kind: str  # "at_once" (nothing waited, room), or why it left the queue then: "local", "new", "fair"
+    counter: float  # its flow's counter when it left (before its own work)
+    least: float  # the least counter among its band's flows that could go then
+
+    def as_dict(self) -> dict[str, object]:
+        return {"tenant": self.flow.tenant, "priority": self.flow.priority, "waited_ms": round(self.waited * 1000, 3),
+                "kind": self.kind, "counter": round(self.counter, 1), "least": round(self.least, 1)}
+
+
 class Dispatched(NamedTuple):
     """A waiting request leaving the queue for a replica (``ticket``), or for a 503 (None: no
     replica it may go to is left in the fleet)."""
 
     waiting: Waiting
     ticket: Ticket | None
-    waited: float  # seconds in the queue
-    kind: str  # "local", "new" or "fair" (queue.py)
-    counter: float  # its flow's counter when chosen
-    least: float  # the least counter among the flows that could go
+    wait: Wait
 
 
 class _Charge(NamedTuple):
@@ -99,9 +111,9 @@ class FlowControl:
             if rooms:
                 ticket = self.router.route(request, self._without(rooms), peers)
                 if ticket is not None:
-                    self.queue.charge_at_once(flow, self._charged(request, flow, ticket.decision))
+                    counter = self.queue.charge_at_once(flow, self._charged(request, flow, ticket.decision))
                     self._running[request.request_id] = flow
-                    return Routed(ticket)
+                    return Routed(ticket, Wait(flow, 0.0, "at_once", counter, counter))
         key = self.router.conversation_key(request.conversation)
         waiting = Waiting(request, flow, key, avoided, now, now + self.settings.ttl_seconds)
         return Queued(waiting) if self.queue.push(waiting) else Refused(QUEUE_FULL)
@@ -133,7 +145,8 @@ class FlowControl:
         else:
             self.queue.take(waiting, self._charged(request, waiting.flow, ticket.decision))
             self._running[request.request_id] = waiting.flow
-        return Dispatched(waiting, ticket, now - waiting.arrived, KINDS[choice.kind], choice.counter, choice.least)
+        wait = Wait(waiting.flow, now - waiting.arrived, KINDS[choice.kind], choice.counter, choice.least)
+        return Dispatched(waiting, ticket, wait)
 
     def cancel(self, request_id: str) -> bool:
         """A waiting request's client went away: out of the queue, nothing charged. False when it

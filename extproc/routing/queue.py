@@ -157,9 +157,12 @@ class FairQueue:
             self._unqueue(waiting, forget=False)
         self._charged(waiting.flow, self.counters[waiting.flow], work)
 
-    def charge_at_once(self, flow: Flow, work: float) -> None:
-        """A request of ``flow`` went to a replica without waiting: lifted as if it had waited, then charged."""
-        self._charged(flow, self._lifted(flow, self._band(flow.priority)), work)
+    def charge_at_once(self, flow: Flow, work: float) -> float:
+        """A request of ``flow`` went to a replica without waiting: lifted as if it had waited, then
+        charged; its counter before the charge."""
+        counter = self._lifted(flow, self._band(flow.priority))
+        self._charged(flow, counter, work)
+        return counter
 
     def _charged(self, flow: Flow, counter: float, work: float) -> None:
         band = self._bands[flow.priority]

@@ -23,7 +23,7 @@ import orjson
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.type.v3 import http_status_pb2
-from google.protobuf import struct_pb2
+from google.protobuf import duration_pb2, struct_pb2
 
 from extproc.envoy.contract import (
     DESTINATION,
@@ -31,6 +31,7 @@ from extproc.envoy.contract import (
     LB_NAMESPACE,
     OBSERVE,
     PREDICTED_CACHED,
+    QUEUE_WAIT,
     REPLICA_KEY_HEADER,
     REQUEST_ID,
     ROUTE_REASON,
@@ -101,6 +102,18 @@ def immediate_headers(headers: Sequence[tuple[str, str]]) -> bytes:
     """Headers added to an immediate answer it is appended to (protobuf merges the two)."""
     mutation = pb.HeaderMutation(set_headers=[header_option(*pair) for pair in headers])
     return pb.ProcessingResponse(immediate_response=pb.ImmediateResponse(headers=mutation)).SerializeToString()
+
+
+def queue_wait_header(seconds: float, phase: Phase = "own") -> bytes:
+    """The answer's x-route-queue-wait-ms header: how long flow control held the request."""
+    return more_headers([header_option(QUEUE_WAIT, str(round(seconds * 1000)))], phase)
+
+
+def wait_longer(seconds: int) -> bytes:
+    """Asks Envoy to wait ``seconds`` for the answer to the message it sent (ext_proc's
+    override_message_timeout; our own Envoy allows it up to its max_message_timeout): the request
+    waits in the router's queue."""
+    return pb.ProcessingResponse(override_message_timeout=duration_pb2.Duration(seconds=seconds)).SerializeToString()
 
 
 def request_id_header(request_id: str) -> bytes:

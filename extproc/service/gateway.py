@@ -60,6 +60,7 @@ from extproc.envoy.surface import GENERATION_PATHS, ReadOnly, Refused
 from extproc.routing import Decision, Router, RouteRequest, Ticket, estimate_tokens
 from extproc.routing.blocks import BlockMemory
 from extproc.routing.continuation import Claim, ConversationDigests, Shown, claim, shown
+from extproc.routing.flow_control import Wait
 from extproc.routing.peers import PeerRequest, PeerView, peer_view
 from extproc.routing.placement import Placement, PlacementMemory
 from extproc.routing.speeds import AnswerTimings
@@ -70,6 +71,7 @@ from extproc.service.answers import (
     Phase,
     immediate,
     local_answer,
+    queue_wait_header,
     request_id_header,
     route_answer,
 )
@@ -118,6 +120,20 @@ class Prepared:
     claim: Claim  # the conversation it is routed under, and whether it continues a known one
 
 
+class Lifecycle:
+    """What flow control hears of the requests it let through (waiting_room.py); this one hears
+    nothing (flow control off)."""
+
+    def released(self, request_id: str) -> None:
+        """The request's load was released: its slot is free."""
+
+    def finished(self, request_id: str, computed: tuple[int, int] | None) -> None:
+        """The request is over; computed: (prompt tokens computed, tokens generated), when reported."""
+
+    def replicas_changed(self) -> None:
+        """The fleet changed: room may have appeared."""
+
+
 @dataclass(slots=True)
 class Pending:
     """A routed request from its decision to its end (its load may be released before: by a next
@@ -148,6 +164,7 @@ class Pending:
     size: int = 0
     timings: Timings | None = None  # from the access log (JSON answers)
     timer: asyncio.TimerHandle | None = None
+    wait: Wait | None = None  # how it went through flow control (None: off)
 
     @property
     def request(self) -> RouteRequest:
@@ -199,6 +216,7 @@ class Gateway:
         self.branch_points = PlacementMemory(router.settings.memory_capacity)
         self.migrations = Migrations(router.settings.memory_capacity, metrics.registry)
         self.decision_log: Callable[[dict[str, Any]], None] = through_structlog  # main.py: DecisionLog
+        self.lifecycle = Lifecycle()  # flow control's ears (waiting_room.py sets its own)
 
     # ------------------------------------------------------------------ replicas
 
@@ -211,6 +229,7 @@ class Gateway:
         self.answers.forget_routes()
         if self.store is not None:  # in-flight load on a removed replica went with it
             self.store.load_changed()
+        self.lifecycle.replicas_changed()
 
     def mark_unhealthy(self, name: str) -> None:
         if name in self.endpoints and name not in self.unhealthy:
@@ -275,6 +294,7 @@ class Gateway:
         """Release a request's load (its ticket: once), remember who continues its
         conversation and tell the store."""
         if pending.ticket.release(ok, served):
+            self.lifecycle.released(pending.request.request_id)
             request, decision = pending.request, pending.decision
             key = self.router.conversation_key(request.conversation)
             if ok:
@@ -309,7 +329,7 @@ class Gateway:
         phase: the answer's shape (answers.py); subset: the endpoints a gateway allows (None: all).
         Decided on this router's own state: the service without a store (route_shared with one)."""
         started = time.perf_counter()
-        step = self._prepare(path, content_type, conversation_id, body, parsed_elsewhere)
+        step = self.prepare(path, content_type, conversation_id, body, parsed_elsewhere)
         if isinstance(step, bytes):
             return step, None
         return self._decide(step, turn, request_id, started, None, phase, subset)
@@ -322,10 +342,10 @@ class Gateway:
         """route_request with the other routers' picture, read from the store in one round trip
         (at most store.timeout_ms; then this router's own state)."""
         started = time.perf_counter()
-        step = self._prepare(path, content_type, conversation_id, body, parsed_elsewhere)
+        step = self.prepare(path, content_type, conversation_id, body, parsed_elsewhere)
         if isinstance(step, bytes):
             return step, None
-        step, peers = await self._peers(step)
+        step, peers = await self.peers(step)
         return self._decide(step, turn, request_id, started, peers, phase, subset)
 
     def answer_locally(self, asked: ReadOnly, headers: Sequence[tuple[str, str]] = ()) -> bytes:
@@ -385,7 +405,7 @@ class Gateway:
         ledger = self.router.ledger
         return all(ledger.requests(name) >= limit for name in self.endpoints if name not in avoid)
 
-    def _no_replica(self, subset: frozenset[str] | None) -> bytes:
+    def no_replica(self, subset: frozenset[str] | None) -> bytes:
         self.metrics.errors["no_replica"] += 1
         if subset is not None:
             return immediate(503, f"no replica of the gateway's subset is available ({len(subset)} endpoints named, "
@@ -393,7 +413,7 @@ class Gateway:
         return immediate(503, f"no replica available ({len(self.endpoints)} known, {len(self.unhealthy)} unhealthy)",
                          "no_replica")
 
-    def _prepare(
+    def prepare(
         self, path: str, content_type: str, conversation_id: str, body: bytes,
         parsed_elsewhere: ParsedRequest | BadRequest | None,
     ) -> Prepared | bytes:
@@ -434,7 +454,7 @@ class Gateway:
             self.router.memory.remember(key, best.replica, best.prompt_tokens)
             self.metrics.branches += 1
 
-    async def _peers(self, step: Prepared) -> tuple[Prepared, PeerView]:
+    async def peers(self, step: Prepared) -> tuple[Prepared, PeerView]:
         """What the other live routers hold, for this request (nothing while the store is not in
         use). A request that does not continue the conversation the store knows by its id is
         routed as a new one (continuation.py): it gets the others' load, nothing of the conversation."""
@@ -459,20 +479,35 @@ class Gateway:
         self, step: Prepared, turn: str, request_id: str, started: float, peers: PeerView | None,
         phase: Phase = "own", subset: frozenset[str] | None = None,
     ) -> tuple[bytes, str | None]:
-        request, parsed = step.request, step.parsed
-        conversation, unique_id = request.conversation, request.request_id
-        if parsed.answered:
-            self._release_answered(conversation, parsed.answered)
-        if parsed.answered_tokens:
-            self._holds_answer(request, parsed.answered_tokens)
-        avoid = self._avoid(subset, parsed.model)
+        avoid = self.before_route(step, subset)
         if self._to_shed(avoid):
             self.metrics.errors["shed"] += 1
             return immediate(429, "every replica is at service.shed_requests_per_replica requests in flight",
                              "rate_limit_exceeded"), None
-        ticket = self.router.route(request, avoid=avoid, peers=peers) if len(avoid) < len(self.endpoints) else None
+        ticket = self.router.route(step.request, avoid=avoid, peers=peers) if len(avoid) < len(self.endpoints) \
+            else None
         if ticket is None:
-            return self._no_replica(subset), None
+            return self.no_replica(subset), None
+        return self.routed(step, ticket, turn, request_id, started, phase, subset), step.request.request_id
+
+    def before_route(self, step: Prepared, subset: frozenset[str] | None) -> Collection[str]:
+        """What a new body tells before its request is routed (the turns it shows answered, the
+        cache its last answer left); the replicas it must not go to."""
+        request, parsed = step.request, step.parsed
+        if parsed.answered:
+            self._release_answered(request.conversation, parsed.answered)
+        if parsed.answered_tokens:
+            self._holds_answer(request, parsed.answered_tokens)
+        return self._avoid(subset, parsed.model)
+
+    def routed(
+        self, step: Prepared, ticket: Ticket, turn: str, request_id: str, started: float, phase: Phase = "own",
+        subset: frozenset[str] | None = None, wait: Wait | None = None,
+    ) -> bytes:
+        """The answer sending a routed request to its pick, its Pending kept until it ends. wait:
+        how it went through flow control."""
+        request, parsed = step.request, step.parsed
+        conversation, unique_id = request.conversation, request.request_id
         decision = ticket.decision
         predicted = decision.predicted_cached_tokens
         if parsed.opening:
@@ -482,19 +517,22 @@ class Gateway:
         self.pending[unique_id] = Pending(
             ticket, predicted, step.shown.digest, step.claim.continues, self.endpoints[decision.replica], step.path,
             bounded(turn), parsed.stream, started, time.monotonic(),
-            envoy_id=self._remember_envoy_id(request_id, unique_id), logged=phase != "own",
+            envoy_id=self._remember_envoy_id(request_id, unique_id), logged=phase != "own", wait=wait,
         )  # fmt: skip
         if parsed.history:
             self.unanswered.setdefault(conversation, {})[unique_id] = parsed.history
         if self.store is not None:
             self._publish_pending(unique_id, parsed.history)
-        self.metrics.decision(decision.trace.policy, decision.reason, time.perf_counter() - started)
+        deciding = time.perf_counter() - started - (wait.waited if wait is not None else 0.0)  # the wait aside
+        self.metrics.decision(decision.trace.policy, decision.reason, deciding)
         answer = self._pick_answer(decision.replica, decision.reason, parsed.stream, phase, subset)
         if self.settings.routing_headers:
             answer += self.answers.predicted_cached(predicted, phase)
+            if wait is not None:
+                answer += queue_wait_header(wait.waited, phase)
         if phase == "own":  # our id, for Envoy's access log entry; a gateway's own id is left alone
             answer += request_id_header(unique_id)
-        return answer, unique_id
+        return answer
 
     def _holds_answer(self, request: RouteRequest, answered_tokens: int) -> None:
         """The replica that served the conversation's last turn holds its prompt and the answer it
@@ -690,6 +728,9 @@ class Gateway:
                 timings.cache_n + (timings.prompt_n or 0),
             )
         self._log(request_id, pending, outcome, served_replica, timings)
+        computed = None if timings is None or timings.prompt_n is None or timings.predicted_n is None \
+            else (int(timings.prompt_n), int(timings.predicted_n))
+        self.lifecycle.finished(request_id, computed)
 
     def _served_replica(self, pending: Pending) -> str:
         if not pending.served or pending.served == pending.endpoint:
@@ -730,6 +771,9 @@ class Gateway:
             fields["access_log_lost"] = True
         if pending.released_by_next_turn:
             fields["released_by_next_turn"] = True
+        if pending.wait is not None:  # flow control: who it was, how long it waited and why it left then
+            fields["queue_wait_ms"] = round(pending.wait.waited * 1000, 3)
+            fields["trace"]["queue"] = pending.wait.as_dict()
         if timings is not None:
             fields.update(timings.as_dict())
         self.decision_log(fields)

@@ -54,6 +54,7 @@ from extproc.service.processor import SERVICE, access_log_handler, handler
 from extproc.service.replica_health import ReplicaHealth
 from extproc.service.tls import SELF_SIGNED, TlsError, server_credentials
 from extproc.service.tokenizer import TokenizerError, make_counter
+from extproc.service.waiting_room import WaitingRoom
 from extproc.settings import ServiceSettings, Settings, SettingsError, load_settings, read_secret_file
 
 log = structlog.get_logger("extproc.service")
@@ -120,6 +121,7 @@ async def serve(settings: Settings) -> int:
     models = ModelFetcher(gateway.catalog, lambda: gateway.endpoints, replica_key, service.health_probe_seconds)
     gateway.on_replica_failed = health.replica_failed
     metrics.watch(gateway.replica_states, lambda: gateway.router.speeds.speeds())  # reconfigure may replace them
+    room = WaitingRoom(gateway, settings.flow) if settings.flow.enabled else None
     if settings.store.url:  # several routers agree through it; a fresh id per start (the old one expires)
         await gateway.share_state(settings.store, secrets.token_hex(6))
 
@@ -129,7 +131,7 @@ async def serve(settings: Settings) -> int:
 
     parser = BodyParser(gateway.limits, counter)
     health_service = health_aio.HealthServicer()
-    servers, listen = _gateway_servers(service, gateway, parser, health_service, credentials)
+    servers, listen = _gateway_servers(service, gateway, parser, room, health_service, credentials)
     admin = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     admin_service = AdminService(gateway)
     admin_pb2_grpc.add_AdminServicer_to_server(admin_service, admin)
@@ -174,7 +176,8 @@ async def serve(settings: Settings) -> int:
         await stop.wait()
         if not watcher.done():  # a signal, not a failed discovery
             readiness.draining = True
-            await drain(lambda: len(gateway.pending), health_service, service.drain_seconds)
+            await drain(lambda: len(gateway.pending) + (room.waiting() if room is not None else 0), health_service,
+                        service.drain_seconds)
     finally:
         log.info("service_stopping", in_flight=gateway.router.ledger.total_requests())
         watcher.cancel()
@@ -224,7 +227,8 @@ def _token_check(token: str | None, metrics: Metrics) -> list[BearerCheck]:
 
 
 def _gateway_servers(
-    service: ServiceSettings, gateway: Gateway, parser: BodyParser, health: health_aio.HealthServicer,
+    service: ServiceSettings, gateway: Gateway, parser: BodyParser, room: WaitingRoom | None,
+    health: health_aio.HealthServicer,
     tls: grpc.ServerCredentials | None,
 ) -> tuple[list[grpc.aio.Server], str]:
     """The picker port's server (service.listen: ext_proc as an Endpoint Picker, health; TLS
@@ -235,7 +239,7 @@ def _gateway_servers(
     servers, where = [], ""
     if service.listen:
         picker = grpc.aio.server(options=options)
-        picker.add_generic_rpc_handlers((handler(gateway, parser, own_envoy=False),))
+        picker.add_generic_rpc_handlers((handler(gateway, parser, room, own_envoy=False),))
         health_pb2_grpc.add_HealthServicer_to_server(health, picker)
         listen = service.listen
         port = picker.add_secure_port(listen, tls) if tls is not None else picker.add_insecure_port(listen)
@@ -245,7 +249,7 @@ def _gateway_servers(
         where = f"{split_host_port(listen)[0]}:{port}"
     if service.ext_proc_socket:
         envoy = grpc.aio.server(options=options)
-        envoy.add_generic_rpc_handlers((handler(gateway, parser, own_envoy=True), access_log_handler(gateway)))
+        envoy.add_generic_rpc_handlers((handler(gateway, parser, room, own_envoy=True), access_log_handler(gateway)))
         try:
             envoy.add_insecure_port(f"unix-abstract:{service.ext_proc_socket}")
         except RuntimeError:

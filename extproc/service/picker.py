@@ -39,6 +39,7 @@ from extproc.service.answers import (
 )
 from extproc.service.gateway import Gateway
 from extproc.service.offload import BodyParser
+from extproc.service.waiting_room import WaitingRoom
 
 Mode = processing_mode_pb2.ProcessingMode
 FULL_DUPLEX = Mode.FULL_DUPLEX_STREAMED
@@ -102,13 +103,19 @@ def served_endpoint(message: pb.ProcessingRequest) -> str:
     return value.string_value if value is not None else ""
 
 
-async def route_body(gateway: Gateway, parser: BodyParser | None, **request: Any) -> tuple[bytes, str | None]:
-    """Gateway.route_request (or route_shared, with a store) for a whole body; a large body is
-    parsed off the event loop first (offload.py). Both kinds of stream decide through here."""
+async def route_body(gateway: Gateway, parser: BodyParser | None, room: WaitingRoom | None, stream: Any,
+                     tenant: str, objective: str, **request: Any) -> tuple[bytes, str | None]:
+    """Gateway.route_request (or route_shared, with a store) for a whole body, or through flow
+    control's waiting room when it is on (``stream``: the request's ext_proc stream; ``tenant``,
+    ``objective``: its flow headers' values); a large body is parsed off the event loop first
+    (offload.py). Both kinds of stream decide through here. An empty answer (waiting_room.LEFT):
+    the client went away while its request waited, nothing is to be said."""
     body, path, content_type = request["body"], request["path"], request["content_type"]
     if parser is not None and parser.takes(body):
         block_chars = gateway.router.policy.prefix_block_chars
         request["parsed_elsewhere"] = await parser.parse(path, content_type, body, block_chars)
+    if room is not None:
+        return await room.route(stream, tenant=tenant, objective=objective, **request)
     if gateway.store is None:
         return gateway.route_request(**request)
     return await gateway.route_shared(**request)  # one round trip to the shared store first
@@ -117,9 +124,12 @@ async def route_body(gateway: Gateway, parser: BodyParser | None, **request: Any
 class PickerStream:
     """One HTTP request's ext_proc stream from an Endpoint Picker's gateway (module docstring)."""
 
-    def __init__(self, gateway: Gateway, parser: BodyParser | None, context: grpc.aio.ServicerContext) -> None:
+    def __init__(self, gateway: Gateway, parser: BodyParser | None, room: WaitingRoom | None,
+                 context: grpc.aio.ServicerContext) -> None:
         self.gateway = gateway
         self.parser = parser
+        self.room = room  # flow control's, when on
+        self.wanted = WANTED + (room.headers if room is not None else ())
         self.context = context
         self.request_mode = NO_BODY
         self.response_mode = NO_BODY
@@ -138,7 +148,7 @@ class PickerStream:
 
     async def _request(self, first: pb.ProcessingRequest) -> bool:
         """Answer the request's headers and body; False when the answer ended the request."""
-        values = header_values(first.request_headers, WANTED)
+        values = header_values(first.request_headers, self.wanted)
         asked = classify(values.get(":method", ""), values.get(":path", ""))
         self.cors = self.gateway.cors.answer_headers(values.get("origin", ""))
         if not isinstance(asked, Generation):
@@ -157,6 +167,8 @@ class PickerStream:
             return False
         phase: Phase = "body" if waits else "headers"
         answer, self.request_id = await self._route(values, asked.path, b"".join(chunks), phase, subset)
+        if not answer:  # the client went away while its request waited
+            return False
         if self.request_id is None:  # refused: Envoy answers the client itself
             await self.context.write(answer + immediate_headers(self.cors) if self.cors else answer)
             return False
@@ -208,8 +220,12 @@ class PickerStream:
     async def _route(
         self, values: dict[str, str], path: str, body: bytes, phase: Phase, subset: frozenset[str] | None
     ) -> tuple[bytes, str | None]:
+        room = self.room
+        tenant, objective = (values.get(room.headers[0], ""), values.get(room.headers[1], "")) \
+            if room is not None else ("", "")
         return await route_body(
-            self.gateway, self.parser, path=path, content_type=values.get("content-type", ""),
+            self.gateway, self.parser, room, self.context, tenant, objective, path=path,
+            content_type=values.get("content-type", ""),
             conversation_id=values.get("x-conversation-id", ""), turn=values.get("x-turn", ""),
             request_id=values.get("x-request-id", ""), body=body, phase=phase, subset=subset,
         )  # fmt: skip

@@ -29,6 +29,7 @@ from extproc.service.bodies import timings_from_metadata
 from extproc.service.gateway import Gateway, bounded
 from extproc.service.offload import BodyParser
 from extproc.service.picker import PickerStream, route_body
+from extproc.service.waiting_room import WaitingRoom
 from extproc.service.wire import M, decode_tolerant
 
 log = structlog.get_logger("extproc.service")
@@ -38,8 +39,10 @@ ATTRIBUTES = "envoy.filters.http.ext_proc"  # the key Envoy files CEL attributes
 EMPTY_BODY = immediate(400, "empty body: expected a JSON object", "empty_body")
 
 
-def handler(gateway: Gateway, parser: BodyParser | None, *, own_envoy: bool) -> grpc.GenericRpcHandler:
-    processor = Processor(gateway, parser, own_envoy=own_envoy)
+def handler(gateway: Gateway, parser: BodyParser | None, room: WaitingRoom | None = None, *,
+            own_envoy: bool) -> grpc.GenericRpcHandler:
+    """room: flow control's waiting room (None: off)."""
+    processor = Processor(gateway, parser, room, own_envoy=own_envoy)
     return grpc.method_handlers_generic_handler(
         SERVICE,
         {
@@ -111,9 +114,11 @@ def _stream_failed(gateway: Gateway, stream: str, exc: Exception) -> None:
 
 
 class Processor:
-    def __init__(self, gateway: Gateway, parser: BodyParser | None = None, *, own_envoy: bool) -> None:
+    def __init__(self, gateway: Gateway, parser: BodyParser | None = None, room: WaitingRoom | None = None, *,
+                 own_envoy: bool) -> None:
         self.gateway = gateway
         self.parser = parser  # large bodies are parsed there (offload.py); None: all inline
+        self.room = room  # flow control's waiting room (None: off)
         self.own_envoy = own_envoy  # our Envoy's route and observe streams too (module docstring)
 
     async def process(self, _requests: Any, context: grpc.aio.ServicerContext) -> None:
@@ -130,7 +135,7 @@ class Processor:
                     await self._route(message, context)
                 else:  # an Endpoint Picker's gateway: one stream carries the whole request (picker.py)
                     stream = "picker"
-                    await PickerStream(self.gateway, self.parser, context).serve(message)
+                    await PickerStream(self.gateway, self.parser, self.room, context).serve(message)
         except Exception as exc:  # a bug of ours: counted, and Envoy applies fail_open
             _stream_failed(self.gateway, stream, exc)
             await context.abort(grpc.StatusCode.INTERNAL, "llm-ring: routing failed")
@@ -159,13 +164,19 @@ class Processor:
             if message.request_body.end_of_stream:
                 break
         generation = generation_path(path)
+        room = self.room
+        tenant, objective = (_text(attributes, f"request.headers['{name}']") for name in room.headers) \
+            if room is not None else ("", "")
         answer, routed_id = await route_body(
-            self.gateway, self.parser, path=generation.path if generation is not None else path,
+            self.gateway, self.parser, room, context, tenant, objective,
+            path=generation.path if generation is not None else path,
             content_type=_text(attributes, "request.headers['content-type']"),
             conversation_id=_text(attributes, "request.headers['x-conversation-id']"),
             turn=_text(attributes, "request.headers['x-turn']"), request_id=_text(attributes, "request.id"),
             body=chunks[0] if len(chunks) == 1 else b"".join(chunks),
         )  # fmt: skip
+        if not answer:  # the client went away while its request waited
+            return
         await context.write(answer)
         if routed_id is None:  # Envoy answers the client itself: nothing more to say
             return

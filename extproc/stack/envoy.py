@@ -18,12 +18,13 @@ if TYPE_CHECKING:
 
 
 def start_envoy(stack: StackRun, gw: GatewayState, progress: Progress) -> None:
-    from extproc.envoy.config import render_envoy_config
+    from extproc.envoy.config import flow_options, render_envoy_config
     from extproc.envoy.contract import EndpointsFile, ext_proc_address
     from extproc.settings import load_settings
     from extproc.stack.replicas import api_key_file
 
-    service = load_settings(gw.router_settings).service
+    settings = load_settings(gw.router_settings)
+    service = settings.service
     endpoints = Path(service.envoy_endpoints_file)
     wait_until(endpoints.exists, 10.0, f"the routing service did not write {endpoints}")
     config = render_envoy_config(
@@ -32,6 +33,7 @@ def start_envoy(stack: StackRun, gw: GatewayState, progress: Progress) -> None:
         endpoints=EndpointsFile(str(endpoints)),
         fail_open=service.fail_open, max_request_bytes=service.max_body_bytes, retries=service.fallbacks,
         cors_origins=service.cors_origins,
+        flow=flow_options(settings.flow),
         replica_key_file=str(api_key_file(Path(stack.state.run_dir))),
     )
     (gw.envoy_dir / "envoy.yaml").write_text(config)

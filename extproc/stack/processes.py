@@ -25,7 +25,7 @@ import grpc
 from cryptography import x509
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from extproc.envoy.config import render_envoy_config
+from extproc.envoy.config import FlowOptions, render_envoy_config
 from extproc.envoy.contract import STREAM_IDLE_TIMEOUT_S, EndpointsFile, ext_proc_address, split_host_port
 from extproc.envoy.inference_gateways import InferenceGateway, render_inference_gateway_config
 from extproc.settings import load_settings
@@ -100,10 +100,12 @@ def start_gateway_envoy(
     fallbacks: int | None = None,
     stream_idle_timeout_s: int = STREAM_IDLE_TIMEOUT_S,
     replica_key_file: Path | None = None,
+    flow: FlowOptions | None = None,
 ) -> Running:
     """Envoy with the gateway configuration (render_envoy_config) on free loopback ports.
     fallbacks: service.fallbacks of the service behind it (None: the reference settings');
-    replica_key_file: the replicas' API key, added to every generation (None: upstreams that want none)."""
+    replica_key_file: the replicas' API key, added to every generation (None: upstreams that want none);
+    flow: the service's flow control (flow_options), None: off."""
     listen, admin = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
     config = render_envoy_config(
         listen=listen,
@@ -115,6 +117,7 @@ def start_gateway_envoy(
         retries=load_settings(ROUTER_REFERENCE).service.fallbacks if fallbacks is None else fallbacks,
         replica_key_file=None if replica_key_file is None else str(replica_key_file),
         stream_idle_timeout_s=stream_idle_timeout_s,
+        flow=flow,
     )
     running = start_envoy(config, workdir, admin, concurrency)
     running.listen = listen
@@ -176,11 +179,13 @@ def start_service(workdir: Path, settings_env: Mapping[str, str], config: Path =
 
 
 def start_picker_service(
-    workdir: Path, replicas: Mapping[str, str], private_admin: bool = True, **service: str
+    workdir: Path, replicas: Mapping[str, str], private_admin: bool = True, more: Mapping[str, str] | None = None,
+    **service: str,
 ) -> Running:
     """`llm-ring serve` as an InferencePool gateway's Endpoint Picker, configured as the
     gateway guide says (static replicas, gRPC over TLS with a self-signed certificate, no
     unix socket, no EDS file) and nothing else; ``service``: more LLM_RING__SERVICE__ values.
+    more: other LLM_RING__<SECTION>__<KEY> values ([flow]'s, say).
     private_admin: the Admin API on a free port of its own (tests and benchmarks read it);
     False leaves service.admin_listen as the reference settings have it (and .address empty).
     Running.ext_proc is the picker port (TLS), .address the loopback Admin API, .listen /metrics."""
@@ -195,6 +200,7 @@ def start_picker_service(
         "LLM_RING__SERVICE__TLS": '"self-signed"',
         **{f"LLM_RING__SERVICE__{key.upper()}": value for key, value in service.items()},
         **{f"LLM_RING__DISCOVERY__{key.upper()}": value for key, value in static_discovery(replicas).items()},
+        **(more or {}),
     }
     command = [sys.executable, "-m", "extproc.cli", "serve", "--config", str(ROUTER_REFERENCE)]
     running = spawn_child("llm-ring serve (picker)", command, workdir / "service.log", {**os.environ, **settings})

@@ -6,6 +6,7 @@ import pytest
 from pydantic import ValidationError
 
 from extproc.routing import Router, RouteRequest
+from extproc.routing.fairness import FairnessWindow
 from extproc.routing.flow_control import NO_REPLICA, QUEUE_FULL, FlowControl, Queued, Refused, Routed
 from extproc.routing.flows import Flow, flow_of
 from tests.routing.conftest import routing
@@ -56,7 +57,7 @@ def test_a_full_fleet_holds_the_request_until_a_slot_frees_then_it_goes_there() 
     flow_control.released(ids[0])
     [sent] = flow_control.dispatch(3.5)
     assert sent.ticket is not None and sent.ticket.decision.replica == freed.replica
-    assert sent.waited == pytest.approx(2.5) and sent.waiting.request.request_id == "late"
+    assert sent.wait.waited == pytest.approx(2.5) and sent.waiting.request.request_id == "late"
 
 
 def test_a_higher_band_goes_first_whatever_the_order_of_arrival() -> None:
@@ -96,11 +97,11 @@ def test_a_request_whose_cache_holder_has_room_goes_ahead_within_the_deficit_and
         assert holder is not None
         flow_control.released(ids[0])
         [sent] = flow_control.dispatch(2.0)
-        assert sent.kind == expected
+        assert sent.wait.kind == expected
         assert sent.waiting.request.request_id == ("follow-up" if expected == "local" else "first-come")
         if expected == "local":
             assert sent.ticket is not None and sent.ticket.decision.replica == holder.replica
-            assert sent.counter <= sent.least + deficit
+            assert sent.wait.counter <= sent.wait.least + deficit
 
 
 def test_a_full_band_refuses_and_a_fleet_without_an_eligible_replica_refuses() -> None:
@@ -163,3 +164,20 @@ def test_flows_come_from_the_headers_and_an_anonymous_request_is_capped() -> Non
     assert flow_of(settings, "", "batch") == Flow(-10, "default")
     with pytest.raises(ValidationError, match="reserved_slots"):
         flow_settings(reserved_slots=2)
+
+
+def test_jain_counts_the_tenants_that_waited_over_the_window() -> None:
+    window = FairnessWindow(window_s=10.0)
+    assert window.jain(0.0) == 1.0  # nothing contended
+    window.waited(0.0, "a")
+    window.waited(0.0, "b")
+    window.served(1.0, "a", 300.0)
+    window.served(1.0, "b", 100.0)
+    window.served(1.0, "c", 10_000.0)  # never waited: it got what it asked, no sign of unfairness
+    assert window.jain(2.0) == pytest.approx(400**2 / (2 * (300**2 + 100**2)))
+    window.served(5.0, "b", 200.0)
+    assert window.jain(6.0) == pytest.approx(1.0)
+    assert window.jain(11.5) == 1.0  # the first shares and both waits are out of the window
+    window.waited(11.5, "a")
+    window.waited(11.5, "b")
+    assert window.jain(11.6) == pytest.approx(0.5)  # b's later share alone: a waited and got nothing

@@ -14,13 +14,16 @@ from typing import Any
 import httpx
 import openai
 
+from extproc.envoy.config import flow_options
 from extproc.envoy.inference_gateways import AI_GATEWAY, UPSTREAM_HEADER
 from extproc.migration.llama import key_headers
 from extproc.service.admin_client import AdminClient
+from extproc.settings import load_settings
 from extproc.stack import replicas as stack_replicas
 from extproc.stack.daemons import stop
 from extproc.stack.models import smollm2_gguf
 from extproc.stack.processes import (
+    ROUTER_REFERENCE,
     Running,
     free_port,
     service_env,
@@ -64,6 +67,15 @@ class Gateway:
     running: list[Running] = field(default_factory=list)
     # an InferencePool data plane: no x-routed-to; the upstream address (x-upstream-host) names the replica
     replica_of: dict[str, str] = field(default_factory=dict)
+    metrics: str = ""  # the service's /metrics URL
+
+    def metric(self, name: str, **labels: str) -> float:
+        """A sample of the service's /metrics (0 when absent)."""
+        wanted = name + ("{" + ",".join(f'{k}="{v}"' for k, v in sorted(labels.items())) + "}" if labels else "")
+        for line in httpx.get(self.metrics, timeout=5).text.splitlines():
+            if line.startswith(wanted + " "):
+                return float(line.rsplit(" ", 1)[1])
+        return 0.0
 
     def routed_to(self, reply: httpx.Response) -> str:
         """The replica that answered (empty: none)."""
@@ -88,25 +100,36 @@ class Gateway:
             time.sleep(0.05)
 
 
+def flow_env(**flow: str) -> dict[str, str]:
+    """[flow] settings as LLM_RING__FLOW__ variables (TOML values), flow control on."""
+    return {f"LLM_RING__FLOW__{key.upper()}": value for key, value in {"enabled": "true", **flow}.items()}
+
+
 @contextmanager
 def gateway(
     workdir: Path, discovery: Mapping[str, str], fail_open: bool = True, envoy_idle_timeout_s: int | None = None,
-    replica_key_file: Path | None = None, **service: str,
+    replica_key_file: Path | None = None, flow: Mapping[str, str] | None = None, **service: str,
 ) -> Iterator[Gateway]:
     """`llm-ring serve` + Envoy rendered by render_envoy_config (replica_key_file: the key
-    Envoy adds to the generations, None: none); everything stopped on exit."""
+    Envoy adds to the generations, None: none; flow: [flow] values, flow control on: flow_env);
+    everything stopped on exit."""
     endpoints_file = workdir / "eds" / "replicas.json"
     listen = f"127.0.0.1:{free_port()}"
     started: list[Running] = []
     try:
         settings = {"health_probe_seconds": "0.2", "log_level": '"debug"', **service}
-        started.append(start_service(workdir / "service", service_env(listen, endpoints_file, discovery, **settings)))
+        env = service_env(listen, endpoints_file, discovery, **settings)
+        env |= flow_env(**flow) if flow is not None else {}
+        started.append(start_service(workdir / "service", env))
         _wait_for(endpoints_file.exists, 5.0)
         idle = {"stream_idle_timeout_s": envoy_idle_timeout_s} if envoy_idle_timeout_s else {}
         envoy = start_gateway_envoy(workdir / "envoy", started[0].ext_proc, endpoints_file, fail_open, 1, **idle,
-                                    replica_key_file=replica_key_file)
+                                    replica_key_file=replica_key_file,
+                                    flow=flow_options(load_settings(ROUTER_REFERENCE, environ=env).flow))
         started.append(envoy)
-        gw = Gateway(f"http://{envoy.listen}", started[0].address, started[0].log_path, endpoints_file, started)
+        metrics = "http://" + env["LLM_RING__SERVICE__METRICS_LISTEN"].strip('"') + "/metrics"
+        gw = Gateway(f"http://{envoy.listen}", started[0].address, started[0].log_path, endpoints_file, started,
+                     metrics=metrics)
         _wait_for(lambda: _has_endpoints(envoy.address), 5.0)
         yield gw
     finally:
@@ -116,10 +139,12 @@ def gateway(
 
 @contextmanager
 def inference_pool_gateway(workdir: Path, replicas: Mapping[str, str], body_mode: str = "duplex",
-                           **service: str) -> Iterator[Gateway]:
+                           flow: Mapping[str, str] | None = None, **service: str) -> Iterator[Gateway]:
     """`llm-ring serve` as a TLS Endpoint Picker behind Envoy AI Gateway's InferencePool data
-    plane (full duplex, or buffered), the upstream shown in x-upstream-host; everything stopped on exit."""
-    picker = start_picker_service(workdir / "picker", replicas, health_probe_seconds="0.2", **service)
+    plane (full duplex, or buffered), the upstream shown in x-upstream-host (flow: [flow] values,
+    flow control on); everything stopped on exit."""
+    more = flow_env(**flow) if flow is not None else None
+    picker = start_picker_service(workdir / "picker", replicas, health_probe_seconds="0.2", more=more, **service)
     try:
         envoy = start_inference_gateway_envoy(workdir / "envoy", AI_GATEWAY, picker.ext_proc, sorted(replicas.values()),
                                               1, show_upstream=True, body_mode=body_mode)
@@ -128,7 +153,7 @@ def inference_pool_gateway(workdir: Path, replicas: Mapping[str, str], body_mode
         raise
     try:
         yield Gateway(f"http://{envoy.listen}", picker.address, picker.log_path, Path(), [picker, envoy],
-                      {address: name for name, address in replicas.items()})
+                      {address: name for name, address in replicas.items()}, f"http://{picker.listen}/metrics")
     finally:
         envoy.stop()
         picker.stop()

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from extproc.envoy.config import render_envoy_config
+from extproc.envoy.config import FlowOptions, flow_options, render_envoy_config
 from extproc.envoy.contract import (
     DESTINATION,
     ROUTED_PATHS,
@@ -48,8 +48,9 @@ def render(tmp_path: Path, **overrides: object) -> str:
         {"endpoints": DnsEndpoints("llm.llm-ring.svc.cluster.local:8080"), "listen": "0.0.0.0:8080"},
         {"cors_origins": ["https://chat.example.com", "*"]},
         {"replica_key_file": None},
+        {"flow": FlowOptions(("x-tenant", "x-objective"), 20.0)},
     ],
-    ids=["local", "fail-closed", "envoy-alone", "dns-replicas", "cors", "no-replica-key"],
+    ids=["local", "fail-closed", "envoy-alone", "dns-replicas", "cors", "no-replica-key", "flow-control"],
 )
 @pytest.mark.live
 def test_envoy_validates_the_rendered_config(tmp_path: Path, overrides: dict) -> None:
@@ -229,3 +230,21 @@ def test_envoy_is_hardened_for_clients_that_hold_connections(tmp_path: Path) -> 
     assert routes[0]["match"] == {"connect_matcher": {}} and routes[0]["direct_response"]["status"] == 405
     local_replies = [r for r in routes if "direct_response" in r]
     assert all(r["typed_per_filter_config"]["whole-body"]["disabled"] for r in local_replies)
+
+
+def test_flow_control_sends_its_headers_and_lets_a_waiting_request_wait_up_to_the_ttl(tmp_path: Path) -> None:
+    """Off: the filter as ever. On: the tenant and objective headers as attributes, and Envoy lets
+    the service ask for the TTL and a margin (a hung service still fails open after 2 s)."""
+    def route_filter(text: str) -> dict:
+        manager = json.loads(text)["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+        (found,) = [f for f in manager["typed_config"]["http_filters"] if f["name"] == "ext_proc.route"]
+        return found["typed_config"]
+
+    reference = load_settings(Path(__file__).parents[2] / "extproc" / "service" / "router.toml")
+    assert flow_options(reference.flow) is None  # off in router.toml
+    off = route_filter(render(tmp_path))
+    assert "max_message_timeout" not in off and not any("inference" in a for a in off["request_attributes"])
+    on = route_filter(render(tmp_path, flow=flow_options(reference.flow.model_copy(update={"enabled": True}))))
+    assert on["request_attributes"][-2:] == ["request.headers['x-gateway-inference-fairness-id']",
+                                             "request.headers['x-gateway-inference-objective']"]
+    assert (on["message_timeout"], on["max_message_timeout"]) == ("2s", "22s")

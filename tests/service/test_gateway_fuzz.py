@@ -7,9 +7,10 @@ malformed JSON, forged routing headers), then the invariants: every answer is ro
 or an error from the gateway (4xx/5xx, JSON); the service logged no stream failure; nothing
 stays in flight; a valid chat is still routed.
 
-Each runs twice: through the gateway's own Envoy configuration and through an InferencePool
+Each runs through the gateway's own Envoy configuration and through an InferencePool
 gateway's (Envoy AI Gateway's data plane, full duplex, the service as its TLS picker): no
-request may fail open there either, and no load may stay charged.
+request may fail open there either, and no load may stay charged; each once more with flow
+control on (its tenant and objective headers fuzzed too).
 
 Quick by default (FUZZ_EXAMPLES examples per class); LLM_RING_FUZZ_EXAMPLES=2000 runs long.
 """
@@ -47,17 +48,18 @@ LIMITS = {"max_messages": "16", "max_prompt_chars": "2000", "max_output_tokens":
 OUTCOMES: Counter[tuple[str, str]] = Counter()  # (class, outcome) over the module: the report's figures
 
 
-@pytest.fixture(scope="module", params=["own-envoy", "inference-pool"])
+@pytest.fixture(scope="module", params=["own-envoy", "inference-pool", "own-envoy+flow", "inference-pool+flow"])
 def gw(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
     ports = [free_port() for _ in range(2)]
     stubs: Running = start_stub_upstream(ports, tmp_path_factory.mktemp("stubs"))
     replicas = {f"llm-{i}": f"127.0.0.1:{port}" for i, port in enumerate(ports)}
     workdir = tmp_path_factory.mktemp("gw")
+    flow = {} if request.param.endswith("+flow") else None  # flow control on, router.toml's [flow]
     try:
-        if request.param == "own-envoy":
-            running = gateway(workdir, static_discovery(replicas), log_level='"info"', **LIMITS)
+        if request.param.startswith("own-envoy"):
+            running = gateway(workdir, static_discovery(replicas), log_level='"info"', flow=flow, **LIMITS)
         else:
-            running = inference_pool_gateway(workdir, replicas, log_level='"info"', **LIMITS)
+            running = inference_pool_gateway(workdir, replicas, log_level='"info"', flow=flow, **LIMITS)
         with running as g:
             yield g
     finally:
@@ -134,7 +136,8 @@ FUZZ = settings(max_examples=FUZZ_EXAMPLES, deadline=None, suppress_health_check
 
 @FUZZ
 @given(
-    header=st.sampled_from([b"x-conversation-id", b"x-turn", b"x-request-id", b"user-agent", b"content-type"]),
+    header=st.sampled_from([b"x-conversation-id", b"x-turn", b"x-request-id", b"user-agent", b"content-type",
+                            b"x-gateway-inference-fairness-id", b"x-gateway-inference-objective"]),
     value=non_utf8,
 )
 def test_non_utf8_headers(gw: Gateway, header: bytes, value: bytes) -> None:
@@ -193,7 +196,8 @@ def test_malformed_bodies(gw: Gateway, raw: bytes) -> None:
 
 @FUZZ
 @given(
-    header=st.sampled_from([b"x-gateway-destination-endpoint", b"x-routed-to", b"x-llm-ring-observe", b"host"]),
+    header=st.sampled_from([b"x-gateway-destination-endpoint", b"x-routed-to", b"x-llm-ring-observe", b"host",
+                            b"x-route-queue-wait-ms"]),
     value=header_bytes,
 )
 def test_forged_routing_headers(gw: Gateway, header: bytes, value: bytes) -> None:
