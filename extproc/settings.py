@@ -20,7 +20,6 @@ import tomli_w
 from pydantic import BaseModel, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from extproc.cli_input import UsageError
-from extproc.envoy.contract import REQUEST_TIMEOUT_S
 from extproc.routing.flows import FlowSettings
 from extproc.routing.settings import RoutingSettings
 from extproc.strict import Strict
@@ -161,11 +160,6 @@ class StoreSettings(Strict):
         return url
 
 
-# our own Envoy counts a request's whole time until it is sent upstream (its request_timeout): a
-# request waiting in the router must leave well before, its upload included
-FLOW_TTL_LIMIT_S = REQUEST_TIMEOUT_S - 5
-
-
 class Settings(Strict):
     routing: RoutingSettings
     service: ServiceSettings
@@ -176,16 +170,11 @@ class Settings(Strict):
     @field_validator("flow")
     @classmethod
     def _one_flow_control(cls, flow: FlowSettings, info: ValidationInfo) -> FlowSettings:
-        """One way of holding back load at a time, and a wait our own Envoy allows."""
+        """One way of holding back load at a time."""
         service = info.data.get("service")
-        if not flow.enabled or service is None:
-            return flow
-        if service.shed_requests_per_replica:
+        if flow.enabled and service is not None and service.shed_requests_per_replica:
             raise ValueError("enabled: service.shed_requests_per_replica must be 0 with flow control (the queue "
                              "replaces shedding)")
-        if service.ext_proc_socket and flow.ttl_seconds > FLOW_TTL_LIMIT_S:
-            raise ValueError(f"ttl_seconds ({flow.ttl_seconds:g}) must be at most {FLOW_TTL_LIMIT_S} s: our own "
-                             f"Envoy ends a request not sent upstream within {REQUEST_TIMEOUT_S} s")
         return flow
 
 

@@ -160,7 +160,7 @@ def test_a_missing_flow_key_stops_start_up_naming_it() -> None:
     [
         ({"reserved_slots": 4}, "reserved_slots (4) must be below replica_slots (4)"),
         ({"tenant_header": "X-Tenant"}, "tenant_header: String should match pattern"),
-        ({"ttl_seconds": 26.0}, "ttl_seconds (26) must be at most 25 s"),
+        ({"ttl_seconds": 601.0}, "flow.ttl_seconds: Input should be less than or equal to 600"),
         ({"objectives": {"fast": "high"}}, "flow.objectives.fast: Input should be a valid integer"),
     ],
 )

@@ -1,4 +1,4 @@
-"""`llm-ring bench (decisions|gateway|hostile|sim) [--json]`: figures and ratios in one run."""
+"""`llm-ring bench (decisions|gateway|hostile|sim|flow) [--json]`: figures and ratios in one run."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ BENCHMARKS = {
     "gateway": ("extproc.bench.gateway", "added latency and throughput: direct vs Envoy vs Envoy + ext_proc"),
     "hostile": ("extproc.bench.hostile", "normal clients' p50 with large bodies; a soak with hostile traffic mixed in"),
     "sim": ("extproc.bench.sim", "simulated requests per second; the Mooncake trace through all policies"),
+    "flow": ("extproc.bench.flow", "a noisy neighbour against a running gateway; a replica's batch-step bound"),
 }
 
 

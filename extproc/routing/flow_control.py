@@ -13,16 +13,22 @@ and the next request is sent then (llm-d's concurrency saturation detector count
 in flight against a per-endpoint capacity in the same way).
 
 **Headroom.** ``reserved_slots`` of each replica's slots go only to a flow holding fewer
-requests in flight than its fair share of the others (the open slots of the fleet divided
-among the flows waiting or in flight): a flood alone never fills them, so a quiet tenant's
-request finds a slot at once and waits only for the batch step it joins (llama.cpp does not
-preempt). 0 keeps the fleet strictly work-conserving; each reserved slot costs the flood
-that slot's share of throughput.
+requests in flight than the busiest flow: a flood alone never fills them (it is the busiest),
+so a quiet tenant's request finds a slot at once and waits only for the batch step it joins
+(llama.cpp does not preempt). 0 keeps the fleet strictly work-conserving; each reserved slot
+costs a flood running alone that slot (measured: docs/results/2026-12-05-flow-control.md).
 
 **Late binding.** The request to dispatch is chosen, and its replica picked by the policy
 among those with room, at the moment room frees, on the ledger and placement memory as they
 are then. When nothing waits and a replica has room, ``admit`` routes at once: the path of a
 router without flow control, except that full replicas are not candidates.
+
+**Patience.** A waiting request whose conversation's cache holder is full goes elsewhere only
+once it has waited as long as that replica would take to compute its cached prefix again (the
+holder's learnt prefill speed, at most half the TTL): until then its holder is likely to free
+in time, and sending it away would spend that much work again. This is the one exception to
+work conservation: a replica with room may idle while such a request waits for its holder
+(``wake`` says when the first of them stops waiting).
 
 **Work** charged to a flow's counter at dispatch: ``input_weight`` per prompt token the
 replica computes (the prompt less what the decision predicts cached there: a cached prefix
@@ -39,7 +45,8 @@ from typing import NamedTuple
 from extproc.routing.decision import Decision, RouteRequest
 from extproc.routing.flows import Flow, FlowSettings
 from extproc.routing.peers import PeerView
-from extproc.routing.queue import KINDS, Choice, FairQueue, Waiting
+from extproc.routing.placement import Placement
+from extproc.routing.queue import FAIR, KINDS, LOCAL, NEW, Choice, FairQueue, Waiting
 from extproc.routing.router import Router
 from extproc.routing.ticket import Ticket
 
@@ -97,33 +104,37 @@ class FlowControl:
         self._charges: dict[str, _Charge] = {}  # request id -> what its flow was charged, until settled
         self._running: dict[str, Flow] = {}  # request id -> its flow, until its load is released
         self._room_cache: dict[tuple[Flow, frozenset[str]], tuple[str, ...]] = {}  # during one choice
+        self._now = 0.0  # the clock of the dispatch under way
+        self.wake: float | None = None  # after a dispatch: when a request waiting for its holder stops waiting
 
     def admit(self, request: RouteRequest, flow: Flow, avoid: Collection[str], now: float,
               peers: PeerView | None = None) -> Routed | Queued | Refused:
-        """Route ``request`` now when nothing waits and a replica has room; else queue it (the
-        caller then calls ``dispatch``: it may leave at once). Refused when its band is full, or
+        """Route ``request`` now when nothing waits and a replica has room (its cache holder's, or
+        its patience is nil); else queue it (the caller then calls ``dispatch``: it may leave at once). Refused when its band is full, or
         when no replica of the fleet is one it may go to."""
         avoided = frozenset(avoid)
         if not any(name not in avoided for name in self.router.replicas):
             return Refused(NO_REPLICA)
+        key = self.router.conversation_key(request.conversation)
+        waiting = Waiting(request, flow, key, avoided, now, now + self.settings.ttl_seconds)
         if not self.queue:
             rooms = self._rooms(flow, avoided)
-            if rooms:
+            self._now = now
+            if rooms and self._kind(waiting, rooms) is not None:  # None: its full holder is worth waiting for
                 ticket = self.router.route(request, self._without(rooms), peers)
                 if ticket is not None:
                     counter = self.queue.charge_at_once(flow, self._charged(request, flow, ticket.decision))
                     self._running[request.request_id] = flow
                     return Routed(ticket, Wait(flow, 0.0, "at_once", counter, counter))
-        key = self.router.conversation_key(request.conversation)
-        waiting = Waiting(request, flow, key, avoided, now, now + self.settings.ttl_seconds)
         return Queued(waiting) if self.queue.push(waiting) else Refused(QUEUE_FULL)
 
     def dispatch(self, now: float) -> list[Dispatched]:
         """Send waiting requests to replicas with room, best first, until none can go."""
         sent = []
+        self._now, self.wake = now, None
         while self.queue:
             self._room_cache.clear()  # the loads changed with the last one sent
-            choice = self.queue.choose(self._cached_rooms, self._holder)
+            choice = self.queue.choose(self._cached_rooms, self._kind)
             if choice is None:
                 break
             sent.append(self._send(choice, now))
@@ -195,21 +206,37 @@ class FlowControl:
         loads = self.router.ledger.loads("requests")
         replicas = self.router.replicas
         open_slots, slots = settings.open_slots, settings.replica_slots
-        if settings.reserved_slots:
-            active = max(1, len(self.queue.counters) + (flow not in self.queue.counters))
-            below_share = self.queue.held(flow) < open_slots * len(replicas) / active
-            limit = slots if below_share else open_slots
-        else:
-            limit = slots
+        limit = slots
+        if settings.reserved_slots and self.queue.held(flow) >= max(self.queue.in_flight.values(), default=0):
+            limit = open_slots  # the busiest flow (or one alone) keeps out of the reserved slots
         return tuple(name for name in replicas if name not in avoid and loads.get(name, 0) < limit)
 
     def _without(self, rooms: tuple[str, ...]) -> tuple[str, ...]:
         """The replicas a pick must avoid so that it lands in ``rooms``."""
         return tuple(name for name in self.router.replicas if name not in rooms)
 
-    def _holder(self, waiting: Waiting) -> str | None:
-        """Where the waiting request's conversation was last served (None: nowhere in the fleet)."""
+    def _kind(self, waiting: Waiting, rooms: tuple[str, ...]) -> int | None:
+        """LOCAL, NEW or FAIR (queue.py); None while it waits for its full holder (module docstring)."""
+        placement = self._placement(waiting)
+        if placement is None:
+            return NEW
+        if placement.replica in rooms:
+            return LOCAL
+        ready = waiting.arrived + self.patience(placement)
+        if self._now >= ready:
+            return FAIR
+        self.wake = ready if self.wake is None else min(self.wake, ready)
+        return None
+
+    def patience(self, placement: Placement) -> float:
+        """How long a request waits for the replica holding its conversation's ``placement``."""
+        speed = self.router.speeds.speed(placement.replica)
+        recompute = speed.overhead_s + placement.prompt_tokens * speed.prefill_s_per_token
+        return min(recompute, self.settings.ttl_seconds / 2)
+
+    def _placement(self, waiting: Waiting) -> Placement | None:
+        """Where the waiting request's conversation was last served (None: nowhere it may go)."""
         placement = self.router.memory.get(waiting.key)
         if placement is None or placement.replica in waiting.avoid or placement.replica not in self.router.replicas:
             return None
-        return placement.replica
+        return placement

@@ -43,14 +43,14 @@ class FlowSettings(Strict):
     anonymous_max_priority: int = Field(description="the highest band a request without the tenant header may "
                                                     "claim through its objective")
     replica_slots: int = Field(gt=0, le=1024, description="requests a replica runs at once (llama.cpp --parallel)")
-    reserved_slots: int = Field(ge=0, description="of each replica's slots, this many are kept for a flow below "
-                                                  "its fair share of the others")
+    reserved_slots: int = Field(ge=0, description="of each replica's slots, this many go only to a flow holding "
+                                                  "fewer requests in flight than the busiest flow")
     input_weight: float = Field(gt=0, description="work of a prompt token the replica computes (fair share)")
     output_weight: float = Field(gt=0, description="work of a generated token (fair share)")
     locality_deficit: float = Field(ge=0, description="tokens of work a flow may be ahead of the least served "
                                                       "one when its request keeps a cache")
     band_size: int = Field(gt=0, description="requests waiting in one priority band at most: more get 429")
-    ttl_seconds: float = Field(gt=0, description="a request waiting longer gets 429")
+    ttl_seconds: float = Field(gt=0, le=600, description="a request waiting longer gets 429")
 
     @model_validator(mode="after")
     def _coherent(self) -> FlowSettings:

@@ -12,8 +12,10 @@
   ``locality_deficit`` above the least, a request whose conversation's cache holder has room
   goes first (``LOCAL``), then one with no cache anywhere (``NEW``), then the least served
   flow's request (``FAIR``), which the policy places wherever there is room. Past the
-  deficit, fairness wins. The bound, proved and tested (tests/routing/test_flow_queue.py):
-  a request is taken only when its flow's counter is at most ``least + locality_deficit``,
+  deficit, fairness wins. The caller says which kind a request is, and may hold one back
+  for now (flow_control.py: a request whose holder is full waits for it a while).
+- **The bound**, proved and tested (tests/routing/test_flow_properties.py): a request is
+  taken only when its flow's counter is at most ``least + locality_deficit``,
   ``least`` the least counter of the band's flows that could go; so two flows waiting all
   along differ by at most ``locality_deficit + U``, U the largest work of one request.
   DLPM (Cao et al., arXiv 2501.14312) bounds its locality in the same spirit with deficit
@@ -21,7 +23,7 @@
 - Within a flow, oldest first; a flow's first LOOKAHEAD requests are looked at for locality.
 
 Pure and synchronous: the caller says which replicas have room for a request (``rooms_of``)
-and where its cache is (``holder_of``); the clock is an argument.
+and what kind of candidate it is (``kind_of``); the clock is an argument.
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ class Choice(NamedTuple):
 
 
 RoomsOf = Callable[[Waiting], tuple[str, ...]]
-HolderOf = Callable[[Waiting], "str | None"]
+KindOf = Callable[[Waiting, tuple[str, ...]], "int | None"]  # LOCAL, NEW, FAIR, or None: not now
 
 
 class _Band:
@@ -127,21 +129,21 @@ class FairQueue:
             self._arrivals.popleft()  # removed already
         return self._arrivals[0].deadline if self._arrivals else None
 
-    def choose(self, rooms_of: RoomsOf, holder_of: HolderOf) -> Choice | None:
+    def choose(self, rooms_of: RoomsOf, kind_of: KindOf) -> Choice | None:
         """The request to dispatch next (left queued: ``take`` it once routed), or None when no
         waiting request has a replica with room."""
         for priority in self._order:
             band = self._bands[priority]
             if band.size:
-                choice = self._choose_in(priority, band, rooms_of, holder_of)
+                choice = self._choose_in(priority, band, rooms_of, kind_of)
                 if choice is not None:
                     return choice
         return None
 
-    def _choose_in(self, priority: int, band: _Band, rooms_of: RoomsOf, holder_of: HolderOf) -> Choice | None:
+    def _choose_in(self, priority: int, band: _Band, rooms_of: RoomsOf, kind_of: KindOf) -> Choice | None:
         candidates = []
         for tenant, queued in band.flows.items():
-            best = _best_of(queued, rooms_of, holder_of)
+            best = _best_of(queued, rooms_of, kind_of)
             if best is not None:
                 candidates.append((best[0], self.counters[Flow(priority, tenant)], best[1].arrived, best[1], best[2]))
         if not candidates:
@@ -230,15 +232,16 @@ class FairQueue:
 
 
 def _best_of(queued: deque[Waiting], rooms_of: RoomsOf,
-             holder_of: HolderOf) -> tuple[int, Waiting, tuple[str, ...]] | None:
+             kind_of: KindOf) -> tuple[int, Waiting, tuple[str, ...]] | None:
     """The flow's request that best keeps caches among its first LOOKAHEAD (oldest first on a tie)."""
     best: tuple[int, Waiting, tuple[str, ...]] | None = None
     for waiting in islice(queued, LOOKAHEAD):
         rooms = rooms_of(waiting)
         if not rooms:
             continue
-        holder = holder_of(waiting)
-        kind = LOCAL if holder in rooms else NEW if holder is None else FAIR
+        kind = kind_of(waiting, rooms)
+        if kind is None:
+            continue
         if best is None or kind < best[0]:
             best = (kind, waiting, rooms)
             if kind == LOCAL:

@@ -17,6 +17,8 @@ One request, on either data plane (our own Envoy's route stream, an Endpoint Pic
   the access log entry, the stream's end, a next turn showing its answer), a change of the
   fleet, or another arrival. Its Pending is made at that moment (Gateway.routed), so a client
   that leaves just then is finished as abandoned, and nothing leaks;
+- a request waiting for its full cache holder (flow_control.py, patience) is looked at again
+  when its patience ends;
 - ``ttl_seconds`` without room: 429 with ``x-llm-ring-dropped-reason: ttl-expired`` (503,
   ``no-replica``, when no replica it may go to is left); a full band: 429 ``queue-full``.
 
@@ -67,7 +69,7 @@ class WaitingRoom(Lifecycle):
         self.metrics = FlowMetrics(gateway.metrics.registry, self.control.queue.depths, time.monotonic)
         self.headers = (settings.tenant_header, settings.objective_header)
         self._waiters: dict[str, _Waiter] = {}
-        self._expiry: asyncio.TimerHandle | None = None
+        self._timer: asyncio.TimerHandle | None = None
         self._dispatch_planned = False
         gateway.lifecycle = self
 
@@ -132,7 +134,7 @@ class WaitingRoom(Lifecycle):
         if self.control.cancel(request_id):
             del self._waiters[request_id]
             self.metrics.outcome(waiter.flow, "cancelled")
-            self._arm_expiry()
+            self._arm_timer()
         elif waiter.answer.done() and waiter.answer.result()[1] is not None:
             self.gateway.stream_ended(request_id)
 
@@ -142,7 +144,7 @@ class WaitingRoom(Lifecycle):
         now = time.monotonic()
         for sent in self.control.dispatch(now):
             self._answer(sent, now)
-        self._arm_expiry()
+        self._arm_timer()
 
     def _answer(self, sent: Dispatched, now: float) -> None:
         request_id = sent.waiting.request.request_id
@@ -161,12 +163,13 @@ class WaitingRoom(Lifecycle):
         self.metrics.outcome(flow, wait.kind)
         self.metrics.fairness.served(now, flow.tenant, self.control.work(step.request, predicted_cached))
 
-    def _expire(self) -> None:
-        self._expiry = None
+    def _timer_fired(self) -> None:
+        """A deadline came (429 for the expired), or a request stopped waiting for its holder."""
+        self._timer = None
         for waiting in self.control.expire(time.monotonic()):
             waiter = self._waiters.pop(waiting.request.request_id)
             waiter.answer.set_result((self._expired(waiting, waiter.subset), None))
-        self._arm_expiry()
+        self.dispatch()
 
     def _expired(self, waiting: Waiting, subset: frozenset[str] | None) -> bytes:
         if not any(name not in waiting.avoid for name in self.gateway.router.replicas):
@@ -184,14 +187,17 @@ class WaitingRoom(Lifecycle):
                          f"(flow.band_size): try again later", "rate_limit_exceeded",
                          headers=[(DROPPED_REASON, "queue-full")])
 
-    def _arm_expiry(self) -> None:
-        """A timer for the oldest waiting request's deadline (none while nothing waits)."""
-        if self._expiry is not None:
-            self._expiry.cancel()
-            self._expiry = None
+    def _arm_timer(self) -> None:
+        """A timer for the oldest waiting request's deadline, or sooner for the first request that
+        stops waiting for its holder (none while nothing waits)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         deadline = self.control.queue.next_deadline()
         if deadline is not None:
-            self._expiry = asyncio.get_running_loop().call_later(max(0.0, deadline - time.monotonic()), self._expire)
+            wake = self.control.wake
+            at = deadline if wake is None else min(deadline, wake)
+            self._timer = asyncio.get_running_loop().call_later(max(0.0, at - time.monotonic()), self._timer_fired)
 
     def _plan_dispatch(self) -> None:
         """Dispatch once the event loop's current turn is over: a next turn that released its

@@ -42,6 +42,10 @@ class ReplicaSettings:
     slot_prompt_similarity: float = 0.1
     llama_server: str = ""  # backend llama-server: the binary
     alias: str = ""  # the model's served name (answers' "model", GET /v1/models); "": the file's stem
+    # prompt tokens one step of the server loop takes (--batch-size; llama.cpp's default 2048), and
+    # one compute pass of it (--ubatch-size; 512): a request arriving mid-step waits for the step
+    batch_size: int = 2048
+    ubatch_size: int = 512
 
     @property
     def served_name(self) -> str:
@@ -92,6 +96,8 @@ def command(settings: ReplicaSettings, port: int, slot_dir: Path, key_file: Path
         "--ctx-size", str(settings.ctx_size),
         "--parallel", str(settings.parallel),
         "--threads", str(settings.threads),
+        "--batch-size", str(settings.batch_size),
+        "--ubatch-size", str(settings.ubatch_size),
         "--cache-ram", str(settings.cache_ram_mib),
         "--slot-prompt-similarity", str(settings.slot_prompt_similarity),
         "--slot-save-path", str(slot_dir),  # enables the /slots actions

@@ -29,6 +29,8 @@ class ReplicasSection(Strict):
     ctx_size: int = Field(gt=0)
     parallel: int = Field(gt=0)
     threads: int = Field(gt=0)
+    batch_size: int = Field(gt=0)
+    ubatch_size: int = Field(gt=0)
     cache_ram_mib: int = Field(ge=0)
     slot_prompt_similarity: float = Field(ge=0, le=1)
     health_timeout_seconds: float = Field(gt=0)

@@ -209,7 +209,8 @@ def _new_state(settings: StackSettings, data: Path, run: Path, taken: dict[str, 
     replica_settings = ReplicaSettings(
         backend=rs.backend, model="", ctx_size=rs.ctx_size, parallel=rs.parallel,
         threads=rs.threads, cache_ram_mib=rs.cache_ram_mib, slot_prompt_similarity=rs.slot_prompt_similarity,
-        llama_server=rs.llama_server or str(data / "bin" / "llama-server"),
+        llama_server=rs.llama_server or str(data / "bin" / "llama-server"), batch_size=rs.batch_size,
+        ubatch_size=rs.ubatch_size,
     )
     check_slot_context(settings.check.profile, replica_settings)
     replica_settings = replace(replica_settings, model=str(models.resolve(rs.model, data, progress)))

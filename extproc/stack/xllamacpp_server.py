@@ -24,6 +24,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-c", "--ctx-size", type=int, required=True, help="total context, shared by the slots")
     parser.add_argument("-np", "--parallel", type=int, required=True, help="slots (concurrent sequences)")
     parser.add_argument("-t", "--threads", type=int, required=True)
+    parser.add_argument("-b", "--batch-size", type=int, default=2048, help="prompt tokens a step of the server loop "
+                                                                          "takes (llama.cpp's default 2048)")
+    parser.add_argument("-ub", "--ubatch-size", type=int, default=512, help="tokens of one compute pass (512)")
     parser.add_argument("--cache-ram", type=int, required=True, help="host-RAM prompt cache, MiB (0 = off)")
     parser.add_argument("--slot-prompt-similarity", type=float, default=0.1,
                         help="a new prompt takes the idle slot sharing more than this share of it")
@@ -56,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     params.n_parallel = args.parallel
     params.cpuparams.n_threads = args.threads
     params.cpuparams_batch.n_threads = args.threads
+    params.n_batch = args.batch_size
+    params.n_ubatch = args.ubatch_size
     params.cache_ram_mib = args.cache_ram
     params.slot_prompt_similarity = args.slot_prompt_similarity
     # llama-server ends the folder with a separator; xllamacpp joins it to a file name as given

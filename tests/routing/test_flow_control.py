@@ -140,7 +140,7 @@ def test_reserved_slots_stay_free_under_a_flood_and_a_quiet_tenant_takes_them_at
     assert flow_control.dispatch(0.0) == []
     quiet = flow_control.admit(request("q"), Flow(0, "quiet"), (), 0.1)
     assert isinstance(quiet, Queued)  # the flood waits: a newcomer queues behind it ...
-    [sent] = flow_control.dispatch(0.1)  # ... but below its share it may take a reserved slot
+    [sent] = flow_control.dispatch(0.1)  # ... but holding less than the flood it may take a reserved slot
     assert sent.waiting.request.request_id == "q" and sent.ticket is not None
 
 
@@ -181,3 +181,24 @@ def test_jain_counts_the_tenants_that_waited_over_the_window() -> None:
     window.waited(11.5, "a")
     window.waited(11.5, "b")
     assert window.jain(11.6) == pytest.approx(0.5)  # b's later share alone: a waited and got nothing
+
+
+def test_a_request_waits_for_its_full_cache_holder_as_long_as_its_cache_takes_to_compute_again() -> None:
+    flow_control = control()
+    router = flow_control.router
+    ids = fill(flow_control)
+    holder = router.complete(ids[0])  # its conversation is cached there (100 tokens); that slot frees
+    assert holder is not None
+    flow_control.released(ids[0])
+    assert isinstance(flow_control.admit(request("blocker"), Flow(0, "b"), (), 0.5), Routed)  # takes it
+    elsewhere = next(rid for rid in ids[1:] if router._in_flight[rid].decision.replica != holder.replica)
+    release(flow_control, elsewhere)  # a slot frees on the other replica
+    follow_up = flow_control.admit(request("follow-up", f"conv-{ids[0]}", prompt=150), FILLER, (), 1.0)
+    assert isinstance(follow_up, Queued)  # nothing waits, a replica has room, but not its holder
+    placement = router.memory.get(follow_up.waiting.key)
+    assert placement is not None and placement.replica == holder.replica
+    patience = flow_control.patience(placement)
+    assert patience == pytest.approx(0.019 + 100 / 167)  # the prior's overhead + 100 tokens at 167 tokens/s
+    assert flow_control.dispatch(1.0 + patience / 2) == [] and flow_control.wake == pytest.approx(1.0 + patience)
+    [sent] = flow_control.dispatch(1.0 + patience)
+    assert sent.wait.kind == "fair" and sent.ticket is not None and sent.ticket.decision.replica != holder.replica

@@ -8,8 +8,9 @@
 - strict priority: nothing is taken from a band while a higher band has a request that could go;
 - no starvation within a band: a waiting request goes within (F - 1) x (deficit / least work + 1)
   dispatches, F the band's flows, whatever the others send;
-- work conservation: while a request waits, no replica it may go to has a slot it may take;
-  and no replica ever runs more than its slots;
+- work conservation: while a request waits, no replica it may go to has a slot it may take,
+  unless its cache holder is full and it has waited less than that cache takes to compute again
+  (its patience); and no replica ever runs more than its slots;
 - TTL and size: nothing waits past its deadline once expired, no band holds more than its size;
 - cancellation and the end of every request leave nothing: no counter, no charge, no load.
 """
@@ -26,13 +27,18 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from extproc.routing import Router, RouteRequest
 from extproc.routing.flow_control import FlowControl, Queued, Refused, Routed
 from extproc.routing.flows import Flow
-from extproc.routing.queue import FairQueue, Waiting
+from extproc.routing.queue import FAIR, LOCAL, NEW, FairQueue, Waiting
 from tests.routing.conftest import routing
 from tests.routing.flow_support import flow_settings
 
 REPLICAS = ("r0", "r1", "r2")
 HOLDERS = st.sampled_from([None, "r0", "r1", "r2"])
 WORK = st.integers(min_value=1, max_value=500)
+
+
+def kind(holder: str | None, rooms: tuple[str, ...]) -> int:
+    """What flow control says of a request whose cache is on ``holder`` (None: nowhere)."""
+    return LOCAL if holder in rooms else NEW if holder is None else FAIR
 
 
 def waiting(rid: str, flow: Flow, arrived: float = 0.0) -> Waiting:
@@ -65,7 +71,8 @@ def test_every_take_respects_the_deficit_bound_and_strict_priority(data: st.Data
             rooms = tuple(data.draw(st.lists(st.sampled_from(REPLICAS), min_size=1, max_size=3, unique=True)))
             top = max(flow.priority for flow, _ in queue.depths())
             band = {flow: queue.counters[flow] for flow, _ in queue.depths() if flow.priority == top}
-            choice = queue.choose(lambda _, rooms=rooms: rooms, lambda item: holders[item.request.request_id])
+            choice = queue.choose(lambda _, rooms=rooms: rooms,
+                                  lambda item, rooms: kind(holders[item.request.request_id], rooms))
             assert choice is not None and choice.waiting.flow.priority == top  # strict priority
             flow = choice.waiting.flow
             assert choice.least == min(band.values())
@@ -97,15 +104,15 @@ def test_a_waiting_request_is_served_within_the_bound_however_busy_the_others(
         for _ in range(3):
             send(flow)
     for _ in range(data.draw(st.integers(0, 20))):  # some history first
-        choice = queue.choose(lambda _: ("r0",), lambda _: None)
+        choice = queue.choose(lambda _: ("r0",), lambda _, rooms: NEW)
         assert choice is not None
         queue.take(choice.waiting, data.draw(st.integers(least_work, 10 * least_work)))
         send(choice.waiting.flow)
     queue.push(waiting("quiet", Flow(0, "quiet"), sequence + 1))
     bound = (flows - 1) * (math.floor(deficit / least_work) + 1)
     for taken in range(bound + 1):
-        choice = queue.choose(lambda _: ("r0",),
-                              lambda item: holders.setdefault(item.request.request_id, data.draw(HOLDERS)))
+        choice = queue.choose(lambda _: ("r0",), lambda item, rooms: kind(
+            holders.setdefault(item.request.request_id, data.draw(HOLDERS)), rooms))
         assert choice is not None
         if choice.waiting.request.request_id == "quiet":
             assert taken <= bound
@@ -185,6 +192,7 @@ class FlowControlMachine(RuleBasedStateMachine):
             assert expired.deadline <= self.now and self.waiting.pop(rid) == expired
             self.gone.add(rid)
         assert all(item.deadline > self.now for item in self.waiting.values())
+        self._dispatch()  # as the service's timer does: a request may have stopped waiting for its holder
 
     @invariant()
     def slots_are_never_overfilled_and_the_ledger_agrees(self) -> None:
@@ -201,12 +209,21 @@ class FlowControlMachine(RuleBasedStateMachine):
         if not hasattr(self, "control") or not self.waiting:
             return
         loads = self.control.router.ledger.loads("requests")
-        flows = set(self.in_flight.values()) | {item.flow for item in self.waiting.values()}
         held = Counter(self.in_flight.values())
-        share = self.settings.open_slots * len(REPLICAS) / len(flows)
+        busiest = max(held.values(), default=0)
+        router = self.control.router
         for item in self.waiting.values():
-            limit = self.settings.replica_slots if held[item.flow] < share else self.settings.open_slots
-            assert all(loads[name] >= limit for name in REPLICAS if name not in item.avoid), (item, dict(loads))
+            limit = self.settings.replica_slots if held[item.flow] < busiest else self.settings.open_slots
+            if all(loads[name] >= limit for name in REPLICAS if name not in item.avoid):
+                continue
+            # a replica it may take has room: it must be waiting for its full cache holder, within its patience
+            placement = router.memory.get(item.key)
+            assert placement is not None and placement.replica not in item.avoid, (item, dict(loads))
+            assert loads[placement.replica] >= limit, (item, dict(loads))
+            speed = router.speeds.speed(placement.replica)
+            patience = min(speed.overhead_s + placement.prompt_tokens * speed.prefill_s_per_token,
+                           self.settings.ttl_seconds / 2)
+            assert self.now < item.arrived + patience, (item, dict(loads), self.now)
 
     def teardown(self) -> None:
         if not hasattr(self, "control"):
@@ -223,4 +240,4 @@ class FlowControlMachine(RuleBasedStateMachine):
 
 
 TestFlowControl = FlowControlMachine.TestCase
-TestFlowControl.settings = settings(max_examples=150, stateful_step_count=40)
+TestFlowControl.settings = settings(max_examples=200, stateful_step_count=40)

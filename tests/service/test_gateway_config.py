@@ -234,17 +234,23 @@ def test_envoy_is_hardened_for_clients_that_hold_connections(tmp_path: Path) -> 
 
 def test_flow_control_sends_its_headers_and_lets_a_waiting_request_wait_up_to_the_ttl(tmp_path: Path) -> None:
     """Off: the filter as ever. On: the tenant and objective headers as attributes, and Envoy lets
-    the service ask for the TTL and a margin (a hung service still fails open after 2 s)."""
+    the service ask for the TTL and a margin (a hung service still fails open after 2 s), also in
+    the request's own timeout."""
+    def manager(text: str) -> dict:
+        return json.loads(text)["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+
     def route_filter(text: str) -> dict:
-        manager = json.loads(text)["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
-        (found,) = [f for f in manager["typed_config"]["http_filters"] if f["name"] == "ext_proc.route"]
+        (found,) = [f for f in manager(text)["http_filters"] if f["name"] == "ext_proc.route"]
         return found["typed_config"]
 
     reference = load_settings(Path(__file__).parents[2] / "extproc" / "service" / "router.toml")
     assert flow_options(reference.flow) is None  # off in router.toml
     off = route_filter(render(tmp_path))
     assert "max_message_timeout" not in off and not any("inference" in a for a in off["request_attributes"])
-    on = route_filter(render(tmp_path, flow=flow_options(reference.flow.model_copy(update={"enabled": True}))))
+    on_text = render(tmp_path, flow=flow_options(reference.flow.model_copy(update={"enabled": True})))
+    on = route_filter(on_text)
+    # the upload keeps its 30 s; the wait in the queue comes on top
+    assert (manager(render(tmp_path))["request_timeout"], manager(on_text)["request_timeout"]) == ("30s", "92s")
     assert on["request_attributes"][-2:] == ["request.headers['x-gateway-inference-fairness-id']",
                                              "request.headers['x-gateway-inference-objective']"]
-    assert (on["message_timeout"], on["max_message_timeout"]) == ("2s", "22s")
+    assert (on["message_timeout"], on["max_message_timeout"]) == ("2s", "62s")
