@@ -110,8 +110,8 @@ class FlowControl:
     def admit(self, request: RouteRequest, flow: Flow, avoid: Collection[str], now: float,
               peers: PeerView | None = None) -> Routed | Queued | Refused:
         """Route ``request`` now when nothing waits and a replica has room (its cache holder's, or
-        its patience is nil); else queue it (the caller then calls ``dispatch``: it may leave at once). Refused when its band is full, or
-        when no replica of the fleet is one it may go to."""
+        its patience is nil); else queue it (the caller then calls ``dispatch``: it may leave at
+        once). Refused when its band is full, or when no replica of the fleet is one it may go to."""
         avoided = frozenset(avoid)
         if not any(name not in avoided for name in self.router.replicas):
             return Refused(NO_REPLICA)
