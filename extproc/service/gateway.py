@@ -116,6 +116,7 @@ class Prepared:
     path: str
     shown: Shown  # the body's history digests (continuation.py)
     claim: Claim  # the conversation it is routed under, and whether it continues a known one
+    named: str  # the conversation it names (its id, or its opening's key)
 
 
 @dataclass(slots=True)
@@ -408,23 +409,25 @@ class Gateway:
         unique_id = self._request_id()
         digests = shown(parsed.history, parsed.answered, parsed.opening_key)
         named = bounded(conversation_id) or parsed.opening_key
-        known = self.digests.get(self.router.conversation_key(named))
-        claimed = claim(named, parsed.opening_key, () if known is None else (known,), digests)
+        claimed = claim(named, parsed.opening_key, self._known, digests)
         # under the key the router places it by (a reused id that does not continue its chat has its own)
         self.migrations.opened(self.router.conversation_key(claimed.conversation), parsed.opening_key)
-        if not claimed.continues and parsed.answered:
-            self._branch(claimed.conversation, digests.prefixes)
         prompt_tokens = parsed.prompt_token_ids + parsed.prompt_tokens
         max_tokens = (parsed.max_tokens or self.settings.default_max_tokens) * parsed.prompts
         request = RouteRequest(unique_id, claimed.conversation, prompt_tokens, max_tokens, parsed.prefix_blocks)
-        return Prepared(request, parsed, path, digests, claimed)
+        return Prepared(request, parsed, path, digests, claimed, named)
+
+    def _known(self, conversation: str) -> tuple[int, ...]:
+        """The history digest this router holds for ``conversation`` (continuation.py), if any."""
+        digest = self.digests.get(self.router.conversation_key(conversation))
+        return () if digest is None else (digest,)
 
     def _branch(self, conversation: str, prefixes: frozenset[int]) -> None:
         """A chat that continues no conversation known here but resends a completed request's whole
-        history (an edited or regenerated turn, a new id on an old chat) starts where that history
-        was served, under its own key: placed with the proven prefix's tokens, it finds that cache,
-        and its own completion never moves the conversation it branched from
-        (docs/security.md#edited-histories)."""
+        history (an edited or regenerated turn, a retry of an earlier message, a new id on an old
+        chat) starts where that history was served, under its own key: placed with the proven
+        prefix's tokens, it finds that cache, and its own completion never moves the conversation it
+        branched from (docs/security.md#edited-histories)."""
         key = self.router.conversation_key(conversation)
         if self.router.memory.get(key) is not None:
             return
@@ -436,23 +439,26 @@ class Gateway:
 
     async def _peers(self, step: Prepared) -> tuple[Prepared, PeerView]:
         """What the other live routers hold, for this request (nothing while the store is not in
-        use). A request that does not continue the conversation the store knows by its id is
-        routed as a new one (continuation.py): it gets the others' load, nothing of the conversation."""
+        use). A request that does not continue the conversation the store knows under its key is
+        routed under the next key (continuation.py): it gets the others' load, nothing of the conversation."""
         assert self.store is not None
         request = step.request
         snapshot = await self.store.read(self.router.conversation_key(request.conversation))
         if snapshot is None:
             return step, NO_PEERS
-        if snapshot.placement is not None and not step.claim.foreign:
-            local = self.digests.get(self.router.conversation_key(request.conversation))
-            known = (snapshot.digest,) if local is None else (snapshot.digest, local)
-            claimed = claim(request.conversation, step.parsed.opening_key, known, step.shown)
-            if claimed.foreign:
+        if snapshot.placement is not None:
+            read = request.conversation
+
+            def known(key: str) -> tuple[int, ...]:  # the store's digest too, for the key it was read for
+                return (snapshot.digest, *self._known(key)) if key == read else self._known(key)
+
+            claimed = claim(step.named, step.parsed.opening_key, known, step.shown)
+            if claimed.conversation != read:
                 step = Prepared(request._replace(conversation=claimed.conversation), step.parsed, step.path,
-                                step.shown, claimed)
+                                step.shown, claimed, step.named)
                 self.migrations.opened(self.router.conversation_key(claimed.conversation), step.parsed.opening_key)
                 return step, peer_view(snapshot.loads, (), frozenset(), None)
-            step = Prepared(request, step.parsed, step.path, step.shown, claimed)
+            step = Prepared(request, step.parsed, step.path, step.shown, claimed, step.named)
         return step, peer_view(snapshot.loads, snapshot.pending, step.parsed.answered, snapshot.placement)
 
     def _decide(
@@ -461,6 +467,8 @@ class Gateway:
     ) -> tuple[bytes, str | None]:
         request, parsed = step.request, step.parsed
         conversation, unique_id = request.conversation, request.request_id
+        if parsed.history and not step.claim.continues:  # its key is final here (the store may have changed it)
+            self._branch(conversation, step.shown.prefixes)
         if parsed.answered:
             self._release_answered(conversation, parsed.answered)
         if parsed.answered_tokens:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import socket
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,9 +17,9 @@ import openai
 from extproc.envoy.inference_gateways import AI_GATEWAY, UPSTREAM_HEADER
 from extproc.migration.llama import key_headers
 from extproc.service.admin_client import AdminClient
+from extproc.stack import models
 from extproc.stack import replicas as stack_replicas
 from extproc.stack.daemons import stop
-from extproc.stack.models import smollm2_gguf
 from extproc.stack.processes import (
     Running,
     free_port,
@@ -28,6 +28,7 @@ from extproc.stack.processes import (
     start_inference_gateway_envoy,
     start_picker_service,
     start_service,
+    static_discovery,
 )
 
 OPENAI_ERROR_TYPES = ("invalid_request_error", "rate_limit_error", "server_error")
@@ -91,20 +92,24 @@ class Gateway:
 @contextmanager
 def gateway(
     workdir: Path, discovery: Mapping[str, str], fail_open: bool = True, envoy_idle_timeout_s: int | None = None,
-    replica_key_file: Path | None = None, **service: str,
+    replica_key_file: Path | None = None, cors_origins: Sequence[str] = (), **service: str,
 ) -> Iterator[Gateway]:
-    """`llm-ring serve` + Envoy rendered by render_envoy_config (replica_key_file: the key
-    Envoy adds to the generations, None: none); everything stopped on exit."""
+    """`llm-ring serve` + Envoy rendered by render_envoy_config (replica_key_file: the key Envoy
+    adds to the generations and the service asks the replicas' models with, None: none;
+    cors_origins: service.cors_origins, for both);
+    everything stopped on exit."""
     endpoints_file = workdir / "eds" / "replicas.json"
     listen = f"127.0.0.1:{free_port()}"
     started: list[Running] = []
     try:
-        settings = {"health_probe_seconds": "0.2", "log_level": '"debug"', **service}
+        key = {"replica_api_key_file": f'"{replica_key_file}"'} if replica_key_file is not None else {}
+        settings = {"health_probe_seconds": "0.2", "log_level": '"debug"', "cors_origins": json.dumps(cors_origins),
+                    **key, **service}
         started.append(start_service(workdir / "service", service_env(listen, endpoints_file, discovery, **settings)))
         _wait_for(endpoints_file.exists, 5.0)
         idle = {"stream_idle_timeout_s": envoy_idle_timeout_s} if envoy_idle_timeout_s else {}
         envoy = start_gateway_envoy(workdir / "envoy", started[0].ext_proc, endpoints_file, fail_open, 1, **idle,
-                                    replica_key_file=replica_key_file)
+                                    replica_key_file=replica_key_file, cors_origins=cors_origins)
         started.append(envoy)
         gw = Gateway(f"http://{envoy.listen}", started[0].address, started[0].log_path, endpoints_file, started)
         _wait_for(lambda: _has_endpoints(envoy.address), 5.0)
@@ -246,15 +251,40 @@ class LlamaReplicas:
 
 
 @contextmanager
-def two_llama_replicas(run: Path) -> Iterator[LlamaReplicas]:
-    """Two real llama.cpp replicas (SmolLM2-135M, 2 slots, no prompt cache in RAM)."""
+def llama_replicas(run: Path, count: int = 2, model: str = "smollm2") -> Iterator[LlamaReplicas]:
+    """``count`` real llama.cpp replicas llm-0 ... (2 slots, no prompt cache in RAM) serving
+    ``model`` under its name: "smollm2" (SmolLM2-135M) or "tiny" (the generated tiny model,
+    prepared once in the data dir)."""
+    if model == "smollm2":
+        path = str(models.smollm2_gguf())
+    else:
+        path = models.prepare(model, models.data_dir(), progress=lambda _: None).path
     settings = stack_replicas.ReplicaSettings(
-        backend="xllamacpp", model=str(smollm2_gguf()), ctx_size=2048, parallel=2, threads=1, cache_ram_mib=0,
-        alias="smollm2",
+        backend="xllamacpp", model=path, ctx_size=2048, parallel=2, threads=1, cache_ram_mib=0, alias=model,
     )
-    started = stack_replicas.start({"llm-0": free_port(), "llm-1": free_port()}, settings, run)
+    started = stack_replicas.start({f"llm-{index}": free_port() for index in range(count)}, settings, run)
     try:
         stack_replicas.wait_healthy(started, timeout=120, progress=lambda _: None)
         yield LlamaReplicas({replica.name: replica.address for replica in started}, stack_replicas.api_key_file(run))
     finally:
         stop([replica.process for replica in started])
+
+
+PLANES = ("own-envoy", "ai-gateway-duplex", "ai-gateway-buffered")
+
+
+@contextmanager
+def data_plane(name: str, workdir: Path, replicas: LlamaReplicas, cors_origins: Sequence[str] = (),
+               **service: str) -> Iterator[Gateway]:
+    """The gateway in front of ``replicas`` as one of PLANES: our own Envoy, or Envoy AI Gateway's
+    InferencePool plane (full-duplex or buffered bodies) with the service as its picker; each
+    sends the replicas' key. ``service``: more service settings (TOML values)."""
+    if name == "own-envoy":
+        with gateway(workdir, static_discovery(replicas.addresses), replica_key_file=replicas.key_file,
+                     cors_origins=cors_origins, **service) as gw:
+            yield gw
+        return
+    with inference_pool_gateway(workdir, replicas.addresses, body_mode=name.rpartition("-")[2],
+                                replica_api_key_file=f'"{replicas.key_file}"', log_level='"debug"',
+                                cors_origins=json.dumps(cors_origins), **service) as gw:
+        yield gw

@@ -154,13 +154,18 @@ def test_a_stream_the_replica_ended_is_whole_though_the_client_hung_up_after_don
     assert record["outcome"] == "ok" and record["cache_n"] == 7
 
 
-def complete_turn(gateway: Gateway, messages: list[dict[str, str]]) -> Pending:
-    """One chat request with no conversation id (keyed on its opening), decided and answered whole."""
-    gateway.route_request(path="/v1/chat/completions", content_type="application/json", conversation_id="",
-                          turn="", request_id="", body=orjson.dumps({"messages": messages, "max_tokens": 8}))
+def complete_turn(gateway: Gateway, messages: list[dict[str, str]], conversation: str = "", served: str = "",
+                  **extra: Any) -> Pending:
+    """One chat request (no conversation id: keyed on its opening), decided and answered whole by
+    its pick (or by ``served``, a replica's name: a fallback); ``extra``: more body fields."""
+    body = orjson.dumps({"messages": messages, "max_tokens": 8, **extra})
+    gateway.route_request(path="/v1/chat/completions", content_type="application/json",
+                          conversation_id=conversation, turn="", request_id="", body=body)
     ours = next(reversed(gateway.pending))
     pending = gateway.pending[ours]
-    gateway.access_logged(ours, 200, pending.endpoint, cut_off=False, timings=TIMINGS)
+    gateway.access_logged(ours, 200, ENDPOINTS[served] if served else pending.endpoint, cut_off=False,
+                          timings=TIMINGS)
+    gateway.mark_healthy(pending.decision.replica)  # a pick that refused: its probe answers again at once
     return pending
 
 
@@ -211,6 +216,82 @@ def test_a_stranger_with_the_same_opening_moves_nothing_and_is_placed_only_by_th
     assert placement(gateway, turns[-1]) == placed
     messages.append({"role": "user", "content": "the victim's next turn"})
     assert complete_turn(gateway, messages).decision.replica == turns[-1].decision.replica
+
+
+def test_a_regenerated_answer_and_a_retried_first_message_start_where_their_prefix_was_served() -> None:
+    """After 4 turns, turn 2 resent as it was (regenerate its answer) and the first message resent
+    with tools (a tool_choice retry): neither continues the chat's last turn; each goes where the
+    request it resends was served, under a key of its own."""
+    gateway = make_gateway()
+    tool = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}
+    for chat in range(12):
+        messages, turns = four_turns(gateway, f"user {chat}")
+        placed = placement(gateway, turns[-1])
+        regenerated = complete_turn(gateway, messages[:4])
+        assert regenerated.decision.replica == turns[1].decision.replica, chat
+        assert regenerated.predicted_cached_tokens >= turns[1].request.prompt_tokens - 1
+        retried = complete_turn(gateway, messages[:2], tools=[tool], tool_choice="required")
+        assert retried.decision.replica == turns[0].decision.replica, chat
+        assert {regenerated.request.conversation, retried.request.conversation}.isdisjoint(
+            {turns[-1].request.conversation})
+        assert placement(gateway, turns[-1]) == placed
+    assert gateway.metrics.branches == 24
+
+
+def test_a_stranger_proving_the_opening_is_not_told_where_the_conversation_went_since() -> None:
+    """The chat's first turn was served on one replica, its later turns by another (a fallback):
+    a stranger's body with the same opening, under the chat's id, no id or another's, is placed
+    where the opening was served with the opening's tokens, not where the chat is now; the
+    chat's placement stays, and its next turn still goes there."""
+    gateway = make_gateway()
+    system = {"role": "system", "content": "You help the victim."}
+    messages = [system, {"role": "user", "content": "victim: question 0 " + "lorem ipsum " * 40}]
+    first = complete_turn(gateway, messages, "victim")
+    elsewhere = next(name for name in sorted(ENDPOINTS) if name != first.decision.replica)
+    for turn in range(1, 4):
+        messages += [{"role": "assistant", "content": f"answer {turn}"},
+                     {"role": "user", "content": f"victim: question {turn} " + "dolor sit " * 40}]
+        last = complete_turn(gateway, messages, "victim", served=elsewhere)
+    placed = placement(gateway, last)
+    assert placed is not None and placed.replica == elsewhere
+    for name in ("victim", "", "someone else"):
+        forged = [*messages[:2], {"role": "assistant", "content": "a guessed answer"},
+                  {"role": "user", "content": f"{name}?"}]
+        stranger = complete_turn(gateway, forged, name)
+        assert stranger.decision.replica == first.decision.replica, name
+        assert stranger.predicted_cached_tokens <= first.request.prompt_tokens + (TIMINGS.predicted_n or 0) + 1
+        assert not stranger.continued and stranger.request.conversation != last.request.conversation
+    assert placement(gateway, last) == placed
+    messages.append({"role": "user", "content": "the victim's next turn"})
+    assert complete_turn(gateway, messages, "victim").decision.replica == elsewhere
+
+
+def test_a_stranger_after_an_edit_moves_neither_the_chat_nor_its_edited_branch() -> None:
+    """The owner edits turn 2 under the chat's id, then goes on in the edited chat; strangers with
+    the same id and opening in between get keys of their own: the edited branch keeps its
+    placement (replica and tokens) and its next turn continues it."""
+    gateway = make_gateway()
+    for chat in range(6):
+        name = f"owner {chat}"
+        messages = [{"role": "system", "content": f"You help {name}."}]
+        for turn in range(4):
+            messages.append({"role": "user", "content": f"{name}: question {turn} " + "lorem ipsum " * 40})
+            last = complete_turn(gateway, messages, name)
+            messages.append({"role": "assistant", "content": f"answer {turn}"})
+        placed = placement(gateway, last)
+        edited = [*messages[:3], {"role": "user", "content": f"{name}: an edited second question"}]
+        edit = complete_turn(gateway, edited, name)
+        branch_placed = placement(gateway, edit)
+        for stranger in range(3):
+            forged = [*messages[:2], {"role": "assistant", "content": "a guessed answer"},
+                      {"role": "user", "content": f"stranger {stranger}: " + "more words " * (20 * stranger)}]
+            taken = complete_turn(gateway, forged, name)
+            assert taken.request.conversation not in (edit.request.conversation, last.request.conversation)
+        assert (placement(gateway, edit), placement(gateway, last)) == (branch_placed, placed)
+        edited += [{"role": "assistant", "content": "the edited answer"}, {"role": "user", "content": "and then?"}]
+        follow_up = complete_turn(gateway, edited, name)
+        assert follow_up.continued and follow_up.request.conversation == edit.request.conversation
+        assert follow_up.decision.replica == edit.decision.replica
 
 
 def test_metrics_count_what_happened() -> None:

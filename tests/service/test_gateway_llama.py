@@ -26,7 +26,7 @@ from tests.service.gateway_support import (
     assert_sdk_turns_stay_on_one_cache,
     back_to_back,
     gateway,
-    two_llama_replicas,
+    llama_replicas,
 )
 
 pytestmark = pytest.mark.live
@@ -36,7 +36,7 @@ SYSTEM = {"role": "system", "content": "You are a helpful assistant. Answer in o
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LlamaReplicas]:
-    with two_llama_replicas(tmp_path_factory.mktemp("replicas")) as replicas:
+    with llama_replicas(tmp_path_factory.mktemp("replicas")) as replicas:
         yield replicas
 
 

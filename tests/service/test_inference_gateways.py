@@ -48,7 +48,7 @@ from extproc.stack.processes import (
     start_picker_service,
     tls_grpc_serving,
 )
-from tests.service.gateway_support import LlamaReplicas, assert_sdk_turns_stay_on_one_cache, two_llama_replicas
+from tests.service.gateway_support import LlamaReplicas, assert_sdk_turns_stay_on_one_cache, llama_replicas
 
 pytestmark = pytest.mark.live
 CHAT = "/v1/chat/completions"
@@ -78,7 +78,7 @@ class Plane:
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LlamaReplicas]:
-    with two_llama_replicas(tmp_path_factory.mktemp("replicas")) as replicas:
+    with llama_replicas(tmp_path_factory.mktemp("replicas")) as replicas:
         yield replicas
 
 

@@ -196,6 +196,35 @@ def test_a_new_router_starts_warm(server: Running) -> None:
     run_closing(run)
 
 
+def test_a_stranger_through_a_router_that_knows_its_prefix_from_elsewhere_moves_nothing_there(server: Running) -> None:
+    """Router b served an id-less chat with the victim's opening, on another replica (a branch point
+    of that opening). A stranger with the victim's id and opening through b: the store says it
+    does not continue the victim's chat, so its branch lands under a key of its own; b holds no
+    placement under the victim's key, and the victim's next turn through b goes to its replica."""
+    async def run() -> None:
+        a, b = await sharing(server, "r-a"), await sharing(server, "r-b")
+        opening = [{"role": "system", "content": "a shared system prompt"}, USER1]
+        messages = list(opening)
+        for turn in range(4):
+            request_id = await ask(a, messages, "victim")
+            victim = a.pending[request_id].decision.replica
+            answered(a, request_id)
+            messages = follow_up(messages, f"answer {turn}", f"question {turn}")
+        await a.store.flushed()  # type: ignore[union-attr]
+        elsewhere = next(name for name in sorted(ENDPOINTS) if name != victim)
+        answered(b, await ask(b, opening, ""), served=elsewhere)
+        stranger = await ask(b, follow_up(opening, "a guessed answer", "?"), "victim")
+        routed = b.pending[stranger]
+        assert routed.request.conversation != "victim" and not routed.continued
+        assert routed.decision.replica == elsewhere  # where b saw the opening served: what the body proves
+        answered(b, stranger)
+        assert b.router.memory.get(b.router.conversation_key("victim")) is None
+        next_turn = await ask(b, messages, "victim")
+        assert b.pending[next_turn].decision.replica == victim
+
+    run_closing(run)
+
+
 SLOW = Timings(cache_n=0, prompt_n=2000, prompt_ms=8000.0, predicted_n=8, predicted_ms=800.0)
 
 
