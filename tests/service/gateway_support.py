@@ -251,16 +251,17 @@ class LlamaReplicas:
 
 
 @contextmanager
-def llama_replicas(run: Path, count: int = 2, model: str = "smollm2") -> Iterator[LlamaReplicas]:
-    """``count`` real llama.cpp replicas llm-0 ... (2 slots, no prompt cache in RAM) serving
-    ``model`` under its name: "smollm2" (SmolLM2-135M) or "tiny" (the generated tiny model,
-    prepared once in the data dir)."""
+def llama_replicas(run: Path, count: int = 2, model: str = "smollm2", cache_ram_mib: int = 0
+                   ) -> Iterator[LlamaReplicas]:
+    """``count`` real llama.cpp replicas llm-0 ... (2 slots; a prompt cache in RAM of
+    ``cache_ram_mib``, none by default) serving ``model`` under its name: "smollm2" (SmolLM2-135M)
+    or "tiny" (the generated tiny model, prepared once in the data dir)."""
     if model == "smollm2":
         path = str(models.smollm2_gguf())
     else:
         path = models.prepare(model, models.data_dir(), progress=lambda _: None).path
     settings = stack_replicas.ReplicaSettings(
-        backend="xllamacpp", model=path, ctx_size=2048, parallel=2, threads=1, cache_ram_mib=0, alias=model,
+        backend="xllamacpp", model=path, ctx_size=2048, parallel=2, threads=1, cache_ram_mib=cache_ram_mib, alias=model,
     )
     started = stack_replicas.start({f"llm-{index}": free_port() for index in range(count)}, settings, run)
     try:
