@@ -215,7 +215,9 @@ class PickerStream:
         )  # fmt: skip
 
     async def _rest(self) -> None:
-        """Every later phase, answered as it comes; the response watched for its end."""
+        """Every later phase, answered as it comes; the response watched for its end. A response
+        phase is watched before it is answered: the answer lets Envoy pass it on, and a client that
+        hangs up once it has read [DONE] ends this stream (cancelled) in the middle of a write."""
         gateway, context = self.gateway, self.context
         while True:
             message = await context.read()
@@ -231,18 +233,18 @@ class PickerStream:
             elif kind == "response_headers":
                 headers = message.response_headers
                 answer = gateway.response_headers_answer(tracked)
-                await context.write(answer + response_headers(self.cors) if self.cors else answer)
                 if tracked is not None:
                     status = header_values(headers, (":status",)).get(":status", "")
                     gateway.observe_start(tracked, int(status) if status.isdigit() else 0, served_endpoint(message))
                     if headers.end_of_stream:
                         gateway.observe_body(tracked, b"", True)
+                await context.write(answer + response_headers(self.cors) if self.cors else answer)
             elif kind == "response_body":
                 body = message.response_body
-                await context.write(response_body_answer(self.response_mode, body.body, body.end_of_stream))
                 if tracked is not None:
                     gateway.observe_body(tracked, body.body, body.end_of_stream)
+                await context.write(response_body_answer(self.response_mode, body.body, body.end_of_stream))
             elif kind == "response_trailers":
-                await context.write(RESPONSE_TRAILERS_CONTINUE)
                 if tracked is not None:
                     gateway.observe_body(tracked, b"", True)
+                await context.write(RESPONSE_TRAILERS_CONTINUE)
