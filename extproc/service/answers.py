@@ -88,10 +88,10 @@ def response_route_headers(replica: str, reason: str) -> bytes:
     return response_headers([(ROUTED_TO, replica), (ROUTE_REASON, reason)])
 
 
-def response_headers(headers: Sequence[tuple[str, str]]) -> bytes:
-    """An answer to the response headers that sets ``headers`` (appended to another such answer,
-    it adds them: protobuf merges the two)."""
-    mutation = pb.HeaderMutation(set_headers=[header_option(*pair) for pair in headers])
+def response_headers(headers: Sequence[tuple[str, str]], removed: Sequence[str] = ()) -> bytes:
+    """An answer to the response headers that sets ``headers`` and removes ``removed`` (appended to
+    another such answer, it adds them: protobuf merges the two)."""
+    mutation = pb.HeaderMutation(set_headers=[header_option(*pair) for pair in headers], remove_headers=removed)
     return pb.ProcessingResponse(
         response_headers=pb.HeadersResponse(response=pb.CommonResponse(header_mutation=mutation))
     ).SerializeToString()

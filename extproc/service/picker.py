@@ -28,6 +28,7 @@ from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from extproc.envoy.contract import LB_NAMESPACE, SERVED, SUBSET, SUBSET_NAMESPACE
+from extproc.envoy.cors import RESPONSE_HEADERS as CORS_RESPONSE_HEADERS
 from extproc.envoy.surface import Generation, Preflight, ReadOnly, Refused, classify
 from extproc.service.answers import (
     Phase,
@@ -47,6 +48,7 @@ NO_BODY = Mode.NONE
 WANTED = (":method", ":path", "content-type", "x-conversation-id", "x-turn", "x-request-id", "origin",
           "access-control-request-headers")
 
+REPLICA_CORS_REMOVED = response_headers((), CORS_RESPONSE_HEADERS)
 NO_PREFLIGHT = Refused(405, "CORS is not enabled for this origin (service.cors_origins)", "method_not_allowed",
                        "GET, POST")
 HEADERS_CONTINUE = pb.ProcessingResponse(request_headers=pb.HeadersResponse()).SerializeToString()
@@ -179,6 +181,12 @@ class PickerStream:
             return self.gateway.preflight(cors, values.get("access-control-request-headers", ""))
         return self.gateway.refuse(asked if isinstance(asked, Refused) else NO_PREFLIGHT, cors)
 
+    def _cors_answer(self) -> bytes:
+        """The answer's CORS headers, the replica's own removed (response_headers: merged into the answer)."""
+        if not self.cors:
+            return REPLICA_CORS_REMOVED
+        return response_headers(self.cors, self.gateway.cors.replica_headers_removed(self.cors))
+
     async def _read_body(self, headers_end: bool) -> tuple[list[bytes] | None, bool]:
         """(the body's chunks, whether it ended with trailers); None when refused (413, or the stream ended)."""
         chunks: list[bytes] = []
@@ -238,7 +246,7 @@ class PickerStream:
                     gateway.observe_start(tracked, int(status) if status.isdigit() else 0, served_endpoint(message))
                     if headers.end_of_stream:
                         gateway.observe_body(tracked, b"", True)
-                await context.write(answer + response_headers(self.cors) if self.cors else answer)
+                await context.write(answer + self._cors_answer())
             elif kind == "response_body":
                 body = message.response_body
                 if tracked is not None:

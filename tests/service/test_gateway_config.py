@@ -3,22 +3,25 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-from extproc.envoy.config import render_envoy_config
+from extproc.envoy.config import PREFLIGHT_CLUSTER, render_envoy_config
 from extproc.envoy.contract import (
+    CLUSTER,
     DESTINATION,
-    ROUTED_PATHS,
+    STREAMED_CLUSTER,
     DnsEndpoints,
     EndpointsFile,
     ext_proc_address,
     split_host_port,
     write_endpoints_file,
 )
+from extproc.envoy.surface import GENERATION_PATHS
 from extproc.routing import POLICIES
 from extproc.routing.policies.plugin import param_names
 from extproc.settings import Settings, load_settings
@@ -113,8 +116,9 @@ def test_the_bench_and_test_gateway_retry_service_fallbacks(tmp_path: Path, monk
 
 def test_the_replicas_key_is_a_file_envoy_reads_and_only_generation_routes_send_it(tmp_path: Path) -> None:
     """The key is never in the config, only its file's path; the injector is off but where a
-    route turns it on, and only the routes to the replicas do: every generation route."""
-    text = render(tmp_path)
+    route turns it on, and only the routes to the replicas do: every generation route (and no
+    CORS preflight route)."""
+    text = render(tmp_path, cors_origins=["https://chat.example.com"])
     config = json.loads(text)
     assert config["static_resources"]["secrets"] == [
         {"name": "replica-api-key", "generic_secret": {"secret": {"filename": str(tmp_path / "replica-api-key")}}}]
@@ -125,7 +129,10 @@ def test_the_replicas_key_is_a_file_envoy_reads_and_only_generation_routes_send_
     assert (generic["header"], generic["header_value_prefix"]) == ("authorization", "Bearer ")
     routes = manager["route_config"]["virtual_hosts"][0]["routes"]
     keyed = [r for r in routes if "inject-replica-key" in r.get("typed_per_filter_config", {})]
-    assert keyed == [r for r in routes if "route" in r] and {r["match"]["path"] for r in keyed} == set(ROUTED_PATHS)
+    assert keyed == [r for r in routes if r.get("route", {}).get("cluster") in (CLUSTER, STREAMED_CLUSTER)]
+    regexes = [r["match"]["safe_regex"]["regex"] for r in keyed if "safe_regex" in r["match"]]
+    assert all(any(re.fullmatch(regex, path) for regex in regexes) for path in GENERATION_PATHS)
+    assert [r for r in routes if r.get("route", {}).get("cluster") == PREFLIGHT_CLUSTER]
     without = json.loads(render(tmp_path, replica_key_file=None))
     assert "secrets" not in without["static_resources"] and "inject-replica-key" not in json.dumps(without)
 
