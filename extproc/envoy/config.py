@@ -210,19 +210,25 @@ def _local_replies(max_request_bytes: int) -> dict[str, Any]:
     """Envoy's own error answers in OpenAI's shape, as the service's are: its 413 (body over the
     buffer limit) with our message; any other (no healthy upstream, a reset, a timeout) with its
     own text and response code details. Ours (direct responses, the service's immediate
-    answers: details "llm_ring_*") are in that shape already and left alone."""
-    def mapper(expression: str, document: dict[str, Any]) -> dict[str, Any]:
+    answers: details "llm_ring_*") are in that shape already and left alone. A CONNECT, which
+    Envoy refuses before any route with an empty 403, gets the 405 and message of a method not
+    allowed."""
+    def mapper(expression: str, document: dict[str, Any], status: int | None = None) -> dict[str, Any]:
         cel = {"@type": _T + "envoy.extensions.access_loggers.filters.cel.v3.ExpressionFilter",
                "expression": expression}
         return {"filter": {"extension_filter": {"name": "envoy.access_loggers.extension_filters.cel",
                                                 "typed_config": cel}},
+                **({"status_code": status} if status else {}),
                 "body_format_override": {"json_format": document}}
 
     too_large = error_document(413, f"request body over {max_request_bytes} bytes (service.max_body_bytes)",
                                "request_too_large")
+    connect = error_document(405, f"method CONNECT not allowed: the gateway serves {SERVED_PATHS}",
+                             "method_not_allowed")
     envoy_own = "response.code_details != 'direct_response' && !response.code_details.startsWith('llm_ring_')"
     return {"mappers": [
         mapper("response.code == 413 && response.code_details == 'request_payload_too_large'", too_large),
+        mapper("response.code_details == 'upgrade_failed'", connect, 405),
         *(mapper(f"response.code {bounds} && {envoy_own}",
                  {"error": {"message": "%LOCAL_REPLY_BODY%", "type": error_type(status), "param": None,
                             "code": "%RESPONSE_CODE_DETAILS%"}})
