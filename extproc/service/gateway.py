@@ -422,6 +422,15 @@ class Gateway:
         digest = self.digests.get(self.router.conversation_key(conversation))
         return () if digest is None else (digest,)
 
+    @staticmethod
+    def _branches(step: Prepared) -> bool:
+        """A chat body that may branch from a completed request: it continues nothing known, and
+        names a conversation it does not continue (an edit, a regenerate, a retried message) or
+        resends an earlier request with its answer. A new conversation that only shares an opening
+        with others is routed on its own key, as any new one."""
+        claimed = step.claim
+        return bool(step.parsed.history) and not claimed.continues and (claimed.foreign or bool(step.parsed.answered))
+
     def _branch(self, conversation: str, prefixes: frozenset[int]) -> None:
         """A chat that continues no conversation known here but resends a completed request's whole
         history (an edited or regenerated turn, a retry of an earlier message, a new id on an old
@@ -467,7 +476,7 @@ class Gateway:
     ) -> tuple[bytes, str | None]:
         request, parsed = step.request, step.parsed
         conversation, unique_id = request.conversation, request.request_id
-        if parsed.history and not step.claim.continues:  # its key is final here (the store may have changed it)
+        if self._branches(step):  # its key is final here (the store may have changed it)
             self._branch(conversation, step.shown.prefixes)
         if parsed.answered:
             self._release_answered(conversation, parsed.answered)

@@ -238,6 +238,18 @@ def test_a_regenerated_answer_and_a_retried_first_message_start_where_their_pref
     assert gateway.metrics.branches == 24
 
 
+def test_new_conversations_sharing_a_first_message_are_not_piled_on_its_replica() -> None:
+    """A first message many users send (the same system prompt and question) under new ids: each is
+    a new conversation, spread by its id as before, not sent where the first of them was served."""
+    gateway = make_gateway()
+    opening = [{"role": "system", "content": "You help."}, {"role": "user", "content": "Hello, how are you?"}]
+    first = complete_turn(gateway, opening, "user-0")
+    later = [complete_turn(gateway, opening, f"user-{index}") for index in range(1, 31)]
+    assert gateway.metrics.branches == 0
+    assert {turn.decision.replica for turn in later} == set(ENDPOINTS)
+    assert any(turn.decision.replica != first.decision.replica for turn in later)
+
+
 def test_a_stranger_proving_the_opening_is_not_told_where_the_conversation_went_since() -> None:
     """The chat's first turn was served on one replica, its later turns by another (a fallback):
     a stranger's body with the same opening, under the chat's id, no id or another's, is placed
