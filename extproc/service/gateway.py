@@ -412,8 +412,6 @@ class Gateway:
         claimed = claim(named, parsed.opening_key, () if known is None else (known,), digests)
         # under the key the router places it by (a reused id that does not continue its chat has its own)
         self.migrations.opened(self.router.conversation_key(claimed.conversation), parsed.opening_key)
-        if not claimed.continues and parsed.answered:
-            self._branch(claimed.conversation, digests.prefixes)
         prompt_tokens = parsed.prompt_token_ids + parsed.prompt_tokens
         max_tokens = (parsed.max_tokens or self.settings.default_max_tokens) * parsed.prompts
         request = RouteRequest(unique_id, claimed.conversation, prompt_tokens, max_tokens, parsed.prefix_blocks)
@@ -461,6 +459,9 @@ class Gateway:
     ) -> tuple[bytes, str | None]:
         request, parsed = step.request, step.parsed
         conversation, unique_id = request.conversation, request.request_id
+        # judged on the final claim: a chat another router served continues it (store), no branch
+        if not step.claim.continues and parsed.answered:
+            self._branch(conversation, step.shown.prefixes)
         if parsed.answered:
             self._release_answered(conversation, parsed.answered)
         if parsed.answered_tokens:

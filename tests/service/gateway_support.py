@@ -94,12 +94,15 @@ def gateway(
     replica_key_file: Path | None = None, **service: str,
 ) -> Iterator[Gateway]:
     """`llm-ring serve` + Envoy rendered by render_envoy_config (replica_key_file: the key
-    Envoy adds to the generations, None: none); everything stopped on exit."""
+    Envoy adds to the generations and the service asks for the models with, None: none);
+    everything stopped on exit."""
     endpoints_file = workdir / "eds" / "replicas.json"
     listen = f"127.0.0.1:{free_port()}"
     started: list[Running] = []
     try:
         settings = {"health_probe_seconds": "0.2", "log_level": '"debug"', **service}
+        if replica_key_file is not None:
+            settings.setdefault("replica_api_key_file", f'"{replica_key_file}"')
         started.append(start_service(workdir / "service", service_env(listen, endpoints_file, discovery, **settings)))
         _wait_for(endpoints_file.exists, 5.0)
         idle = {"stream_idle_timeout_s": envoy_idle_timeout_s} if envoy_idle_timeout_s else {}

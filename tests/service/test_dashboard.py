@@ -113,7 +113,8 @@ def prometheus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     workdir = tmp_path_factory.mktemp("prometheus")
     metrics = f"127.0.0.1:{free_port()}"
     with two_llama_replicas(workdir / "replicas") as replicas, \
-            gateway(workdir, static_discovery(replicas), metrics_listen=f'"{metrics}"') as gw:  # fmt: skip
+            gateway(workdir, static_discovery(replicas.addresses), replica_key_file=replicas.key_file,
+                    metrics_listen=f'"{metrics}"') as gw:  # fmt: skip
         server = _start(binary, workdir, metrics)
         try:
             for conversation, stream in ((1, False), (2, True), (3, False)):

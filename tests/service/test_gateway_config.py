@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 from pathlib import Path
 from types import SimpleNamespace
@@ -12,13 +13,13 @@ import pytest
 from extproc.envoy.config import render_envoy_config
 from extproc.envoy.contract import (
     DESTINATION,
-    ROUTED_PATHS,
     DnsEndpoints,
     EndpointsFile,
     ext_proc_address,
     split_host_port,
     write_endpoints_file,
 )
+from extproc.envoy.surface import GENERATION_PATHS, HEALTH_PATHS, MODEL_PREFIX, MODELS_PATHS
 from extproc.routing import POLICIES
 from extproc.routing.policies.plugin import param_names
 from extproc.settings import Settings, load_settings
@@ -111,9 +112,10 @@ def test_the_bench_and_test_gateway_retry_service_fallbacks(tmp_path: Path, monk
     assert [_num_retries(config) for config in rendered] == [{reference}, {7}]
 
 
-def test_the_replicas_key_is_a_file_envoy_reads_and_only_generation_routes_send_it(tmp_path: Path) -> None:
+def test_the_replicas_key_is_a_file_envoy_reads_and_only_routes_to_the_replicas_send_it(tmp_path: Path) -> None:
     """The key is never in the config, only its file's path; the injector is off but where a
-    route turns it on, and only the routes to the replicas do: every generation route."""
+    route turns it on, and only the routes to the replicas do: every generation route, and the
+    read-only ones (the service answers those, unless Envoy fails open)."""
     text = render(tmp_path)
     config = json.loads(text)
     assert config["static_resources"]["secrets"] == [
@@ -125,7 +127,11 @@ def test_the_replicas_key_is_a_file_envoy_reads_and_only_generation_routes_send_
     assert (generic["header"], generic["header_value_prefix"]) == ("authorization", "Bearer ")
     routes = manager["route_config"]["virtual_hosts"][0]["routes"]
     keyed = [r for r in routes if "inject-replica-key" in r.get("typed_per_filter_config", {})]
-    assert keyed == [r for r in routes if "route" in r] and {r["match"]["path"] for r in keyed} == set(ROUTED_PATHS)
+    assert keyed == [r for r in routes if "route" in r]
+    regexes = [r["match"]["safe_regex"]["regex"] for r in keyed if "safe_regex" in r["match"]]
+    assert all(any(re.fullmatch(regex, path) for regex in regexes) for path in GENERATION_PATHS)
+    others = {r["match"].get("path") or r["match"]["prefix"] for r in keyed if "safe_regex" not in r["match"]}
+    assert others == {*MODELS_PATHS, *HEALTH_PATHS, MODEL_PREFIX}
     without = json.loads(render(tmp_path, replica_key_file=None))
     assert "secrets" not in without["static_resources"] and "inject-replica-key" not in json.dumps(without)
 

@@ -179,7 +179,7 @@ def test_envoy_failing_open_still_adds_the_key(llama: LlamaReplicas, tmp_path: P
     """No routing service (nothing listens on its port): Envoy serves round robin, with the key."""
     endpoints = tmp_path / "replicas.json"
     write_endpoints_file(endpoints, llama.addresses)
-    envoy = start_gateway_envoy(tmp_path / "envoy", f"127.0.0.1:{free_port()}", endpoints, True, 1,
+    envoy = start_gateway_envoy(tmp_path / "envoy", f"@llm-ring-nobody-{free_port()}", endpoints, True, 1,
                                 replica_key_file=llama.key_file)
     try:
         served = set()

@@ -159,6 +159,32 @@ def test_turns_that_alternate_between_routers_stay_on_their_replica(server: Runn
     run_closing(run)
 
 
+def test_a_chat_another_router_served_is_no_branch_of_an_equal_history_served_here(server: Running) -> None:
+    """Router b served conversation "old" (a branch point: its history on replica X). The same
+    messages as conversation "new", served through router a on Y, then a turn through b: b knows
+    "new" only from the store, where it continues, so it follows its placement to Y and does not
+    branch to X, where an equal history of another conversation was served."""
+    async def run() -> None:
+        a, b = await sharing(server, "r-a"), await sharing(server, "r-b")
+        first = [USER1]
+        second = follow_up(first, "answer 1", "more 1")
+        old = await ask(b, first, "old")
+        x = b.pending[old].decision.replica
+        answered(b, old)
+        answered(b, await ask(b, second, "old"))
+        assert b.pending == {} and x
+        new = await ask(a, first, "new")
+        y = next(name for name in sorted(ENDPOINTS) if name not in (x, a.pending[new].decision.replica))
+        answered(a, new, served=y)
+        answered(a, await ask(a, second, "new"))
+        await a.store.flushed()  # type: ignore[union-attr]
+        third = await ask(b, follow_up(second, "answer 2", "more 2"), "new")
+        assert b.pending[third].decision.replica == y, (x, y)
+        assert b.metrics.branches == 0
+
+    run_closing(run)
+
+
 def test_a_back_to_back_turn_through_another_router_is_not_charged_the_answered_request(server: Running) -> None:
     async def run() -> None:
         a, b = await sharing(server, "r-a"), await sharing(server, "r-b")
