@@ -51,10 +51,11 @@ demo: setup
 	$(BIN)/llm-ring demo
 
 # JupyterLab (the optional extra `notebook`, pinned in constraints.txt) on the policy notebook;
-# NOTEBOOK_ARGS: more options for `jupyter lab` (--no-browser, --port ...)
+# NOTEBOOK_ARGS: more options for `jupyter lab` (--no-browser, --port ...); as root (containers),
+# --allow-root, which JupyterLab otherwise refuses
 notebook: setup
 	$(BIN)/pip install --quiet -c constraints.txt -e '.[notebook]'
-	$(BIN)/jupyter lab $(NOTEBOOK_ARGS) notebooks/policy_comparison.ipynb
+	$(BIN)/jupyter lab $(if $(filter 0,$(shell id -u)),--allow-root) $(NOTEBOOK_ARGS) notebooks/policy_comparison.ipynb
 
 bench: setup
 	$(BIN)/llm-ring bench decisions
