@@ -459,8 +459,10 @@ class Gateway:
     ) -> tuple[bytes, str | None]:
         request, parsed = step.request, step.parsed
         conversation, unique_id = request.conversation, request.request_id
-        # judged on the final claim: a chat another router served continues it (store), no branch
-        if not step.claim.continues and parsed.answered:
+        # judged on the final claim: a chat another router served or still serves (the store
+        # holds its placement, or a pending request this body answers) is no branch
+        elsewhere = peers is not None and peers.placement is not None
+        if not step.claim.continues and not elsewhere and parsed.answered:
             self._branch(conversation, step.shown.prefixes)
         if parsed.answered:
             self._release_answered(conversation, parsed.answered)

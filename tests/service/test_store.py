@@ -185,6 +185,29 @@ def test_a_chat_another_router_served_is_no_branch_of_an_equal_history_served_he
     run_closing(run)
 
 
+def test_a_back_to_back_turn_another_router_still_serves_is_no_branch_either(server: Running) -> None:
+    """As above, but the next turn comes through b the instant a's answer is in: the store holds
+    a's request as pending, no placement yet. b's body answers it, so b follows it to its
+    replica and does not branch to X."""
+    async def run() -> None:
+        a, b = await sharing(server, "r-a"), await sharing(server, "r-b")
+        first = [USER1]
+        old = await ask(b, first, "old")
+        x = b.pending[old].decision.replica
+        answered(b, old)
+        for attempt in range(20):  # a conversation a places away from X
+            new = await ask(a, first, f"new-{attempt}")
+            if (y := a.pending[new].decision.replica) != x:
+                break
+            answered(a, new)
+        await a.store.flushed()  # type: ignore[union-attr]
+        turn = await ask(b, follow_up(first, "answer 1", "more 1"), f"new-{attempt}")
+        assert b.pending[turn].decision.replica == y, (x, y)
+        assert b.metrics.branches == 0
+
+    run_closing(run)
+
+
 def test_a_back_to_back_turn_through_another_router_is_not_charged_the_answered_request(server: Running) -> None:
     async def run() -> None:
         a, b = await sharing(server, "r-a"), await sharing(server, "r-b")
