@@ -240,19 +240,19 @@ def _restore_all(moves: Sequence[Move], receivers: Mapping[str, LlamaServer], id
 
 def _restore(move: Move, server: LlamaServer, slot: int, file: tuple[str, int], tokens: list[int]) -> str | None:
     """The conversation's delivered file (its name on the receiver, its tokens) restored into
-    `slot` of the receiver, then checked there (`held`); None, or what went wrong (a miss), a
-    `Taken` when the slot did not keep it."""
+    `slot` of the receiver, then checked as its next turn would find it (`held`, not pinned to
+    the slot); None, or what went wrong (a miss), a `Taken` when it was not found."""
     filename, count = file
     try:
         restored = server.restore(slot, filename)
         if int(restored.get("n_restored", 0)) != count:
             return f"{move.receiver}: restored {restored.get('n_restored')} of {count} tokens"
-        held = server.held(slot, tokens)
+        ran_on, held = server.held(tokens)
     except SlotError as exc:
         return str(exc)
     # llama.cpp computes the last token again
     return None if held >= len(tokens) - 1 else Taken(f"{move.receiver} slot {slot}: {held} of {len(tokens)} "
-                                                      f"tokens there after the restore")
+                                                      f"tokens found after the restore (run on slot {ran_on})")
 
 
 def _tell(routers: Sequence[str], token: str | None, moves: list[tuple[int, str, int]], outcome: Outcome) -> None:
