@@ -11,7 +11,8 @@ one after another): a slot file restored into the receiver's least recently used
 (its old content saved to the host cache, as llama.cpp does when a slot is reused), or blocks
 added to the receiver's pool as cached, evictable blocks; then every router is told
 (``Router.migrated``), so the conversation's next decision says ``+migrated``. The replica goes
-down once nothing of it runs and nothing is left to move, or at the deadline.
+down once nothing of it runs and nothing is left to move; at the deadline what is unmoved is
+counted and nothing moves any more, and what runs there finishes (as without migration).
 """
 
 from __future__ import annotations
@@ -94,7 +95,7 @@ class DrainWindow:
             self.order.expire(now)
         else:
             self.move(now)
-        if (running or self.order.busy()) and now < self.order.deadline_s:
+        if running or self.order.busy():  # past the deadline nothing moves: what runs finishes, as without
             return False
         self.order.went_down(now)
         self.sim.route = self.plain_route
