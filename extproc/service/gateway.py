@@ -83,6 +83,7 @@ from extproc.service.bodies import (
 )
 from extproc.service.catalog import ModelCatalog
 from extproc.service.decision_log import through_structlog
+from extproc.service.leaving import LeavingReplicas
 from extproc.service.metrics import Metrics, ReplicaState
 from extproc.service.migrations import Migrations
 from extproc.service.store import EntryBounds, SharedStore
@@ -148,6 +149,7 @@ class Pending:
     size: int = 0
     timings: Timings | None = None  # from the access log (JSON answers)
     timer: asyncio.TimerHandle | None = None
+    leaving_phase: str = ""  # a follow-up of a leaving replica's conversation: its phase (service/leaving.py)
 
     @property
     def request(self) -> RouteRequest:
@@ -199,6 +201,7 @@ class Gateway:
         self.branch_points = PlacementMemory(router.settings.memory_capacity)
         self.migrations = Migrations(router.settings.memory_capacity, metrics.registry)
         self.decision_log: Callable[[dict[str, Any]], None] = through_structlog  # main.py: DecisionLog
+        self.leaving = LeavingReplicas(router.conversation_key, lambda fields: self.decision_log(fields))
 
     # ------------------------------------------------------------------ replicas
 
@@ -207,6 +210,7 @@ class Gateway:
         self.catalog.set_replicas(self.endpoints)
         self.openings = {name: seen for name, seen in self.openings.items() if name in self.endpoints}
         self.router.set_replicas(self.endpoints)
+        self.leaving.set_replicas(self.endpoints)
         self.unhealthy &= set(self.endpoints)
         self.answers.forget_routes()
         if self.store is not None:  # in-flight load on a removed replica went with it
@@ -277,6 +281,7 @@ class Gateway:
         if pending.ticket.release(ok, served):
             request, decision = pending.request, pending.decision
             key = self.router.conversation_key(request.conversation)
+            self.leaving.ended(key, decision.replica)
             if ok:
                 self.digests.remember(key, pending.digest)
                 if GENERATION_PATHS.get(pending.path) == "chat":
@@ -468,7 +473,7 @@ class Gateway:
             self._release_answered(conversation, parsed.answered)
         if parsed.answered_tokens:
             self._holds_answer(request, parsed.answered_tokens)
-        avoid = self._avoid(subset, parsed.model)
+        avoid, leaving_phase = self.leaving.avoid(conversation, self._avoid(subset, parsed.model), self.endpoints)
         if self._to_shed(avoid):
             self.metrics.errors["shed"] += 1
             return immediate(429, "every replica is at service.shed_requests_per_replica requests in flight",
@@ -477,6 +482,7 @@ class Gateway:
         if ticket is None:
             return self._no_replica(subset), None
         decision = ticket.decision
+        self.leaving.sent(conversation, decision.replica)
         predicted = decision.predicted_cached_tokens
         if parsed.opening:
             predicted = self._with_opening(decision, parsed.opening, request.prompt_tokens)
@@ -485,7 +491,7 @@ class Gateway:
         self.pending[unique_id] = Pending(
             ticket, predicted, step.shown.digest, step.claim.continues, self.endpoints[decision.replica], step.path,
             bounded(turn), parsed.stream, started, time.monotonic(),
-            envoy_id=self._remember_envoy_id(request_id, unique_id), logged=phase != "own",
+            envoy_id=self._remember_envoy_id(request_id, unique_id), logged=phase != "own", leaving_phase=leaving_phase,
         )  # fmt: skip
         if parsed.history:
             self.unanswered.setdefault(conversation, {})[unique_id] = parsed.history
@@ -733,6 +739,8 @@ class Gateway:
             fields["access_log_lost"] = True
         if pending.released_by_next_turn:
             fields["released_by_next_turn"] = True
+        if pending.leaving_phase:
+            fields["leaving_phase"] = pending.leaving_phase
         if timings is not None:
             fields.update(timings.as_dict())
         self.decision_log(fields)

@@ -105,27 +105,51 @@ def roll(stack: StackRun, name: str, progress: Progress, migrate: bool | None = 
 
 def _leave(stack: StackRun, leaving: list[Replica], staying: list[Replica], progress: Progress, migrate: bool | None,
            drain_timeout: float) -> list[dict[str, object]]:
-    """Take `leaving` out of the lists, drain each one and move its caches, stop them; per
-    replica {"replica", "out", "drained", "down" (ISO times), "migration"}. With migration,
-    the idle slots are moved first, while the replica still serves: the routers send those
-    conversations to their receivers at once, and what is left after it is out (what
-    changed since, what was busy) is little."""
+    """Each of `leaving` leaves, drains and stops; per replica {"replica", "out" (began leaving),
+    "drained", "down" (ISO times), "migration"}. With migration, in the order of
+    extproc/migration/leaving.py: every routing service is told it is leaving (no new
+    conversation goes there; its conversations' follow-ups still do until their caches have
+    moved), its idle slots move at once, each busy one when its request ends; it leaves the
+    lists once drained or at the deadline. Without, it leaves the lists first, then drains."""
     deadline = time.monotonic() + drain_timeout
     section = stack.state.migration
     moving = bool(section) and bool(staying) and bool(section.get("enabled") if migrate is None else migrate)
-    early: dict[str, Outcome] = {}
-    if moving:
+    if not moving:
+        _take_out(stack, staying, {r.name for r in leaving})
+        out = _iso(time.time())
+        _drain(leaving, deadline - time.monotonic(), progress, replica_key(stack))
+        steps = [{"replica": r.name, "out": out, "drained": _iso(time.time()), "migration": {}} for r in leaving]
+    else:
+        from extproc.migration.migrate import Outcome
+
         kv_bytes_per_token(stack)  # before they leave: nothing slow between their leaving and their migration
-        early = {r.name: _migrate(stack, r, staying, deadline, lambda _: None, frozenset()) for r in leaving}
-    _take_out(stack, staying, {r.name for r in leaving})
-    out = _iso(time.time())
-    steps: list[dict[str, object]] = []
-    for replica in leaving:
-        outcome = migrate_draining(stack, replica, staying, deadline, progress, early.get(replica.name))
-        steps.append({"replica": replica.name, "out": out, "drained": _iso(time.time()), "migration": outcome})
+        near = float(section.get("near_seconds", 15.0))
+        for replica in leaving:
+            _tell_leaving(stack, replica.name, deadline - time.monotonic(), near)
+        out = _iso(time.time())
+        steps = []
+        for replica in leaving:
+            outcome = migrate_draining(stack, replica, staying, deadline, progress, Outcome(replica.name))
+            steps.append({"replica": replica.name, "out": out, "drained": _iso(time.time()), "migration": outcome})
+        _take_out(stack, staying, {r.name for r in leaving})
+        # a follow-up routed there just before it left the lists (its cache not moved) finishes
+        _drain(leaving, max(0.0, deadline - time.monotonic()), lambda _: None, replica_key(stack))
     replicas.stop_all(leaving)
     down = _iso(time.time())
     return [{**step, "down": down} for step in steps]
+
+
+def _tell_leaving(stack: StackRun, name: str, seconds: float, near: float) -> None:
+    """Every routing service: `name` is leaving (a router that does not answer treats it as
+    in the list until it is dropped from it)."""
+    from extproc.service.admin_client import AdminClient
+
+    for gw in stack.gateway_list:
+        try:
+            with AdminClient(gw.router_address) as admin:
+                admin.leaving(name, seconds, near)
+        except Exception:  # noqa: BLE001 - that router routes as before: the replica is in its list until dropped
+            continue
 
 
 def _take_out(stack: StackRun, staying: list[Replica], leaving: set[str]) -> None:
@@ -158,14 +182,10 @@ def drain_seconds(stack: StackRun, fallback: float) -> float:
 
 
 def migrate_draining(stack: StackRun, leaving: Replica, staying: list[Replica], deadline: float, progress: Progress,
-                     early: Outcome | None) -> dict[str, object]:
-    """Drain `leaving` (out of the lists already) and move its caches as its slots turn idle
-    (early: what was moved before it left, None: no migration): the idle ones at once, each
-    busy one as soon as its request ends (its conversation's next turn may come within
-    seconds), until none is busy or the deadline."""
-    if early is None:
-        _drain([leaving], deadline - time.monotonic(), progress, replica_key(stack))
-        return {}
+                     early: Outcome) -> dict[str, object]:
+    """Move `leaving`'s caches as its slots turn idle (early: what was moved already): the idle
+    ones at once, each busy one as soon as its request ends (its conversation's next turn may
+    come within seconds), until none is busy or the deadline."""
     from extproc.migration.llama import LlamaServer, SlotError
 
     total = early
