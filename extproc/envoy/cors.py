@@ -1,7 +1,8 @@
 """CORS: which browser origins may call the gateway (service.cors_origins), as response headers.
 
 Pure. Our own Envoy gets the same policy rendered into its CORS filter (config.py); an Endpoint
-Picker's gateway gets these headers in the service's answers (picker.py).
+Picker's gateway gets these headers in the service's answers (picker.py). Either way the
+replica's own CORS headers are removed from its answers first (REPLICA_CORS_HEADERS).
 """
 
 from __future__ import annotations
@@ -15,6 +16,12 @@ ALLOWED_HEADERS = "authorization, content-type, x-conversation-id, x-turn, x-req
                   "openai-project, x-stainless-*"
 EXPOSED_HEADERS = "x-request-id"
 MAX_AGE_S = 600
+# A replica's own CORS headers: llama.cpp's server echoes whatever Origin a request carries as
+# access-control-allow-origin (an empty one when it carries none). Removed from every answer
+# that passes through the gateway, in both data planes: this policy alone says which origins may read.
+REPLICA_CORS_HEADERS = ("access-control-allow-origin", "access-control-allow-credentials",
+                        "access-control-allow-methods", "access-control-allow-headers",
+                        "access-control-expose-headers", "access-control-max-age")
 
 
 @dataclass(frozen=True, slots=True)

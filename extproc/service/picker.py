@@ -30,6 +30,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from extproc.envoy.contract import LB_NAMESPACE, SERVED, SUBSET, SUBSET_NAMESPACE
 from extproc.envoy.surface import Generation, Preflight, ReadOnly, Refused, classify
 from extproc.service.answers import (
+    REPLICA_CORS_REMOVED,
     Phase,
     header_option,
     immediate,
@@ -228,21 +229,24 @@ class PickerStream:
                 await context.write(request_body_answer(self.request_mode, body.body, body.end_of_stream))
             elif kind == "request_trailers":
                 await context.write(REQUEST_TRAILERS_CONTINUE)
+            # The response is observed before it is answered: once Envoy has the answer it passes
+            # the chunk on, and a client that has read the whole answer may hang up at once; the
+            # stream then ends (cancelling this task) before a later line would run.
             elif kind == "response_headers":
                 headers = message.response_headers
-                answer = gateway.response_headers_answer(tracked)
-                await context.write(answer + response_headers(self.cors) if self.cors else answer)
+                answer = gateway.response_headers_answer(tracked) + REPLICA_CORS_REMOVED
                 if tracked is not None:
                     status = header_values(headers, (":status",)).get(":status", "")
                     gateway.observe_start(tracked, int(status) if status.isdigit() else 0, served_endpoint(message))
                     if headers.end_of_stream:
                         gateway.observe_body(tracked, b"", True)
+                await context.write(answer + response_headers(self.cors) if self.cors else answer)
             elif kind == "response_body":
                 body = message.response_body
-                await context.write(response_body_answer(self.response_mode, body.body, body.end_of_stream))
                 if tracked is not None:
                     gateway.observe_body(tracked, body.body, body.end_of_stream)
+                await context.write(response_body_answer(self.response_mode, body.body, body.end_of_stream))
             elif kind == "response_trailers":
-                await context.write(RESPONSE_TRAILERS_CONTINUE)
                 if tracked is not None:
                     gateway.observe_body(tracked, b"", True)
+                await context.write(RESPONSE_TRAILERS_CONTINUE)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import socket
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +28,7 @@ from extproc.stack.processes import (
     start_inference_gateway_envoy,
     start_picker_service,
     start_service,
+    static_discovery,
 )
 
 OPENAI_ERROR_TYPES = ("invalid_request_error", "rate_limit_error", "server_error")
@@ -78,6 +79,25 @@ class Gateway:
         with AdminClient(self.admin) as admin:
             return admin.state()
 
+    def wait_for_models(self, timeout: float = 10.0) -> list[str]:
+        """The ids GET /v1/models lists once the service has heard from a replica (it asks each
+        replica as it appears)."""
+        deadline = time.monotonic() + timeout
+        while not (listed := [m["id"] for m in httpx.get(self.url + "/v1/models", timeout=10).json()["data"]]):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no model listed after {timeout}s")
+            time.sleep(0.2)
+        return listed
+
+    def decisions_after(self, seen: int, count: int, timeout: float = 10.0) -> list[dict[str, Any]]:
+        """The ``count`` decisions logged after the first ``seen`` (a request is logged once over)."""
+        deadline = time.monotonic() + timeout
+        while len(logged := self.decisions()[seen:]) < count:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{len(logged)} of {count} decisions logged after {timeout}s")
+            time.sleep(0.05)
+        return logged
+
     def wait_idle(self, timeout: float = 5.0) -> dict[str, Any]:
         """The state once nothing is in flight (or the last state seen at the timeout)."""
         deadline = time.monotonic() + timeout
@@ -91,11 +111,11 @@ class Gateway:
 @contextmanager
 def gateway(
     workdir: Path, discovery: Mapping[str, str], fail_open: bool = True, envoy_idle_timeout_s: int | None = None,
-    replica_key_file: Path | None = None, **service: str,
+    replica_key_file: Path | None = None, cors_origins: Sequence[str] = (), **service: str,
 ) -> Iterator[Gateway]:
     """`llm-ring serve` + Envoy rendered by render_envoy_config (replica_key_file: the key
-    Envoy adds to the generations and the service asks for the models with, None: none);
-    everything stopped on exit."""
+    Envoy adds to the generations and the service asks for the models with, None: none;
+    cors_origins: service.cors_origins of both); everything stopped on exit."""
     endpoints_file = workdir / "eds" / "replicas.json"
     listen = f"127.0.0.1:{free_port()}"
     started: list[Running] = []
@@ -103,11 +123,13 @@ def gateway(
         settings = {"health_probe_seconds": "0.2", "log_level": '"debug"', **service}
         if replica_key_file is not None:
             settings.setdefault("replica_api_key_file", f'"{replica_key_file}"')
+        if cors_origins:
+            settings["cors_origins"] = json.dumps(list(cors_origins))
         started.append(start_service(workdir / "service", service_env(listen, endpoints_file, discovery, **settings)))
         _wait_for(endpoints_file.exists, 5.0)
         idle = {"stream_idle_timeout_s": envoy_idle_timeout_s} if envoy_idle_timeout_s else {}
         envoy = start_gateway_envoy(workdir / "envoy", started[0].ext_proc, endpoints_file, fail_open, 1, **idle,
-                                    replica_key_file=replica_key_file)
+                                    replica_key_file=replica_key_file, cors_origins=cors_origins)
         started.append(envoy)
         gw = Gateway(f"http://{envoy.listen}", started[0].address, started[0].log_path, endpoints_file, started)
         _wait_for(lambda: _has_endpoints(envoy.address), 5.0)
@@ -135,6 +157,30 @@ def inference_pool_gateway(workdir: Path, replicas: Mapping[str, str], body_mode
     finally:
         envoy.stop()
         picker.stop()
+
+
+LLAMA_PLANES = ("own-envoy", "ai-gateway-duplex", "ai-gateway-buffered")
+
+
+@contextmanager
+def llama_plane(plane: str, workdir: Path, llama: LlamaReplicas, cors_origins: Sequence[str] = ()) -> Iterator[Gateway]:
+    """One data plane (LLAMA_PLANES) in front of real llama.cpp replicas, configured with their
+    key as the local stack and the gateway guide configure it: our own Envoy (Envoy adds the key
+    to the generations, the service asks each replica's /v1/models with it), or Envoy AI
+    Gateway's InferencePool plane with full-duplex or buffered bodies (the picker adds the key).
+    Routing headers on in both; cors_origins: service.cors_origins."""
+    settings = {"replica_api_key_file": f'"{llama.key_file}"'}
+    if cors_origins:
+        settings["cors_origins"] = json.dumps(list(cors_origins))
+    if plane == "own-envoy":
+        with gateway(workdir, static_discovery(llama.addresses), replica_key_file=llama.key_file,
+                     cors_origins=cors_origins) as gw:
+            yield gw
+        return
+    mode = plane.removeprefix("ai-gateway-")
+    assert plane in LLAMA_PLANES and mode != plane, f"no such plane: {plane}"
+    with inference_pool_gateway(workdir, llama.addresses, body_mode=mode, routing_headers="true", **settings) as gw:
+        yield gw
 
 
 def back_to_back(url: str, conversation: int, stream: bool, with_header: bool,

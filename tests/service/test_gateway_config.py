@@ -19,6 +19,7 @@ from extproc.envoy.contract import (
     split_host_port,
     write_endpoints_file,
 )
+from extproc.envoy.cors import REPLICA_CORS_HEADERS
 from extproc.envoy.surface import GENERATION_PATHS, HEALTH_PATHS, MODEL_PREFIX, MODELS_PATHS
 from extproc.routing import POLICIES
 from extproc.routing.policies.plugin import param_names
@@ -235,3 +236,22 @@ def test_envoy_is_hardened_for_clients_that_hold_connections(tmp_path: Path) -> 
     assert routes[0]["match"] == {"connect_matcher": {}} and routes[0]["direct_response"]["status"] == 405
     local_replies = [r for r in routes if "direct_response" in r]
     assert all(r["typed_per_filter_config"]["whole-body"]["disabled"] for r in local_replies)
+
+
+def test_no_replica_cors_header_passes_and_preflights_are_answered_by_envoy_only_with_cors(tmp_path: Path) -> None:
+    """Every route to the replicas removes their CORS headers (llama.cpp echoes any Origin); with
+    service.cors_origins, a preflight on a served path has a route of its own, which the CORS
+    filter needs to answer it (a direct response has no route entry) and never forwards."""
+    for cors in ([], ["https://chat.example.com"]):
+        config = json.loads(render(tmp_path, cors_origins=cors))
+        manager = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+        host = manager["route_config"]["virtual_hosts"][0]
+        forwarding = [r for r in host["routes"] if "route" in r]
+        assert all(r["response_headers_to_remove"] == list(REPLICA_CORS_HEADERS) for r in forwarding)
+        preflights = [r for r in forwarding if {"exact": "OPTIONS"} in [h.get("string_match") for h in
+                                                                       r["match"].get("headers", [])]]
+        assert len(preflights) == (len(GENERATION_PATHS) + len(MODELS_PATHS) + len(HEALTH_PATHS) + 1 if cors else 0)
+        assert all(r["typed_per_filter_config"]["ext_proc.route"]["disabled"] for r in preflights)
+        if cors:
+            policy = host["typed_per_filter_config"]["envoy.filters.http.cors"]
+            assert policy["forward_not_matching_preflights"] is False

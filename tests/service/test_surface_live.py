@@ -10,6 +10,7 @@ picker over TLS), in front of two real llama.cpp replicas started as the local s
   routed, charged in flight and bounded: output tokens above a slot are charged as a slot.
 - The OpenAI surface: /v1/models lists the served name, /v1/models/{id}, /health, a model no
   replica serves is 404 in OpenAI's shape, and every error the gateway makes is in that shape.
+- CORS: only the gateway's policy (service.cors_origins) reaches a browser, never the replica's echo.
 """
 
 from __future__ import annotations
@@ -26,16 +27,17 @@ import pytest
 from extproc.envoy.surface import GENERATION_PATHS
 from extproc.stack.processes import static_discovery
 from tests.service.gateway_support import (
+    LLAMA_PLANES,
     Gateway,
     LlamaReplicas,
     error_message,
     gateway,
-    inference_pool_gateway,
+    llama_plane,
     two_llama_replicas,
 )
 
 pytestmark = pytest.mark.live
-PLANES = ["own-envoy", "ai-gateway-duplex", "ai-gateway-buffered"]
+ALLOWED_ORIGIN = "https://chat.example.com"  # service.cors_origins of every plane here
 CONTROL_PATHS = [
     "/slots", "/slots/0?action=erase", "/slots/1?action=erase", "/slots/0?action=save",
     "/slots/0?action=restore", "/lora-adapters", "/props", "/metrics", "/tokenize", "/detokenize",
@@ -53,25 +55,16 @@ def spellings(path: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def llama(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LlamaReplicas, Path]]:
-    run = tmp_path_factory.mktemp("replicas")
-    with two_llama_replicas(run) as replicas:
-        yield replicas, run / "slots"
+def llama(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LlamaReplicas]:
+    with two_llama_replicas(tmp_path_factory.mktemp("replicas")) as replicas:
+        yield replicas
 
 
-@pytest.fixture(scope="module", params=PLANES)
-def plane(request: pytest.FixtureRequest, llama: tuple[LlamaReplicas, Path],
-          tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
-    replicas, _ = llama
-    workdir = tmp_path_factory.mktemp(request.param)
-    if request.param == "own-envoy":
-        with gateway(workdir, static_discovery(replicas.addresses), replica_key_file=replicas.key_file) as gw:
-            yield gw
-    else:
-        mode = request.param.rpartition("-")[2]
-        with inference_pool_gateway(workdir, replicas.addresses, body_mode=mode, routing_headers="true",
-                                    replica_api_key_file=f'"{replicas.key_file}"') as gw:
-            yield gw
+@pytest.fixture(scope="module", params=LLAMA_PLANES)
+def plane(request: pytest.FixtureRequest, llama: LlamaReplicas, tmp_path_factory: pytest.TempPathFactory
+          ) -> Iterator[Gateway]:
+    with llama_plane(request.param, tmp_path_factory.mktemp(request.param), llama, [ALLOWED_ORIGIN]) as gw:
+        yield gw
 
 
 def reached_a_replica(gw: Gateway, reply: httpx.Response) -> bool:
@@ -95,9 +88,9 @@ def victim_turns(gw: Gateway, history: list[dict[str, str]], turns: int) -> list
 
 
 def test_no_control_path_reaches_a_replica_and_the_victims_cache_is_intact(
-    plane: Gateway, llama: tuple[LlamaReplicas, Path]
+    plane: Gateway, llama: LlamaReplicas
 ) -> None:
-    _, slot_folder = llama
+    slot_folder = llama.key_file.parent / "slots"
     history = [{"role": "system", "content": "You are the victim's assistant. Keep it short."}]
     before = victim_turns(plane, history, 2)
     refused = 0
@@ -191,6 +184,31 @@ def test_a_list_of_prompts_is_routed_and_charged_per_prompt(plane: Gateway) -> N
     while not any(d["path"] == "/v1/completions" and d["max_tokens"] == 6 for d in plane.decisions()):
         assert time.monotonic() < deadline, "no decision charged 3 output tokens per prompt"
         time.sleep(0.1)
+
+
+@pytest.mark.parametrize("origin", [ALLOWED_ORIGIN, "https://elsewhere.example", ""])
+def test_only_the_gateways_cors_policy_reaches_a_browser(plane: Gateway, origin: str) -> None:
+    """llama.cpp echoes whatever Origin a request carries as access-control-allow-origin (an empty
+    one without): the gateway removes it from every answer, so service.cors_origins alone says
+    which origin may read, on generations (JSON and streamed), the gateway's own answers and
+    preflights."""
+    headers = {"origin": origin} if origin else {}
+    chat = {"model": "smollm2", "messages": [{"role": "user", "content": f"cors {origin}"}], "max_tokens": 2}
+    allowed = [origin] if origin == ALLOWED_ORIGIN else []
+    replies = [httpx.post(plane.url + "/v1/chat/completions", json=chat | {"stream": stream}, headers=headers,
+                          timeout=60) for stream in (False, True)]
+    assert all(plane.routed_to(reply) for reply in replies)  # answered by a replica
+    replies.append(httpx.get(plane.url + "/v1/models", headers=headers, timeout=10))
+    for reply in replies:
+        assert reply.status_code == 200, reply.text
+        assert reply.headers.get_list("access-control-allow-origin") == allowed, dict(reply.headers)
+    preflight = httpx.options(plane.url + "/v1/chat/completions", timeout=10, headers={
+        **headers, "access-control-request-method": "POST", "access-control-request-headers": "content-type"})
+    assert preflight.headers.get_list("access-control-allow-origin") == allowed, dict(preflight.headers)
+    assert "x-envoy-upstream-service-time" not in preflight.headers  # answered by the gateway, never a replica
+    if allowed:
+        assert preflight.status_code in (200, 204) and "POST" in preflight.headers["access-control-allow-methods"]
+    assert plane.wait_idle()["in_flight_requests"] == 0
 
 
 def test_envoys_own_errors_are_in_openais_shape_too(tmp_path: Path) -> None:
