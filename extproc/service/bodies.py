@@ -4,8 +4,9 @@ Requests: an OpenAI chat body (``messages``, ``max_tokens``/``max_completion_tok
 llama.cpp/OpenAI completion body (``prompt``, ``n_predict``/``max_tokens``) becomes the
 conversation key, the prompt's character count and the requested output size.
 
-Conversation key without an ``x-conversation-id`` header: a hash of the conversation's
-*opening*, which every later turn resends unchanged:
+Conversation key without a session id (sessions.py: a session header, or a body field such as
+``prompt_cache_key``, read here when asked for): a hash of the conversation's *opening*, which
+every later turn resends unchanged:
   - chat: every message up to and including the first ``user`` message (system prompt +
     first question), role and text;
   - completion: the first OPENING_CHARS characters of the prompt (token-id prompts: the
@@ -49,6 +50,7 @@ from extproc.envoy.contract import RESPONSE_METADATA
 from extproc.envoy.surface import GENERATION_PATHS
 from extproc.routing.blocks import BLOCK_CHARS, BlockMemory, prefix_blocks
 from extproc.routing.tokens import ChatCount, Message, TokenCounter
+from extproc.service.sessions import usable_id
 
 OPENING_CHARS = 512
 NOT_COUNTED = ChatCount(0, 0, ())  # no counter given
@@ -62,7 +64,7 @@ OUTPUT_FIELDS = {
 
 @dataclass(frozen=True, slots=True)
 class ParsedRequest:
-    opening_key: str  # conversation key derived from the body (used without x-conversation-id)
+    opening_key: str  # conversation key derived from the body (used without a session id)
     prompt_chars: int
     prompt_token_ids: int  # > 0 when the prompt was given as token ids (no estimate needed)
     max_tokens: int | None  # None: the client did not say (per prompt: times ``prompts`` charged)
@@ -75,6 +77,7 @@ class ParsedRequest:
     opening: tuple[int, ...] = ()  # chat: the token ids of the prompt's opening (tokens.OPENING_TOKENS)
     model: str = ""  # the body's "model", "" when it names none
     prompts: int = 1  # completion: the prompts of a list, each answered (and charged) on its own
+    sessions: tuple[tuple[str, str], ...] = ()  # (field, id) of the session fields asked for that it carries
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,14 +120,15 @@ class Timings:
 
 def parse_request(
     path: str, content_type: str, body: bytes, limits: BodyLimits | None = None, block_chars: int = 0,
-    memory: BlockMemory | None = None, counter: TokenCounter | None = None,
+    memory: BlockMemory | None = None, counter: TokenCounter | None = None, session_fields: tuple[str, ...] = (),
 ) -> ParsedRequest:
     """Read a request body, or raise BadRequest(status, message) saying what is wrong.
     limits: the service's; None (tests, offline tools) checks types only.
     block_chars: also cut the prompt into prefix blocks of that many characters (for the
     policies that need them; 0: no blocks), with ``memory`` (of that block size) hashing only
     what the conversation's last prompt did not hold.
-    counter: count the prompt's tokens with it (the module docstring)."""
+    counter: count the prompt's tokens with it (the module docstring).
+    session_fields: the top-level fields that may name the conversation (service.session_ids)."""
     if not body:
         raise BadRequest(400, "empty body: expected a JSON object", "empty_body")
     media = content_type.partition(";")[0].strip().lower()
@@ -145,17 +149,18 @@ def parse_request(
     if model is not None and not isinstance(model, str):
         raise BadRequest(400, "'model' must be a string", "invalid_type", "model")
     max_tokens = _max_tokens(data, limits, OUTPUT_FIELDS[kind])
+    sessions = tuple((name, found) for name in session_fields if (found := usable_id(data.get(name))))
     if kind == "chat":
         key, chars, history, answered, messages = _chat(data.get("messages"), limits)
         counted = counter.count_chat(messages) if counter is not None else NOT_COUNTED
         parsed = ParsedRequest(key, chars, 0, max_tokens, stream, history, answered, (), counted.prompt,
-                               counted.answered, counted.opening, model or "")
+                               counted.answered, counted.opening, model or "", sessions=sessions)
     else:
         prompts = _prompts(data.get("prompt"))
         key, chars, ids = _completion(prompts, limits)
         tokens = sum(counter.count_text(p) for p in prompts if isinstance(p, str)) if counter is not None else 0
         parsed = ParsedRequest(key, chars, ids, max_tokens, stream, prompt_tokens=tokens, model=model or "",
-                               prompts=len(prompts))
+                               prompts=len(prompts), sessions=sessions)
     if not block_chars:
         return parsed
     text = _prompt_text(kind, data)

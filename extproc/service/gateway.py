@@ -2,7 +2,7 @@
 
 One HTTP request meets the service on (see extproc/envoy/config.py):
   - the *route* stream: the request headers with attributes (path, id, content type,
-    x-conversation-id, x-turn) and the whole body -> ``route_request`` -> the answer to the
+    x-turn), the session headers (sessions.py) and the whole body -> ``route_request`` -> the answer to the
     headers (answers.py: pre-serialized, cached per (replica, reason, streamed)); the service
     lets the body pass and closes the stream (fewer gRPC operations than waiting for Envoy
     to end it);
@@ -85,6 +85,7 @@ from extproc.service.catalog import ModelCatalog
 from extproc.service.decision_log import through_structlog
 from extproc.service.metrics import Metrics, ReplicaState
 from extproc.service.migrations import Migrations
+from extproc.service.sessions import SessionSources
 from extproc.service.store import EntryBounds, SharedStore
 from extproc.service.tokenizer import make_counter
 from extproc.settings import ServiceSettings, StoreSettings
@@ -189,6 +190,7 @@ class Gateway:
         self.envoy_ids: dict[str, str] = {}  # Envoy's id -> ours, while pending
         self.catalog = ModelCatalog()  # what each replica serves (main.py's ModelFetcher fills it)
         self.cors = CorsPolicy(frozenset(settings.cors_origins))
+        self.sessions = SessionSources.parse(settings.session_ids)  # where a conversation id comes from
         self.limits = BodyLimits(settings.max_messages, settings.max_prompt_chars, settings.max_output_tokens)
         self.store: SharedStore | None = None  # several routers' shared state (main.py sets it from [store])
         self.block_memory: BlockMemory | None = None  # the last prompt's blocks per conversation, when hashed
@@ -295,7 +297,7 @@ class Gateway:
         *,
         path: str,
         content_type: str,
-        conversation_id: str,
+        session_headers: Mapping[str, str],
         turn: str,
         request_id: str,
         body: bytes,
@@ -305,24 +307,26 @@ class Gateway:
     ) -> tuple[bytes, str | None]:
         """(the serialized ProcessingResponse answering the request, our id of the routed request):
         the pick, or an immediate error answer that Envoy sends the client itself (id None).
+        session_headers: the request's headers of service.session_ids (name -> value).
         parsed_elsewhere: the body's parse_request result (or refusal) from offload.py.
         phase: the answer's shape (answers.py); subset: the endpoints a gateway allows (None: all).
         Decided on this router's own state: the service without a store (route_shared with one)."""
         started = time.perf_counter()
-        step = self._prepare(path, content_type, conversation_id, body, parsed_elsewhere)
+        step = self._prepare(path, content_type, session_headers, body, parsed_elsewhere)
         if isinstance(step, bytes):
             return step, None
         return self._decide(step, turn, request_id, started, None, phase, subset)
 
     async def route_shared(
-        self, *, path: str, content_type: str, conversation_id: str, turn: str, request_id: str, body: bytes,
+        self, *, path: str, content_type: str, session_headers: Mapping[str, str], turn: str, request_id: str,
+        body: bytes,
         parsed_elsewhere: ParsedRequest | BadRequest | None = None, phase: Phase = "own",
         subset: frozenset[str] | None = None,
     ) -> tuple[bytes, str | None]:
         """route_request with the other routers' picture, read from the store in one round trip
         (at most store.timeout_ms; then this router's own state)."""
         started = time.perf_counter()
-        step = self._prepare(path, content_type, conversation_id, body, parsed_elsewhere)
+        step = self._prepare(path, content_type, session_headers, body, parsed_elsewhere)
         if isinstance(step, bytes):
             return step, None
         step, peers = await self._peers(step)
@@ -394,7 +398,7 @@ class Gateway:
                          "no_replica")
 
     def _prepare(
-        self, path: str, content_type: str, conversation_id: str, body: bytes,
+        self, path: str, content_type: str, session_headers: Mapping[str, str], body: bytes,
         parsed_elsewhere: ParsedRequest | BadRequest | None,
     ) -> Prepared | bytes:
         """The request as the router sees it, or the answer refusing it."""
@@ -407,7 +411,8 @@ class Gateway:
             return self._model_not_found(parsed.model)
         unique_id = self._request_id()
         digests = shown(parsed.history, parsed.answered, parsed.opening_key)
-        named = bounded(conversation_id) or parsed.opening_key
+        session = self.sessions.pick(session_headers, dict(parsed.sessions))
+        named = bounded(session) or parsed.opening_key
         known = self.digests.get(self.router.conversation_key(named))
         claimed = claim(named, parsed.opening_key, () if known is None else (known,), digests)
         # under the key the router places it by (a reused id that does not continue its chat has its own)
@@ -747,7 +752,8 @@ class Gateway:
         block_chars = self.router.policy.prefix_block_chars
         if block_chars and (self.block_memory is None or self.block_memory.block_chars != block_chars):
             self.block_memory = BlockMemory(block_chars)
-        return parse_request(path, content_type, body, self.limits, block_chars, self.block_memory, self.counter)
+        return parse_request(path, content_type, body, self.limits, block_chars, self.block_memory, self.counter,
+                             self.sessions.fields)
 
     def _request_id(self) -> str:
         self._sequence += 1
