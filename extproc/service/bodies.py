@@ -24,8 +24,9 @@ of them counts as answered by another.
 
 Prefix blocks (only for policies that need them, ``request_blocks``): the prompt rendered as
 one text, each chat message as ``role NUL text NUL`` in order (token-id prompts as ``id,``
-per id), cut into chained block hashes by ``extproc.routing.blocks.prefix_blocks``; a later
-turn resends the earlier messages unchanged, so its blocks begin with the earlier turn's.
+per id), cut into chained block hashes by ``extproc.routing.blocks.prefix_blocks``, seeded
+with the body's ``model`` (two models' equal prompts share no block); a later turn resends the
+earlier messages unchanged, so its blocks begin with the earlier turn's.
 
 Tokens (``counter``, extproc/routing/tokens.py): the prompt as the replica counts it (the
 model's tokenizer over the chat template's rendering, or characters / chars_per_token), the
@@ -48,7 +49,7 @@ import xxhash
 
 from extproc.envoy.contract import RESPONSE_METADATA
 from extproc.envoy.surface import GENERATION_PATHS
-from extproc.routing.blocks import BLOCK_CHARS, BlockMemory, prefix_blocks
+from extproc.routing.blocks import BLOCK_CHARS, BlockMemory, model_seed, prefix_blocks
 from extproc.routing.tokens import ChatCount, Message, TokenCounter
 from extproc.service.sessions import usable_id
 
@@ -163,10 +164,11 @@ def parse_request(
                                prompts=len(prompts), sessions=sessions)
     if not block_chars:
         return parsed
-    text = _prompt_text(kind, data)
+    text, seed = _prompt_text(kind, data), model_seed(parsed.model)
     if memory is not None and memory.block_chars == block_chars:
-        return replace(parsed, prefix_blocks=memory.blocks(parsed.opening_key, text))
-    return replace(parsed, prefix_blocks=prefix_blocks(text, block_chars))
+        key = f"{parsed.model}\x1f{parsed.opening_key}" if parsed.model else parsed.opening_key
+        return replace(parsed, prefix_blocks=memory.blocks(key, text, seed))
+    return replace(parsed, prefix_blocks=prefix_blocks(text, block_chars, seed))
 
 
 def too_many_messages(body: bytes, limits: BodyLimits) -> BadRequest | None:
@@ -268,7 +270,8 @@ def _completion(prompts: list[Prompt], limits: BodyLimits | None) -> tuple[str, 
 
 def request_blocks(path: str, body: bytes, block_chars: int = BLOCK_CHARS) -> tuple[int, ...]:
     """Prefix blocks of a body that ``parse_request`` accepted (() when it has no prompt text)."""
-    return prefix_blocks(_prompt_text(GENERATION_PATHS[path], orjson.loads(body)), block_chars)
+    data = orjson.loads(body)
+    return prefix_blocks(_prompt_text(GENERATION_PATHS[path], data), block_chars, model_seed(data.get("model") or ""))
 
 
 def _prompt_text(kind: str, data: dict[str, Any]) -> str:
