@@ -85,12 +85,13 @@ RESPONSE_METADATA: dict[str, tuple[str, ...]] = {
     "completion_tokens": ("usage", "completion_tokens"),
 }
 
-# What the service reads, sent as CEL attributes with the first message of each side.
+# What the service reads, sent as CEL attributes with the first message of each side. The
+# session headers (service.session_ids) are read from the request's header map, which Envoy
+# sends whole: a change of that setting needs no new Envoy config.
 REQUEST_ATTRIBUTES = (
     "request.url_path",
     "request.id",
     "request.headers['content-type']",
-    "request.headers['x-conversation-id']",
     "request.headers['x-turn']",
 )
 RESPONSE_ATTRIBUTES = ("request.id", "response.code", "upstream.address")

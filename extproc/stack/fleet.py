@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from extproc.files import write_atomically
-from extproc.stack import models, replicas
+from extproc.stack import replicas
 from extproc.stack.envoy import wait_envoy_knows
 from extproc.stack.errors import Progress, StackError
 from extproc.stack.ports import HOST, free_port
@@ -31,8 +31,9 @@ def start_replicas(stack: StackRun, names: list[str], ports: list[int], progress
                    port_wait: float = 0.0) -> None:
     state = stack.state
     run = Path(state.run_dir)
-    started = replicas.start(dict(zip(names, ports, strict=True)), stack.replica_settings(), run,
-                             die_with_parent=state.die_with_parent, port_wait=port_wait)
+    started = [replica for name, port in zip(names, ports, strict=True)  # each with its model
+               for replica in replicas.start({name: port}, stack.replica_settings(name), run,
+                                             die_with_parent=state.die_with_parent, port_wait=port_wait)]
     state.replicas += [r.as_dict() for r in started]
     state.replica_ports.update({r.name: r.port for r in started})
     stack.save()  # recorded before waiting: `down` from another shell finds them
@@ -98,7 +99,7 @@ def roll(stack: StackRun, name: str, progress: Progress, migrate: bool | None = 
         step = _leave(stack, [leaving], staying, progress, migrate, drain_seconds(stack, 60.0))[0]
         stack.state.replicas = [r.as_dict() for r in staying]
         start_replicas(stack, [name], [leaving.port], progress, port_wait=5.0)
-        stack.state.replicas.sort(key=lambda r: int(str(r["name"]).rsplit("-", 1)[1]))
+        stack.state.replicas.sort(key=lambda r: replicas.replica_index(str(r["name"])))
         _bring_in(stack, {name}, {leaving.address})
         return {**step, "up": _iso(time.time())}
 
@@ -122,7 +123,6 @@ def _leave(stack: StackRun, leaving: list[Replica], staying: list[Replica], prog
     else:
         from extproc.migration.migrate import Outcome
 
-        kv_bytes_per_token(stack)  # before they leave: nothing slow between their leaving and their migration
         near = float(section.get("near_seconds", 15.0))
         for replica in leaving:
             _tell_leaving(stack, replica.name, deadline - time.monotonic(), near)
@@ -170,13 +170,6 @@ def _bring_in(stack: StackRun, names: set[str], addresses: set[str]) -> None:
         wait_envoy_knows(addresses, gw.envoy_admin)
 
 
-def kv_bytes_per_token(stack: StackRun) -> int:
-    if not stack.state.kv_bytes_per_token:  # a stack started before it was kept: read once, kept
-        stack.state.kv_bytes_per_token = models.kv_bytes_per_token(stack.replica_settings().model)
-        stack.save()
-    return stack.state.kv_bytes_per_token
-
-
 def drain_seconds(stack: StackRun, fallback: float) -> float:
     return float(stack.state.migration.get("drain_seconds", fallback))
 
@@ -214,14 +207,18 @@ def migrate_draining(stack: StackRun, leaving: Replica, staying: list[Replica], 
 
 def _migrate(stack: StackRun, leaving: Replica, staying: list[Replica], deadline: float, progress: Progress,
              done: frozenset[tuple[int, int]]) -> Outcome:
-    from extproc.migration.migrate import Limits, SharedFolder, migrate_out
+    """Move what is worth moving from `leaving` to the staying replicas of its model."""
+    from extproc.migration.migrate import Limits, Outcome, SharedFolder, migrate_out
     from extproc.migration.planner import Costs
     from extproc.migration.slotfiles import Identity
 
+    model = stack.model_of(leaving.name)
+    staying = [r for r in staying if stack.model_of(r.name).path == model.path]  # another model's cache is none
+    if not staying:
+        return Outcome(leaving.name)
     section = stack.state.migration
-    settings = stack.replica_settings()
-    identity = Identity(stack.state.model_sha256, settings.slot_context, "f16")
-    costs = Costs(kv_bytes_per_token(stack), section["prefill_ms_per_token"] / 1000,
+    identity = Identity(model.sha256, stack.replica_settings(leaving.name).slot_context, "f16")
+    costs = Costs(model.kv_bytes_per_token, section["prefill_ms_per_token"] / 1000,
                   section["transfer_mib_per_second"] * 2**20)
     limit = int(section["max_disk_mib"]) * 2**20
     limits = Limits(int(section["min_tokens"]), limit, float(section["max_age_seconds"]), limit)

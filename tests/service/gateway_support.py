@@ -184,11 +184,13 @@ def llama_plane(plane: str, workdir: Path, llama: LlamaReplicas, cors_origins: S
 
 
 def back_to_back(url: str, conversation: int, stream: bool, with_header: bool,
-                 new_connections: bool = False) -> list[dict[str, Any]]:
+                 new_connections: bool = False, session_header: str = "x-conversation-id") -> list[dict[str, Any]]:
     """One conversation of 4 turns sent back to back (each the instant the last answer is
     in, as an agent loop does) to the gateway at `url`: per turn the replica, reason and
-    llama.cpp's timings. new_connections: every request on a connection of its own (behind a
-    front that spreads connections, consecutive turns meet different gateways)."""
+    llama.cpp's timings. with_header: the conversation named ``b2b-<stream>-<conversation>`` in
+    ``session_header`` (an agent client's session header, or x-conversation-id with x-turn).
+    new_connections: every request on a connection of its own (behind a front that spreads
+    connections, consecutive turns meet different gateways)."""
     history: list[dict[str, Any]] = [
         {"role": "system", "content": f"You are assistant number {conversation}. Answer briefly."},
     ]
@@ -197,7 +199,7 @@ def back_to_back(url: str, conversation: int, stream: bool, with_header: bool,
         for turn in range(1, 5):
             history.append({"role": "user", "content": f"Question {turn} of chat {conversation}: name a colour."})
             body = {"messages": history, "max_tokens": 6, "ignore_eos": True, "stream": stream}
-            headers = {"x-conversation-id": f"b2b-{stream}-{conversation}", "x-turn": str(turn)} if with_header else {}
+            headers = {session_header: f"b2b-{stream}-{conversation}", "x-turn": str(turn)} if with_header else {}
             if new_connections:
                 with httpx.Client(timeout=60) as own:
                     answer, seen = _turn(own, url, body, headers, stream)

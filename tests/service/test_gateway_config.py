@@ -23,8 +23,9 @@ from extproc.envoy.cors import REPLICA_CORS_HEADERS
 from extproc.envoy.surface import GENERATION_PATHS, HEALTH_PATHS, MODEL_PREFIX, MODELS_PATHS
 from extproc.routing import POLICIES
 from extproc.routing.policies.plugin import param_names
+from extproc.service.sessions import SessionSources
 from extproc.settings import Settings, load_settings
-from extproc.stack.processes import envoy_binary
+from extproc.stack.processes import ROUTER_REFERENCE, envoy_binary
 
 
 def render(tmp_path: Path, **overrides: object) -> str:
@@ -80,10 +81,14 @@ def test_client_routing_headers_are_stripped_before_ext_proc(tmp_path: Path) -> 
     ]
     removed = [m["remove"] for m in manager["http_filters"][0]["typed_config"]["mutations"]["request_mutations"]]
     assert {DESTINATION, "authorization", "x-api-key"} <= set(removed)
+    # the session headers reach the service: kept, and sent with the whole header map
+    sessions = SessionSources.parse(load_settings(ROUTER_REFERENCE).service.session_ids)
+    assert sessions.headers and not set(sessions.headers) & set(removed)
     whole_body, route, observe = (f["typed_config"] for f in manager["http_filters"][1:4])
     assert whole_body["max_request_bytes"] == 1 << 20  # one chunk for ext_proc, 413 past the limit
     assert route["failure_mode_allow"] is True and route["processing_mode"]["request_body_mode"] == "STREAMED"
     assert route["send_body_without_waiting_for_header_response"] is True  # one round trip
+    assert route["processing_mode"]["request_header_mode"] == "SEND" and "forward_rules" not in route
     assert observe["observability_mode"] is True and observe["processing_mode"]["response_body_mode"] == "STREAMED"
     assert not json.loads(render(tmp_path, fail_open=False))["static_resources"]["listeners"][0]["filter_chains"][0][
         "filters"

@@ -47,7 +47,7 @@ def decide(
     return gateway.route_request(
         path=CHAT,
         content_type="application/json",
-        conversation_id=conversation_id,
+        session_headers={"x-conversation-id": conversation_id},
         turn="1",
         request_id=request_id,
         body=orjson.dumps(body),
@@ -271,7 +271,7 @@ def test_large_bodies_are_parsed_in_the_worker_with_the_same_result() -> None:
 def test_the_gateway_decides_on_a_result_parsed_elsewhere() -> None:
     gateway = make_gateway()
     refusal = BadRequest(413, "'messages': too many", "request_too_large", "messages")
-    answer, routed = gateway.route_request(path=CHAT, content_type="", conversation_id="", turn="", request_id="r",
+    answer, routed = gateway.route_request(path=CHAT, content_type="", session_headers={}, turn="", request_id="r",
                                     body=b"never parsed here", parsed_elsewhere=refusal)  # fmt: skip
     assert not routed and immediate_status(answer) == (413, {"error": {
         "message": "'messages': too many", "type": "invalid_request_error", "param": "messages",

@@ -45,7 +45,7 @@ def decide(gateway: Gateway, request_id: str, stream: bool = False) -> tuple[str
     gateway.route_request(
         path="/v1/chat/completions",
         content_type="application/json",
-        conversation_id="c-1",
+        session_headers={"x-conversation-id": "c-1"},
         turn="1",
         request_id=request_id,
         body=body,
@@ -161,7 +161,7 @@ def test_a_stream_the_replica_ended_is_whole_though_the_client_hung_up_after_don
 
 def complete_turn(gateway: Gateway, messages: list[dict[str, str]]) -> Pending:
     """One chat request with no conversation id (keyed on its opening), decided and answered whole."""
-    gateway.route_request(path="/v1/chat/completions", content_type="application/json", conversation_id="",
+    gateway.route_request(path="/v1/chat/completions", content_type="application/json", session_headers={},
                           turn="", request_id="", body=orjson.dumps({"messages": messages, "max_tokens": 8}))
     ours = next(reversed(gateway.pending))
     pending = gateway.pending[ours]
@@ -228,7 +228,7 @@ def test_metrics_count_what_happened() -> None:
         gateway.access_logged(r1, 200, endpoint, cut_off=False, timings=TIMINGS)
         r2, _ = decide(gateway, "envoy-r2")
         gateway.access_logged(r2, 200, endpoint, cut_off=True, timings=None)
-        gateway.route_request(path="/v1/chat/completions", content_type="application/json", conversation_id="", turn="",
+        gateway.route_request(path="/v1/chat/completions", content_type="application/json", session_headers={}, turn="",
                        request_id="r3", body=b"{not json")  # fmt: skip
     first = decisions(logs)[0]
     scraped = samples(gateway)

@@ -100,8 +100,8 @@ def run_closing(main: Callable[[], Awaitable[None]]) -> None:
 async def ask(gateway: Gateway, messages: list[dict[str, str]], conversation: str = "c-1") -> str:
     """One chat request decided through the store; the service's own id for it."""
     _, routed = await gateway.route_shared(
-        path=CHAT, content_type="application/json", conversation_id=conversation, turn="", request_id="envoy-id",
-        body=orjson.dumps({"messages": messages, "max_tokens": 8}),
+        path=CHAT, content_type="application/json", session_headers={"x-conversation-id": conversation}, turn="",
+        request_id="envoy-id", body=orjson.dumps({"messages": messages, "max_tokens": 8}),
     )
     assert routed
     return next(reversed(gateway.pending))
@@ -151,8 +151,9 @@ def test_turns_that_alternate_between_routers_stay_on_their_replica(server: Runn
                 answered(gateway, request_id)
                 await gateway.store.flushed()  # type: ignore[union-attr]
             alone = make_gateway()  # the control: a router that shares nothing goes to the ring home
-            _, routed = alone.route_request(path=CHAT, content_type="application/json", conversation_id=conversation,
-                                            turn="", request_id="x", body=orjson.dumps({"messages": messages}))
+            _, routed = alone.route_request(path=CHAT, content_type="application/json",
+                                            session_headers={"x-conversation-id": conversation}, turn="",
+                                            request_id="x", body=orjson.dumps({"messages": messages}))
             assert routed and next(reversed(alone.pending.values())).decision.replica == home
         assert all(gateway.router.ledger.total_requests() == 0 for gateway in routers)
 
