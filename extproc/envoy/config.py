@@ -65,8 +65,7 @@ from extproc.envoy.contract import (
     socket_address,
     split_host_port,
 )
-from extproc.envoy.cors import ALLOWED_HEADERS, EXPOSED_HEADERS, MAX_AGE_S
-from extproc.envoy.cors import RESPONSE_HEADERS as CORS_RESPONSE_HEADERS
+from extproc.envoy.cors import ALLOWED_HEADERS, EXPOSED_HEADERS, MAX_AGE_S, REPLICA_CORS_HEADERS
 from extproc.envoy.surface import (
     CORS_METHODS,
     GENERATION_PATHS,
@@ -387,7 +386,7 @@ def _route_config(retries: int, with_replica_key: bool, cors_origins: Sequence[s
     slash dropped on the way; the replicas' key added when with_replica_key), the answer observed
     only when the service asked for it; GET on a read-only path -> the service, which answers it
     itself; another method there -> 405; any other path -> 404. A CORS policy on the virtual
-    host when cors_origins is set."""
+    host when cors_origins is set; the replicas' own CORS headers never reach the client."""
     post = {"name": ":method", "string_match": {"exact": "POST"}}
     get = {"name": ":method", "string_match": {"exact": "GET"}}
     observe = {"name": OBSERVE, "present_match": True}
@@ -407,7 +406,7 @@ def _route_config(retries: int, with_replica_key: bool, cors_origins: Sequence[s
                     "route": {**_to_replicas(cluster, retries), "regex_rewrite": TRAILING_SLASH},
                     "request_headers_to_remove": [OBSERVE],
                     "response_headers_to_add": _response_headers(),
-                    "response_headers_to_remove": list(CORS_RESPONSE_HEADERS),  # the replica's: cors_origins decides
+                    "response_headers_to_remove": list(REPLICA_CORS_HEADERS),  # the replica's: cors_origins decides
                     **({"typed_per_filter_config": per_filter | key} if per_filter | key else {}),
                 }
             )
@@ -416,6 +415,7 @@ def _route_config(retries: int, with_replica_key: bool, cors_origins: Sequence[s
     read_only = [("path", path) for path in (*MODELS_PATHS, *HEALTH_PATHS)] + [("prefix", MODEL_PREFIX)]
     for kind, path in read_only:
         routes.append({"match": {kind: path, "headers": [get]}, "route": _to_replicas(CLUSTER, retries),
+                       "response_headers_to_remove": list(REPLICA_CORS_HEADERS),
                        "typed_per_filter_config": no_observer | key})
         routes += _preflight({kind: path}, cors_origins)
         routes.append(_not_allowed(path, "GET", {kind: path}))
@@ -463,6 +463,7 @@ def _cors_policy(origins: Sequence[str]) -> dict[str, Any]:
         "allow_headers": ALLOWED_HEADERS,
         "expose_headers": EXPOSED_HEADERS,
         "max_age": str(MAX_AGE_S),
+        "forward_not_matching_preflights": False,  # answered here, never by a replica (_preflight)
     }
 
 

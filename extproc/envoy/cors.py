@@ -1,8 +1,8 @@
 """CORS: which browser origins may call the gateway (service.cors_origins), as response headers.
 
 Pure. Our own Envoy gets the same policy rendered into its CORS filter (config.py); an Endpoint
-Picker's gateway gets these headers in the service's answers (picker.py). In both, the CORS
-headers of a replica's answer are removed (llama.cpp's server allows every origin).
+Picker's gateway gets these headers in the service's answers (picker.py). Either way the
+replica's own CORS headers are removed from its answers first (REPLICA_CORS_HEADERS).
 """
 
 from __future__ import annotations
@@ -18,10 +18,12 @@ ALLOWED_HEADERS = "authorization, content-type, x-conversation-id, x-turn, x-req
                   "openai-project, *"
 EXPOSED_HEADERS = "x-request-id"
 MAX_AGE_S = 600
-# every CORS header an answer may carry: a replica's own (llama.cpp allows any origin) are removed, so
-# that service.cors_origins alone decides
-RESPONSE_HEADERS = ("access-control-allow-origin", "access-control-allow-credentials", "access-control-allow-methods",
-                    "access-control-allow-headers", "access-control-expose-headers", "access-control-max-age")
+# A replica's own CORS headers: llama.cpp's server echoes whatever Origin a request carries as
+# access-control-allow-origin (an empty one when it carries none). Removed from every answer
+# that passes through the gateway, in both data planes: this policy alone says which origins may read.
+REPLICA_CORS_HEADERS = ("access-control-allow-origin", "access-control-allow-credentials",
+                        "access-control-allow-methods", "access-control-allow-headers",
+                        "access-control-expose-headers", "access-control-max-age")
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,7 +38,7 @@ class CorsPolicy:
     def replica_headers_removed(kept: Sequence[tuple[str, str]]) -> list[str]:
         """The CORS headers to remove from a replica's answer: all but those the gateway sets."""
         ours = {name for name, _ in kept}
-        return [name for name in RESPONSE_HEADERS if name not in ours]
+        return [name for name in REPLICA_CORS_HEADERS if name not in ours]
 
     def answer_headers(self, origin: str) -> list[tuple[str, str]]:
         """The headers an answer to a request from ``origin`` carries: none unless it is allowed."""

@@ -18,6 +18,10 @@ and bounded the same way (two generations). ``claim`` decides:
     neither the id's conversation nor the derived one (a stranger after an edit, a second
     edit) gets a key of its own history (``owned``), where it finds only what it sends.
 A completion body (no chat history) has one digest: its opening's.
+
+A conversation lives under its model (``of_model``): the same id or opening sent to two models
+names two conversations, whose caches are on different replicas; a completed request proves its
+history to a branch under the same model alone (``model_point``).
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from typing import NamedTuple
 
 import xxhash
 
-SEPARATOR = "\x1f"  # cannot occur in an id from a header (bounded, printable) nor in an opening key
+SEPARATOR = "\x1f"  # cannot occur in an id (a header's, or a body's: printable) nor in an opening key
 
 
 class Shown(NamedTuple):
@@ -76,6 +80,17 @@ def owned(conversation: str, opening_key: str, digest: int) -> str:
     """The key of a body that continues neither ``conversation`` nor its ``unclaimed`` key: its
     history's own (the same body sent again shares it, nothing else does)."""
     return f"{unclaimed(conversation, opening_key)}{SEPARATOR}{digest:x}"
+
+
+def of_model(model: str, conversation: str) -> str:
+    """The key of ``conversation`` under ``model`` (the conversation itself when none is named)."""
+    return f"{model}{SEPARATOR}{conversation}" if model else conversation
+
+
+def model_point(digest: int, model: str) -> int:
+    """A completed request's history digest under its model: where a branch of it, under the
+    same model, finds its prefix (the digest itself when no model is named)."""
+    return xxhash.xxh64_intdigest(model.encode(), seed=digest) if model else digest
 
 
 class ConversationDigests:

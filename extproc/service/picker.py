@@ -4,7 +4,7 @@ Such a gateway (Envoy AI Gateway, kgateway, Istio, ...) configures the ext_proc 
 (docs/inference-gateway.md): no CEL attributes, no access log, often every phase sent and the
 bodies FULL_DUPLEX_STREAMED or BUFFERED. So one stream carries one whole HTTP request:
 
-  request headers (path, content type, ids read from the header map; the subset hint from the
+  request headers (path, content type, ids and session headers read from the header map; the subset hint from the
   metadata context) -> the body, read whole (chunks in full-duplex mode, one message buffered)
   -> the pick (answers.py, the protocol's shape), answering the headers, or the body when
   Envoy waits for the headers' answer before it sends a buffered body -> the body given back:
@@ -28,9 +28,9 @@ from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from extproc.envoy.contract import LB_NAMESPACE, SERVED, SUBSET, SUBSET_NAMESPACE
-from extproc.envoy.cors import RESPONSE_HEADERS as CORS_RESPONSE_HEADERS
 from extproc.envoy.surface import Generation, Preflight, ReadOnly, Refused, classify
 from extproc.service.answers import (
+    REPLICA_CORS_REMOVED,
     Phase,
     header_option,
     immediate,
@@ -45,10 +45,8 @@ Mode = processing_mode_pb2.ProcessingMode
 FULL_DUPLEX = Mode.FULL_DUPLEX_STREAMED
 BUFFERED = Mode.BUFFERED
 NO_BODY = Mode.NONE
-WANTED = (":method", ":path", "content-type", "x-conversation-id", "x-turn", "x-request-id", "origin",
-          "access-control-request-headers")
+WANTED = (":method", ":path", "content-type", "x-turn", "x-request-id", "origin", "access-control-request-headers")
 
-REPLICA_CORS_REMOVED = response_headers((), CORS_RESPONSE_HEADERS)
 NO_PREFLIGHT = Refused(405, "CORS is not enabled for this origin (service.cors_origins)", "method_not_allowed",
                        "GET, POST")
 HEADERS_CONTINUE = pb.ProcessingResponse(request_headers=pb.HeadersResponse()).SerializeToString()
@@ -110,7 +108,8 @@ async def route_body(gateway: Gateway, parser: BodyParser | None, **request: Any
     body, path, content_type = request["body"], request["path"], request["content_type"]
     if parser is not None and parser.takes(body):
         block_chars = gateway.router.policy.prefix_block_chars
-        request["parsed_elsewhere"] = await parser.parse(path, content_type, body, block_chars)
+        request["parsed_elsewhere"] = await parser.parse(path, content_type, body, block_chars,
+                                                         gateway.sessions.fields)
     if gateway.store is None:
         return gateway.route_request(**request)
     return await gateway.route_shared(**request)  # one round trip to the shared store first
@@ -140,7 +139,7 @@ class PickerStream:
 
     async def _request(self, first: pb.ProcessingRequest) -> bool:
         """Answer the request's headers and body; False when the answer ended the request."""
-        values = header_values(first.request_headers, WANTED)
+        values = header_values(first.request_headers, (*WANTED, *self.gateway.sessions.headers))
         asked = classify(values.get(":method", ""), values.get(":path", ""))
         self.cors = self.gateway.cors.answer_headers(values.get("origin", ""))
         if not isinstance(asked, Generation):
@@ -218,7 +217,7 @@ class PickerStream:
     ) -> tuple[bytes, str | None]:
         return await route_body(
             self.gateway, self.parser, path=path, content_type=values.get("content-type", ""),
-            conversation_id=values.get("x-conversation-id", ""), turn=values.get("x-turn", ""),
+            session_headers=values, turn=values.get("x-turn", ""),
             request_id=values.get("x-request-id", ""), body=body, phase=phase, subset=subset,
         )  # fmt: skip
 

@@ -79,6 +79,25 @@ class Gateway:
         with AdminClient(self.admin) as admin:
             return admin.state()
 
+    def wait_for_models(self, timeout: float = 10.0) -> list[str]:
+        """The ids GET /v1/models lists once the service has heard from a replica (it asks each
+        replica as it appears)."""
+        deadline = time.monotonic() + timeout
+        while not (listed := [m["id"] for m in httpx.get(self.url + "/v1/models", timeout=10).json()["data"]]):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no model listed after {timeout}s")
+            time.sleep(0.2)
+        return listed
+
+    def decisions_after(self, seen: int, count: int, timeout: float = 10.0) -> list[dict[str, Any]]:
+        """The ``count`` decisions logged after the first ``seen`` (a request is logged once over)."""
+        deadline = time.monotonic() + timeout
+        while len(logged := self.decisions()[seen:]) < count:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{len(logged)} of {count} decisions logged after {timeout}s")
+            time.sleep(0.05)
+        return logged
+
     def wait_idle(self, timeout: float = 5.0) -> dict[str, Any]:
         """The state once nothing is in flight (or the last state seen at the timeout)."""
         deadline = time.monotonic() + timeout
@@ -94,17 +113,18 @@ def gateway(
     workdir: Path, discovery: Mapping[str, str], fail_open: bool = True, envoy_idle_timeout_s: int | None = None,
     replica_key_file: Path | None = None, cors_origins: Sequence[str] = (), **service: str,
 ) -> Iterator[Gateway]:
-    """`llm-ring serve` + Envoy rendered by render_envoy_config (replica_key_file: the key Envoy
-    adds to the generations and the service asks the replicas' models with, None: none;
-    cors_origins: service.cors_origins, for both);
-    everything stopped on exit."""
+    """`llm-ring serve` + Envoy rendered by render_envoy_config (replica_key_file: the key
+    Envoy adds to the generations and the service asks for the models with, None: none;
+    cors_origins: service.cors_origins of both); everything stopped on exit."""
     endpoints_file = workdir / "eds" / "replicas.json"
     listen = f"127.0.0.1:{free_port()}"
     started: list[Running] = []
     try:
-        key = {"replica_api_key_file": f'"{replica_key_file}"'} if replica_key_file is not None else {}
-        settings = {"health_probe_seconds": "0.2", "log_level": '"debug"', "cors_origins": json.dumps(cors_origins),
-                    **key, **service}
+        settings = {"health_probe_seconds": "0.2", "log_level": '"debug"', **service}
+        if replica_key_file is not None:
+            settings.setdefault("replica_api_key_file", f'"{replica_key_file}"')
+        if cors_origins:
+            settings["cors_origins"] = json.dumps(list(cors_origins))
         started.append(start_service(workdir / "service", service_env(listen, endpoints_file, discovery, **settings)))
         _wait_for(endpoints_file.exists, 5.0)
         idle = {"stream_idle_timeout_s": envoy_idle_timeout_s} if envoy_idle_timeout_s else {}
@@ -140,11 +160,13 @@ def inference_pool_gateway(workdir: Path, replicas: Mapping[str, str], body_mode
 
 
 def back_to_back(url: str, conversation: int, stream: bool, with_header: bool,
-                 new_connections: bool = False) -> list[dict[str, Any]]:
+                 new_connections: bool = False, session_header: str = "x-conversation-id") -> list[dict[str, Any]]:
     """One conversation of 4 turns sent back to back (each the instant the last answer is
     in, as an agent loop does) to the gateway at `url`: per turn the replica, reason and
-    llama.cpp's timings. new_connections: every request on a connection of its own (behind a
-    front that spreads connections, consecutive turns meet different gateways)."""
+    llama.cpp's timings. with_header: the conversation named ``b2b-<stream>-<conversation>`` in
+    ``session_header`` (an agent client's session header, or x-conversation-id with x-turn).
+    new_connections: every request on a connection of its own (behind a front that spreads
+    connections, consecutive turns meet different gateways)."""
     history: list[dict[str, Any]] = [
         {"role": "system", "content": f"You are assistant number {conversation}. Answer briefly."},
     ]
@@ -153,7 +175,7 @@ def back_to_back(url: str, conversation: int, stream: bool, with_header: bool,
         for turn in range(1, 5):
             history.append({"role": "user", "content": f"Question {turn} of chat {conversation}: name a colour."})
             body = {"messages": history, "max_tokens": 6, "ignore_eos": True, "stream": stream}
-            headers = {"x-conversation-id": f"b2b-{stream}-{conversation}", "x-turn": str(turn)} if with_header else {}
+            headers = {session_header: f"b2b-{stream}-{conversation}", "x-turn": str(turn)} if with_header else {}
             if new_connections:
                 with httpx.Client(timeout=60) as own:
                     answer, seen = _turn(own, url, body, headers, stream)

@@ -1,6 +1,7 @@
 """A request's life in the gateway, without gRPC: decided, then ended by Envoy's access log
 entry (and, for a streamed answer, the observer's last chunk), or released as lost when the
-entry never comes. The load is released exactly once in every case."""
+entry never comes; an Endpoint Picker's stream driven message by message in-process. The load
+is released exactly once in every case."""
 
 from __future__ import annotations
 
@@ -11,6 +12,9 @@ from typing import Any
 
 import orjson
 import pytest
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from grpc.aio import EOF
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from structlog.testing import capture_logs
@@ -20,6 +24,7 @@ from extproc.routing.placement import Placement
 from extproc.service.bodies import Timings
 from extproc.service.gateway import LOST_AFTER_S, Gateway, Pending
 from extproc.service.metrics import Metrics
+from extproc.service.picker import FULL_DUPLEX, PickerStream
 from extproc.settings import load_settings
 
 SETTINGS = load_settings(Path(__file__).parents[2] / "extproc" / "service" / "router.toml")
@@ -40,7 +45,7 @@ def decide(gateway: Gateway, request_id: str, stream: bool = False) -> tuple[str
     gateway.route_request(
         path="/v1/chat/completions",
         content_type="application/json",
-        conversation_id="c-1",
+        session_headers={"x-conversation-id": "c-1"},
         turn="1",
         request_id=request_id,
         body=body,
@@ -159,8 +164,9 @@ def complete_turn(gateway: Gateway, messages: list[dict[str, str]], conversation
     """One chat request (no conversation id: keyed on its opening), decided and answered whole by
     its pick (or by ``served``, a replica's name: a fallback); ``extra``: more body fields."""
     body = orjson.dumps({"messages": messages, "max_tokens": 8, **extra})
-    gateway.route_request(path="/v1/chat/completions", content_type="application/json",
-                          conversation_id=conversation, turn="", request_id="", body=body)
+    named = {"x-conversation-id": conversation} if conversation else {}
+    gateway.route_request(path="/v1/chat/completions", content_type="application/json", session_headers=named,
+                          turn="", request_id="", body=body)
     ours = next(reversed(gateway.pending))
     pending = gateway.pending[ours]
     gateway.access_logged(ours, 200, ENDPOINTS[served] if served else pending.endpoint, cut_off=False,
@@ -316,7 +322,7 @@ def test_metrics_count_what_happened() -> None:
         gateway.access_logged(r1, 200, endpoint, cut_off=False, timings=TIMINGS)
         r2, _ = decide(gateway, "envoy-r2")
         gateway.access_logged(r2, 200, endpoint, cut_off=True, timings=None)
-        gateway.route_request(path="/v1/chat/completions", content_type="application/json", conversation_id="", turn="",
+        gateway.route_request(path="/v1/chat/completions", content_type="application/json", session_headers={}, turn="",
                        request_id="r3", body=b"{not json")  # fmt: skip
     first = decisions(logs)[0]
     scraped = samples(gateway)
@@ -349,3 +355,56 @@ def samples(gateway: Gateway) -> dict[tuple[str, tuple[tuple[str, str], ...]], f
         for family in text_string_to_metric_families(text)
         for sample in family.samples
     }
+
+
+class HangsUpAfterTheAnswer:
+    """An Endpoint Picker's gRPC context whose stream Envoy resets while the picker answers the
+    last response chunk: Envoy had passed it on, and the client, having read the whole answer,
+    hung up at once."""
+
+    def __init__(self, messages: list[Any]) -> None:
+        self.messages = messages
+        self.last_read_ended = False
+
+    async def read(self) -> Any:
+        if not self.messages:
+            return EOF
+        message = self.messages.pop(0)
+        self.last_read_ended = message.WhichOneof("request") == "response_body" and message.response_body.end_of_stream
+        return message
+
+    async def write(self, answer: bytes) -> None:
+        if self.last_read_ended:
+            raise asyncio.CancelledError
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+def test_a_picker_stream_reset_as_the_answers_end_goes_out_is_whole(stream: bool) -> None:
+    """The picker observes a response chunk before it answers it: the stream's reset, the
+    instant the client had the end, finds the answer whole (seen with LiteLLM, which closes its
+    connection as soon as it has read a JSON answer: logged ``abandoned``, its timings lost)."""
+    def headers(pairs: dict[str, str], end: bool = False) -> pb.HttpHeaders:
+        values = [base_pb2.HeaderValue(key=key, raw_value=value.encode()) for key, value in pairs.items()]
+        return pb.HttpHeaders(headers=base_pb2.HeaderMap(headers=values), end_of_stream=end)
+
+    timings = b'"timings": {"cache_n": 3, "prompt_n": 5, "prompt_ms": 1.0, "predicted_n": 2, "predicted_ms": 1.0}'
+    answer = (b'data: {"choices": [{"delta": {"content": "hi"}}], ' + timings + b"}\n\ndata: [DONE]\n\n" if stream
+              else b'{"choices": [{"message": {"content": "hi"}}], ' + timings + b"}")
+    body = orjson.dumps({"messages": [{"role": "user", "content": "hello"}], "max_tokens": 8, "stream": stream})
+    messages = [
+        pb.ProcessingRequest(
+            request_headers=headers({":method": "POST", ":path": "/v1/chat/completions",
+                                     "content-type": "application/json"}),
+            protocol_config=pb.ProtocolConfiguration(request_body_mode=FULL_DUPLEX, response_body_mode=FULL_DUPLEX)),
+        pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=True)),
+        pb.ProcessingRequest(response_headers=headers({":status": "200"})),
+        pb.ProcessingRequest(response_body=pb.HttpBody(body=answer[:10], end_of_stream=False)),
+        pb.ProcessingRequest(response_body=pb.HttpBody(body=answer[10:], end_of_stream=True)),
+    ]
+    gateway = make_gateway()
+    picker = PickerStream(gateway, None, HangsUpAfterTheAnswer(messages[1:]))  # type: ignore[arg-type]
+    with capture_logs() as logs, pytest.raises(asyncio.CancelledError):
+        asyncio.run(picker.serve(messages[0]))
+    assert in_flight(gateway) == 0 and not gateway.pending
+    (record,) = decisions(logs)
+    assert (record["outcome"], record["cache_n"], record["prompt_n"]) == ("ok", 3, 5), record

@@ -72,6 +72,19 @@ def test_turns_of_a_conversation_stay_on_one_replica_and_reuse_its_cache(gw: Gat
     assert gw.wait_idle()["in_flight_requests"] == 0
 
 
+@pytest.mark.parametrize(("header", "conversation"), [("x-claude-code-session-id", 40), ("session_id", 41)])
+def test_an_agent_sending_only_its_session_header_keeps_its_turns_on_their_cache(gw: Gateway, header: str,
+                                                                                 conversation: int) -> None:
+    """Claude Code's session header, and Codex's (a name with "_", which Envoy passes on): no
+    x-conversation-id, turns sent back to back; each finds the whole last prompt cached, and the
+    service routes them under the session's id."""
+    turns = back_to_back(gw.url, conversation, stream=True, with_header=True, session_header=header)
+    assert_each_turn_reused_the_whole_previous_prompt(turns)
+    gw.wait_idle()
+    named = [r for r in gw.decisions() if r["conversation"] == f"b2b-True-{conversation}"]
+    assert len(named) == len(turns), [r["conversation"] for r in gw.decisions()[-len(turns):]]
+
+
 def test_completion_endpoint_is_routed_and_its_timings_read(gw: Gateway) -> None:
     reply = httpx.post(
         gw.url + "/completion",
