@@ -176,3 +176,22 @@ def test_flow_control_and_shedding_are_not_both_on() -> None:
         parse_settings(raw)
     raw["flow"]["enabled"] = False
     assert parse_settings(raw).service.shed_requests_per_replica == 4
+
+
+@pytest.mark.parametrize(
+    ("sources", "complaint"),
+    [
+        (["x-session-affinity"], "service.session_ids.0: String should match pattern"),
+        (["header:X-Session"], "service.session_ids.0: String should match pattern"),  # Envoy's names are lowercase
+        (["body:a.b"], "service.session_ids.0: String should match pattern"),  # a top-level field
+        (["header:session_id", "header:session_id"], "service.session_ids: Value error, listed more than once: "
+                                                     "header:session_id"),
+    ],
+)
+def test_a_session_source_is_a_header_or_a_body_field_named_once(sources: list[str], complaint: str) -> None:
+    raw = tomllib.loads((Path(__file__).parents[1] / "extproc" / "service" / "router.toml").read_text())
+    raw["service"]["session_ids"] = sources
+    with pytest.raises(SettingsError, match=re.escape(complaint)):
+        parse_settings(raw)
+    raw["service"]["session_ids"] = []  # none: every conversation keyed by its opening
+    assert parse_settings(raw).service.session_ids == []

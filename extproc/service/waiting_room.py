@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,8 +79,9 @@ class WaitingRoom(Lifecycle):
         return len(self._waiters)
 
     async def route(
-        self, stream: Any, *, path: str, content_type: str, conversation_id: str, turn: str, request_id: str,
-        body: bytes, tenant: str = "", objective: str = "", parsed_elsewhere: ParsedRequest | BadRequest | None = None,
+        self, stream: Any, *, path: str, content_type: str, session_headers: Mapping[str, str], turn: str,
+        request_id: str, body: bytes, tenant: str = "", objective: str = "",
+        parsed_elsewhere: ParsedRequest | BadRequest | None = None,
         phase: Phase = "own", subset: frozenset[str] | None = None,
     ) -> tuple[bytes, str | None]:
         """Gateway.route_request (route_shared with a store) through flow control: the answer and
@@ -87,13 +89,13 @@ class WaitingRoom(Lifecycle):
         stream: the request's ext_proc stream (grpc.aio context), read while the request waits."""
         started = time.perf_counter()
         gateway = self.gateway
-        step = gateway.prepare(path, content_type, conversation_id, body, parsed_elsewhere)
+        step = gateway.prepare(path, content_type, session_headers, body, parsed_elsewhere)
         if isinstance(step, bytes):
             return step, None
         peers: PeerView | None = None
         if gateway.store is not None:
             step, peers = await gateway.peers(step)
-        avoid = gateway.before_route(step, subset)
+        step, avoid = gateway.before_route(step, subset, peers)
         flow = flow_of(self.settings, bounded(tenant), bounded(objective))
         now = time.monotonic()
         admitted = self.control.admit(step.request, flow, avoid, now, peers)

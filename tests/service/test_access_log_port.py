@@ -57,11 +57,11 @@ async def route_as_our_envoy(address: str, conversation: str) -> pb.ProcessingRe
     mode: buffered, sent without waiting), then the body."""
     attributes = struct_pb2.Struct()
     attributes.update({"request.url_path": CHAT, "request.id": f"envoy-{conversation}",
-                       "request.headers['content-type']": "application/json",
-                       "request.headers['x-conversation-id']": conversation})
+                       "request.headers['content-type']": "application/json"})
     path = base_pb2.HeaderValue(key=":path", raw_value=CHAT.encode())
+    session = base_pb2.HeaderValue(key="x-conversation-id", raw_value=conversation.encode())
     headers = pb.ProcessingRequest(
-        request_headers=pb.HttpHeaders(headers=base_pb2.HeaderMap(headers=[path])),
+        request_headers=pb.HttpHeaders(headers=base_pb2.HeaderMap(headers=[path, session])),
         protocol_config=pb.ProtocolConfiguration(request_body_mode=BUFFERED,
                                                  send_body_without_waiting_for_header_response=True),
     )
