@@ -32,6 +32,7 @@ from extproc.traffic.chat import Answer, read_sse_line, request_body, session_me
 from extproc.traffic.words import paragraphs, sentence
 
 TENANT_HEADER = "x-gateway-inference-fairness-id"
+OBJECTIVE_HEADER = "x-gateway-inference-objective"
 CHAT = "/v1/chat/completions"
 QUIET_CHATS, QUIET_TURNS, QUIET_PAUSE_S, QUIET_TOKENS = 3, 4, 0.5, 16
 NOISY_CONVERSATIONS, NOISY_TURNS, NOISY_TOKENS, DOC_WORDS = 8, 3, 64, 600
@@ -55,6 +56,7 @@ class Reply:
 class Phase:
     replies: list[Reply] = field(default_factory=list)
     started: float = 0.0
+    objectives: dict[str, str] = field(default_factory=dict)  # tenant -> the objective its requests name
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -62,6 +64,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=1, help="alone + flood, this many times")
     parser.add_argument("--quiet-after", type=float, default=3.0, help="seconds into the flood the quiet tenant starts")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--objectives", action="store_true", help="the quiet tenant names the objective "
+                        "'interactive', the noisy one 'batch' (router.toml's bands 10 and -10)")
     parser.add_argument("--step-bound", metavar="REPLICA_URL", default="",
                         help="measure one replica's batch-step bound instead (its API key: --key-file)")
     parser.add_argument("--key-file", default="", help="--step-bound: the replica's API key file")
@@ -71,24 +75,28 @@ def main(args: argparse.Namespace) -> int:
     if args.step_bound:
         result = asyncio.run(step_bound(args.step_bound, Path(args.key_file).read_text().strip(), args.seed))
     else:
-        result = asyncio.run(scenario(args.url, args.rounds, args.quiet_after, args.seed))
+        objectives = {"quiet": "interactive", "noisy": "batch"} if args.objectives else {}
+        result = asyncio.run(scenario(args.url, args.rounds, args.quiet_after, args.seed, objectives))
     print(json.dumps(result, indent=None if args.json else 2))
     return 0
 
 
-async def scenario(url: str, rounds: int, quiet_after: float, seed: int) -> dict[str, Any]:
+async def scenario(url: str, rounds: int, quiet_after: float, seed: int,
+                   objectives: dict[str, str]) -> dict[str, Any]:
+    """objectives: tenant -> the objective its requests name (none: the default band)."""
     alone, flood = [], []
     async with httpx.AsyncClient(base_url=url, timeout=600) as client:
         for index in range(rounds):
             rng = random.Random(seed * 1000 + index)
-            alone.append(await _phase(client, rng, flood=False, quiet_after=0.0))
-            flood.append(await _phase(client, rng, flood=True, quiet_after=quiet_after))
+            alone.append(await _phase(client, rng, objectives, flood=False, quiet_after=0.0))
+            flood.append(await _phase(client, rng, objectives, flood=True, quiet_after=quiet_after))
     return {"alone": summary(alone), "flood": summary(flood),
             "quiet_p95_ratio": _ratio(summary(flood)["quiet_ttft_p95_s"], summary(alone)["quiet_ttft_p95_s"])}
 
 
-async def _phase(client: httpx.AsyncClient, rng: random.Random, flood: bool, quiet_after: float) -> Phase:
-    phase = Phase(started=time.monotonic())
+async def _phase(client: httpx.AsyncClient, rng: random.Random, objectives: dict[str, str], flood: bool,
+                 quiet_after: float) -> Phase:
+    phase = Phase(started=time.monotonic(), objectives=objectives)
     session = secrets.token_hex(4)
     tasks = []
     if flood:
@@ -122,6 +130,8 @@ async def _noisy(client: httpx.AsyncClient, rng: random.Random, session: str, in
 async def _send(client: httpx.AsyncClient, tenant: str, conversation: str, turn: int,
                 messages: list[dict[str, str]], max_tokens: int, phase: Phase) -> str:
     headers = {TENANT_HEADER: tenant, "x-conversation-id": conversation, "x-turn": str(turn)}
+    if tenant in phase.objectives:
+        headers[OBJECTIVE_HEADER] = phase.objectives[tenant]
     started, ttft, answer = time.monotonic(), None, Answer()
     async with client.stream("POST", CHAT, json=request_body(messages, max_tokens, True, ""),
                              headers=headers) as reply:
