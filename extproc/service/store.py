@@ -27,15 +27,19 @@ Each router keeps its own in-flight ledger, the only writer of its own figures, 
     writes reads what came since the last (XREAD), so the others' answers arrive within
     WRITE_EVERY_S of a change and within the heartbeat when idle; a new router starts by
     learning the kept entries.
+  - ``<prefix>:index:<router>``: the changes this router made to llm-aware's prefix index, a
+    stream the others read and make the same changes from (store_index.py), about INDEX_KEPT
+    entries of at most INDEX_ENTRY_BYTES of blocks each.
 Every key has a TTL, so a store under maxmemory can always evict to take a router's write.
 
 The store runs no script for the routers (their user may not: a script's memory escapes
-maxmemory and a long one blocks the store; docs/several-gateways.md#trust-model): plain
+maxmemory and a long one blocks the store; docs/shared-state.md#trust-model): plain
 commands only.
 
 Before a decision: ONE round trip, a MULTI/EXEC transaction (one instant of the store)
-returning the placement, the pending requests, the router ids and the latest load of each
-other router the previous read found; its ids are the next read's. A transaction cannot follow
+returning the placement, the pending requests, the router ids, and the latest load and new
+changes to the prefix index of each other router the previous read found; its ids are the
+next read's. Each batch of writes reads the new changes too, so an idle router keeps up. A transaction cannot follow
 ids to keys as a script could, which costs two rare cases more, within the same timeout: a
 router that joined since the previous read has its load read in one more round trip, a moment
 after the rest (the decision still counts it, as it would count a publish landing that much
@@ -82,12 +86,15 @@ import structlog
 from redis.asyncio.client import Pipeline
 from redis.exceptions import ConnectionError as LinkError
 from redis.exceptions import RedisError, WatchError
+from redis.typing import KeyT, StreamIdT
 
 from extproc.envoy.contract import STREAM_IDLE_TIMEOUT_S
 from extproc.routing.peers import PeerRequest, ReplicaLoads
 from extproc.routing.placement import Placement
+from extproc.routing.prefix_index import IndexChange
 from extproc.routing.speeds import AnswerTimings
 from extproc.service.metrics import Metrics
+from extproc.service.store_index import INDEX_KEPT, INDEX_READ, Entry, IndexReader, Limits, encode, entry_fields
 from extproc.settings import StoreSettings, read_secret_file
 
 log = structlog.get_logger("extproc.service")
@@ -139,15 +146,19 @@ class Batch:
     pending: dict[tuple[str, str], bytes | None] = field(default_factory=dict)  # (key, request id) -> entry; None: gone
     placements: dict[str, tuple[bytes, int]] = field(default_factory=dict)  # key -> (placement, ttl ms)
     answers: list[tuple[str, AnswerTimings]] = field(default_factory=list)  # (replica, timings), oldest first
+    changes: list[IndexChange] = field(default_factory=list)  # to the prefix index, oldest first ...
+    index: list[Entry] = field(default_factory=list)  # ... and as entries once sent (numbered: sent again alike)
 
     def __len__(self) -> int:
-        return len(self.pending) + len(self.placements) + len(self.answers)
+        return len(self.pending) + len(self.placements) + len(self.answers) + len(self.changes) + len(self.index)
 
     def under(self, newer: Batch) -> Batch:
         """This batch (not written) followed by ``newer``: a key's newer write replaces the older.
         Its answers are dropped: sent again they might be learnt twice (XADD is not idempotent),
-        and each router has learnt its own already."""
-        return Batch({**self.pending, **newer.pending}, {**self.placements, **newer.placements}, newer.answers)
+        and each router has learnt its own already. Its changes to the index are sent again: a
+        reader applies an entry once (its sequence number)."""
+        return Batch({**self.pending, **newer.pending}, {**self.placements, **newer.placements}, newer.answers,
+                     self.changes + newer.changes, self.index + newer.index)
 
 
 class SharedStore:
@@ -160,6 +171,8 @@ class SharedStore:
         bounds: EntryBounds,
         on_recovered: Callable[[], None] = lambda: None,
         on_answer: Callable[[str, AnswerTimings], None] = lambda replica, timings: None,
+        view_changes: Callable[[], list[IndexChange]] = list,
+        on_index: Callable[[list[IndexChange]], None] = lambda changes: None,
     ) -> None:
         self.settings = settings
         self.router_id = router_id
@@ -168,6 +181,8 @@ class SharedStore:
         self.bounds = bounds
         self.on_recovered = on_recovered  # re-queue this router's pending requests
         self.on_answer = on_answer  # another router's answer: learn the replica's speed from it
+        self.view_changes = view_changes  # this router's changes to its prefix index, for the others
+        self.on_index = on_index  # another router's changes to the index: make them here
         self.timeout = settings.timeout_ms / 1000
         prefix = settings.key_prefix
         self._routers_key = f"{prefix}:routers"
@@ -179,6 +194,9 @@ class SharedStore:
         self._pending_prefix = f"{prefix}:pending:"
         self._answers_key = f"{prefix}:answers"
         self._answers_seen = b"0-0"  # the last stream entry read: from the oldest kept at the start
+        self._index_prefix = f"{prefix}:index:".encode()
+        self._index = IndexReader(Limits(bounds.max_request_tokens, MAX_NAME_CHARS))
+        self._index_seq = 0  # the last sequence number of this router's entries
         password = read_secret_file("store.password_file", settings.password_file)
         # the socket's own timeouts only catch a connection that hangs for good: each call's
         # bound is asyncio's (the timeout plus the loop's lag)
@@ -270,12 +288,15 @@ class SharedStore:
         pipe.srandmember(self._routers_key, MAX_ROUTERS)
         for router in peers:
             pipe.zrange(self._load_key(router), -1, -1)  # the highest seq
+        self._read_index(pipe, peers)
         # a load key of another type (forged, or an earlier release's hash) comes back as its error:
         # skipped and counted like any bad entry
         placement, pending, members, *latest = await pipe.execute(raise_on_error=False)
         for reply in (placement, pending, members):
             if isinstance(reply, Exception):
                 raise reply
+        if peers:
+            self._take_index(latest.pop())
         loads = dict(zip(peers, latest, strict=True))
         self._peers = found = tuple(router for router in members if router != self._own)
         if joined := [router for router in found if router not in loads]:
@@ -284,6 +305,42 @@ class SharedStore:
                 pipe.zrange(self._load_key(router), -1, -1)
             loads.update(zip(joined, await pipe.execute(raise_on_error=False), strict=True))
         return placement, pending, {router: loads[router] for router in found}
+
+    def _read_index(self, pipe: Pipeline, routers: tuple[bytes, ...]) -> None:
+        """Queue the read of ``routers``' new changes to the prefix index (none: nothing queued)."""
+        if routers:
+            streams: dict[KeyT, StreamIdT] = dict(self._index.streams(self._index_prefix, routers).items())
+            pipe.xread(streams, count=INDEX_READ)
+
+    def _take_index(self, reply: object) -> None:
+        """The other routers' changes read, each entry checked, made in this router's index."""
+        changes, invalid, missed = self._index.take(self._index_prefix, reply)
+        self.metrics.store_invalid["index"] += invalid
+        self.metrics.store_index_missed += missed
+        if changes:
+            self.metrics.store_index_applied += len(changes)
+            self.on_index(changes)
+
+    def _queue_index(self) -> None:
+        """This router's changes to its index since the last batch join the queue (kept while the
+        store is out of use: the latest MAX_QUEUED_WRITES)."""
+        queue = self._writes.changes
+        queue += self.view_changes()
+        if len(queue) > MAX_QUEUED_WRITES:
+            self.metrics.store_writes_dropped += len(queue) - MAX_QUEUED_WRITES
+            del queue[:-MAX_QUEUED_WRITES]
+
+    def _index_entries(self, writes: Batch) -> list[Entry]:
+        """The batch's changes as entries (numbered now, and kept in the batch: sent again, they keep
+        their numbers), after any sent before; the latest INDEX_KEPT: the store would trim the older."""
+        if writes.changes:
+            writes.index += encode(writes.changes, self._index_seq + 1)
+            self._index_seq = writes.index[-1][0]
+            writes.changes = []
+        if len(writes.index) > INDEX_KEPT:
+            self.metrics.store_writes_dropped += len(writes.index) - INDEX_KEPT
+            del writes.index[:-INDEX_KEPT]
+        return writes.index
 
     async def _forget(self, routers: list[bytes]) -> None:
         """Routers whose load key is gone (killed without a goodbye, or evicted) leave the routers
@@ -364,6 +421,7 @@ class SharedStore:
             await self._wake.wait()
             if not self._closing:
                 await asyncio.sleep(WRITE_EVERY_S)
+            self._queue_index()
             if not self.in_use:  # kept: the reconnection wakes the writer
                 self._wake.clear()
                 if self._closing:
@@ -387,6 +445,15 @@ class SharedStore:
     async def _send(self, writes: Batch, load_dirty: bool) -> None:
         pipe = self.client.pipeline(transaction=False)
         pipe.xread({self._answers_key: self._answers_seen}, count=ANSWERS_READ)  # first: what came before ours
+        pipe.srandmember(self._routers_key, MAX_ROUTERS)  # an idle router meets the routers that joined too
+        peers = self._peers
+        self._read_index(pipe, peers)
+        index_key, index_ttl_ms = self._index_prefix + self._own, int(self.settings.first_placement_ttl_seconds * 1000)
+        entries = self._index_entries(writes)
+        for numbered in entries:
+            pipe.xadd(index_key, entry_fields(numbered), maxlen=INDEX_KEPT, approximate=True)  # type: ignore[arg-type]
+        if entries:
+            pipe.pexpire(index_key, index_ttl_ms)
         if writes.answers:
             answers = orjson.dumps([(replica, *timings) for replica, timings in writes.answers])
             pipe.xadd(self._answers_key, {"router": self.router_id, "answers": answers}, maxlen=ANSWERS_KEPT,
@@ -407,6 +474,9 @@ class SharedStore:
         async with asyncio.timeout(self._budget() + self.timeout * len(writes) / 1000):
             results = await pipe.execute()
         self._learn(results[0])
+        self._peers = tuple(router for router in results[1] if router != self._own)
+        if peers:
+            self._take_index(results[2])
         if load_dirty:
             if results[present] == 1 and self._published:  # this router unknown: the store lost its state
                 log.warning("store_emptied", router=self.router_id)
@@ -476,6 +546,7 @@ class SharedStore:
             self._failed("connect", exc)
             return
         self._peers = tuple(router for router in members if router != self._own)  # the first read's
+        self._index.restart()
         self._lost.clear()
         self._published = False
         self.metrics.store_in_use = True

@@ -527,7 +527,7 @@ def test_entries_that_do_not_parse_or_are_out_of_bounds_are_skipped_and_counted(
             raw.xadd("llm-ring:answers", fields)  # type: ignore[arg-type]
         store.load_changed()  # the next batch of writes reads them
         await store.flushed()
-        assert a.metrics.store_invalid == {"placement": 1, "pending": 2, "load": 2, "answers": 4}
+        assert a.metrics.store_invalid == {"placement": 1, "pending": 2, "load": 2, "answers": 4, "index": 0}
         assert samples(a)["llm_ring_store_invalid_entries_total", (("entry", "load"),)] == 2
         assert a.router.speeds.answers["llm-0"] == a.metrics.store_answers_learnt == 1  # the valid one
 
