@@ -59,9 +59,12 @@ async def route_as_our_envoy(address: str, conversation: str) -> pb.ProcessingRe
     attributes.update({"request.url_path": CHAT, "request.id": f"envoy-{conversation}",
                        "request.headers['content-type']": "application/json",
                        "request.headers['x-conversation-id']": conversation})
+    # a POST, as Envoy sends it: without :method the picker port refuses the path at once, and the
+    # body written after its answer meets a closed stream (or not: a race)
     path = base_pb2.HeaderValue(key=":path", raw_value=CHAT.encode())
+    method = base_pb2.HeaderValue(key=":method", raw_value=b"POST")
     headers = pb.ProcessingRequest(
-        request_headers=pb.HttpHeaders(headers=base_pb2.HeaderMap(headers=[path])),
+        request_headers=pb.HttpHeaders(headers=base_pb2.HeaderMap(headers=[method, path])),
         protocol_config=pb.ProtocolConfiguration(request_body_mode=BUFFERED,
                                                  send_body_without_waiting_for_header_response=True),
     )
