@@ -29,7 +29,7 @@ from extproc.settings import parse_routing
 from extproc.stack.processes import Running
 from extproc.stack.redis_server import password_file, redis_server_binary, start_redis
 from tests.service.test_gateway_lifecycle import ENDPOINTS, SETTINGS, samples
-from tests.service.test_store import OPEN, admin, answered, ask, eventually, folder, run_closing, server, url
+from tests.service.test_store import OPEN, admin, answered, ask, eventually, folder, meet, run_closing, server, url
 
 __all__ = ["server"]  # the fixture
 needs_redis = pytest.mark.skipif(redis_server_binary() is None, reason="no redis-server on this machine: "
@@ -125,7 +125,7 @@ def test_a_prompt_one_router_sent_is_cached_for_every_router(server: Running) ->
         replica, sent = a.pending[first].decision.replica, a.pending[first].request.prefix_blocks
         answered(a, first)
         await a.store.flushed()  # type: ignore[union-attr]
-        await b.store.read(0)  # type: ignore[union-attr]  # b meets r-a: its next read reads r-a's changes
+        await meet(b.store)  # type: ignore[arg-type]  # b meets r-a: its next read reads r-a's changes
         second = await ask(b, [SYSTEM, {"role": "user", "content": "bob asks something else"}], conversation="bob")
         decision = b.pending[second].decision
         assert decision.replica == replica and decision.predicted_cached_tokens > 0  # a new conversation
@@ -144,13 +144,12 @@ def test_forged_changes_are_skipped_and_counted_and_the_rest_applied(server: Run
         a = await indexed("r-a", server)
         raw = admin(server)
         raw.sadd("llm-ring:routers", "r-forger")
-        await a.store.read(0)  # type: ignore[union-attr]  # a meets r-forger
+        await meet(a.store)  # type: ignore[arg-type]
         good = IndexChange(SENT, "llm-1", (11, 12, 13), 64, 0)
         for entry in ({b"n": b"1", b"changes": b"[[1,2]]", b"blocks": b""}, raw_entry(2, [good]),
                       {b"n": b"3", b"changes": orjson.dumps([[SENT, "llm-1", 64, 0, 1]]), b"blocks": b"\x01"}):
             raw.xadd("llm-ring:index:r-forger", entry)  # type: ignore[arg-type]
-        a.store.load_changed()  # type: ignore[union-attr]  # the next batch of writes reads them
-        await a.store.flushed()  # type: ignore[union-attr]
+        await meet(a.store)  # type: ignore[arg-type]  # the next batch of writes reads them
         assert a.metrics.store_invalid["index"] == 2 and a.metrics.store_index_applied == 1
         assert held_by(a, "llm-1", (11, 12, 13)) == 3
 
@@ -174,8 +173,7 @@ def test_changes_made_while_the_store_was_down_reach_the_others_once_it_is_back(
         b = await indexed("r-b", server)
 
         async def learnt() -> bool:
-            b.store.load_changed()  # type: ignore[union-attr]
-            await b.store.flushed()  # type: ignore[union-attr]
+            await meet(b.store)  # type: ignore[arg-type]
             return held_by(b, replica, sent) > 0
 
         await eventually(learnt)
