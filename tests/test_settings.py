@@ -197,3 +197,22 @@ def test_each_file_gives_the_prefix_index_the_capacity_of_its_own_replicas() -> 
         assert files[name]["llm-aware"]["prefix_capacity_tokens"] == pods, name
         assert files[name]["llm-aware"]["replica_slots"] == int(k8s["LLAMA_ARG_N_PARALLEL"]), name
     assert files["extproc/sim/sim.toml"]["llm-aware"]["prefix_capacity_tokens"] == h100["kv_capacity_tokens"]
+
+
+@pytest.mark.parametrize(
+    ("sources", "complaint"),
+    [
+        (["x-session-affinity"], "service.session_ids.0: String should match pattern"),
+        (["header:X-Session"], "service.session_ids.0: String should match pattern"),  # Envoy's names are lowercase
+        (["body:a.b"], "service.session_ids.0: String should match pattern"),  # a top-level field
+        (["header:session_id", "header:session_id"], "service.session_ids: Value error, listed more than once: "
+                                                     "header:session_id"),
+    ],
+)
+def test_a_session_source_is_a_header_or_a_body_field_named_once(sources: list[str], complaint: str) -> None:
+    raw = tomllib.loads((Path(__file__).parents[1] / "extproc" / "service" / "router.toml").read_text())
+    raw["service"]["session_ids"] = sources
+    with pytest.raises(SettingsError, match=re.escape(complaint)):
+        parse_settings(raw)
+    raw["service"]["session_ids"] = []  # none: every conversation keyed by its opening
+    assert parse_settings(raw).service.session_ids == []

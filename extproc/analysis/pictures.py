@@ -64,6 +64,7 @@ def page(title: str, command: str, machine: str, written_at: str, summary: Table
 body {{ font-family: system-ui, sans-serif; margin: 2em; color: #222; }}
 table {{ border-collapse: collapse; margin: 0.5em 0; }}
 th, td {{ border: 1px solid #ccc; padding: 0.2em 0.6em; text-align: right; white-space: nowrap; }}
+th, td:first-child {{ white-space: normal; }}  /* headers and metric names wrap: the numbers stay in view */
 .wide {{ overflow-x: auto; }}
 th:first-child, td:first-child {{ text-align: left; }}
 .meta {{ color: #555; }} .note {{ color: #555; font-size: 0.9em; }}

@@ -65,7 +65,7 @@ from extproc.envoy.contract import (
     socket_address,
     split_host_port,
 )
-from extproc.envoy.cors import ALLOWED_HEADERS, EXPOSED_HEADERS, MAX_AGE_S
+from extproc.envoy.cors import ALLOWED_HEADERS, EXPOSED_HEADERS, MAX_AGE_S, REPLICA_CORS_HEADERS
 from extproc.envoy.surface import (
     CORS_METHODS,
     GENERATION_PATHS,
@@ -143,7 +143,8 @@ def render_envoy_config(
                 _replicas_cluster(name, endpoints, connect_timeout_ms, max_request_bytes)
                 for name in (CLUSTER, STREAMED_CLUSTER)
             ]
-            + ([_ext_proc_cluster(ext_proc, connect_timeout_ms)] if ext_proc is not None else []),
+            + ([_ext_proc_cluster(ext_proc, connect_timeout_ms)] if ext_proc is not None else [])
+            + ([_preflight_cluster()] if cors_origins else []),
             **({"secrets": [_replica_key_secret(replica_key_file)]} if replica_key_file is not None else {}),
         },
     }
@@ -208,19 +209,25 @@ def _local_replies(max_request_bytes: int) -> dict[str, Any]:
     """Envoy's own error answers in OpenAI's shape, as the service's are: its 413 (body over the
     buffer limit) with our message; any other (no healthy upstream, a reset, a timeout) with its
     own text and response code details. Ours (direct responses, the service's immediate
-    answers: details "llm_ring_*") are in that shape already and left alone."""
-    def mapper(expression: str, document: dict[str, Any]) -> dict[str, Any]:
+    answers: details "llm_ring_*") are in that shape already and left alone. A CONNECT, which
+    Envoy refuses before any route with an empty 403, gets the 405 and message of a method not
+    allowed."""
+    def mapper(expression: str, document: dict[str, Any], status: int | None = None) -> dict[str, Any]:
         cel = {"@type": _T + "envoy.extensions.access_loggers.filters.cel.v3.ExpressionFilter",
                "expression": expression}
         return {"filter": {"extension_filter": {"name": "envoy.access_loggers.extension_filters.cel",
                                                 "typed_config": cel}},
+                **({"status_code": status} if status else {}),
                 "body_format_override": {"json_format": document}}
 
     too_large = error_document(413, f"request body over {max_request_bytes} bytes (service.max_body_bytes)",
                                "request_too_large")
+    connect = error_document(405, f"method CONNECT not allowed: the gateway serves {SERVED_PATHS}",
+                             "method_not_allowed")
     envoy_own = "response.code_details != 'direct_response' && !response.code_details.startsWith('llm_ring_')"
     return {"mappers": [
         mapper("response.code == 413 && response.code_details == 'request_payload_too_large'", too_large),
+        mapper("response.code_details == 'upgrade_failed'", connect, 405),
         *(mapper(f"response.code {bounds} && {envoy_own}",
                  {"error": {"message": "%LOCAL_REPLY_BODY%", "type": error_type(status), "param": None,
                             "code": "%RESPONSE_CODE_DETAILS%"}})
@@ -379,7 +386,7 @@ def _route_config(retries: int, with_replica_key: bool, cors_origins: Sequence[s
     slash dropped on the way; the replicas' key added when with_replica_key), the answer observed
     only when the service asked for it; GET on a read-only path -> the service, which answers it
     itself; another method there -> 405; any other path -> 404. A CORS policy on the virtual
-    host when cors_origins is set."""
+    host when cors_origins is set; the replicas' own CORS headers never reach the client."""
     post = {"name": ":method", "string_match": {"exact": "POST"}}
     get = {"name": ":method", "string_match": {"exact": "GET"}}
     observe = {"name": OBSERVE, "present_match": True}
@@ -399,14 +406,18 @@ def _route_config(retries: int, with_replica_key: bool, cors_origins: Sequence[s
                     "route": {**_to_replicas(cluster, retries), "regex_rewrite": TRAILING_SLASH},
                     "request_headers_to_remove": [OBSERVE],
                     "response_headers_to_add": _response_headers(),
+                    "response_headers_to_remove": list(REPLICA_CORS_HEADERS),  # the replica's: cors_origins decides
                     **({"typed_per_filter_config": per_filter | key} if per_filter | key else {}),
                 }
             )
+        routes += _preflight(match, cors_origins)
         routes.append(_not_allowed(path, "POST", match))
     read_only = [("path", path) for path in (*MODELS_PATHS, *HEALTH_PATHS)] + [("prefix", MODEL_PREFIX)]
     for kind, path in read_only:
         routes.append({"match": {kind: path, "headers": [get]}, "route": _to_replicas(CLUSTER, retries),
+                       "response_headers_to_remove": list(REPLICA_CORS_HEADERS),
                        "typed_per_filter_config": no_observer | key})
+        routes += _preflight({kind: path}, cors_origins)
         routes.append(_not_allowed(path, "GET", {kind: path}))
     unknown = f"unknown path: the gateway serves {SERVED_PATHS}"
     routes.append(_local_reply({"prefix": "/"}, 404, unknown, "unknown_path"))
@@ -423,6 +434,25 @@ def _not_allowed(path: str, method: str, match: dict[str, Any]) -> dict[str, Any
     return reply
 
 
+def _preflight(match: dict[str, Any], origins: Sequence[str]) -> list[dict[str, Any]]:
+    """A CORS preflight from an allowed origin on a served path, which the CORS filter answers
+    itself: a route with a route action (the filter skips direct responses), to a cluster with no
+    endpoint, so that nothing could ever reach a replica. Other preflights get the 405."""
+    if not origins:
+        return []
+    allowed = ".*" if "*" in origins else "|".join(re.escape(origin) for origin in origins)
+    headers = [{"name": ":method", "string_match": {"exact": "OPTIONS"}},
+               {"name": "origin", "string_match": {"safe_regex": {"regex": f"^({allowed})$"}}},
+               {"name": "access-control-request-method", "present_match": True}]
+    return [{"match": {**match, "headers": headers}, "route": {"cluster": PREFLIGHT_CLUSTER},
+             "typed_per_filter_config": _UNREAD}]
+
+
+def _preflight_cluster() -> dict[str, Any]:
+    return {"name": PREFLIGHT_CLUSTER, "type": "STATIC", "connect_timeout": "1s",
+            "load_assignment": {"cluster_name": PREFLIGHT_CLUSTER, "endpoints": []}}
+
+
 def _cors_policy(origins: Sequence[str]) -> dict[str, Any]:
     """Envoy's CORS filter answers preflights and adds the headers, as CorsPolicy (cors.py) does."""
     allowed = [{"safe_regex": {"regex": ".*"}} if origin == "*" else {"exact": origin} for origin in origins]
@@ -433,6 +463,7 @@ def _cors_policy(origins: Sequence[str]) -> dict[str, Any]:
         "allow_headers": ALLOWED_HEADERS,
         "expose_headers": EXPOSED_HEADERS,
         "max_age": str(MAX_AGE_S),
+        "forward_not_matching_preflights": False,  # answered here, never by a replica (_preflight)
     }
 
 
@@ -468,19 +499,22 @@ def _response_headers() -> list[dict[str, Any]]:
 
 TRAILING_SLASH = {"pattern": {"regex": "/$"}, "substitution": ""}
 _EXT_PROC_PER_ROUTE = _T + "envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute"
+PREFLIGHT_CLUSTER = "cors-preflights"  # no endpoint: the CORS filter answers the preflights routed there
+# a route answered by Envoy itself: the body is not buffered, the service not asked
+_UNREAD = {"ext_proc.route": {"@type": _EXT_PROC_PER_ROUTE, "disabled": True},
+           "ext_proc.observe": {"@type": _EXT_PROC_PER_ROUTE, "disabled": True},
+           "whole-body": {"@type": _T + "envoy.extensions.filters.http.buffer.v3.BufferPerRoute", "disabled": True}}
 
 
 def _local_reply(match: dict[str, Any], status: int, message: str, code: str) -> dict[str, Any]:
     """Answered by Envoy without reading the body (no buffering) nor asking the service, as an
     error in OpenAI's shape."""
-    disabled = {"@type": _EXT_PROC_PER_ROUTE, "disabled": True}
-    no_buffer = {"@type": _T + "envoy.extensions.filters.http.buffer.v3.BufferPerRoute", "disabled": True}
     return {
         "match": match,
         "direct_response": {"status": status,
                             "body": {"inline_string": json.dumps(error_document(status, message, code))}},
         "response_headers_to_add": [{"header": {"key": "content-type", "value": "application/json"}}],
-        "typed_per_filter_config": {"ext_proc.route": disabled, "ext_proc.observe": disabled, "whole-body": no_buffer},
+        "typed_per_filter_config": _UNREAD,
     }
 
 

@@ -29,7 +29,6 @@ ROUTE_REASON = "x-route-reason"
 PREDICTED_CACHED = "x-route-predicted-cached-tokens"  # the router's guess, compared with cache_n
 REQUEST_ID = "x-request-id"
 OBSERVE = "x-llm-ring-observe"  # set by the service on streamed requests: observe the answer
-ROUTED_PATHS = ("/v1/chat/completions", "/v1/completions", "/completion")
 # Where llama.cpp reads its API key from (--api-key-file; x-api-key when authorization is
 # absent): the gateway removes both from client requests and sets authorization on the ones
 # it routes, "Bearer <key>" (docs/security.md#the-replicas-api-key).
@@ -86,12 +85,13 @@ RESPONSE_METADATA: dict[str, tuple[str, ...]] = {
     "completion_tokens": ("usage", "completion_tokens"),
 }
 
-# What the service reads, sent as CEL attributes with the first message of each side.
+# What the service reads, sent as CEL attributes with the first message of each side. The
+# session headers (service.session_ids) are read from the request's header map, which Envoy
+# sends whole: a change of that setting needs no new Envoy config.
 REQUEST_ATTRIBUTES = (
     "request.url_path",
     "request.id",
     "request.headers['content-type']",
-    "request.headers['x-conversation-id']",
     "request.headers['x-turn']",
 )
 RESPONSE_ATTRIBUTES = ("request.id", "response.code", "upstream.address")

@@ -1,20 +1,29 @@
 """CORS: which browser origins may call the gateway (service.cors_origins), as response headers.
 
 Pure. Our own Envoy gets the same policy rendered into its CORS filter (config.py); an Endpoint
-Picker's gateway gets these headers in the service's answers (picker.py).
+Picker's gateway gets these headers in the service's answers (picker.py). Either way the
+replica's own CORS headers are removed from its answers first (REPLICA_CORS_HEADERS).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from extproc.envoy.surface import CORS_METHODS
 
-# what an OpenAI client sends besides the CORS-safelisted headers
+# what an OpenAI client sends besides the CORS-safelisted headers; "*" (any other name, for a
+# request without credentials, as the SDKs send theirs: x-stainless-os, ...) never covers authorization
 ALLOWED_HEADERS = "authorization, content-type, x-conversation-id, x-turn, x-request-id, openai-organization, " \
-                  "openai-project, x-stainless-*"
+                  "openai-project, *"
 EXPOSED_HEADERS = "x-request-id"
 MAX_AGE_S = 600
+# A replica's own CORS headers: llama.cpp's server echoes whatever Origin a request carries as
+# access-control-allow-origin (an empty one when it carries none). Removed from every answer
+# that passes through the gateway, in both data planes: this policy alone says which origins may read.
+REPLICA_CORS_HEADERS = ("access-control-allow-origin", "access-control-allow-credentials",
+                        "access-control-allow-methods", "access-control-allow-headers",
+                        "access-control-expose-headers", "access-control-max-age")
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,6 +33,12 @@ class CorsPolicy:
     @property
     def enabled(self) -> bool:
         return bool(self.origins)
+
+    @staticmethod
+    def replica_headers_removed(kept: Sequence[tuple[str, str]]) -> list[str]:
+        """The CORS headers to remove from a replica's answer: all but those the gateway sets."""
+        ours = {name for name, _ in kept}
+        return [name for name in REPLICA_CORS_HEADERS if name not in ours]
 
     def answer_headers(self, origin: str) -> list[tuple[str, str]]:
         """The headers an answer to a request from ``origin`` carries: none unless it is allowed."""

@@ -263,6 +263,7 @@ def _run_one(
         "--traffic-profile", str(profile_path), "--conversation-seed", str(seed),
         "--policy-label", spec.label, "--run-id", run_id, "--records-dir", str(run_dir),
         "--session", session_tag(run_id, time.time()),
+        "--model", served_model(lab.gateway_url),
     ]  # fmt: skip
     drills: list[_Drill] = []
     if scale_at:
@@ -316,6 +317,15 @@ def _stop(process: subprocess.Popen) -> None:
     except subprocess.TimeoutExpired:
         process.kill()
         process.wait()
+
+
+def served_model(gateway_url: str) -> str:
+    """The model the requests name: the first the gateway lists (it refuses one it does not serve)."""
+    try:
+        listed = httpx.get(f"{gateway_url}/v1/models", timeout=10).json()["data"]
+        return str(listed[0]["id"])
+    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as exc:
+        raise LabError(f"{gateway_url}/v1/models: no model listed ({exc})") from None
 
 
 def _close(meta: RunMeta, run_dir: Path, drills: Sequence[_Drill], lab: Lab) -> None:

@@ -51,14 +51,15 @@ class LlamaServer:
         """Empty the slot's KV cache."""
         self._call("POST", f"/slots/{slot}?action=erase")
 
-    def held(self, slot: int, tokens: list[int]) -> int:
-        """How many of `tokens` slot `slot` holds: runs them there, generating nothing (llama.cpp
-        computes the last one again). A restore does not show in GET /slots and leaves the slot
-        least recently used; this makes the slot list its tokens and counts as used, so neither
-        a later restore nor llama.cpp's least-recently-used choice takes it first."""
-        reply = self._call("POST", "/completion", {"prompt": tokens, "id_slot": slot, "n_predict": 0,
-                                                   "cache_prompt": True})
-        return int(reply["timings"]["cache_n"])
+    def held(self, tokens: list[int]) -> tuple[int, int]:
+        """(the slot that ran them, how many of `tokens` were cached): runs them as the next turn
+        would, generating nothing (llama.cpp computes the last one again), on the slot llama.cpp
+        picks, not pinned with `id_slot`: a request pinned to a slot that is empty skips the host-RAM
+        prompt cache (ggml-org/llama.cpp #28139), and so would report a cache the next turn finds.
+        The slot then lists its tokens and counts as used, so neither a later restore nor
+        llama.cpp's least-recently-used choice takes it first."""
+        reply = self._call("POST", "/completion", {"prompt": tokens, "n_predict": 0, "cache_prompt": True})
+        return int(reply["id_slot"]), int(reply["timings"]["cache_n"])
 
     def detokenize(self, tokens: list[int]) -> str:
         return str(self._call("POST", "/detokenize", {"tokens": tokens})["content"])

@@ -48,12 +48,14 @@ class Outcome:
     seconds: float = 0.0
     problems: list[str] = field(default_factory=list)
     saved_slots: list[tuple[int, int]] = field(default_factory=list)  # (slot, its last task) as saved
+    moved_at: list[float] = field(default_factory=list)  # each move's wall time, as `moved`
 
     def add(self, later: Outcome) -> None:
         """A second pass's outcome into this one."""
         for name in ("slots", "matched", "attempted", "failed", "bytes", "seconds"):
             setattr(self, name, getattr(self, name) + getattr(later, name))
         self.moved += later.moved
+        self.moved_at += later.moved_at
         self.problems += later.problems
         self.saved_slots += later.saved_slots
 
@@ -61,7 +63,8 @@ class Outcome:
         return {"replica": self.replica, "slots": self.slots, "matched": self.matched, "attempted": self.attempted,
                 "succeeded": len(self.moved), "failed": self.failed, "bytes": self.bytes,
                 "seconds": round(self.seconds, 3), "problems": self.problems[:5],
-                "moves": [[key, receiver, tokens] for key, receiver, tokens in self.moved]}
+                "moves": [[key, receiver, tokens] for key, receiver, tokens in self.moved],
+                "moved_at": [_iso(at) for at in self.moved_at]}
 
 
 class Transport(Protocol):
@@ -138,6 +141,7 @@ def migrate_out(leaving: tuple[str, str], staying: Mapping[str, str], routers: S
                 outcome.attempted += 1
                 if problem is None:
                     outcome.moved.append((move.conversation_key, move.receiver, move.tokens))
+                    outcome.moved_at.append(time.time())
                     outcome.bytes += saved[move.conversation_key][0]
                 else:
                     outcome.failed += 1
@@ -240,19 +244,19 @@ def _restore_all(moves: Sequence[Move], receivers: Mapping[str, LlamaServer], id
 
 def _restore(move: Move, server: LlamaServer, slot: int, file: tuple[str, int], tokens: list[int]) -> str | None:
     """The conversation's delivered file (its name on the receiver, its tokens) restored into
-    `slot` of the receiver, then checked there (`held`); None, or what went wrong (a miss), a
-    `Taken` when the slot did not keep it."""
+    `slot` of the receiver, then checked as its next turn would find it (`held`, not pinned to
+    the slot); None, or what went wrong (a miss), a `Taken` when it was not found."""
     filename, count = file
     try:
         restored = server.restore(slot, filename)
         if int(restored.get("n_restored", 0)) != count:
             return f"{move.receiver}: restored {restored.get('n_restored')} of {count} tokens"
-        held = server.held(slot, tokens)
+        ran_on, held = server.held(tokens)
     except SlotError as exc:
         return str(exc)
     # llama.cpp computes the last token again
     return None if held >= len(tokens) - 1 else Taken(f"{move.receiver} slot {slot}: {held} of {len(tokens)} "
-                                                      f"tokens there after the restore")
+                                                      f"tokens found after the restore (run on slot {ran_on})")
 
 
 def _tell(routers: Sequence[str], token: str | None, moves: list[tuple[int, str, int]], outcome: Outcome) -> None:
@@ -267,3 +271,9 @@ def _tell(routers: Sequence[str], token: str | None, moves: list[tuple[int, str,
                 admin.migrated(moves, *counts)
         except Exception as exc:  # that router routes the next turns as without migration
             outcome.problems.append(f"router {router}: {type(exc).__name__}")
+
+
+def _iso(wall: float) -> str:
+    from datetime import UTC, datetime
+
+    return datetime.fromtimestamp(wall, UTC).isoformat(timespec="milliseconds")

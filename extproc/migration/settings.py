@@ -16,6 +16,8 @@ from extproc.strict import Strict
 class MigrationSection(Strict):
     enabled: bool
     drain_seconds: float = Field(gt=0)
+    # this long before drain_seconds, unmoved conversations' follow-ups stop going to the leaving replica
+    near_seconds: float = Field(default=15.0, ge=0)
     min_tokens: int = Field(ge=0)
     max_disk_mib: int = Field(gt=0)
     max_age_seconds: float = Field(gt=0)

@@ -3,10 +3,11 @@
 The prompt text is cut into blocks of BLOCK_CHARS characters (the last one may be
 shorter) and block i is hashed together with the hash of block i-1:
 
-    h[0] = xxh64(block[0], seed=0)        h[i] = xxh64(block[i], seed=h[i-1])
+    h[0] = xxh64(block[0], seed=s)        h[i] = xxh64(block[i], seed=h[i-1])
 
 so h[i] names the whole prefix up to block i: two prompts share h[0..k] exactly when
-their first k+1 blocks are equal. 64 characters is about 16 tokens at 4 characters a
+their first k+1 blocks are equal. The seed s names the model (0: none named, ``model_seed``):
+two models' equal prompts share no block, as they share no cache. 64 characters is about 16 tokens at 4 characters a
 token: the block llm-d's approximate prefix scorer hashes (16-token blocks x 4
 characters). The hash is the project's stable xxhash64, identical in every process.
 Pure: the service renders the prompt text (``extproc.service.bodies``), the simulator
@@ -24,12 +25,17 @@ from extproc.routing.hashing import hash_bytes
 BLOCK_CHARS = 64
 
 
-def prefix_blocks(text: str, block_chars: int = BLOCK_CHARS) -> tuple[int, ...]:
-    """Chained hashes of ``text``'s blocks, oldest first; () for an empty text."""
+def prefix_blocks(text: str, block_chars: int = BLOCK_CHARS, seed: int = 0) -> tuple[int, ...]:
+    """Chained hashes of ``text``'s blocks, oldest first, the first seeded with ``seed``; () for an empty text."""
     data = text.encode()
     if len(data) == len(text):  # ASCII: a character is a byte, so the blocks are cut from one encoding
-        return tuple(_chain(_cut(data, 0, block_chars), 0))
-    return tuple(_chain([text[at : at + block_chars].encode() for at in range(0, len(text), block_chars)], 0))
+        return tuple(_chain(_cut(data, 0, block_chars), seed))
+    return tuple(_chain([text[at : at + block_chars].encode() for at in range(0, len(text), block_chars)], seed))
+
+
+def model_seed(model: str) -> int:
+    """The seed of a prompt's blocks under ``model`` (0 when the request names none)."""
+    return hash_bytes(model.encode(), 0) if model else 0
 
 
 class BlockMemory:
@@ -53,10 +59,11 @@ class BlockMemory:
         remembered = self._last.get(key)
         return () if remembered is None else remembered[2]
 
-    def blocks(self, key: str, text: str) -> tuple[int, ...]:
+    def blocks(self, key: str, text: str, seed: int = 0) -> tuple[int, ...]:
+        """``prefix_blocks(text, block_chars, seed)``; ``key`` names the conversation under that seed."""
         data = text.encode()
         if len(data) != len(text):
-            return prefix_blocks(text, self.block_chars)
+            return prefix_blocks(text, self.block_chars, seed)
         size, view, last = self.block_chars, memoryview(data), self._last
         remembered = last.pop(key, None)
         known: tuple[int, ...] = ()
@@ -65,7 +72,7 @@ class BlockMemory:
             self._held -= len(remembered[2])
             if remembered[0] <= len(data) and digest(view[: remembered[0]]) == remembered[1]:
                 start, known = remembered[0], remembered[2]
-        hashes = known + tuple(_chain(_cut(data, start, size), known[-1] if known else 0))
+        hashes = known + tuple(_chain(_cut(data, start, size), known[-1] if known else seed))
         whole = len(data) // size
         last[key] = (whole * size, digest(view[: whole * size]), hashes[:whole])
         self._held += whole

@@ -11,20 +11,27 @@ prefixes (bodies.py: ``answered``, plus the body's own ``history`` for a retry).
 and bounded the same way (two generations). ``claim`` decides:
   - the conversation is unknown here (and in the store): the request opens it;
   - every known digest is among the body's: the request continues it (and may use it all);
-  - otherwise the request is routed as a new conversation under a key of its own, derived from
-    the id and the body's opening (``unclaimed``): it finds nothing of the conversation and
-    its completion cannot overwrite the conversation's placement. Its own next turns continue
-    that derived conversation.
+  - otherwise the request is routed as a new conversation under a key derived from the id and
+    the body's opening (``unclaimed``): it finds nothing of the conversation and its completion
+    cannot overwrite the conversation's placement. Its own next turns continue that derived
+    conversation (an edited chat goes on there), by the same rule: a body that continues
+    neither the id's conversation nor the derived one (a stranger after an edit, a second
+    edit) gets a key of its own history (``owned``), where it finds only what it sends.
 A completion body (no chat history) has one digest: its opening's.
+
+A conversation lives under its model (``of_model``): the same id or opening sent to two models
+names two conversations, whose caches are on different replicas; a completed request proves its
+history to a branch under the same model alone (``model_point``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import xxhash
 
-SEPARATOR = "\x1f"  # cannot occur in an id from a header (bounded, printable) nor in an opening key
+SEPARATOR = "\x1f"  # cannot occur in an id (a header's, or a body's: printable) nor in an opening key
 
 
 class Shown(NamedTuple):
@@ -48,19 +55,42 @@ def shown(history: int, answered: frozenset[int], opening_key: str) -> Shown:
     return Shown(digest, frozenset((digest,)))
 
 
-def claim(conversation: str, opening_key: str, known: tuple[int, ...], body: Shown) -> Claim:
-    """``known``: the digests held for ``conversation`` (this router's, the store's; may be empty)."""
-    if not known:
-        return Claim(conversation, False, False)
-    if all(digest in body.prefixes for digest in known):
-        return Claim(conversation, True, False)
-    return Claim(unclaimed(conversation, opening_key), False, True)
+def claim(conversation: str, opening_key: str, known: Callable[[str], tuple[int, ...]], body: Shown) -> Claim:
+    """The first key whose known digests ``body`` continues, or of which nothing is known: the id
+    named, then ``unclaimed``; else the body's ``owned`` key. ``known(key)``: the digests held for
+    ``key`` (this router's, the store's; may be empty)."""
+    foreign = False
+    for key in (conversation, unclaimed(conversation, opening_key)):
+        held = known(key)
+        if not held:
+            return Claim(key, False, foreign)
+        if all(digest in body.prefixes for digest in held):
+            return Claim(key, True, foreign)
+        foreign = True
+    return Claim(owned(conversation, opening_key, body.digest), False, True)
 
 
 def unclaimed(conversation: str, opening_key: str) -> str:
     """The key of a request that names ``conversation`` without continuing it: its own, stable
     over its own turns (same opening), never equal to a header's id."""
     return f"{conversation}{SEPARATOR}{opening_key}"
+
+
+def owned(conversation: str, opening_key: str, digest: int) -> str:
+    """The key of a body that continues neither ``conversation`` nor its ``unclaimed`` key: its
+    history's own (the same body sent again shares it, nothing else does)."""
+    return f"{unclaimed(conversation, opening_key)}{SEPARATOR}{digest:x}"
+
+
+def of_model(model: str, conversation: str) -> str:
+    """The key of ``conversation`` under ``model`` (the conversation itself when none is named)."""
+    return f"{model}{SEPARATOR}{conversation}" if model else conversation
+
+
+def model_point(digest: int, model: str) -> int:
+    """A completed request's history digest under its model: where a branch of it, under the
+    same model, finds its prefix (the digest itself when no model is named)."""
+    return xxhash.xxh64_intdigest(model.encode(), seed=digest) if model else digest
 
 
 class ConversationDigests:

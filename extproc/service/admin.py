@@ -56,12 +56,26 @@ class AdminService(admin_pb2_grpc.AdminServicer):
             blocks = memory.last(openings.get(move.key, "")) if memory is not None else ()
             if router.migrated(move.key, move.replica, move.tokens, blocks):
                 applied += 1
+                gateway.leaving.moved(move.key, move.replica)
                 if gateway.store is not None:  # the routers that were not told read it there
                     gateway.store.moved(move.key, Placement(move.replica, move.tokens),
                                         gateway.digests.get(move.key) or 0)
         gateway.migrations.reported(request.attempted, request.attempted - request.failed, request.failed,
                                     request.bytes, request.seconds)
         return admin_pb2.MigratedReply(applied=applied)
+
+    async def Leaving(self, request: admin_pb2.LeavingRequest,
+                      context: grpc.aio.ServicerContext) -> admin_pb2.LeavingReply:
+        gateway = self.gateway
+        if request.replica not in gateway.endpoints or request.seconds <= 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"Leaving: no replica {request.replica!r}, or seconds {request.seconds:g} <= 0")
+        key = gateway.router.conversation_key
+        in_flight = {key(p.request.conversation) for p in gateway.pending.values()
+                     if p.decision.replica == request.replica}
+        idle = {k for k, _ in gateway.router.placed_on(request.replica)} - in_flight
+        gateway.leaving.begin(request.replica, idle, in_flight, request.seconds, request.near_seconds)
+        return admin_pb2.LeavingReply(idle=len(idle), in_flight=len(in_flight))
 
     def state(self) -> admin_pb2.State:
         gateway = self.gateway

@@ -61,6 +61,13 @@ class AdminClient:
             attempted=attempted, failed=failed, bytes=moved_bytes, seconds=seconds)
         return int(self._stub.Migrated(request, timeout=self.timeout, metadata=self._metadata).applied)
 
+    def leaving(self, replica: str, seconds: float, near_seconds: float) -> tuple[int, int]:
+        """The replica starts leaving (extproc/migration/leaving.py); (idle, in flight) conversations
+        the router placed there."""
+        request = admin_pb2.LeavingRequest(replica=replica, seconds=seconds, near_seconds=near_seconds)
+        reply = self._stub.Leaving(request, timeout=self.timeout, metadata=self._metadata)
+        return int(reply.idle), int(reply.in_flight)
+
     def _call(self, method: Any, request: Any) -> dict[str, Any]:
         try:
             reply = method(request, timeout=self.timeout, metadata=self._metadata)

@@ -120,3 +120,21 @@ class MigratedReply(_message.Message):
     APPLIED_FIELD_NUMBER: _ClassVar[int]
     applied: int
     def __init__(self, applied: _Optional[int] = ...) -> None: ...
+
+class LeavingRequest(_message.Message):
+    __slots__ = ("replica", "seconds", "near_seconds")
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    NEAR_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    replica: str
+    seconds: float
+    near_seconds: float
+    def __init__(self, replica: _Optional[str] = ..., seconds: _Optional[float] = ..., near_seconds: _Optional[float] = ...) -> None: ...
+
+class LeavingReply(_message.Message):
+    __slots__ = ("idle", "in_flight")
+    IDLE_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    idle: int
+    in_flight: int
+    def __init__(self, idle: _Optional[int] = ..., in_flight: _Optional[int] = ...) -> None: ...

@@ -59,6 +59,11 @@ class AdminStub:
                 request_serializer=extproc_dot_service_dot_admin__pb2.MigratedRequest.SerializeToString,
                 response_deserializer=extproc_dot_service_dot_admin__pb2.MigratedReply.FromString,
                 _registered_method=True)
+        self.Leaving = channel.unary_unary(
+                '/llmring.admin.v1.Admin/Leaving',
+                request_serializer=extproc_dot_service_dot_admin__pb2.LeavingRequest.SerializeToString,
+                response_deserializer=extproc_dot_service_dot_admin__pb2.LeavingReply.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -100,6 +105,15 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Leaving(self, request, context):
+        """A replica starts leaving (extproc/migration/leaving.py): it takes no new conversation, its
+        unmoved conversations' follow-ups still go there until their caches have moved (Migrated)
+        or the deadline is near; it leaves the lists when the replica list drops it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -127,6 +141,11 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.Migrated,
                     request_deserializer=extproc_dot_service_dot_admin__pb2.MigratedRequest.FromString,
                     response_serializer=extproc_dot_service_dot_admin__pb2.MigratedReply.SerializeToString,
+            ),
+            'Leaving': grpc.unary_unary_rpc_method_handler(
+                    servicer.Leaving,
+                    request_deserializer=extproc_dot_service_dot_admin__pb2.LeavingRequest.FromString,
+                    response_serializer=extproc_dot_service_dot_admin__pb2.LeavingReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -264,6 +283,33 @@ class Admin:
             '/llmring.admin.v1.Admin/Migrated',
             extproc_dot_service_dot_admin__pb2.MigratedRequest.SerializeToString,
             extproc_dot_service_dot_admin__pb2.MigratedReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Leaving(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmring.admin.v1.Admin/Leaving',
+            extproc_dot_service_dot_admin__pb2.LeavingRequest.SerializeToString,
+            extproc_dot_service_dot_admin__pb2.LeavingReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -36,6 +36,7 @@ from extproc.envoy.contract import (
     ROUTE_REASON,
     ROUTED_TO,
 )
+from extproc.envoy.cors import REPLICA_CORS_HEADERS
 from extproc.envoy.surface import error_document
 
 PREDICTED_HEADERS_KEPT = 1 << 16  # serialized x-route-predicted-cached-tokens values kept
@@ -81,6 +82,11 @@ def route_answer(
 
 
 RESPONSE_HEADERS_CONTINUE = pb.ProcessingResponse(response_headers=pb.HeadersResponse()).SerializeToString()
+# Appended to every answer to a replica's response headers (an Endpoint Picker's gateway): the
+# replica's CORS headers removed; Envoy removes before it sets, so the gateway's own CORS
+# headers, appended after, stay.
+REPLICA_CORS_REMOVED = pb.ProcessingResponse(response_headers=pb.HeadersResponse(response=pb.CommonResponse(
+    header_mutation=pb.HeaderMutation(remove_headers=REPLICA_CORS_HEADERS)))).SerializeToString()
 
 
 def response_route_headers(replica: str, reason: str) -> bytes:
@@ -88,10 +94,10 @@ def response_route_headers(replica: str, reason: str) -> bytes:
     return response_headers([(ROUTED_TO, replica), (ROUTE_REASON, reason)])
 
 
-def response_headers(headers: Sequence[tuple[str, str]]) -> bytes:
-    """An answer to the response headers that sets ``headers`` (appended to another such answer,
-    it adds them: protobuf merges the two)."""
-    mutation = pb.HeaderMutation(set_headers=[header_option(*pair) for pair in headers])
+def response_headers(headers: Sequence[tuple[str, str]], removed: Sequence[str] = ()) -> bytes:
+    """An answer to the response headers that sets ``headers`` and removes ``removed`` (appended to
+    another such answer, it adds them: protobuf merges the two)."""
+    mutation = pb.HeaderMutation(set_headers=[header_option(*pair) for pair in headers], remove_headers=removed)
     return pb.ProcessingResponse(
         response_headers=pb.HeadersResponse(response=pb.CommonResponse(header_mutation=mutation))
     ).SerializeToString()

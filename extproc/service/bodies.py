@@ -4,8 +4,9 @@ Requests: an OpenAI chat body (``messages``, ``max_tokens``/``max_completion_tok
 llama.cpp/OpenAI completion body (``prompt``, ``n_predict``/``max_tokens``) becomes the
 conversation key, the prompt's character count and the requested output size.
 
-Conversation key without an ``x-conversation-id`` header: a hash of the conversation's
-*opening*, which every later turn resends unchanged:
+Conversation key without a session id (sessions.py: a session header, or a body field such as
+``prompt_cache_key``, read here when asked for): a hash of the conversation's *opening*, which
+every later turn resends unchanged:
   - chat: every message up to and including the first ``user`` message (system prompt +
     first question), role and text;
   - completion: the first OPENING_CHARS characters of the prompt (token-id prompts: the
@@ -23,8 +24,9 @@ of them counts as answered by another.
 
 Prefix blocks (only for policies that need them, ``request_blocks``): the prompt rendered as
 one text, each chat message as ``role NUL text NUL`` in order (token-id prompts as ``id,``
-per id), cut into chained block hashes by ``extproc.routing.blocks.prefix_blocks``; a later
-turn resends the earlier messages unchanged, so its blocks begin with the earlier turn's.
+per id), cut into chained block hashes by ``extproc.routing.blocks.prefix_blocks``, seeded
+with the body's ``model`` (two models' equal prompts share no block); a later turn resends the
+earlier messages unchanged, so its blocks begin with the earlier turn's.
 
 Tokens (``counter``, extproc/routing/tokens.py): the prompt as the replica counts it (the
 model's tokenizer over the chat template's rendering, or characters / chars_per_token), the
@@ -47,8 +49,9 @@ import xxhash
 
 from extproc.envoy.contract import RESPONSE_METADATA
 from extproc.envoy.surface import GENERATION_PATHS
-from extproc.routing.blocks import BLOCK_CHARS, BlockMemory, prefix_blocks
+from extproc.routing.blocks import BLOCK_CHARS, BlockMemory, model_seed, prefix_blocks
 from extproc.routing.tokens import ChatCount, Message, TokenCounter
+from extproc.service.sessions import usable_id
 
 OPENING_CHARS = 512
 NOT_COUNTED = ChatCount(0, 0, ())  # no counter given
@@ -62,7 +65,7 @@ OUTPUT_FIELDS = {
 
 @dataclass(frozen=True, slots=True)
 class ParsedRequest:
-    opening_key: str  # conversation key derived from the body (used without x-conversation-id)
+    opening_key: str  # conversation key derived from the body (used without a session id)
     prompt_chars: int
     prompt_token_ids: int  # > 0 when the prompt was given as token ids (no estimate needed)
     max_tokens: int | None  # None: the client did not say (per prompt: times ``prompts`` charged)
@@ -75,6 +78,7 @@ class ParsedRequest:
     opening: tuple[int, ...] = ()  # chat: the token ids of the prompt's opening (tokens.OPENING_TOKENS)
     model: str = ""  # the body's "model", "" when it names none
     prompts: int = 1  # completion: the prompts of a list, each answered (and charged) on its own
+    sessions: tuple[tuple[str, str], ...] = ()  # (field, id) of the session fields asked for that it carries
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,14 +121,15 @@ class Timings:
 
 def parse_request(
     path: str, content_type: str, body: bytes, limits: BodyLimits | None = None, block_chars: int = 0,
-    memory: BlockMemory | None = None, counter: TokenCounter | None = None,
+    memory: BlockMemory | None = None, counter: TokenCounter | None = None, session_fields: tuple[str, ...] = (),
 ) -> ParsedRequest:
     """Read a request body, or raise BadRequest(status, message) saying what is wrong.
     limits: the service's; None (tests, offline tools) checks types only.
     block_chars: also cut the prompt into prefix blocks of that many characters (for the
     policies that need them; 0: no blocks), with ``memory`` (of that block size) hashing only
     what the conversation's last prompt did not hold.
-    counter: count the prompt's tokens with it (the module docstring)."""
+    counter: count the prompt's tokens with it (the module docstring).
+    session_fields: the top-level fields that may name the conversation (service.session_ids)."""
     if not body:
         raise BadRequest(400, "empty body: expected a JSON object", "empty_body")
     media = content_type.partition(";")[0].strip().lower()
@@ -145,23 +150,25 @@ def parse_request(
     if model is not None and not isinstance(model, str):
         raise BadRequest(400, "'model' must be a string", "invalid_type", "model")
     max_tokens = _max_tokens(data, limits, OUTPUT_FIELDS[kind])
+    sessions = tuple((name, found) for name in session_fields if (found := usable_id(data.get(name))))
     if kind == "chat":
         key, chars, history, answered, messages = _chat(data.get("messages"), limits)
         counted = counter.count_chat(messages) if counter is not None else NOT_COUNTED
         parsed = ParsedRequest(key, chars, 0, max_tokens, stream, history, answered, (), counted.prompt,
-                               counted.answered, counted.opening, model or "")
+                               counted.answered, counted.opening, model or "", sessions=sessions)
     else:
         prompts = _prompts(data.get("prompt"))
         key, chars, ids = _completion(prompts, limits)
         tokens = sum(counter.count_text(p) for p in prompts if isinstance(p, str)) if counter is not None else 0
         parsed = ParsedRequest(key, chars, ids, max_tokens, stream, prompt_tokens=tokens, model=model or "",
-                               prompts=len(prompts))
+                               prompts=len(prompts), sessions=sessions)
     if not block_chars:
         return parsed
-    text = _prompt_text(kind, data)
+    text, seed = _prompt_text(kind, data), model_seed(parsed.model)
     if memory is not None and memory.block_chars == block_chars:
-        return replace(parsed, prefix_blocks=memory.blocks(parsed.opening_key, text))
-    return replace(parsed, prefix_blocks=prefix_blocks(text, block_chars))
+        key = f"{parsed.model}\x1f{parsed.opening_key}" if parsed.model else parsed.opening_key
+        return replace(parsed, prefix_blocks=memory.blocks(key, text, seed))
+    return replace(parsed, prefix_blocks=prefix_blocks(text, block_chars, seed))
 
 
 def too_many_messages(body: bytes, limits: BodyLimits) -> BadRequest | None:
@@ -263,7 +270,8 @@ def _completion(prompts: list[Prompt], limits: BodyLimits | None) -> tuple[str, 
 
 def request_blocks(path: str, body: bytes, block_chars: int = BLOCK_CHARS) -> tuple[int, ...]:
     """Prefix blocks of a body that ``parse_request`` accepted (() when it has no prompt text)."""
-    return prefix_blocks(_prompt_text(GENERATION_PATHS[path], orjson.loads(body)), block_chars)
+    data = orjson.loads(body)
+    return prefix_blocks(_prompt_text(GENERATION_PATHS[path], data), block_chars, model_seed(data.get("model") or ""))
 
 
 def _prompt_text(kind: str, data: dict[str, Any]) -> str:

@@ -4,8 +4,10 @@ The gateway answers ``GET /v1/models`` and ``/v1/models/{id}`` from it (OpenAI's
 entry per model id however many replicas serve it), refuses a generation naming a model no
 replica serves (404 ``model_not_found``), and routes a named model only to the replicas serving
 it. A replica not heard from yet may serve anything: until every replica has answered, a model
-is refused only when no replica could serve it. ``ModelCatalog`` is pure; ``ModelFetcher`` asks
-each new replica (retrying while it loads) and feeds the catalog.
+is refused only when no replica could serve it. A model some replica served, whose replicas are
+all gone (scaled in, restarting, not ready), is still known: 503 until one serves it again.
+``ModelCatalog`` is pure; ``ModelFetcher`` asks each new replica (retrying while it loads) and
+feeds the catalog.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ log = structlog.get_logger("extproc.service.catalog")
 MAX_MODELS_BYTES = 1 << 20  # a replica's model list larger than this is not read
 MAX_MODEL_ID_CHARS = 256
 ELIGIBLE_KEPT = 256  # model names asked for whose eligible replicas are kept (clients choose the names)
+KNOWN_KEPT = 1024  # model names (served and reported) remembered once their replicas are gone
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +73,7 @@ class ModelCatalog:
         self._replicas: frozenset[str] = frozenset()  # the gateway's replica set
         self._served: dict[str, tuple[ModelEntry, ...]] = {}
         self._eligible: dict[str, frozenset[str]] = {}  # per model asked for, until the catalog changes
+        self._known: dict[str, None] = {}  # every name a replica served a model under, oldest first
 
     def set_replicas(self, replicas: Collection[str]) -> None:
         self._replicas = frozenset(replicas)
@@ -80,6 +84,16 @@ class ModelCatalog:
         if replica in self._replicas:
             self._served[replica] = entries
             self._eligible.clear()
+            for entry in entries:
+                for name in (entry.id, entry.reported):
+                    self._known.pop(name, None)  # re-inserted as the newest
+                    self._known[name] = None
+            while len(self._known) > KNOWN_KEPT:
+                del self._known[next(iter(self._known))]
+
+    def known(self, model: str) -> bool:
+        """Whether a replica served ``model`` (by its served name or as reported), now or before."""
+        return model in self._known
 
     def knows(self, replica: str) -> bool:
         return replica in self._served

@@ -2,7 +2,7 @@
 
 One HTTP request meets the service on (see extproc/envoy/config.py):
   - the *route* stream: the request headers with attributes (path, id, content type,
-    x-conversation-id, x-turn) and the whole body -> ``route_request`` -> the answer to the
+    x-turn), the session headers (sessions.py) and the whole body -> ``route_request`` -> the answer to the
     headers (answers.py: pre-serialized, cached per (replica, reason, streamed)); the service
     lets the body pass and closes the stream (fewer gRPC operations than waiting for Envoy
     to end it);
@@ -59,7 +59,7 @@ from extproc.envoy.cors import CorsPolicy
 from extproc.envoy.surface import GENERATION_PATHS, ReadOnly, Refused
 from extproc.routing import Decision, Router, RouteRequest, Ticket, estimate_tokens
 from extproc.routing.blocks import BlockMemory
-from extproc.routing.continuation import Claim, ConversationDigests, Shown, claim, shown
+from extproc.routing.continuation import Claim, ConversationDigests, Shown, claim, model_point, of_model, shown
 from extproc.routing.peers import PeerRequest, PeerView, peer_view
 from extproc.routing.placement import Placement, PlacementMemory
 from extproc.routing.speeds import AnswerTimings
@@ -83,8 +83,10 @@ from extproc.service.bodies import (
 )
 from extproc.service.catalog import ModelCatalog
 from extproc.service.decision_log import through_structlog
+from extproc.service.leaving import LeavingReplicas
 from extproc.service.metrics import Metrics, ReplicaState
 from extproc.service.migrations import Migrations
+from extproc.service.sessions import SessionSources
 from extproc.service.store import EntryBounds, SharedStore
 from extproc.service.tokenizer import make_counter
 from extproc.settings import ServiceSettings, StoreSettings
@@ -116,6 +118,7 @@ class Prepared:
     path: str
     shown: Shown  # the body's history digests (continuation.py)
     claim: Claim  # the conversation it is routed under, and whether it continues a known one
+    named: str  # the conversation it names (its id, or its opening's key)
 
 
 @dataclass(slots=True)
@@ -127,6 +130,7 @@ class Pending:
     predicted_cached_tokens: int  # the decision's, or what the pick holds of the prompt's opening
     digest: int  # of its history (continuation.py): who may use its placement once it is done
     continued: bool  # it continued a conversation the router knew
+    model: str  # the model it named (bounded), "" when none
     endpoint: str
     path: str
     turn: str
@@ -148,6 +152,7 @@ class Pending:
     size: int = 0
     timings: Timings | None = None  # from the access log (JSON answers)
     timer: asyncio.TimerHandle | None = None
+    leaving_phase: str = ""  # a follow-up of a leaving replica's conversation: its phase (service/leaving.py)
 
     @property
     def request(self) -> RouteRequest:
@@ -189,16 +194,18 @@ class Gateway:
         self.envoy_ids: dict[str, str] = {}  # Envoy's id -> ours, while pending
         self.catalog = ModelCatalog()  # what each replica serves (main.py's ModelFetcher fills it)
         self.cors = CorsPolicy(frozenset(settings.cors_origins))
+        self.sessions = SessionSources.parse(settings.session_ids)  # where a conversation id comes from
         self.limits = BodyLimits(settings.max_messages, settings.max_prompt_chars, settings.max_output_tokens)
         self.store: SharedStore | None = None  # several routers' shared state (main.py sets it from [store])
         self.block_memory: BlockMemory | None = None  # the last prompt's blocks per conversation, when hashed
         # conversation key -> digest of its last completed request: who may use its placement
         self.digests = ConversationDigests(router.settings.memory_capacity)
-        # history digest of a completed chat request -> where it was served and its prompt tokens:
-        # where a branch of it (an edited or regenerated turn) finds its prefix cached
+        # history digest of a completed chat request (under its model: model_point) -> where it was
+        # served and its prompt tokens: where a branch of it (an edited or regenerated turn) finds its prefix cached
         self.branch_points = PlacementMemory(router.settings.memory_capacity)
         self.migrations = Migrations(router.settings.memory_capacity, metrics.registry)
         self.decision_log: Callable[[dict[str, Any]], None] = through_structlog  # main.py: DecisionLog
+        self.leaving = LeavingReplicas(router.conversation_key, lambda fields: self.decision_log(fields))
 
     # ------------------------------------------------------------------ replicas
 
@@ -207,6 +214,7 @@ class Gateway:
         self.catalog.set_replicas(self.endpoints)
         self.openings = {name: seen for name, seen in self.openings.items() if name in self.endpoints}
         self.router.set_replicas(self.endpoints)
+        self.leaving.set_replicas(self.endpoints)
         self.unhealthy &= set(self.endpoints)
         self.answers.forget_routes()
         if self.store is not None:  # in-flight load on a removed replica went with it
@@ -278,10 +286,12 @@ class Gateway:
         if pending.ticket.release(ok, served):
             request, decision = pending.request, pending.decision
             key = self.router.conversation_key(request.conversation)
+            self.leaving.ended(key, decision.replica)
             if ok:
                 self.digests.remember(key, pending.digest)
                 if GENERATION_PATHS.get(pending.path) == "chat":
-                    self.branch_points.remember(pending.digest, served or decision.replica, request.prompt_tokens)
+                    self.branch_points.remember(model_point(pending.digest, pending.model), served or decision.replica,
+                                                request.prompt_tokens)
             if self.store is not None:
                 placement = None
                 if ok:  # overtaken: the move's placement again, under this request's digest (the move's is older)
@@ -296,7 +306,7 @@ class Gateway:
         *,
         path: str,
         content_type: str,
-        conversation_id: str,
+        session_headers: Mapping[str, str],
         turn: str,
         request_id: str,
         body: bytes,
@@ -306,24 +316,26 @@ class Gateway:
     ) -> tuple[bytes, str | None]:
         """(the serialized ProcessingResponse answering the request, our id of the routed request):
         the pick, or an immediate error answer that Envoy sends the client itself (id None).
+        session_headers: the request's headers of service.session_ids (name -> value).
         parsed_elsewhere: the body's parse_request result (or refusal) from offload.py.
         phase: the answer's shape (answers.py); subset: the endpoints a gateway allows (None: all).
         Decided on this router's own state: the service without a store (route_shared with one)."""
         started = time.perf_counter()
-        step = self._prepare(path, content_type, conversation_id, body, parsed_elsewhere)
+        step = self._prepare(path, content_type, session_headers, body, parsed_elsewhere)
         if isinstance(step, bytes):
             return step, None
         return self._decide(step, turn, request_id, started, None, phase, subset)
 
     async def route_shared(
-        self, *, path: str, content_type: str, conversation_id: str, turn: str, request_id: str, body: bytes,
+        self, *, path: str, content_type: str, session_headers: Mapping[str, str], turn: str, request_id: str,
+        body: bytes,
         parsed_elsewhere: ParsedRequest | BadRequest | None = None, phase: Phase = "own",
         subset: frozenset[str] | None = None,
     ) -> tuple[bytes, str | None]:
         """route_request with the other routers' picture, read from the store in one round trip
         (at most store.timeout_ms; then this router's own state)."""
         started = time.perf_counter()
-        step = self._prepare(path, content_type, conversation_id, body, parsed_elsewhere)
+        step = self._prepare(path, content_type, session_headers, body, parsed_elsewhere)
         if isinstance(step, bytes):
             return step, None
         step, peers = await self._peers(step)
@@ -361,6 +373,12 @@ class Gateway:
         return immediate(404, f"the model {bounded(model)!r} is not served here (served: {served})",
                          "model_not_found", "model", headers)
 
+    def _model_not_ready(self, model: str) -> bytes:
+        """A model a replica served, none of whose replicas is in the fleet now."""
+        self.metrics.errors["no_replica"] += 1
+        return immediate(503, f"the model {bounded(model)!r} has no ready replica: retry shortly", "no_replica",
+                         "model")
+
     def _avoid(self, subset: frozenset[str] | None, model: str) -> Collection[str]:
         """The replicas a pick must not land on: outside the gateway's subset, not serving the
         model named, and the unhealthy ones (unless no other is left)."""
@@ -395,7 +413,7 @@ class Gateway:
                          "no_replica")
 
     def _prepare(
-        self, path: str, content_type: str, conversation_id: str, body: bytes,
+        self, path: str, content_type: str, session_headers: Mapping[str, str], body: bytes,
         parsed_elsewhere: ParsedRequest | BadRequest | None,
     ) -> Prepared | bytes:
         """The request as the router sees it, or the answer refusing it."""
@@ -405,31 +423,46 @@ class Gateway:
             self.metrics.errors["bad_request"] += 1
             return immediate(exc.status, exc.message, exc.code, exc.param)
         if parsed.model and self.endpoints and not self.catalog.eligible(parsed.model):
+            if self.catalog.known(parsed.model):
+                return self._model_not_ready(parsed.model)
             return self._model_not_found(parsed.model)
         unique_id = self._request_id()
         digests = shown(parsed.history, parsed.answered, parsed.opening_key)
-        named = bounded(conversation_id) or parsed.opening_key
-        known = self.digests.get(self.router.conversation_key(named))
-        claimed = claim(named, parsed.opening_key, () if known is None else (known,), digests)
+        session = self.sessions.pick(session_headers, dict(parsed.sessions))
+        named = of_model(bounded(parsed.model), bounded(session) or parsed.opening_key)
+        claimed = claim(named, parsed.opening_key, self._known, digests)
         # under the key the router places it by (a reused id that does not continue its chat has its own)
         self.migrations.opened(self.router.conversation_key(claimed.conversation), parsed.opening_key)
-        if not claimed.continues and parsed.answered:
-            self._branch(claimed.conversation, digests.prefixes)
         prompt_tokens = parsed.prompt_token_ids + parsed.prompt_tokens
         max_tokens = (parsed.max_tokens or self.settings.default_max_tokens) * parsed.prompts
         request = RouteRequest(unique_id, claimed.conversation, prompt_tokens, max_tokens, parsed.prefix_blocks)
-        return Prepared(request, parsed, path, digests, claimed)
+        return Prepared(request, parsed, path, digests, claimed, named)
 
-    def _branch(self, conversation: str, prefixes: frozenset[int]) -> None:
+    def _known(self, conversation: str) -> tuple[int, ...]:
+        """The history digest this router holds for ``conversation`` (continuation.py), if any."""
+        digest = self.digests.get(self.router.conversation_key(conversation))
+        return () if digest is None else (digest,)
+
+    @staticmethod
+    def _branches(step: Prepared) -> bool:
+        """A chat body that may branch from a completed request: it continues nothing known, and
+        names a conversation it does not continue (an edit, a regenerate, a retried message) or
+        resends an earlier request with its answer. A new conversation that only shares an opening
+        with others is routed on its own key, as any new one."""
+        claimed = step.claim
+        return bool(step.parsed.history) and not claimed.continues and (claimed.foreign or bool(step.parsed.answered))
+
+    def _branch(self, conversation: str, prefixes: frozenset[int], model: str) -> None:
         """A chat that continues no conversation known here but resends a completed request's whole
-        history (an edited or regenerated turn, a new id on an old chat) starts where that history
-        was served, under its own key: placed with the proven prefix's tokens, it finds that cache,
-        and its own completion never moves the conversation it branched from
-        (docs/security.md#edited-histories)."""
+        history (an edited or regenerated turn, a retry of an earlier message, a new id on an old
+        chat) starts where that history was served, under its own key: placed with the proven
+        prefix's tokens, it finds that cache, and its own completion never moves the conversation it
+        branched from (docs/security.md#edited-histories)."""
         key = self.router.conversation_key(conversation)
         if self.router.memory.get(key) is not None:
             return
-        found = [point for digest in prefixes if (point := self.branch_points.get(digest)) is not None]
+        found = [point for digest in prefixes
+                 if (point := self.branch_points.get(model_point(digest, model))) is not None]
         best = max(found, key=lambda point: point.prompt_tokens, default=None)
         if best is not None and best.replica in self.endpoints:
             self.router.memory.remember(key, best.replica, best.prompt_tokens)
@@ -437,23 +470,26 @@ class Gateway:
 
     async def _peers(self, step: Prepared) -> tuple[Prepared, PeerView]:
         """What the other live routers hold, for this request (nothing while the store is not in
-        use). A request that does not continue the conversation the store knows by its id is
-        routed as a new one (continuation.py): it gets the others' load, nothing of the conversation."""
+        use). A request that does not continue the conversation the store knows under its key is
+        routed under the next key (continuation.py): it gets the others' load, nothing of the conversation."""
         assert self.store is not None
         request = step.request
         snapshot = await self.store.read(self.router.conversation_key(request.conversation))
         if snapshot is None:
             return step, NO_PEERS
-        if snapshot.placement is not None and not step.claim.foreign:
-            local = self.digests.get(self.router.conversation_key(request.conversation))
-            known = (snapshot.digest,) if local is None else (snapshot.digest, local)
-            claimed = claim(request.conversation, step.parsed.opening_key, known, step.shown)
-            if claimed.foreign:
+        if snapshot.placement is not None:
+            read = request.conversation
+
+            def known(key: str) -> tuple[int, ...]:  # the store's digest too, for the key it was read for
+                return (snapshot.digest, *self._known(key)) if key == read else self._known(key)
+
+            claimed = claim(step.named, step.parsed.opening_key, known, step.shown)
+            if claimed.conversation != read:
                 step = Prepared(request._replace(conversation=claimed.conversation), step.parsed, step.path,
-                                step.shown, claimed)
+                                step.shown, claimed, step.named)
                 self.migrations.opened(self.router.conversation_key(claimed.conversation), step.parsed.opening_key)
                 return step, peer_view(snapshot.loads, (), frozenset(), None)
-            step = Prepared(request, step.parsed, step.path, step.shown, claimed)
+            step = Prepared(request, step.parsed, step.path, step.shown, claimed, step.named)
         return step, peer_view(snapshot.loads, snapshot.pending, step.parsed.answered, snapshot.placement)
 
     def _decide(
@@ -462,11 +498,16 @@ class Gateway:
     ) -> tuple[bytes, str | None]:
         request, parsed = step.request, step.parsed
         conversation, unique_id = request.conversation, request.request_id
+        # judged on the final claim (the store may have changed it): a chat another router served
+        # or still serves (its placement, or a pending request this body answers) is no branch
+        elsewhere = peers is not None and peers.placement is not None
+        if self._branches(step) and not elsewhere:
+            self._branch(conversation, step.shown.prefixes, bounded(parsed.model))
         if parsed.answered:
             self._release_answered(conversation, parsed.answered)
         if parsed.answered_tokens:
             self._holds_answer(request, parsed.answered_tokens)
-        avoid = self._avoid(subset, parsed.model)
+        avoid, leaving_phase = self.leaving.avoid(conversation, self._avoid(subset, parsed.model), self.endpoints)
         if self._to_shed(avoid):
             self.metrics.errors["shed"] += 1
             return immediate(429, "every replica is at service.shed_requests_per_replica requests in flight",
@@ -475,15 +516,17 @@ class Gateway:
         if ticket is None:
             return self._no_replica(subset), None
         decision = ticket.decision
+        self.leaving.sent(conversation, decision.replica)
         predicted = decision.predicted_cached_tokens
         if parsed.opening:
             predicted = self._with_opening(decision, parsed.opening, request.prompt_tokens)
         # Behind an Endpoint Picker's gateway no access log comes: the stream itself says when
         # the request is over (stream_ended), as if logged at once.
         self.pending[unique_id] = Pending(
-            ticket, predicted, step.shown.digest, step.claim.continues, self.endpoints[decision.replica], step.path,
+            ticket, predicted, step.shown.digest, step.claim.continues, bounded(parsed.model),
+            self.endpoints[decision.replica], step.path,
             bounded(turn), parsed.stream, started, time.monotonic(),
-            envoy_id=self._remember_envoy_id(request_id, unique_id), logged=phase != "own",
+            envoy_id=self._remember_envoy_id(request_id, unique_id), logged=phase != "own", leaving_phase=leaving_phase,
         )  # fmt: skip
         if parsed.history:
             self.unanswered.setdefault(conversation, {})[unique_id] = parsed.history
@@ -708,6 +751,7 @@ class Gateway:
             "request_id": request_id,
             "envoy_request_id": pending.envoy_id,
             "conversation": pending.request.conversation,
+            "model": pending.model,
             "turn": pending.turn,
             "path": pending.path,
             "stream": pending.stream,
@@ -731,6 +775,8 @@ class Gateway:
             fields["access_log_lost"] = True
         if pending.released_by_next_turn:
             fields["released_by_next_turn"] = True
+        if pending.leaving_phase:
+            fields["leaving_phase"] = pending.leaving_phase
         if timings is not None:
             fields.update(timings.as_dict())
         self.decision_log(fields)
@@ -747,7 +793,8 @@ class Gateway:
         block_chars = self.router.policy.prefix_block_chars
         if block_chars and (self.block_memory is None or self.block_memory.block_chars != block_chars):
             self.block_memory = BlockMemory(block_chars)
-        return parse_request(path, content_type, body, self.limits, block_chars, self.block_memory, self.counter)
+        return parse_request(path, content_type, body, self.limits, block_chars, self.block_memory, self.counter,
+                             self.sessions.fields)
 
     def _request_id(self) -> str:
         self._sequence += 1

@@ -34,11 +34,12 @@ def _start_worker(counter: TokenCounter | None) -> None:
 
 
 def parse_or_refusal(
-    path: str, content_type: str, body: bytes, limits: BodyLimits, block_chars: int
+    path: str, content_type: str, body: bytes, limits: BodyLimits, block_chars: int, session_fields: tuple[str, ...]
 ) -> ParsedRequest | BadRequest:
     """parse_request's result or its refusal, as a value (it crosses a process boundary)."""
     try:
-        return parse_request(path, content_type, body, limits, block_chars, counter=_worker_counter)
+        return parse_request(path, content_type, body, limits, block_chars, counter=_worker_counter,
+                             session_fields=session_fields)
     except BadRequest as exc:
         return exc
 
@@ -57,7 +58,7 @@ class BodyParser:
         return len(body) >= OFFLOAD_BYTES
 
     async def parse(
-        self, path: str, content_type: str, body: bytes, block_chars: int = 0
+        self, path: str, content_type: str, body: bytes, block_chars: int = 0, session_fields: tuple[str, ...] = ()
     ) -> ParsedRequest | BadRequest:
         refusal = too_many_messages(body, self.limits) if path in CHAT_PATHS else None
         if refusal is not None:
@@ -68,7 +69,7 @@ class BodyParser:
         try:
             loop = asyncio.get_running_loop()
             return await loop.run_in_executor(
-                self.pool, parse_or_refusal, path, content_type, body, self.limits, block_chars
+                self.pool, parse_or_refusal, path, content_type, body, self.limits, block_chars, session_fields
             )
         finally:
             self.waiting -= 1

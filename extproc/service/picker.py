@@ -4,7 +4,7 @@ Such a gateway (Envoy AI Gateway, kgateway, Istio, ...) configures the ext_proc 
 (docs/inference-gateway.md): no CEL attributes, no access log, often every phase sent and the
 bodies FULL_DUPLEX_STREAMED or BUFFERED. So one stream carries one whole HTTP request:
 
-  request headers (path, content type, ids read from the header map; the subset hint from the
+  request headers (path, content type, ids and session headers read from the header map; the subset hint from the
   metadata context) -> the body, read whole (chunks in full-duplex mode, one message buffered)
   -> the pick (answers.py, the protocol's shape), answering the headers, or the body when
   Envoy waits for the headers' answer before it sends a buffered body -> the body given back:
@@ -30,6 +30,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from extproc.envoy.contract import LB_NAMESPACE, SERVED, SUBSET, SUBSET_NAMESPACE
 from extproc.envoy.surface import Generation, Preflight, ReadOnly, Refused, classify
 from extproc.service.answers import (
+    REPLICA_CORS_REMOVED,
     Phase,
     header_option,
     immediate,
@@ -44,8 +45,7 @@ Mode = processing_mode_pb2.ProcessingMode
 FULL_DUPLEX = Mode.FULL_DUPLEX_STREAMED
 BUFFERED = Mode.BUFFERED
 NO_BODY = Mode.NONE
-WANTED = (":method", ":path", "content-type", "x-conversation-id", "x-turn", "x-request-id", "origin",
-          "access-control-request-headers")
+WANTED = (":method", ":path", "content-type", "x-turn", "x-request-id", "origin", "access-control-request-headers")
 
 NO_PREFLIGHT = Refused(405, "CORS is not enabled for this origin (service.cors_origins)", "method_not_allowed",
                        "GET, POST")
@@ -108,7 +108,8 @@ async def route_body(gateway: Gateway, parser: BodyParser | None, **request: Any
     body, path, content_type = request["body"], request["path"], request["content_type"]
     if parser is not None and parser.takes(body):
         block_chars = gateway.router.policy.prefix_block_chars
-        request["parsed_elsewhere"] = await parser.parse(path, content_type, body, block_chars)
+        request["parsed_elsewhere"] = await parser.parse(path, content_type, body, block_chars,
+                                                         gateway.sessions.fields)
     if gateway.store is None:
         return gateway.route_request(**request)
     return await gateway.route_shared(**request)  # one round trip to the shared store first
@@ -138,7 +139,7 @@ class PickerStream:
 
     async def _request(self, first: pb.ProcessingRequest) -> bool:
         """Answer the request's headers and body; False when the answer ended the request."""
-        values = header_values(first.request_headers, WANTED)
+        values = header_values(first.request_headers, (*WANTED, *self.gateway.sessions.headers))
         asked = classify(values.get(":method", ""), values.get(":path", ""))
         self.cors = self.gateway.cors.answer_headers(values.get("origin", ""))
         if not isinstance(asked, Generation):
@@ -179,6 +180,12 @@ class PickerStream:
             return self.gateway.preflight(cors, values.get("access-control-request-headers", ""))
         return self.gateway.refuse(asked if isinstance(asked, Refused) else NO_PREFLIGHT, cors)
 
+    def _cors_answer(self) -> bytes:
+        """The answer's CORS headers, the replica's own removed (response_headers: merged into the answer)."""
+        if not self.cors:
+            return REPLICA_CORS_REMOVED
+        return response_headers(self.cors, self.gateway.cors.replica_headers_removed(self.cors))
+
     async def _read_body(self, headers_end: bool) -> tuple[list[bytes] | None, bool]:
         """(the body's chunks, whether it ended with trailers); None when refused (413, or the stream ended)."""
         chunks: list[bytes] = []
@@ -210,12 +217,14 @@ class PickerStream:
     ) -> tuple[bytes, str | None]:
         return await route_body(
             self.gateway, self.parser, path=path, content_type=values.get("content-type", ""),
-            conversation_id=values.get("x-conversation-id", ""), turn=values.get("x-turn", ""),
+            session_headers=values, turn=values.get("x-turn", ""),
             request_id=values.get("x-request-id", ""), body=body, phase=phase, subset=subset,
         )  # fmt: skip
 
     async def _rest(self) -> None:
-        """Every later phase, answered as it comes; the response watched for its end."""
+        """Every later phase, answered as it comes; the response watched for its end. A response
+        phase is watched before it is answered: the answer lets Envoy pass it on, and a client that
+        hangs up once it has read [DONE] ends this stream (cancelled) in the middle of a write."""
         gateway, context = self.gateway, self.context
         while True:
             message = await context.read()
@@ -231,18 +240,18 @@ class PickerStream:
             elif kind == "response_headers":
                 headers = message.response_headers
                 answer = gateway.response_headers_answer(tracked)
-                await context.write(answer + response_headers(self.cors) if self.cors else answer)
                 if tracked is not None:
                     status = header_values(headers, (":status",)).get(":status", "")
                     gateway.observe_start(tracked, int(status) if status.isdigit() else 0, served_endpoint(message))
                     if headers.end_of_stream:
                         gateway.observe_body(tracked, b"", True)
+                await context.write(answer + self._cors_answer())
             elif kind == "response_body":
                 body = message.response_body
-                await context.write(response_body_answer(self.response_mode, body.body, body.end_of_stream))
                 if tracked is not None:
                     gateway.observe_body(tracked, body.body, body.end_of_stream)
+                await context.write(response_body_answer(self.response_mode, body.body, body.end_of_stream))
             elif kind == "response_trailers":
-                await context.write(RESPONSE_TRAILERS_CONTINUE)
                 if tracked is not None:
                     gateway.observe_body(tracked, b"", True)
+                await context.write(RESPONSE_TRAILERS_CONTINUE)

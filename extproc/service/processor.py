@@ -28,7 +28,7 @@ from extproc.service.answers import BODY_CONTINUE, immediate
 from extproc.service.bodies import timings_from_metadata
 from extproc.service.gateway import Gateway, bounded
 from extproc.service.offload import BodyParser
-from extproc.service.picker import PickerStream, route_body
+from extproc.service.picker import PickerStream, header_values, route_body
 from extproc.service.wire import M, decode_tolerant
 
 log = structlog.get_logger("extproc.service")
@@ -150,6 +150,7 @@ class Processor:
         if message.request_headers.end_of_stream:  # a POST without a body
             await context.write(EMPTY_BODY)
             return
+        session_headers = header_values(message.request_headers, self.gateway.sessions.headers)
         chunks: list[bytes] = []
         while True:
             message = await context.read()
@@ -162,7 +163,7 @@ class Processor:
         answer, routed_id = await route_body(
             self.gateway, self.parser, path=generation.path if generation is not None else path,
             content_type=_text(attributes, "request.headers['content-type']"),
-            conversation_id=_text(attributes, "request.headers['x-conversation-id']"),
+            session_headers=session_headers,
             turn=_text(attributes, "request.headers['x-turn']"), request_id=_text(attributes, "request.id"),
             body=chunks[0] if len(chunks) == 1 else b"".join(chunks),
         )  # fmt: skip

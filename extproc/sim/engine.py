@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from heapq import heappush
 
 from extproc.routing import Router, Ticket
+from extproc.routing.decision import RouteRequest
 from extproc.routing.speeds import AnswerTimings, ReplicaSpeeds, Speed
 from extproc.sim.costmodel import CostModel
 from extproc.sim.paged import PagedReplica
@@ -111,7 +112,7 @@ class _Simulation:
         self.seq = 0
         self.outcome = Outcome()
         self.record = self.outcome.requests.append
-        self.route = router.route
+        self.route: Callable[[RouteRequest], Ticket | None] = router.route  # a drain window wraps it (drain.py)
         self.shared_host = fleet.host_cores > 0
         self.now = 0.0
         self.release: Callable[[Ticket, bool], object]

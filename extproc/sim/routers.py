@@ -41,7 +41,7 @@ store catch up at the end of a run (``settle``).
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 
 from extproc.routing import Router, Ticket
 from extproc.routing.decision import RouteRequest
@@ -99,12 +99,12 @@ class RouterTier:
             return stable_hash(request.conversation, self._seed) % len(self.routers)
         return self._draw(len(self.routers))
 
-    def route(self, request: RouteRequest) -> Ticket | None:
+    def route(self, request: RouteRequest, avoid: Collection[str] = ()) -> Ticket | None:
         index = self.pick(request)
         router = self.routers[index]
         if self.store is not None:
             self.store.read(index, self.clock())
-        ticket = router.route(request)
+        ticket = router.route(request, avoid)
         if self.store is not None:
             self.store.changed_view(index)
         self.routed[index] += 1

@@ -32,7 +32,8 @@ def configure_up(parser: argparse.ArgumentParser) -> None:
                         help="gateway pairs (Envoy + routing service) behind one front listener ([gateways] count)")
     parser.add_argument("--backend", choices=("xllamacpp", "llama-server"), help="[replicas] backend")
     parser.add_argument("--llama-server", metavar="PATH", help="backend llama-server: the binary")
-    parser.add_argument("--model", help=f"{' | '.join(models.MODELS)} | a .gguf path ([replicas] model)")
+    parser.add_argument("--model", help=f"{' | '.join(models.MODELS)} | a .gguf path, or several comma-separated: "
+                                        "the models the replicas serve in turn ([replicas] model)")
     parser.add_argument("--policy", choices=list(POLICIES), help="routing policy ([router] policy)")
     parser.add_argument("--ctx-size", type=int, help="[replicas] ctx_size")
     parser.add_argument("--parallel", type=int, help="[replicas] parallel (slots)")
@@ -46,7 +47,7 @@ def main_up(args: argparse.Namespace) -> int:
     try:
         settings = load_stack_settings(args.settings, {
             "replicas": {"count": args.replicas, "backend": args.backend, "llama_server": args.llama_server,
-                         "model": args.model, "ctx_size": args.ctx_size, "parallel": args.parallel,
+                         "model": _models(args.model), "ctx_size": args.ctx_size, "parallel": args.parallel,
                          "threads": args.threads, "cache_ram_mib": args.cache_ram},
             "gateways": {"count": args.gateways},
             "router": {"policy": args.policy},
@@ -68,9 +69,15 @@ def main_up(args: argparse.Namespace) -> int:
         print(f"metrics:  {status['metrics_url']}")
         print(f"admin:    {status['router_address']} (gRPC)   envoy admin: {status['envoy_admin']}")
         print(f"logs:     {status['logs']}/ (router.log, envoy.log, llm-N.log)")
-    print(f"replicas: {', '.join(r['name'] + '=' + r['address'] for r in status['replicas'])}")
+    listed = (f"{r['name']}={r['address']} ({r['model']})" for r in status["replicas"])
+    print(f"replicas: {', '.join(listed)}")
     print("stop with: llm-ring down")
     return 0
+
+
+def _models(given: str | None) -> str | list[str] | None:
+    """--model: one model, or the comma-separated models the replicas serve in turn."""
+    return given.split(",") if given and "," in given else given
 
 
 def configure_status(parser: argparse.ArgumentParser) -> None:
@@ -108,7 +115,8 @@ def main_status(args: argparse.Namespace) -> int:
                   f"  restarts {process['restarts']}")
     for replica in status["replicas"]:
         print(f"  {replica['name']:<8} pid {replica['pid']:<8} {_state(replica['alive'], replica['healthy'])}"
-              f"  {replica['address']}  rss {replica['rss_mib']} MiB  restarts {replica['restarts']}")
+              f"  {replica['address']}  {replica['model']}  rss {replica['rss_mib']} MiB"
+              f"  restarts {replica['restarts']}")
     supervisor = status["supervisor"]
     print(f"  {'supervisor':<8} pid {supervisor.get('pid', '-'):<8} {'running' if supervisor['alive'] else 'DEAD'}"
           "  (restarts what dies)")

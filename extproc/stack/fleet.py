@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from extproc.files import write_atomically
-from extproc.stack import models, replicas
+from extproc.stack import replicas
 from extproc.stack.envoy import wait_envoy_knows
 from extproc.stack.errors import Progress, StackError
 from extproc.stack.ports import HOST, free_port
@@ -31,8 +31,9 @@ def start_replicas(stack: StackRun, names: list[str], ports: list[int], progress
                    port_wait: float = 0.0) -> None:
     state = stack.state
     run = Path(state.run_dir)
-    started = replicas.start(dict(zip(names, ports, strict=True)), stack.replica_settings(), run,
-                             die_with_parent=state.die_with_parent, port_wait=port_wait)
+    started = [replica for name, port in zip(names, ports, strict=True)  # each with its model
+               for replica in replicas.start({name: port}, stack.replica_settings(name), run,
+                                             die_with_parent=state.die_with_parent, port_wait=port_wait)]
     state.replicas += [r.as_dict() for r in started]
     state.replica_ports.update({r.name: r.port for r in started})
     stack.save()  # recorded before waiting: `down` from another shell finds them
@@ -98,34 +99,57 @@ def roll(stack: StackRun, name: str, progress: Progress, migrate: bool | None = 
         step = _leave(stack, [leaving], staying, progress, migrate, drain_seconds(stack, 60.0))[0]
         stack.state.replicas = [r.as_dict() for r in staying]
         start_replicas(stack, [name], [leaving.port], progress, port_wait=5.0)
-        stack.state.replicas.sort(key=lambda r: int(str(r["name"]).rsplit("-", 1)[1]))
+        stack.state.replicas.sort(key=lambda r: replicas.replica_index(str(r["name"])))
         _bring_in(stack, {name}, {leaving.address})
         return {**step, "up": _iso(time.time())}
 
 
 def _leave(stack: StackRun, leaving: list[Replica], staying: list[Replica], progress: Progress, migrate: bool | None,
            drain_timeout: float) -> list[dict[str, object]]:
-    """Take `leaving` out of the lists, drain each one and move its caches, stop them; per
-    replica {"replica", "out", "drained", "down" (ISO times), "migration"}. With migration,
-    the idle slots are moved first, while the replica still serves: the routers send those
-    conversations to their receivers at once, and what is left after it is out (what
-    changed since, what was busy) is little."""
+    """Each of `leaving` leaves, drains and stops; per replica {"replica", "out" (began leaving),
+    "drained", "down" (ISO times), "migration"}. With migration, in the order of
+    extproc/migration/leaving.py: every routing service is told it is leaving (no new
+    conversation goes there; its conversations' follow-ups still do until their caches have
+    moved), its idle slots move at once, each busy one when its request ends; it leaves the
+    lists once drained or at the deadline. Without, it leaves the lists first, then drains."""
     deadline = time.monotonic() + drain_timeout
     section = stack.state.migration
     moving = bool(section) and bool(staying) and bool(section.get("enabled") if migrate is None else migrate)
-    early: dict[str, Outcome] = {}
-    if moving:
-        kv_bytes_per_token(stack)  # before they leave: nothing slow between their leaving and their migration
-        early = {r.name: _migrate(stack, r, staying, deadline, lambda _: None, frozenset()) for r in leaving}
-    _take_out(stack, staying, {r.name for r in leaving})
-    out = _iso(time.time())
-    steps: list[dict[str, object]] = []
-    for replica in leaving:
-        outcome = migrate_draining(stack, replica, staying, deadline, progress, early.get(replica.name))
-        steps.append({"replica": replica.name, "out": out, "drained": _iso(time.time()), "migration": outcome})
+    if not moving:
+        _take_out(stack, staying, {r.name for r in leaving})
+        out = _iso(time.time())
+        _drain(leaving, deadline - time.monotonic(), progress, replica_key(stack))
+        steps = [{"replica": r.name, "out": out, "drained": _iso(time.time()), "migration": {}} for r in leaving]
+    else:
+        from extproc.migration.migrate import Outcome
+
+        near = float(section.get("near_seconds", 15.0))
+        for replica in leaving:
+            _tell_leaving(stack, replica.name, deadline - time.monotonic(), near)
+        out = _iso(time.time())
+        steps = []
+        for replica in leaving:
+            outcome = migrate_draining(stack, replica, staying, deadline, progress, Outcome(replica.name))
+            steps.append({"replica": replica.name, "out": out, "drained": _iso(time.time()), "migration": outcome})
+        _take_out(stack, staying, {r.name for r in leaving})
+        # a follow-up routed there just before it left the lists (its cache not moved) finishes
+        _drain(leaving, max(0.0, deadline - time.monotonic()), lambda _: None, replica_key(stack))
     replicas.stop_all(leaving)
     down = _iso(time.time())
     return [{**step, "down": down} for step in steps]
+
+
+def _tell_leaving(stack: StackRun, name: str, seconds: float, near: float) -> None:
+    """Every routing service: `name` is leaving (a router that does not answer treats it as
+    in the list until it is dropped from it)."""
+    from extproc.service.admin_client import AdminClient
+
+    for gw in stack.gateway_list:
+        try:
+            with AdminClient(gw.router_address) as admin:
+                admin.leaving(name, seconds, near)
+        except Exception:  # noqa: BLE001 - that router routes as before: the replica is in its list until dropped
+            continue
 
 
 def _take_out(stack: StackRun, staying: list[Replica], leaving: set[str]) -> None:
@@ -146,26 +170,15 @@ def _bring_in(stack: StackRun, names: set[str], addresses: set[str]) -> None:
         wait_envoy_knows(addresses, gw.envoy_admin)
 
 
-def kv_bytes_per_token(stack: StackRun) -> int:
-    if not stack.state.kv_bytes_per_token:  # a stack started before it was kept: read once, kept
-        stack.state.kv_bytes_per_token = models.kv_bytes_per_token(stack.replica_settings().model)
-        stack.save()
-    return stack.state.kv_bytes_per_token
-
-
 def drain_seconds(stack: StackRun, fallback: float) -> float:
     return float(stack.state.migration.get("drain_seconds", fallback))
 
 
 def migrate_draining(stack: StackRun, leaving: Replica, staying: list[Replica], deadline: float, progress: Progress,
-                     early: Outcome | None) -> dict[str, object]:
-    """Drain `leaving` (out of the lists already) and move its caches as its slots turn idle
-    (early: what was moved before it left, None: no migration): the idle ones at once, each
-    busy one as soon as its request ends (its conversation's next turn may come within
-    seconds), until none is busy or the deadline."""
-    if early is None:
-        _drain([leaving], deadline - time.monotonic(), progress, replica_key(stack))
-        return {}
+                     early: Outcome) -> dict[str, object]:
+    """Move `leaving`'s caches as its slots turn idle (early: what was moved already): the idle
+    ones at once, each busy one as soon as its request ends (its conversation's next turn may
+    come within seconds), until none is busy or the deadline."""
     from extproc.migration.llama import LlamaServer, SlotError
 
     total = early
@@ -194,14 +207,18 @@ def migrate_draining(stack: StackRun, leaving: Replica, staying: list[Replica], 
 
 def _migrate(stack: StackRun, leaving: Replica, staying: list[Replica], deadline: float, progress: Progress,
              done: frozenset[tuple[int, int]]) -> Outcome:
-    from extproc.migration.migrate import Limits, SharedFolder, migrate_out
+    """Move what is worth moving from `leaving` to the staying replicas of its model."""
+    from extproc.migration.migrate import Limits, Outcome, SharedFolder, migrate_out
     from extproc.migration.planner import Costs
     from extproc.migration.slotfiles import Identity
 
+    model = stack.model_of(leaving.name)
+    staying = [r for r in staying if stack.model_of(r.name).path == model.path]  # another model's cache is none
+    if not staying:
+        return Outcome(leaving.name)
     section = stack.state.migration
-    settings = stack.replica_settings()
-    identity = Identity(stack.state.model_sha256, settings.slot_context, "f16")
-    costs = Costs(kv_bytes_per_token(stack), section["prefill_ms_per_token"] / 1000,
+    identity = Identity(model.sha256, stack.replica_settings(leaving.name).slot_context, "f16")
+    costs = Costs(model.kv_bytes_per_token, section["prefill_ms_per_token"] / 1000,
                   section["transfer_mib_per_second"] * 2**20)
     limit = int(section["max_disk_mib"]) * 2**20
     limits = Limits(int(section["min_tokens"]), limit, float(section["max_age_seconds"]), limit)

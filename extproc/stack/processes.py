@@ -16,7 +16,7 @@ import ssl
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -100,10 +100,12 @@ def start_gateway_envoy(
     fallbacks: int | None = None,
     stream_idle_timeout_s: int = STREAM_IDLE_TIMEOUT_S,
     replica_key_file: Path | None = None,
+    cors_origins: Sequence[str] = (),
 ) -> Running:
     """Envoy with the gateway configuration (render_envoy_config) on free loopback ports.
     fallbacks: service.fallbacks of the service behind it (None: the reference settings');
-    replica_key_file: the replicas' API key, added to every generation (None: upstreams that want none)."""
+    replica_key_file: the replicas' API key, added to every generation (None: upstreams that want none);
+    cors_origins: service.cors_origins of the service behind it."""
     listen, admin = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
     config = render_envoy_config(
         listen=listen,
@@ -115,6 +117,7 @@ def start_gateway_envoy(
         retries=load_settings(ROUTER_REFERENCE).service.fallbacks if fallbacks is None else fallbacks,
         replica_key_file=None if replica_key_file is None else str(replica_key_file),
         stream_idle_timeout_s=stream_idle_timeout_s,
+        cors_origins=cors_origins,
     )
     running = start_envoy(config, workdir, admin, concurrency)
     running.listen = listen

@@ -75,6 +75,11 @@ def replica_name(index: int) -> str:
     return f"llm-{index}"
 
 
+def replica_index(name: str) -> int:
+    """llm-<index> -> index."""
+    return int(name.rsplit("-", 1)[1])
+
+
 def command(settings: ReplicaSettings, port: int, slot_dir: Path, key_file: Path) -> list[str]:
     if settings.backend == "xllamacpp":
         program = [sys.executable, "-m", "extproc.stack.xllamacpp_server"]

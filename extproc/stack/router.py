@@ -40,7 +40,7 @@ def start_router(stack: StackRun, gw: GatewayState, base_settings: str, progress
         store_password_file=password_file(run / STORE) if several else None,
         prefix_capacity_tokens=state.prefix_capacity_tokens or None,
         replica_slots=state.replica_settings["parallel"],
-        tokenizer=stack.replica_settings().model,
+        tokenizer=_tokenizer(stack),
         replica_key_file=api_key_file(run),
     ))
     try:
@@ -54,6 +54,13 @@ def start_router(stack: StackRun, gw: GatewayState, base_settings: str, progress
     wait_for(router, lambda: grpc_serving(gw.router_address), 30.0, "the routing service")
     wait_router_knows({r.name for r in stack.replica_list}, gw.router_address)
     progress(f"routing service ({state.policy}) on {gw.router_address}")
+
+
+def _tokenizer(stack: StackRun) -> str:
+    """service.tokenizer: the replicas' GGUF file, counted as they count; a fleet of several models
+    has no one tokenizer: characters (a prompt's tokens differ by model, its characters do not)."""
+    served = stack.served_models()
+    return served[0].path if len(served) == 1 else "chars"
 
 
 def spawn_router(state: StackState, gw: GatewayState) -> Daemon:

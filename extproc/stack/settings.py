@@ -5,9 +5,9 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from extproc.migration.settings import MigrationSection
 from extproc.settings import read_toml, validate_settings
@@ -25,13 +25,26 @@ class ReplicasSection(Strict):
     count: int = Field(ge=1, le=64)
     backend: replicas.Backend
     llama_server: str
-    model: str = Field(min_length=1)
+    # one model for every replica, or the models the replicas serve in turn (llm-i: the (i mod n)-th)
+    model: Annotated[str, Field(min_length=1)] | list[Annotated[str, Field(min_length=1)]]
     ctx_size: int = Field(gt=0)
     parallel: int = Field(gt=0)
     threads: int = Field(gt=0)
     cache_ram_mib: int = Field(ge=0)
     slot_prompt_similarity: float = Field(ge=0, le=1)
     health_timeout_seconds: float = Field(gt=0)
+
+    @field_validator("model")
+    @classmethod
+    def _some_model(cls, model: str | list[str]) -> str | list[str]:
+        if isinstance(model, list) and not model:
+            raise ValueError("names no model: give one, or a list of the models the replicas serve in turn")
+        return model
+
+    @property
+    def models(self) -> tuple[str, ...]:
+        """The models the replicas serve in turn: replica llm-i serves models[i mod len(models)]."""
+        return (self.model,) if isinstance(self.model, str) else tuple(self.model)
 
 
 class GatewaysSection(Strict):

@@ -27,7 +27,7 @@ from extproc.stack.ports import HOST
 from extproc.stack.processes import grpc_serving
 from extproc.stack.replicas import Replica, ReplicaSettings
 from extproc.stack.settings import StackSettings, check_slot_context
-from extproc.stack.state import StackRun, StackState, read_state, remove_state
+from extproc.stack.state import ServedModel, StackRun, StackState, read_state, remove_state
 
 __all__ = ["Progress", "Stack", "StackError"]
 
@@ -62,11 +62,13 @@ class Stack(StackRun):
         return stack
 
     def _start_all(self, settings: StackSettings, taken: dict[str, Any], redis: str, progress: Progress) -> None:
-        rs, capacity, kv_bytes = settings.replicas, self.state.prefix_capacity_tokens, self.state.kv_bytes_per_token
+        rs, capacity = settings.replicas, self.state.prefix_capacity_tokens
         several = len(self.state.gateways) > 1
-        progress(f"starting {rs.count} {rs.backend} replica(s) of {rs.model} (ctx {rs.ctx_size}, "
+        kv_bytes = ", ".join(f"{m.alias} {m.kv_bytes_per_token:,}" for m in self.served_models())
+        served = rs.models[0] if len(rs.models) == 1 else f"{', '.join(rs.models)} in turn"
+        progress(f"starting {rs.count} {rs.backend} replica(s) of {served} (ctx {rs.ctx_size}, "
                  f"{rs.parallel} slots, {rs.threads} thread(s), cache-ram {rs.cache_ram_mib} MiB: "
-                 f"{capacity:,} tokens a replica at {kv_bytes:,} bytes a token, the routers' "
+                 f"{capacity:,} tokens a replica at bytes a token {kv_bytes}, the routers' "
                  f"prefix_capacity_tokens)")
         fleet.start_replicas(self, [replicas.replica_name(i) for i in range(rs.count)], taken["replicas"], progress)
         fleet.write_replica_list(self)
@@ -169,6 +171,7 @@ class Stack(StackRun):
     def _replica_status(self, r: Replica) -> dict[str, Any]:
         return {
             "name": r.name,
+            "model": self.model_of(r.name).alias,
             "address": r.address,
             "pid": r.process.pid,
             "alive": r.process.alive(),
@@ -204,7 +207,7 @@ def _check_ports(taken: dict[str, Any], gateways: list[GatewayState]) -> None:
 
 def _new_state(settings: StackSettings, data: Path, run: Path, taken: dict[str, Any], gateways: list[GatewayState],
                die_with_parent: bool, progress: Progress) -> StackState:
-    """The state of a stack about to start: its model prepared, its folders made."""
+    """The state of a stack about to start: its models prepared, its folders made."""
     rs = settings.replicas
     replica_settings = ReplicaSettings(
         backend=rs.backend, model="", ctx_size=rs.ctx_size, parallel=rs.parallel,
@@ -212,19 +215,26 @@ def _new_state(settings: StackSettings, data: Path, run: Path, taken: dict[str, 
         llama_server=rs.llama_server or str(data / "bin" / "llama-server"),
     )
     check_slot_context(settings.check.profile, replica_settings)
-    replica_settings = replace(replica_settings, model=str(models.resolve(rs.model, data, progress)))
-    kv_bytes = models.kv_bytes_per_token(replica_settings.model)
-    capacity = rs.ctx_size + rs.cache_ram_mib * 2**20 // kv_bytes  # what a replica holds: slots + host cache
+    served = {name: _served_model(name, data, progress) for name in dict.fromkeys(rs.models)}
+    cycle = [served[name] for name in rs.models]
+    replica_settings = replace(replica_settings, model=cycle[0].path, alias=cycle[0].alias)
+    # what a replica holds (slots + host cache), for the routers: the least of the models'
+    capacity = min(rs.ctx_size + rs.cache_ram_mib * 2**20 // model.kv_bytes_per_token for model in served.values())
     (run / "logs").mkdir(parents=True, exist_ok=True)
     for gw in gateways:
         gw.envoy_dir.mkdir(parents=True, exist_ok=True)
     (run / fleet.REPLICA_LIST).unlink(missing_ok=True)
     return StackState(
         run_dir=str(run), gateway_url=f"http://{HOST}:{taken['gateway']}",
-        envoy_admin=f"{HOST}:{taken['envoy_admin']}", policy=settings.router.policy, model=rs.model,
+        envoy_admin=f"{HOST}:{taken['envoy_admin']}", policy=settings.router.policy, model=", ".join(rs.models),
         replica_settings=asdict(replica_settings), replica_ports={}, replica_base=settings.ports.replica_base,
         health_timeout=rs.health_timeout_seconds, die_with_parent=die_with_parent, started_at=time.time(),
         gateways=[asdict(gw) for gw in gateways], prefix_capacity_tokens=capacity,
-        migration=settings.migration.model_dump(), model_sha256=models.sha256_file(Path(replica_settings.model)),
-        kv_bytes_per_token=kv_bytes,
+        migration=settings.migration.model_dump(), models=[asdict(model) for model in cycle],
     )
+
+
+def _served_model(name: str, data: Path, progress: Progress) -> ServedModel:
+    """A model of [replicas] model, prepared: served under its name (a file's: its stem)."""
+    path = models.resolve(name, data, progress)
+    return ServedModel(str(path), path.stem, models.sha256_file(path), models.kv_bytes_per_token(path))

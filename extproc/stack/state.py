@@ -8,16 +8,27 @@ import contextlib
 import fcntl
 import json
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Self
 
 from extproc.files import write_atomically
 from extproc.stack.errors import StackError
 from extproc.stack.gateways import GatewayState
-from extproc.stack.replicas import Replica, ReplicaSettings
+from extproc.stack.replicas import Replica, ReplicaSettings, replica_index, replica_name
 
 STATE_FILE = "state.json"
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """A model the stack's replicas serve: its GGUF file, the name it is served under (requests'
+    ``model``, GET /v1/models), what identifies its slot files, its KV cache's bytes a token."""
+
+    path: str
+    alias: str
+    sha256: str
+    kv_bytes_per_token: int  # read from the GGUF once, at up (it takes seconds)
 
 
 @dataclass
@@ -28,8 +39,8 @@ class StackState:
     gateway_url: str  # what clients use: the front with several gateways, else the gateway's Envoy
     envoy_admin: str  # the admin of the Envoy on that port
     policy: str
-    model: str
-    replica_settings: dict[str, Any]
+    model: str  # [replicas] model as given: one model, or the models the replicas serve in turn
+    replica_settings: dict[str, Any]  # ReplicaSettings, the first replica's model in it
     replica_ports: dict[str, int]  # name -> port, for every replica ever started (scale reuses them)
     replica_base: int
     health_timeout: float
@@ -47,8 +58,7 @@ class StackState:
     started_at: float = 0.0
     startup_seconds: float = 0.0
     migration: dict[str, Any] = field(default_factory=dict)  # MigrationSection ({}: a stack started without)
-    model_sha256: str = ""
-    kv_bytes_per_token: int = 0  # of the model (reading it from the GGUF takes seconds: once, at up)
+    models: list[dict[str, Any]] = field(default_factory=list)  # ServedModel: replica llm-i serves [i mod length]
 
     @property
     def router_address(self) -> str:
@@ -127,8 +137,19 @@ class StackRun:
     def gateway_list(self) -> list[GatewayState]:
         return [GatewayState(**gw) for gw in self.state.gateways]
 
-    def replica_settings(self) -> ReplicaSettings:
-        return ReplicaSettings(**self.state.replica_settings)
+    def model_of(self, name: str) -> ServedModel:
+        """The model replica ``name`` serves (llm-i: the i-th of the models, in turn)."""
+        cycle = self.state.models
+        return ServedModel(**cycle[replica_index(name) % len(cycle)])
+
+    def served_models(self) -> list[ServedModel]:
+        """Each model of the fleet once, in the order of [replicas] model."""
+        return [ServedModel(**entry) for entry in {entry["path"]: entry for entry in self.state.models}.values()]
+
+    def replica_settings(self, name: str = replica_name(0)) -> ReplicaSettings:
+        """How replica ``name`` runs: the settings every replica shares, with its model."""
+        model = self.model_of(name)
+        return replace(ReplicaSettings(**self.state.replica_settings), model=model.path, alias=model.alias)
 
     def gateway(self, name: str) -> GatewayState:
         found = next((gw for gw in self.gateway_list if gw.name == name), None)

@@ -84,7 +84,7 @@ def restart(stack: StackRun, name: str) -> None:
         state.store = asdict(spawn_store(state))
     else:
         replica = next(r for r in stack.replica_list if r.name == name)
-        (started,) = replicas.start({name: replica.port}, stack.replica_settings(), Path(state.run_dir),
+        (started,) = replicas.start({name: replica.port}, stack.replica_settings(name), Path(state.run_dir),
                                     die_with_parent=state.die_with_parent)
         state.replicas = [started.as_dict() if r["name"] == name else r for r in state.replicas]
     stack.save()

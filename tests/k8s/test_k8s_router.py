@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from fake_apiserver import Endpoint, endpoint_slice
-from k8s_support import NAMESPACE, ROUTER_TOKEN, find, migration_token_file
+from k8s_support import NAMESPACE, ROUTER_TOKEN, find, migration_token_file, replica_key_file
 
 from extproc.service.admin_client import AdminClient
 from extproc.service.processor import SERVICE
@@ -38,6 +38,7 @@ def test_router_follows_endpointslices_and_survives_the_api_restarting(apiserver
         "LLM_RING__SERVICE__ADMIN_LISTEN": f'"{admin_listen}"',
         "LLM_RING__SERVICE__MIGRATION_LISTEN": f'"127.0.0.1:{free_port()}"',  # the ConfigMap's is the pod's address
         "LLM_RING__SERVICE__MIGRATION_TOKEN_FILE": f'"{migration_token_file(tmp_path)}"',
+        "LLM_RING__SERVICE__REPLICA_API_KEY_FILE": f'"{replica_key_file(tmp_path)}"',  # the Secret's mount
         "LLM_RING__SERVICE__METRICS_LISTEN": f'"127.0.0.1:{free_port()}"',
         "LLM_RING__DISCOVERY__KUBERNETES_BACKOFF_SECONDS": "0.05",
         "LLM_RING__SERVICE__ENVOY_ENDPOINTS_FILE": f'"{tmp_path / "eds" / "replicas.json"}"',

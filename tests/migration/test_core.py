@@ -206,7 +206,7 @@ def test_a_reused_conversation_id_is_listed_with_its_own_opening_after_a_reset()
 
     def turn(messages: list[dict[str, str]]) -> str:
         _, routed = gateway.route_request(path="/v1/chat/completions", content_type="application/json",
-                                          conversation_id="c-1", turn="", request_id="envoy-id",
+                                          session_headers={"x-conversation-id": "c-1"}, turn="", request_id="envoy-id",
                                           body=orjson.dumps({"messages": messages, "max_tokens": 8}))
         assert routed
         request_id = next(reversed(gateway.pending))
@@ -240,7 +240,8 @@ def test_a_turn_whose_answer_ends_after_its_move_leaves_the_next_turn_to_the_rec
 
     def routed(messages: list[dict[str, str]]) -> str:
         _, request_id = gateway.route_request(path="/v1/chat/completions", content_type="application/json",
-                                              conversation_id="c-1", turn="", request_id="envoy-id",
+                                              session_headers={"x-conversation-id": "c-1"}, turn="",
+                                              request_id="envoy-id",
                                               body=orjson.dumps({"messages": messages, "max_tokens": 8}))
         assert request_id is not None
         return request_id

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -70,7 +69,7 @@ def move_out(lab: LocalLab, staying: list[str], done: frozenset[tuple[int, int]]
              receiver_identity: slotfiles.Identity | None = None) -> Outcome:
     """llm-2's conversations moved to `staying` (llm-2 stays in the lists)."""
     stack = lab.stack
-    ours = slotfiles.Identity(stack.state.model_sha256, stack.replica_settings().slot_context, "f16")
+    ours = slotfiles.Identity(stack.model_of("llm-0").sha256, stack.replica_settings().slot_context, "f16")
     addresses = {r.name: r.address for r in stack.replica_list}
     folder = slot_folder(Path(stack.state.run_dir))
     return migrate_out(("llm-2", addresses["llm-2"]), {name: addresses[name] for name in staying},
@@ -99,8 +98,7 @@ def test_a_second_pass_into_one_replica_restores_beside_the_first_and_both_conti
 def test_a_slot_file_of_another_model_is_a_clean_miss(lab: LocalLab) -> None:
     conversation = conversation_homed_on(lab, "llm-2", NAMES, "other-model")
     talk(lab, conversation)
-    other = replace(slotfiles.Identity(lab.stack.state.model_sha256, lab.stack.replica_settings().slot_context, "f16"),
-                    model_sha256="0" * 64)  # a receiver that serves another model
+    other = slotfiles.Identity("0" * 64, lab.stack.replica_settings().slot_context, "f16")  # serves another model
     with AdminClient(lab.stack.state.router_address) as admin:
         placed = {key for key, _, _ in admin.placements("llm-2")}
         outcome = move_out(lab, ["llm-0", "llm-1"], receiver_identity=other)

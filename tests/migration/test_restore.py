@@ -27,11 +27,13 @@ class Replica:
         self.steal.discard(slot)
         return {"n_restored": len(TOKENS[key])}
 
-    def held(self, slot: int, tokens: list[int]) -> int:
-        held = self.held_tokens[slot]
-        common = next((i for i, (a, b) in enumerate(zip(held, tokens, strict=False)) if a != b),
-                      min(len(held), len(tokens)))
-        return max(0, min(common, len(tokens) - 1))
+    def held(self, tokens: list[int]) -> tuple[int, int]:
+        """As llama.cpp picks a slot for an unpinned request: the one sharing the most of it."""
+        def common(held: list[int]) -> int:
+            return next((i for i, (a, b) in enumerate(zip(held, tokens, strict=False)) if a != b),
+                        min(len(held), len(tokens)))
+        slot = max(self.held_tokens, key=lambda s: common(self.held_tokens[s]))
+        return slot, max(0, min(common(self.held_tokens[slot]), len(tokens) - 1))
 
     def slots(self) -> list[Slot]:
         return [Slot(i, len(t), False, -1) for i, t in sorted(self.held_tokens.items())]
@@ -66,4 +68,4 @@ def test_a_restore_that_finds_no_other_slot_is_a_miss_that_says_so() -> None:
     replica = Replica(held_tokens={0: [], 1: []}, steal={0})
     results = run(replica)
     assert results[1] is None and results[0] is not None
-    assert "0 of 80 tokens there after the restore" in results[0] and "no other idle slot" in results[0]
+    assert "0 of 80 tokens found after the restore" in results[0] and "no other idle slot" in results[0]

@@ -4,11 +4,13 @@ key of its own; the digests are bounded."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import orjson
 from hypothesis import given
 from hypothesis import strategies as st
 
-from extproc.routing.continuation import SEPARATOR, ConversationDigests, claim, shown
+from extproc.routing.continuation import SEPARATOR, ConversationDigests, claim, shown, unclaimed
 from extproc.service.bodies import parse_request
 
 texts = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=40)
@@ -33,8 +35,8 @@ def test_every_later_turn_continues_every_earlier_one(system: str, conversation:
     last = len(bodies) - 1
     earlier = max(0, last - back)
     known = (bodies[earlier].digest,)
-    assert claim("c-1", "", known, bodies[last]) == ("c-1", True, False)
-    assert claim("c-1", "", (bodies[last].digest,), bodies[last]).continues  # a retry
+    assert claim("c-1", "", held({"c-1": known}), bodies[last]) == ("c-1", True, False)
+    assert claim("c-1", "", held({"c-1": (bodies[last].digest,)}), bodies[last]).continues  # a retry
 
 
 @given(texts, turns, texts, texts)
@@ -45,15 +47,44 @@ def test_a_body_without_the_last_turn_is_a_new_conversation(system: str, convers
     victim = shown(*body_of(system, conversation[:-1], conversation[-1][0]))
     history, answered, opening = body_of(other_system + "\x00forged", [], question)
     forged = shown(history, answered, opening)
-    result = claim("c-1", opening, (victim.digest,), forged)
+    result = claim("c-1", opening, held({"c-1": (victim.digest,)}), forged)
     assert result.foreign and not result.continues
     assert result.conversation != "c-1" and result.conversation.startswith("c-1" + SEPARATOR)
-    assert result.conversation == claim("c-1", opening, (victim.digest,), forged).conversation
+    assert result.conversation == claim("c-1", opening, held({"c-1": (victim.digest,)}), forged).conversation
 
 
 @given(st.text(max_size=20))
 def test_an_unknown_conversation_is_opened_by_any_body(opening: str) -> None:
-    assert claim("c-9", opening, (), shown(0, frozenset(), opening)) == ("c-9", False, False)
+    assert claim("c-9", opening, held({}), shown(0, frozenset(), opening)) == ("c-9", False, False)
+
+
+@given(texts, st.lists(st.tuples(texts, texts), min_size=2, max_size=6), texts)
+def test_a_branch_goes_on_under_its_key_and_a_stranger_after_it_gets_one_of_its_own(
+    system: str, conversation: list[tuple[str, str]], question: str
+) -> None:
+    """A chat whose turn 2 is edited (the id's conversation not continued) opens the id's derived
+    key and its next turn continues it; a body that continues neither (a stranger with the same
+    opening, another edit) is told nothing of either: a key of its own history, the same for the
+    same body only."""
+    last = shown(*body_of(system, conversation[:-1], conversation[-1][0]))
+    first, (asked, answer) = conversation[0], conversation[1]
+    edit = shown(*body_of(system, [first], asked + "\x00edited"))
+    opening = body_of(system, [], first[0])[2]
+    digests = {"c-1": (last.digest,)}
+    branch = claim("c-1", opening, held(digests), edit)
+    assert branch == (unclaimed("c-1", opening), False, True)
+    digests[branch.conversation] = (edit.digest,)  # the edit was answered
+    next_turn = shown(*body_of(system, [first, (asked + "\x00edited", answer)], question))
+    assert claim("c-1", opening, held(digests), next_turn) == (branch.conversation, True, True)
+    stranger = shown(*body_of(system, [(first[0], first[1] + "\x01")], question))  # the opening, not the answer
+    own = claim("c-1", opening, held(digests), stranger)
+    assert not own.continues and own.foreign
+    assert own.conversation not in digests and own.conversation.startswith(branch.conversation + SEPARATOR)
+    assert own == claim("c-1", opening, held(digests), stranger)
+
+
+def held(digests: dict[str, tuple[int, ...]]) -> Callable[[str], tuple[int, ...]]:
+    return lambda key: digests.get(key, ())
 
 
 @given(st.integers(2, 100), st.lists(st.tuples(st.integers(0, 300), st.integers(0, 2**64 - 1)), max_size=1000))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import socket
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,9 +17,9 @@ import openai
 from extproc.envoy.inference_gateways import AI_GATEWAY, UPSTREAM_HEADER
 from extproc.migration.llama import key_headers
 from extproc.service.admin_client import AdminClient
+from extproc.stack import models
 from extproc.stack import replicas as stack_replicas
 from extproc.stack.daemons import stop
-from extproc.stack.models import smollm2_gguf
 from extproc.stack.processes import (
     Running,
     free_port,
@@ -28,6 +28,7 @@ from extproc.stack.processes import (
     start_inference_gateway_envoy,
     start_picker_service,
     start_service,
+    static_discovery,
 )
 
 OPENAI_ERROR_TYPES = ("invalid_request_error", "rate_limit_error", "server_error")
@@ -78,6 +79,25 @@ class Gateway:
         with AdminClient(self.admin) as admin:
             return admin.state()
 
+    def wait_for_models(self, timeout: float = 10.0) -> list[str]:
+        """The ids GET /v1/models lists once the service has heard from a replica (it asks each
+        replica as it appears)."""
+        deadline = time.monotonic() + timeout
+        while not (listed := [m["id"] for m in httpx.get(self.url + "/v1/models", timeout=10).json()["data"]]):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no model listed after {timeout}s")
+            time.sleep(0.2)
+        return listed
+
+    def decisions_after(self, seen: int, count: int, timeout: float = 10.0) -> list[dict[str, Any]]:
+        """The ``count`` decisions logged after the first ``seen`` (a request is logged once over)."""
+        deadline = time.monotonic() + timeout
+        while len(logged := self.decisions()[seen:]) < count:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{len(logged)} of {count} decisions logged after {timeout}s")
+            time.sleep(0.05)
+        return logged
+
     def wait_idle(self, timeout: float = 5.0) -> dict[str, Any]:
         """The state once nothing is in flight (or the last state seen at the timeout)."""
         deadline = time.monotonic() + timeout
@@ -91,20 +111,25 @@ class Gateway:
 @contextmanager
 def gateway(
     workdir: Path, discovery: Mapping[str, str], fail_open: bool = True, envoy_idle_timeout_s: int | None = None,
-    replica_key_file: Path | None = None, **service: str,
+    replica_key_file: Path | None = None, cors_origins: Sequence[str] = (), **service: str,
 ) -> Iterator[Gateway]:
     """`llm-ring serve` + Envoy rendered by render_envoy_config (replica_key_file: the key
-    Envoy adds to the generations, None: none); everything stopped on exit."""
+    Envoy adds to the generations and the service asks for the models with, None: none;
+    cors_origins: service.cors_origins of both); everything stopped on exit."""
     endpoints_file = workdir / "eds" / "replicas.json"
     listen = f"127.0.0.1:{free_port()}"
     started: list[Running] = []
     try:
         settings = {"health_probe_seconds": "0.2", "log_level": '"debug"', **service}
+        if replica_key_file is not None:
+            settings.setdefault("replica_api_key_file", f'"{replica_key_file}"')
+        if cors_origins:
+            settings["cors_origins"] = json.dumps(list(cors_origins))
         started.append(start_service(workdir / "service", service_env(listen, endpoints_file, discovery, **settings)))
         _wait_for(endpoints_file.exists, 5.0)
         idle = {"stream_idle_timeout_s": envoy_idle_timeout_s} if envoy_idle_timeout_s else {}
         envoy = start_gateway_envoy(workdir / "envoy", started[0].ext_proc, endpoints_file, fail_open, 1, **idle,
-                                    replica_key_file=replica_key_file)
+                                    replica_key_file=replica_key_file, cors_origins=cors_origins)
         started.append(envoy)
         gw = Gateway(f"http://{envoy.listen}", started[0].address, started[0].log_path, endpoints_file, started)
         _wait_for(lambda: _has_endpoints(envoy.address), 5.0)
@@ -135,11 +160,13 @@ def inference_pool_gateway(workdir: Path, replicas: Mapping[str, str], body_mode
 
 
 def back_to_back(url: str, conversation: int, stream: bool, with_header: bool,
-                 new_connections: bool = False) -> list[dict[str, Any]]:
+                 new_connections: bool = False, session_header: str = "x-conversation-id") -> list[dict[str, Any]]:
     """One conversation of 4 turns sent back to back (each the instant the last answer is
     in, as an agent loop does) to the gateway at `url`: per turn the replica, reason and
-    llama.cpp's timings. new_connections: every request on a connection of its own (behind a
-    front that spreads connections, consecutive turns meet different gateways)."""
+    llama.cpp's timings. with_header: the conversation named ``b2b-<stream>-<conversation>`` in
+    ``session_header`` (an agent client's session header, or x-conversation-id with x-turn).
+    new_connections: every request on a connection of its own (behind a front that spreads
+    connections, consecutive turns meet different gateways)."""
     history: list[dict[str, Any]] = [
         {"role": "system", "content": f"You are assistant number {conversation}. Answer briefly."},
     ]
@@ -148,7 +175,7 @@ def back_to_back(url: str, conversation: int, stream: bool, with_header: bool,
         for turn in range(1, 5):
             history.append({"role": "user", "content": f"Question {turn} of chat {conversation}: name a colour."})
             body = {"messages": history, "max_tokens": 6, "ignore_eos": True, "stream": stream}
-            headers = {"x-conversation-id": f"b2b-{stream}-{conversation}", "x-turn": str(turn)} if with_header else {}
+            headers = {session_header: f"b2b-{stream}-{conversation}", "x-turn": str(turn)} if with_header else {}
             if new_connections:
                 with httpx.Client(timeout=60) as own:
                     answer, seen = _turn(own, url, body, headers, stream)
@@ -246,15 +273,41 @@ class LlamaReplicas:
 
 
 @contextmanager
-def two_llama_replicas(run: Path) -> Iterator[LlamaReplicas]:
-    """Two real llama.cpp replicas (SmolLM2-135M, 2 slots, no prompt cache in RAM)."""
+def llama_replicas(run: Path, count: int = 2, model: str = "smollm2", cache_ram_mib: int = 0
+                   ) -> Iterator[LlamaReplicas]:
+    """``count`` real llama.cpp replicas llm-0 ... (2 slots; a prompt cache in RAM of
+    ``cache_ram_mib``, none by default) serving ``model`` under its name: "smollm2" (SmolLM2-135M)
+    or "tiny" (the generated tiny model, prepared once in the data dir)."""
+    if model == "smollm2":
+        path = str(models.smollm2_gguf())
+    else:
+        path = models.prepare(model, models.data_dir(), progress=lambda _: None).path
     settings = stack_replicas.ReplicaSettings(
-        backend="xllamacpp", model=str(smollm2_gguf()), ctx_size=2048, parallel=2, threads=1, cache_ram_mib=0,
-        alias="smollm2",
+        backend="xllamacpp", model=path, ctx_size=2048, parallel=2, threads=1, cache_ram_mib=cache_ram_mib, alias=model,
     )
-    started = stack_replicas.start({"llm-0": free_port(), "llm-1": free_port()}, settings, run)
+    started = stack_replicas.start({f"llm-{index}": free_port() for index in range(count)}, settings, run)
     try:
         stack_replicas.wait_healthy(started, timeout=120, progress=lambda _: None)
         yield LlamaReplicas({replica.name: replica.address for replica in started}, stack_replicas.api_key_file(run))
     finally:
         stop([replica.process for replica in started])
+
+
+PLANES = ("own-envoy", "ai-gateway-duplex", "ai-gateway-buffered")
+
+
+@contextmanager
+def data_plane(name: str, workdir: Path, replicas: LlamaReplicas, cors_origins: Sequence[str] = (),
+               **service: str) -> Iterator[Gateway]:
+    """The gateway in front of ``replicas`` as one of PLANES: our own Envoy, or Envoy AI Gateway's
+    InferencePool plane (full-duplex or buffered bodies) with the service as its picker; each
+    sends the replicas' key. ``service``: more service settings (TOML values)."""
+    if name == "own-envoy":
+        with gateway(workdir, static_discovery(replicas.addresses), replica_key_file=replicas.key_file,
+                     cors_origins=cors_origins, **service) as gw:
+            yield gw
+        return
+    with inference_pool_gateway(workdir, replicas.addresses, body_mode=name.rpartition("-")[2],
+                                replica_api_key_file=f'"{replicas.key_file}"', log_level='"debug"',
+                                cors_origins=json.dumps(cors_origins), **service) as gw:
+        yield gw

@@ -25,7 +25,7 @@ import yaml
 
 from extproc.stack.processes import Running, free_port, spawn_child, static_discovery, wait_until_ready
 from tests.k8s.k8s_support import load_docs, schema_version
-from tests.service.gateway_support import back_to_back, gateway, two_llama_replicas
+from tests.service.gateway_support import back_to_back, gateway, llama_replicas
 
 GRAFANA = Path(__file__).parents[2] / "grafana"
 MONITORING = Path(__file__).parents[2] / "k8s" / "monitoring"
@@ -112,8 +112,9 @@ def prometheus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     binary = debian_binary("prometheus")
     workdir = tmp_path_factory.mktemp("prometheus")
     metrics = f"127.0.0.1:{free_port()}"
-    with two_llama_replicas(workdir / "replicas") as replicas, \
-            gateway(workdir, static_discovery(replicas), metrics_listen=f'"{metrics}"') as gw:  # fmt: skip
+    with llama_replicas(workdir / "replicas") as replicas, \
+            gateway(workdir, static_discovery(replicas.addresses), replica_key_file=replicas.key_file,
+                    metrics_listen=f'"{metrics}"') as gw:  # fmt: skip
         server = _start(binary, workdir, metrics)
         try:
             for conversation, stream in ((1, False), (2, True), (3, False)):

@@ -3,26 +3,31 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-from extproc.envoy.config import render_envoy_config
+from extproc.envoy.config import PREFLIGHT_CLUSTER, render_envoy_config
 from extproc.envoy.contract import (
+    CLUSTER,
     DESTINATION,
-    ROUTED_PATHS,
+    STREAMED_CLUSTER,
     DnsEndpoints,
     EndpointsFile,
     ext_proc_address,
     split_host_port,
     write_endpoints_file,
 )
+from extproc.envoy.cors import REPLICA_CORS_HEADERS
+from extproc.envoy.surface import GENERATION_PATHS, HEALTH_PATHS, MODEL_PREFIX, MODELS_PATHS
 from extproc.routing import POLICIES
 from extproc.routing.policies.plugin import param_names
+from extproc.service.sessions import SessionSources
 from extproc.settings import Settings, load_settings
-from extproc.stack.processes import envoy_binary
+from extproc.stack.processes import ROUTER_REFERENCE, envoy_binary
 
 
 def render(tmp_path: Path, **overrides: object) -> str:
@@ -78,10 +83,14 @@ def test_client_routing_headers_are_stripped_before_ext_proc(tmp_path: Path) -> 
     ]
     removed = [m["remove"] for m in manager["http_filters"][0]["typed_config"]["mutations"]["request_mutations"]]
     assert {DESTINATION, "authorization", "x-api-key"} <= set(removed)
+    # the session headers reach the service: kept, and sent with the whole header map
+    sessions = SessionSources.parse(load_settings(ROUTER_REFERENCE).service.session_ids)
+    assert sessions.headers and not set(sessions.headers) & set(removed)
     whole_body, route, observe = (f["typed_config"] for f in manager["http_filters"][1:4])
     assert whole_body["max_request_bytes"] == 1 << 20  # one chunk for ext_proc, 413 past the limit
     assert route["failure_mode_allow"] is True and route["processing_mode"]["request_body_mode"] == "STREAMED"
     assert route["send_body_without_waiting_for_header_response"] is True  # one round trip
+    assert route["processing_mode"]["request_header_mode"] == "SEND" and "forward_rules" not in route
     assert observe["observability_mode"] is True and observe["processing_mode"]["response_body_mode"] == "STREAMED"
     assert not json.loads(render(tmp_path, fail_open=False))["static_resources"]["listeners"][0]["filter_chains"][0][
         "filters"
@@ -111,10 +120,11 @@ def test_the_bench_and_test_gateway_retry_service_fallbacks(tmp_path: Path, monk
     assert [_num_retries(config) for config in rendered] == [{reference}, {7}]
 
 
-def test_the_replicas_key_is_a_file_envoy_reads_and_only_generation_routes_send_it(tmp_path: Path) -> None:
+def test_the_replicas_key_is_a_file_envoy_reads_and_only_routes_to_the_replicas_send_it(tmp_path: Path) -> None:
     """The key is never in the config, only its file's path; the injector is off but where a
-    route turns it on, and only the routes to the replicas do: every generation route."""
-    text = render(tmp_path)
+    route turns it on, and only the routes to the replicas do: every generation route, and the
+    read-only ones (the service answers those, unless Envoy fails open); no CORS preflight route."""
+    text = render(tmp_path, cors_origins=["https://chat.example.com"])
     config = json.loads(text)
     assert config["static_resources"]["secrets"] == [
         {"name": "replica-api-key", "generic_secret": {"secret": {"filename": str(tmp_path / "replica-api-key")}}}]
@@ -125,7 +135,12 @@ def test_the_replicas_key_is_a_file_envoy_reads_and_only_generation_routes_send_
     assert (generic["header"], generic["header_value_prefix"]) == ("authorization", "Bearer ")
     routes = manager["route_config"]["virtual_hosts"][0]["routes"]
     keyed = [r for r in routes if "inject-replica-key" in r.get("typed_per_filter_config", {})]
-    assert keyed == [r for r in routes if "route" in r] and {r["match"]["path"] for r in keyed} == set(ROUTED_PATHS)
+    assert keyed == [r for r in routes if r.get("route", {}).get("cluster") in (CLUSTER, STREAMED_CLUSTER)]
+    regexes = [r["match"]["safe_regex"]["regex"] for r in keyed if "safe_regex" in r["match"]]
+    assert all(any(re.fullmatch(regex, path) for regex in regexes) for path in GENERATION_PATHS)
+    others = {r["match"].get("path") or r["match"]["prefix"] for r in keyed if "safe_regex" not in r["match"]}
+    assert others == {*MODELS_PATHS, *HEALTH_PATHS, MODEL_PREFIX}
+    assert [r for r in routes if r.get("route", {}).get("cluster") == PREFLIGHT_CLUSTER]
     without = json.loads(render(tmp_path, replica_key_file=None))
     assert "secrets" not in without["static_resources"] and "inject-replica-key" not in json.dumps(without)
 
@@ -229,3 +244,24 @@ def test_envoy_is_hardened_for_clients_that_hold_connections(tmp_path: Path) -> 
     assert routes[0]["match"] == {"connect_matcher": {}} and routes[0]["direct_response"]["status"] == 405
     local_replies = [r for r in routes if "direct_response" in r]
     assert all(r["typed_per_filter_config"]["whole-body"]["disabled"] for r in local_replies)
+
+
+def test_no_replica_cors_header_passes_and_preflights_are_answered_by_envoy_only_with_cors(tmp_path: Path) -> None:
+    """Every route to the replicas removes their CORS headers (llama.cpp echoes any Origin); with
+    service.cors_origins, a preflight on a served path has a route of its own, which the CORS
+    filter needs to answer it (a direct response has no route entry), to a cluster with no endpoint."""
+    for cors in ([], ["https://chat.example.com"]):
+        config = json.loads(render(tmp_path, cors_origins=cors))
+        manager = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+        host = manager["route_config"]["virtual_hosts"][0]
+        forwarding = [r for r in host["routes"] if r.get("route", {}).get("cluster") in (CLUSTER, STREAMED_CLUSTER)]
+        assert all(r["response_headers_to_remove"] == list(REPLICA_CORS_HEADERS) for r in forwarding)
+        preflights = [r for r in host["routes"] if r.get("route", {}).get("cluster") == PREFLIGHT_CLUSTER]
+        assert len(preflights) == (len(GENERATION_PATHS) + len(MODELS_PATHS) + len(HEALTH_PATHS) + 1 if cors else 0)
+        assert all(r["typed_per_filter_config"]["ext_proc.route"]["disabled"] for r in preflights)
+        clusters = {c["name"]: c for c in config["static_resources"]["clusters"]}
+        assert (PREFLIGHT_CLUSTER in clusters) == bool(cors)
+        if cors:
+            assert clusters[PREFLIGHT_CLUSTER]["load_assignment"]["endpoints"] == []
+            policy = host["typed_per_filter_config"]["envoy.filters.http.cors"]
+            assert policy["forward_not_matching_preflights"] is False

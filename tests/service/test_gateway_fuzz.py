@@ -2,10 +2,11 @@
 
 Generated bad requests of every class (bytes that are not UTF-8 in the headers the gateway
 reads, wrong JSON types anywhere in a body, out-of-range numbers, bodies over the limits,
-malformed JSON, forged routing headers), then the invariants: every answer is routed
-(``x-routed-to``, or behind an InferencePool gateway the upstream address, names a replica)
-or an error from the gateway (4xx/5xx, JSON); the service logged no stream failure; nothing
-stays in flight; a valid chat is still routed.
+malformed JSON, forged routing headers, any method on any path), then the invariants: every
+answer is routed (``x-routed-to``, or behind an InferencePool gateway the upstream address,
+names a replica), answered by the gateway itself (a read-only path), or an error from the
+gateway in OpenAI's shape (``{"error": {"message", "type", "param", "code"}}``); the service
+logged no stream failure; nothing stays in flight; a valid chat is still routed.
 
 Each runs twice: through the gateway's own Envoy configuration and through an InferencePool
 gateway's (Envoy AI Gateway's data plane, full duplex, the service as its TLS picker): no
@@ -35,6 +36,14 @@ from hypothesis import strategies as st
 
 from extproc.bench.stub_upstream import RESPONSE, request_end
 from extproc.bench.stubs import start_stub_upstream
+from extproc.envoy.surface import (
+    GENERATION_PATHS,
+    HEALTH_PATHS,
+    MODEL_PREFIX,
+    MODELS_PATHS,
+    generation_path,
+    read_only_path,
+)
 from extproc.stack.processes import Running, free_port, static_discovery
 from tests.service.gateway_support import Gateway, chat, error_message, gateway, inference_pool_gateway
 
@@ -200,6 +209,45 @@ def test_forged_routing_headers(gw: Gateway, header: bytes, value: bytes) -> Non
     send(gw, "forged_header", json.dumps(chat("hi")).encode(), [*JSON_HEADERS, (header, value)])
 
 
+SPELLED_PATHS = [*GENERATION_PATHS, *(path + "/" for path in GENERATION_PATHS), *MODELS_PATHS, *HEALTH_PATHS,
+                 MODEL_PREFIX + "stub", "/slots", "/slots/0?action=erase", "/props", "/metrics", "/tokenize",
+                 "/v1/embeddings", "/V1/CHAT/COMPLETIONS", "/v1/chat/completions/../../slots", "/%761/models"]
+spelled = st.sampled_from(SPELLED_PATHS)  # twice as likely as a random path
+paths = spelled | spelled | st.text(
+    st.characters(min_codepoint=0x21, max_codepoint=0x7E, exclude_characters="#?%"), max_size=30).map("/{}".format)
+
+
+@FUZZ
+@given(method=st.sampled_from(["GET", "POST", "PUT", "DELETE", "PATCH", "OPTIONS"]), path=paths)
+def test_any_method_on_any_path(gw: Gateway, method: str, path: str) -> None:
+    """Only a POST on a generation path reaches a replica; a GET on a read-only path is answered by
+    the gateway itself; every other answer is an error in OpenAI's shape (surface.py)."""
+    bare = path.partition("?")[0]
+    generation, read_only = generation_path(bare), read_only_path(bare)
+    completion = generation is not None and generation.kind == "completion"
+    body = {"prompt": "hi", "max_tokens": 4} if completion else chat("hi")
+    try:
+        reply = httpx.request(method, gw.url + path, json=body if method != "GET" else None, timeout=10.0)
+    except httpx.RemoteProtocolError:  # a path Envoy's codec refuses outright: nothing reached anyone
+        OUTCOMES["method_path", "closed by Envoy's codec"] += 1
+        return
+    routed = gw.routed_to(reply)
+    if method == "POST" and generation is not None:
+        assert reply.status_code == 200 and routed in REPLICAS, (method, path, reply.status_code)
+        OUTCOMES["method_path", "routed"] += 1
+        return
+    assert routed not in REPLICAS, (method, path, reply.status_code, reply.text[:100])  # no replica saw it
+    if method == "GET" and read_only is not None and reply.status_code == 200:
+        OUTCOMES["method_path", "answered by the gateway"] += 1
+        return
+    if reply.status_code == 400 and not reply.headers.get("content-type", "").startswith("application/json"):
+        OUTCOMES["method_path", "400 refused by Envoy's codec"] += 1
+        return
+    assert reply.status_code in (404, 405) or (read_only is not None and reply.status_code == 404), reply.text
+    error_message(reply.json())
+    OUTCOMES["method_path", f"{reply.status_code} {reply.json()['error']['code']}"] += 1
+
+
 def test_the_invariants_hold_after_the_fuzzing(gw: Gateway) -> None:
     """Runs after the generated classes above (file order): the service is whole."""
     assert_healthy_after(gw)
@@ -258,8 +306,19 @@ def test_connect_is_refused_at_once(gw: Gateway) -> None:
     host, port = gw.url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=5) as sock:
         sock.sendall(b"CONNECT 127.0.0.1:22 HTTP/1.1\r\nHost: 127.0.0.1:22\r\n\r\n")
-        status_line = sock.recv(200).split(b"\r\n")[0]
-    assert status_line.split()[1] in {b"403", b"405"}
+        answer = b""
+        while b"\r\n\r\n" not in answer or len(answer.partition(b"\r\n\r\n")[2]) < _length(answer):
+            answer += sock.recv(4096)
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.split()[1] in {b"403", b"405"}
+    assert error_message(json.loads(body))  # in OpenAI's shape too
+
+
+def _length(answer: bytes) -> int:
+    """The content-length of an HTTP answer's head (0 until the head is whole)."""
+    head = answer.partition(b"\r\n\r\n")[0].lower()
+    found = re.search(rb"content-length: *(\d+)", head)
+    return int(found.group(1)) if found else 0
 
 
 def test_the_services_own_413_keeps_its_message(gw: Gateway) -> None:

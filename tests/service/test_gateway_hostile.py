@@ -28,6 +28,7 @@ from extproc.service.metrics import Metrics
 from extproc.service.processor import ATTRIBUTES
 from extproc.service.wire import decode_tolerant
 from extproc.settings import load_settings
+from tests.service.gateway_support import error_message
 
 SETTINGS = load_settings(Path(__file__).parents[2] / "extproc" / "service" / "router.toml")
 ENDPOINTS = {"llm-0": "127.0.0.1:9000", "llm-1": "127.0.0.1:9001"}
@@ -47,7 +48,7 @@ def decide(
     return gateway.route_request(
         path=CHAT,
         content_type="application/json",
-        conversation_id=conversation_id,
+        session_headers={"x-conversation-id": conversation_id},
         turn="1",
         request_id=request_id,
         body=orjson.dumps(body),
@@ -127,6 +128,25 @@ def test_wrong_json_types_are_refused_naming_the_field(body: bytes, says: str) -
     with pytest.raises(BadRequest) as caught:
         parse_request(CHAT, "application/json", body)
     assert caught.value.status == 400 and says in caught.value.message
+    answer, routed = make_gateway().route_request(path=CHAT, content_type="application/json", session_headers={},
+                                                  turn="", request_id="r", body=body)
+    status, document = immediate_status(answer)
+    assert not routed and status == 400 and says in error_message(document)  # in OpenAI's shape, the field named
+    assert document["error"]["param"] == says.strip("'")
+
+
+@given(st.binary(max_size=200) | st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(max_size=10),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.sampled_from(
+        ["messages", "role", "content", "text", "prompt", "max_tokens", "model", "stream"]), inner, max_size=4),
+    max_leaves=12).map(lambda value: json.dumps(value).encode()))
+def test_every_refusal_of_a_body_is_an_error_in_openais_shape(body: bytes) -> None:
+    for path in ("/v1/chat/completions", "/v1/completions", "/completion"):
+        answer, routed = make_gateway().route_request(path=path, content_type="application/json",
+                                                      session_headers={}, turn="", request_id="r", body=body)
+        if not routed:
+            status, document = immediate_status(answer)
+            assert 400 <= status < 500 and error_message(document), (path, body)
 
 
 # ---------------------------------------------------------------- bounded numbers and work
@@ -271,7 +291,7 @@ def test_large_bodies_are_parsed_in_the_worker_with_the_same_result() -> None:
 def test_the_gateway_decides_on_a_result_parsed_elsewhere() -> None:
     gateway = make_gateway()
     refusal = BadRequest(413, "'messages': too many", "request_too_large", "messages")
-    answer, routed = gateway.route_request(path=CHAT, content_type="", conversation_id="", turn="", request_id="r",
+    answer, routed = gateway.route_request(path=CHAT, content_type="", session_headers={}, turn="", request_id="r",
                                     body=b"never parsed here", parsed_elsewhere=refusal)  # fmt: skip
     assert not routed and immediate_status(answer) == (413, {"error": {
         "message": "'messages': too many", "type": "invalid_request_error", "param": "messages",

@@ -1,6 +1,7 @@
 """A request's life in the gateway, without gRPC: decided, then ended by Envoy's access log
 entry (and, for a streamed answer, the observer's last chunk), or released as lost when the
-entry never comes. The load is released exactly once in every case."""
+entry never comes; an Endpoint Picker's stream driven message by message in-process. The load
+is released exactly once in every case."""
 
 from __future__ import annotations
 
@@ -11,25 +12,34 @@ from typing import Any
 
 import orjson
 import pytest
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from grpc.aio import EOF
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from structlog.testing import capture_logs
 
 from extproc.routing import Router
 from extproc.routing.placement import Placement
+from extproc.routing.settings import with_knobs
 from extproc.service.bodies import Timings
 from extproc.service.gateway import LOST_AFTER_S, Gateway, Pending
 from extproc.service.metrics import Metrics
-from extproc.settings import load_settings
+from extproc.service.picker import FULL_DUPLEX, PickerStream
+from extproc.settings import load_settings, parse_routing
 
 SETTINGS = load_settings(Path(__file__).parents[2] / "extproc" / "service" / "router.toml")
 ENDPOINTS = {"llm-0": "127.0.0.1:9000", "llm-1": "127.0.0.1:9001", "llm-2": "127.0.0.1:9002"}
 TIMINGS = Timings(cache_n=3, prompt_n=5, prompt_ms=1.0, predicted_n=2, predicted_ms=1.0)
 
 
-def make_gateway(grace_ms: int = 200) -> Gateway:
+def make_gateway(grace_ms: int = 200, prefix_index: bool = True) -> Gateway:
+    """prefix_index False: conversations placed by their keys alone (the index would place them where
+    their prefix is cached, as these tests' fixed timings, cache_n 3 on every turn, mislead it)."""
     service = SETTINGS.service.model_copy(update={"observe_grace_ms": grace_ms})
-    gateway = Gateway(Router(SETTINGS.routing), service, Metrics())
+    routing = SETTINGS.routing if prefix_index else parse_routing(with_knobs(SETTINGS.routing.table(),
+                                                                             {"prefix_index": False}))
+    gateway = Gateway(Router(routing), service, Metrics())
     gateway.set_replicas(ENDPOINTS)
     return gateway
 
@@ -40,7 +50,7 @@ def decide(gateway: Gateway, request_id: str, stream: bool = False) -> tuple[str
     gateway.route_request(
         path="/v1/chat/completions",
         content_type="application/json",
-        conversation_id="c-1",
+        session_headers={"x-conversation-id": "c-1"},
         turn="1",
         request_id=request_id,
         body=body,
@@ -154,13 +164,19 @@ def test_a_stream_the_replica_ended_is_whole_though_the_client_hung_up_after_don
     assert record["outcome"] == "ok" and record["cache_n"] == 7
 
 
-def complete_turn(gateway: Gateway, messages: list[dict[str, str]]) -> Pending:
-    """One chat request with no conversation id (keyed on its opening), decided and answered whole."""
-    gateway.route_request(path="/v1/chat/completions", content_type="application/json", conversation_id="",
-                          turn="", request_id="", body=orjson.dumps({"messages": messages, "max_tokens": 8}))
+def complete_turn(gateway: Gateway, messages: list[dict[str, str]], conversation: str = "", served: str = "",
+                  **extra: Any) -> Pending:
+    """One chat request (no conversation id: keyed on its opening), decided and answered whole by
+    its pick (or by ``served``, a replica's name: a fallback); ``extra``: more body fields."""
+    body = orjson.dumps({"messages": messages, "max_tokens": 8, **extra})
+    named = {"x-conversation-id": conversation} if conversation else {}
+    gateway.route_request(path="/v1/chat/completions", content_type="application/json", session_headers=named,
+                          turn="", request_id="", body=body)
     ours = next(reversed(gateway.pending))
     pending = gateway.pending[ours]
-    gateway.access_logged(ours, 200, pending.endpoint, cut_off=False, timings=TIMINGS)
+    gateway.access_logged(ours, 200, ENDPOINTS[served] if served else pending.endpoint, cut_off=False,
+                          timings=TIMINGS)
+    gateway.mark_healthy(pending.decision.replica)  # a pick that refused: its probe answers again at once
     return pending
 
 
@@ -213,6 +229,95 @@ def test_a_stranger_with_the_same_opening_moves_nothing_and_is_placed_only_by_th
     assert complete_turn(gateway, messages).decision.replica == turns[-1].decision.replica
 
 
+def test_a_regenerated_answer_and_a_retried_first_message_start_where_their_prefix_was_served() -> None:
+    """After 4 turns, turn 2 resent as it was (regenerate its answer) and the first message resent
+    with tools (a tool_choice retry): neither continues the chat's last turn; each goes where the
+    request it resends was served, under a key of its own."""
+    gateway = make_gateway()
+    tool = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}
+    for chat in range(12):
+        messages, turns = four_turns(gateway, f"user {chat}")
+        placed = placement(gateway, turns[-1])
+        regenerated = complete_turn(gateway, messages[:4])
+        assert regenerated.decision.replica == turns[1].decision.replica, chat
+        assert regenerated.predicted_cached_tokens >= turns[1].request.prompt_tokens - 1
+        retried = complete_turn(gateway, messages[:2], tools=[tool], tool_choice="required")
+        assert retried.decision.replica == turns[0].decision.replica, chat
+        assert {regenerated.request.conversation, retried.request.conversation}.isdisjoint(
+            {turns[-1].request.conversation})
+        assert placement(gateway, turns[-1]) == placed
+    assert gateway.metrics.branches == 24
+
+
+def test_new_conversations_sharing_a_first_message_are_not_piled_on_its_replica() -> None:
+    """A first message many users send (the same system prompt and question) under new ids: each is
+    a new conversation, spread by its id, not sent as a branch where the first of them was served
+    (the prefix index, when on, may send them there for the opening it caches: its choice, by cost)."""
+    gateway = make_gateway(prefix_index=False)
+    opening = [{"role": "system", "content": "You help."}, {"role": "user", "content": "Hello, how are you?"}]
+    first = complete_turn(gateway, opening, "user-0")
+    later = [complete_turn(gateway, opening, f"user-{index}") for index in range(1, 31)]
+    assert gateway.metrics.branches == 0
+    assert {turn.decision.replica for turn in later} == set(ENDPOINTS)
+    assert any(turn.decision.replica != first.decision.replica for turn in later)
+
+
+def test_a_stranger_proving_the_opening_is_not_told_where_the_conversation_went_since() -> None:
+    """The chat's first turn was served on one replica, its later turns by another (a fallback):
+    a stranger's body with the same opening, under the chat's id, no id or another's, is placed
+    where the opening was served with the opening's tokens, not where the chat is now; the
+    chat's placement stays, and its next turn still goes there."""
+    gateway = make_gateway(prefix_index=False)
+    system = {"role": "system", "content": "You help the victim."}
+    messages = [system, {"role": "user", "content": "victim: question 0 " + "lorem ipsum " * 40}]
+    first = complete_turn(gateway, messages, "victim")
+    elsewhere = next(name for name in sorted(ENDPOINTS) if name != first.decision.replica)
+    for turn in range(1, 4):
+        messages += [{"role": "assistant", "content": f"answer {turn}"},
+                     {"role": "user", "content": f"victim: question {turn} " + "dolor sit " * 40}]
+        last = complete_turn(gateway, messages, "victim", served=elsewhere)
+    placed = placement(gateway, last)
+    assert placed is not None and placed.replica == elsewhere
+    for name in ("victim", "", "someone else"):
+        forged = [*messages[:2], {"role": "assistant", "content": "a guessed answer"},
+                  {"role": "user", "content": f"{name}?"}]
+        stranger = complete_turn(gateway, forged, name)
+        assert stranger.decision.replica == first.decision.replica, name
+        assert stranger.predicted_cached_tokens <= first.request.prompt_tokens + (TIMINGS.predicted_n or 0) + 1
+        assert not stranger.continued and stranger.request.conversation != last.request.conversation
+    assert placement(gateway, last) == placed
+    messages.append({"role": "user", "content": "the victim's next turn"})
+    assert complete_turn(gateway, messages, "victim").decision.replica == elsewhere
+
+
+def test_a_stranger_after_an_edit_moves_neither_the_chat_nor_its_edited_branch() -> None:
+    """The owner edits turn 2 under the chat's id, then goes on in the edited chat; strangers with
+    the same id and opening in between get keys of their own: the edited branch keeps its
+    placement (replica and tokens) and its next turn continues it."""
+    gateway = make_gateway()
+    for chat in range(6):
+        name = f"owner {chat}"
+        messages = [{"role": "system", "content": f"You help {name}."}]
+        for turn in range(4):
+            messages.append({"role": "user", "content": f"{name}: question {turn} " + "lorem ipsum " * 40})
+            last = complete_turn(gateway, messages, name)
+            messages.append({"role": "assistant", "content": f"answer {turn}"})
+        placed = placement(gateway, last)
+        edited = [*messages[:3], {"role": "user", "content": f"{name}: an edited second question"}]
+        edit = complete_turn(gateway, edited, name)
+        branch_placed = placement(gateway, edit)
+        for stranger in range(3):
+            forged = [*messages[:2], {"role": "assistant", "content": "a guessed answer"},
+                      {"role": "user", "content": f"stranger {stranger}: " + "more words " * (20 * stranger)}]
+            taken = complete_turn(gateway, forged, name)
+            assert taken.request.conversation not in (edit.request.conversation, last.request.conversation)
+        assert (placement(gateway, edit), placement(gateway, last)) == (branch_placed, placed)
+        edited += [{"role": "assistant", "content": "the edited answer"}, {"role": "user", "content": "and then?"}]
+        follow_up = complete_turn(gateway, edited, name)
+        assert follow_up.continued and follow_up.request.conversation == edit.request.conversation
+        assert follow_up.decision.replica == edit.decision.replica
+
+
 def test_metrics_count_what_happened() -> None:
     gateway = make_gateway()
     gateway.metrics.watch(gateway.replica_states)
@@ -223,7 +328,7 @@ def test_metrics_count_what_happened() -> None:
         gateway.access_logged(r1, 200, endpoint, cut_off=False, timings=TIMINGS)
         r2, _ = decide(gateway, "envoy-r2")
         gateway.access_logged(r2, 200, endpoint, cut_off=True, timings=None)
-        gateway.route_request(path="/v1/chat/completions", content_type="application/json", conversation_id="", turn="",
+        gateway.route_request(path="/v1/chat/completions", content_type="application/json", session_headers={}, turn="",
                        request_id="r3", body=b"{not json")  # fmt: skip
     first = decisions(logs)[0]
     scraped = samples(gateway)
@@ -256,3 +361,56 @@ def samples(gateway: Gateway) -> dict[tuple[str, tuple[tuple[str, str], ...]], f
         for family in text_string_to_metric_families(text)
         for sample in family.samples
     }
+
+
+class HangsUpAfterTheAnswer:
+    """An Endpoint Picker's gRPC context whose stream Envoy resets while the picker answers the
+    last response chunk: Envoy had passed it on, and the client, having read the whole answer,
+    hung up at once."""
+
+    def __init__(self, messages: list[Any]) -> None:
+        self.messages = messages
+        self.last_read_ended = False
+
+    async def read(self) -> Any:
+        if not self.messages:
+            return EOF
+        message = self.messages.pop(0)
+        self.last_read_ended = message.WhichOneof("request") == "response_body" and message.response_body.end_of_stream
+        return message
+
+    async def write(self, answer: bytes) -> None:
+        if self.last_read_ended:
+            raise asyncio.CancelledError
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+def test_a_picker_stream_reset_as_the_answers_end_goes_out_is_whole(stream: bool) -> None:
+    """The picker observes a response chunk before it answers it: the stream's reset, the
+    instant the client had the end, finds the answer whole (seen with LiteLLM, which closes its
+    connection as soon as it has read a JSON answer: logged ``abandoned``, its timings lost)."""
+    def headers(pairs: dict[str, str], end: bool = False) -> pb.HttpHeaders:
+        values = [base_pb2.HeaderValue(key=key, raw_value=value.encode()) for key, value in pairs.items()]
+        return pb.HttpHeaders(headers=base_pb2.HeaderMap(headers=values), end_of_stream=end)
+
+    timings = b'"timings": {"cache_n": 3, "prompt_n": 5, "prompt_ms": 1.0, "predicted_n": 2, "predicted_ms": 1.0}'
+    answer = (b'data: {"choices": [{"delta": {"content": "hi"}}], ' + timings + b"}\n\ndata: [DONE]\n\n" if stream
+              else b'{"choices": [{"message": {"content": "hi"}}], ' + timings + b"}")
+    body = orjson.dumps({"messages": [{"role": "user", "content": "hello"}], "max_tokens": 8, "stream": stream})
+    messages = [
+        pb.ProcessingRequest(
+            request_headers=headers({":method": "POST", ":path": "/v1/chat/completions",
+                                     "content-type": "application/json"}),
+            protocol_config=pb.ProtocolConfiguration(request_body_mode=FULL_DUPLEX, response_body_mode=FULL_DUPLEX)),
+        pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=True)),
+        pb.ProcessingRequest(response_headers=headers({":status": "200"})),
+        pb.ProcessingRequest(response_body=pb.HttpBody(body=answer[:10], end_of_stream=False)),
+        pb.ProcessingRequest(response_body=pb.HttpBody(body=answer[10:], end_of_stream=True)),
+    ]
+    gateway = make_gateway()
+    picker = PickerStream(gateway, None, HangsUpAfterTheAnswer(messages[1:]))  # type: ignore[arg-type]
+    with capture_logs() as logs, pytest.raises(asyncio.CancelledError):
+        asyncio.run(picker.serve(messages[0]))
+    assert in_flight(gateway) == 0 and not gateway.pending
+    (record,) = decisions(logs)
+    assert (record["outcome"], record["cache_n"], record["prompt_n"]) == ("ok", 3, 5), record

@@ -26,7 +26,7 @@ from tests.service.gateway_support import (
     assert_sdk_turns_stay_on_one_cache,
     back_to_back,
     gateway,
-    two_llama_replicas,
+    llama_replicas,
 )
 
 pytestmark = pytest.mark.live
@@ -36,7 +36,7 @@ SYSTEM = {"role": "system", "content": "You are a helpful assistant. Answer in o
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LlamaReplicas]:
-    with two_llama_replicas(tmp_path_factory.mktemp("replicas")) as replicas:
+    with llama_replicas(tmp_path_factory.mktemp("replicas")) as replicas:
         yield replicas
 
 
@@ -70,6 +70,19 @@ def test_turns_of_a_conversation_stay_on_one_replica_and_reuse_its_cache(gw: Gat
     assert first.headers["x-route-predicted-cached-tokens"] == "0"
     assert int(second.headers["x-route-predicted-cached-tokens"]) == logged["predicted_cached_tokens"]
     assert gw.wait_idle()["in_flight_requests"] == 0
+
+
+@pytest.mark.parametrize(("header", "conversation"), [("x-claude-code-session-id", 40), ("session_id", 41)])
+def test_an_agent_sending_only_its_session_header_keeps_its_turns_on_their_cache(gw: Gateway, header: str,
+                                                                                 conversation: int) -> None:
+    """Claude Code's session header, and Codex's (a name with "_", which Envoy passes on): no
+    x-conversation-id, turns sent back to back; each finds the whole last prompt cached, and the
+    service routes them under the session's id."""
+    turns = back_to_back(gw.url, conversation, stream=True, with_header=True, session_header=header)
+    assert_each_turn_reused_the_whole_previous_prompt(turns)
+    gw.wait_idle()
+    named = [r for r in gw.decisions() if r["conversation"] == f"b2b-True-{conversation}"]
+    assert len(named) == len(turns), [r["conversation"] for r in gw.decisions()[-len(turns):]]
 
 
 def test_completion_endpoint_is_routed_and_its_timings_read(gw: Gateway) -> None:
@@ -176,10 +189,10 @@ def test_envoy_adds_the_key_to_a_generation_over_whatever_the_client_sent(gw: Ga
 
 
 def test_envoy_failing_open_still_adds_the_key(llama: LlamaReplicas, tmp_path: Path) -> None:
-    """No routing service (nothing listens on its port): Envoy serves round robin, with the key."""
+    """No routing service (nothing listens on its socket): Envoy serves round robin, with the key."""
     endpoints = tmp_path / "replicas.json"
     write_endpoints_file(endpoints, llama.addresses)
-    envoy = start_gateway_envoy(tmp_path / "envoy", f"127.0.0.1:{free_port()}", endpoints, True, 1,
+    envoy = start_gateway_envoy(tmp_path / "envoy", f"@llm-ring-nobody-{free_port()}", endpoints, True, 1,
                                 replica_key_file=llama.key_file)
     try:
         served = set()

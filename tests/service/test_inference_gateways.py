@@ -48,7 +48,7 @@ from extproc.stack.processes import (
     start_picker_service,
     tls_grpc_serving,
 )
-from tests.service.gateway_support import LlamaReplicas, assert_sdk_turns_stay_on_one_cache, two_llama_replicas
+from tests.service.gateway_support import LlamaReplicas, assert_sdk_turns_stay_on_one_cache, llama_replicas
 
 pytestmark = pytest.mark.live
 CHAT = "/v1/chat/completions"
@@ -78,7 +78,7 @@ class Plane:
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LlamaReplicas]:
-    with two_llama_replicas(tmp_path_factory.mktemp("replicas")) as replicas:
+    with llama_replicas(tmp_path_factory.mktemp("replicas")) as replicas:
         yield replicas
 
 
@@ -229,8 +229,10 @@ def test_no_control_action_reaches_a_replica_with_the_key_and_a_victims_cache_st
     """Whatever the gateway lets through to a replica besides a generation goes without the
     replicas' key, so llama.cpp refuses it (401; or the gateway refuses it first): nobody's
     slots are read, erased, saved or restored."""
+    plane.assert_idle()  # no load left from the tests before to move the victim's next turn
+    victim = {"x-conversation-id": f"victim-{plane.url.rsplit(':', 1)[1]}"}  # the picker serves every plane
     history = [{"role": "user", "content": "Remember the lighthouse keeper and the storm of the north coast."}]
-    first = post(plane, {"messages": history, "max_tokens": 4, "ignore_eos": True}, {"x-conversation-id": "victim"})
+    first = post(plane, {"messages": history, "max_tokens": 4, "ignore_eos": True}, victim)
     answer = first.json()
     held = answer["timings"]["cache_n"] + answer["timings"]["prompt_n"]
     for _ in range(2):  # the pass-through turns round the replicas
@@ -239,8 +241,9 @@ def test_no_control_action_reaches_a_replica_with_the_key_and_a_victims_cache_st
                                   headers={"authorization": "Bearer not-the-key"})
             assert reply.status_code in (401, 404), (method, path, reply.status_code, reply.text)
     history += [answer["choices"][0]["message"], {"role": "user", "content": "What did he see?"}]
-    second = post(plane, {"messages": history, "max_tokens": 4}, {"x-conversation-id": "victim"})
-    assert second.headers[UPSTREAM_HEADER] == first.headers[UPSTREAM_HEADER]
+    plane.assert_idle()
+    second = post(plane, {"messages": history, "max_tokens": 4}, victim)
+    assert second.headers[UPSTREAM_HEADER] == first.headers[UPSTREAM_HEADER], plane.state()
     assert second.json()["timings"]["cache_n"] >= held - 1, "the victim's cache is intact"
     plane.assert_idle()
 

@@ -238,6 +238,25 @@ def test_the_subset_hint_is_honoured_and_503_when_it_leaves_nothing(picker: Runn
     eventually_idle(picker)
 
 
+def test_an_agent_session_header_names_the_conversation(picker: Running):
+    """OpenCode's x-session-affinity, alone or with x-conversation-id (which comes later in
+    service.session_ids): the conversation is the session's."""
+    async def pick(**session: str) -> None:
+        async with secure_channel(picker.listen) as channel:
+            x = Exchange(channel)
+            await x.send(first_message(CHAT, Mode.FULL_DUPLEX_STREAMED, **session))
+            await x.body(chat("an agent's turn"), True)
+            await x.answer()
+            await x.answer()
+            await x.call.done_writing()
+
+    run(pick(x_session_affinity="opencode-1"))
+    run(pick(x_session_affinity="opencode-2", x_conversation_id="ignored-2"))
+    eventually_idle(picker)
+    conversations = {r["conversation"] for r in decisions(picker)}
+    assert {"opencode-1", "opencode-2"} <= conversations and "ignored-2" not in conversations
+
+
 def test_a_fallback_that_served_is_remembered_and_a_cancelled_stream_is_released(picker: Running):
     async def exchange(conversation: str, served: str, cancel: bool) -> str:
         async with secure_channel(picker.listen) as channel:

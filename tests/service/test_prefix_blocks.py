@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 import extproc.routing.blocks as blocks_module
 from extproc.routing import Router
-from extproc.routing.blocks import BLOCK_CHARS, BlockMemory, prefix_blocks
+from extproc.routing.blocks import BLOCK_CHARS, BlockMemory, model_seed, prefix_blocks
 from extproc.routing.policies.llm_aware import INDEX_BLOCK_CHARS
 from extproc.routing.settings import with_knobs
 from extproc.service.bodies import parse_request, request_blocks
@@ -54,7 +54,7 @@ def test_the_gateway_hashes_blocks_only_for_a_policy_that_needs_them_and_as_long
     gateway = Gateway(Router(routing), SETTINGS.service, Metrics())
     gateway.set_replicas({"llm-0": "127.0.0.1:9000", "llm-1": "127.0.0.1:9001"})
     body = chat(("user", "hello there, " * 60))
-    _, routed = gateway.route_request(path=CHAT, content_type="application/json", conversation_id="", turn="1",
+    _, routed = gateway.route_request(path=CHAT, content_type="application/json", session_headers={}, turn="1",
                                request_id="r1", body=body)
     assert routed
     (pending,) = gateway.pending.values()
@@ -76,17 +76,18 @@ texts = st.one_of(st.text(alphabet="ab c\x00", max_size=700), st.text(alphabet="
 
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(["k1", "k2"]), texts, st.booleans()), min_size=1, max_size=30),
-       st.sampled_from([4, 64, 256]))
-def test_remembered_blocks_are_the_blocks_however_the_texts_change(calls, block_chars: int) -> None:
+       st.sampled_from([4, 64, 256]), st.sampled_from(["", "tiny"]))
+def test_remembered_blocks_are_the_blocks_however_the_texts_change(calls, block_chars: int, model: str) -> None:
     """BlockMemory hashes only a next turn's new blocks; whatever comes (a turn that resends
     the last prompt, one that changes or drops it, another chat under the same key, non-ASCII),
-    its blocks are prefix_blocks'."""
+    its blocks are prefix_blocks', under the model's seed."""
     memory = BlockMemory(block_chars, max_blocks=20)
     last: dict[str, str] = {}
     for key, text, extends in calls:
         if extends and key in last:
             text = last[key] + text  # a next turn: the last prompt, resent, and more
-        assert memory.blocks(key, text) == prefix_blocks(text, block_chars)
+        seed = model_seed(model)
+        assert memory.blocks(key, text, seed) == prefix_blocks(text, block_chars, seed)
         last[key] = text
         assert memory.held() <= 20  # bounded in blocks, whatever the prompts' lengths
 
@@ -99,12 +100,12 @@ def test_the_gateway_hashes_a_next_turn_once_per_new_block(monkeypatch: pytest.M
     real = blocks_module.hash_bytes
     monkeypatch.setattr(blocks_module, "hash_bytes", lambda piece, seed: hashed.append(piece) or real(piece, seed))
     first = chat(("system", "tools " * 200), ("user", "hello there, " * 20))
-    gateway.route_request(path=CHAT, content_type="application/json", conversation_id="", turn="1",
+    gateway.route_request(path=CHAT, content_type="application/json", session_headers={}, turn="1",
                           request_id="r1", body=first)
     whole = len(hashed)
     later = chat(("system", "tools " * 200), ("user", "hello there, " * 20), ("assistant", "hi"),
                  ("user", "more " * 100))
-    gateway.route_request(path=CHAT, content_type="application/json", conversation_id="", turn="2",
+    gateway.route_request(path=CHAT, content_type="application/json", session_headers={}, turn="2",
                           request_id="r2", body=later)
     second = len(hashed) - whole
     before, now = request_blocks(CHAT, first, INDEX_BLOCK_CHARS), request_blocks(CHAT, later, INDEX_BLOCK_CHARS)

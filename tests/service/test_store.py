@@ -100,8 +100,8 @@ def run_closing(main: Callable[[], Awaitable[None]]) -> None:
 async def ask(gateway: Gateway, messages: list[dict[str, str]], conversation: str = "c-1") -> str:
     """One chat request decided through the store; the service's own id for it."""
     _, routed = await gateway.route_shared(
-        path=CHAT, content_type="application/json", conversation_id=conversation, turn="", request_id="envoy-id",
-        body=orjson.dumps({"messages": messages, "max_tokens": 8}),
+        path=CHAT, content_type="application/json", session_headers={"x-conversation-id": conversation}, turn="",
+        request_id="envoy-id", body=orjson.dumps({"messages": messages, "max_tokens": 8}),
     )
     assert routed
     return next(reversed(gateway.pending))
@@ -159,8 +159,9 @@ def test_turns_that_alternate_between_routers_stay_on_their_replica(server: Runn
                 answered(gateway, request_id)
                 await gateway.store.flushed()  # type: ignore[union-attr]
             alone = make_gateway()  # the control: a router that shares nothing goes to the ring home
-            _, routed = alone.route_request(path=CHAT, content_type="application/json", conversation_id=conversation,
-                                            turn="", request_id="x", body=orjson.dumps({"messages": messages}))
+            _, routed = alone.route_request(path=CHAT, content_type="application/json",
+                                            session_headers={"x-conversation-id": conversation}, turn="",
+                                            request_id="x", body=orjson.dumps({"messages": messages}))
             assert routed and next(reversed(alone.pending.values())).decision.replica == home
         assert all(gateway.router.ledger.total_requests() == 0 for gateway in routers)
 
@@ -189,6 +190,53 @@ def test_a_decision_reads_in_one_pipeline_and_a_busy_router_asks_who_else_there_
         assert calls["xread"] >= 60  # b's changes to the index, each decision (and the batches' reads)
         # the routers' ids: a's batches at most every READ_EVERY_S, b's heartbeats (a third of 0.6 s)
         assert calls.get("srandmember", 0) <= 2 * (elapsed / READ_EVERY_S + 1) + elapsed / 0.2 + 2
+
+
+def test_a_chat_another_router_served_is_no_branch_of_an_equal_history_served_here(server: Running) -> None:
+    """Router b served conversation "old" (a branch point: its history on replica X). The same
+    messages as conversation "new", served through router a on Y, then a turn through b: b knows
+    "new" only from the store, where it continues, so it follows its placement to Y and does not
+    branch to X, where an equal history of another conversation was served."""
+    async def run() -> None:
+        a, b = await sharing(server, "r-a"), await sharing(server, "r-b")
+        first = [USER1]
+        second = follow_up(first, "answer 1", "more 1")
+        old = await ask(b, first, "old")
+        x = b.pending[old].decision.replica
+        answered(b, old)
+        answered(b, await ask(b, second, "old"))
+        assert b.pending == {} and x
+        new = await ask(a, first, "new")
+        y = next(name for name in sorted(ENDPOINTS) if name not in (x, a.pending[new].decision.replica))
+        answered(a, new, served=y)
+        answered(a, await ask(a, second, "new"))
+        await a.store.flushed()  # type: ignore[union-attr]
+        third = await ask(b, follow_up(second, "answer 2", "more 2"), "new")
+        assert b.pending[third].decision.replica == y, (x, y)
+        assert b.metrics.branches == 0
+
+    run_closing(run)
+
+
+def test_a_back_to_back_turn_another_router_still_serves_is_no_branch_either(server: Running) -> None:
+    """As above, but the next turn comes through b the instant a's answer is in: the store holds
+    a's request as pending, no placement yet. b's body answers it, so b follows it to its
+    replica and does not branch to X."""
+    async def run() -> None:
+        a, b = await sharing(server, "r-a"), await sharing(server, "r-b")
+        first = [USER1]
+        old = await ask(b, first, "old")
+        x = b.pending[old].decision.replica
+        answered(b, old)
+        for attempt in range(20):  # a conversation a places away from X
+            new = await ask(a, first, f"new-{attempt}")
+            if (y := a.pending[new].decision.replica) != x:
+                break
+            answered(a, new)
+        await a.store.flushed()  # type: ignore[union-attr]
+        turn = await ask(b, follow_up(first, "answer 1", "more 1"), f"new-{attempt}")
+        assert b.pending[turn].decision.replica == y, (x, y)
+        assert b.metrics.branches == 0
 
     run_closing(run)
 
@@ -226,6 +274,35 @@ def test_a_new_router_starts_warm(server: Running) -> None:
         late = await sharing(server, "r-new")  # started after: an empty memory of its own
         t2 = await ask(late, follow_up([USER1], "an answer", "more"))
         assert late.pending[t2].decision.replica == moved_to != home
+
+    run_closing(run)
+
+
+def test_a_stranger_through_a_router_that_knows_its_prefix_from_elsewhere_moves_nothing_there(server: Running) -> None:
+    """Router b served an id-less chat with the victim's opening, on another replica (a branch point
+    of that opening). A stranger with the victim's id and opening through b: the store says it
+    does not continue the victim's chat, so its branch lands under a key of its own; b holds no
+    placement under the victim's key, and the victim's next turn through b goes to its replica."""
+    async def run() -> None:
+        a, b = await sharing(server, "r-a"), await sharing(server, "r-b")
+        opening = [{"role": "system", "content": "a shared system prompt"}, USER1]
+        messages = list(opening)
+        for turn in range(4):
+            request_id = await ask(a, messages, "victim")
+            victim = a.pending[request_id].decision.replica
+            answered(a, request_id)
+            messages = follow_up(messages, f"answer {turn}", f"question {turn}")
+        await a.store.flushed()  # type: ignore[union-attr]
+        elsewhere = next(name for name in sorted(ENDPOINTS) if name != victim)
+        answered(b, await ask(b, opening, ""), served=elsewhere)
+        stranger = await ask(b, follow_up(opening, "a guessed answer", "?"), "victim")
+        routed = b.pending[stranger]
+        assert routed.request.conversation != "victim" and not routed.continued
+        assert routed.decision.replica == elsewhere  # where b saw the opening served: what the body proves
+        answered(b, stranger)
+        assert b.router.memory.get(b.router.conversation_key("victim")) is None
+        next_turn = await ask(b, messages, "victim")
+        assert b.pending[next_turn].decision.replica == victim
 
     run_closing(run)
 

@@ -1,8 +1,9 @@
 """Real gateways (Envoy + `llm-ring serve` each) sharing one real redis-server, in front of
 stub upstreams: a conversation's next turn through the other gateway goes where the first
-gateway's answer left its cache; a forged conversation id learns and moves nothing; a flood
-of new ids keeps the store in use and every placement written; a store killed and restarted
-empty gets its placements back; forged or broken entries in the store are skipped."""
+gateway's answer left its cache; a forged session id (each source of service.session_ids)
+learns and moves nothing; a flood of new ids keeps the store in use and every placement
+written; a store killed and restarted empty gets its placements back; forged or broken entries
+in the store are skipped."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -120,19 +122,30 @@ def test_the_next_turn_through_the_other_gateway_follows_the_shared_placement(
         assert first.wait_idle()["in_flight_requests"] == 0 and second.wait_idle()["in_flight_requests"] == 0
 
 
-@pytest.mark.parametrize("routers", [1, 2])
-def test_a_forged_conversation_id_learns_nothing_and_moves_nothing(
-    routers: int, redis_server: Running, stubs: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+def carrying(source: str, session: str, body: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+    """(body, headers) of a request naming ``session`` by ``source`` (an entry of service.session_ids)."""
+    kind, _, name = source.partition(":")
+    return ({**body, name: session}, {}) if kind == "body" else (body, {name: session})
+
+
+# each source of router.toml's service.session_ids, alone and through two gateways sharing the store
+@pytest.mark.parametrize(("routers", "source"), [
+    (1, "header:x-conversation-id"), (2, "header:x-conversation-id"), (1, "header:session_id"),
+    (2, "header:x-claude-code-session-id"), (2, "header:x-session-affinity"), (1, "body:prompt_cache_key"),
+])
+def test_a_forged_session_id_learns_nothing_and_moves_nothing(
+    routers: int, source: str, redis_server: Running, stubs: dict[str, str], tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    assert source in SETTINGS.service.session_ids
     victim = homed_on("llm-2")[0]  # its cache ends on llm-0 (llm-2 refuses): not its ring home
-    headers = {"x-conversation-id": victim}
     with ExitStack() as stack:
         if routers == 2:
             share(monkeypatch, redis_server, timeout_ms="500")
             first, second, _ = two_gateways(stack, tmp_path, stubs)
         else:
             first = second = stack.enter_context(gateway(tmp_path / "gw", static_discovery(stubs)))
-        reply = post(first.url + URL, chat("hello"), headers)
+        reply = post(first.url + URL, *carrying(source, victim, chat("hello")))
         assert reply.headers["x-gateway-destination-endpoint-served"] == stubs["llm-0"]
         first.wait_idle()
         store = admin(redis_server)
@@ -140,7 +153,7 @@ def test_a_forged_conversation_id_learns_nothing_and_moves_nothing(
             wait_for(lambda: store.exists(placed_key(victim)), "the placement never reached the store")
         stored = store.get(placed_key(victim))
         for attempt in range(3):  # every turn, as a forger may, with bodies unrelated to the victim's history
-            forged = post(second.url + URL, chat(f"{attempt} " + "x" * 2000), headers)
+            forged = post(second.url + URL, *carrying(source, victim, chat(f"{attempt} " + "x" * 2000)))
             assert forged.status_code == 200
             assert forged.headers.get("x-route-predicted-cached-tokens", "0") == "0"  # nothing of its length
             assert forged.headers["x-route-reason"] not in ("placement", "long_sticky")
@@ -148,7 +161,7 @@ def test_a_forged_conversation_id_learns_nothing_and_moves_nothing(
         if routers == 2:
             time.sleep(0.1)  # the writer's batch
             assert store.get(placed_key(victim)) == stored  # not overwritten
-        reply = post(first.url + URL, chat("", messages=TURN_2), headers)  # the victim's next turn
+        reply = post(first.url + URL, *carrying(source, victim, chat("", messages=TURN_2)))  # the victim's next turn
         assert reply.headers["x-routed-to"] == "llm-0"  # where its cache is (llm-2 refuses: not the ring's pick)
         assert int(reply.headers["x-route-predicted-cached-tokens"]) > 0
 

@@ -25,10 +25,17 @@ import pytest
 
 from extproc.envoy.surface import GENERATION_PATHS
 from extproc.stack.processes import static_discovery
-from tests.service.gateway_support import Gateway, error_message, gateway, inference_pool_gateway, two_llama_replicas
+from tests.service.gateway_support import (
+    PLANES,
+    Gateway,
+    LlamaReplicas,
+    data_plane,
+    error_message,
+    gateway,
+    llama_replicas,
+)
 
 pytestmark = pytest.mark.live
-PLANES = ["own-envoy", "ai-gateway-duplex", "ai-gateway-buffered"]
 CONTROL_PATHS = [
     "/slots", "/slots/0?action=erase", "/slots/1?action=erase", "/slots/0?action=save",
     "/slots/0?action=restore", "/lora-adapters", "/props", "/metrics", "/tokenize", "/detokenize",
@@ -46,24 +53,17 @@ def spellings(path: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def llama(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[dict[str, str], Path]]:
+def llama(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LlamaReplicas, Path]]:
     run = tmp_path_factory.mktemp("replicas")
-    with two_llama_replicas(run) as replicas:
+    with llama_replicas(run) as replicas:
         yield replicas, run / "slots"
 
 
 @pytest.fixture(scope="module", params=PLANES)
-def plane(request: pytest.FixtureRequest, llama: tuple[dict[str, str], Path],
+def plane(request: pytest.FixtureRequest, llama: tuple[LlamaReplicas, Path],
           tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
-    replicas, _ = llama
-    workdir = tmp_path_factory.mktemp(request.param)
-    if request.param == "own-envoy":
-        with gateway(workdir, static_discovery(replicas)) as gw:
-            yield gw
-    else:
-        mode = request.param.rpartition("-")[2]
-        with inference_pool_gateway(workdir, replicas, body_mode=mode, routing_headers="true") as gw:
-            yield gw
+    with data_plane(request.param, tmp_path_factory.mktemp(request.param), llama[0], routing_headers="true") as gw:
+        yield gw
 
 
 def reached_a_replica(gw: Gateway, reply: httpx.Response) -> bool:
@@ -87,7 +87,7 @@ def victim_turns(gw: Gateway, history: list[dict[str, str]], turns: int) -> list
 
 
 def test_no_control_path_reaches_a_replica_and_the_victims_cache_is_intact(
-    plane: Gateway, llama: tuple[dict[str, str], Path]
+    plane: Gateway, llama: tuple[LlamaReplicas, Path]
 ) -> None:
     _, slot_folder = llama
     history = [{"role": "system", "content": "You are the victim's assistant. Keep it short."}]

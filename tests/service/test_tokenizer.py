@@ -128,8 +128,9 @@ def counting_gateway() -> Gateway:
 
 
 def route(gateway: Gateway, messages: list[dict[str, str]], conversation: str) -> tuple[str, Any]:
-    gateway.route_request(path=CHAT, content_type="application/json", conversation_id=conversation, turn="",
-                          request_id=conversation, body=orjson.dumps({"messages": messages, "max_tokens": 8}))
+    gateway.route_request(path=CHAT, content_type="application/json",
+                          session_headers={"x-conversation-id": conversation}, turn="", request_id=conversation,
+                          body=orjson.dumps({"messages": messages, "max_tokens": 8}))
     ours = next(reversed(gateway.pending))
     return ours, gateway.pending[ours]
 

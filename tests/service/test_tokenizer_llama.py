@@ -12,7 +12,7 @@ import pytest
 
 from extproc.service.tokenizer import GgufTokenizer
 from extproc.stack.models import smollm2_gguf
-from tests.service.gateway_support import two_llama_replicas
+from tests.service.gateway_support import llama_replicas
 
 pytestmark = pytest.mark.live
 
@@ -33,7 +33,7 @@ TEXTS = [
 @pytest.fixture(scope="module")
 def replica(tmp_path_factory: pytest.TempPathFactory) -> Iterator[httpx.Client]:
     """A client of one replica, its API key among its headers."""
-    with two_llama_replicas(tmp_path_factory.mktemp("replicas")) as replicas, \
+    with llama_replicas(tmp_path_factory.mktemp("replicas")) as replicas, \
             httpx.Client(base_url=f"http://{replicas.addresses['llm-0']}", headers=replicas.headers) as client:
         yield client
 
