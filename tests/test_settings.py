@@ -178,6 +178,67 @@ def test_flow_control_and_shedding_are_not_both_on() -> None:
     assert parse_settings(raw).service.shed_requests_per_replica == 4
 
 
+# What describes the replicas, not a routing choice: each file holds its own replicas' figure
+REPLICA_FACTS = ("prefix_capacity_tokens", "replica_slots")
+
+
+def routing_files() -> dict[str, dict[str, Any]]:
+    """[routing] of router.toml, sim.toml, both ConfigMaps and the local stack's generated settings."""
+    import yaml
+
+    from extproc.stack.router import render_router_settings
+
+    root = Path(__file__).parents[1]
+    reference = root / "extproc" / "service" / "router.toml"
+    files = {name: tomllib.loads((root / name).read_text()) for name in ("extproc/service/router.toml",
+                                                                       "extproc/sim/sim.toml")}
+    for name in ("k8s/41-router-config.yaml", "k8s/inference-pool/20-picker-config.yaml"):
+        files[name] = tomllib.loads(yaml.safe_load((root / name).read_text())["data"]["router.toml"])
+    files["llm-ring up"] = tomllib.loads(render_router_settings(
+        reference, policy="llm-aware", admin_listen="127.0.0.1:1", metrics_listen="127.0.0.1:2",
+        replicas_file=Path("r.json"), envoy_endpoints_file=Path("e.json"), prefix_capacity_tokens=39685,
+        replica_slots=4))
+    return {name: raw["routing"] for name, raw in files.items()}
+
+
+def test_the_routing_defaults_are_one_set_everywhere_but_what_describes_the_replicas() -> None:
+    """The best measured configuration ships in the service, the simulator, the local stack and
+    every ConfigMap alike (README: the headline tables are measured with it)."""
+    files = routing_files()
+    choices = {name: {policy: {key: value for key, value in section.items() if key not in REPLICA_FACTS}
+                      if isinstance(section, dict) else section
+                      for policy, section in routing.items() if policy != "policy"}
+               for name, routing in files.items()}
+    reference = choices["extproc/service/router.toml"]
+    for name, chosen in choices.items():
+        assert chosen == reference, name
+    assert {routing["policy"] for name, routing in files.items() if "policy" in routing} == {"llm-aware"}
+    assert reference["llm-aware"]["prefix_index"] is True
+
+
+def test_each_file_gives_the_prefix_index_the_capacity_of_its_own_replicas() -> None:
+    import json
+
+    import yaml
+
+    root = Path(__file__).parents[1]
+    files = routing_files()
+    def kv_bytes(model: str) -> int:  # the model's KV cache a token
+        return int(json.loads((root / f"extproc/sim/costmodels/{model}.json").read_text())["kv_bytes_per_token"])
+
+    h100 = json.loads((root / "extproc/sim/costmodels/llama31-8b-h100-vllm.json").read_text())["server"]
+    stack = tomllib.loads((root / "extproc/stack/stack.toml").read_text())["replicas"]
+    k8s = yaml.safe_load((root / "k8s/10-llm-config.yaml").read_text())["data"]
+    assert stack["model"] == "smollm2" and k8s["MODEL_FILE"].startswith("qwen2.5-0.5b")
+    local = stack["ctx_size"] + stack["cache_ram_mib"] * 2**20 // kv_bytes("smollm2-135m")
+    pods = int(k8s["LLAMA_ARG_CTX_SIZE"]) + int(k8s["LLAMA_ARG_CACHE_RAM"]) * 2**20 // kv_bytes("qwen05b-shape")
+    assert files["extproc/service/router.toml"]["llm-aware"]["prefix_capacity_tokens"] == local
+    for name in ("k8s/41-router-config.yaml", "k8s/inference-pool/20-picker-config.yaml"):
+        assert files[name]["llm-aware"]["prefix_capacity_tokens"] == pods, name
+        assert files[name]["llm-aware"]["replica_slots"] == int(k8s["LLAMA_ARG_N_PARALLEL"]), name
+    assert files["extproc/sim/sim.toml"]["llm-aware"]["prefix_capacity_tokens"] == h100["kv_capacity_tokens"]
+
+
 @pytest.mark.parametrize(
     ("sources", "complaint"),
     [

@@ -18,6 +18,8 @@ Definitions (per run; a request is *ok* when status = 200 and error is null):
   history was cached on another replica (misses on the same replica are evictions).
 - redirect (away from the cache): a follow-up served on another replica than the
   previous turn, hit or not.
+- cached share: prompt tokens the replicas found in their cache (cache_n) / all prompt tokens
+  (cache_n + prompt_n), over ok requests with timings.
 - work imbalance: prompt tokens processed (sum of prompt_n) on the busiest replica
   divided by the average over the replicas that served the run.
 - prediction error: over ok requests with both the router's predicted_cached_tokens and
@@ -37,7 +39,7 @@ the per-run values) comes with every metric.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -60,6 +62,7 @@ class Metric:
 METRICS: tuple[Metric, ...] = (
     Metric("hit_rate", "Cache hit rate (follow-up turns)", "pct"),
     Metric("miss_rate", "Cache miss rate", "pct"),
+    Metric("cached_share", "Cached share of prompt tokens", "pct"),
     Metric("avoidable_misses", "Avoidable misses (history cached elsewhere) per run", "count"),
     Metric("avoidable_share", "Avoidable share of misses", "pct"),
     Metric("redirects", "Redirects away from the cache per run", "count"),
@@ -160,6 +163,9 @@ SELECT run_id, any_value(policy) AS policy, any_value(seed) AS seed,
     count(*) FILTER (hit) / nullif(count(*) FILTER (followup), 0) AS hit_rate,
     1 - count(*) FILTER (hit) / nullif(count(*) FILTER (followup), 0) AS miss_rate,
     count(*) FILTER (followup AND NOT hit) AS misses,
+    sum(cache_n) FILTER (ok) AS cached_tokens,
+    sum(cache_n + prompt_n) FILTER (ok) AS timed_prompt_tokens,
+    sum(cache_n) FILTER (ok) / nullif(sum(cache_n + prompt_n) FILTER (ok), 0) AS cached_share,
     count(*) FILTER (followup AND NOT hit AND redirected) AS avoidable_misses,
     count(*) FILTER (followup AND NOT hit AND redirected)
         / nullif(count(*) FILTER (followup AND NOT hit), 0) AS avoidable_share,
@@ -195,6 +201,7 @@ WITH q AS (
 SELECT p.policy,
     sum(hits) / nullif(sum(followups), 0) AS hit_rate,
     1 - sum(hits) / nullif(sum(followups), 0) AS miss_rate,
+    sum(cached_tokens) / nullif(sum(timed_prompt_tokens), 0) AS cached_share,
     avg(avoidable_misses) AS avoidable_misses,
     sum(avoidable_misses) / nullif(sum(misses), 0) AS avoidable_share,
     avg(redirects) AS redirects,
@@ -306,6 +313,38 @@ def decision_agreement(first_dir: str | Path, second_dir: str | Path) -> dict[st
     files = {"a": [str(path) for path in requests_files(first_dir)],
              "b": [str(path) for path in requests_files(second_dir)]}
     return {row.pop("policy"): row for row in rows(duckdb.connect(), _AGREEMENT, files)}
+
+
+# the metrics paired by seed (`llm-ring sim`'s policies, `llm-ring report`'s folders)
+PAIRED = ("hit_rate", "cached_share", "redirects", "latency_p50", "latency_p95", "ttft_p50", "ttft_p95", "imbalance")
+
+
+def paired_differences(runs: list[dict[str, Any]], columns: list[str],
+                       column_of: Callable[[dict[str, Any]], str] = lambda run: run["policy"],
+                       ) -> dict[str, dict[str, dict[str, Any]]]:
+    """Per column after the first: per-seed (column - first column) of the PAIRED metrics, with a
+    95 % CI; a run's column is ``column_of(run)`` (its policy unless told).
+
+    The same seed means the same conversations for every column, so differences cancel
+    the seed-to-seed variation that widens the per-column intervals.
+    """
+    if len(columns) < 2:
+        return {}
+    by = {(column_of(run), run["seed"]): run for run in runs}
+    out = {}
+    for column in columns[1:]:
+        out[f"{column} - {columns[0]}"] = {
+            metric.name: spread(None, [
+                by[(column, seed)][metric.name] - base[metric.name]
+                for (name, seed), base in by.items()
+                if name == columns[0] and (column, seed) in by
+                and None not in (base[metric.name], by[(column, seed)][metric.name])
+            ]) if metric.name in PAIRED else {"mean": None, "ci95": None, "n_runs": 0}
+            for metric in METRICS
+        }
+    for stats in out.values():
+        stats["requests"]["n_runs"] = stats["hit_rate"]["n_runs"]
+    return out
 
 
 def spread(value: Any, per_run_values: list[Any]) -> dict[str, Any]:

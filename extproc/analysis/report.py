@@ -6,7 +6,9 @@ which `llm-ring run` and `sim` write once when they finish; ``--charts OUTDIR`` 
 every chart as PNG and SVG (extproc/analysis/charts.py) and ``--html FILE`` one
 self-contained HTML report (extproc/analysis/pictures.py). Given several folders (a
 live run and its simulation, say), the columns sit side by side, grouped by policy:
-``live: bounded``, ``sim: bounded``, ``live: llm-aware``, ...
+``live: bounded``, ``sim: bounded``, ``live: llm-aware``, ..., followed by each later folder's
+differences to the first, paired by seed, for every policy both hold (three routers against
+one, say: the same seeds are the same conversations).
 
 Every table shows one statistic, the same as `llm-ring sim` prints: the mean over runs
 (one run per seed) with a 95 % t-interval of the per-run values. The JSON also holds
@@ -32,6 +34,7 @@ from extproc.analysis.metrics import (
     decision_agreement,
     folder_labels,
     format_cell,
+    paired_differences,
     per_run,
     summary,
 )
@@ -128,7 +131,21 @@ def side_by_side(reports: list[dict[str, Any]], labels: list[str],
         },
         "runs": [{**run, "experiment": label} for label, report in labelled for run in report["runs"]],
         "agreement": {"with": labels[0], "by_label": agreement},
+        "paired": paired_to_first(labelled),
     }
+
+
+def paired_to_first(labelled: list[tuple[str, dict[str, Any]]]) -> dict[str, dict[str, dict[str, Any]]]:
+    """Each later folder's differences to the first, paired by seed, per policy both hold:
+    ``"later: policy - first: policy"``."""
+    first, base = labelled[0]
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    runs = [{**run, "column": f"{label}: {run['policy']}"} for label, report in labelled for run in report["runs"]]
+    for label, report in labelled[1:]:
+        for policy in (policy for policy in report["summary"] if policy in base["summary"]):
+            out |= paired_differences(runs, [f"{first}: {policy}", f"{label}: {policy}"],
+                                      lambda run: str(run["column"]))
+    return out
 
 
 def write_pictures(folders: list[Path], report: dict[str, Any], charts_dir: Path | None, html_file: Path | None,
@@ -202,7 +219,10 @@ def render_stats(stats: dict[str, dict[str, dict[str, Any]]], metrics: Sequence[
 
 
 def render_table(report: dict[str, Any]) -> str:
-    return render_stats(report["summary"]) + "\n" + _footnote(report) + "\n"
+    paired = report.get("paired")
+    differences = f"\npaired by seed, difference to {report['agreement']['with']}:\n{render_stats(paired)}\n" \
+        if paired else ""
+    return render_stats(report["summary"]) + "\n" + _footnote(report) + "\n" + differences
 
 
 def render_markdown(report: dict[str, Any], with_runs: bool) -> str:

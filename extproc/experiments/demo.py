@@ -113,8 +113,8 @@ def pictures(live: Path, same: Path, both: dict[str, Any], out: Path) -> tuple[P
 def simulate(profile: str, policies: list[str], seeds: list[int], replicas: int, host_cores: int,
              out: Path) -> dict[str, dict[str, dict[str, Any]]]:
     """One simulated experiment folder like the stack's (shared cores); its paired differences."""
+    from extproc.analysis.metrics import paired_differences
     from extproc.analysis.report import SUMMARY_FILE, build_report, render_markdown
-    from extproc.sim.cli import paired_differences
     from extproc.sim.costmodel import load_cost_model
     from extproc.sim.runs import load_sim_config, profile_source, run_experiment
 

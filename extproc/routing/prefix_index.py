@@ -18,6 +18,12 @@ less, or more, than the index believed.
 Which replicas hold a block is one int, a bit per replica: a lookup's probe is one dict
 get and one ``&``, whatever the fleet's size, and a depth's holders become names only when
 listed.
+
+Several routers keep their indexes alike (docs/shared-state.md#the-prefix-index): with a
+``journal``, every change a router makes (a prompt sent, used, failed; a capacity moved) is
+also kept as an ``IndexChange``, which its edge sends to the others (a store), and each router
+``apply``-s the others' changes in their order, as if made here. Evictions are not sent: each
+index derives them from the same changes.
 """
 
 from __future__ import annotations
@@ -25,11 +31,24 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from itertools import compress
-from typing import Any
+from typing import Any, NamedTuple
 
 # A held block's node is a list [the block before it (None: the first), its tokens, how many
 # held blocks continue it]: one dict entry a block, built fast.
 CHILDREN = 2
+# what an IndexChange did, as its method of PrefixIndex
+SENT, USED, FAILED, RESIZED = 0, 1, 2, 3
+CHANGE_KINDS = 4
+
+
+class IndexChange(NamedTuple):
+    """One change a router made to its index, as another router applies it."""
+
+    kind: int  # SENT (add_prompt), USED (touch), FAILED (forget) or RESIZED (resize)
+    replica: str
+    blocks: tuple[int, ...]  # SENT, FAILED: the prompt's blocks; USED: its last block alone; RESIZED: none
+    tokens: int  # SENT: a new block's weight; FAILED: the blocks held before; RESIZED: tokens more (or fewer)
+    floor: int  # RESIZED: the capacity's floor; else 0
 
 
 class _Replica:
@@ -47,14 +66,17 @@ class _Replica:
 class PrefixIndex:
     """Per replica, the blocks sent there, at most ``capacity`` tokens each (``resize`` moves it below)."""
 
-    __slots__ = ("capacity", "_replicas", "_holders", "_bits", "_known", "_by_name", "_named", "_uses")
+    __slots__ = ("capacity", "journal", "_replicas", "_holders", "_bits", "_known", "_by_name", "_named", "_uses",
+                 "_forgotten", "_forgotten_before")
 
     NAMED_SETS = 4_096  # sets of replicas whose names are remembered (a fleet meets few), then afresh
+    FORGOTTEN_OPENINGS = 65_536  # first blocks remembered as forgotten (two generations of half), ~4 MB
 
     def __init__(self, capacity: int) -> None:
         if capacity < 1:
             raise ValueError("a prefix index holds at least one token per replica")
         self.capacity = capacity
+        self.journal: list[IndexChange] | None = None  # a list: this router's changes are kept for the others
         self._replicas: dict[str, _Replica] = {}
         self._holders: dict[int, int] = {}  # block -> the bits of the replicas holding it
         self._bits: dict[str, int] = {}  # replica -> its bit
@@ -62,6 +84,9 @@ class PrefixIndex:
         self._by_name: tuple[tuple[str, ...], tuple[int, ...]] = ((), ())  # names sorted, their bits
         self._named: dict[int, tuple[str, ...]] = {}  # bits -> those replicas' names, sorted
         self._uses = 0  # prompts sent or refreshed so far, on every replica: a tip's recency (a count, not a clock)
+        # first blocks of prompts the index held and forgot (on some replica): the latest, in two generations
+        self._forgotten: set[int] = set()
+        self._forgotten_before: set[int] = set()
 
     def add_prompt(self, replica: str, blocks: Sequence[int], weight: int, held: int | None = None) -> None:
         """``replica`` was sent a prompt of ``blocks``, each new one weighing ``weight`` tokens:
@@ -70,6 +95,8 @@ class PrefixIndex:
         while it holds more than its capacity."""
         if not blocks:
             return
+        if self.journal is not None:
+            self.journal.append(IndexChange(SENT, replica, tuple(blocks), weight, 0))
         view = self._replicas.get(replica)
         if view is None:
             view = self._add_replica(replica)
@@ -100,6 +127,8 @@ class PrefixIndex:
 
     def touch(self, replica: str, blocks: Sequence[int]) -> None:
         """A prompt sent to ``replica`` becomes its most recent, if it still holds all of it."""
+        if self.journal is not None and blocks:
+            self.journal.append(IndexChange(USED, replica, (blocks[-1],), 0, 0))
         view = self._replicas.get(replica)
         if view is not None and blocks and blocks[-1] in view.nodes:  # and so every block before it
             self._uses += 1
@@ -111,6 +140,8 @@ class PrefixIndex:
         past the first ``held`` (those it held before), from its end, while no other prompt ends at
         or continues them. The block left at its end, a leaf again, takes the least recent place.
         What sending it made the replica forget, and the refresh of a prompt it held whole, stay."""
+        if self.journal is not None:
+            self.journal.append(IndexChange(FAILED, replica, tuple(blocks), held, 0))
         view = self._replicas.get(replica)
         if view is None:
             return
@@ -131,11 +162,30 @@ class PrefixIndex:
         """``replica`` holds ``tokens`` more (or, negative, fewer) than the index believed: move
         its capacity by as much, within [``floor``, the capacity it started with], and forget
         its least recent blocks down to it."""
+        if self.journal is not None and tokens:
+            self.journal.append(IndexChange(RESIZED, replica, (), tokens, floor))
         view = self._replicas.get(replica)
         if view is None or not tokens:
             return
         view.capacity = min(self.capacity, max(1, floor, view.capacity + tokens))
         self._evict(replica, view)
+
+    def apply(self, changes: Iterable[IndexChange]) -> None:
+        """Another router's changes, in its order, made here as it made them (not journaled:
+        they are not this router's to send)."""
+        journal, self.journal = self.journal, None
+        try:
+            for kind, replica, blocks, tokens, floor in changes:
+                if kind == SENT:
+                    self.add_prompt(replica, blocks, tokens)
+                elif kind == USED:
+                    self.touch(replica, blocks)
+                elif kind == FAILED:
+                    self.forget(replica, blocks, tokens)
+                else:
+                    self.resize(replica, tokens, floor)
+        finally:
+            self.journal = journal
 
     def lookup(self, blocks: Sequence[int], avoid: Iterable[str] = ()) -> list[tuple[int, int]]:
         """The replicas (but ``avoid``) holding a leading part of ``blocks``, grouped by how
@@ -162,6 +212,11 @@ class PrefixIndex:
             left ^= fresh
             high = low - 1
         return groups
+
+    def forgot(self, block: int) -> bool:
+        """Whether a replica held a prompt opening with ``block`` and the index forgot it (evicted,
+        or its request failed), recently: not a prompt it never saw."""
+        return block in self._forgotten or block in self._forgotten_before
 
     def held_prefix(self, replica: str, blocks: Sequence[int]) -> int:
         """How many leading ``blocks`` ``replica`` holds."""
@@ -194,8 +249,10 @@ class PrefixIndex:
         """Forget replicas that are gone (their caches went with them)."""
         wanted = set(replicas)
         for gone in [name for name in self._replicas if name not in wanted]:
-            for block in self._replicas.pop(gone).nodes:
+            for block, node in self._replicas.pop(gone).nodes.items():
                 self._drop(gone, block)
+                if node[0] is None:
+                    self._forgot_opening(block)
             self._known &= ~self._bits.pop(gone)  # its bit is free for a replica that comes later
         self._sort_names()
 
@@ -264,7 +321,16 @@ class PrefixIndex:
         self._drop(replica, block)
         if above is not None:
             view.nodes[above][CHILDREN] -= 1
+        else:
+            self._forgot_opening(block)
         return above
+
+    def _forgot_opening(self, block: int) -> None:
+        """A prompt's first block left a replica (``forgot``)."""
+        forgotten = self._forgotten
+        forgotten.add(block)
+        if len(forgotten) >= self.FORGOTTEN_OPENINGS // 2:
+            self._forgotten_before, self._forgotten = forgotten, set()
 
     @staticmethod
     def _end_least_recent(view: _Replica, block: int | None, use: int) -> None:

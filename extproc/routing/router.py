@@ -24,8 +24,9 @@ from extproc.routing.hashing import hash_bytes, stable_hash
 from extproc.routing.ledger import LoadLedger
 from extproc.routing.peers import PeerView, latest
 from extproc.routing.placement import PlacementMemory
-from extproc.routing.policies import CacheMoves, CacheReports, Policy, SentView, make_policy
+from extproc.routing.policies import CacheMoves, CacheReports, Policy, SentView, SharedView, make_policy
 from extproc.routing.policies.situation import Situation, new
+from extproc.routing.prefix_index import IndexChange
 from extproc.routing.ring import HashRing
 from extproc.routing.settings import RoutingSettings
 from extproc.routing.speeds import AnswerTimings, ReplicaSpeeds, Speed
@@ -49,6 +50,8 @@ class Router:
         self._view = _view_of(self.policy)
         self._learner = _learner_of(self.policy)
         self._mover = _mover_of(self.policy)
+        self._sharing = False  # several routers keep the policy's view alike (share_view)
+        self._shared = _shared_of(self.policy)
         self._ring = HashRing((), settings.virtual_nodes, settings.hash_seed)
         self._members: frozenset[str] = frozenset()
         self._in_flight: dict[str, Ticket] = {}  # request id -> its ticket, until released
@@ -198,6 +201,25 @@ class Router:
         self._migrated[conversation_key] = replica
         return True
 
+    def share_view(self) -> None:
+        """Several routers keep the policy's view of the caches alike (a store): from now on, this
+        policy's and the next's, its changes are kept for ``view_changes``."""
+        self._sharing = True
+        if self._shared is not None:
+            self._shared.share_changes(True)
+
+    def view_changes(self) -> list[IndexChange]:
+        """This router's changes to its policy's view since the last call, oldest first: for the
+        other routers (empty unless ``share_view``)."""
+        return self._shared.changes() if self._shared is not None else []
+
+    def apply_view_changes(self, changes: Iterable[IndexChange]) -> None:
+        """Another router's changes to the view, in its order; those naming a replica this router
+        does not route to are left out (its fleet is what its own discovery says)."""
+        if self._shared is not None:
+            members = self._members
+            self._shared.apply_changes([change for change in changes if change.replica in members])
+
     def reconfigure(self, settings: RoutingSettings) -> None:
         """Switch policy or knobs at run time; in-flight load is kept."""
         old, self.settings, self._seed = self.settings, settings, settings.hash_seed
@@ -234,6 +256,9 @@ class Router:
         self.policy, self._decide = policy, policy.decide
         self._view, self._learner = _view_of(policy), _learner_of(policy)
         self._mover = _mover_of(policy)
+        self._shared = _shared_of(policy)
+        if self._shared is not None and self._sharing:
+            self._shared.share_changes(True)
         if self._view is not None:
             self._view.set_replicas(self._ring.replicas)
 
@@ -258,3 +283,7 @@ def _learner_of(policy: Policy) -> CacheReports | None:
 
 def _mover_of(policy: Policy) -> CacheMoves | None:
     return policy if isinstance(policy, CacheMoves) else None
+
+
+def _shared_of(policy: Policy) -> SharedView | None:
+    return policy if isinstance(policy, SharedView) else None

@@ -269,8 +269,9 @@ class Gateway:
         largest = max(service.max_prompt_chars, estimate_tokens(service.max_prompt_chars, service.chars_per_token),
                       service.max_body_bytes + TEMPLATE_OPENING_TOKENS)
         bounds = EntryBounds(settings.max_peer_requests, largest + service.max_output_tokens)
+        self.router.share_view()  # llm-aware's prefix index: its changes go to the others through the store
         self.store = SharedStore(settings, router_id, self.own_loads, self.metrics, bounds, self.republish_pending,
-                                 self.learn_answer)
+                                 self.learn_answer, self.router.view_changes, self.router.apply_view_changes)
         await self.store.start()
 
     def learn_answer(self, replica: str, timings: AnswerTimings) -> None:

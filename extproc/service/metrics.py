@@ -34,7 +34,7 @@ LOCAL_ANSWERS = ("models", "model", "health", "preflight")
 STREAMS = ("route", "observe", "access_log", "picker")
 # the shared store (store.py): a read before a decision, a batch of writes, a (re)connection
 STORE_CALLS = ("read", "write", "connect")
-STORE_ENTRIES = ("placement", "pending", "load", "answers")  # what a read may find malformed or out of bounds
+STORE_ENTRIES = ("placement", "pending", "load", "answers", "index")  # what a read may find malformed or out of bounds
 DECISION_SECONDS = (25e-6, 50e-6, 100e-6, 200e-6, 400e-6, 800e-6, 1.6e-3, 3.2e-3, 6.4e-3, 0.0128)
 PREDICTION_ERROR = (-4096, -1024, -256, -64, -16, -1, 0, 1, 16, 64, 256, 1024, 4096)
 
@@ -94,6 +94,8 @@ class Metrics:
         self.store_writes_dropped = 0  # queued writes given up during a long outage
         self.store_republished = 0  # times this router published its state again (reconnected, store emptied)
         self.store_answers_learnt = 0  # other routers' answers this router learnt replica speeds from
+        self.store_index_applied = 0  # other routers' changes to the prefix index made in this router's
+        self.store_index_missed = 0  # entries of their changes trimmed from the store before this router read them
         self.decision_seconds = Histogram(DECISION_SECONDS)
         self.prediction_error = Histogram(PREDICTION_ERROR)
         self.live_state: LiveState = tuple  # no replicas until watch() names the source
@@ -182,6 +184,16 @@ class _Collector(Collector):
         )
         answers.add_metric([], m.store_answers_learnt)
         yield answers
+        applied = CounterMetricFamily(
+            "llm_ring_store_index_changes_applied", "other routers' changes to llm-aware's prefix index (a prompt "
+            "sent, used or failed, a capacity moved) this router made in its own (read from the store)")
+        applied.add_metric([], m.store_index_applied)
+        yield applied
+        missed = CounterMetricFamily(
+            "llm_ring_store_index_entries_missed", "entries of other routers' changes to the prefix index trimmed "
+            "from the store before this router read them (its index lacks them)")
+        missed.add_metric([], m.store_index_missed)
+        yield missed
         in_use = GaugeMetricFamily(
             "llm_ring_store_in_use", "1 while decisions use the shared store, 0 on local state alone"
         )

@@ -27,20 +27,24 @@ Each router keeps its own in-flight ledger, the only writer of its own figures, 
     writes reads what came since the last (XREAD), so the others' answers arrive within
     WRITE_EVERY_S of a change and within the heartbeat when idle; a new router starts by
     learning the kept entries.
+  - ``<prefix>:index:<router>``: the changes this router made to llm-aware's prefix index, a
+    stream the others read and make the same changes from (store_index.py), about INDEX_KEPT
+    entries of at most INDEX_ENTRY_BYTES of blocks each.
 Every key has a TTL, so a store under maxmemory can always evict to take a router's write.
 
 The store runs no script for the routers (their user may not: a script's memory escapes
-maxmemory and a long one blocks the store; docs/several-gateways.md#trust-model): plain
+maxmemory and a long one blocks the store; docs/shared-state.md#trust-model): plain
 commands only.
 
-Before a decision: ONE round trip, a MULTI/EXEC transaction (one instant of the store)
-returning the placement, the pending requests, the router ids and the latest load of each
-other router the previous read found; its ids are the next read's. A transaction cannot follow
-ids to keys as a script could, which costs two rare cases more, within the same timeout: a
-router that joined since the previous read has its load read in one more round trip, a moment
-after the rest (the decision still counts it, as it would count a publish landing that much
-later), and one found gone is removed from ``<prefix>:routers`` under WATCH (WATCH, EXISTS,
-MULTI/SREM/EXEC: three round trips, by the read that finds it). A router's publish (load,
+Before a decision: ONE round trip, a pipeline returning the placement, the pending requests,
+and the latest load and new changes to the prefix index of each other router. Which routers
+there are is read by each batch of writes (SRANDMEMBER), not by each decision: a router that
+joined counts from this router's next batch (within WRITE_EVERY_S under load, the heartbeat
+when idle). Each batch of writes reads the new changes to the index too, so an idle router
+keeps up. No MULTI: the writes are pipelines, not transactions, so a transaction around the
+read would promise an instant the writes do not keep; each entry is checked on its own. A
+router found gone (its load key expired) is removed from ``<prefix>:routers`` under WATCH
+(WATCH, EXISTS, MULTI/SREM/EXEC: three round trips, by the read that finds it, once). A router's publish (load,
 routers set, presence) is commands in the writer's pipeline, not one step: none needs
 another's result (the load's layout needs no check) and the id is added after the load, so a
 reader that finds the id finds the load, and one in between sees the router as before its
@@ -71,6 +75,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
@@ -82,12 +87,15 @@ import structlog
 from redis.asyncio.client import Pipeline
 from redis.exceptions import ConnectionError as LinkError
 from redis.exceptions import RedisError, WatchError
+from redis.typing import KeyT, StreamIdT
 
 from extproc.envoy.contract import STREAM_IDLE_TIMEOUT_S
 from extproc.routing.peers import PeerRequest, ReplicaLoads
 from extproc.routing.placement import Placement
+from extproc.routing.prefix_index import IndexChange
 from extproc.routing.speeds import AnswerTimings
 from extproc.service.metrics import Metrics
+from extproc.service.store_index import INDEX_KEPT, INDEX_READ, Entry, IndexReader, Limits, encode, entry_fields
 from extproc.settings import StoreSettings, read_secret_file
 
 log = structlog.get_logger("extproc.service")
@@ -100,6 +108,9 @@ REPUBLISHED = 100_000  # the latest placements this router wrote, kept to publis
 # service's CPU per request), at the price of the others seeing this router's figures that much later
 WRITE_EVERY_S = 0.01
 WRITE_RETRY_S = 0.05  # a failed batch is sent again this much later (with whatever came in since)
+# a batch reads the routers' ids, the others' answers and their changes to the index at most this often
+# (not each of a busy router's batches): a router that joined counts this much later at most
+READ_EVERY_S = 0.1
 PENDING_TTL_MS = 2 * STREAM_IDLE_TIMEOUT_S * 1000  # no request stays pending longer (gateway.LOST_AFTER_S)
 MAX_ROUTERS = 64  # peers read per decision: a set flooded with ids cannot make a read unbounded
 MAX_PENDING = 256  # a conversation's pending requests read per decision
@@ -136,18 +147,22 @@ class Batch:
     never written at all (most of them, when replicas answer within WRITE_EVERY_S), and a
     conversation's placement is written once per batch, the latest."""
 
-    pending: dict[tuple[str, str], bytes | None] = field(default_factory=dict)  # (key, request id) -> entry; None: gone
+    pending: dict[tuple[str, str], PeerRequest | None] = field(default_factory=dict)  # (key, id) -> it; None: gone
     placements: dict[str, tuple[bytes, int]] = field(default_factory=dict)  # key -> (placement, ttl ms)
     answers: list[tuple[str, AnswerTimings]] = field(default_factory=list)  # (replica, timings), oldest first
+    changes: list[IndexChange] = field(default_factory=list)  # to the prefix index, oldest first ...
+    index: list[Entry] = field(default_factory=list)  # ... and as entries once sent (numbered: sent again alike)
 
     def __len__(self) -> int:
-        return len(self.pending) + len(self.placements) + len(self.answers)
+        return len(self.pending) + len(self.placements) + len(self.answers) + len(self.changes) + len(self.index)
 
     def under(self, newer: Batch) -> Batch:
         """This batch (not written) followed by ``newer``: a key's newer write replaces the older.
         Its answers are dropped: sent again they might be learnt twice (XADD is not idempotent),
-        and each router has learnt its own already."""
-        return Batch({**self.pending, **newer.pending}, {**self.placements, **newer.placements}, newer.answers)
+        and each router has learnt its own already. Its changes to the index are sent again: a
+        reader applies an entry once (its sequence number)."""
+        return Batch({**self.pending, **newer.pending}, {**self.placements, **newer.placements}, newer.answers,
+                     self.changes + newer.changes, self.index + newer.index)
 
 
 class SharedStore:
@@ -160,6 +175,8 @@ class SharedStore:
         bounds: EntryBounds,
         on_recovered: Callable[[], None] = lambda: None,
         on_answer: Callable[[str, AnswerTimings], None] = lambda replica, timings: None,
+        view_changes: Callable[[], list[IndexChange]] = list,
+        on_index: Callable[[list[IndexChange]], None] = lambda changes: None,
     ) -> None:
         self.settings = settings
         self.router_id = router_id
@@ -168,6 +185,8 @@ class SharedStore:
         self.bounds = bounds
         self.on_recovered = on_recovered  # re-queue this router's pending requests
         self.on_answer = on_answer  # another router's answer: learn the replica's speed from it
+        self.view_changes = view_changes  # this router's changes to its prefix index, for the others
+        self.on_index = on_index  # another router's changes to the index: make them here
         self.timeout = settings.timeout_ms / 1000
         prefix = settings.key_prefix
         self._routers_key = f"{prefix}:routers"
@@ -179,12 +198,16 @@ class SharedStore:
         self._pending_prefix = f"{prefix}:pending:"
         self._answers_key = f"{prefix}:answers"
         self._answers_seen = b"0-0"  # the last stream entry read: from the oldest kept at the start
+        self._index_prefix = f"{prefix}:index:".encode()
+        self._index = IndexReader(Limits(bounds.max_request_tokens, MAX_NAME_CHARS))
+        self._index_seq = 0  # the last sequence number of this router's entries
         password = read_secret_file("store.password_file", settings.password_file)
-        # the socket's own timeouts only catch a connection that hangs for good: each call's
-        # bound is asyncio's (the timeout plus the loop's lag)
+        # each call's bound is asyncio's (the timeout plus the loop's lag), which also closes a
+        # connection it cuts short (redis-py disconnects on a cancelled read); no socket timeout
+        # besides: its timer around every reply cost a decision ~40 µs of CPU
         pool = aioredis.BlockingConnectionPool.from_url(
             settings.url, max_connections=MAX_CONNECTIONS, timeout=None, password=password,
-            socket_timeout=10 * self.timeout, socket_connect_timeout=10 * self.timeout,
+            socket_timeout=None, socket_connect_timeout=10 * self.timeout,
         )  # fmt: skip
         self.client = aioredis.Redis.from_pool(pool)
         self._writes = Batch()
@@ -192,6 +215,8 @@ class SharedStore:
         self._load_dirty = False
         self._seq = 0
         self._published = False  # the own load key was written since the last (re)connection
+        self._announced_at = -math.inf  # when this router's id and presence were last queued (_publish)
+        self._read_at = -math.inf  # when a batch last read the routers, answers and index changes
         self._lag = 0.0  # the event loop's recent lag, seconds (a decaying maximum)
         self._wake = asyncio.Event()
         self._lost = asyncio.Event()
@@ -253,37 +278,70 @@ class SharedStore:
             self._failed("read", exc)
             return None
         if gone := [router for router, latest in loads.items() if latest == []]:
-            with contextlib.suppress(*FAILURES):  # left for the next read to find again
+            self._peers = tuple(router for router in self._peers if router not in gone)  # until a batch meets it
+            with contextlib.suppress(*FAILURES):  # left for the next batch's SRANDMEMBER to find again
                 async with asyncio.timeout_at(deadline):
                     await self._forget(gone)
         return self._snapshot(placement, pending, loads)
 
     async def _read_view(self, suffix: str) -> tuple[bytes | None, dict[bytes, bytes], dict[bytes, object]]:
         """The conversation's placement and pending requests, and the other routers' latest loads
-        (router id -> [load] or [] when its key is gone), as one transaction. The loads read are
-        those of the routers the previous read found; a router that joined since has its own read
-        at once, in one more round trip."""
+        (router id -> [load] or [] when its key is gone) and new changes to the prefix index, in one
+        pipeline. The other routers are those this router's last batch of writes found (or its
+        connection): a router that joined counts from the batch after, within WRITE_EVERY_S under
+        load, the heartbeat when idle."""
         peers = self._peers
-        pipe = self.client.pipeline(transaction=True)
+        pipe = self.client.pipeline(transaction=False)
         pipe.get(self._place_prefix + suffix)
         pipe.hgetall(self._pending_prefix + suffix)
-        pipe.srandmember(self._routers_key, MAX_ROUTERS)
         for router in peers:
             pipe.zrange(self._load_key(router), -1, -1)  # the highest seq
+        self._read_index(pipe, peers)
         # a load key of another type (forged, or an earlier release's hash) comes back as its error:
         # skipped and counted like any bad entry
-        placement, pending, members, *latest = await pipe.execute(raise_on_error=False)
-        for reply in (placement, pending, members):
+        placement, pending, *latest = await pipe.execute(raise_on_error=False)
+        for reply in (placement, pending):
             if isinstance(reply, Exception):
                 raise reply
-        loads = dict(zip(peers, latest, strict=True))
-        self._peers = found = tuple(router for router in members if router != self._own)
-        if joined := [router for router in found if router not in loads]:
-            pipe = self.client.pipeline(transaction=False)
-            for router in joined:
-                pipe.zrange(self._load_key(router), -1, -1)
-            loads.update(zip(joined, await pipe.execute(raise_on_error=False), strict=True))
-        return placement, pending, {router: loads[router] for router in found}
+        if peers:
+            self._take_index(latest.pop())
+        return placement, pending, dict(zip(peers, latest, strict=True))
+
+    def _read_index(self, pipe: Pipeline, routers: tuple[bytes, ...]) -> None:
+        """Queue the read of ``routers``' new changes to the prefix index (none: nothing queued)."""
+        if routers:
+            streams: dict[KeyT, StreamIdT] = dict(self._index.streams(self._index_prefix, routers).items())
+            pipe.xread(streams, count=INDEX_READ)
+
+    def _take_index(self, reply: object) -> None:
+        """The other routers' changes read, each entry checked, made in this router's index."""
+        changes, invalid, missed = self._index.take(self._index_prefix, reply)
+        self.metrics.store_invalid["index"] += invalid
+        self.metrics.store_index_missed += missed
+        if changes:
+            self.metrics.store_index_applied += len(changes)
+            self.on_index(changes)
+
+    def _queue_index(self) -> None:
+        """This router's changes to its index since the last batch join the queue (kept while the
+        store is out of use: the latest MAX_QUEUED_WRITES)."""
+        queue = self._writes.changes
+        queue += self.view_changes()
+        if len(queue) > MAX_QUEUED_WRITES:
+            self.metrics.store_writes_dropped += len(queue) - MAX_QUEUED_WRITES
+            del queue[:-MAX_QUEUED_WRITES]
+
+    def _index_entries(self, writes: Batch) -> list[Entry]:
+        """The batch's changes as entries (numbered now, and kept in the batch: sent again, they keep
+        their numbers), after any sent before; the latest INDEX_KEPT: the store would trim the older."""
+        if writes.changes:
+            writes.index += encode(writes.changes, self._index_seq + 1)
+            self._index_seq = writes.index[-1][0]
+            writes.changes = []
+        if len(writes.index) > INDEX_KEPT:
+            self.metrics.store_writes_dropped += len(writes.index) - INDEX_KEPT
+            del writes.index[:-INDEX_KEPT]
+        return writes.index
 
     async def _forget(self, routers: list[bytes]) -> None:
         """Routers whose load key is gone (killed without a goodbye, or evicted) leave the routers
@@ -310,7 +368,7 @@ class SharedStore:
         pending until it completes or a later turn shows it answered."""
         if request.history:
             pending_key = f"{self._pending_prefix}{conversation_key:016x}"
-            self._writes.pending[pending_key, request_id] = orjson.dumps(tuple(request))
+            self._writes.pending[pending_key, request_id] = request  # serialized when sent, if still pending
         self.load_changed()
 
     def completed(
@@ -364,6 +422,7 @@ class SharedStore:
             await self._wake.wait()
             if not self._closing:
                 await asyncio.sleep(WRITE_EVERY_S)
+            self._queue_index()
             if not self.in_use:  # kept: the reconnection wakes the writer
                 self._wake.clear()
                 if self._closing:
@@ -386,7 +445,19 @@ class SharedStore:
 
     async def _send(self, writes: Batch, load_dirty: bool) -> None:
         pipe = self.client.pipeline(transaction=False)
-        pipe.xread({self._answers_key: self._answers_seen}, count=ANSWERS_READ)  # first: what came before ours
+        now, peers = time.monotonic(), self._peers
+        reads = now - self._read_at >= READ_EVERY_S
+        if reads:  # first: what came before ours
+            self._read_at = now
+            pipe.xread({self._answers_key: self._answers_seen}, count=ANSWERS_READ)
+            pipe.srandmember(self._routers_key, MAX_ROUTERS)  # the decisions read the loads of these
+            self._read_index(pipe, peers)  # an idle router keeps up too
+        index_key, index_ttl_ms = self._index_prefix + self._own, int(self.settings.first_placement_ttl_seconds * 1000)
+        entries = self._index_entries(writes)
+        for numbered in entries:
+            pipe.xadd(index_key, entry_fields(numbered), maxlen=INDEX_KEPT, approximate=True)  # type: ignore[arg-type]
+        if entries:
+            pipe.pexpire(index_key, index_ttl_ms)
         if writes.answers:
             answers = orjson.dumps([(replica, *timings) for replica, timings in writes.answers])
             pipe.xadd(self._answers_key, {"router": self.router_id, "answers": answers}, maxlen=ANSWERS_KEPT,
@@ -397,32 +468,40 @@ class SharedStore:
             if entry is None:
                 pipe.hdel(key, request_id)
             else:
-                pipe.hset(key, mapping={request_id: entry})
+                pipe.hset(key, mapping={request_id: orjson.dumps(tuple(entry))})
                 refreshed.add(key)
         for key in refreshed:
             pipe.pexpire(key, PENDING_TTL_MS)
         for key, (placement, ttl_ms) in writes.placements.items():
             pipe.set(key, placement, px=ttl_ms)
-        present = self._publish(pipe) if load_dirty else 0
+        present = self._publish(pipe, now) if load_dirty else None
         async with asyncio.timeout(self._budget() + self.timeout * len(writes) / 1000):
             results = await pipe.execute()
-        self._learn(results[0])
-        if load_dirty:
-            if results[present] == 1 and self._published:  # this router unknown: the store lost its state
-                log.warning("store_emptied", router=self.router_id)
-                self._republish()
-            self._published = True
+        if reads:
+            self._learn(results[0])
+            self._peers = tuple(router for router in results[1] if router != self._own)
+            if peers:
+                self._take_index(results[2])
+        if present is not None and results[present] == 1 and self._published:  # the store lost its state
+            log.warning("store_emptied", router=self.router_id)
+            self._republish()
+        self._published = self._published or load_dirty
 
-    def _publish(self, pipe: Pipeline) -> int:
-        """Queue this router's load, its id among the routers' and its presence; the index of the
-        presence's reply: 1 when the store did not know this router (first publish, or the store
-        lost its state: restarted empty, flushed). The presence hash (router -> 1) lives as long
-        as a placement, so eviction (volatile-ttl) takes it last."""
+    def _publish(self, pipe: Pipeline, now: float) -> int | None:
+        """Queue this router's load, and with the first publish after a connection and then once
+        a heartbeat (not each of a busy router's batches), its id among the routers' and its
+        presence; the index of the presence's reply (None: not queued): 1 when the store did not
+        know this router (first publish, or the store lost its state: restarted empty, flushed).
+        The presence hash (router -> 1) lives as long as a placement, so eviction (volatile-ttl)
+        takes it last."""
         self._seq += 1
         key, ttl_ms = self._load_key(self._own), int(self.settings.load_ttl_seconds * 1000)
         pipe.zadd(key, {orjson.dumps(dict(self.own_loads())): self._seq}, gt=True)
         pipe.zremrangebyrank(key, 0, -2)  # the highest seq alone stays, whatever order writes land in
         pipe.pexpire(key, ttl_ms)
+        if self._published and now - self._announced_at < self.settings.load_ttl_seconds / 3:
+            return None
+        self._announced_at = now
         pipe.sadd(self._routers_key, self.router_id)  # after the load: a reader finding the id finds it
         pipe.pexpire(self._routers_key, 10 * ttl_ms)
         present = len(pipe)
@@ -476,8 +555,10 @@ class SharedStore:
             self._failed("connect", exc)
             return
         self._peers = tuple(router for router in members if router != self._own)  # the first read's
+        self._index.restart()
         self._lost.clear()
         self._published = False
+        self._read_at = -math.inf
         self.metrics.store_in_use = True
         log.info("store_in_use", url=_without_password(self.settings.url), router=self.router_id)
         self._republish()

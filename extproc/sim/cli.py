@@ -15,7 +15,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from extproc.analysis.metrics import METRICS, connect, spread
+from extproc.analysis.metrics import connect, paired_differences
 from extproc.analysis.report import SUMMARY_FILE, build_report, pictures_hint, render_markdown, render_stats
 from extproc.cli_input import UsageError, at_least, distinct, new_folder, parse_seeds
 from extproc.sim.arena import arena, ceiling_line
@@ -280,9 +280,6 @@ def parse_scale(items: list[str]) -> list[tuple[float, int]]:
     return events
 
 
-PAIRED = ("hit_rate", "redirects", "latency_p50", "latency_p95", "ttft_p50", "imbalance")
-
-
 def parse_outage(text: str) -> tuple[float, float] | None:
     """``AT:SECONDS``, both numbers >= 0 (SECONDS 0: no outage)."""
     at, _, seconds = text.partition(":")
@@ -290,28 +287,3 @@ def parse_outage(text: str) -> tuple[float, float] | None:
         return store_outage(float(at), float(seconds))
     except ValueError:
         raise ValueError(f"--store-outage {text!r}: expected AT:SECONDS, two numbers >= 0") from None
-
-
-def paired_differences(runs: list[dict[str, Any]], policies: list[str]) -> dict[str, dict[str, dict[str, Any]]]:
-    """Per policy after the first: per-seed (policy - first policy) of the main metrics, with a 95 % CI.
-
-    The same seed means the same conversations for every policy, so differences cancel
-    the seed-to-seed variation that widens the per-policy intervals.
-    """
-    if len(policies) < 2:
-        return {}
-    by = {(run["policy"], run["seed"]): run for run in runs}
-    out = {}
-    for policy in policies[1:]:
-        out[f"{policy} - {policies[0]}"] = {
-            metric.name: spread(None, [
-                by[(policy, seed)][metric.name] - base[metric.name]
-                for (name, seed), base in by.items()
-                if name == policies[0] and (policy, seed) in by
-                and None not in (base[metric.name], by[(policy, seed)][metric.name])
-            ]) if metric.name in PAIRED else {"mean": None, "ci95": None, "n_runs": 0}
-            for metric in METRICS
-        }
-    for stats in out.values():
-        stats["requests"]["n_runs"] = stats["hit_rate"]["n_runs"]
-    return out

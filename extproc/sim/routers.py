@@ -23,12 +23,14 @@ every parallel side of a turn) meets a router of its own:
   The learnt replica speeds go through the store too: each answer's timings a router learns
   from are written (``Store.answered``) and the others learn them as they read, so every
   router learns from every answer, in the order they came (the router first reads what was
-  written before it, as for a completion). Policy state other than ledger, memory and
-  speeds (a prefix index, a peer policy's view) stays per router, as in ``separate``.
-  ``store_outage`` = (from, until): the store is down;
+  written before it, as for a completion). So does llm-aware's prefix index: each change a
+  router makes to it (a prompt sent, used, failed) is written, and the others make it as
+  they read (``Router.view_changes``); the peer policies' views stay per router, as in
+  ``separate``. ``store_outage`` = (from, until): the store is down;
   writes are lost, every router routes on its own state; once it is back each router
   writes its requests in flight again (what the others held of it before is dropped) and
-  reads on.
+  reads on. The changes to the prefix index made while it was down are kept by their router
+  and written when it is back, as the service's writer keeps its queue.
 
 The engine drives a tier as it drives one ``Router``: ``route`` returns the ticket of the router
 that picked, and the tier releases it (``release``) there; it also gives the tier the simulated
@@ -46,14 +48,16 @@ from extproc.routing.decision import RouteRequest
 from extproc.routing.hashing import stable_hash
 from extproc.routing.ledger import LoadLedger
 from extproc.routing.placement import PlacementMemory
+from extproc.routing.prefix_index import IndexChange
 from extproc.routing.settings import RoutingSettings
 from extproc.routing.speeds import AnswerTimings
 
 ROUTER_STATES = ("separate", "shared", "affinity", "shared-load", "affinity-shared-load", "store")
-_CHARGE, _RELEASE, _REMEMBER, _ANSWER = 0, 1, 2, 3
+_CHARGE, _RELEASE, _REMEMBER, _ANSWER, _INDEX = 0, 1, 2, 3, 4
 _EVERYONE = -1  # a write every router has already applied
-# (at, writer, kind, key: request id, conversation or an answer's timings, replica, n)
-Write = tuple[float, int, int, str | int | AnswerTimings, str, int]
+# (at, writer, kind, key: request id, conversation, an answer's timings or a change to the index, replica, n)
+Key = str | int | AnswerTimings | IndexChange
+Write = tuple[float, int, int, Key, str, int]
 
 
 def check_router_tier(count: int, state: str, store_lag_ms: float = 0.0) -> None:
@@ -74,6 +78,8 @@ class RouterTier:
         if self.store is not None:  # each router's own ledger and memory, writing to the store
             self.routers = [Router(settings, ledger=ledger, memory=memory)
                             for ledger, memory in zip(self.store.ledgers, self.store.memories, strict=True)]
+            for router in self.routers:
+                router.share_view()
             self.store.routers = self.routers
         elif state == "shared":
             self.routers = [Router(settings)] * count
@@ -99,6 +105,8 @@ class RouterTier:
         if self.store is not None:
             self.store.read(index, self.clock())
         ticket = router.route(request, avoid)
+        if self.store is not None:
+            self.store.changed_view(index)
         self.routed[index] += 1
         return ticket
 
@@ -109,9 +117,11 @@ class RouterTier:
             return ticket.release(ok)
         if not ticket.held:
             return False
-        self.store.read(self.routers.index(routed_by(ticket)), self.clock())  # the writes before these, in order
+        index = self.routers.index(routed_by(ticket))
+        self.store.read(index, self.clock())  # the writes before these, in order
         first = len(self.store.writes)
         ticket.release(ok)
+        self.store.changed_view(index)
         if by_next_turn and self.handoff:
             self.store.share_at_once(first)
         return True
@@ -121,16 +131,16 @@ class RouterTier:
         """An answer's cached tokens and timings go to the router that routed it (reported before its release)."""
         if not ticket.held:
             return
-        router, request = routed_by(ticket), ticket.request
-        store = self.store if timings is not None and router.speeds.learning else None
+        router, request, store = routed_by(ticket), ticket.request, self.store
         if store is None:
             router.report_cached(request, replica, predicted, cached, timings)
             return
         index = self.routers.index(router)
         store.read(index, self.clock())  # the answers before this one, in order
         router.report_cached(request, replica, predicted, cached, timings)
-        if timings is not None and replica in router.replicas:
+        if timings is not None and router.speeds.learning and replica in router.replicas:
             store.answered(index, replica, timings)
+        store.changed_view(index)  # its prefix index's capacity, with prefix_feedback
 
     def set_replicas(self, replicas: list[str]) -> None:
         for router in self.distinct():  # every router watches the same discovery
@@ -172,11 +182,20 @@ class Store:
         self.memories = [StoredMemory(memory_capacity, publish, self) for publish in self.publishers]
         self.routers: list[Router] = []  # given by the tier once built: their speeds learn the answers read
 
-    def _publisher(self, writer: int) -> Callable[[int, str | int | AnswerTimings, str, int], None]:
-        def publish(kind: int, key: str | int | AnswerTimings, replica: str, n: int) -> None:
-            if not self.down(self.now):  # a write to a store that is down is lost
+    def _publisher(self, writer: int) -> Callable[[int, Key, str, int], None]:
+        def publish(kind: int, key: Key, replica: str, n: int) -> None:
+            if not self.down(self.now):
                 self.writes.append((self.now, writer, kind, key, replica, n))
+            elif kind == _INDEX and self.outage is not None:  # kept, and written once the store is back
+                self.writes.append((self.outage[1], writer, kind, key, replica, n))
+            # any other write to a store that is down is lost
         return publish
+
+    def changed_view(self, writer: int) -> None:
+        """What ``writer``'s router just changed in its prefix index goes to the store."""
+        publish = self.publishers[writer]
+        for change in self.routers[writer].view_changes():
+            publish(_INDEX, change, "", 0)
 
     def answered(self, writer: int, replica: str, timings: AnswerTimings) -> None:
         """``writer`` learnt ``replica``'s speed from an answer: the others learn it as they read."""
@@ -216,8 +235,8 @@ class Store:
                 for request_id, (replica, tokens) in other.own.items():
                     self._apply(reader, (until, writer, _CHARGE, request_id, replica, tokens))
         writes, position = self.writes, self.seen[reader]
-        while position < len(writes) and writes[position][0] < until:
-            if writes[position][2] == _REMEMBER and writes[position][1] != reader:
+        while position < len(writes) and writes[position][0] < until:  # the placements and the index stay
+            if writes[position][2] in (_REMEMBER, _INDEX) and writes[position][1] != reader:
                 self._apply(reader, writes[position])
             position += 1
         self.seen[reader] = position
@@ -239,7 +258,9 @@ class Store:
     def _apply(self, reader: int, write: Write, at_once: bool = False) -> None:
         at, _, kind, key, replica, n = write
         ledger = self.ledgers[reader]
-        if isinstance(key, AnswerTimings):  # kind _ANSWER
+        if isinstance(key, IndexChange):  # kind _INDEX
+            self.routers[reader].apply_view_changes((key,))
+        elif isinstance(key, AnswerTimings):  # kind _ANSWER
             self.routers[reader].speeds.learn(replica, key)
         elif kind == _CHARGE:
             if str(key) in self.released_early[reader]:
@@ -260,7 +281,7 @@ class StoredLedger(LoadLedger):
 
     __slots__ = ("_publish", "own")
 
-    def __init__(self, publish: Callable[[int, str | int, str, int], None]) -> None:
+    def __init__(self, publish: Callable[[int, Key, str, int], None]) -> None:
         self.own: dict[str, tuple[str, int]] = {}  # this router's requests in flight: id -> (replica, tokens)
         super().__init__()  # (which calls set_replicas)
         self._publish = publish
@@ -296,7 +317,7 @@ class StoredMemory(PlacementMemory):
 
     __slots__ = ("_publish", "_shared", "_written")
 
-    def __init__(self, capacity: int, publish: Callable[[int, str | int, str, int], None], store: Store) -> None:
+    def __init__(self, capacity: int, publish: Callable[[int, Key, str, int], None], store: Store) -> None:
         super().__init__(capacity)
         self._publish = publish
         self._shared = store

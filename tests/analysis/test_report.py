@@ -1,5 +1,7 @@
 import json
 
+import pytest
+
 from analysis.fixtures import known_run, make_experiment, write_run
 from extproc.cli import main
 
@@ -48,6 +50,7 @@ def test_several_folders_side_by_side_with_decision_agreement(tmp_path, capsys):
     write_run(live, "llm-aware-s1", "llm-aware", 1, known_run("llm-aware-s1", "llm-aware"))
     differing = known_run()
     differing[2] = {**differing[2], "replica": "llm-0"}  # one of 8 decisions differs (c1, turn 3)
+    differing[1] = {**differing[1], "cache_n": 50, "prompt_n": 80}  # c1, turn 2: still a hit, 50 tokens fewer cached
     write_run(sim, "bounded-s1", "bounded", 1, differing)
     assert main(["report", str(live), str(sim), "--format", "json"]) == 0
     report = json.loads(capsys.readouterr().out)
@@ -61,12 +64,19 @@ def test_several_folders_side_by_side_with_decision_agreement(tmp_path, capsys):
     }
     assert {run["experiment"] for run in report["runs"]} == {"live", "sim"}
     assert not (live / "summary.md").exists() and not (sim / "summary.md").exists()
+    # the cache_n of the 7 answered requests over their cache_n + prompt_n
+    assert report["summary"]["live: bounded"]["cached_share"]["value"] == 375 / 815
+    # paired by seed, for the policies both hold: 50 of the 815 prompt tokens fewer cached, as many hits
+    assert list(report["paired"]) == ["sim: bounded - live: bounded"]
+    paired = report["paired"]["sim: bounded - live: bounded"]
+    assert paired["cached_share"]["mean"] == pytest.approx(-50 / 815) and paired["hit_rate"]["mean"] == 0
 
     assert main(["report", str(live), str(sim)]) == 0
     out = capsys.readouterr().out
     header = out.splitlines()[0]
     assert header.startswith("metric ") and "sim: bounded" in header
     assert "- sim: bounded 87.5% of 8 (first turns 100.0%)" in out
+    assert "paired by seed, difference to live:" in out and "sim: bounded - live: bounded" in out
 
 
 def test_folders_with_the_same_name_are_labelled_by_path(tmp_path, capsys):

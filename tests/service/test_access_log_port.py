@@ -58,10 +58,13 @@ async def route_as_our_envoy(address: str, conversation: str) -> pb.ProcessingRe
     attributes = struct_pb2.Struct()
     attributes.update({"request.url_path": CHAT, "request.id": f"envoy-{conversation}",
                        "request.headers['content-type']": "application/json"})
+    # a POST, as Envoy sends it: without :method the picker port refuses the path at once, and the
+    # body written after its answer meets a closed stream (or not: a race)
     path = base_pb2.HeaderValue(key=":path", raw_value=CHAT.encode())
+    method = base_pb2.HeaderValue(key=":method", raw_value=b"POST")
     session = base_pb2.HeaderValue(key="x-conversation-id", raw_value=conversation.encode())
     headers = pb.ProcessingRequest(
-        request_headers=pb.HttpHeaders(headers=base_pb2.HeaderMap(headers=[path, session])),
+        request_headers=pb.HttpHeaders(headers=base_pb2.HeaderMap(headers=[method, path, session])),
         protocol_config=pb.ProtocolConfiguration(request_body_mode=BUFFERED,
                                                  send_body_without_waiting_for_header_response=True),
     )

@@ -22,7 +22,7 @@ from extproc.routing.placement import Placement
 from extproc.service.bodies import Timings
 from extproc.service.gateway import Gateway
 from extproc.service.metrics import Metrics
-from extproc.service.store import SharedStore
+from extproc.service.store import READ_EVERY_S, SharedStore
 from extproc.stack.processes import Running
 from extproc.stack.redis_server import (
     ADMIN,
@@ -125,6 +125,14 @@ def follow_up(messages: list[dict[str, str]], answer: str, question: str) -> lis
     return [*messages, {"role": "assistant", "content": answer}, {"role": "user", "content": question}]
 
 
+async def meet(store: SharedStore) -> None:
+    """``store``'s next batch of writes reads which routers there are (a decision reads the loads
+    of the routers its last such batch found)."""
+    await asyncio.sleep(READ_EVERY_S)
+    store.load_changed()
+    await store.flushed()
+
+
 async def eventually(condition: Callable[[], Awaitable[bool]], timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while not await condition():
@@ -158,6 +166,30 @@ def test_turns_that_alternate_between_routers_stay_on_their_replica(server: Runn
         assert all(gateway.router.ledger.total_requests() == 0 for gateway in routers)
 
     run_closing(run)
+
+
+def test_a_decision_reads_in_one_pipeline_and_a_busy_router_asks_who_else_there_is_once_in_a_while(
+        server: Running) -> None:
+    """No transaction around the read, nothing the decision does not use: the placement, the pending
+    requests, each other router's load and its changes to the prefix index; the routers' ids are
+    read by batches of writes, at most every READ_EVERY_S."""
+    raw = admin(server)
+
+    async def run() -> None:
+        a, _ = await sharing(server, "r-a"), await sharing(server, "r-b")
+        await meet(a.store)  # type: ignore[arg-type]  # a knows b
+        raw.config_resetstat()
+        started = time.monotonic()
+        for number in range(60):
+            answered(a, await ask(a, [{"role": "user", "content": f"chat {number}"}], f"c{number}"))
+        await a.store.flushed()  # type: ignore[union-attr]
+        elapsed = time.monotonic() - started
+        calls = {name.removeprefix("cmdstat_"): stats["calls"] for name, stats in raw.info("commandstats").items()}
+        assert "multi" not in calls and "exec" not in calls
+        assert calls["get"] == calls["hgetall"] == 60 and calls["zrange"] >= 60  # b's load, each decision
+        assert calls["xread"] >= 60  # b's changes to the index, each decision (and the batches' reads)
+        # the routers' ids: a's batches at most every READ_EVERY_S, b's heartbeats (a third of 0.6 s)
+        assert calls.get("srandmember", 0) <= 2 * (elapsed / READ_EVERY_S + 1) + elapsed / 0.2 + 2
 
 
 def test_a_chat_another_router_served_is_no_branch_of_an_equal_history_served_here(server: Running) -> None:
@@ -595,6 +627,7 @@ def test_entries_that_do_not_parse_or_are_out_of_bounds_are_skipped_and_counted(
         for router, load in {"huge": {"llm-0": [10**6, 1]}, "list": [1, 2], "ok": {"llm-1": [2, 20]}}.items():
             raw.zadd(f"llm-ring:load:{router}", {orjson.dumps(load): 1})
             raw.sadd("llm-ring:routers", router)
+        await meet(store)
         snapshot = await store.read(a.router.conversation_key("c-1"))
         assert snapshot is not None and store.in_use
         assert snapshot.placement is None and snapshot.pending == (PeerRequest("r-b", "llm-0", 10, 5, 7),)
@@ -604,9 +637,8 @@ def test_entries_that_do_not_parse_or_are_out_of_bounds_are_skipped_and_counted(
                        {"router": "r-b", "answers": orjson.dumps([["llm-0", 100, 1e12, 1, 1.0, 0]])},
                        {"router": "r-b", "answers": orjson.dumps([["llm-0", 100, 50.0, 4, 40.0, 0]])}):
             raw.xadd("llm-ring:answers", fields)  # type: ignore[arg-type]
-        store.load_changed()  # the next batch of writes reads them
-        await store.flushed()
-        assert a.metrics.store_invalid == {"placement": 1, "pending": 2, "load": 2, "answers": 4}
+        await meet(store)  # the next batch of writes reads them
+        assert a.metrics.store_invalid == {"placement": 1, "pending": 2, "load": 2, "answers": 4, "index": 0}
         assert samples(a)["llm_ring_store_invalid_entries_total", (("entry", "load"),)] == 2
         assert a.router.speeds.answers["llm-0"] == a.metrics.store_answers_learnt == 1  # the valid one
 

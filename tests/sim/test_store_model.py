@@ -235,3 +235,16 @@ def test_a_bad_outage_on_the_command_line_is_one_line(tmp_path, capsys, value):
     error = capsys.readouterr().err
     assert code == 2 and "--store-outage" in error and error.count("\n") == 1
     assert not out.exists()
+
+
+def test_through_the_store_every_router_holds_every_routers_prompts_in_its_prefix_index():
+    # without lag in the same order; with a lag, two prompts sharing a block sent by two routers
+    # within it may be made in either order (the block's weight is the first one's)
+    tier = RouterTier(policy_settings("llm-aware"), 3, "store", 5, 0.0, True)
+    simulate(profile_workload(AGENT, 5, tier.routers[0].policy.prefix_block_chars), tier, simple_cost(), FLEET)
+    tier.settle()
+    indexes = [router.policy.index for router in tier.routers]
+    held = [{name: (index.used(name), index.size(name)) for name in router.replicas}
+            for index, router in zip(indexes, tier.routers, strict=True)]
+    assert held[0] == held[1] == held[2] and sum(size for _, size in held[0].values()) > 0
+    assert all(count > 0 for count in tier.routed)  # each router sent part of them

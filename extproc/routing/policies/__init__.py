@@ -26,6 +26,7 @@ from extproc.routing.policies.plugin import (
     Policy,
     PolicyPlugin,
     SentView,
+    SharedView,
     make_policy,
     reasons,
     register,
@@ -42,6 +43,6 @@ register(chwbl.PLUGIN)
 register(kv_cost.PLUGIN)
 
 __all__ = [
-    "REGISTRY", "CacheMoves", "CacheReports", "Policy", "PolicyPlugin", "SentView",
+    "REGISTRY", "CacheMoves", "CacheReports", "Policy", "PolicyPlugin", "SentView", "SharedView",
     "make_policy", "reasons", "register",
 ]

@@ -46,7 +46,7 @@ from extproc.routing.decision import Candidate, Check, Decision, RouteRequest, T
 from extproc.routing.policies.bounded_walk import WALK_REASONS, Discount, average_and_cap, first_fit, least_loaded
 from extproc.routing.policies.plugin import PolicyPlugin
 from extproc.routing.policies.situation import HOME_REASON, Situation, new
-from extproc.routing.prefix_index import PrefixIndex
+from extproc.routing.prefix_index import IndexChange, PrefixIndex
 from extproc.routing.speeds import Speed
 
 # [routing.llm-aware] (plugin.py: the functional form keeps the constraints under mypyc)
@@ -388,8 +388,11 @@ class LlmAwarePrefix(LlmAware):
         seen = (count, tuple(candidates), self.figures(holding))
         if not groups:
             placement = situation.placement
-            if placement is not None and placement.prompt_tokens * count < prompt:  # shorter than a block:
-                return super().where_cached(situation, home)  # the index never saw it, placement memory did
+            # placement memory knows where it was served and the index never saw it (another router sent it and
+            # its changes have not come, or it was shorter than a block): placement memory decides. A prompt the
+            # index forgot is one no replica holds any more.
+            if placement is not None and (not index.forgot(blocks[0]) or placement.prompt_tokens * count < prompt):
+                return super().where_cached(situation, home)
             return None, {}, {}, seen, None
         depth, tied = groups[0]  # the replicas holding the longest prefix
         if not tied & (tied - 1):  # one replica
@@ -488,6 +491,21 @@ class LlmAwarePrefix(LlmAware):
             self.index.touch(decision.replica, request.prefix_blocks)
         elif before is not None:
             self.index.forget(decision.replica, request.prefix_blocks, before[1])
+
+    def share_changes(self, on: bool) -> None:
+        """Several routers keep their indexes alike (a store): from now on (``on``) the index's
+        changes are kept until ``changes`` takes them."""
+        self.index.journal = [] if on else None
+
+    def changes(self) -> list[IndexChange]:
+        journal = self.index.journal
+        if not journal:
+            return []
+        self.index.journal = []
+        return journal
+
+    def apply_changes(self, changes: Iterable[IndexChange]) -> None:
+        self.index.apply(changes)
 
     def moved(self, blocks: tuple[int, ...], tokens: int, source: str | None, receiver: str) -> None:
         """A migration restored the prompt's cache on ``receiver``: it holds those blocks now,

@@ -12,13 +12,14 @@ constraints of a class's annotations.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, ClassVar, NamedTuple, Protocol, runtime_checkable
 
 from pydantic import TypeAdapter
 
 from extproc.routing.decision import Decision, RouteRequest
 from extproc.routing.policies.situation import Situation
+from extproc.routing.prefix_index import IndexChange
 
 
 class RoutingKeys(Protocol):
@@ -56,6 +57,22 @@ class SentView(Protocol):
 
     def set_replicas(self, replicas: tuple[str, ...]) -> None:
         """The fleet is now exactly ``replicas``."""
+
+
+@runtime_checkable
+class SharedView(Protocol):
+    """A view of the caches several routers keep alike (through a store): each router keeps its
+    changes for the others, and makes theirs, in their order."""
+
+    def share_changes(self, on: bool) -> None:
+        """From now on (``on``) this router's changes are kept until ``changes`` takes them."""
+
+    def changes(self) -> list[IndexChange]:
+        """This router's changes since the last call, oldest first."""
+        ...
+
+    def apply_changes(self, changes: Iterable[IndexChange]) -> None:
+        """Another router's changes, in its order."""
 
 
 @runtime_checkable
