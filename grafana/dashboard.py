@@ -93,8 +93,19 @@ PANELS = (
           "history it resends was served."),
     Panel("Requests refused or failed by kind", "reqps",
           ((rate("llm_ring_errors_total", "kind"), "{{kind}}"),),
-          "shed: refused while every replica has service.shed_requests_per_replica requests in flight (the only "
-          "flow control so far: the router keeps no queue)."),
+          "shed: refused while every replica has service.shed_requests_per_replica requests in flight (blind to "
+          "tenants; flow control queues instead)."),
+    Panel("Flow control: requests by how they left", "reqps",
+          ((rate("llm_ring_flow_requests_total", "band, outcome"), "band {{band}}: {{outcome}}"),),
+          "at_once: a replica had room; local, new, fair: from the queue (docs/flow-control.md, the order); "
+          "expired, queue_full, no_replica: refused; cancelled: the client left while it waited."),
+    Panel("Flow control: time waited in the router", "s",
+          tuple((f"histogram_quantile({q}, {rate('llm_ring_flow_wait_seconds_bucket', 'le, band')})",
+                 f"band {{{{band}}}} p{round(q * 100)}") for q in (0.5, 0.95)),
+          "Requests that left the queue for a replica; waiting now, by tenant: llm_ring_flow_waiting."),
+    Panel("Flow control: Jain's fairness index", "short",
+          ((f"min(llm_ring_flow_jain_index{{{ROUTERS}}})", "least fair router"),),
+          "Work served in the last 60 s to the tenants that had to wait: 1 equal shares, 1/n one takes all."),
     Panel("Shared store: in use and failed calls", "short",
           ((f"min(llm_ring_store_in_use{{{ROUTERS}}})", "in use (1 on every router)"),
            (rate("llm_ring_store_errors_total", "call"), "failed {{call}} / s")),

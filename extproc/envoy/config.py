@@ -213,7 +213,8 @@ def _http_connection_manager(
             "request_headers_timeout": f"{REQUEST_HEADERS_TIMEOUT_S}s",
             # a request held in the router's queue is not sent upstream yet: the wait comes on top
             "request_timeout": f"{REQUEST_TIMEOUT_S + (flow.max_wait_s if flow is not None else 0)}s",
-            "stream_idle_timeout": f"{stream_idle_timeout_s}s",
+            # ... and silence while it waits is no idle stream
+            "stream_idle_timeout": f"{max(stream_idle_timeout_s, flow.max_wait_s if flow is not None else 0)}s",
             "common_http_protocol_options": {"idle_timeout": f"{DOWNSTREAM_IDLE_TIMEOUT_S}s"},
             "route_config": _route_config(retries, with_replica_key, cors_origins),
             **({"access_log": [_access_log()]} if with_ext_proc else {}),

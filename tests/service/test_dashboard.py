@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -28,6 +29,7 @@ from tests.k8s.k8s_support import load_docs, schema_version
 from tests.service.gateway_support import back_to_back, gateway, llama_replicas
 
 GRAFANA = Path(__file__).parents[2] / "grafana"
+ONE_SLOT = {"replica_slots": "1", "reserved_slots": "0"}  # flow control on: a third request waits
 MONITORING = Path(__file__).parents[2] / "k8s" / "monitoring"
 SCRAPE = GRAFANA / "prometheus-scrape.yml"
 # what Grafana puts in place of its variables: every router, a one-minute rate window
@@ -108,17 +110,20 @@ def test_every_panel_query_returns_data_from_a_live_router(prometheus: str) -> N
 @pytest.fixture(scope="module")
 def prometheus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """Debian's Prometheus scraping a live router every second, after a few conversations
-    through it (streamed and not): its HTTP API's URL."""
+    through it (streamed and not, three at once: with flow control on and one slot a replica,
+    some wait in the router): its HTTP API's URL."""
     binary = debian_binary("prometheus")
     workdir = tmp_path_factory.mktemp("prometheus")
     metrics = f"127.0.0.1:{free_port()}"
     with llama_replicas(workdir / "replicas") as replicas, \
             gateway(workdir, static_discovery(replicas.addresses), replica_key_file=replicas.key_file,
-                    metrics_listen=f'"{metrics}"') as gw:  # fmt: skip
+                    metrics_listen=f'"{metrics}"', flow=ONE_SLOT) as gw:  # fmt: skip
         server = _start(binary, workdir, metrics)
         try:
-            for conversation, stream in ((1, False), (2, True), (3, False)):
-                back_to_back(gw.url, conversation, stream, with_header=True)
+            with ThreadPoolExecutor(3) as pool:
+                turns = list(pool.map(lambda args: back_to_back(gw.url, *args, with_header=True),
+                                      ((1, False), (2, True), (3, False))))
+            assert all(len(conversation) == 4 for conversation in turns)
             yield server.address
         finally:
             server.stop()

@@ -269,6 +269,10 @@ def test_flow_control_sends_its_headers_and_lets_a_waiting_request_wait_up_to_th
     assert on["request_attributes"][-2:] == ["request.headers['x-gateway-inference-fairness-id']",
                                              "request.headers['x-gateway-inference-objective']"]
     assert (on["message_timeout"], on["max_message_timeout"]) == ("2s", "62s")
+    # a wait longer than the idle timeout (300 s) is no idle stream either
+    long_wait = flow_options(reference.flow.model_copy(update={"enabled": True, "ttl_seconds": 450.0}))
+    assert manager(render(tmp_path, flow=long_wait))["stream_idle_timeout"] == "452s"
+    assert manager(on_text)["stream_idle_timeout"] == "300s"
 
 
 def test_no_replica_cors_header_passes_and_preflights_are_answered_by_envoy_only_with_cors(tmp_path: Path) -> None:
