@@ -21,6 +21,7 @@ import json
 import random
 import secrets
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -72,13 +73,40 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    if args.step_bound:
-        result = asyncio.run(step_bound(args.step_bound, Path(args.key_file).read_text().strip(), args.seed))
-    else:
-        objectives = {"quiet": "interactive", "noisy": "batch"} if args.objectives else {}
-        result = asyncio.run(scenario(args.url, args.rounds, args.quiet_after, args.seed, objectives))
-    print(json.dumps(result, indent=None if args.json else 2))
+    try:
+        if args.step_bound:
+            key = _key(args.key_file)
+            result = asyncio.run(step_bound(args.step_bound, key, args.seed))
+        else:
+            objectives = {"quiet": "interactive", "noisy": "batch"} if args.objectives else {}
+            result = asyncio.run(scenario(args.url, args.rounds, args.quiet_after, args.seed, objectives))
+    except (OSError, httpx.HTTPError) as error:
+        where = args.step_bound or args.url
+        print(f"llm-ring bench flow: {where}: {error or type(error).__name__}", file=sys.stderr)
+        return 2
+    print(json.dumps(result) if args.json else render(result))
     return 0
+
+
+def _key(key_file: str) -> str:
+    if not key_file:
+        raise OSError("--step-bound needs --key-file (the replica's API key: <run dir>/replica-api-key)")
+    return Path(key_file).read_text().strip()
+
+
+def render(result: dict[str, Any]) -> str:
+    """The result as a table: one row a figure, a column a phase (or the step bound's figures)."""
+    if "alone" not in result:
+        return "\n".join(f"{name:<28} {value}" for name, value in result.items())
+    lines = [f"{'':<36} {'alone':>10} {'flood':>10}"]
+    lines += [f"{name:<36} {_shown(result['alone'][name]):>10} {_shown(result['flood'][name]):>10}"
+              for name in result["alone"]]
+    lines.append(f"quiet tenant's p95 TTFT, flood / alone: {result['quiet_p95_ratio']}")
+    return "\n".join(lines)
+
+
+def _shown(value: object) -> str:
+    return "-" if value is None else str(value)
 
 
 async def scenario(url: str, rounds: int, quiet_after: float, seed: int,

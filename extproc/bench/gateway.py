@@ -8,7 +8,9 @@ llm-aware policy, route_decision logs to a file), and with --store on also Envoy
 sharing its state through a private redis-server (store.url set: one store round trip before
 each decision, writes pipelined; docs/several-gateways.md), and with --tokenizer on also Envoy +
 ext_proc counting tokens with the model's own tokenizer and chat template (service.tokenizer =
-the SmolLM2 GGUF file; the others count characters / 4). At each
+the SmolLM2 GGUF file; the others count characters / 4), and with --flow on also Envoy + ext_proc
+with flow control on (docs/flow-control.md) and slots enough that nothing waits: the cost of the
+queue on the path of a request routed at once. At each
 concurrency, closed-loop keep-alive clients send chat requests for a fixed time; the table
 shows p50/p99 latency, req/s, and the latency ext_proc adds over Envoy alone, then the CPU
 time each process spent per request (from /proc: less moved by other work on a busy machine
@@ -37,9 +39,12 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from extproc.bench.stubs import ServiceOnStubs, start_service_on_stubs, start_stub_picker, start_stub_processor
+from extproc.envoy.config import flow_options
 from extproc.envoy.contract import split_host_port
 from extproc.envoy.inference_gateways import AI_GATEWAY
+from extproc.settings import load_settings
 from extproc.stack.processes import (
+    ROUTER_REFERENCE,
     Running,
     free_port,
     service_env,
@@ -58,6 +63,10 @@ BUSY_LOAD_PER_CPU = 0.5  # a 1-minute load average above this per CPU at the sta
 MODES = ("direct", "envoy", "envoy+stub_ext_proc", "envoy+ext_proc")
 STORE_MODE = "envoy+ext_proc+store"
 TOKENIZER_MODE = "envoy+ext_proc+tokenizer"
+FLOW_MODE = "envoy+ext_proc+flow"
+# flow control on, with more slots than requests in flight: every request is routed at once
+FLOW_ENV = {"LLM_RING__FLOW__ENABLED": "true", "LLM_RING__FLOW__REPLICA_SLOTS": "1024",
+            "LLM_RING__FLOW__RESERVED_SLOTS": "0"}
 # --mode pool: the same through an InferencePool gateway's data plane (Envoy AI Gateway's,
 # full duplex, the picker over TLS; extproc.envoy.inference_gateways), with its own floor:
 # a do-nothing TLS picker answering every phase (extproc.bench.stub_picker)
@@ -84,6 +93,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokenizer", nargs="+", choices=["off", "on"], default=["off"],
                         help="ext_proc counting characters / 4 (off) and/or with the model's tokenizer and chat "
                              "template (on: the SmolLM2 GGUF file); `--tokenizer off on` measures both in one run")
+    parser.add_argument("--flow", nargs="+", choices=["off", "on"], default=["off"],
+                        help="ext_proc without (off) and/or with (on) flow control, nothing waiting; "
+                             "`--flow off on` measures both in one run")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -107,8 +119,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     with_store = "on" in getattr(args, "store", ())
     with_pool = "pool" in getattr(args, "mode", ("own",))
     with_tokenizer = "on" in getattr(args, "tokenizer", ())
+    with_flow = "on" in getattr(args, "flow", ())
     modes = (*MODES, *((STORE_MODE,) if with_store else ()), *((TOKENIZER_MODE,) if with_tokenizer else ()),
-             *(POOL_MODES if with_pool else ()))
+             *((FLOW_MODE,) if with_flow else ()), *(POOL_MODES if with_pool else ()))
     load_at_start = os.getloadavg()[0]  # before the benchmark's own processes add theirs
     workdir = Path(tempfile.mkdtemp(prefix="llm-ring-bench-gateway-"))
     started: list[Running] = []
@@ -137,12 +150,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             processes[STORE_MODE] = {"ext_proc": sharing}
             ext_procs.append((STORE_MODE, sharing.ext_proc))
         if with_tokenizer:
-            counting = start_counting_service(workdir, stubbed)
+            counting = start_variant_service(workdir, stubbed, "tokenizer", counting_env())
             started.append(counting)
             processes[TOKENIZER_MODE] = {"ext_proc": counting}
             ext_procs.append((TOKENIZER_MODE, counting.ext_proc))
+        if with_flow:
+            flowing = start_variant_service(workdir, stubbed, "flow", FLOW_ENV)
+            started.append(flowing)
+            processes[FLOW_MODE] = {"ext_proc": flowing}
+            ext_procs.append((FLOW_MODE, flowing.ext_proc))
         for mode, ext_proc in ext_procs:
-            envoy = start_gateway_envoy(workdir / mode, ext_proc, endpoints, False, args_envoy_concurrency(args))
+            flow = flow_options(load_settings(ROUTER_REFERENCE, environ=FLOW_ENV).flow) if mode == FLOW_MODE else None
+            envoy = start_gateway_envoy(workdir / mode, ext_proc, endpoints, False, args_envoy_concurrency(args),
+                                        flow=flow)
             started.append(envoy)
             targets[mode] = [split_host_port(envoy.listen)[1]]
             processes.setdefault(mode, {})["envoy"] = envoy
@@ -173,6 +193,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                            load_at_start)
         if with_store:
             result["store"] = store_health(processes[STORE_MODE]["ext_proc"])
+        if with_flow:
+            result["flow"] = flow_outcomes(processes[FLOW_MODE]["ext_proc"])
         return result
     finally:
         for running in reversed(started):
@@ -192,14 +214,20 @@ def start_sharing_service(workdir: Path, stubbed: ServiceOnStubs, store_url: str
     return running
 
 
-def start_counting_service(workdir: Path, stubbed: ServiceOnStubs) -> Running:
-    """A second `llm-ring serve` over the same stubs counting with SmolLM2's own tokenizer."""
+def counting_env() -> dict[str, str]:
+    """A service counting with SmolLM2's own tokenizer."""
     from extproc.stack.models import smollm2_gguf
 
+    return {"LLM_RING__SERVICE__TOKENIZER": json.dumps(str(smollm2_gguf()))}
+
+
+def start_variant_service(workdir: Path, stubbed: ServiceOnStubs, name: str, settings: dict[str, str]) -> Running:
+    """Another `llm-ring serve` over the same stubs, with ``settings`` (LLM_RING__ variables) changed."""
     listen = f"127.0.0.1:{free_port()}"
-    env = service_env(listen, workdir / "eds-tokenizer" / "replicas.json", static_discovery(stubbed.replicas))
-    env["LLM_RING__SERVICE__TOKENIZER"] = json.dumps(str(smollm2_gguf()))
-    return start_service(workdir / "service-tokenizer", env)
+    env = service_env(listen, workdir / f"eds-{name}" / "replicas.json", static_discovery(stubbed.replicas))
+    running = start_service(workdir / f"service-{name}", env | settings)
+    running.listen = env["LLM_RING__SERVICE__METRICS_LISTEN"].strip('"')  # its /metrics, read at the end
+    return running
 
 
 def store_health(service: Running) -> dict[str, Any]:
@@ -209,6 +237,15 @@ def store_health(service: Running) -> dict[str, Any]:
               for family in text_string_to_metric_families(text) for sample in family.samples}
     errors = sum(value for (name, _), value in values.items() if name == "llm_ring_store_errors_total")
     return {"errors": int(errors), "in_use_at_end": values.get(("llm_ring_store_in_use", ""), 0) == 1}
+
+
+def flow_outcomes(service: Running) -> dict[str, int]:
+    """How the requests went through the flow-controlled service: at_once, else queued."""
+    text = httpx.get(f"http://{service.listen}/metrics", timeout=5.0).text
+    outcomes = [(sample.labels["outcome"], sample.value) for family in text_string_to_metric_families(text)
+                for sample in family.samples if sample.name == "llm_ring_flow_requests_total"]
+    at_once = sum(value for outcome, value in outcomes if outcome == "at_once")
+    return {"at_once": int(at_once), "other": int(sum(value for _, value in outcomes) - at_once)}
 
 
 def measure(
@@ -268,6 +305,9 @@ def summarize(cells: list[dict[str, Any]], seconds: float, rounds: int, workdir:
         counted = by.get((TOKENIZER_MODE, level))
         if counted is not None:  # --tokenizer on: the same service counting with the model's tokenizer
             row.update(_variant_figures("tokenizer", counted, full, floor))
+        queued = by.get((FLOW_MODE, level))
+        if queued is not None:  # --flow on: the same service with flow control, nothing waiting
+            row.update(_variant_figures("flow", queued, full, floor))
         row.update({"own_" + key: value for key, value in floor_ratios(floor, full).items()})
         if (POOL_MODE, level) in by:  # --mode pool: the InferencePool data plane, against its own floor
             pool_floor, pool = by[(POOL_FLOOR, level)], by[(POOL_MODE, level)]
@@ -311,7 +351,8 @@ def floor_ratios(floor: dict[str, Any], measured: dict[str, Any]) -> dict[str, f
 
 def _variant_figures(name: str, variant: dict[str, Any], full: dict[str, Any],
                      floor: dict[str, Any]) -> dict[str, Any]:
-    """A variant of the service (``--store on``, ``--tokenizer on``) against the same service without it."""
+    """A variant of the service (``--store on``, ``--tokenizer on``, ``--flow on``) against the same service
+    without it."""
     return {f"{name}_over_ext_proc_p50_ms": round(variant["p50_ms"] - full["p50_ms"], 3),
             f"{name}_rps": variant["rps"],
             f"{name}_rps_over_floor": round(variant["rps"] / floor["rps"], 3) if floor["rps"] else None}
@@ -327,7 +368,7 @@ def _variant_lines(name: str, without: str, levels: list[int], added: dict[int, 
 def render_table(result: dict[str, Any]) -> str:
     levels = sorted({cell["concurrency"] for cell in result["cells"]})
     by = {(cell["mode"], cell["concurrency"]): cell for cell in result["cells"]}
-    modes = [mode for mode in (*MODES, STORE_MODE, TOKENIZER_MODE, *POOL_MODES) if (mode, levels[0]) in by]
+    modes = [mode for mode in (*MODES, STORE_MODE, TOKENIZER_MODE, FLOW_MODE, *POOL_MODES) if (mode, levels[0]) in by]
     lines = [
         f"{'conc':>4} | " + " | ".join(f"{mode:^26}" for mode in modes) + " | ext_proc adds (p50 / p99)",
         f"{'':>4} | " + " | ".join(f"{'p50 ms':>8} {'p99 ms':>8} {'req/s':>8}" for _ in modes) + " |",
@@ -357,6 +398,12 @@ def render_table(result: dict[str, Any]) -> str:
         lines.append(f"tokenization on ({TOKENIZER_MODE}: the model's tokenizer and chat template) vs off "
                      "(characters / 4), against the do-nothing floor:")
         lines += _variant_lines("tokenizer", "off", levels, added)
+    if (FLOW_MODE, levels[0]) in by:
+        lines.append(f"flow control on ({FLOW_MODE}: nothing waits, every request routed at once) vs off, "
+                     "against the do-nothing floor:")
+        lines += _variant_lines("flow", "off", levels, added)
+        lines.append(f"flow control: {result['flow']['at_once']} requests routed at once, {result['flow']['other']} "
+                     "otherwise")
     if (POOL_MODE, levels[0]) in by:
         lines.append("ratios to the floor of the same data plane and run (ext_proc / do-nothing stub; "
                      "p50, p99, req/s): own Envoy config | InferencePool data plane (AI Gateway, full duplex, TLS)")

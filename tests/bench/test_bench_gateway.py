@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from extproc.bench.gateway import MODES, POOL_MODES, STORE_MODE, median_cell, render_table, run
+from extproc.bench.gateway import FLOW_MODE, MODES, POOL_MODES, STORE_MODE, median_cell, render_table, run
 from extproc.stack.redis_server import redis_server_binary
 
 pytestmark = pytest.mark.live
@@ -63,3 +63,15 @@ def test_with_mode_pool_the_inference_pool_data_plane_is_measured_against_its_ow
     row = result["added"][0]
     assert row["pool_rps_over_floor"] and row["own_rps_over_floor"]
     assert "ratios to the floor of the same data plane and run" in render_table(result)
+
+
+def test_with_flow_on_the_service_with_flow_control_routes_every_request_at_once() -> None:
+    args = argparse.Namespace(concurrency=[2], seconds=0.3, rounds=1, conversations=20, envoy_concurrency=1,
+                              keep=False, flow=["off", "on"])
+    result = run(args)
+    cells = {cell["mode"]: cell for cell in result["cells"]}
+    assert set(cells) == {*MODES, FLOW_MODE}
+    assert cells[FLOW_MODE]["requests"] > 0 and cells[FLOW_MODE]["errors"] == 0
+    assert cells[FLOW_MODE]["ext_proc_cpu_us_per_request"] > 0
+    assert result["flow"]["at_once"] >= cells[FLOW_MODE]["requests"] and result["flow"]["other"] == 0
+    assert "flow control on (envoy+ext_proc+flow: nothing waits" in render_table(result)

@@ -13,6 +13,7 @@ import pytest
 from extproc.cli import main
 from extproc.service.main import __file__ as SERVICE_MAIN
 from extproc.sim.runs import SIM_CONFIG
+from extproc.stack.processes import free_port
 
 ROUTER_TOML = Path(SERVICE_MAIN).with_name("router.toml")
 SIM = ["sim", "--profile", "quick", "--policies", "bounded"]
@@ -204,3 +205,11 @@ def test_a_tokenizer_file_that_is_no_gguf_stops_the_service(tmp_path, capsys, mo
     (tmp_path / "tokenizer.json").write_text('{"model": {"type": "BPE"}}')
     monkeypatch.setenv("LLM_RING__SERVICE__TOKENIZER", f'"{tmp_path / "tokenizer.json"}"')
     assert_refused(*run_cli(capsys, "serve", "--config", str(ROUTER_TOML)), "service.tokenizer", "not a GGUF file")
+
+
+def test_bench_flow_without_a_key_file_or_a_gateway_is_refused(capsys, tmp_path):
+    assert_refused(*run_cli(capsys, "bench", "flow", "--step-bound", "http://127.0.0.1:9"), "needs --key-file")
+    assert_refused(*run_cli(capsys, "bench", "flow", "--step-bound", "http://127.0.0.1:9", "--key-file",
+                            str(tmp_path / "missing")), "missing")
+    unused = f"http://127.0.0.1:{free_port()}"
+    assert_refused(*run_cli(capsys, "bench", "flow", "--url", unused, "--rounds", "1"), unused)
