@@ -36,10 +36,18 @@ import httpx
 import psutil
 
 from extproc.bench.stubs import start_service_on_stubs
+from extproc.envoy.config import flow_options
 from extproc.envoy.contract import split_host_port
 from extproc.envoy.inference_gateways import AI_GATEWAY, UPSTREAM_HEADER
 from extproc.service.admin_client import AdminClient
-from extproc.stack.processes import Running, start_gateway_envoy, start_inference_gateway_envoy, start_picker_service
+from extproc.settings import load_settings
+from extproc.stack.processes import (
+    ROUTER_REFERENCE,
+    Running,
+    start_gateway_envoy,
+    start_inference_gateway_envoy,
+    start_picker_service,
+)
 
 CHAT = "/v1/chat/completions"
 JSON = {"content-type": "application/json"}
@@ -52,6 +60,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--clients", type=int, default=4, help="normal closed-loop chat clients")
     parser.add_argument("--large-bodies", type=int, default=24, help="clients sending large bodies (stall)")
     parser.add_argument("--hostile", type=int, default=4, help="hostile clients during the soak")
+    parser.add_argument("--flow", action="store_true", help="flow control on (router.toml's [flow]): requests "
+                        "that find no free slot wait in the router")
     parser.add_argument("--mode", choices=["own", "pool"], default="own",
                         help="own: the gateway's own Envoy configuration; pool: an InferencePool gateway's "
                              "data plane (Envoy AI Gateway's, full duplex, the service as its TLS picker)")
@@ -67,17 +77,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     workdir = Path(tempfile.mkdtemp(prefix="llm-ring-bench-hostile-"))
     started: list[Running] = []
     try:
-        stubbed = start_service_on_stubs(workdir, 2, "llm")
+        flow = {"LLM_RING__FLOW__ENABLED": "true"} if getattr(args, "flow", False) else {}
+        stubbed = start_service_on_stubs(workdir, 2, "llm", flow)
         started += stubbed.processes
         if getattr(args, "mode", "own") == "pool":
-            service = start_picker_service(workdir / "picker", stubbed.replicas)
+            service = start_picker_service(workdir / "picker", stubbed.replicas, more=flow)
             started.append(service)
             envoy = start_inference_gateway_envoy(workdir / "envoy", AI_GATEWAY, service.ext_proc,
                                                   sorted(stubbed.replicas.values()), show_upstream=True)
             listen, metrics, routed_header = service.address, f"http://{service.listen}/metrics", UPSTREAM_HEADER
         else:
             service, listen = stubbed.service, stubbed.service.address
-            envoy = start_gateway_envoy(workdir / "envoy", service.ext_proc, stubbed.endpoints, True)
+            envoy = start_gateway_envoy(workdir / "envoy", service.ext_proc, stubbed.endpoints, True,
+                                        flow=flow_options(load_settings(ROUTER_REFERENCE, environ=flow).flow))
             metrics = "http://" + stubbed.env["LLM_RING__SERVICE__METRICS_LISTEN"].strip('"') + "/metrics"
             routed_header = "x-routed-to"
         started.append(envoy)

@@ -4,7 +4,7 @@ the stack's process helpers: each start waits until the stub accepts connections
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,10 +38,11 @@ class ServiceOnStubs:
         return [self.upstream, self.service]
 
 
-def start_service_on_stubs(workdir: Path, replicas: int, prefix: str) -> ServiceOnStubs:
+def start_service_on_stubs(workdir: Path, replicas: int, prefix: str,
+                           settings: Mapping[str, str] | None = None) -> ServiceOnStubs:
     """``replicas`` stub upstreams named ``<prefix>-<i>`` and the routing service over them
-    (static discovery); the endpoints file is written before the service starts, so an
-    Envoy without the service (a baseline) reads the same replicas."""
+    (static discovery, ``settings``: more LLM_RING__ values); the endpoints file is written
+    before the service starts, so an Envoy without the service (a baseline) reads the same replicas."""
     ports = [free_port() for _ in range(replicas)]
     upstream = start_stub_upstream(ports, workdir)
     try:
@@ -49,7 +50,7 @@ def start_service_on_stubs(workdir: Path, replicas: int, prefix: str) -> Service
         endpoints = workdir / "eds" / "replicas.json"
         endpoints.parent.mkdir(parents=True, exist_ok=True)
         write_endpoints_file(endpoints, addresses)
-        env = service_env(f"127.0.0.1:{free_port()}", endpoints, static_discovery(addresses))
+        env = service_env(f"127.0.0.1:{free_port()}", endpoints, static_discovery(addresses)) | dict(settings or {})
         service = start_service(workdir / "service", env)
     except BaseException:
         upstream.stop()

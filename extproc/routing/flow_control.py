@@ -12,11 +12,13 @@ document's prefill), and gain nothing a free slot misses: a slot frees when an a
 and the next request is sent then (llm-d's concurrency saturation detector counts requests
 in flight against a per-endpoint capacity in the same way).
 
-**Headroom.** ``reserved_slots`` of each replica's slots go only to a flow holding fewer
-requests in flight than the busiest flow: a flood alone never fills them (it is the busiest),
-so a quiet tenant's request finds a slot at once and waits only for the batch step it joins
-(llama.cpp does not preempt). 0 keeps the fleet strictly work-conserving; each reserved slot
-costs a flood running alone that slot (measured: docs/results/2026-12-05-flow-control.md).
+**Headroom.** ``reserved_slots`` of each replica's slots go only to a flow with fewer
+requests in flight or waiting than the busiest flow: a flood alone never fills them (it is the
+busiest; counted in flight only, the flood held out of the reserved slots would look no busier
+than a quiet tenant with as many in flight), so a quiet tenant's request finds a slot at once
+and waits only for the batch step it joins (llama.cpp does not preempt). 0 keeps the fleet
+strictly work-conserving; each reserved slot costs a flood running alone that slot
+(measured: docs/results/2026-12-05-flow-control.md).
 
 **Late binding.** The request to dispatch is chosen, and its replica picked by the policy
 among those with room, at the moment room frees, on the ledger and placement memory as they
@@ -207,7 +209,7 @@ class FlowControl:
         replicas = self.router.replicas
         open_slots, slots = settings.open_slots, settings.replica_slots
         limit = slots
-        if settings.reserved_slots and self.queue.held(flow) >= max(self.queue.in_flight.values(), default=0):
+        if settings.reserved_slots and self.queue.demand(flow) >= self.queue.busiest_demand():
             limit = open_slots  # the busiest flow (or one alone) keeps out of the reserved slots
         return tuple(name for name in replicas if name not in avoid and loads.get(name, 0) < limit)
 

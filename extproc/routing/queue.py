@@ -199,8 +199,15 @@ class FairQueue:
         if flow in self.counters:
             self.counters[flow] = max(0.0, self.counters[flow] + work)
 
-    def held(self, flow: Flow) -> int:
-        return self.in_flight.get(flow, 0)
+    def demand(self, flow: Flow) -> int:
+        """Requests ``flow`` has in flight or waiting."""
+        queued = self._bands.get(flow.priority)
+        waiting = queued.flows.get(flow.tenant) if queued is not None else None
+        return self.in_flight.get(flow, 0) + (len(waiting) if waiting is not None else 0)
+
+    def busiest_demand(self) -> int:
+        """The most requests one flow has in flight or waiting."""
+        return max(map(self.demand, self.counters), default=0)
 
     def depths(self) -> Iterator[tuple[Flow, int]]:
         """(flow, requests waiting) of every flow with a request waiting."""

@@ -144,6 +144,20 @@ def test_reserved_slots_stay_free_under_a_flood_and_a_quiet_tenant_takes_them_at
     assert sent.waiting.request.request_id == "q" and sent.ticket is not None
 
 
+def test_a_flood_held_out_of_the_reserved_slots_is_still_the_busiest_by_what_waits() -> None:
+    """One open slot a replica: the flood runs 2 and has 4 waiting; a quiet tenant with as many
+    in flight (2) is still the smaller flow, so its third request takes a reserved slot."""
+    flow_control = control(replica_slots=4, reserved_slots=3)
+    flood, quiet = Flow(0, "flood"), Flow(0, "quiet")
+    admitted = [flow_control.admit(request(f"f{index}"), flood, (), 0.0) for index in range(6)]
+    assert [isinstance(item, Routed) for item in admitted] == [True] * 2 + [False] * 4
+    for index in range(3):
+        flow_control.admit(request(f"q{index}"), quiet, (), 0.1)
+        sent = flow_control.dispatch(0.1)
+        assert [item.waiting.request.request_id for item in sent] == [f"q{index}"]
+    assert flow_control.queue.demand(quiet) == 3 and flow_control.queue.demand(flood) == 6
+
+
 def test_settle_corrects_the_estimate_with_what_the_replica_reported() -> None:
     flow_control = control(input_weight=1.0, output_weight=2.0)
     flow = Flow(0, "t")

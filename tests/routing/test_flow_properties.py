@@ -209,11 +209,11 @@ class FlowControlMachine(RuleBasedStateMachine):
         if not hasattr(self, "control") or not self.waiting:
             return
         loads = self.control.router.ledger.loads("requests")
-        held = Counter(self.in_flight.values())
-        busiest = max(held.values(), default=0)
+        demand = Counter(self.in_flight.values()) + Counter(item.flow for item in self.waiting.values())
+        busiest = max(demand.values(), default=0)
         router = self.control.router
         for item in self.waiting.values():
-            limit = self.settings.replica_slots if held[item.flow] < busiest else self.settings.open_slots
+            limit = self.settings.replica_slots if demand[item.flow] < busiest else self.settings.open_slots
             if all(loads[name] >= limit for name in REPLICAS if name not in item.avoid):
                 continue
             # a replica it may take has room: it must be waiting for its full cache holder, within its patience
