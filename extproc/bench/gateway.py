@@ -149,16 +149,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             started.append(sharing)
             processes[STORE_MODE] = {"ext_proc": sharing}
             ext_procs.append((STORE_MODE, sharing.ext_proc))
-        if with_tokenizer:
-            counting = start_variant_service(workdir, stubbed, "tokenizer", counting_env())
-            started.append(counting)
-            processes[TOKENIZER_MODE] = {"ext_proc": counting}
-            ext_procs.append((TOKENIZER_MODE, counting.ext_proc))
-        if with_flow:
-            flowing = start_variant_service(workdir, stubbed, "flow", FLOW_ENV)
-            started.append(flowing)
-            processes[FLOW_MODE] = {"ext_proc": flowing}
-            ext_procs.append((FLOW_MODE, flowing.ext_proc))
+        for mode, settings in ((TOKENIZER_MODE, counting_env), (FLOW_MODE, lambda: FLOW_ENV)):
+            if mode in modes:  # the same service with ``settings`` changed
+                variant = start_variant_service(workdir, stubbed, mode, settings())
+                started.append(variant)
+                processes[mode] = {"ext_proc": variant}
+                ext_procs.append((mode, variant.ext_proc))
         for mode, ext_proc in ext_procs:
             flow = flow_options(load_settings(ROUTER_REFERENCE, environ=FLOW_ENV).flow) if mode == FLOW_MODE else None
             envoy = start_gateway_envoy(workdir / mode, ext_proc, endpoints, False, args_envoy_concurrency(args),
@@ -177,18 +173,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 started.append(envoy)
                 targets[mode] = [split_host_port(envoy.listen)[1]]
                 processes[mode] = {"envoy": envoy, "ext_proc": running}
-        measured: dict[tuple[str, int], list[dict[str, Any]]] = {}
-        for round_number in range(1, rounds + 1):
-            for level in concurrency:
-                for mode in modes:
-                    cell = measure(targets[mode], processes[mode], level, seconds, conversations)
-                    measured.setdefault((mode, level), []).append(cell)
-                    _progress(
-                        f"round {round_number}/{rounds} {mode:>19} c={level:<3} p50={cell['p50_ms']:.3f} ms "
-                        f"p99={cell['p99_ms']:.3f} ms {cell['rps']:.0f} req/s"
-                        + (f" {cell['errors']} errors ({cell['first_error']})" if cell["errors"] else "")
-                    )
-        cells = [{"mode": mode, "concurrency": level, **median_cell(runs)} for (mode, level), runs in measured.items()]
+        cells = measure_rounds(modes, targets, processes, concurrency, rounds, seconds, conversations)
         result = summarize(cells, seconds, rounds, str(workdir) if getattr(args, "keep", False) else None,
                            load_at_start)
         if with_store:
@@ -201,6 +186,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             running.stop()
         if not getattr(args, "keep", False):
             shutil.rmtree(workdir, ignore_errors=True)
+
+
+def measure_rounds(modes: tuple[str, ...], targets: dict[str, list[int]], processes: dict[str, dict[str, Running]],
+                   concurrency: list[int], rounds: int, seconds: float, conversations: int) -> list[dict[str, Any]]:
+    """Every (mode, concurrency) cell ``rounds`` times, the modes alternating within a round; the medians."""
+    measured: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for round_number in range(1, rounds + 1):
+        for level in concurrency:
+            for mode in modes:
+                cell = measure(targets[mode], processes[mode], level, seconds, conversations)
+                measured.setdefault((mode, level), []).append(cell)
+                _progress(
+                    f"round {round_number}/{rounds} {mode:>19} c={level:<3} p50={cell['p50_ms']:.3f} ms "
+                    f"p99={cell['p99_ms']:.3f} ms {cell['rps']:.0f} req/s"
+                    + (f" {cell['errors']} errors ({cell['first_error']})" if cell["errors"] else "")
+                )
+    return [{"mode": mode, "concurrency": level, **median_cell(runs)} for (mode, level), runs in measured.items()]
 
 
 def start_sharing_service(workdir: Path, stubbed: ServiceOnStubs, store_url: str, store_password: Path) -> Running:
@@ -365,6 +367,28 @@ def _variant_lines(name: str, without: str, levels: list[int], added: dict[int, 
             for level in levels for row in (added[level],)]
 
 
+def _variant_sections(result: dict[str, Any], by: dict[tuple[str, int], dict[str, Any]], levels: list[int],
+                      added: dict[int, dict[str, Any]]) -> list[str]:
+    """The lines of --store on, --tokenizer on and --flow on, each against the service without it."""
+    lines: list[str] = []
+    if "store" in result:
+        store = result["store"]
+        lines.append(f"the shared store ({STORE_MODE}: one redis round trip before each decision): "
+                     f"{store['errors']} store errors, in use at the end: {'yes' if store['in_use_at_end'] else 'NO'}")
+        lines += _variant_lines("store", "without the store", levels, added)
+    if (TOKENIZER_MODE, levels[0]) in by:
+        lines.append(f"tokenization on ({TOKENIZER_MODE}: the model's tokenizer and chat template) vs off "
+                     "(characters / 4), against the do-nothing floor:")
+        lines += _variant_lines("tokenizer", "off", levels, added)
+    if (FLOW_MODE, levels[0]) in by:
+        lines.append(f"flow control on ({FLOW_MODE}: nothing waits, every request routed at once) vs off, "
+                     "against the do-nothing floor:")
+        lines += _variant_lines("flow", "off", levels, added)
+        lines.append(f"flow control: {result['flow']['at_once']} requests routed at once, {result['flow']['other']} "
+                     "otherwise")
+    return lines
+
+
 def render_table(result: dict[str, Any]) -> str:
     levels = sorted({cell["concurrency"] for cell in result["cells"]})
     by = {(cell["mode"], cell["concurrency"]): cell for cell in result["cells"]}
@@ -389,21 +413,7 @@ def render_table(result: dict[str, Any]) -> str:
         f"added p99 <= {targets['added_p99_ms']} ms ({'met' if met['added_p99'] else 'MISSED'}) at c={levels[0]}; "
         f">= {targets['ext_proc_rps']:.0f} req/s through ext_proc ({'met' if met['rps'] else 'MISSED'})"
     )
-    if "store" in result:
-        store = result["store"]
-        lines.append(f"the shared store ({STORE_MODE}: one redis round trip before each decision): "
-                     f"{store['errors']} store errors, in use at the end: {'yes' if store['in_use_at_end'] else 'NO'}")
-        lines += _variant_lines("store", "without the store", levels, added)
-    if (TOKENIZER_MODE, levels[0]) in by:
-        lines.append(f"tokenization on ({TOKENIZER_MODE}: the model's tokenizer and chat template) vs off "
-                     "(characters / 4), against the do-nothing floor:")
-        lines += _variant_lines("tokenizer", "off", levels, added)
-    if (FLOW_MODE, levels[0]) in by:
-        lines.append(f"flow control on ({FLOW_MODE}: nothing waits, every request routed at once) vs off, "
-                     "against the do-nothing floor:")
-        lines += _variant_lines("flow", "off", levels, added)
-        lines.append(f"flow control: {result['flow']['at_once']} requests routed at once, {result['flow']['other']} "
-                     "otherwise")
+    lines += _variant_sections(result, by, levels, added)
     if (POOL_MODE, levels[0]) in by:
         lines.append("ratios to the floor of the same data plane and run (ext_proc / do-nothing stub; "
                      "p50, p99, req/s): own Envoy config | InferencePool data plane (AI Gateway, full duplex, TLS)")

@@ -44,7 +44,7 @@ class FlowSettings(Strict):
                                                     "claim through its objective")
     replica_slots: int = Field(gt=0, le=1024, description="requests a replica runs at once (llama.cpp --parallel)")
     reserved_slots: int = Field(ge=0, description="of each replica's slots, this many go only to a flow holding "
-                                                  "fewer requests in flight than the busiest flow")
+                                                  "fewer requests in flight or waiting than the busiest flow")
     input_weight: float = Field(gt=0, description="work of a prompt token the replica computes (fair share)")
     output_weight: float = Field(gt=0, description="work of a generated token (fair share)")
     locality_deficit: float = Field(ge=0, description="tokens of work a flow may be ahead of the least served "
