@@ -40,7 +40,7 @@ from extproc.service.answers import (
 )
 from extproc.service.gateway import Gateway
 from extproc.service.offload import BodyParser
-from extproc.service.waiting_room import WaitingRoom
+from extproc.service.waiting_room import HeldReads, WaitingRoom
 
 Mode = processing_mode_pb2.ProcessingMode
 FULL_DUPLEX = Mode.FULL_DUPLEX_STREAMED
@@ -126,7 +126,7 @@ class PickerStream:
     """One HTTP request's ext_proc stream from an Endpoint Picker's gateway (module docstring)."""
 
     def __init__(self, gateway: Gateway, parser: BodyParser | None, room: WaitingRoom | None,
-                 context: grpc.aio.ServicerContext) -> None:
+                 context: HeldReads) -> None:
         self.gateway = gateway
         self.parser = parser
         self.room = room  # flow control's, when on

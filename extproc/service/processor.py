@@ -29,7 +29,7 @@ from extproc.service.bodies import timings_from_metadata
 from extproc.service.gateway import Gateway, bounded
 from extproc.service.offload import BodyParser
 from extproc.service.picker import PickerStream, header_values, route_body
-from extproc.service.waiting_room import WaitingRoom
+from extproc.service.waiting_room import HeldReads, WaitingRoom
 from extproc.service.wire import M, decode_tolerant
 
 log = structlog.get_logger("extproc.service")
@@ -131,16 +131,20 @@ class Processor:
                 stream = "observe"
                 await self._observe(message, context)
             elif message.WhichOneof("request") == "request_headers":
-                if self.own_envoy and ATTRIBUTES in message.attributes:  # our Envoy (envoy/config.py) asks for them
-                    await self._route(message, context)
-                else:  # an Endpoint Picker's gateway: one stream carries the whole request (picker.py)
-                    stream = "picker"
-                    await PickerStream(self.gateway, self.parser, self.room, context).serve(message)
+                held = HeldReads(context)  # a read started while the request waited is the next one
+                try:
+                    if self.own_envoy and ATTRIBUTES in message.attributes:  # our Envoy (config.py) asks for them
+                        await self._route(message, held)
+                    else:  # an Endpoint Picker's gateway: one stream carries the whole request (picker.py)
+                        stream = "picker"
+                        await PickerStream(self.gateway, self.parser, self.room, held).serve(message)
+                finally:
+                    held.drop()
         except Exception as exc:  # a bug of ours: counted, and Envoy applies fail_open
             _stream_failed(self.gateway, stream, exc)
             await context.abort(grpc.StatusCode.INTERNAL, "llm-ring: routing failed")
 
-    async def _route(self, message: pb.ProcessingRequest, context: grpc.aio.ServicerContext) -> None:
+    async def _route(self, message: pb.ProcessingRequest, context: HeldReads) -> None:
         """The headers (with attributes), then the body, sent without waiting (one chunk: Envoy's
         buffer filter comes first). The headers get the pick, the body passes unchanged, and the
         stream ends there: Envoy's access log entry says when the HTTP request is over. Envoy's

@@ -79,14 +79,14 @@ class WaitingRoom(Lifecycle):
         return len(self._waiters)
 
     async def route(
-        self, stream: Any, *, path: str, content_type: str, session_headers: Mapping[str, str], turn: str,
+        self, stream: HeldReads, *, path: str, content_type: str, session_headers: Mapping[str, str], turn: str,
         request_id: str, body: bytes, tenant: str = "", objective: str = "",
         parsed_elsewhere: ParsedRequest | BadRequest | None = None,
         phase: Phase = "own", subset: frozenset[str] | None = None,
     ) -> tuple[bytes, str | None]:
         """Gateway.route_request (route_shared with a store) through flow control: the answer and
         our id of the routed request, as there; LEFT when the client went away while it waited.
-        stream: the request's ext_proc stream (grpc.aio context), read while the request waits."""
+        stream: the request's ext_proc stream, read while the request waits."""
         started = time.perf_counter()
         gateway = self.gateway
         step = gateway.prepare(path, content_type, session_headers, body, parsed_elsewhere)
@@ -114,19 +114,18 @@ class WaitingRoom(Lifecycle):
             await stream.write(wait_longer(math.ceil(self.settings.ttl_seconds) + QUEUE_WAIT_MARGIN_S))
         return await self._wait(step.request.request_id, waiter, stream)
 
-    async def _wait(self, request_id: str, waiter: _Waiter, stream: Any) -> tuple[bytes, str | None]:
+    async def _wait(self, request_id: str, waiter: _Waiter, stream: HeldReads) -> tuple[bytes, str | None]:
         """The answer once dispatched or expired; LEFT when the stream ended first (the client left)."""
-        watcher = asyncio.ensure_future(stream.read())
+        watcher = stream.watch()
         try:
             await asyncio.wait((waiter.answer, watcher), return_when=asyncio.FIRST_COMPLETED)
         except BaseException:  # this task was cancelled: the stream was reset
-            _drop(watcher)
+            stream.drop()
             self._left(request_id, waiter)
             raise
-        if not watcher.done():
-            watcher.cancel()  # nothing else comes on the stream until this request is answered
+        if not watcher.done():  # the read stays under way: the stream's next read returns its message
             return waiter.answer.result()
-        _drop(watcher)
+        stream.drop()
         self._left(request_id, waiter)
         return LEFT, None
 
@@ -223,9 +222,35 @@ class WaitingRoom(Lifecycle):
         self._plan_dispatch()
 
 
-def _drop(watcher: asyncio.Future[Any]) -> None:
-    """A stream read no longer wanted: cancelled, or its outcome (EOF, an error) taken."""
-    if not watcher.done():
-        watcher.cancel()
-    elif not watcher.cancelled():
-        watcher.exception()
+class HeldReads:
+    """An ext_proc stream (grpc.aio's context) whose read started while a request waited is kept
+    for the stream's next read. Cancelling a grpc.aio read under way may lose the message it was
+    receiving (the picker's stream then answers the wrong phase), so it is never cancelled while
+    the stream goes on."""
+
+    def __init__(self, context: Any) -> None:
+        self.context = context
+        self._pending: asyncio.Future[Any] | None = None
+
+    def watch(self) -> asyncio.Future[Any]:
+        """The next message, read from now on."""
+        if self._pending is None:
+            self._pending = asyncio.ensure_future(self.context.read())
+        return self._pending
+
+    async def read(self) -> Any:
+        pending, self._pending = self._pending, None
+        return await pending if pending is not None else await self.context.read()
+
+    async def write(self, message: bytes) -> None:
+        await self.context.write(message)
+
+    def drop(self) -> None:
+        """The stream is over: the read under way cancelled, or its outcome (EOF, an error) taken."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        if not pending.done():
+            pending.cancel()
+        elif not pending.cancelled():
+            pending.exception()

@@ -23,7 +23,7 @@ from tests.service.gateway_support import (
     gateway,
     inference_pool_gateway,
     post,
-    two_llama_replicas,
+    llama_replicas,
 )
 
 pytestmark = pytest.mark.live
@@ -36,7 +36,7 @@ TENANT = "x-gateway-inference-fairness-id"
 
 @pytest.fixture(scope="module")
 def replicas(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LlamaReplicas]:
-    with two_llama_replicas(tmp_path_factory.mktemp("llama")) as started:
+    with llama_replicas(tmp_path_factory.mktemp("llama")) as started:
         yield started
 
 

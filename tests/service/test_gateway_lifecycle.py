@@ -408,7 +408,7 @@ def test_a_picker_stream_reset_as_the_answers_end_goes_out_is_whole(stream: bool
         pb.ProcessingRequest(response_body=pb.HttpBody(body=answer[10:], end_of_stream=True)),
     ]
     gateway = make_gateway()
-    picker = PickerStream(gateway, None, HangsUpAfterTheAnswer(messages[1:]))  # type: ignore[arg-type]
+    picker = PickerStream(gateway, None, None, HangsUpAfterTheAnswer(messages[1:]))  # type: ignore[arg-type]
     with capture_logs() as logs, pytest.raises(asyncio.CancelledError):
         asyncio.run(picker.serve(messages[0]))
     assert in_flight(gateway) == 0 and not gateway.pending
