@@ -22,8 +22,8 @@ from tests.service.gateway_support import (
     error_message,
     gateway,
     inference_pool_gateway,
-    post,
     llama_replicas,
+    post,
 )
 
 pytestmark = pytest.mark.live
