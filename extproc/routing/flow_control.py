@@ -37,6 +37,11 @@ replica computes (the prompt less what the decision predicts cached there: a cac
 costs the replica almost nothing) plus ``output_weight`` per output token asked for
 (max_tokens); corrected by ``settle`` with the tokens the replica reports (prompt_n,
 predicted_n). docs/flow-control.md says why the default weights are 1 and 2.
+
+**Baselines.** The queue's ``order`` (extproc/routing/orders/) and ``patience`` are switchable,
+so the field's disciplines run through this very object (the simulator measures them):
+``vtc-local`` with patience is this router's; FIFO, round robin, least attained service and VTC
+run without patience (and, in the simulator, without reserved slots).
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ from typing import NamedTuple
 
 from extproc.routing.decision import Decision, RouteRequest
 from extproc.routing.flows import Flow, FlowSettings
+from extproc.routing.orders import DEFAULT_ORDER, make_order
 from extproc.routing.peers import PeerView
 from extproc.routing.placement import Placement
 from extproc.routing.queue import FAIR, KINDS, LOCAL, NEW, Choice, FairQueue, Waiting
@@ -99,10 +105,12 @@ class _Charge(NamedTuple):
 
 
 class FlowControl:
-    def __init__(self, router: Router, settings: FlowSettings) -> None:
+    def __init__(self, router: Router, settings: FlowSettings, order: str = DEFAULT_ORDER,
+                 patience: bool = True) -> None:
         self.router = router
         self.settings = settings
-        self.queue = FairQueue(settings.band_size, settings.locality_deficit)
+        self.queue = FairQueue(settings.band_size, settings.locality_deficit, make_order(order))
+        self.waits_for_holder = patience  # False: a request whose holder is full goes wherever there is room
         self._charges: dict[str, _Charge] = {}  # request id -> what its flow was charged, until settled
         self._running: dict[str, Flow] = {}  # request id -> its flow, until its load is released
         self._room_cache: dict[tuple[Flow, frozenset[str]], tuple[str, ...]] = {}  # during one choice
@@ -136,7 +144,7 @@ class FlowControl:
         self._now, self.wake = now, None
         while self.queue:
             self._room_cache.clear()  # the loads changed with the last one sent
-            choice = self.queue.choose(self._cached_rooms, self._kind)
+            choice = self.queue.choose(self._cached_rooms, self._kind, now)
             if choice is None:
                 break
             sent.append(self._send(choice, now))
@@ -176,15 +184,20 @@ class FlowControl:
         if flow is not None:
             self.queue.finished(flow)
 
-    def settle(self, request_id: str, computed: tuple[int, int] | None) -> None:
+    def settle(self, request_id: str, computed: tuple[int, int] | None, now: float | None = None) -> None:
         """The request is over: its flow's charge corrected by the (prompt tokens computed, tokens
-        generated) its replica reported; None: its charge stands."""
+        generated) its replica reported; None: its charge stands. The order learns its cost at
+        ``now`` (None: the clock of the last dispatch)."""
         charge = self._charges.pop(request_id, None)
-        if charge is None or computed is None:
+        if charge is None:
             return
         settings = self.settings
-        self.queue.correct(charge.flow, settings.input_weight * (computed[0] - charge.input_tokens)
-                           + settings.output_weight * (computed[1] - charge.output_tokens))
+        input_tokens, output_tokens = (charge.input_tokens, charge.output_tokens) if computed is None else computed
+        if computed is not None:
+            self.queue.correct(charge.flow, settings.input_weight * (input_tokens - charge.input_tokens)
+                               + settings.output_weight * (output_tokens - charge.output_tokens))
+        self.queue.order.completed(charge.flow, settings.input_weight * input_tokens
+                                   + settings.output_weight * output_tokens, self._now if now is None else now)
 
     def reconfigure(self, settings: FlowSettings) -> None:
         """New settings; what waits stays, in a queue of the new size and deficit."""
@@ -224,6 +237,8 @@ class FlowControl:
             return NEW
         if placement.replica in rooms:
             return LOCAL
+        if not self.waits_for_holder:
+            return FAIR
         ready = waiting.arrived + self.patience(placement)
         if self._now >= ready:
             return FAIR

@@ -22,6 +22,11 @@
   counters and a quantum.
 - Within a flow, oldest first; a flow's first LOOKAHEAD requests are looked at for locality.
 
+That order is one of several (extproc/routing/orders/): the queue keeps the bands, the flows'
+queues and counters, and asks its order which of a band's flows that could go sends next; the
+field's disciplines (FIFO, round robin, least attained service, VTC without locality) are
+baselines to measure this one against.
+
 Pure and synchronous: the caller says which replicas have room for a request (``rooms_of``)
 and what kind of candidate it is (``kind_of``); the clock is an argument.
 """
@@ -35,6 +40,8 @@ from typing import NamedTuple
 
 from extproc.routing.decision import RouteRequest
 from extproc.routing.flows import Flow
+from extproc.routing.orders import Candidate, Order
+from extproc.routing.orders.vtc_local import LocalVtc
 
 LOOKAHEAD = 8  # requests of a flow examined for one that keeps a cache
 LOCAL, NEW, FAIR = 0, 1, 2  # why a request was taken: its cache holder has room, it has no cache, its turn
@@ -74,9 +81,10 @@ class _Band:
 
 
 class FairQueue:
-    def __init__(self, band_size: int, locality_deficit: float) -> None:
+    def __init__(self, band_size: int, locality_deficit: float, order: Order | None = None) -> None:
         self.band_size = band_size
         self.locality_deficit = locality_deficit
+        self.order: Order = LocalVtc() if order is None else order
         self._bands: dict[int, _Band] = {}
         self._order: list[int] = []  # the bands' priorities, highest first
         # flows waiting or in flight -> virtual token counter; an idle flow is forgotten
@@ -129,29 +137,33 @@ class FairQueue:
             self._arrivals.popleft()  # removed already
         return self._arrivals[0].deadline if self._arrivals else None
 
-    def choose(self, rooms_of: RoomsOf, kind_of: KindOf) -> Choice | None:
+    def choose(self, rooms_of: RoomsOf, kind_of: KindOf, now: float = 0.0) -> Choice | None:
         """The request to dispatch next (left queued: ``take`` it once routed), or None when no
         waiting request has a replica with room."""
         for priority in self._order:
             band = self._bands[priority]
             if band.size:
-                choice = self._choose_in(priority, band, rooms_of, kind_of)
+                choice = self._choose_in(priority, band, rooms_of, kind_of, now)
                 if choice is not None:
                     return choice
         return None
 
-    def _choose_in(self, priority: int, band: _Band, rooms_of: RoomsOf, kind_of: KindOf) -> Choice | None:
-        candidates = []
+    def _choose_in(self, priority: int, band: _Band, rooms_of: RoomsOf, kind_of: KindOf,
+                   now: float) -> Choice | None:
+        candidates: list[Candidate] = []
+        offered: list[tuple[int, Waiting, tuple[str, ...]]] = []
         for tenant, queued in band.flows.items():
-            best = _best_of(queued, rooms_of, kind_of)
+            best = _best_of(queued, rooms_of, kind_of, self.order.locality)
             if best is not None:
-                candidates.append((best[0], self.counters[Flow(priority, tenant)], best[1].arrived, best[1], best[2]))
+                flow = Flow(priority, tenant)
+                candidates.append(Candidate(best[0], self.counters[flow], best[1].arrived, queued[0].arrived, flow,
+                                            len(offered)))
+                offered.append(best)
         if not candidates:
             return None
-        least = min(candidate[1] for candidate in candidates)
-        within = [candidate for candidate in candidates if candidate[1] <= least + self.locality_deficit]
-        kind, counter, _, waiting, rooms = min(within, key=lambda candidate: candidate[:3])
-        return Choice(waiting, rooms, kind, counter, least)
+        chosen = self.order.pick(candidates, self.locality_deficit, now)
+        kind, waiting, rooms = offered[chosen.position]
+        return Choice(waiting, rooms, kind, chosen.counter, min(candidate.counter for candidate in candidates))
 
     def take(self, waiting: Waiting, work: float) -> None:
         """``waiting`` was routed: out of the queue, its flow charged ``work`` and one more in flight."""
@@ -238,9 +250,10 @@ class FairQueue:
             self.counters.pop(flow, None)
 
 
-def _best_of(queued: deque[Waiting], rooms_of: RoomsOf,
-             kind_of: KindOf) -> tuple[int, Waiting, tuple[str, ...]] | None:
-    """The flow's request that best keeps caches among its first LOOKAHEAD (oldest first on a tie)."""
+def _best_of(queued: deque[Waiting], rooms_of: RoomsOf, kind_of: KindOf,
+             locality: bool) -> tuple[int, Waiting, tuple[str, ...]] | None:
+    """The flow's request that best keeps caches among its first LOOKAHEAD (oldest first on a tie);
+    without ``locality``, its oldest that could go."""
     best: tuple[int, Waiting, tuple[str, ...]] | None = None
     for waiting in islice(queued, LOOKAHEAD):
         rooms = rooms_of(waiting)
@@ -251,6 +264,6 @@ def _best_of(queued: deque[Waiting], rooms_of: RoomsOf,
             continue
         if best is None or kind < best[0]:
             best = (kind, waiting, rooms)
-            if kind == LOCAL:
+            if kind == LOCAL or not locality:
                 break
     return best

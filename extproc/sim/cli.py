@@ -20,6 +20,7 @@ from extproc.analysis.report import SUMMARY_FILE, build_report, pictures_hint, r
 from extproc.cli_input import UsageError, at_least, distinct, new_folder, parse_seeds
 from extproc.sim.arena import arena, ceiling_line
 from extproc.sim.costmodel import CostModel, CostModelError, load_cost_model
+from extproc.sim.flow_runs import Variant, flow_runs, parse_variant, render_table, summarise
 from extproc.sim.mooncake import TraceError, cacheable_ceiling
 from extproc.sim.roll import RollSettings, render_rolls, roll_runs
 from extproc.sim.routers import ROUTER_STATES
@@ -89,6 +90,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--relieve-hot-spots", action=argparse.BooleanOptionalAction, default=None,
                         help="a turn sent away from the replica holding its cache takes the cache along when that "
                              "is quicker than computing it (default: [migration] relieve_hot_spots)")
+    parser.add_argument("--flow", nargs="+", metavar="VARIANT",
+                        help="through flow control: none fifo round-robin las vtc ours, knobs as ours:patience=false "
+                             "(extproc/sim/flow_runs.py); prints per-tenant p95 TTFT, Jain index, cached share, "
+                             "throughput; a trace is split into [flow] trace_tenants")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
 
 
@@ -133,8 +138,11 @@ def main(args: argparse.Namespace) -> int:
                 if value is not None:
                     raise ValueError(f"{option}: does not apply to the paged cost model {cost.name} "
                                      "(its server section sets the KV pool and max_running)")
+        variants = [parse_variant(spec, config.flow) for spec in args.flow or [] if config.flow is not None]
+        check_flow(args, config)
+        tenants = tuple(config.flow.trace_tenants.items()) if args.flow and config.flow is not None else ()
         source = profile_source(args.profile) if args.profile else trace_source(
-            args.trace, config.time_scale, config.jitter_bucket_s, args.limit)
+            args.trace, config.time_scale, config.jitter_bucket_s, args.limit, tenants)
         scale = parse_scale(args.scale)
         if args.scale_at is not None and args.scale_at <= 0:
             raise ValueError(f"--scale-at must be > 0 seconds (got {args.scale_at:g})")
@@ -146,6 +154,8 @@ def main(args: argparse.Namespace) -> int:
         raise UsageError(str(exc)) from None
     if args.roll_at is not None:
         return main_roll(args, source, seeds, config, cost, fleet_sizes)
+    if variants:
+        return main_flow(args, source, variants, seeds, config, cost, fleet_sizes)
     results: dict[str, Any] = {}
     differences: dict[str, Any] = {}  # replicas -> paired differences to the first policy
     arenas: dict[str, Any] = {}  # traces: replicas -> the arena table
@@ -192,6 +202,39 @@ def main(args: argparse.Namespace) -> int:
         if source.trace is not None:
             out["arena"] = {"ceiling": ceiling, "cost_model": cost.name, "replicas": arenas}
         print(json.dumps(out))
+    return 0
+
+
+def check_flow(args: argparse.Namespace, config: SimConfig) -> None:
+    if not args.flow:
+        return
+    distinct(args.flow, "--flow")
+    if config.routers != 1 or args.roll_at is not None or args.scale or args.scale_at is not None:
+        raise ValueError("--flow: one gateway router (the queue is its), without --roll-at, --scale or --scale-at")
+
+
+def main_flow(args: argparse.Namespace, source: Any, variants: list[Variant], seeds: list[int], config: SimConfig,
+              cost: CostModel, fleet_sizes: list[int]) -> int:
+    """--flow: per fleet size, the per-tenant table; flow.json in the out dir holds every run's figures."""
+    args.out_dir.mkdir(parents=True)
+    found: dict[str, Any] = {}
+    started = time.perf_counter()
+    for replicas in fleet_sizes:
+        fleet = config.fleet(replicas, cost)
+        runs = flow_runs(source, args.policies, variants, seeds, config, cost, fleet,
+                         lambda line: print(line, file=sys.stderr))
+        rows = summarise(runs)
+        found[str(replicas)] = {"runs": runs, "summary": rows}
+        if not args.json:
+            print(f"\n{source.label}: {replicas} replicas, cost model {cost.name}, {len(seeds)} seeds, "
+                  f"{' '.join(args.policies)}")
+            print(render_table(rows))
+    (args.out_dir / "flow.json").write_text(json.dumps({"source": source.label, "cost_model": cost.name,
+                                                        "seeds": seeds, "replicas": found}, indent=1) + "\n")
+    print(f"simulated in {time.perf_counter() - started:.1f} s", file=sys.stderr)
+    if args.json:
+        print(json.dumps({"source": source.label, "seeds": seeds,
+                          "replicas": {key: value["summary"] for key, value in found.items()}}))
     return 0
 
 

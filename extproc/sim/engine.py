@@ -17,6 +17,10 @@ Each answer's simulated timings (cache_n, prompt_n, prompt_ms, predicted_n, pred
 back to the router (``report_cached``) as the gateway feeds it the replica's: the router learns
 each replica's speed from these alone.
 
+Several closed loops may run side by side (tenants of a noisy-neighbour mix): each has its own
+users and conversations. With flow control (extproc/sim/flow.py) a request goes through the
+core's FlowControl as in the service: it may wait in the router before its route.
+
 Releases follow the gateway (extproc/service/gateway.py): a finished request is released
 ``release_lag_s`` later (Envoy's access log entry), or earlier when the next turn of its
 conversation arrives, which carries its answer and so releases it before its own decision.
@@ -33,6 +37,7 @@ from extproc.routing import Router, Ticket
 from extproc.routing.decision import RouteRequest
 from extproc.routing.speeds import AnswerTimings, ReplicaSpeeds, Speed
 from extproc.sim.costmodel import CostModel
+from extproc.sim.flow import FlowSpec, SimFlow
 from extproc.sim.paged import PagedReplica
 from extproc.sim.relief import Relief
 from extproc.sim.replica import Replica
@@ -75,6 +80,10 @@ class ClosedLoop:
     max_duration_s: float
 
 
+# several closed loops side by side (tenants), each its own users
+Mixed = tuple[ClosedLoop, ...]
+
+
 @dataclass
 class OpenLoop:
     requests: Sequence[Request]  # each with arrival_s
@@ -92,10 +101,13 @@ class Outcome:
 
 
 def simulate(
-    workload: ClosedLoop | OpenLoop, router: Router | RouterTier, cost: CostModel, fleet: Fleet,
-    hooks: Sequence[tuple[float, Hook]] = (),
+    workload: ClosedLoop | OpenLoop | Mixed, router: Router | RouterTier, cost: CostModel, fleet: Fleet,
+    hooks: Sequence[tuple[float, Hook]] = (), flow: FlowSpec | None = None,
 ) -> Outcome:
+    """``flow``: requests go through flow control (None: straight to the router, as without it)."""
     sim = _Simulation(router, cost, fleet)
+    if flow is not None:
+        sim.flow = SimFlow(sim, flow)
     for at, hook in hooks:
         sim.push(at, _HOOK, hook)
     return sim.run(workload)
@@ -125,8 +137,8 @@ class _Simulation:
         else:
             self.release = self.release_answered = Ticket.release
             self.report = lambda ticket, *answer: router.report_cached(ticket.request, *answer)
-        self.pending: Iterator[Request] = iter(())
         self.deadline = float("inf")
+        self.flow: SimFlow | None = None
         self.busy = 0  # replicas with at least one running request
         self.host_factor = 1.0
         self._set_fleet(fleet.replicas, 0.0)
@@ -135,12 +147,17 @@ class _Simulation:
         self.seq += 1
         heappush(self.heap, (at, self.seq, kind, payload))
 
-    def run(self, workload: ClosedLoop | OpenLoop) -> Outcome:
-        if isinstance(workload, ClosedLoop):
-            self.pending = iter(workload.conversations)
-            self.deadline = workload.max_duration_s
-            for user in range(workload.users):
-                self.push(user / workload.spawn_rate, _USER, None)
+    def push_hook(self, at: float, hook: Hook) -> None:
+        self.push(at, _HOOK, hook)
+
+    def run(self, workload: ClosedLoop | OpenLoop | Mixed) -> Outcome:
+        if not isinstance(workload, OpenLoop):
+            loops = (workload,) if isinstance(workload, ClosedLoop) else workload
+            self.deadline = max(loop.max_duration_s for loop in loops)
+            for loop in loops:
+                users = iter(loop.conversations)
+                for user in range(loop.users):
+                    self.push(user / loop.spawn_rate, _USER, users)
         else:
             for request in workload.requests:
                 if request.arrival_s is None:
@@ -162,7 +179,7 @@ class _Simulation:
             elif kind == _SEND:
                 self._send(payload, now)
             elif kind == _USER:
-                self._next_conversation(now)
+                self._next_conversation(payload, now)
             elif kind == _RELEASE:
                 self.release(payload.ticket, True)  # a no-op when its next turn released it
             elif kind == _SLOW:
@@ -177,9 +194,10 @@ class _Simulation:
         self.outcome.events = events
         return self.outcome
 
-    def _next_conversation(self, now: float) -> None:
-        first = next(self.pending, None)
+    def _next_conversation(self, users: Iterator[Request], now: float) -> None:
+        first = next(users, None)
         if first is not None and now + first.think_s <= self.deadline:
+            first.users = users
             self.push(now + first.think_s, _SEND, first)
 
     def _send(self, request: Request, now: float) -> None:
@@ -189,11 +207,18 @@ class _Simulation:
             self.release_answered(previous.ticket)  # it carries the last answer
         for side in request.sides:
             self._send(side, now)
-        request.ticket = ticket = self.route(request.route)
+        if self.flow is not None:
+            self.flow.admit(request, now)  # routed now or later, by flow control
+        else:
+            self.routed(request, self.route(request.route), now)
+
+    def routed(self, request: Request, ticket: Ticket | None, now: float) -> None:
+        """The router's pick for ``request`` (None: no replica at all); it goes there."""
+        request.ticket = ticket
         if ticket is None:  # no replica at all: answered at once with 503, like the gateway
             request.status, request.error = 503, "no replica"
             request.started_at = request.first_token_at = request.finished_at = now
-            self._done(request, now)
+            self.done(request, now)
             return
         decision = ticket.decision
         request.replica = decision.replica
@@ -230,7 +255,7 @@ class _Simulation:
         request.started_at = request.first_token_at = request.finished_at = now
         assert request.ticket is not None  # routed, then refused
         self.release(request.ticket, False)
-        self._done(request, now)
+        self.done(request, now)
 
     def _wake(self, replica: Replica | PagedReplica, now: float) -> None:
         finished = replica.wake(now)
@@ -258,9 +283,9 @@ class _Simulation:
                 self.push(now + lag, _RELEASE, request)
             else:
                 release(ticket, True)
-            self._done(request, now)
+            self.done(request, now)
 
-    def _done(self, request: Request, now: float) -> None:
+    def done(self, request: Request, now: float) -> None:
         self.record(request)
         request = request.head
         if request.waiting:  # a fan-out: the conversation goes on once every answer is in
@@ -270,11 +295,12 @@ class _Simulation:
         follow = request.next
         if follow is not None:
             at = now + follow.think_s
+            follow.users = request.users
             if at <= self.deadline:
                 self.seq = seq = self.seq + 1  # push(at, _SEND, follow), inlined
                 heappush(self.heap, (at, seq, _SEND, follow))
-        elif request.arrival_s is None:  # closed loop: the user takes the next conversation
-            self._next_conversation(now)
+        elif request.users is not None:  # closed loop: the user takes the next conversation
+            self._next_conversation(request.users, now)
 
     def _reschedule(self, replica: Replica | PagedReplica, now: float) -> None:
         self.seq = seq = self.seq + 1

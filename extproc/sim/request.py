@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterator
 
 from extproc.routing import RouteRequest, Ticket
+from extproc.routing.flow_control import Wait
 from extproc.sim.prompts import BLOCK_TOKENS
 
 
@@ -15,7 +16,7 @@ class Request:
         "route", "request_id", "conversation", "turn", "key", "blocks", "prompt_tokens", "max_tokens", "arrival_s",
         "think_s", "next", "previous", "sides", "waiting", "head", "replica", "reason", "predicted_cached",
         "cache_n", "prompt_n", "arrived_at", "started_at", "first_token_at", "finished_at", "status", "error",
-        "order", "target", "slot", "ticket",
+        "order", "target", "slot", "ticket", "tenant", "objective", "users", "wait",
     )
 
     def __init__(
@@ -54,6 +55,10 @@ class Request:
         self.order = 0  # the replica's start counter when it got a slot
         self.target = 0.0  # the replica's clock for its current phase when the phase is done
         self.slot: Slot | None = None
+        self.tenant = ""  # whom it comes from and the objective it names (flow control's headers; "": none)
+        self.objective = ""
+        self.users: Iterator[Request] | None = None  # closed loop: the conversations its user takes next
+        self.wait: Wait | None = None  # with flow control: how it went through the queue (its decision trace's)
 
 
 class Slot:

@@ -20,12 +20,13 @@ from extproc.routing.settings import SHARED_ROUTING_KEYS, RoutingSettings, with_
 from extproc.routing.speeds import Speed
 from extproc.settings import SettingsError, parse_routing, read_toml, validate_settings
 from extproc.sim.costmodel import CostModel, load_cost_model
-from extproc.sim.engine import ClosedLoop, Fleet, OpenLoop, Outcome, simulate
+from extproc.sim.engine import ClosedLoop, Fleet, Mixed, OpenLoop, Outcome, simulate
+from extproc.sim.flow import FlowSpec
 from extproc.sim.mooncake import TraceError, TraceRequest, jittered_arrivals, read_trace
 from extproc.sim.records import SIM_EPOCH_S, request_rows
 from extproc.sim.relief import Relief
 from extproc.sim.routers import RouterTier, check_router_tier
-from extproc.sim.workload import profile_workload, requests_from_trace
+from extproc.sim.workload import MIXES, mixed_workload, profile_workload, requests_from_trace
 from extproc.strict import Strict
 from extproc.traffic import Profile, load_profile
 
@@ -55,6 +56,7 @@ class SimConfig:
     relieve_hot_spots: bool  # a conversation sent away from its cache takes it along (extproc/sim/relief.py)
     # traces: arrivals sharing a bucket this wide are spread over it with the seed (None: not read)
     jitter_bucket_s: float | None = None
+    flow: SimFlowSection | None = None  # [flow]: flow control's settings in `llm-ring sim --flow` (None: not read)
 
     def fleet(self, replicas: int, cost: CostModel, scale: tuple[tuple[float, int], ...] = (),
               host_cores: float | None = None, cache: bool = True, models: tuple[CostModel, ...] = (),
@@ -105,6 +107,21 @@ class SimMigrationSection(Strict):
     relieve_hot_spots: bool
 
 
+class SimFlowSection(Strict):
+    """[flow]: the queue's settings for `llm-ring sim --flow` (extproc/sim/flow_runs.py)."""
+
+    objectives: dict[str, int]
+    default_priority: int
+    ttl_seconds: float
+    band_size: int
+    locality_deficit: float
+    input_weight: float
+    output_weight: float
+    reserved_slots: int  # this router's (`ours`); the baselines run with none
+    patience: bool  # this router's (`ours`); the baselines run without
+    trace_tenants: dict[str, int]  # a trace's conversations split by hash into these tenants, by weight
+
+
 class SimSettings(Strict):
     """sim.toml: every key, checked as every settings file is (extproc.settings.validate_settings)."""
 
@@ -114,6 +131,7 @@ class SimSettings(Strict):
     trace: SimTraceSection
     gateway: SimGatewaySection
     migration: SimMigrationSection
+    flow: SimFlowSection
 
 
 def load_sim_config(path: str | Path = SIM_CONFIG) -> SimConfig:
@@ -133,6 +151,7 @@ def load_sim_config(path: str | Path = SIM_CONFIG) -> SimConfig:
             roll_restart_s=checked.migration.roll_restart_s,
             migration_transfer_gb_per_s=checked.migration.transfer_gb_per_s,
             migration_min_tokens=checked.migration.min_tokens, relieve_hot_spots=checked.migration.relieve_hot_spots,
+            flow=checked.flow,
         )
         check_router_tier(config.routers, config.router_state, config.store_lag_ms)
     except ValueError as exc:
@@ -178,19 +197,26 @@ class Source:
     """Where requests come from: a traffic profile (closed loop) or a trace (open loop)."""
 
     label: str
-    make: Callable[[int, int], ClosedLoop | OpenLoop]  # (seed, the policy's prefix_block_chars) -> a fresh workload
+    make: Callable[[int, int], ClosedLoop | OpenLoop | Mixed]  # (seed, prefix_block_chars) -> a fresh workload
     seeds_hash: bool  # traces: the seed varies the ring's hash_seed and the arrival jitter
     profile: Profile | None = None
     trace: list[TraceRequest] | None = None
 
 
 def profile_source(name_or_path: str) -> Source:
+    """A profile, or a mix of tenants' profiles (workload.MIXES: ``noisy-neighbour``)."""
+    mix = MIXES.get(str(name_or_path))
+    if mix is not None:
+        for load in mix:
+            load_profile(load.profile)  # fail before any run
+        return Source(str(name_or_path), lambda seed, blocks: mixed_workload(mix, seed, blocks), False)
     profile = load_profile(name_or_path)
     return Source(profile.name, lambda seed, blocks: profile_workload(profile, seed, blocks), False, profile)
 
 
 def trace_source(path: str | Path, time_scale: float, jitter_bucket_s: float | None,
-                 limit: int | None = None) -> Source:
+                 limit: int | None = None, tenants: tuple[tuple[str, int], ...] = ()) -> Source:
+    """``tenants``: the trace's conversations split into these (name, weight) by hash."""
     if jitter_bucket_s is None or jitter_bucket_s <= 0:
         raise SettingsError(f"[trace] jitter_bucket_ms: must be > 0 (got {jitter_bucket_s!r} s)")
     bucket_s = jitter_bucket_s
@@ -199,17 +225,19 @@ def trace_source(path: str | Path, time_scale: float, jitter_bucket_s: float | N
         raise TraceError(f"{path}: no requests")
 
     def make(seed: int, _: int) -> OpenLoop:  # a trace's requests carry its hash ids always
-        return requests_from_trace(trace, time_scale, jittered_arrivals(trace, bucket_s, seed))
+        return requests_from_trace(trace, time_scale, jittered_arrivals(trace, bucket_s, seed), tenants)
 
     return Source(Path(path).stem, make, True, trace=trace)
 
 
-def run_once(workload: ClosedLoop | OpenLoop, settings: RoutingSettings, cost: CostModel, fleet: Fleet,
+def run_once(workload: ClosedLoop | OpenLoop | Mixed, settings: RoutingSettings, cost: CostModel, fleet: Fleet,
              routers: int = 1, router_state: str = "separate", seed: int = 0, store_lag_ms: float = 0.0,
-             store_handoff: bool = False, store_outage: tuple[float, float] | None = None) -> Outcome:
-    """One run through ``routers`` gateway routers (``seed`` spreads the requests over them)."""
+             store_handoff: bool = False, store_outage: tuple[float, float] | None = None,
+             flow: FlowSpec | None = None) -> Outcome:
+    """One run through ``routers`` gateway routers (``seed`` spreads the requests over them);
+    ``flow``: through flow control."""
     tier = RouterTier(settings, routers, router_state, seed, store_lag_ms / 1000, store_handoff, store_outage)
-    outcome = simulate(workload, tier, cost, fleet)
+    outcome = simulate(workload, tier, cost, fleet, flow=flow)
     for router in tier.distinct():
         if router.in_flight() or router.ledger.total_requests() or router.ledger.total_tokens():
             raise RuntimeError(f"simulation left load in the ledger: {router.in_flight()} requests in flight")

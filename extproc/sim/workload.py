@@ -2,10 +2,30 @@
 
 from __future__ import annotations
 
-from extproc.sim.engine import ClosedLoop, OpenLoop
+import zlib
+from typing import NamedTuple
+
+from extproc.sim.engine import ClosedLoop, Mixed, OpenLoop
 from extproc.sim.mooncake import TraceRequest, infer_conversations
 from extproc.sim.request import Request
-from extproc.traffic import Profile, generate_conversations
+from extproc.traffic import Profile, generate_conversations, load_profile
+
+
+class TenantLoad(NamedTuple):
+    """One tenant of a mix: its requests name ``tenant`` and ``objective`` ("": none), and its
+    users follow ``profile`` (extproc/traffic/profiles)."""
+
+    tenant: str
+    objective: str
+    profile: str
+
+
+# A quiet tenant's few short chats beside a noisy one pasting documents without pause: the
+# scenario of `llm-ring bench flow`, scaled to a fleet; both in the default band, so only the
+# order between tenants protects the quiet one
+MIXES: dict[str, tuple[TenantLoad, ...]] = {
+    "noisy-neighbour": (TenantLoad("quiet", "", "tenant-quiet"), TenantLoad("noisy", "", "tenant-noisy")),
+}
 
 # A profile prompt as the block-aware policies see it: the service cuts a prompt's text into
 # blocks of the policy's prefix_block_chars characters, at 4 characters a token (router.toml
@@ -13,7 +33,8 @@ from extproc.traffic import Profile, generate_conversations
 CHARS_PER_TOKEN = 4
 
 
-def profile_workload(profile: Profile, seed: int, block_chars: int = 0) -> ClosedLoop:
+def profile_workload(profile: Profile, seed: int, block_chars: int = 0, tenant: str = "",
+                     objective: str = "") -> ClosedLoop:
     """The seed's conversations, each turn's prompt = whole history with answers at max_tokens;
     with ``block_chars``, each prompt carries its prefix blocks of that many characters.
 
@@ -25,21 +46,25 @@ def profile_workload(profile: Profile, seed: int, block_chars: int = 0) -> Close
     ``<id>/p<k>`` of their own, as Locust records them. A side shares the whole history with
     its turn; the simulated cache credits it with its turn's length (the short side message
     is over-credited).
+    With a ``tenant``, its requests carry it and ``objective``, and its conversations are its
+    own (ids ``<tenant>/<id>``): another tenant's profile makes the same ids.
     """
     block_tokens = block_chars // CHARS_PER_TOKEN
     firsts = []
     for number, conversation in enumerate(generate_conversations(profile, seed)):
         previous = None
+        name = f"{tenant}/{conversation.id}" if tenant else conversation.id
         for turn_number, turn in enumerate(conversation.turns, start=1):
             request = Request(
-                f"{conversation.id}-t{turn_number}", conversation.id, turn_number, number, None,
+                f"{name}-t{turn_number}", name, turn_number, (tenant, number) if tenant else number, None,
                 turn.est_prompt_tokens, turn.max_tokens, think_s=turn.think_time_s,
             )
+            request.tenant, request.objective = tenant, objective
             if block_tokens:
                 _add_blocks(request, block_tokens)
             if turn.parallel:
                 request.sides = tuple(
-                    _side(request, f"{conversation.id}/p{k}", side.est_prompt_tokens, block_tokens)
+                    _side(request, f"{name}/p{k}", side.est_prompt_tokens, block_tokens)
                     for k, side in enumerate(turn.parallel, start=1)
                 )
                 request.waiting = 1 + len(request.sides)
@@ -49,6 +74,12 @@ def profile_workload(profile: Profile, seed: int, block_chars: int = 0) -> Close
                 previous.next, request.previous = request, previous
             previous = request
     return ClosedLoop(firsts, profile.concurrency, profile.spawn_rate, profile.max_duration_s)
+
+
+def mixed_workload(mix: tuple[TenantLoad, ...], seed: int, block_chars: int = 0) -> Mixed:
+    """Each tenant's users, conversations (its profile's, with the seed) side by side."""
+    return tuple(profile_workload(load_profile(load.profile), seed, block_chars, load.tenant, load.objective)
+                 for load in mix)
 
 
 def _add_blocks(request: Request, block_tokens: int) -> None:
@@ -64,16 +95,19 @@ def _side(turn: Request, recorded_as: str, prompt_tokens: int, block_tokens: int
     if block_tokens:
         _add_blocks(side, block_tokens)
     side.head = turn
+    side.tenant, side.objective = turn.tenant, turn.objective
     return side
 
 
 def requests_from_trace(
-    trace: list[TraceRequest], time_scale: float = 1.0, arrivals: list[float] | None = None
+    trace: list[TraceRequest], time_scale: float = 1.0, arrivals: list[float] | None = None,
+    tenants: tuple[tuple[str, int], ...] = (),
 ) -> OpenLoop:
     """The trace's requests, each at ``arrivals`` (default: its timestamp) × ``time_scale``.
 
     A request's prefix key is its first block's hash id; a plain trace (no hash ids) gives
-    every request its own key, so nothing is shared.
+    every request its own key, so nothing is shared. ``tenants`` ((name, weight) ...): each
+    inferred conversation belongs to one, by a hash of its id (tenant_of).
     """
     conversations = infer_conversations(trace)
     turns: dict[int, int] = {}
@@ -86,4 +120,17 @@ def requests_from_trace(
             f"r{number:06d}", f"m{conversation:05d}", turns[conversation], hashes[0] if hashes else ("r", number),
             hashes or None, item.input_length, item.output_length, arrival_s=at * time_scale,
         ))
+        if tenants:
+            requests[-1].tenant = tenant_of(requests[-1].conversation, tenants)
     return OpenLoop(requests)
+
+
+def tenant_of(conversation: str, tenants: tuple[tuple[str, int], ...]) -> str:
+    """The tenant a conversation belongs to: its id's CRC-32 among the tenants' weights (stable
+    across processes and Python versions, unlike ``hash``)."""
+    point = zlib.crc32(conversation.encode()) % sum(weight for _, weight in tenants)
+    for name, weight in tenants:
+        if point < weight:
+            return name
+        point -= weight
+    raise AssertionError("unreachable: point < the weights' sum")
