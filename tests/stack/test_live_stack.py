@@ -130,7 +130,10 @@ class Traffic(threading.Thread):
         number = 0
         while not self.stopping.is_set():
             chat = Chat(self.gateway, f"traffic-{self.worker}-{number}")
-            for text in ("Hello there, how are the fields?", "And the river?"):
+            # an opening of its own: with the prefix index on, a shared opening would rightly
+            # follow the replica already holding it, and no conversation would be new to the fleet
+            opening = f"Worker {self.worker} asks, for the {number}th time: how are the fields?"
+            for text in (opening, "And the river?"):
                 try:
                     reply, _ = chat.turn(text)
                     self.results.append((reply.status_code, reply.headers.get("x-routed-to", "")))
@@ -150,10 +153,12 @@ def test_scale_up_and_down_while_traffic_flows(lab: LocalLab) -> None:
         newcomer = Chat(lab.gateway_url, conversation_homed_on(lab, "llm-2", ["llm-0", "llm-1", "llm-2"], "new"))
         reply, _ = newcomer.turn("A new conversation after the scale-up.")
         assert reply.status_code == 200
-        # its ring home is the newcomer; only the load there may send it on: above the cap
-        # (overflow), or past the guard rail with another replica's first token predicted sooner
+        # its ring home is the newcomer; only the load there may send it on: above the cap (overflow;
+        # least-recent, the prefix index's next replica with room clockwise), or past the guard rail
+        # with another replica's first token predicted sooner
         routed, reason = reply.headers["x-routed-to"], reply.headers["x-route-reason"]
-        assert (routed, reason) == ("llm-2", "home") or (routed != "llm-2" and reason in {"overflow", "faster"})
+        assert (routed, reason) == ("llm-2", "home") or (
+            routed != "llm-2" and reason in {"overflow", "least-recent", "faster"})
         time.sleep(1.0)
         lab.scale(2)
         assert set(lab.replicas()) == {"llm-0", "llm-1"}
