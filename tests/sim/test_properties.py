@@ -59,4 +59,5 @@ def test_conservation_on_random_traffic(items, policy, slots, replicas, cache):
             assert r.cache_n + r.prompt_n == r.prompt_tokens and r.prompt_n >= 1
             assert r.arrived_at <= r.started_at <= r.first_token_at <= r.finished_at
         else:
-            assert r.replica is None and r.arrived_at < 15.0 and replicas == 0
+            # a request arriving at the very instant of the scale-up may be decided before it
+            assert r.replica is None and r.arrived_at <= 15.0 and replicas == 0
