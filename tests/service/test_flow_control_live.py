@@ -68,7 +68,7 @@ def test_a_request_waits_for_a_free_slot_and_its_client_may_leave_or_its_ttl_exp
         plane: Callable[[Path, LlamaReplicas], AbstractContextManager[Gateway]], replicas: LlamaReplicas,
         tmp_path: Path) -> None:
     with plane(tmp_path, replicas) as gw:
-        fillers = fill(gw, 40)
+        fillers = fill(gw, 150)  # about a second: long enough that the quiet request meets both slots taken
         started = time.monotonic()
         reply = post(gw.url + URL, chat("hello", max_tokens=2), {TENANT: "quiet"}, 60.0)
         waited = time.monotonic() - started
