@@ -132,7 +132,7 @@ class Traffic(threading.Thread):
             chat = Chat(self.gateway, f"traffic-{self.worker}-{number}")
             # an opening of its own: with the prefix index on, a shared opening would rightly
             # follow the replica already holding it, and no conversation would be new to the fleet
-            opening = f"Worker {self.worker} asks, for the {number}th time: how are the fields?"
+            opening = f"Worker {self.worker}, conversation {number}: how are the fields?"
             for text in (opening, "And the river?"):
                 try:
                     reply, _ = chat.turn(text)
