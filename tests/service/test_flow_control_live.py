@@ -28,7 +28,7 @@ from tests.service.gateway_support import (
 
 pytestmark = pytest.mark.live
 URL = "/v1/chat/completions"
-TTL_S = 4.0
+TTL_S = 6.0
 # one slot a replica (the replicas have 2: the second is never used), no headroom
 FLOW = {"replica_slots": "1", "reserved_slots": "0", "ttl_seconds": str(TTL_S)}
 TENANT = "x-gateway-inference-fairness-id"
@@ -52,8 +52,17 @@ def inference_pool(workdir: Path, replicas: LlamaReplicas) -> AbstractContextMan
 PLANES = [pytest.param(own_envoy, id="own-envoy"), pytest.param(inference_pool, id="inference-pool")]
 
 
-def fill(gw: Gateway, tokens: int) -> list[threading.Thread]:
-    """Both slots taken by a generation of ``tokens`` tokens each (threads, joined by the caller)."""
+def tokens_per_second(gw: Gateway) -> float:
+    """How fast a replica generates now (llama.cpp's timings of one answer): the fillers are sized
+    in seconds, as this machine's speed varies with its load."""
+    reply = post(gw.url + URL, chat("warm up", max_tokens=32, ignore_eos=True), {TENANT: "filler"}, 60.0)
+    assert reply.status_code == 200, reply.text
+    return float(reply.json()["timings"]["predicted_per_second"])
+
+
+def fill(gw: Gateway, seconds: float, speed: float) -> list[threading.Thread]:
+    """Both slots taken by a generation of about ``seconds`` each (threads, joined by the caller)."""
+    tokens = max(16, round(seconds * speed))
     threads = [threading.Thread(target=post, args=(gw.url + URL, chat(f"count {index}", max_tokens=tokens,
                                                                       ignore_eos=True), {TENANT: "filler"}, 120.0))
                for index in range(2)]
@@ -68,7 +77,8 @@ def test_a_request_waits_for_a_free_slot_and_its_client_may_leave_or_its_ttl_exp
         plane: Callable[[Path, LlamaReplicas], AbstractContextManager[Gateway]], replicas: LlamaReplicas,
         tmp_path: Path) -> None:
     with plane(tmp_path, replicas) as gw:
-        fillers = fill(gw, 150)  # about a second: long enough that the quiet request meets both slots taken
+        speed = tokens_per_second(gw)
+        fillers = fill(gw, 1.5, speed)  # the quiet request meets both slots taken, and waits well below the TTL
         started = time.monotonic()
         reply = post(gw.url + URL, chat("hello", max_tokens=2), {TENANT: "quiet"}, 60.0)
         waited = time.monotonic() - started
@@ -82,7 +92,7 @@ def test_a_request_waits_for_a_free_slot_and_its_client_may_leave_or_its_ttl_exp
             assert int(reply.headers["x-route-queue-wait-ms"]) == round(line["queue_wait_ms"])
         assert gw.wait_idle()["in_flight_requests"] == 0
 
-        fillers = fill(gw, 700)  # longer than the TTL and the two waits below
+        fillers = fill(gw, 2 * TTL_S + 4, speed)  # longer than the TTL and the two waits below
         with pytest.raises(httpx.ReadTimeout):  # a client that gives up while its request waits
             post(gw.url + URL, chat("gone", max_tokens=2), {TENANT: "leaver"}, 1.0)
         _until(lambda: gw.metric("llm_ring_flow_requests_total", band="0", outcome="cancelled") == 1)
