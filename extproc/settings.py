@@ -188,6 +188,10 @@ class Settings(Strict):
         if flow.enabled and service is not None and service.shed_requests_per_replica:
             raise ValueError("enabled: service.shed_requests_per_replica must be 0 with flow control (the queue "
                              "replaces shedding)")
+        routing = info.data.get("routing")
+        if routing is not None and flow.reserved_slots >= routing.replica_slots:
+            raise ValueError(f"reserved_slots ({flow.reserved_slots}) must be below routing.replica_slots "
+                             f"({routing.replica_slots}): a replica would take nothing")
         return flow
 
 

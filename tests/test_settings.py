@@ -158,7 +158,7 @@ def test_a_missing_flow_key_stops_start_up_naming_it() -> None:
 @pytest.mark.parametrize(
     ("changes", "complaint"),
     [
-        ({"reserved_slots": 4}, "reserved_slots (4) must be below replica_slots (4)"),
+        ({"reserved_slots": 4}, "reserved_slots (4) must be below routing.replica_slots (4)"),
         ({"tenant_header": "X-Tenant"}, "tenant_header: String should match pattern"),
         ({"ttl_seconds": 601.0}, "flow.ttl_seconds: Input should be less than or equal to 600"),
         ({"objectives": {"fast": "high"}}, "flow.objectives.fast: Input should be a valid integer"),
@@ -207,7 +207,7 @@ def test_the_routing_defaults_are_one_set_everywhere_but_what_describes_the_repl
     files = routing_files()
     choices = {name: {policy: {key: value for key, value in section.items() if key not in REPLICA_FACTS}
                       if isinstance(section, dict) else section
-                      for policy, section in routing.items() if policy != "policy"}
+                      for policy, section in routing.items() if policy != "policy" and policy not in REPLICA_FACTS}
                for name, routing in files.items()}
     reference = choices["extproc/service/router.toml"]
     for name, chosen in choices.items():
@@ -235,7 +235,7 @@ def test_each_file_gives_the_prefix_index_the_capacity_of_its_own_replicas() -> 
     assert files["extproc/service/router.toml"]["llm-aware"]["prefix_capacity_tokens"] == local
     for name in ("k8s/41-router-config.yaml", "k8s/inference-pool/20-picker-config.yaml"):
         assert files[name]["llm-aware"]["prefix_capacity_tokens"] == pods, name
-        assert files[name]["llm-aware"]["replica_slots"] == int(k8s["LLAMA_ARG_N_PARALLEL"]), name
+        assert files[name]["replica_slots"] == int(k8s["LLAMA_ARG_N_PARALLEL"]), name
     assert files["extproc/sim/sim.toml"]["llm-aware"]["prefix_capacity_tokens"] == h100["kv_capacity_tokens"]
 
 

@@ -1,7 +1,7 @@
 """Flow control: a request goes to a replica while one has room, else it waits in the router
 (queue.py) and is dispatched, by priority and fair share, when room frees.
 
-**Room is a free slot.** A llama.cpp replica runs ``replica_slots`` requests at once
+**Room is a free slot.** A llama.cpp replica runs ``routing.replica_slots`` requests at once
 (``--parallel``) and queues the rest itself, first come first served, blind to tenants: a
 request sent to a full replica waits there in an order the router no longer controls. So a
 replica has room while fewer than its slots are in flight (the ledger's requests, this
@@ -217,14 +217,12 @@ class FlowControl:
 
     def _rooms(self, flow: Flow, avoid: frozenset[str]) -> tuple[str, ...]:
         """The replicas with room for a request of ``flow`` (module docstring: headroom)."""
-        settings = self.settings
+        reserved = self.settings.reserved_slots
         loads = self.router.ledger.loads("requests")
-        replicas = self.router.replicas
-        open_slots, slots = settings.open_slots, settings.replica_slots
-        limit = slots
-        if settings.reserved_slots and self.queue.demand(flow) >= self.queue.busiest_demand():
-            limit = open_slots  # the busiest flow (or one alone) keeps out of the reserved slots
-        return tuple(name for name in replicas if name not in avoid and loads.get(name, 0) < limit)
+        limit = self.router.settings.replica_slots  # the router's: a change of routing reaches it at once
+        if reserved and self.queue.demand(flow) >= self.queue.busiest_demand():
+            limit = max(1, limit - reserved)  # the busiest flow (or one alone) keeps out of the reserved slots
+        return tuple(name for name in self.router.replicas if name not in avoid and loads.get(name, 0) < limit)
 
     def _without(self, rooms: tuple[str, ...]) -> tuple[str, ...]:
         """The replicas a pick must avoid so that it lands in ``rooms``."""

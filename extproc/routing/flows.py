@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from pydantic import Field, model_validator
+from pydantic import Field
 
 from extproc.strict import Strict
 
@@ -42,27 +42,15 @@ class FlowSettings(Strict):
     default_priority: int = Field(description="the band of a request naming no objective, or an unknown one")
     anonymous_max_priority: int = Field(description="the highest band a request without the tenant header may "
                                                     "claim through its objective")
-    replica_slots: int = Field(gt=0, le=1024, description="requests a replica runs at once (llama.cpp --parallel)")
-    reserved_slots: int = Field(ge=0, description="of each replica's slots, this many go only to a flow holding "
-                                                  "fewer requests in flight or waiting than the busiest flow")
+    reserved_slots: int = Field(ge=0, description="of each replica's slots (routing.replica_slots), this many go "
+                                                  "only to a flow holding fewer requests in flight or waiting "
+                                                  "than the busiest flow")
     input_weight: float = Field(gt=0, description="work of a prompt token the replica computes (fair share)")
     output_weight: float = Field(gt=0, description="work of a generated token (fair share)")
     locality_deficit: float = Field(ge=0, description="tokens of work a flow may be ahead of the least served "
                                                       "one when its request keeps a cache")
     band_size: int = Field(gt=0, description="requests waiting in one priority band at most: more get 429")
     ttl_seconds: float = Field(gt=0, le=600, description="a request waiting longer gets 429")
-
-    @model_validator(mode="after")
-    def _coherent(self) -> FlowSettings:
-        if self.reserved_slots >= self.replica_slots:
-            raise ValueError(f"reserved_slots ({self.reserved_slots}) must be below replica_slots "
-                             f"({self.replica_slots}): a replica would take nothing")
-        return self
-
-    @property
-    def open_slots(self) -> int:
-        """Slots of a replica any flow may fill."""
-        return self.replica_slots - self.reserved_slots
 
 
 def flow_of(settings: FlowSettings, tenant: str, objective: str) -> Flow:

@@ -196,7 +196,7 @@ class Gateway:
         generation routed, never on a request passed through."""
         self.router = router
         self.counter = counter or make_counter(settings.tokenizer, settings.chars_per_token)
-        # replica -> the openings of the last prompts sent to it, one per slot (routing.llm-aware.replica_slots)
+        # replica -> the openings of the last prompts sent to it, one per slot (routing.replica_slots)
         self.openings: dict[str, deque[tuple[int, ...]]] = {}
         self.settings = settings
         self.metrics = metrics
@@ -603,8 +603,7 @@ class Gateway:
         like it, so only while a slot that holds a prompt is idle: fewer requests in flight there
         (this one aside) than slots filled. At most the prompt but one token: the replica
         computes one at least."""
-        routing = self.router.settings
-        slots = max(1, getattr(routing.params[routing.policy], "replica_slots", 1))  # llm-aware's; others: one
+        slots = self.router.settings.replica_slots
         seen = self.openings.get(decision.replica)
         if seen is None or seen.maxlen != slots:
             seen = self.openings[decision.replica] = deque(seen or (), maxlen=slots)

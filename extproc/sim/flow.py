@@ -12,8 +12,8 @@ flow_control.py), driven as the service's waiting room drives it (extproc/servic
   (429 ttl-expired) and dispatch.
 
 A dispatched request keeps its ``Wait`` (the service puts it in the decision trace as
-``queue``). Room is ``settings.replica_slots`` requests a replica: the caller makes it the
-simulated replicas' slots.
+``queue``). Room is the router's ``routing.replica_slots`` requests a replica: the caller makes
+it the simulated replicas' room (flow_runs.replica_room).
 """
 
 from __future__ import annotations

@@ -62,18 +62,17 @@ def parse_variant(spec: str, section: SimFlowSection) -> Variant:
                    float(values["locality_deficit"]))
 
 
-def flow_spec(variant: Variant, section: SimFlowSection, slots: int) -> FlowSpec | None:
-    """The variant as flow control's settings, ``slots`` a simulated replica's room (None: no queue)."""
+def flow_spec(variant: Variant, section: SimFlowSection) -> FlowSpec | None:
+    """The variant as flow control's settings (None: no queue)."""
     if variant.order is None:
         return None
     settings = FlowSettings(
         enabled=True, tenant_header="x-gateway-inference-fairness-id",  # headers unused: requests carry
         objective_header="x-gateway-inference-objective", default_tenant="default",  # their tenant
         objectives=section.objectives, default_priority=section.default_priority,
-        anonymous_max_priority=section.default_priority, replica_slots=slots,
-        reserved_slots=variant.reserved_slots, input_weight=section.input_weight,
-        output_weight=section.output_weight, locality_deficit=variant.locality_deficit,
-        band_size=section.band_size, ttl_seconds=section.ttl_seconds)
+        anonymous_max_priority=section.default_priority, reserved_slots=variant.reserved_slots,
+        input_weight=section.input_weight, output_weight=section.output_weight,
+        locality_deficit=variant.locality_deficit, band_size=section.band_size, ttl_seconds=section.ttl_seconds)
     return FlowSpec(settings, variant.order, variant.patience)
 
 
@@ -91,10 +90,11 @@ def flow_runs(source: Source, policies: Iterable[str], variants: list[Variant], 
     runs = []
     for seed in seeds:
         for policy in policies:
-            base = {**config.routing, "hash_seed": seed} if source.seeds_hash else config.routing
-            settings = parse_policy(policy, base)
+            # the router is told the simulated replicas' room, as the stack tells it their --parallel
+            base = {**config.routing, "replica_slots": replica_room(fleet, cost)}
+            settings = parse_policy(policy, {**base, "hash_seed": seed} if source.seeds_hash else base)
             for variant in variants:
-                spec = flow_spec(variant, config.flow, replica_room(fleet, cost))
+                spec = flow_spec(variant, config.flow)
                 outcome = run_once(source.make(seed, make_policy(settings).prefix_block_chars), settings, cost,
                                    fleet, seed=seed, flow=spec)
                 figures = tenant_figures(outcome.requests, config.flow)

@@ -101,8 +101,7 @@ def render_router_settings(base: Path, *, policy: str, admin_listen: str, metric
     if prefix_capacity_tokens is not None:  # llm-aware's own settings ([routing.llm-aware])
         raw["routing"]["llm-aware"]["prefix_capacity_tokens"] = prefix_capacity_tokens
     if replica_slots is not None:  # what llm-aware's prediction and flow control count on
-        raw["routing"]["llm-aware"]["replica_slots"] = replica_slots
-        raw["flow"]["replica_slots"] = replica_slots
+        raw["routing"]["replica_slots"] = replica_slots
     raw["service"].update(  # no picker port: Envoy reaches ext_proc and the access log on the socket
         listen="",
         admin_listen=admin_listen,

@@ -12,7 +12,7 @@ BASE: dict[str, Any] = {
     "hash_seed": 0,
     "memory_capacity": 10_000,
     "speed_learning": True, "speed_ewma_weight": 0.05, "prior_prefill_tokens_per_s": 167.0,
-    "prior_decode_tokens_per_s": 55.0, "prior_request_overhead_ms": 19.0,
+    "prior_decode_tokens_per_s": 55.0, "prior_request_overhead_ms": 19.0, "replica_slots": 4,
     "bounded": {"epsilon": 0.25, "load_unit": "requests"},
     "llm-aware": {
         "epsilon": 0.25, "cache_aware": True, "placement_memory": True, "long_stickiness": True,
@@ -20,7 +20,6 @@ BASE: dict[str, Any] = {
         "prefix_index": False, "prefix_feedback": False, "prefix_capacity_tokens": 100_000,
         # the walk's tests: llm-aware decides as before predicted times (tests/routing/test_ttft.py: on)
         "ttft_decisions": False, "ttft_margin": 1.0, "ttft_recompute_cost": True, "ttft_guard_factor": 2.0,
-        "replica_slots": 4,
     },
     # the peers' sources' defaults (docs/peer-policies.md)
     "prefix-affinity": {"prefix_weight": 3.0, "queue_weight": 2.0, "kv_weight": 2.0, "max_prefix_blocks": 256,

@@ -1,4 +1,5 @@
-"""Flow settings and a driver for the flow-control tests (tests/routing, tests/service)."""
+"""Flow settings for the flow-control tests (tests/routing, tests/service); a replica's slots
+are the router's (routing.replica_slots: tests/routing/conftest.py's routing(replica_slots=N))."""
 
 from __future__ import annotations
 
@@ -14,7 +15,6 @@ FLOW: dict[str, Any] = {
     "objectives": {"interactive": 10, "standard": 0, "batch": -10},
     "default_priority": 0,
     "anonymous_max_priority": 0,
-    "replica_slots": 2,
     "reserved_slots": 0,
     "input_weight": 1.0,
     "output_weight": 2.0,

@@ -127,9 +127,9 @@ class FlowControlMachine(RuleBasedStateMachine):
 
     @initialize(reserved=st.integers(min_value=0, max_value=1), deficit=st.sampled_from([0.0, 500.0, 5000.0]))
     def start(self, reserved: int, deficit: float) -> None:
-        self.settings = flow_settings(replica_slots=2, reserved_slots=reserved, locality_deficit=deficit, band_size=5,
-                                      ttl_seconds=3.0)
-        self.control = FlowControl(Router(routing(), REPLICAS), self.settings)
+        self.slots = 2
+        self.settings = flow_settings(reserved_slots=reserved, locality_deficit=deficit, band_size=5, ttl_seconds=3.0)
+        self.control = FlowControl(Router(routing(replica_slots=self.slots), REPLICAS), self.settings)
         self.now = 0.0
         self.sequence = 0
         self.in_flight: dict[str, Flow] = {}
@@ -200,7 +200,7 @@ class FlowControlMachine(RuleBasedStateMachine):
             return
         ledger = self.control.router.ledger
         assert ledger.total_requests() == len(self.in_flight)
-        assert all(ledger.requests(name) <= self.settings.replica_slots for name in REPLICAS)
+        assert all(ledger.requests(name) <= self.slots for name in REPLICAS)
         sizes = Counter(item.flow.priority for item in self.waiting.values())
         assert all(size <= self.settings.band_size for size in sizes.values())
 
@@ -213,7 +213,7 @@ class FlowControlMachine(RuleBasedStateMachine):
         busiest = max(demand.values(), default=0)
         router = self.control.router
         for item in self.waiting.values():
-            limit = self.settings.replica_slots if demand[item.flow] < busiest else self.settings.open_slots
+            limit = self.slots if demand[item.flow] < busiest else self.slots - self.settings.reserved_slots
             if all(loads[name] >= limit for name in REPLICAS if name not in item.avoid):
                 continue
             # a replica it may take has room: it must be waiting for its full cache holder, within its patience

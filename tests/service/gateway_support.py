@@ -120,9 +120,11 @@ class Gateway:
             time.sleep(0.05)
 
 
-def flow_env(**flow: str) -> dict[str, str]:
-    """[flow] settings as LLM_RING__FLOW__ variables (TOML values), flow control on."""
-    return {f"LLM_RING__FLOW__{key.upper()}": value for key, value in {"enabled": "true", **flow}.items()}
+def flow_env(replica_slots: str | None = None, **flow: str) -> dict[str, str]:
+    """[flow] settings as LLM_RING__FLOW__ variables (TOML values), flow control on; replica_slots:
+    the room a replica has (routing.replica_slots)."""
+    env = {f"LLM_RING__FLOW__{key.upper()}": value for key, value in {"enabled": "true", **flow}.items()}
+    return env | ({"LLM_RING__ROUTING__REPLICA_SLOTS": replica_slots} if replica_slots is not None else {})
 
 
 @contextmanager

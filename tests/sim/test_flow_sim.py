@@ -12,9 +12,8 @@ from extproc.routing.flow_control import FlowControl
 from extproc.sim.costmodel import load_cost_model
 from extproc.sim.flow_runs import flow_spec, parse_variant, replica_room, tenant_figures
 from extproc.sim.request import Request
-from extproc.sim.runs import load_sim_config, run_once
+from extproc.sim.runs import load_sim_config, parse_policy, run_once
 from extproc.sim.workload import MIXES, mixed_workload, tenant_of
-from tests.sim.helpers import settings
 
 GPU = "llama31-8b-rtx3090-llamacpp"
 
@@ -25,9 +24,9 @@ def noisy_neighbour(variant: str, replicas: int = 2) -> list[Request]:
     assert config.flow is not None
     cost = load_cost_model(GPU)
     fleet = config.fleet(replicas, cost)
-    spec = flow_spec(parse_variant(variant, config.flow), config.flow, replica_room(fleet, cost))
-    return run_once(mixed_workload(MIXES["noisy-neighbour"], 1), settings("llm-aware"), cost, fleet,
-                    flow=spec).requests
+    spec = flow_spec(parse_variant(variant, config.flow), config.flow)
+    routing = parse_policy("llm-aware", {**config.routing, "replica_slots": replica_room(fleet, cost)})
+    return run_once(mixed_workload(MIXES["noisy-neighbour"], 1), routing, cost, fleet, flow=spec).requests
 
 
 def test_with_flow_on_every_request_carries_the_core_s_wait_and_some_waited_in_the_queue(

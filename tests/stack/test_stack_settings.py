@@ -86,7 +86,7 @@ def test_router_settings_are_the_reference_with_this_stacks_addresses(tmp_path: 
     sized_all = load_settings(sized, environ={})
     sized_settings = sized_all.routing.params["llm-aware"]
     assert sized_settings.prefix_capacity_tokens == 4096  # what the replicas hold
-    assert sized_settings.replica_slots == sized_all.flow.replica_slots == 2  # their --parallel
+    assert sized_all.routing.replica_slots == 2  # their --parallel, one key for every reader
 
 
 @pytest.mark.parametrize("port_key", ["gateway", "replica_base"])
@@ -123,8 +123,8 @@ def test_the_written_router_settings_read_back_as_the_base_with_only_the_stacks_
         prefix_capacity_tokens=4096, replica_slots=2)
     expected = tomllib.loads(ROUTER_REFERENCE.read_text())
     expected["routing"]["policy"] = "kv-cost"
-    expected["routing"]["llm-aware"] |= {"prefix_capacity_tokens": 4096, "replica_slots": 2}
-    expected["flow"]["replica_slots"] = 2
+    expected["routing"]["llm-aware"]["prefix_capacity_tokens"] = 4096
+    expected["routing"]["replica_slots"] = 2
     expected["service"] |= {"listen": "", "admin_listen": "127.0.0.1:1234", "ext_proc_socket": "llm-ring-1234",
                             "metrics_listen": "127.0.0.1:1235", "envoy_endpoints_file": str(endpoints),
                             "routing_headers": True}

@@ -80,10 +80,6 @@ LlmAwareParams = NamedTuple("LlmAwareParams", [
     ("ttft_guard_factor", Annotated[float, Field(gt=1, le=100, description="past this factor x average load in "
                                                                            "tokens the preferred replica goes to "
                                                                            "the bounded walk")]),
-    ("replica_slots", Annotated[int, Field(ge=0, le=4096, description="requests a replica runs at once (llama.cpp "
-                                                                      "--parallel): below, a new one shares the "
-                                                                      "replica; at or above, it queues behind all "
-                                                                      "its work (0: always queues)")]),
 ])
 REASONS = {
     **HOME_REASON,
@@ -149,7 +145,7 @@ class LlmAware:
     name: ClassVar[str] = "llm-aware"
     prefix_block_chars: ClassVar[int] = 0
 
-    def __init__(self, params: LlmAwareParams) -> None:
+    def __init__(self, params: LlmAwareParams, slots: int) -> None:
         self.epsilon = params.epsilon
         self.cache_aware = params.cache_aware
         self.placement_memory = params.placement_memory
@@ -159,7 +155,7 @@ class LlmAware:
         self.ttft = params.ttft_decisions
         self.ttft_margin = params.ttft_margin
         self.guard_factor = params.ttft_guard_factor
-        self.slots = params.replica_slots
+        self.slots = slots  # routing.replica_slots: below, a new request shares the replica; at it, it waits
         self.recompute_cost = params.ttft_recompute_cost
 
     def decide(self, situation: Situation) -> Decision | None:
@@ -343,8 +339,8 @@ class LlmAwarePrefix(LlmAware):
 
     prefix_block_chars: ClassVar[int] = INDEX_BLOCK_CHARS
 
-    def __init__(self, params: LlmAwareParams) -> None:
-        super().__init__(params)
+    def __init__(self, params: LlmAwareParams, slots: int) -> None:
+        super().__init__(params, slots)
         self.index = PrefixIndex(params.prefix_capacity_tokens)
         self.feedback = params.prefix_feedback
         # request in flight -> (its replica, the blocks that replica held before it)
@@ -601,10 +597,10 @@ def predicted_ttft(slots: int, speed: Speed, load: int, running: int, cost: int)
     return speed.overhead_s + (ahead + cost) * speed.prefill_s_per_token
 
 
-def make_llm_aware(params: LlmAwareParams) -> LlmAware:
+def make_llm_aware(params: LlmAwareParams, slots: int) -> LlmAware:
     """llm-aware's prefix index is a subclass with a view of what it sent."""
-    return LlmAwarePrefix(params) if params.prefix_index else LlmAware(params)
+    return LlmAwarePrefix(params, slots) if params.prefix_index else LlmAware(params, slots)
 
 
 PLUGIN: PolicyPlugin = PolicyPlugin("llm-aware", LlmAwareParams,
-                                    lambda params, routing: make_llm_aware(params), REASONS)
+                                    lambda params, routing: make_llm_aware(params, routing.replica_slots), REASONS)

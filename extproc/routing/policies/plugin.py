@@ -35,6 +35,9 @@ class RoutingKeys(Protocol):
     @property
     def hash_seed(self) -> int: ...
 
+    @property
+    def replica_slots(self) -> int: ...
+
 
 class Policy(Protocol):
     name: ClassVar[str]  # its registry name
