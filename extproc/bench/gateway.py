@@ -32,6 +32,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -64,9 +65,10 @@ MODES = ("direct", "envoy", "envoy+stub_ext_proc", "envoy+ext_proc")
 STORE_MODE = "envoy+ext_proc+store"
 TOKENIZER_MODE = "envoy+ext_proc+tokenizer"
 FLOW_MODE = "envoy+ext_proc+flow"
-# flow control on, with more slots than requests in flight: every request is routed at once
-FLOW_ENV = {"LLM_RING__FLOW__ENABLED": "true", "LLM_RING__FLOW__REPLICA_SLOTS": "1024",
-            "LLM_RING__FLOW__RESERVED_SLOTS": "0"}
+# flow control on, no slot reserved; with --flow on every service is told its replicas have room
+# enough (room_env) that every request is routed at once
+FLOW_ENV = {"LLM_RING__FLOW__ENABLED": "true", "LLM_RING__FLOW__RESERVED_SLOTS": "0"}
+ROOM_KEY = "LLM_RING__ROUTING__REPLICA_SLOTS"
 # --mode pool: the same through an InferencePool gateway's data plane (Envoy AI Gateway's,
 # full duplex, the picker over TLS; extproc.envoy.inference_gateways), with its own floor:
 # a do-nothing TLS picker answering every phase (extproc.bench.stub_picker)
@@ -126,7 +128,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     workdir = Path(tempfile.mkdtemp(prefix="llm-ring-bench-gateway-"))
     started: list[Running] = []
     try:
-        stubbed = start_service_on_stubs(workdir, 3, "stub")
+        room = room_env(concurrency) if with_flow else {}
+        stubbed = start_service_on_stubs(workdir, 3, "stub", room)
         started += stubbed.processes
         service, replicas, endpoints = stubbed.service, stubbed.replicas, stubbed.endpoints
         ports = [split_host_port(address)[1] for address in replicas.values()]
@@ -209,6 +212,7 @@ def start_sharing_service(workdir: Path, stubbed: ServiceOnStubs, store_url: str
     """A second `llm-ring serve` over the same stubs, its state shared through ``store_url``."""
     listen = f"127.0.0.1:{free_port()}"
     env = service_env(listen, workdir / "eds-store" / "replicas.json", static_discovery(stubbed.replicas))
+    env |= room_of(stubbed)
     env["LLM_RING__STORE__URL"] = f'"{store_url}"'
     env["LLM_RING__STORE__PASSWORD_FILE"] = f'"{store_password}"'
     running = start_service(workdir / "service-store", env)
@@ -223,11 +227,24 @@ def counting_env() -> dict[str, str]:
     return {"LLM_RING__SERVICE__TOKENIZER": json.dumps(str(smollm2_gguf()))}
 
 
+def room_env(concurrency: Sequence[int]) -> dict[str, str]:
+    """The stubs' slots as the services are told them (routing.replica_slots): room enough that
+    flow control never holds a request (4 x the highest concurrency: a request's load is released
+    when Envoy's access log entry comes, after its client has its answer and sent the next), the
+    same for every service."""
+    return {ROOM_KEY: str(4 * max(concurrency))}
+
+
+def room_of(stubbed: ServiceOnStubs) -> dict[str, str]:
+    """The stubs' slots as the first service was told them (room_env), for another service."""
+    return {ROOM_KEY: stubbed.env[ROOM_KEY]} if ROOM_KEY in stubbed.env else {}
+
+
 def start_variant_service(workdir: Path, stubbed: ServiceOnStubs, name: str, settings: dict[str, str]) -> Running:
     """Another `llm-ring serve` over the same stubs, with ``settings`` (LLM_RING__ variables) changed."""
     listen = f"127.0.0.1:{free_port()}"
     env = service_env(listen, workdir / f"eds-{name}" / "replicas.json", static_discovery(stubbed.replicas))
-    running = start_service(workdir / f"service-{name}", env | settings)
+    running = start_service(workdir / f"service-{name}", env | room_of(stubbed) | settings)
     running.listen = env["LLM_RING__SERVICE__METRICS_LISTEN"].strip('"')  # its /metrics, read at the end
     return running
 

@@ -123,7 +123,8 @@ class FlowControl:
         its patience is nil); else queue it (the caller then calls ``dispatch``: it may leave at
         once). Refused when its band is full, or when no replica of the fleet is one it may go to."""
         avoided = frozenset(avoid)
-        if not any(name not in avoided for name in self.router.replicas):
+        replicas = self.router.replicas
+        if not replicas or avoided and all(name in avoided for name in replicas):
             return Refused(NO_REPLICA)
         key = self.router.conversation_key(request.conversation)
         waiting = Waiting(request, flow, key, avoided, now, now + self.settings.ttl_seconds)
@@ -131,7 +132,8 @@ class FlowControl:
             rooms = self._rooms(flow, avoided)
             self._now = now
             if rooms and self._kind(waiting, rooms) is not None:  # None: its full holder is worth waiting for
-                ticket = self.router.route(request, self._without(rooms), peers)
+                without = self._without(rooms) if len(rooms) < len(replicas) else ()
+                ticket = self.router.route(request, without, peers)
                 if ticket is not None:
                     counter = self.queue.charge_at_once(flow, self._charged(request, flow, ticket.decision))
                     self._running[request.request_id] = flow

@@ -40,7 +40,7 @@ from extproc.envoy.contract import (
 from extproc.envoy.cors import REPLICA_CORS_HEADERS
 from extproc.envoy.surface import error_document
 
-PREDICTED_HEADERS_KEPT = 1 << 16  # serialized x-route-predicted-cached-tokens values kept
+NUMBER_HEADERS_KEPT = 1 << 16  # serialized x-route-predicted-cached-tokens and queue-wait values kept
 
 # The body passes unchanged (the answer to the request body, after the headers' answer).
 BODY_CONTINUE = pb.ProcessingResponse(request_body=pb.BodyResponse()).SerializeToString()
@@ -108,11 +108,6 @@ def immediate_headers(headers: Sequence[tuple[str, str]]) -> bytes:
     """Headers added to an immediate answer it is appended to (protobuf merges the two)."""
     mutation = pb.HeaderMutation(set_headers=[header_option(*pair) for pair in headers])
     return pb.ProcessingResponse(immediate_response=pb.ImmediateResponse(headers=mutation)).SerializeToString()
-
-
-def queue_wait_header(seconds: float, phase: Phase = "own") -> bytes:
-    """The answer's x-route-queue-wait-ms header: how long flow control held the request."""
-    return more_headers([header_option(QUEUE_WAIT, str(round(seconds * 1000)))], phase)
 
 
 def wait_longer(seconds: int) -> bytes:
@@ -183,13 +178,14 @@ def more_headers(headers: list[base_pb2.HeaderValueOption], phase: Phase = "own"
 class AnswerCache:
     """Serialized answers kept for reuse: a pick's answer per (replica, reason, streamed, phase),
     valid until the replica set or its health changes (``forget_routes``), and the
-    predicted-cached-tokens header per (value, phase) seen (at most PREDICTED_HEADERS_KEPT)."""
+    predicted-cached-tokens and queue-wait headers per (value, phase) seen (at most
+    NUMBER_HEADERS_KEPT)."""
 
     def __init__(self, routing_headers: bool = True, replica_key: str = "") -> None:
         self.routing_headers = routing_headers
         self.replica_key = replica_key
         self._routes: dict[tuple[str, str, bool, Phase], bytes] = {}
-        self._predicted: dict[tuple[int, Phase], bytes] = {}
+        self._numbers: dict[tuple[str, int, Phase], bytes] = {}
         self._responses: dict[tuple[str, str], bytes] = {}
 
     def route(
@@ -218,10 +214,17 @@ class AnswerCache:
         self._responses.clear()
 
     def predicted_cached(self, tokens: int, phase: Phase = "own") -> bytes:
-        key = (tokens, phase)
-        header = self._predicted.get(key)
+        return self._number_header(PREDICTED_CACHED, tokens, phase)
+
+    def queue_wait(self, seconds: float, phase: Phase = "own") -> bytes:
+        """The x-route-queue-wait-ms header: how long flow control held the request."""
+        return self._number_header(QUEUE_WAIT, round(seconds * 1000), phase)
+
+    def _number_header(self, name: str, value: int, phase: Phase) -> bytes:
+        key = (name, value, phase)
+        header = self._numbers.get(key)
         if header is None:
-            if len(self._predicted) >= PREDICTED_HEADERS_KEPT:
-                self._predicted.clear()
-            header = self._predicted[key] = more_headers([header_option(PREDICTED_CACHED, str(tokens))], phase)
+            if len(self._numbers) >= NUMBER_HEADERS_KEPT:
+                self._numbers.clear()
+            header = self._numbers[key] = more_headers([header_option(name, str(value))], phase)
         return header

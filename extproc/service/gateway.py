@@ -71,7 +71,6 @@ from extproc.service.answers import (
     Phase,
     immediate,
     local_answer,
-    queue_wait_header,
     request_id_header,
     route_answer,
 )
@@ -580,7 +579,7 @@ class Gateway:
         if self.settings.routing_headers:
             answer += self.answers.predicted_cached(predicted, phase)
             if wait is not None:
-                answer += queue_wait_header(wait.waited, phase)
+                answer += self.answers.queue_wait(wait.waited, phase)
         if phase == "own":  # our id, for Envoy's access log entry; a gateway's own id is left alone
             answer += request_id_header(unique_id)
         return answer

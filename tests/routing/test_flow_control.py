@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from extproc.routing import Router, RouteRequest
-from extproc.routing.fairness import FairnessWindow
+from extproc.routing.fairness import SWEEP_TENANTS, FairnessWindow
 from extproc.routing.flow_control import NO_REPLICA, QUEUE_FULL, FlowControl, Queued, Refused, Routed
 from extproc.routing.flows import Flow, flow_of
 from tests.routing.conftest import routing
@@ -193,6 +193,18 @@ def test_jain_counts_the_tenants_that_waited_over_the_window() -> None:
     window.waited(11.5, "a")
     window.waited(11.5, "b")
     assert window.jain(11.6) == pytest.approx(0.5)  # b's later share alone: a waited and got nothing
+
+
+def test_the_fairness_window_stays_bounded_when_nothing_reads_its_index() -> None:
+    """Nothing scrapes the metrics: a day of requests and of one-off tenants keeps what the
+    window holds, not what it ever saw."""
+    window = FairnessWindow(window_s=10.0)
+    for second in range(86_400):
+        window.waited(float(second), f"tenant-{second}")
+        window.served(float(second), f"tenant-{second}", 1.0)
+    assert len(window._served) <= 11 and len(window._totals) <= 11
+    assert len(window._waited) <= 2 * SWEEP_TENANTS
+    assert window.jain(86_400.0) == pytest.approx(1.0)
 
 
 def test_a_request_waits_for_its_full_cache_holder_as_long_as_its_cache_takes_to_compute_again() -> None:
