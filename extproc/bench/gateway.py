@@ -32,7 +32,6 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -65,10 +64,12 @@ MODES = ("direct", "envoy", "envoy+stub_ext_proc", "envoy+ext_proc")
 STORE_MODE = "envoy+ext_proc+store"
 TOKENIZER_MODE = "envoy+ext_proc+tokenizer"
 FLOW_MODE = "envoy+ext_proc+flow"
-# flow control on, no slot reserved; with --flow on every service is told its replicas have room
-# enough (room_env) that every request is routed at once
+# flow control on, no slot reserved; with --flow on every service is told the stubs have room
+# enough that every request is routed at once: a request's load is released when Envoy's access
+# log entry comes, in batches, so far more requests than the clients' are counted in flight
 FLOW_ENV = {"LLM_RING__FLOW__ENABLED": "true", "LLM_RING__FLOW__RESERVED_SLOTS": "0"}
 ROOM_KEY = "LLM_RING__ROUTING__REPLICA_SLOTS"
+ROOM_ENV = {ROOM_KEY: "1024"}
 # --mode pool: the same through an InferencePool gateway's data plane (Envoy AI Gateway's,
 # full duplex, the picker over TLS; extproc.envoy.inference_gateways), with its own floor:
 # a do-nothing TLS picker answering every phase (extproc.bench.stub_picker)
@@ -128,8 +129,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     workdir = Path(tempfile.mkdtemp(prefix="llm-ring-bench-gateway-"))
     started: list[Running] = []
     try:
-        room = room_env(concurrency) if with_flow else {}
-        stubbed = start_service_on_stubs(workdir, 3, "stub", room)
+        stubbed = start_service_on_stubs(workdir, 3, "stub", ROOM_ENV if with_flow else None)
         started += stubbed.processes
         service, replicas, endpoints = stubbed.service, stubbed.replicas, stubbed.endpoints
         ports = [split_host_port(address)[1] for address in replicas.values()]
@@ -227,16 +227,8 @@ def counting_env() -> dict[str, str]:
     return {"LLM_RING__SERVICE__TOKENIZER": json.dumps(str(smollm2_gguf()))}
 
 
-def room_env(concurrency: Sequence[int]) -> dict[str, str]:
-    """The stubs' slots as the services are told them (routing.replica_slots): room enough that
-    flow control never holds a request (4 x the highest concurrency: a request's load is released
-    when Envoy's access log entry comes, after its client has its answer and sent the next), the
-    same for every service."""
-    return {ROOM_KEY: str(4 * max(concurrency))}
-
-
 def room_of(stubbed: ServiceOnStubs) -> dict[str, str]:
-    """The stubs' slots as the first service was told them (room_env), for another service."""
+    """The stubs' slots as the first service was told them (ROOM_ENV), for another service."""
     return {ROOM_KEY: stubbed.env[ROOM_KEY]} if ROOM_KEY in stubbed.env else {}
 
 
