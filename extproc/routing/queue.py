@@ -15,9 +15,11 @@
   deficit, fairness wins. The caller says which kind a request is, and may hold one back
   for now (flow_control.py: a request whose holder is full waits for it a while).
 - **The bound**, proved and tested (tests/routing/test_flow_properties.py): a request is
-  taken only when its flow's counter is at most ``least + locality_deficit``,
-  ``least`` the least counter of the band's flows that could go; so two flows waiting all
-  along differ by at most ``locality_deficit + U``, U the largest work of one request.
+  taken only when its flow's counter is at most ``least + locality_deficit``, ``least`` the
+  least counter of the band's flows that could go, a flow holding a request back for its
+  cache holder included: once every other flow that could go is past the deficit, the held
+  request goes at once, elsewhere (``FAIR``). So two flows waiting all along differ by at
+  most ``locality_deficit + U``, U the largest work of one request.
   DLPM (Cao et al., arXiv 2501.14312) bounds its locality in the same spirit with deficit
   counters and a quantum.
 - Within a flow, oldest first; a flow's first LOOKAHEAD requests are looked at for locality.
@@ -33,6 +35,7 @@ and what kind of candidate it is (``kind_of``); the clock is an argument.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Callable, Iterator
 from itertools import islice
@@ -152,18 +155,28 @@ class FairQueue:
                    now: float) -> Choice | None:
         candidates: list[Candidate] = []
         offered: list[tuple[int, Waiting, tuple[str, ...]]] = []
+        held: tuple[float, Waiting, tuple[str, ...]] | None = None  # the least served flow held back
         for tenant, queued in band.flows.items():
-            best = _best_of(queued, rooms_of, kind_of, self.order.locality)
+            best, first_held = _best_of(queued, rooms_of, kind_of, self.order.locality)
+            counter = self.counters[Flow(priority, tenant)]
             if best is not None:
-                flow = Flow(priority, tenant)
-                candidates.append(Candidate(best[0], self.counters[flow], best[1].arrived, queued[0].arrived, flow,
-                                            len(offered)))
+                candidates.append(Candidate(best[0], counter, best[1].arrived, queued[0].arrived,
+                                            Flow(priority, tenant), len(offered)))
                 offered.append(best)
+            elif first_held is not None and (held is None or counter < held[0]):
+                held = (counter, *first_held)
+        least = min((candidate.counter for candidate in candidates), default=math.inf)
+        if held is not None and held[0] < least:
+            least = held[0]
+            within = [candidate for candidate in candidates if candidate.counter <= least + self.locality_deficit]
+            if candidates and not within:  # the others are past the deficit: the held-back flow's turn, elsewhere
+                return Choice(held[1], held[2], FAIR, least, least)
+            candidates = within
         if not candidates:
             return None
         chosen = self.order.pick(candidates, self.locality_deficit, now)
         kind, waiting, rooms = offered[chosen.position]
-        return Choice(waiting, rooms, kind, chosen.counter, min(candidate.counter for candidate in candidates))
+        return Choice(waiting, rooms, kind, chosen.counter, least)
 
     def take(self, waiting: Waiting, work: float) -> None:
         """``waiting`` was routed: out of the queue, its flow charged ``work`` and one more in flight."""
@@ -250,20 +263,23 @@ class FairQueue:
             self.counters.pop(flow, None)
 
 
-def _best_of(queued: deque[Waiting], rooms_of: RoomsOf, kind_of: KindOf,
-             locality: bool) -> tuple[int, Waiting, tuple[str, ...]] | None:
+def _best_of(queued: deque[Waiting], rooms_of: RoomsOf, kind_of: KindOf, locality: bool
+             ) -> tuple[tuple[int, Waiting, tuple[str, ...]] | None, tuple[Waiting, tuple[str, ...]] | None]:
     """The flow's request that best keeps caches among its first LOOKAHEAD (oldest first on a tie);
-    without ``locality``, its oldest that could go."""
+    without ``locality``, its oldest that could go. Second: its oldest request held back for
+    now (kind None) although a replica has room, which counts for the deficit bound."""
     best: tuple[int, Waiting, tuple[str, ...]] | None = None
+    first_held: tuple[Waiting, tuple[str, ...]] | None = None
     for waiting in islice(queued, LOOKAHEAD):
         rooms = rooms_of(waiting)
         if not rooms:
             continue
         kind = kind_of(waiting, rooms)
         if kind is None:
+            first_held = first_held or (waiting, rooms)
             continue
         if best is None or kind < best[0]:
             best = (kind, waiting, rooms)
             if kind == LOCAL or not locality:
                 break
-    return best
+    return best, first_held

@@ -3,8 +3,9 @@
 - no credit for idling: a flow that starts waiting again starts at least at the least counter
   of the flows waiting in its band (VTC's lift);
 - the deficit bound: a request is taken only when its flow's counter is at most the least
-  counter of its band's flows that could go plus ``locality_deficit``, so right after, the flow
-  is at most ``locality_deficit + U`` ahead of any flow still waiting (U: one request's work);
+  counter of its band's flows that could go (a flow holding a request back for its cache holder
+  included) plus ``locality_deficit``, so right after, the flow is at most
+  ``locality_deficit + U`` ahead of any flow still waiting (U: one request's work);
 - strict priority: nothing is taken from a band while a higher band has a request that could go;
 - no starvation within a band: a waiting request goes within (F - 1) x (deficit / least work + 1)
   dispatches, F the band's flows, whatever the others send;
@@ -27,7 +28,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from extproc.routing import Router, RouteRequest
 from extproc.routing.flow_control import FlowControl, Queued, Refused, Routed
 from extproc.routing.flows import Flow
-from extproc.routing.queue import FAIR, LOCAL, NEW, FairQueue, Waiting
+from extproc.routing.queue import FAIR, LOCAL, LOOKAHEAD, NEW, FairQueue, Waiting
 from tests.routing.conftest import routing
 from tests.routing.flow_support import flow_settings
 
@@ -36,8 +37,11 @@ HOLDERS = st.sampled_from([None, "r0", "r1", "r2"])
 WORK = st.integers(min_value=1, max_value=500)
 
 
-def kind(holder: str | None, rooms: tuple[str, ...]) -> int:
-    """What flow control says of a request whose cache is on ``holder`` (None: nowhere)."""
+def kind(holder: str | None, rooms: tuple[str, ...], patient: bool = False) -> int | None:
+    """What flow control says of a request whose cache is on ``holder`` (None: nowhere); a
+    ``patient`` one whose holder is full is held back (None: it waits for its holder)."""
+    if patient and holder is not None and holder not in rooms:
+        return None
     return LOCAL if holder in rooms else NEW if holder is None else FAIR
 
 
@@ -51,7 +55,9 @@ def test_every_take_respects_the_deficit_bound_and_strict_priority(data: st.Data
                                                                    tenants: int) -> None:
     queue = FairQueue(band_size=1000, locality_deficit=deficit)
     holders: dict[str, str | None] = {}
+    patient: dict[str, bool] = {}
     works: dict[str, int] = {}
+    queued: dict[str, Flow] = {}  # waiting now, oldest first
     in_flight: list[Flow] = []
     largest = 0
     for step in range(data.draw(st.integers(min_value=5, max_value=60))):
@@ -59,7 +65,8 @@ def test_every_take_respects_the_deficit_bound_and_strict_priority(data: st.Data
         if action == "push":
             flow = Flow(data.draw(st.sampled_from([0, 0, 10])), f"t{data.draw(st.integers(0, tenants - 1))}")
             rid = f"q{step}"
-            holders[rid], works[rid] = data.draw(HOLDERS), data.draw(WORK)
+            holders[rid], works[rid], patient[rid] = data.draw(HOLDERS), data.draw(WORK), data.draw(st.booleans())
+            queued[rid] = flow
             waiting_before = {other: queue.counters[other] for other, _ in queue.depths()
                               if other.priority == flow.priority}
             assert queue.push(waiting(rid, flow, step))
@@ -69,10 +76,22 @@ def test_every_take_respects_the_deficit_bound_and_strict_priority(data: st.Data
             queue.finished(in_flight.pop(data.draw(st.integers(0, len(in_flight) - 1))))
         elif action == "take" and len(queue):
             rooms = tuple(data.draw(st.lists(st.sampled_from(REPLICAS), min_size=1, max_size=3, unique=True)))
-            top = max(flow.priority for flow, _ in queue.depths())
+
+            def kind_of(rid: str, rooms: tuple[str, ...] = rooms) -> int | None:
+                return kind(holders[rid], rooms, patient[rid])
+
+            looked_at = Counter[Flow]()  # a flow's first LOOKAHEAD requests are looked at
+            could_go = set()
+            for rid, flow in queued.items():
+                looked_at[flow] += 1
+                if looked_at[flow] <= LOOKAHEAD and kind_of(rid) is not None:
+                    could_go.add(flow.priority)
+            choice = queue.choose(lambda _, rooms=rooms: rooms, lambda item, rooms: kind_of(item.request.request_id))
+            if not could_go:  # every request is held back for its holder
+                assert choice is None
+                continue
+            top = max(could_go)
             band = {flow: queue.counters[flow] for flow, _ in queue.depths() if flow.priority == top}
-            choice = queue.choose(lambda _, rooms=rooms: rooms,
-                                  lambda item, rooms: kind(holders[item.request.request_id], rooms))
             assert choice is not None and choice.waiting.flow.priority == top  # strict priority
             flow = choice.waiting.flow
             assert choice.least == min(band.values())
@@ -80,6 +99,7 @@ def test_every_take_respects_the_deficit_bound_and_strict_priority(data: st.Data
             work = works[choice.waiting.request.request_id]
             largest = max(largest, work)
             queue.take(choice.waiting, work)
+            del queued[choice.waiting.request.request_id]
             in_flight.append(flow)
             still = [counter for other, counter in band.items() if other != flow and other in dict(queue.depths())]
             assert all(queue.counters[flow] - counter <= deficit + largest for counter in still)
