@@ -78,6 +78,9 @@ async def sharing_at(address: str, password: Path, router_id: str, **store: Any)
                                                  "retry_seconds": 0.2, "load_ttl_seconds": 0.6, **store})
     await gateway.share_state(settings, router_id)
     OPEN.append(gateway)
+    # registered among the store's routers before the next one connects: a router connecting
+    # the same instant would count this one only from its next batch of writes (store.py)
+    await gateway.store.flushed()  # type: ignore[union-attr]
     return gateway
 
 
