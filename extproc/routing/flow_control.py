@@ -132,8 +132,7 @@ class FlowControl:
             rooms = self._rooms(flow, avoided)
             self._now = now
             if rooms and self._kind(waiting, rooms) is not None:  # None: its full holder is worth waiting for
-                without = self._without(rooms) if len(rooms) < len(replicas) else ()
-                ticket = self.router.route(request, without, peers)
+                ticket = self.router.route(request, self._without(rooms), peers)
                 if ticket is not None:
                     counter = self.queue.charge_at_once(flow, self._charged(request, flow, ticket.decision))
                     self._running[request.request_id] = flow
@@ -223,12 +222,18 @@ class FlowControl:
         loads = self.router.ledger.loads("requests")
         limit = self.router.settings.replica_slots  # the router's: a change of routing reaches it at once
         if reserved and self.queue.demand(flow) >= self.queue.busiest_demand():
-            limit = max(1, limit - reserved)  # the busiest flow (or one alone) keeps out of the reserved slots
+            # the busiest flow (or one alone) keeps out of the reserved slots; at least one stays
+            # open should Admin.SetRouting lower replica_slots to reserved_slots or below
+            limit = max(1, limit - reserved)
         return tuple(name for name in self.router.replicas if name not in avoid and loads.get(name, 0) < limit)
 
     def _without(self, rooms: tuple[str, ...]) -> tuple[str, ...]:
-        """The replicas a pick must avoid so that it lands in ``rooms``."""
-        return tuple(name for name in self.router.replicas if name not in rooms)
+        """The replicas a pick must avoid so that it lands in ``rooms`` (none when all have room,
+        the usual case when nothing waits)."""
+        replicas = self.router.replicas
+        if len(rooms) == len(replicas):
+            return ()
+        return tuple(name for name in replicas if name not in rooms)
 
     def _kind(self, waiting: Waiting, rooms: tuple[str, ...]) -> int | None:
         """LOCAL, NEW or FAIR (queue.py); None while it waits for its full holder (module docstring)."""
