@@ -30,6 +30,7 @@ MODULES = (
     "extproc.routing.hashing",
     "extproc.routing.ring",
     "extproc.routing.ledger",
+    "extproc.routing.lru",
     "extproc.routing.placement",
     "extproc.routing.blocks",
     "extproc.routing.prefix_index",

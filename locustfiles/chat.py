@@ -53,6 +53,8 @@ def _options(parser: Any) -> None:
     group.add_argument("--records-dir", default="", help="run folder for the request rows (default: none kept)")
     group.add_argument("--model", default="llm-ring", help="model field sent in requests")
     group.add_argument("--session", default="", help="session tag starting every conversation")
+    group.add_argument("--new-connections", action="store_true",
+                       help="every request on a connection of its own (as a CLI run once a turn does)")
 
 
 class Plan:
@@ -67,6 +69,7 @@ class Plan:
         self.run_id: str = options.run_id or f"{self.policy}-s{self.seed}"
         self.model: str = options.model
         self.session: str = options.session or session_tag(self.run_id, time.time())
+        self.new_connections: bool = options.new_connections
         self.run_dir = Path(options.records_dir) if options.records_dir else None
         self.conversations: list[Conversation] = generate_conversations(self.profile, self.seed)
         self.next_index = 0
@@ -169,8 +172,11 @@ class ChatUser(User):
         answer, status, error, ttft = Answer(), 0, None, None
         headers: Mapping[str, str] = {}
         started = time.time()
+        # a connection of its own: behind a front that spreads connections (several gateways),
+        # consecutive turns then meet different gateways
+        http = requests.Session() if plan.new_connections else self.http
         try:
-            with self.http.post(
+            with http.post(
                 str(self.host).rstrip("/") + CHAT_PATH,
                 json=body,
                 headers=request_headers(conversation.id, number),
@@ -188,6 +194,9 @@ class ChatUser(User):
                     answer = read_json_answer(response.content)
         except (requests.RequestException, ValueError, KeyError) as exc:
             error = f"{type(exc).__name__}: {exc}"
+        finally:
+            if http is not self.http:
+                http.close()
         finished = time.time()
         if error is None and not answer.timings:
             error = "no timings in the answer"

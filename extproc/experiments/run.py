@@ -97,8 +97,10 @@ def run_experiment(
     progress: Callable[[str], None] | None = None,
     kill: Kill | None = None,
     roll: Roll | None = None,
+    new_connections: bool = False,
 ) -> Path:
-    """Run every policy x seed against ``lab``; returns the experiment folder."""
+    """Run every policy x seed against ``lab``; returns the experiment folder. new_connections:
+    every request on a connection of its own (Locust's --new-connections)."""
     say = progress or (lambda text: print(text, file=sys.stderr, flush=True))
     out = Path(out_dir)
     specs = _check_inputs(lab, profile, policies, seeds, out, scale_at, kill)
@@ -126,6 +128,7 @@ def run_experiment(
                 "scale_at_s": scale_at,
                 "kill": dataclasses.asdict(kill) if kill else None,
                 "roll": dataclasses.asdict(roll) if roll else None,
+                "new_connections": new_connections,
                 "replicas": start_replicas,
                 "started_at": utc_now(),
                 "versions": versions(),
@@ -139,7 +142,7 @@ def run_experiment(
         step = f"[{number}/{len(plan)}]"
         say(f"{step} {label} seed {seed}: preparing")
         _run_one(lab, profile, profile_path, by_label[label], seed, out, scale_at, start_replicas,
-                 expected[seed], functools.partial(_prefixed, say, step), kill, roll)  # fmt: skip
+                 expected[seed], functools.partial(_prefixed, say, step), kill, roll, new_connections)  # fmt: skip
     if len(lab.replicas()) != start_replicas:
         lab.scale(start_replicas)
     return out
@@ -240,6 +243,7 @@ def _run_one(
     say: Callable[[str], None],
     kill: Kill | None = None,
     roll: Roll | None = None,
+    new_connections: bool = False,
 ) -> None:
     run_id = f"{spec.label}-s{seed}"
     run_dir = out / run_id.replace(":", "_").replace(",", "_").replace("=", "-")
@@ -252,7 +256,7 @@ def _run_one(
         run_id=run_id, policy=spec.label, seed=seed, simulated=False,
         profile=dataclasses.asdict(profile), routing=spec.routing,
         replicas_start=start_replicas, started_at=utc_now(), scale_at_s=scale_at,
-        versions=versions(), extra={"gateway": lab.gateway_url},
+        versions=versions(), extra={"gateway": lab.gateway_url, "new_connections": new_connections},
     )  # fmt: skip
     write_run_metadata(meta, run_dir)
     command = [
@@ -264,6 +268,7 @@ def _run_one(
         "--policy-label", spec.label, "--run-id", run_id, "--records-dir", str(run_dir),
         "--session", session_tag(run_id, time.time()),
         "--model", served_model(lab.gateway_url),
+        *(["--new-connections"] if new_connections else []),
     ]  # fmt: skip
     drills: list[_Drill] = []
     if scale_at:
@@ -535,6 +540,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--migrate", action=argparse.BooleanOptionalAction, default=None,
                         help="with --roll-at or --scale-in-at: move the caches of a leaving replica (default: the "
                              "stack's [migration] enabled)")
+    parser.add_argument("--new-connections", action="store_true",
+                        help="every request on a connection of its own, as a CLI run once a turn opens one "
+                             "(behind several gateways, consecutive turns then meet different ones)")
     parser.add_argument("--out-dir", type=Path, required=True, help="new folder for this experiment")
     parser.add_argument("--gateway", default=None, metavar="URL",
                         help="a gateway elsewhere (needs --admin); default: the local stack")  # fmt: skip
@@ -554,7 +562,8 @@ def main(args: argparse.Namespace) -> int:
         kill = _kill_option(args)
         lab = connect_lab(args.gateway, args.admin, args.run_dir)
         roll = _roll_option(args)
-        out = run_experiment(lab, profile, args.policies, seeds, args.out_dir, args.scale_at, kill=kill, roll=roll)
+        out = run_experiment(lab, profile, args.policies, seeds, args.out_dir, args.scale_at, kill=kill, roll=roll,
+                             new_connections=args.new_connections)
     except (ProfileError, LabError) as exc:  # bad input or no lab: one line, exit 2
         raise UsageError(str(exc)) from None
     except ExperimentInterrupted as exc:

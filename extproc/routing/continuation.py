@@ -7,8 +7,8 @@ belongs to the conversation is its body: a next turn resends the earlier turns, 
 digest of the conversation's last completed request is among the digests of the new body's
 prefixes (bodies.py: ``answered``, plus the body's own ``history`` for a retry).
 
-``ConversationDigests`` remembers that digest per conversation key, next to placement memory
-and bounded the same way (two generations). ``claim`` decides:
+The gateway remembers that digest per conversation key, next to placement memory and bounded
+the same way (lru.py). ``claim`` decides:
   - the conversation is unknown here (and in the store): the request opens it;
   - every known digest is among the body's: the request continues it (and may use it all);
   - otherwise the request is routed as a new conversation under a key derived from the id and
@@ -91,34 +91,3 @@ def model_point(digest: int, model: str) -> int:
     """A completed request's history digest under its model: where a branch of it, under the
     same model, finds its prefix (the digest itself when no model is named)."""
     return xxhash.xxh64_intdigest(model.encode(), seed=digest) if model else digest
-
-
-class ConversationDigests:
-    """conversation key -> the history digest of its last completed request; at most
-    ``capacity`` entries, the least recently used forgotten first (to within one generation)."""
-
-    __slots__ = ("_young", "_old", "_generation_size")
-
-    def __init__(self, capacity: int) -> None:
-        if capacity < 2:
-            raise ValueError("capacity must be at least 2")
-        self._generation_size = capacity // 2
-        self._young: dict[int, int] = {}
-        self._old: dict[int, int] = {}
-
-    def __len__(self) -> int:
-        return len(self._young) + len(self._old)
-
-    def get(self, key: int) -> int | None:
-        digest = self._young.get(key)
-        if digest is None:
-            digest = self._old.pop(key, None)
-            if digest is not None:
-                self.remember(key, digest)
-        return digest
-
-    def remember(self, key: int, digest: int) -> None:
-        self._old.pop(key, None)
-        self._young[key] = digest
-        if len(self._young) >= self._generation_size:
-            self._old, self._young = self._young, {}

@@ -200,11 +200,6 @@ class FlowControl:
         self.queue.order.completed(charge.flow, settings.input_weight * input_tokens
                                    + settings.output_weight * output_tokens, self._now if now is None else now)
 
-    def reconfigure(self, settings: FlowSettings) -> None:
-        """New settings; what waits stays, in a queue of the new size and deficit."""
-        self.settings = settings
-        self.queue.band_size, self.queue.locality_deficit = settings.band_size, settings.locality_deficit
-
     def work(self, request: RouteRequest, predicted_cached: int) -> float:
         """The work a request brings, in tokens (module docstring)."""
         computed = max(0, request.prompt_tokens - predicted_cached)

@@ -59,8 +59,9 @@ from extproc.envoy.cors import CorsPolicy
 from extproc.envoy.surface import GENERATION_PATHS, ReadOnly, Refused
 from extproc.routing import Decision, Router, RouteRequest, Ticket, estimate_tokens
 from extproc.routing.blocks import BlockMemory
-from extproc.routing.continuation import Claim, ConversationDigests, Shown, claim, model_point, of_model, shown
+from extproc.routing.continuation import Claim, Shown, claim, model_point, of_model, shown
 from extproc.routing.flow_control import Wait
+from extproc.routing.lru import TwoGenerationLru
 from extproc.routing.peers import PeerRequest, PeerView, peer_view
 from extproc.routing.placement import Placement, PlacementMemory
 from extproc.routing.speeds import AnswerTimings
@@ -216,7 +217,7 @@ class Gateway:
         self.store: SharedStore | None = None  # several routers' shared state (main.py sets it from [store])
         self.block_memory: BlockMemory | None = None  # the last prompt's blocks per conversation, when hashed
         # conversation key -> digest of its last completed request: who may use its placement
-        self.digests = ConversationDigests(router.settings.memory_capacity)
+        self.digests = TwoGenerationLru(router.settings.memory_capacity)
         # history digest of a completed chat request (under its model: model_point) -> where it was
         # served and its prompt tokens: where a branch of it (an edited or regenerated turn) finds its prefix cached
         self.branch_points = PlacementMemory(router.settings.memory_capacity)
@@ -308,7 +309,7 @@ class Gateway:
             key = self.router.conversation_key(request.conversation)
             self.leaving.ended(key, decision.replica)
             if ok:
-                self.digests.remember(key, pending.digest)
+                self.digests.put(key, pending.digest)
                 if GENERATION_PATHS.get(pending.path) == "chat":
                     self.branch_points.remember(model_point(pending.digest, pending.model), served or decision.replica,
                                                 request.prompt_tokens)

@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import subprocess
 import sys
+import threading
 import time
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import httpx
 
 from experiments.labs import free_port
 from experiments.test_run import TINY
+from extproc.bench.stub_upstream import RESPONSE, request_end
 from extproc.experiments.run import LOCUSTFILE
 
 
@@ -43,3 +49,49 @@ def test_records_are_written_only_to_records_dir(tmp_path):
     finally:
         stub.terminate()
         stub.wait(timeout=10)
+
+
+def test_new_connections_sends_every_request_on_a_connection_of_its_own(tmp_path):
+    (tmp_path / "tiny.json").write_text(json.dumps(dataclasses.asdict(TINY)))  # 2 users, 2 chats of 2 turns
+    with _counting_upstream() as (url, seen):
+        _locust(tmp_path, url)
+        kept = Counter(seen)
+        seen.clear()
+        _locust(tmp_path, url, "--new-connections")
+    assert kept["requests"] == seen["requests"] == 4, (kept, seen)
+    assert kept["connections"] <= 2 < seen["connections"] == 4, (kept, seen)  # a user's session keeps one
+
+
+class _Counted(asyncio.Protocol):
+    """stub_upstream's answer, counting connections and requests."""
+
+    def __init__(self, seen: Counter) -> None:
+        self.seen = seen
+        self.buffer = b""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport
+        self.seen["connections"] += 1
+
+    def data_received(self, data: bytes) -> None:
+        self.buffer += data
+        while (end := request_end(self.buffer)) is not None:
+            self.buffer = self.buffer[end:]
+            self.seen["requests"] += 1
+            self.transport.write(RESPONSE)  # type: ignore[attr-defined]
+
+
+@contextmanager
+def _counting_upstream() -> Iterator[tuple[str, Counter]]:
+    seen: Counter = Counter()
+    loop = asyncio.new_event_loop()
+    server = loop.run_until_complete(loop.create_server(lambda: _Counted(seen), "127.0.0.1", 0))
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", seen
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=10)
+        server.close()
+        loop.close()

@@ -10,7 +10,7 @@ import orjson
 from hypothesis import given
 from hypothesis import strategies as st
 
-from extproc.routing.continuation import SEPARATOR, ConversationDigests, claim, shown, unclaimed
+from extproc.routing.continuation import SEPARATOR, claim, shown, unclaimed
 from extproc.service.bodies import parse_request
 
 texts = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=40)
@@ -85,12 +85,3 @@ def test_a_branch_goes_on_under_its_key_and_a_stranger_after_it_gets_one_of_its_
 
 def held(digests: dict[str, tuple[int, ...]]) -> Callable[[str], tuple[int, ...]]:
     return lambda key: digests.get(key, ())
-
-
-@given(st.integers(2, 100), st.lists(st.tuples(st.integers(0, 300), st.integers(0, 2**64 - 1)), max_size=1000))
-def test_digests_are_bounded_and_the_latest_is_kept(capacity: int, writes: list[tuple[int, int]]) -> None:
-    digests = ConversationDigests(capacity)
-    for key, digest in writes:
-        digests.remember(key, digest)
-        assert len(digests) <= capacity
-        assert digests.get(key) == digest
