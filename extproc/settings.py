@@ -138,6 +138,11 @@ class DiscoverySettings(Strict):
     kubernetes_backoff_seconds: float = Field(gt=0, description="first retry delay when the API is unreachable")
     inference_pool: str = Field(description="source=inference-pool: name of the InferencePool whose pods are the "
                                             "replicas (in kubernetes_namespace)")
+    leaving_seconds: float = Field(ge=0, le=3600, description="source=kubernetes or inference-pool: a terminating "
+                                   "replica that still serves stays listed this long in the order of leaving; 0: "
+                                   "it leaves the list at once")
+    leaving_near_seconds: float = Field(ge=0, description="this long before leaving_seconds, follow-ups of its "
+                                                          "unmoved conversations go elsewhere")
 
 
 class StoreSettings(Strict):

@@ -3,7 +3,9 @@
 The pool (``inference.networking.k8s.io/v1``, one name in ``discovery.kubernetes_namespace``)
 says which pods serve it (``spec.selector.matchLabels``, same namespace) and on which ports
 (``spec.targetPorts``). The replicas are its pods that are Ready and not terminating (no
-``deletionTimestamp``: a pod being deleted leaves at once, as an EndpointSlice endpoint does).
+``deletionTimestamp``); a pod being deleted that is still Ready (its preStop drain runs) stays
+listed as leaving while ``discovery.leaving_seconds`` > 0, as a terminating EndpointSlice
+endpoint does (kubernetes.py); with 0 it leaves at once.
 
 Each target port is a replica of its own, as the CRD says ("every port will be treated as a
 distinctive endpoint"): the first is named after the pod (``llm-0``), so that a replica keeps
@@ -28,6 +30,7 @@ from typing import Any
 import structlog
 from kubernetes import client
 
+from extproc.discovery import Snapshot
 from extproc.discovery.kubernetes import (
     ListWatchLoop,
     Publish,
@@ -47,15 +50,18 @@ PLURAL = "inferencepools"
 # ----------------------------------------------------------------------------- core
 
 
-def replicas_from_pool(pool: Mapping[str, Any] | None, pods: Iterable[Any]) -> dict[str, str]:
-    """Map an InferencePool (its JSON) and pods (client models) to {replica name: "ip:port"}."""
+def replicas_from_pool(pool: Mapping[str, Any] | None, pods: Iterable[Any], keep_leaving: bool = False) -> Snapshot:
+    """Map an InferencePool (its JSON) and pods (client models) to {replica name: "ip:port"}:
+    its Ready pods and, with ``keep_leaving``, those being deleted while still Ready (leaving)."""
     if pool is None:
-        return {}
+        return Snapshot()
     selector, ports = pool_targets(pool)
     replicas: dict[str, str] = {}
+    leaving: set[str] = set()
     for pod in pods:
         labels = pod.metadata.labels or {}
-        if not selector.items() <= labels.items() or not _accepts_traffic(pod):
+        deleted = pod.metadata.deletion_timestamp is not None
+        if not selector.items() <= labels.items() or not _ready(pod) or (deleted and not keep_leaving):
             continue
         host = _pod_host(pod)
         if host is None:
@@ -63,7 +69,9 @@ def replicas_from_pool(pool: Mapping[str, Any] | None, pods: Iterable[Any]) -> d
         for rank, port in enumerate(ports):
             name = pod.metadata.name if rank == 0 else f"{pod.metadata.name}-rank-{rank}"
             replicas[name] = f"{host}:{port}"
-    return {name: replicas[name] for name in sorted(replicas)}
+            if deleted:
+                leaving.add(name)
+    return Snapshot({name: replicas[name] for name in sorted(replicas)}, leaving)
 
 
 class InvalidPoolError(ValueError):
@@ -82,10 +90,9 @@ def pool_targets(pool: Mapping[str, Any]) -> tuple[dict[str, str], list[int]]:
     return {str(k): str(v) for k, v in labels.items()}, ports
 
 
-def _accepts_traffic(pod: Any) -> bool:
-    """Ready, and not being deleted (the reference picker's IsPodReady, pkg/lwepp/util/pod/pod.go)."""
-    if pod.metadata.deletion_timestamp is not None:
-        return False
+def _ready(pod: Any) -> bool:
+    """Its Ready condition true (with no deletionTimestamp: the reference picker's IsPodReady,
+    pkg/lwepp/util/pod/pod.go)."""
     conditions = (pod.status and pod.status.conditions) or ()
     return any(c.type == "Ready" and c.status == "True" for c in conditions)
 
@@ -119,7 +126,7 @@ class InferencePoolDiscovery(WatchedSource):
 
     def snapshots(self) -> AsyncIterator[dict[str, str]]:
         def start(api_client: client.ApiClient, publish: Publish) -> list[ListWatchLoop]:
-            state = _PoolState(f"{self.namespace}/{self.pool}", publish)
+            state = _PoolState(f"{self.namespace}/{self.pool}", publish, self.keep_leaving)
             return [_PoolLoop(self, api_client, state), _PodLoop(self, api_client, state)]
 
         return threaded_snapshots(self._api_client, start)
@@ -129,9 +136,10 @@ class _PoolState:
     """The pool and the pods as the two loops last saw them; each change publishes the replicas,
     from the moment both have listed once (before, half the state would publish a false set)."""
 
-    def __init__(self, pool_name: str, publish: Publish) -> None:
+    def __init__(self, pool_name: str, publish: Publish, keep_leaving: bool) -> None:
         self._name = pool_name
         self._publish = publish
+        self._keep_leaving = keep_leaving
         self._lock = threading.Lock()  # two writer threads
         self._pool: dict[str, Any] | None = None
         self._pods: dict[str, Any] = {}
@@ -172,7 +180,7 @@ class _PoolState:
     def _emit(self) -> None:
         if len(self._listed) < 2:
             return
-        snapshot = replicas_from_pool(self._pool, self._pods.values())
+        snapshot = replicas_from_pool(self._pool, self._pods.values(), self._keep_leaving)
         if snapshot == self._published:
             return
         log_change(self._published or {}, snapshot, inference_pool=self._name)

@@ -3,7 +3,9 @@
 The replicas are the ready, not terminating endpoints of the EndpointSlices labelled
 ``kubernetes.io/service-name=<service>``, named after their pods (``llm-0``, ``llm-1``, …)
 so that a replica keeps its place on the hash ring across restarts and IP changes.
-A terminating endpoint leaves at once: it gets no new conversations while it drains.
+A terminating endpoint that still serves (its pod's preStop drain runs) stays listed as
+leaving (``Snapshot.leaving``) while ``discovery.leaving_seconds`` > 0: the router sends it no
+new conversation, only follow-ups whose cache has not moved yet; with 0 it leaves at once.
 
 The ``kubernetes`` client is synchronous, so each list/watch loop runs in a daemon thread
 (one here; InferencePool discovery, inference_pool.py, runs two on one ApiClient, whose
@@ -31,6 +33,7 @@ import structlog
 from kubernetes import client, config, watch
 from kubernetes.client.exceptions import ApiException
 
+from extproc.discovery import Snapshot, leaving_of
 from extproc.settings import DiscoverySettings
 
 log = structlog.get_logger("extproc.discovery.kubernetes")
@@ -65,6 +68,25 @@ def replicas_from_slices(slices: Iterable[Any], port_name: str) -> dict[str, str
     Keeps endpoints that are ready (an unset condition counts as ready, as the API
     documents) and not terminating, on a slice that has a port named ``port_name``.
     """
+    return _endpoints(slices, port_name, _accepts_traffic)
+
+
+def leaving_from_slices(slices: Iterable[Any], port_name: str) -> dict[str, str]:
+    """The terminating endpoints that still serve ({name: "ip:port"}): pods on their way out."""
+    return _endpoints(slices, port_name, _still_serving)
+
+
+def snapshot_from_slices(slices: Iterable[Any], port_name: str, keep_leaving: bool) -> Snapshot:
+    """The ready replicas and, with ``keep_leaving``, the leaving ones that are not also ready."""
+    ready = replicas_from_slices(slices, port_name)
+    if not keep_leaving:
+        return Snapshot(ready)
+    leaving = {name: target for name, target in leaving_from_slices(slices, port_name).items() if name not in ready}
+    both = ready | leaving
+    return Snapshot({name: both[name] for name in sorted(both)}, leaving)
+
+
+def _endpoints(slices: Iterable[Any], port_name: str, keep: Callable[[Any], bool]) -> dict[str, str]:
     best: dict[str, _Candidate] = {}
     for endpoint_slice in slices:
         port = _named_port(endpoint_slice, port_name)
@@ -72,7 +94,7 @@ def replicas_from_slices(slices: Iterable[Any], port_name: str) -> dict[str, str
         if port is None or address_type not in ("IPv4", "IPv6"):
             continue
         for endpoint in endpoint_slice.endpoints or ():
-            if not _accepts_traffic(endpoint) or not endpoint.addresses:
+            if not keep(endpoint) or not endpoint.addresses:
                 continue
             address = endpoint.addresses[0]
             host = f"[{address}]" if address_type == "IPv6" else address
@@ -95,6 +117,12 @@ def _accepts_traffic(endpoint: Any) -> bool:
     if conditions is None:
         return True
     return conditions.ready is not False and conditions.terminating is not True
+
+
+def _still_serving(endpoint: Any) -> bool:
+    """Terminating, its readiness still passing (``serving`` set: an unset one is not trusted)."""
+    conditions = endpoint.conditions
+    return conditions is not None and conditions.terminating is True and conditions.serving is True
 
 
 def _replica_name(endpoint: Any) -> str:
@@ -185,7 +213,7 @@ async def threaded_snapshots(
             changed.clear()
             if latest[0] != last:
                 last = latest[0]
-                yield dict(last)
+                yield Snapshot(last, leaving_of(last))
     finally:
         for worker in workers:
             worker.stopped.set()  # all stop at once, then each is joined
@@ -212,6 +240,7 @@ class WatchedSource:
         max_backoff_seconds: float = MAX_BACKOFF_SECONDS,
     ) -> None:
         self.namespace = settings.kubernetes_namespace
+        self.keep_leaving = settings.leaving_seconds > 0
         self.timing = watch_timing(settings, watch_timeout_seconds, max_backoff_seconds)
         self._api_client = api_client
 
@@ -373,7 +402,7 @@ class _SliceLoop(ListWatchLoop):
         return sorted(self._published or {})
 
     def _emit(self) -> None:
-        snapshot = replicas_from_slices(self._slices.values(), self._source.port_name)
+        snapshot = snapshot_from_slices(self._slices.values(), self._source.port_name, self._source.keep_leaving)
         if snapshot == self._published:
             return
         log_change(self._published or {}, snapshot, service=f"{self._source.namespace}/{self._source.service}")
@@ -387,6 +416,7 @@ def log_change(previous: dict[str, str], snapshot: dict[str, str], **source: str
         replicas=sorted(snapshot),
         added=sorted(set(snapshot) - set(previous)),
         removed=sorted(set(previous) - set(snapshot)),
-        endpoints=snapshot,
+        leaving=sorted(leaving_of(snapshot)),
+        endpoints=dict(snapshot),
         **source,
     )

@@ -4,13 +4,17 @@ The sidecar (sidecar.py) runs beside llama-server in each replica's pod, on the 
 volume. When the pod terminates, the llama container's preStop hook calls the sidecar's
 GET /drain, and llama-server gets its SIGTERM only once that answers. The drain:
 
-1. waits until this pod's endpoint is terminating in the replicas' EndpointSlices (the routers
-   watch the same slices, so they stop sending it requests), then settle_seconds more;
+1. waits until this pod's endpoint is terminating in the replicas' EndpointSlices, then
+   settle_seconds more. The routers watch the same slices: from then on they list it as
+   leaving (discovery.leaving_seconds), send it no new conversation, and send it the
+   follow-ups of its conversations whose cache has not moved yet;
 2. reads, from the same API, the replicas that stay (llama-server and sidecar ports) and every
    router's migration port (the EndpointSlices of migration.routers_service);
-3. moves the idle slots' conversations at once (migrate.migrate_out, transport: the
-   receivers' sidecars fetch from this one), waits for the requests in flight to finish, then
-   moves the slots they leave;
+3. moves the conversations of its slots as they turn idle, the idle ones at once, each busy one
+   when its request ends (migrate.migrate_while_draining; transport: the receivers' sidecars
+   fetch from this one), every router told where each one went;
+4. tells every router its drain is over (``Migrated(drained=<pod>)``: nothing more is sent
+   here), waits for the requests still in flight, and answers;
 
 all within migration.drain_seconds. A failure at any step (no API, no router, no receiver)
 leaves what the pod had without migration: its requests in flight finish, its caches are lost.
@@ -39,7 +43,7 @@ from typing import Any
 
 from extproc.migration import slotfiles
 from extproc.migration.llama import LlamaServer, SlotError
-from extproc.migration.migrate import Limits, Outcome, migrate_out
+from extproc.migration.migrate import Limits, Outcome, migrate_out, migrate_while_draining, tell_drained
 from extproc.migration.planner import Costs
 from extproc.migration.settings import SlotSidecarSettings, load_sidecar_settings
 from extproc.migration.sidecar import Sidecars, SidecarSettings, make_server
@@ -154,12 +158,16 @@ class Drainer:
         if seen is None or not migration.enabled or not seen.replicas or not seen.routers:
             if seen is not None and migration.enabled:
                 problems.append("no replica or router to hand the caches to")
+            if seen is not None:
+                tell_drained(seen.routers, self.router_token, self.pod.name, Outcome(self.pod.name))
             self._wait_idle(deadline)
             return {"replica": self.pod.name, "migration": None, "problems": problems}
-        first = self._migrate(seen, deadline, frozenset())
+        source = LlamaServer(self.pod.llama, 5.0, self.replica_key)
+        total = migrate_while_draining(source, deadline, lambda saved: self._migrate(seen, deadline, saved),
+                                       Outcome(self.pod.name))
+        tell_drained(seen.routers, self.router_token, self.pod.name, total)  # before SIGTERM: nothing more comes
         self._wait_idle(deadline)
-        first.add(self._migrate(seen, deadline, frozenset(first.saved_slots)))
-        return {"replica": self.pod.name, "migration": first.as_dict(), "problems": problems}
+        return {"replica": self.pod.name, "migration": total.as_dict(), "problems": problems}
 
     def _migrate(self, seen: Neighbours, deadline: float, done: frozenset[tuple[int, int]]) -> Outcome:
         migration, sidecar = self.settings.migration, self.settings.sidecar

@@ -5,9 +5,9 @@ conversation but still serves the ones it holds, until their caches have moved:
 
 - a conversation with nothing in flight there is moved at once (``to_move``); one in flight
   is moved when its request ends (``ended``);
-- until its cache has moved, its follow-ups go to the leaving replica, unless the drain's
-  deadline is near or the follow-up is predicted faster elsewhere after counting the
-  recompute (``route``: the caller's policy weighs that, the leaving replica being eligible);
+- until its cache has moved, its follow-ups go to the leaving replica, only there (a load cap
+  does not send them away: it takes no new conversation, so its load only falls), unless the
+  drain's deadline is near (``route``);
 - once moved, its follow-ups go to the receiver, never cold to a third replica while that
   warm copy exists (a follow-up that ran on the leaving replica during the move makes the copy
   stale: it is moved again, to the same receiver, when that request ends);
@@ -121,7 +121,7 @@ class Leaving:
             return Route(self.receivers[key], leaving_out, Phase.AFTER_MOVE)
         if state is State.UNMOVED or self.near(now):
             return Route(None, leaving_out, Phase.UNMOVED)
-        return Route(None, frozenset(), Phase.BEFORE_MOVE)
+        return Route(self.replica, frozenset(), Phase.BEFORE_MOVE)
 
     def sent(self, key: int, replica: str, now: float) -> None:
         """A follow-up of ``key`` went to ``replica`` at ``now``."""

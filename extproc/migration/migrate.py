@@ -1,7 +1,8 @@
 """A replica's conversations moved out before it stops: find, plan, save, restore, tell the routers.
 
-The caller has already taken the replica out of the routers' lists and let its requests in
-flight finish. Then, within `deadline` (monotonic seconds): each busy-free slot of the
+The routers have been told the replica is leaving (extproc/migration/leaving.py): it gets no new
+conversation, only follow-ups of the ones whose cache has not moved. Within `deadline`
+(monotonic seconds, `migrate_while_draining`), pass after pass as its slots turn idle: each busy-free slot of the
 leaving replica is saved into the shared slot folder, its text traced back to a conversation
 the routers placed there (openings.py), the worth-moving ones planned (planner.py), each file
 checked against the receiver's Identity and restored into an idle slot there (then checked
@@ -259,7 +260,41 @@ def _restore(move: Move, server: LlamaServer, slot: int, file: tuple[str, int], 
                                                       f"tokens found after the restore (run on slot {ran_on})")
 
 
-def _tell(routers: Sequence[str], token: str | None, moves: list[tuple[int, str, int]], outcome: Outcome) -> None:
+def migrate_while_draining(source: LlamaServer, deadline: float, migrate_pass: Callable[[frozenset[tuple[int, int]]],
+                           Outcome], total: Outcome) -> Outcome:
+    """Move a leaving replica's caches as its slots turn idle: the idle ones at once, each busy
+    one as soon as its request ends (its conversation's next turn may come within seconds),
+    until none is busy or the deadline. ``migrate_pass(saved)`` moves what is not in ``saved``
+    ((slot, last task) pairs); ``total`` gathers the passes."""
+    # a pass takes seconds on a loaded machine, and busy slots finish during it: whether
+    # another pass is due is read from the slots themselves, not from which were busy before
+    while time.monotonic() < deadline:
+        try:
+            slots = source.slots()
+        except SlotError as exc:  # gone, or refusing us: nothing more to move
+            total.problems.append(str(exc))
+            break
+        saved = set(total.saved_slots)
+        if any(not s.processing and s.tokens > 0 and (s.id, s.last_task) not in saved for s in slots):
+            total.add(migrate_pass(frozenset(saved)))
+            if len(total.saved_slots) == len(saved):  # the pass failed before saving: it would again
+                break
+        elif any(s.processing for s in slots):
+            time.sleep(0.05)
+        else:
+            break
+    return total
+
+
+def tell_drained(routers: Sequence[str], token: str | None, replica: str, outcome: Outcome) -> None:
+    """Every router: ``replica``'s drain is over, no request goes there any more (it stops now)."""
+    told = Outcome(replica)  # no counts: each pass told its own
+    _tell(routers, token, [], told, drained=replica)
+    outcome.problems += told.problems
+
+
+def _tell(routers: Sequence[str], token: str | None, moves: list[tuple[int, str, int]], outcome: Outcome,
+          drained: str = "") -> None:
     """Every router: ``moves`` (where each conversation's next turn goes), and this pass's counts
     so far (none while there are moves: they are told before the restores)."""
     from extproc.service.admin_client import AdminClient
@@ -268,7 +303,7 @@ def _tell(routers: Sequence[str], token: str | None, moves: list[tuple[int, str,
     for router in routers:
         try:
             with AdminClient(router, token=token) as admin:
-                admin.migrated(moves, *counts)
+                admin.migrated(moves, *counts, drained=drained)
         except Exception as exc:  # that router routes the next turns as without migration
             outcome.problems.append(f"router {router}: {type(exc).__name__}")
 

@@ -62,6 +62,8 @@ class AdminService(admin_pb2_grpc.AdminServicer):
                                         gateway.digests.get(move.key) or 0)
         gateway.migrations.reported(request.attempted, request.attempted - request.failed, request.failed,
                                     request.bytes, request.seconds)
+        if request.drained:
+            gateway.leaving.drained(request.drained)
         return admin_pb2.MigratedReply(applied=applied)
 
     async def Leaving(self, request: admin_pb2.LeavingRequest,
@@ -70,12 +72,8 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         if request.replica not in gateway.endpoints or request.seconds <= 0:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"Leaving: no replica {request.replica!r}, or seconds {request.seconds:g} <= 0")
-        key = gateway.router.conversation_key
-        in_flight = {key(p.request.conversation) for p in gateway.pending.values()
-                     if p.decision.replica == request.replica}
-        idle = {k for k, _ in gateway.router.placed_on(request.replica)} - in_flight
-        gateway.leaving.begin(request.replica, idle, in_flight, request.seconds, request.near_seconds)
-        return admin_pb2.LeavingReply(idle=len(idle), in_flight=len(in_flight))
+        idle, in_flight = gateway.begin_leaving(request.replica, request.seconds, request.near_seconds)
+        return admin_pb2.LeavingReply(idle=idle, in_flight=in_flight)
 
     def state(self) -> admin_pb2.State:
         gateway = self.gateway
@@ -92,6 +90,7 @@ class AdminService(admin_pb2_grpc.AdminServicer):
                     in_flight_tokens=replica.in_flight_tokens,
                     **_speed_fields(speeds.speed(replica.name)),
                     answers_learnt=speeds.answers.get(replica.name, 0),
+                    leaving=gateway.leaving.status(replica.name),
                 )
                 for replica in gateway.replica_states()
             ],

@@ -53,12 +53,12 @@ class AdminClient:
         return [(c.key, c.opening, c.prompt_tokens) for c in reply.conversations]
 
     def migrated(self, moves: list[tuple[int, str, int]], attempted: int, failed: int, moved_bytes: int,
-                 seconds: float) -> int:
-        """Tell the router where conversations' caches went ((key, replica, tokens) each); returns
-        how many it applied."""
+                 seconds: float, drained: str = "") -> int:
+        """Tell the router where conversations' caches went ((key, replica, tokens) each), and
+        which leaving replica's drain is over (``drained``); returns how many moves it applied."""
         request = admin_pb2.MigratedRequest(
             moves=[admin_pb2.Move(key=key, replica=replica, tokens=tokens) for key, replica, tokens in moves],
-            attempted=attempted, failed=failed, bytes=moved_bytes, seconds=seconds)
+            attempted=attempted, failed=failed, bytes=moved_bytes, seconds=seconds, drained=drained)
         return int(self._stub.Migrated(request, timeout=self.timeout, metadata=self._metadata).applied)
 
     def leaving(self, replica: str, seconds: float, near_seconds: float) -> tuple[int, int]:
@@ -99,6 +99,7 @@ def state_dict(state: admin_pb2.State) -> dict[str, Any]:
                 "healthy": replica.healthy,
                 "in_flight_requests": replica.in_flight_requests,
                 "in_flight_tokens": replica.in_flight_tokens,
+                "leaving": replica.leaving,
             }
             for replica in state.replicas
         ],

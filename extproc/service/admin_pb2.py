@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x65xtproc/service/admin.proto\x12\x10llmring.admin.v1\"\x82\x01\n\x0fRoutingSettings\x12;\n\x05knobs\x18\x19 \x03(\x0b\x32,.llmring.admin.v1.RoutingSettings.KnobsEntry\x1a,\n\nKnobsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01J\x04\x08\x01\x10\x19\"G\n\x11SetRoutingRequest\x12\x32\n\x07routing\x18\x01 \x01(\x0b\x32!.llmring.admin.v1.RoutingSettings\"\x0e\n\x0cResetRequest\"\x0e\n\x0cStateRequest\"\xe4\x01\n\x0cReplicaState\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\x12\x1a\n\x12in_flight_requests\x18\x04 \x01(\x03\x12\x18\n\x10in_flight_tokens\x18\x05 \x01(\x03\x12\x1c\n\x14prefill_tokens_per_s\x18\x06 \x01(\x01\x12\x1b\n\x13\x64\x65\x63ode_tokens_per_s\x18\x07 \x01(\x01\x12\x1b\n\x13request_overhead_ms\x18\x08 \x01(\x01\x12\x16\n\x0e\x61nswers_learnt\x18\t \x01(\x03\"\xb6\x01\n\x05State\x12\x32\n\x07routing\x18\x01 \x01(\x0b\x32!.llmring.admin.v1.RoutingSettings\x12\x30\n\x08replicas\x18\x02 \x03(\x0b\x32\x1e.llmring.admin.v1.ReplicaState\x12\x1a\n\x12in_flight_requests\x18\x03 \x01(\x03\x12\x18\n\x10in_flight_tokens\x18\x04 \x01(\x03\x12\x11\n\tdecisions\x18\x05 \x01(\x03\"$\n\x11PlacementsRequest\x12\x0f\n\x07replica\x18\x01 \x01(\t\"L\n\x15\x43onversationPlacement\x12\x0b\n\x03key\x18\x01 \x01(\x04\x12\x0f\n\x07opening\x18\x02 \x01(\t\x12\x15\n\rprompt_tokens\x18\x03 \x01(\x03\"Q\n\x0fPlacementsReply\x12>\n\rconversations\x18\x01 \x03(\x0b\x32\'.llmring.admin.v1.ConversationPlacement\"4\n\x04Move\x12\x0b\n\x03key\x18\x01 \x01(\x04\x12\x0f\n\x07replica\x18\x02 \x01(\t\x12\x0e\n\x06tokens\x18\x03 \x01(\x03\"{\n\x0fMigratedRequest\x12%\n\x05moves\x18\x01 \x03(\x0b\x32\x16.llmring.admin.v1.Move\x12\x11\n\tattempted\x18\x02 \x01(\x03\x12\x0e\n\x06\x66\x61iled\x18\x03 \x01(\x03\x12\r\n\x05\x62ytes\x18\x04 \x01(\x03\x12\x0f\n\x07seconds\x18\x05 \x01(\x01\" \n\rMigratedReply\x12\x0f\n\x07\x61pplied\x18\x01 \x01(\x03\"H\n\x0eLeavingRequest\x12\x0f\n\x07replica\x18\x01 \x01(\t\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\x12\x14\n\x0cnear_seconds\x18\x03 \x01(\x01\"/\n\x0cLeavingReply\x12\x0c\n\x04idle\x18\x01 \x01(\x03\x12\x11\n\tin_flight\x18\x02 \x01(\x03\x32\xcd\x03\n\x05\x41\x64min\x12J\n\nSetRouting\x12#.llmring.admin.v1.SetRoutingRequest\x1a\x17.llmring.admin.v1.State\x12@\n\x05Reset\x12\x1e.llmring.admin.v1.ResetRequest\x1a\x17.llmring.admin.v1.State\x12\x43\n\x08GetState\x12\x1e.llmring.admin.v1.StateRequest\x1a\x17.llmring.admin.v1.State\x12T\n\nPlacements\x12#.llmring.admin.v1.PlacementsRequest\x1a!.llmring.admin.v1.PlacementsReply\x12N\n\x08Migrated\x12!.llmring.admin.v1.MigratedRequest\x1a\x1f.llmring.admin.v1.MigratedReply\x12K\n\x07Leaving\x12 .llmring.admin.v1.LeavingRequest\x1a\x1e.llmring.admin.v1.LeavingReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x65xtproc/service/admin.proto\x12\x10llmring.admin.v1\"\x82\x01\n\x0fRoutingSettings\x12;\n\x05knobs\x18\x19 \x03(\x0b\x32,.llmring.admin.v1.RoutingSettings.KnobsEntry\x1a,\n\nKnobsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01J\x04\x08\x01\x10\x19\"G\n\x11SetRoutingRequest\x12\x32\n\x07routing\x18\x01 \x01(\x0b\x32!.llmring.admin.v1.RoutingSettings\"\x0e\n\x0cResetRequest\"\x0e\n\x0cStateRequest\"\xf5\x01\n\x0cReplicaState\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\x12\x1a\n\x12in_flight_requests\x18\x04 \x01(\x03\x12\x18\n\x10in_flight_tokens\x18\x05 \x01(\x03\x12\x1c\n\x14prefill_tokens_per_s\x18\x06 \x01(\x01\x12\x1b\n\x13\x64\x65\x63ode_tokens_per_s\x18\x07 \x01(\x01\x12\x1b\n\x13request_overhead_ms\x18\x08 \x01(\x01\x12\x16\n\x0e\x61nswers_learnt\x18\t \x01(\x03\x12\x0f\n\x07leaving\x18\n \x01(\t\"\xb6\x01\n\x05State\x12\x32\n\x07routing\x18\x01 \x01(\x0b\x32!.llmring.admin.v1.RoutingSettings\x12\x30\n\x08replicas\x18\x02 \x03(\x0b\x32\x1e.llmring.admin.v1.ReplicaState\x12\x1a\n\x12in_flight_requests\x18\x03 \x01(\x03\x12\x18\n\x10in_flight_tokens\x18\x04 \x01(\x03\x12\x11\n\tdecisions\x18\x05 \x01(\x03\"$\n\x11PlacementsRequest\x12\x0f\n\x07replica\x18\x01 \x01(\t\"L\n\x15\x43onversationPlacement\x12\x0b\n\x03key\x18\x01 \x01(\x04\x12\x0f\n\x07opening\x18\x02 \x01(\t\x12\x15\n\rprompt_tokens\x18\x03 \x01(\x03\"Q\n\x0fPlacementsReply\x12>\n\rconversations\x18\x01 \x03(\x0b\x32\'.llmring.admin.v1.ConversationPlacement\"4\n\x04Move\x12\x0b\n\x03key\x18\x01 \x01(\x04\x12\x0f\n\x07replica\x18\x02 \x01(\t\x12\x0e\n\x06tokens\x18\x03 \x01(\x03\"\x8c\x01\n\x0fMigratedRequest\x12%\n\x05moves\x18\x01 \x03(\x0b\x32\x16.llmring.admin.v1.Move\x12\x11\n\tattempted\x18\x02 \x01(\x03\x12\x0e\n\x06\x66\x61iled\x18\x03 \x01(\x03\x12\r\n\x05\x62ytes\x18\x04 \x01(\x03\x12\x0f\n\x07seconds\x18\x05 \x01(\x01\x12\x0f\n\x07\x64rained\x18\x06 \x01(\t\" \n\rMigratedReply\x12\x0f\n\x07\x61pplied\x18\x01 \x01(\x03\"H\n\x0eLeavingRequest\x12\x0f\n\x07replica\x18\x01 \x01(\t\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\x12\x14\n\x0cnear_seconds\x18\x03 \x01(\x01\"/\n\x0cLeavingReply\x12\x0c\n\x04idle\x18\x01 \x01(\x03\x12\x11\n\tin_flight\x18\x02 \x01(\x03\x32\xcd\x03\n\x05\x41\x64min\x12J\n\nSetRouting\x12#.llmring.admin.v1.SetRoutingRequest\x1a\x17.llmring.admin.v1.State\x12@\n\x05Reset\x12\x1e.llmring.admin.v1.ResetRequest\x1a\x17.llmring.admin.v1.State\x12\x43\n\x08GetState\x12\x1e.llmring.admin.v1.StateRequest\x1a\x17.llmring.admin.v1.State\x12T\n\nPlacements\x12#.llmring.admin.v1.PlacementsRequest\x1a!.llmring.admin.v1.PlacementsReply\x12N\n\x08Migrated\x12!.llmring.admin.v1.MigratedRequest\x1a\x1f.llmring.admin.v1.MigratedReply\x12K\n\x07Leaving\x12 .llmring.admin.v1.LeavingRequest\x1a\x1e.llmring.admin.v1.LeavingReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -44,25 +44,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STATEREQUEST']._serialized_start=271
   _globals['_STATEREQUEST']._serialized_end=285
   _globals['_REPLICASTATE']._serialized_start=288
-  _globals['_REPLICASTATE']._serialized_end=516
-  _globals['_STATE']._serialized_start=519
-  _globals['_STATE']._serialized_end=701
-  _globals['_PLACEMENTSREQUEST']._serialized_start=703
-  _globals['_PLACEMENTSREQUEST']._serialized_end=739
-  _globals['_CONVERSATIONPLACEMENT']._serialized_start=741
-  _globals['_CONVERSATIONPLACEMENT']._serialized_end=817
-  _globals['_PLACEMENTSREPLY']._serialized_start=819
-  _globals['_PLACEMENTSREPLY']._serialized_end=900
-  _globals['_MOVE']._serialized_start=902
-  _globals['_MOVE']._serialized_end=954
-  _globals['_MIGRATEDREQUEST']._serialized_start=956
-  _globals['_MIGRATEDREQUEST']._serialized_end=1079
-  _globals['_MIGRATEDREPLY']._serialized_start=1081
-  _globals['_MIGRATEDREPLY']._serialized_end=1113
-  _globals['_LEAVINGREQUEST']._serialized_start=1115
-  _globals['_LEAVINGREQUEST']._serialized_end=1187
-  _globals['_LEAVINGREPLY']._serialized_start=1189
-  _globals['_LEAVINGREPLY']._serialized_end=1236
-  _globals['_ADMIN']._serialized_start=1239
-  _globals['_ADMIN']._serialized_end=1700
+  _globals['_REPLICASTATE']._serialized_end=533
+  _globals['_STATE']._serialized_start=536
+  _globals['_STATE']._serialized_end=718
+  _globals['_PLACEMENTSREQUEST']._serialized_start=720
+  _globals['_PLACEMENTSREQUEST']._serialized_end=756
+  _globals['_CONVERSATIONPLACEMENT']._serialized_start=758
+  _globals['_CONVERSATIONPLACEMENT']._serialized_end=834
+  _globals['_PLACEMENTSREPLY']._serialized_start=836
+  _globals['_PLACEMENTSREPLY']._serialized_end=917
+  _globals['_MOVE']._serialized_start=919
+  _globals['_MOVE']._serialized_end=971
+  _globals['_MIGRATEDREQUEST']._serialized_start=974
+  _globals['_MIGRATEDREQUEST']._serialized_end=1114
+  _globals['_MIGRATEDREPLY']._serialized_start=1116
+  _globals['_MIGRATEDREPLY']._serialized_end=1148
+  _globals['_LEAVINGREQUEST']._serialized_start=1150
+  _globals['_LEAVINGREQUEST']._serialized_end=1222
+  _globals['_LEAVINGREPLY']._serialized_start=1224
+  _globals['_LEAVINGREPLY']._serialized_end=1271
+  _globals['_ADMIN']._serialized_start=1274
+  _globals['_ADMIN']._serialized_end=1735
 # @@protoc_insertion_point(module_scope)

@@ -34,7 +34,7 @@ class StateRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ReplicaState(_message.Message):
-    __slots__ = ("name", "address", "healthy", "in_flight_requests", "in_flight_tokens", "prefill_tokens_per_s", "decode_tokens_per_s", "request_overhead_ms", "answers_learnt")
+    __slots__ = ("name", "address", "healthy", "in_flight_requests", "in_flight_tokens", "prefill_tokens_per_s", "decode_tokens_per_s", "request_overhead_ms", "answers_learnt", "leaving")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     HEALTHY_FIELD_NUMBER: _ClassVar[int]
@@ -44,6 +44,7 @@ class ReplicaState(_message.Message):
     DECODE_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     REQUEST_OVERHEAD_MS_FIELD_NUMBER: _ClassVar[int]
     ANSWERS_LEARNT_FIELD_NUMBER: _ClassVar[int]
+    LEAVING_FIELD_NUMBER: _ClassVar[int]
     name: str
     address: str
     healthy: bool
@@ -53,7 +54,8 @@ class ReplicaState(_message.Message):
     decode_tokens_per_s: float
     request_overhead_ms: float
     answers_learnt: int
-    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., healthy: _Optional[bool] = ..., in_flight_requests: _Optional[int] = ..., in_flight_tokens: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., decode_tokens_per_s: _Optional[float] = ..., request_overhead_ms: _Optional[float] = ..., answers_learnt: _Optional[int] = ...) -> None: ...
+    leaving: str
+    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., healthy: _Optional[bool] = ..., in_flight_requests: _Optional[int] = ..., in_flight_tokens: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., decode_tokens_per_s: _Optional[float] = ..., request_overhead_ms: _Optional[float] = ..., answers_learnt: _Optional[int] = ..., leaving: _Optional[str] = ...) -> None: ...
 
 class State(_message.Message):
     __slots__ = ("routing", "replicas", "in_flight_requests", "in_flight_tokens", "decisions")
@@ -102,18 +104,20 @@ class Move(_message.Message):
     def __init__(self, key: _Optional[int] = ..., replica: _Optional[str] = ..., tokens: _Optional[int] = ...) -> None: ...
 
 class MigratedRequest(_message.Message):
-    __slots__ = ("moves", "attempted", "failed", "bytes", "seconds")
+    __slots__ = ("moves", "attempted", "failed", "bytes", "seconds", "drained")
     MOVES_FIELD_NUMBER: _ClassVar[int]
     ATTEMPTED_FIELD_NUMBER: _ClassVar[int]
     FAILED_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DRAINED_FIELD_NUMBER: _ClassVar[int]
     moves: _containers.RepeatedCompositeFieldContainer[Move]
     attempted: int
     failed: int
     bytes: int
     seconds: float
-    def __init__(self, moves: _Optional[_Iterable[_Union[Move, _Mapping]]] = ..., attempted: _Optional[int] = ..., failed: _Optional[int] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+    drained: str
+    def __init__(self, moves: _Optional[_Iterable[_Union[Move, _Mapping]]] = ..., attempted: _Optional[int] = ..., failed: _Optional[int] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., drained: _Optional[str] = ...) -> None: ...
 
 class MigratedReply(_message.Message):
     __slots__ = ("applied",)

@@ -240,6 +240,14 @@ class Gateway:
             self.store.load_changed()
         self.lifecycle.replicas_changed()
 
+    def begin_leaving(self, replica: str, seconds: float, near_seconds: float) -> tuple[int, int]:
+        """``replica`` starts leaving (extproc/migration/leaving.py); (idle, in flight) conversations placed there."""
+        key = self.router.conversation_key
+        in_flight = {key(p.request.conversation) for p in self.pending.values() if p.decision.replica == replica}
+        idle = {k for k, _ in self.router.placed_on(replica)} - in_flight
+        self.leaving.begin(replica, idle, in_flight, seconds, near_seconds)
+        return len(idle), len(in_flight)
+
     def mark_unhealthy(self, name: str) -> None:
         if name in self.endpoints and name not in self.unhealthy:
             self.unhealthy.add(name)

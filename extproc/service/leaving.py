@@ -5,7 +5,9 @@ request may go there only when it continues a conversation whose cache is there 
 moved (and the deadline is not near); a moved one goes to its receiver only. Each request's
 phase (before move, after move, unmoved) goes into the decision trace (``leaving_phase``);
 when the replica list drops the replica, the order ends and its phases are logged once
-(``replica_left``).
+(``replica_left``). On Kubernetes the order begins when discovery lists the replica as
+leaving (a terminating pod still serving), and its slot sidecar's ``Migrated(drained=...)``
+ends it for routing before llama-server stops.
 """
 
 from __future__ import annotations
@@ -60,9 +62,22 @@ class LeavingReplicas:
         for order in self.orders.values():
             order.moved(key, receiver, self.clock())
 
+    def status(self, replica: str) -> str:
+        """"" (not leaving), "leaving" or "drained"."""
+        order = self.orders.get(replica)
+        return "" if order is None else "leaving" if order.down_s is None else "drained"
+
+    def drained(self, replica: str) -> None:
+        """Its drain is over (its slot sidecar says so, the replica still listed): it is down for
+        routing, no request goes there any more; the order is logged when the list drops it."""
+        order = self.orders.get(replica)
+        if order is not None and order.down_s is None:
+            order.went_down(self.clock())
+
     def set_replicas(self, names: Collection[str]) -> None:
         """A leaving replica dropped from the list went down: its order ends, its phases logged."""
         for name in [n for n in self.orders if n not in names]:
             order = self.orders.pop(name)
-            order.went_down(self.clock())
+            if order.down_s is None:
+                order.went_down(self.clock())
             self.log({"event": "replica_left", **order.phases()})

@@ -37,7 +37,7 @@ import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
-from extproc.discovery import make_discovery
+from extproc.discovery import leaving_of, make_discovery
 from extproc.envoy.contract import split_host_port, write_endpoints_file
 from extproc.routing import Router
 from extproc.service import admin_pb2_grpc
@@ -202,8 +202,11 @@ async def _follow_discovery(
     endpoints_file = settings.service.envoy_endpoints_file
     if endpoints_file:
         Path(endpoints_file).parent.mkdir(parents=True, exist_ok=True)
-    async for replicas in make_discovery(settings.discovery).snapshots():
+    discovery = settings.discovery
+    async for replicas in make_discovery(discovery).snapshots():
         gateway.set_replicas(replicas)
+        for name in leaving_of(replicas) - gateway.leaving.orders.keys():  # a pod began terminating
+            gateway.begin_leaving(name, discovery.leaving_seconds, discovery.leaving_near_seconds)
         models.replicas_changed()
         if endpoints_file:
             write_endpoints_file(endpoints_file, replicas)

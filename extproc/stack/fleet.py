@@ -176,29 +176,14 @@ def drain_seconds(stack: StackRun, fallback: float) -> float:
 
 def migrate_draining(stack: StackRun, leaving: Replica, staying: list[Replica], deadline: float, progress: Progress,
                      early: Outcome) -> dict[str, object]:
-    """Move `leaving`'s caches as its slots turn idle (early: what was moved already): the idle
-    ones at once, each busy one as soon as its request ends (its conversation's next turn may
-    come within seconds), until none is busy or the deadline."""
-    from extproc.migration.llama import LlamaServer, SlotError
+    """Move `leaving`'s caches as its slots turn idle (early: what was moved already), until
+    none is busy or the deadline (migrate.py's migrate_while_draining)."""
+    from extproc.migration.llama import LlamaServer
+    from extproc.migration.migrate import migrate_while_draining
 
-    total = early
     source = LlamaServer(leaving.address, max(1.0, deadline - time.monotonic()), replica_key(stack))
-    # a pass takes seconds on a loaded machine, and busy slots finish during it: whether
-    # another pass is due is read from the slots themselves, not from which were busy before
-    while time.monotonic() < deadline:
-        try:
-            slots = source.slots()
-        except SlotError:
-            break
-        saved = set(total.saved_slots)
-        if any(not s.processing and s.tokens > 0 and (s.id, s.last_task) not in saved for s in slots):
-            total.add(_migrate(stack, leaving, staying, deadline, lambda _: None, frozenset(saved)))
-            if len(total.saved_slots) == len(saved):  # the pass failed before saving: it would again
-                break
-        elif any(s.processing for s in slots):
-            time.sleep(0.05)
-        else:
-            break
+    total = migrate_while_draining(
+        source, deadline, lambda saved: _migrate(stack, leaving, staying, deadline, lambda _: None, saved), early)
     problem = f"; {total.problems[0]}" if total.problems else ""
     progress(f"drained {leaving.name}; migration: {len(total.moved)} of {total.slots} slot(s) moved "
              f"({total.bytes:,} bytes, {total.seconds:.2f}s){problem}")

@@ -29,6 +29,8 @@ def settings(**overrides: object) -> DiscoverySettings:
         "kubernetes_port_name": "http",
         "kubernetes_backoff_seconds": 1.0,
         "inference_pool": "",
+        "leaving_seconds": 0.0,
+        "leaving_near_seconds": 0.0,
     }
     return DiscoverySettings.model_validate(base | overrides)
 

@@ -28,7 +28,7 @@ from kubernetes.client.exceptions import ApiException
 from structlog.testing import capture_logs
 from watch_support import Reader, requests_of, wait
 
-from extproc.discovery import make_discovery
+from extproc.discovery import Snapshot, leaving_of, make_discovery
 from extproc.discovery.inference_pool import InferencePoolDiscovery, InvalidPoolError, replicas_from_pool
 
 FAST = {"watch_timeout_seconds": 30, "max_backoff_seconds": 0.2}
@@ -98,6 +98,8 @@ def test_only_ready_not_terminating_selected_pods_with_an_address_are_replicas()
         "llm-0": "10.0.0.10:8080",
         "llm-4": "[fd00::4]:8080",
     }
+    assert replicas_from_pool(pool_of(), [model(p) for p in pods], keep_leaving=True) == Snapshot(
+        {"llm-0": "10.0.0.10:8080", "llm-2": "10.0.0.12:8080", "llm-4": "[fd00::4]:8080"}, leaving={"llm-2"})
     assert replicas_from_pool(None, [model(p) for p in pods]) == {}
 
 
@@ -174,7 +176,8 @@ def test_pods_join_and_leave_as_they_turn_ready_unready_and_terminating(apiserve
             apiserver.apply(pod_of("llm-2", "10.0.0.12"))  # scaled up
             await reader.until({"llm-0": "10.0.0.10:8080", "llm-1": "10.0.0.11:8080", "llm-2": "10.0.0.12:8080"})
             apiserver.apply(pod_of("llm-0", "10.0.0.10", deleting=True))  # being deleted, preStop running
-            await reader.until({"llm-1": "10.0.0.11:8080", "llm-2": "10.0.0.12:8080"})
+            await reader.until(Snapshot({"llm-0": "10.0.0.10:8080", "llm-1": "10.0.0.11:8080",
+                                         "llm-2": "10.0.0.12:8080"}, leaving={"llm-0"}))
             apiserver.delete(NAMESPACE, "llm-0", "Pod")
             apiserver.apply(pod_of("llm-0", "10.0.0.20", ready=False))  # recreated, loading
             apiserver.apply(pod_of("llm-1", "10.0.0.11", ready=False))  # readiness probe failing
@@ -192,12 +195,14 @@ def test_pods_join_and_leave_as_they_turn_ready_unready_and_terminating(apiserve
         ["llm-0"],
         ["llm-0", "llm-1"],
         ["llm-0", "llm-1", "llm-2"],
+        ["llm-0", "llm-1", "llm-2"],  # llm-0 leaving
         ["llm-1", "llm-2"],
         ["llm-2"],
         ["llm-0", "llm-2"],
     ]
     changes = [e for e in logs if e["event"] == "replicas_changed"]
-    assert changes[0]["inference_pool"] == f"{NAMESPACE}/llm" and changes[3]["removed"] == ["llm-0"]
+    assert changes[0]["inference_pool"] == f"{NAMESPACE}/llm" and changes[3]["leaving"] == ["llm-0"]
+    assert changes[4]["removed"] == ["llm-0"] and changes[4]["leaving"] == []
     assert len(lists_of(apiserver, "pods")) == len(lists_of(apiserver, "inferencepools")) == 1, "no relist"
     pool_watch = next(r for r in requests_of(apiserver, "watch") if r.path.endswith("/inferencepools"))
     assert pool_watch.query["fieldSelector"] == "metadata.name=llm", "RBAC grants this one pool by name"
@@ -302,8 +307,8 @@ def test_a_dropped_watch_relists_and_neither_loses_nor_duplicates_replicas(apise
     assert reader.snapshots[0] == before
     relisted, after = {"llm-3": "10.0.0.13:8080"}, {"llm-3": "10.0.0.13:8080", "llm-4": "10.0.0.14:8080"}
     assert reader.snapshots[-2:] == [relisted, after]
-    for snapshot in reader.snapshots[1:]:
-        assert not {"llm-0", "llm-1"} & set(snapshot), snapshot
+    for snapshot in reader.snapshots[1:]:  # llm-1, being deleted while Ready, only ever as leaving
+        assert "llm-0" not in snapshot and ("llm-1" not in snapshot or "llm-1" in leaving_of(snapshot)), snapshot
     if drop == "410 Gone":
         assert len(lists_of(apiserver, "pods")) == len(lists_of(apiserver, "inferencepools")) == 2, "one relist each"
         assert {"pod_watch_expired", "inferencepool_watch_expired"} <= {e["event"] for e in logs}

@@ -23,6 +23,7 @@ from kubernetes.config import incluster_config
 from structlog.testing import capture_logs
 from watch_support import Reader, requests_of, wait
 
+from extproc.discovery import Snapshot
 from extproc.discovery.kubernetes import KubernetesCredentialsError, KubernetesDiscovery
 
 FAST = {"watch_timeout_seconds": 30, "max_backoff_seconds": 0.2}
@@ -66,6 +67,9 @@ def test_replicas_join_when_ready_and_leave_when_not_ready_or_terminating(apiser
                     Endpoint("llm-1", "10.0.0.11"),
                 )
             )
+            await reader.until(Snapshot({"llm-0": "10.0.0.10:8080", "llm-1": "10.0.0.11:8080",
+                                         "llm-2": "10.0.0.12:8080"}, leaving={"llm-0"}))
+            apiserver.apply(slice_of("llm-a", Endpoint("llm-1", "10.0.0.11")))  # its drain over, gone
             await reader.until({"llm-1": "10.0.0.11:8080", "llm-2": "10.0.0.12:8080"})
             # restarted llm-1 comes back with a new IP under the same name
             apiserver.apply(slice_of("llm-a", Endpoint("llm-1", "10.0.0.21")))
@@ -79,10 +83,12 @@ def test_replicas_join_when_ready_and_leave_when_not_ready_or_terminating(apiser
             ["llm-0"],
             ["llm-0", "llm-1"],
             ["llm-0", "llm-1", "llm-2"],
+            ["llm-0", "llm-1", "llm-2"],  # llm-0 leaving
             ["llm-1", "llm-2"],
             ["llm-1", "llm-2"],
             ["llm-1"],
         ]
+        assert [sorted(getattr(s, "leaving", ())) for s in reader.snapshots][2:5] == [[], ["llm-0"], []]
         # A watch on the loop would stall it until the next event or the 30 s watch timeout;
         # the bound leaves room for scheduling noise on a loaded 2-core machine.
         assert stall < 2.0, f"the event loop stalled {stall:.3f}s: discovery must not block it"
@@ -91,7 +97,8 @@ def test_replicas_join_when_ready_and_leave_when_not_ready_or_terminating(apiser
         asyncio.run(scenario())
     changes = [e for e in logs if e["event"] == "replicas_changed"]
     assert [c["replicas"] for c in changes][:2] == [["llm-0"], ["llm-0", "llm-1"]]
-    assert changes[3]["removed"] == ["llm-0"] and changes[3]["endpoints"]["llm-1"] == "10.0.0.11:8080"
+    assert changes[3]["leaving"] == ["llm-0"] and changes[3]["removed"] == []
+    assert changes[4]["removed"] == ["llm-0"] and changes[4]["endpoints"]["llm-1"] == "10.0.0.11:8080"
     assert len(requests_of(apiserver, "list")) == 1, "one list, then one uninterrupted watch"
     watches = requests_of(apiserver, "watch")
     assert watches[0].query["labelSelector"] == "kubernetes.io/service-name=llm"

@@ -1,4 +1,5 @@
-"""replicas_from_slices: which EndpointSlice endpoints become replicas, under which names."""
+"""replicas_from_slices: which EndpointSlice endpoints become replicas, under which names; which
+are leaving (terminating, still serving)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kubernetes import client
 
-from extproc.discovery.kubernetes import replicas_from_slices
+from extproc.discovery import Snapshot
+from extproc.discovery.kubernetes import replicas_from_slices, snapshot_from_slices
 
 _DESERIALIZER = client.ApiClient()
 
@@ -40,6 +42,19 @@ def test_only_ready_and_not_terminating_endpoints_take_traffic():
     )
     raw["endpoints"].append({"addresses": ["10.0.0.7"]})  # no conditions at all: ready
     assert replicas(raw) == {"ready": "10.0.0.1:8080", "unknown": "10.0.0.3:8080", "10.0.0.7": "10.0.0.7:8080"}
+
+
+def test_a_terminating_endpoint_that_still_serves_is_leaving_until_it_stops_serving():
+    raw = endpoint_slice("s", "llm", [Endpoint("llm-0", "10.0.0.1"),
+                                      Endpoint("llm-1", "10.0.0.2", ready=False, terminating=True)])
+    raw["endpoints"].append({"addresses": ["10.0.0.3"], "targetRef": {"kind": "Pod", "name": "llm-2"},
+                             "conditions": {"ready": False, "serving": False, "terminating": True}})
+    raw["endpoints"].append({"addresses": ["10.0.0.4"], "targetRef": {"kind": "Pod", "name": "llm-3"},
+                             "conditions": {"ready": False, "terminating": True}})  # serving unset: not trusted
+    kept = snapshot_from_slices([model(raw)], "http", keep_leaving=True)
+    assert kept == Snapshot({"llm-0": "10.0.0.1:8080", "llm-1": "10.0.0.2:8080"}, leaving={"llm-1"})
+    assert kept != {"llm-0": "10.0.0.1:8080", "llm-1": "10.0.0.2:8080"}, "a plain mapping has no one leaving"
+    assert snapshot_from_slices([model(raw)], "http", keep_leaving=False) == {"llm-0": "10.0.0.1:8080"}
 
 
 def test_names_come_from_the_pod_then_the_hostname_then_the_address():

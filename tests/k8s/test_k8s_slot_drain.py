@@ -31,6 +31,7 @@ from k8s_support import (
     find,
     migration_token_file,
     picker_docs,
+    picker_settings,
     replica_key_file,
     router_settings,
 )
@@ -122,6 +123,20 @@ def test_the_pod_runs_llama_server_and_its_sidecar_on_one_slot_volume():
     assert mounts(sidecar)[token["name"]] == "/var/run/secrets/kubernetes.io/serviceaccount"
     (size,) = [v["emptyDir"]["sizeLimit"] for v in spec["volumes"] if v["name"] == "slots"]
     assert int(size.removesuffix("Gi")) * 1024 > settings.migration.max_disk_mib
+
+
+def test_routers_send_a_leaving_replica_follow_ups_only_while_it_surely_serves():
+    """Follow-ups of its unmoved conversations reach a terminating replica only until the
+    routers' near bound, which comes before the preStop's fallback wait ends (no sidecar) and
+    before the drain's own deadline; the pod's grace period covers the drain."""
+    hook = container("llama")["lifecycle"]["preStop"]["exec"]["command"][-1]
+    fallback_s = float(hook.rpartition("|| sleep ")[2])
+    drain_s = sidecar_settings().migration.drain_seconds
+    grace_s = find("StatefulSet", "llm")["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    for settings in (router_settings().discovery, picker_settings().discovery):
+        assert 0 < settings.leaving_seconds <= drain_s
+        assert 0 < settings.leaving_seconds - settings.leaving_near_seconds <= fallback_s
+    assert drain_s < grace_s
 
 
 def test_only_the_replicas_reach_the_sidecar_and_the_routers_migration_ports():
@@ -373,42 +388,60 @@ def test_a_terminating_replicas_conversation_continues_cached_on_the_other(apise
             _, answer = turn("What happened there in the long winter when the river froze?")
             held = answer["timings"]["cache_n"] + answer["timings"]["prompt_n"]
 
-            # the pod is deleted: its endpoint turns terminating; the kubelet calls its preStop
+            def status() -> dict[str, str]:
+                return {r["name"]: r["leaving"] for r in gw.state()["replicas"]}
+
+            def until(expected: dict[str, str]) -> None:
+                deadline = time.monotonic() + 10
+                while status() != expected:
+                    assert time.monotonic() < deadline, status()
+                    time.sleep(0.05)
+
+            # the pod is deleted: its endpoint turns terminating, still serving while its preStop runs
             apiserver.apply(replica_slice(leaving, "127.0.0.1", ports[leaving],
                                           int(sidecars[leaving].rpartition(":")[2]), terminating=True))
-            # first as if the other replica served another model: its sidecar finds no file of
-            # its identity, a clean miss (a drain of its own: a pod drains once)
+            until({leaving: "leaving", staying: ""})
+            # a follow-up before its cache moved goes where that cache is: the leaving replica
+            reply, answer = turn("And when the ice broke in the spring?")
+            assert gw.routed_to(reply) == leaving, reply.headers.get("x-route-reason")
+            assert answer["timings"]["cache_n"] >= held - 1, "its history found where it was"
+            held = answer["timings"]["cache_n"] + answer["timings"]["prompt_n"]
+
+            # drains that cannot move: first as if the other replica served another model, its
+            # sidecar finding no file of its identity, a clean miss (each Drainer drains once);
+            # a drain that moved nothing still ends the leaving: nothing more is sent there
             other_model = make_server(("127.0.0.1", 0), SidecarSettings(
                 stack_replicas.slot_folder(tmp_path / staying), Identity("0" * 64, 1024, "f16"), 2**30, 3600))
             threading.Thread(target=other_model.serve_forever, daemon=True).start()
             servers.append(other_model)
             apiserver.apply(replica_slice(staying, "127.0.0.1", ports[staying], other_model.server_address[1]))
+            missed = drain_k8s.Drainer(configs[leaving], pods[leaving],
+                                       lambda: neighbours(sidecar_api, configs[leaving], leaving), MIGRATION_TOKEN,
+                                       REPLICA_KEY)
+            missed.sidecar = sidecars[leaving]
+            status_code, answer = missed()
+            assert status_code == 200 and answer["migration"]["attempted"] >= 1, answer
+            assert answer["migration"]["succeeded"] == 0 and answer["migration"]["failed"] >= 1, answer
+            assert any("a miss" in problem for problem in answer["migration"]["problems"]), answer
+            apiserver.apply(slices[staying])
+            until({leaving: "drained", staying: ""})  # still listed, sent nothing more
             # a sidecar without the routers' token, or with another, is refused by every router:
             # it moves nothing and tells nobody
             for wrong in (None, "not-" + MIGRATION_TOKEN):
                 refused = drain_k8s.Drainer(configs[leaving], pods[leaving],
                                             lambda: neighbours(sidecar_api, configs[leaving], leaving), wrong,
                                             REPLICA_KEY)
-                status, answer = refused()
-                assert status == 200 and answer["migration"]["attempted"] == 0, answer
+                status_code, answer = refused()
+                assert status_code == 200 and answer["migration"]["attempted"] == 0, answer
                 assert any("UNAUTHENTICATED" in problem for problem in answer["migration"]["problems"]), answer
             # ... and one without the replicas' key, or with another, by llama-server: nothing saved
             for wrong in (None, "not-" + REPLICA_KEY):
                 keyless = drain_k8s.Drainer(configs[leaving], pods[leaving],
                                             lambda: neighbours(sidecar_api, configs[leaving], leaving),
                                             MIGRATION_TOKEN, wrong)
-                status, answer = keyless()
-                assert status == 200 and answer["migration"]["slots"] == 0, answer
+                status_code, answer = keyless()
+                assert status_code == 200 and answer["migration"]["slots"] == 0, answer
                 assert any("HTTP 401" in problem for problem in answer["migration"]["problems"]), answer
-            missed = drain_k8s.Drainer(configs[leaving], pods[leaving],
-                                       lambda: neighbours(sidecar_api, configs[leaving], leaving), MIGRATION_TOKEN,
-                                       REPLICA_KEY)
-            missed.sidecar = sidecars[leaving]
-            status, answer = missed()
-            assert status == 200 and answer["migration"]["attempted"] >= 1, answer
-            assert answer["migration"]["succeeded"] == 0 and answer["migration"]["failed"] >= 1, answer
-            assert any("a miss" in problem for problem in answer["migration"]["problems"]), answer
-            apiserver.apply(slices[staying])
 
             hook = container("llama")["lifecycle"]["preStop"]["exec"]["command"]  # as the kubelet runs it
             hook = [part.replace("127.0.0.1:8081", sidecars[leaving]) for part in hook]
@@ -416,13 +449,16 @@ def test_a_terminating_replicas_conversation_continues_cached_on_the_other(apise
             assert drained.returncode == 0 and drained.stderr == "", drained.stderr
             outcome = json.loads(drained.stdout)["migration"]
             assert outcome["succeeded"] >= 1 and outcome["failed"] == 0, outcome
-            assert [r["name"] for r in gw.state()["replicas"]] == [staying], "the router dropped it"
 
             reply, answer = turn("And who lives there now?")
             assert gw.routed_to(reply) == staying
             assert "migrated" in reply.headers["x-route-reason"]
             assert answer["timings"]["cache_n"] >= held - 1, "the whole history, less the last sampled token"
             assert list(stack_replicas.slot_folder(tmp_path / staying).glob("*.bin")), "fetched into its own folder"
+
+            # its pod gone, the router drops it
+            apiserver.apply(endpoint_slice(f"llm-{leaving}", "llm", []))
+            until({staying: ""})
 
             with AdminClient(migration_listen) as anonymous, pytest.raises(grpc.RpcError) as refused_call:
                 anonymous.state()

@@ -32,8 +32,10 @@ def play(leaving: Leaving, steps: list[tuple[str, int, str, float]]) -> float:
         elif what in ("follow-up", "cold"):
             route = leaving.route(key, now)
             check_route(leaving, key, now, route.only, route.avoid)
-            # the caller's policy: the warm copy when there is one; else here, or elsewhere when faster
-            sent = route.only or (RECEIVERS[0] if what == "cold" or LEAVING in route.avoid else LEAVING)
+            # the caller: the warm copy when there is one, unless the leaving replica is unavailable
+            # ("cold": its follow-up computed elsewhere); with none, anywhere but the leaving replica
+            cold = what == "cold" and route.only == LEAVING
+            sent = RECEIVERS[0] if cold or route.only is None else route.only
             leaving.sent(key, sent, now)
             if sent == LEAVING:
                 running.add(key)
@@ -48,8 +50,8 @@ def check_route(leaving: Leaving, key: int, now: float, only: str | None, avoid:
         assert only == leaving.receivers[key]
     elif not leaving.holds(key) or leaving.states[key] is State.UNMOVED or leaving.near(now):
         assert LEAVING in avoid and only is None
-    else:  # unmoved and not near the deadline: the leaving replica is still a choice
-        assert LEAVING not in avoid and only is None
+    else:  # unmoved and not near the deadline: the leaving replica, which holds its cache
+        assert only == LEAVING and not avoid
 
 
 @settings(max_examples=300, deadline=None)

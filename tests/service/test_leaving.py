@@ -96,3 +96,29 @@ def test_leaving_an_unknown_replica_is_refused() -> None:
     with pytest.raises(ValueError, match="llm-9"):
         asyncio.run(AdminService(chats.gateway).Leaving(admin_pb2.LeavingRequest(replica="llm-9", seconds=60),
                                                         Context()))  # type: ignore[arg-type]
+
+
+def test_a_drained_replica_takes_nothing_more_while_it_is_still_listed() -> None:
+    """A pod's slot sidecar says its drain is over before llama-server stops: from then on no
+    request goes there, not even a follow-up whose cache was left there (computed elsewhere);
+    the order's phases are logged once, when discovery drops the replica."""
+    chats = Chats()
+    unmoved, moved = placed(chats, "llm-1", "unmoved"), placed(chats, "llm-1", "moved")
+    chats.admin("Leaving", admin_pb2.LeavingRequest(replica="llm-1", seconds=60, near_seconds=10))
+    key = chats.gateway.router.conversation_key(moved)
+    chats.admin("Migrated", admin_pb2.MigratedRequest(moves=[admin_pb2.Move(key=key, replica="llm-2", tokens=40)]))
+    chats.admin("Migrated", admin_pb2.MigratedRequest(drained="llm-9"))  # not leaving: nothing changes
+    assert chats.end(chats.send(unmoved)) == "llm-1"
+
+    chats.admin("Migrated", admin_pb2.MigratedRequest(drained="llm-1"))
+    assert "llm-1" in chats.gateway.endpoints
+    assert chats.end(chats.send(unmoved)) != "llm-1"
+    assert chats.end(chats.send(moved)) == "llm-2"
+    assert "llm-1" not in {chats.end(chats.send(f"new-{i}")) for i in range(30)}
+    assert not [f for f in chats.logged if f.get("event") == "replica_left"]
+
+    chats.gateway.set_replicas({n: a for n, a in ENDPOINTS.items() if n != "llm-1"})
+    (left,) = [f for f in chats.logged if f.get("event") == "replica_left"]
+    assert left["down_s"] is not None and left["unmoved"] == [chats.gateway.router.conversation_key(unmoved)]
+    assert [f[2] for f in left["follow_ups"]] == ["before move", "after down", "after down"]
+    assert [f[3] == "llm-1" for f in left["follow_ups"]] == [True, False, False]
