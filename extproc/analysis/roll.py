@@ -7,6 +7,8 @@ cache_n >= 0.5 x the previous turn's prompt tokens (the report's definition). "A
 is from 5 s before the first replica left to 5 s after the last one was back (a scale-in: down).
 Each follow-up that missed gets a cause: `migrated` (its decision says +migrated, yet the cache
 was not there), `early` (sent before its replica was drained and migrated), `not moved` (after).
+``during_drain``: the follow-ups sent while their replica drained (between out and drained),
+their hits, and how many went to the leaving replica itself.
 
     python -m extproc.analysis.roll DIR [DIR ...]
 """
@@ -35,6 +37,7 @@ def roll_figures(run_dir: Path) -> dict[str, Any]:
     drained = {s["replica"]: datetime.fromisoformat(s.get("drained", s["down"])) for s in steps}
     follow_ups, hits = 0, 0
     misses = {"migrated": 0, "early": 0, "not moved": 0}
+    during = {"follow_ups": 0, "hits": 0, "on_leaving": 0}  # sent while their replica drained
     rolled: set[str] = set()
     for row in rows:
         conversation = row["conversation"]
@@ -46,6 +49,10 @@ def roll_figures(run_dir: Path) -> dict[str, Any]:
             before = (previous["prompt_n"] or 0) + (previous["cache_n"] or 0)
             hit = (row["cache_n"] or 0) >= DEFAULT_HIT_SHARE * before
             hits += hit
+            if row["started_at"] < drained[previous["replica"]]:
+                during["follow_ups"] += 1
+                during["hits"] += hit
+                during["on_leaving"] += row["replica"] == previous["replica"]
             if not hit:
                 cause = ("migrated" if "+migrated" in (row["route_reason"] or "")
                          else "early" if row["started_at"] < drained[previous["replica"]] else "not moved")
@@ -63,6 +70,7 @@ def roll_figures(run_dir: Path) -> dict[str, Any]:
         "run": run_dir.name, "migrate": roll.get("migrate"), "scale_in": bool(roll.get("scale_in")),
         "replicas_rolled": len(steps), "rolled_follow_ups": follow_ups, "follow_up_hits": hits,
         "follow_up_hit_rate": hits / follow_ups if follow_ups else None, "misses": misses,
+        "during_drain": during,
         "p95_latency_around_roll_s": latencies[int(0.95 * (len(latencies) - 1))] if latencies else None,
         "requests_around_roll": len(latencies),
         "moved": sum(int(m.get("succeeded", 0)) for m in migrated),

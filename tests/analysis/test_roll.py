@@ -34,8 +34,10 @@ def test_each_missed_follow_up_of_a_left_replica_gets_its_cause(tmp_path: Path) 
         row("early", 1, 3, "llm-2", 0, 300), row("early", 2, 11, "llm-1", 17, 320),
         row("lost", 1, 4, "llm-2", 0, 300), row("lost", 2, 16, "llm-0", 17, 320),
         row("elsewhere", 1, 5, "llm-0", 0, 300), row("elsewhere", 2, 17, "llm-0", 300, 20),  # not on llm-2
+        row("stayed", 1, 6, "llm-2", 0, 300), row("stayed", 2, 11.5, "llm-2", 300, 20),  # during the drain, there
     ], tmp_path / "requests.parquet")
     figures = roll_figures(tmp_path)
-    assert figures["scale_in"] and figures["rolled_follow_ups"] == 4 and figures["follow_up_hits"] == 1
+    assert figures["scale_in"] and figures["rolled_follow_ups"] == 5 and figures["follow_up_hits"] == 2
     assert figures["misses"] == {"migrated": 1, "early": 1, "not moved": 1}
-    assert figures["requests_around_roll"] == 6 and figures["moved"] == 2  # started 5 s before out to 5 s after down
+    assert figures["during_drain"] == {"follow_ups": 2, "hits": 1, "on_leaving": 1}  # "early" and "stayed"
+    assert figures["requests_around_roll"] == 8 and figures["moved"] == 2  # started 5 s before out to 5 s after down
