@@ -50,10 +50,10 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         self, request: admin_pb2.MigratedRequest, context: grpc.aio.ServicerContext
     ) -> admin_pb2.MigratedReply:
         gateway = self.gateway
-        router, openings, memory = gateway.router, gateway.migrations.openings, gateway.block_memory
+        router, blocks_keys, memory = gateway.router, gateway.migrations.blocks_keys, gateway.block_memory
         applied = 0
         for move in request.moves:  # the prefix index learns the last prompt's blocks, which the body cache kept
-            blocks = memory.last(openings.get(move.key, "")) if memory is not None else ()
+            blocks = memory.last(blocks_keys.get(move.key, "")) if memory is not None else ()
             if router.migrated(move.key, move.replica, move.tokens, blocks):
                 applied += 1
                 gateway.leaving.moved(move.key, move.replica)

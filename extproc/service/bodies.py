@@ -166,8 +166,7 @@ def parse_request(
         return parsed
     text, seed = _prompt_text(kind, data), model_seed(parsed.model)
     if memory is not None and memory.block_chars == block_chars:
-        key = f"{parsed.model}\x1f{parsed.opening_key}" if parsed.model else parsed.opening_key
-        return replace(parsed, prefix_blocks=memory.blocks(key, text, seed))
+        return replace(parsed, prefix_blocks=memory.blocks(blocks_key(parsed.model, parsed.opening_key), text, seed))
     return replace(parsed, prefix_blocks=prefix_blocks(text, block_chars, seed))
 
 
@@ -266,6 +265,11 @@ def _completion(prompts: list[Prompt], limits: BodyLimits | None) -> tuple[str, 
     first = prompts[0]
     opening = first[:OPENING_CHARS].encode() if isinstance(first, str) else repr(first[:OPENING_CHARS]).encode()
     return "h:" + xxhash.xxh64_hexdigest(opening), chars, ids
+
+
+def blocks_key(model: str, opening_key: str) -> str:
+    """A conversation's key in BlockMemory: its opening, under its model when the request names one."""
+    return f"{model}\x1f{opening_key}" if model else opening_key
 
 
 def request_blocks(path: str, body: bytes, block_chars: int = BLOCK_CHARS) -> tuple[int, ...]:

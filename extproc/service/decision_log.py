@@ -23,8 +23,9 @@ EVENT = "route_decision"
 
 
 def through_structlog(fields: dict[str, Any]) -> None:
-    """The line through structlog's configuration (tests capture it, offline tools print it)."""
-    log.info(EVENT, **fields)
+    """The line through structlog's configuration (tests capture it, offline tools print it);
+    ``fields["event"]``, when set, names another event of the trace (``replica_left``)."""
+    log.info(fields.pop("event", EVENT), **fields)
 
 
 class DecisionLog:
@@ -35,7 +36,7 @@ class DecisionLog:
         self._flush_pending = False
 
     def __call__(self, fields: dict[str, Any]) -> None:
-        fields["event"] = EVENT
+        fields.setdefault("event", EVENT)  # another event of the trace keeps its name (replica_left)
         fields["level"] = "info"
         fields["timestamp"] = datetime.datetime.now(tz=datetime.UTC).isoformat().replace("+00:00", "Z")
         self.out.write(orjson.dumps(fields, default=repr, option=orjson.OPT_APPEND_NEWLINE))

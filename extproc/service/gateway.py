@@ -461,7 +461,7 @@ class Gateway:
         named = of_model(bounded(parsed.model), bounded(session) or parsed.opening_key)
         claimed = claim(named, parsed.opening_key, self._known, digests)
         # under the key the router places it by (a reused id that does not continue its chat has its own)
-        self.migrations.opened(self.router.conversation_key(claimed.conversation), parsed.opening_key)
+        self.migrations.opened(self.router.conversation_key(claimed.conversation), parsed.opening_key, parsed.model)
         prompt_tokens = parsed.prompt_token_ids + parsed.prompt_tokens
         max_tokens = (parsed.max_tokens or self.settings.default_max_tokens) * parsed.prompts
         request = RouteRequest(unique_id, claimed.conversation, prompt_tokens, max_tokens, parsed.prefix_blocks)
@@ -516,7 +516,8 @@ class Gateway:
             if claimed.conversation != read:
                 step = Prepared(request._replace(conversation=claimed.conversation), step.parsed, step.path,
                                 step.shown, claimed, step.named)
-                self.migrations.opened(self.router.conversation_key(claimed.conversation), step.parsed.opening_key)
+                self.migrations.opened(self.router.conversation_key(claimed.conversation), step.parsed.opening_key,
+                                       step.parsed.model)
                 return step, peer_view(snapshot.loads, (), frozenset(), None)
             step = Prepared(request, step.parsed, step.path, step.shown, claimed, step.named)
         return step, peer_view(snapshot.loads, snapshot.pending, step.parsed.answered, snapshot.placement)

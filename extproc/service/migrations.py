@@ -15,23 +15,29 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from extproc.service.bodies import blocks_key
+
 
 class Migrations:
     def __init__(self, capacity: int, registry: CollectorRegistry) -> None:
         self.capacity = capacity  # conversations remembered, as placement memory (routing.memory_capacity)
-        self.openings: dict[int, str] = {}
+        self.openings: dict[int, str] = {}  # conversation key -> its opening's key
+        self.blocks_keys: dict[int, str] = {}  # conversation key -> its key in BlockMemory (model and opening)
         self.attempted = self.succeeded = self.failed = self.bytes = 0
         self.seconds = 0.0
         registry.register(_Collector(self))
 
-    def opened(self, conversation_key: int, opening: str) -> None:
+    def opened(self, conversation_key: int, opening: str, model: str) -> None:
         openings = self.openings
         if openings.get(conversation_key) == opening:
             return
         openings.pop(conversation_key, None)  # re-inserted as the newest
         openings[conversation_key] = opening
+        self.blocks_keys.pop(conversation_key, None)
+        self.blocks_keys[conversation_key] = blocks_key(model, opening)
         if len(openings) > self.capacity:
-            del openings[next(iter(openings))]
+            oldest = next(iter(openings))
+            del openings[oldest], self.blocks_keys[oldest]
 
     def reported(self, attempted: int, succeeded: int, failed: int, moved_bytes: int, seconds: float) -> None:
         self.attempted += attempted

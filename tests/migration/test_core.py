@@ -224,6 +224,43 @@ def test_a_reused_conversation_id_is_listed_with_its_own_opening_after_a_reset()
     assert listed.opening == opening_key([("user", "this run's chat")])
 
 
+@pytest.mark.parametrize("model", ["", "smollm2"])
+def test_a_migrated_conversation_of_a_named_model_follows_its_cache_to_the_receiver(model: str) -> None:
+    """Migrated tells the prefix index which blocks moved, found under the key the request's
+    blocks were remembered by (its model and opening): else the index still sees the history on
+    the source, and llm-aware sends the next turn there, cold, however the placement was moved."""
+    import asyncio
+
+    import orjson
+
+    from extproc.service import admin_pb2
+    from extproc.service.admin import AdminService
+    from tests.service.test_gateway_lifecycle import ENDPOINTS, make_gateway
+
+    gateway = make_gateway()
+    messages = [{"role": "user", "content": "the harbour and its ships, " * 60}]
+
+    def turn() -> tuple[str, str]:
+        body = {"messages": messages, "max_tokens": 8} | ({"model": model} if model else {})
+        gateway.route_request(path="/v1/chat/completions", content_type="application/json",
+                              session_headers={"x-conversation-id": "c-1"}, turn="", request_id="envoy-id",
+                              body=orjson.dumps(body))
+        request_id = next(reversed(gateway.pending))
+        decision = gateway.pending[request_id].decision
+        gateway.access_logged(request_id, 200, ENDPOINTS[decision.replica], cut_off=False, timings=None)
+        messages.extend([{"role": "assistant", "content": "an answer"}, {"role": "user", "content": "and then?"}])
+        return decision.replica, decision.reason
+
+    source, _ = turn()
+    receiver = next(name for name in ENDPOINTS if name != source)
+    (placed,) = asyncio.run(AdminService(gateway).Placements(admin_pb2.PlacementsRequest(replica=source),
+                                                             None)).conversations  # type: ignore[arg-type]
+    move = admin_pb2.Move(key=placed.key, replica=receiver, tokens=placed.prompt_tokens)
+    asyncio.run(AdminService(gateway).Migrated(admin_pb2.MigratedRequest(moves=[move]), None))  # type: ignore[arg-type]
+    went, reason = turn()
+    assert (went, reason.endswith("+migrated")) == (receiver, True), reason
+
+
 @pytest.mark.parametrize("ended_by", ["its access log", "the next turn's body"])
 def test_a_turn_whose_answer_ends_after_its_move_leaves_the_next_turn_to_the_receiver(ended_by: str) -> None:
     """The service's order in a roll: the slot of a turn answered whole is moved and the move

@@ -72,3 +72,19 @@ def test_lines_written_in_one_turn_of_the_event_loop_reach_the_file_in_one_write
     assert asyncio.run(burst()) == 0
     assert raw.writes == 1
     assert [json.loads(line)["request_id"] for line in raw.data.splitlines()] == ["r-0", "r-1", "r-2"]
+
+
+def test_another_event_of_the_trace_keeps_its_name_in_either_writer() -> None:
+    """A leaving replica's phases (service/leaving.py) go through the decision log as
+    ``replica_left``, not as one more route_decision."""
+    from structlog.testing import capture_logs
+
+    from extproc.service.decision_log import through_structlog
+
+    out = io.BytesIO()
+    DecisionLog(out)({"event": "replica_left", "replica": "llm-1"})
+    assert json.loads(out.getvalue())["event"] == "replica_left"
+    with capture_logs() as logs:
+        through_structlog({"event": "replica_left", "replica": "llm-1"})
+        through_structlog(dict(FIELDS))
+    assert [line["event"] for line in logs] == ["replica_left", "route_decision"]
