@@ -159,13 +159,13 @@ class Drainer:
             if seen is not None and migration.enabled:
                 problems.append("no replica or router to hand the caches to")
             if seen is not None:
-                tell_drained(seen.routers, self.router_token, self.pod.name, Outcome(self.pod.name))
+                problems += tell_drained(seen.routers, self.router_token, self.pod.name)
             self._wait_idle(deadline)
             return {"replica": self.pod.name, "migration": None, "problems": problems}
         source = LlamaServer(self.pod.llama, 5.0, self.replica_key)
         total = migrate_while_draining(source, deadline, lambda saved: self._migrate(seen, deadline, saved),
                                        Outcome(self.pod.name))
-        tell_drained(seen.routers, self.router_token, self.pod.name, total)  # before SIGTERM: nothing more comes
+        total.problems += tell_drained(seen.routers, self.router_token, self.pod.name)  # before SIGTERM
         self._wait_idle(deadline)
         return {"replica": self.pod.name, "migration": total.as_dict(), "problems": problems}
 

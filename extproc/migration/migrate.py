@@ -286,11 +286,12 @@ def migrate_while_draining(source: LlamaServer, deadline: float, migrate_pass: C
     return total
 
 
-def tell_drained(routers: Sequence[str], token: str | None, replica: str, outcome: Outcome) -> None:
-    """Every router: ``replica``'s drain is over, no request goes there any more (it stops now)."""
+def tell_drained(routers: Sequence[str], token: str | None, replica: str) -> list[str]:
+    """Every router: ``replica``'s drain is over, no request goes there any more (it stops now);
+    the problems met (a router that could not be told)."""
     told = Outcome(replica)  # no counts: each pass told its own
     _tell(routers, token, [], told, drained=replica)
-    outcome.problems += told.problems
+    return told.problems
 
 
 def _tell(routers: Sequence[str], token: str | None, moves: list[tuple[int, str, int]], outcome: Outcome,

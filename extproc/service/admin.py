@@ -40,9 +40,9 @@ class AdminService(admin_pb2_grpc.AdminServicer):
     async def Placements(
         self, request: admin_pb2.PlacementsRequest, context: grpc.aio.ServicerContext
     ) -> admin_pb2.PlacementsReply:
-        openings = self.gateway.migrations.openings
+        migrations = self.gateway.migrations
         return admin_pb2.PlacementsReply(conversations=[
-            admin_pb2.ConversationPlacement(key=key, opening=openings.get(key, ""), prompt_tokens=tokens)
+            admin_pb2.ConversationPlacement(key=key, opening=migrations.opening(key), prompt_tokens=tokens)
             for key, tokens in self.gateway.router.placed_on(request.replica)
         ])
 
@@ -50,10 +50,10 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         self, request: admin_pb2.MigratedRequest, context: grpc.aio.ServicerContext
     ) -> admin_pb2.MigratedReply:
         gateway = self.gateway
-        router, blocks_keys, memory = gateway.router, gateway.migrations.blocks_keys, gateway.block_memory
+        router, migrations, memory = gateway.router, gateway.migrations, gateway.block_memory
         applied = 0
         for move in request.moves:  # the prefix index learns the last prompt's blocks, which the body cache kept
-            blocks = memory.last(blocks_keys.get(move.key, "")) if memory is not None else ()
+            blocks = memory.last(migrations.blocks_key(move.key)) if memory is not None else ()
             if router.migrated(move.key, move.replica, move.tokens, blocks):
                 applied += 1
                 gateway.leaving.moved(move.key, move.replica)

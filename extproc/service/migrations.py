@@ -21,23 +21,28 @@ from extproc.service.bodies import blocks_key
 class Migrations:
     def __init__(self, capacity: int, registry: CollectorRegistry) -> None:
         self.capacity = capacity  # conversations remembered, as placement memory (routing.memory_capacity)
-        self.openings: dict[int, str] = {}  # conversation key -> its opening's key
-        self.blocks_keys: dict[int, str] = {}  # conversation key -> its key in BlockMemory (model and opening)
+        self._openings: dict[int, tuple[str, str]] = {}  # conversation key -> (its opening's key, its model)
         self.attempted = self.succeeded = self.failed = self.bytes = 0
         self.seconds = 0.0
         registry.register(_Collector(self))
 
     def opened(self, conversation_key: int, opening: str, model: str) -> None:
-        openings = self.openings
-        if openings.get(conversation_key) == opening:
+        openings = self._openings
+        if openings.get(conversation_key) == (opening, model):
             return
         openings.pop(conversation_key, None)  # re-inserted as the newest
-        openings[conversation_key] = opening
-        self.blocks_keys.pop(conversation_key, None)
-        self.blocks_keys[conversation_key] = blocks_key(model, opening)
+        openings[conversation_key] = (opening, model)
         if len(openings) > self.capacity:
-            oldest = next(iter(openings))
-            del openings[oldest], self.blocks_keys[oldest]
+            del openings[next(iter(openings))]
+
+    def opening(self, conversation_key: int) -> str:
+        """The key of the conversation's opening ("" when forgotten): what a slot's text gives."""
+        return self._openings.get(conversation_key, ("", ""))[0]
+
+    def blocks_key(self, conversation_key: int) -> str:
+        """The conversation's key in BlockMemory ("" when forgotten)."""
+        opening, model = self._openings.get(conversation_key, ("", ""))
+        return blocks_key(model, opening) if opening else ""
 
     def reported(self, attempted: int, succeeded: int, failed: int, moved_bytes: int, seconds: float) -> None:
         self.attempted += attempted
