@@ -658,6 +658,13 @@ def _ext_proc_cluster(address: str, connect_timeout_ms: int) -> dict[str, Any]:
 
 FRONT_CLUSTER = "gateways"
 FRONT_HEALTH_INTERVAL_MS = 500  # a dead gateway is marked unhealthy within about this long
+# A refused connection is tried again this many times in all, after a pause growing from 20 ms to
+# 200 ms: each try draws a gateway at random again (a TCP proxy cannot exclude the one that refused),
+# and the refusing gateway's ejection reaches the draws only later. Measured with one of two
+# gateways killed, 12 new connections at once, 40 times: 3 tries without pauses lost 46 of 480
+# connections (reset), 10 tries with the pauses none (docs/local-stack.md).
+FRONT_CONNECT_ATTEMPTS = 10
+FRONT_RETRY_PAUSE = {"base_interval": "0.02s", "max_interval": "0.2s"}
 
 
 def render_front_config(*, listen: str, admin: str, gateways: Sequence[tuple[str, str]],
@@ -667,8 +674,9 @@ def render_front_config(*, listen: str, admin: str, gateways: Sequence[tuple[str
     without reading the HTTP inside (connection-level, as kube-proxy does).
 
     gateways: (listener "host:port", admin "host:port") of each gateway Envoy. A connection
-    that cannot be made is tried on another gateway (max_connect_attempts) and ejects the
-    one that refused it at once (outlier detection, local-origin failures); an active health
+    that cannot be made is tried again on a gateway drawn anew, after a growing pause
+    (FRONT_CONNECT_ATTEMPTS), and ejects the one that refused it (outlier detection,
+    local-origin failures); an active health
     check of each gateway's admin /ready keeps a dead one out and lets it back within one
     interval of its return. Panic routing is off: with one gateway of two down, every
     connection goes to the live one (Envoy's default would spread over all below 50 %).
@@ -697,7 +705,8 @@ def render_front_config(*, listen: str, admin: str, gateways: Sequence[tuple[str
                         "@type": _T + "envoy.extensions.filters.network.tcp_proxy.v3.TcpProxy",
                         "stat_prefix": "front",
                         "cluster": FRONT_CLUSTER,
-                        "max_connect_attempts": len(gateways) + 1,
+                        "max_connect_attempts": max(FRONT_CONNECT_ATTEMPTS, len(gateways) + 1),
+                        "backoff_options": FRONT_RETRY_PAUSE,
                     },
                 }]}],
             }],

@@ -13,7 +13,7 @@ import pytest
 
 from extproc.migration import slotfiles
 from extproc.migration.llama import LlamaServer, key_headers
-from extproc.migration.migrate import Limits, Outcome, SharedFolder, migrate_out
+from extproc.migration.migrate import Limits, Outcome, SharedFolder, Transport, migrate_out
 from extproc.migration.planner import Costs
 from extproc.service.admin_client import AdminClient
 from extproc.stack import models
@@ -66,7 +66,7 @@ def test_chats_that_open_alike_keep_a_slot_each_which_a_migration_can_move(lab: 
 
 
 def move_out(lab: LocalLab, staying: list[str], done: frozenset[tuple[int, int]] = frozenset(),
-             receiver_identity: slotfiles.Identity | None = None) -> Outcome:
+             receiver_identity: slotfiles.Identity | None = None, transport: Transport | None = None) -> Outcome:
     """llm-2's conversations moved to `staying` (llm-2 stays in the lists)."""
     stack = lab.stack
     ours = slotfiles.Identity(stack.model_of("llm-0").sha256, stack.replica_settings().slot_context, "f16")
@@ -74,7 +74,8 @@ def move_out(lab: LocalLab, staying: list[str], done: frozenset[tuple[int, int]]
     folder = slot_folder(Path(stack.state.run_dir))
     return migrate_out(("llm-2", addresses["llm-2"]), {name: addresses[name] for name in staying},
                        [stack.state.router_address], folder, ours,
-                       SharedFolder(folder, dict.fromkeys(staying, receiver_identity or ours)), Costs(4096, 0.01, 1e9),
+                       transport or SharedFolder(folder, dict.fromkeys(staying, receiver_identity or ours)),
+                       Costs(4096, 0.01, 1e9),
                        Limits(16, 2**30, 3600, 2**30), time.monotonic() + 30, done=done, replica_key=key(lab))
 
 
@@ -106,6 +107,24 @@ def test_a_slot_file_of_another_model_is_a_clean_miss(lab: LocalLab) -> None:
         assert outcome.moved == [] and outcome.failed == outcome.attempted
         assert any("a miss" in problem for problem in outcome.problems)
         # no router was told of a move that could not be delivered: the conversations stay placed
+        assert placed and {key for key, _, _ in admin.placements("llm-2")} == placed
+
+
+class LostOnTheWay:
+    """A file that reaches no receiver: each restore fails."""
+
+    def deliver(self, receiver: str, conversation_key: int) -> tuple[str, int] | None:
+        return "no-such-slot-file.bin", 100
+
+
+def test_a_restore_that_fails_is_never_told_to_the_routers(lab: LocalLab) -> None:
+    """The routers hear of a move only once its copy is in place and checked: until then the
+    conversation's next turn goes to the leaving replica, which still holds it."""
+    talk(lab, conversation_homed_on(lab, "llm-2", NAMES, "restore-fails"))
+    with AdminClient(lab.stack.state.router_address) as admin:
+        placed = {key for key, _, _ in admin.placements("llm-2")}
+        outcome = move_out(lab, ["llm-0", "llm-1"], transport=LostOnTheWay())
+        assert outcome.attempted >= 1 and outcome.moved == [] and outcome.failed == outcome.attempted, outcome
         assert placed and {key for key, _, _ in admin.placements("llm-2")} == placed
 
 

@@ -121,6 +121,7 @@ def test_the_front_spreads_connections_at_random_and_retries_another_gateway(gat
     (proxy,) = listener["filter_chains"][0]["filters"]
     assert proxy["name"] == "envoy.filters.network.tcp_proxy"  # connection level: HTTP is not read
     assert proxy["typed_config"]["max_connect_attempts"] > gateways  # every gateway can be tried
+    assert proxy["typed_config"]["backoff_options"]["base_interval"]  # the ejection has time to reach the draws
     (cluster,) = config["static_resources"]["clusters"]
     assert cluster["lb_policy"] == "RANDOM" and cluster["common_lb_config"]["healthy_panic_threshold"]["value"] == 0
     endpoints = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"]
