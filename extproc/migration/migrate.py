@@ -133,20 +133,23 @@ def migrate_out(leaving: tuple[str, str], staying: Mapping[str, str], routers: S
                     outcome.problems.append(f"{move.receiver}: no slot file of its identity (a miss)")
             delivered = {m.conversation_key: file for m, file in zip(moves, files, strict=True) if file is not None}
             moves = [m for m in moves if m.conversation_key in delivered]
-            # then the routers: each restore then reaches its receiver before any next turn they
-            # send there, and llama.cpp runs its tasks in the order they arrive
-            _tell(routers, router_token, [(m.conversation_key, m.receiver, m.tokens) for m in moves], outcome)
             receivers = {r: LlamaServer(staying[r], max(1.0, deadline - time.monotonic()), replica_key) for r in idle}
             results = _restore_all(moves, receivers, idle, delivered, {k: t for k, (_, t) in saved.items()})
+            restored = []
             for move, problem in zip(moves, results, strict=True):
                 outcome.attempted += 1
                 if problem is None:
-                    outcome.moved.append((move.conversation_key, move.receiver, move.tokens))
-                    outcome.moved_at.append(time.time())
+                    restored.append((move.conversation_key, move.receiver, move.tokens))
                     outcome.bytes += saved[move.conversation_key][0]
                 else:
                     outcome.failed += 1
                     outcome.problems.append(problem)
+            # the routers only once each copy is in place and checked: a next turn sent before
+            # goes to the leaving replica, which still holds it (and the move is made again)
+            if restored:
+                _tell(routers, router_token, restored, outcome)
+            outcome.moved += restored
+            outcome.moved_at += [time.time()] * len(restored)
         elif moves:
             outcome.problems.append("deadline reached")
     except (SlotError, OSError, KeyError, ValueError) as exc:
@@ -296,8 +299,8 @@ def tell_drained(routers: Sequence[str], token: str | None, replica: str) -> lis
 
 def _tell(routers: Sequence[str], token: str | None, moves: list[tuple[int, str, int]], outcome: Outcome,
           drained: str = "") -> None:
-    """Every router: ``moves`` (where each conversation's next turn goes), and this pass's counts
-    so far (none while there are moves: they are told before the restores)."""
+    """Every router: ``moves`` (where each conversation's next turn goes), or this pass's counts
+    (told once, after its moves)."""
     from extproc.service.admin_client import AdminClient
 
     counts = (0, 0, 0, 0.0) if moves else (outcome.attempted, outcome.failed, outcome.bytes, outcome.seconds)

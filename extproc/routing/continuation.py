@@ -7,10 +7,14 @@ belongs to the conversation is its body: a next turn resends the earlier turns, 
 digest of the conversation's last completed request is among the digests of the new body's
 prefixes (bodies.py: ``answered``, plus the body's own ``history`` for a retry).
 
-The gateway remembers that digest per conversation key, next to placement memory and bounded
-the same way (lru.py). ``claim`` decides:
+The gateway remembers, per conversation key, the digests of its *tips*: its completed requests
+that no later completed one shows (``tips_after``). One turn after another leaves one tip; an
+agent's fan-out (requests sent at once on the same history) leaves one per branch, and the
+conversation goes on from any of them. They sit next to placement memory and are bounded the
+same way (lru.py), at most ``TIPS`` a conversation. ``claim`` decides:
   - the conversation is unknown here (and in the store): the request opens it;
-  - every known digest is among the body's: the request continues it (and may use it all);
+  - the body shows one of its known digests (a tip, or the store's last): the request
+    continues it (and may use it all);
   - otherwise the request is routed as a new conversation under a key derived from the id and
     the body's opening (``unclaimed``): it finds nothing of the conversation and its completion
     cannot overwrite the conversation's placement. Its own next turns continue that derived
@@ -31,6 +35,7 @@ from typing import NamedTuple
 
 import xxhash
 
+TIPS = 8  # a conversation's branches remembered at once: a wider fan-out forgets its oldest
 SEPARATOR = "\x1f"  # cannot occur in an id (a header's, or a body's: printable) nor in an opening key
 
 
@@ -56,18 +61,25 @@ def shown(history: int, answered: frozenset[int], opening_key: str) -> Shown:
 
 
 def claim(conversation: str, opening_key: str, known: Callable[[str], tuple[int, ...]], body: Shown) -> Claim:
-    """The first key whose known digests ``body`` continues, or of which nothing is known: the id
-    named, then ``unclaimed``; else the body's ``owned`` key. ``known(key)``: the digests held for
-    ``key`` (this router's, the store's; may be empty)."""
+    """The first key one of whose known digests ``body`` shows, or of which nothing is known: the
+    id named, then ``unclaimed``; else the body's ``owned`` key. ``known(key)``: the digests held
+    for ``key`` (this router's tips, the store's; may be empty)."""
     foreign = False
     for key in (conversation, unclaimed(conversation, opening_key)):
         held = known(key)
         if not held:
             return Claim(key, False, foreign)
-        if all(digest in body.prefixes for digest in held):
+        if any(digest in body.prefixes for digest in held):
             return Claim(key, True, foreign)
         foreign = True
     return Claim(owned(conversation, opening_key, body.digest), False, True)
+
+
+def tips_after(held: tuple[int, ...], completed: Shown) -> tuple[int, ...]:
+    """A conversation's tips once a request showing ``completed`` is done: the ones it shows are
+    behind it, its own digest is the newest (the oldest forgotten beyond ``TIPS``)."""
+    kept = tuple(digest for digest in held if digest not in completed.prefixes)
+    return (*kept, completed.digest)[-TIPS:]
 
 
 def unclaimed(conversation: str, opening_key: str) -> str:

@@ -1,4 +1,4 @@
-"""A bounded map of ints that forgets the least recently used entries first, to within one
+"""A bounded map from ints that forgets the least recently used entries first, to within one
 generation: the router's memories of conversations (placement memory, history digests).
 
 An exact LRU needs a linked list per entry (OrderedDict costs ~230 bytes an entry); instead
@@ -11,21 +11,24 @@ kept, and what is forgotten is what went unused longest (to within one generatio
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Generic, TypeVar
+
+V = TypeVar("V")
 
 
-class TwoGenerationLru:
+class TwoGenerationLru(Generic[V]):
     __slots__ = ("_young", "_old", "_generation_size")
 
     def __init__(self, capacity: int) -> None:
         self._generation_size = 0
-        self._young: dict[int, int] = {}
-        self._old: dict[int, int] = {}
+        self._young: dict[int, V] = {}
+        self._old: dict[int, V] = {}
         self.reset(capacity)
 
     def __len__(self) -> int:
         return len(self._young) + len(self._old)
 
-    def get(self, key: int) -> int | None:
+    def get(self, key: int) -> V | None:
         """The value of ``key`` (None: not held), now the most recently used."""
         value = self._young.get(key)
         if value is None:
@@ -34,11 +37,11 @@ class TwoGenerationLru:
                 self._young_put(key, value)
         return value
 
-    def put(self, key: int, value: int) -> None:
+    def put(self, key: int, value: V) -> None:
         self._old.pop(key, None)
         self._young_put(key, value)
 
-    def items(self) -> Iterator[tuple[int, int]]:
+    def items(self) -> Iterator[tuple[int, V]]:
         """Every (key, value), the least recent generation first."""
         yield from self._old.items()
         yield from self._young.items()
@@ -54,7 +57,7 @@ class TwoGenerationLru:
         self.clear()
         self._generation_size = capacity // 2
 
-    def _young_put(self, key: int, value: int) -> None:
+    def _young_put(self, key: int, value: V) -> None:
         young = self._young
         young[key] = value
         if len(young) >= self._generation_size:

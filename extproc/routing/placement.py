@@ -29,7 +29,7 @@ class PlacementMemory:
     __slots__ = ("_entries", "_names", "_ids")
 
     def __init__(self, capacity: int) -> None:
-        self._entries = TwoGenerationLru(capacity)
+        self._entries: TwoGenerationLru[int] = TwoGenerationLru(capacity)  # packed placements
         self._names: list[str] = []
         self._ids: dict[str, int] = {}
 

@@ -59,7 +59,7 @@ class AdminService(admin_pb2_grpc.AdminServicer):
                 gateway.leaving.moved(move.key, move.replica)
                 if gateway.store is not None:  # the routers that were not told read it there
                     gateway.store.moved(move.key, Placement(move.replica, move.tokens),
-                                        gateway.digests.get(move.key) or 0)
+                                        (gateway.digests.get(move.key) or (0,))[-1])
         gateway.migrations.reported(request.attempted, request.attempted - request.failed, request.failed,
                                     request.bytes, request.seconds)
         if request.drained:

@@ -59,7 +59,7 @@ from extproc.envoy.cors import CorsPolicy
 from extproc.envoy.surface import GENERATION_PATHS, ReadOnly, Refused
 from extproc.routing import Decision, Router, RouteRequest, Ticket, estimate_tokens
 from extproc.routing.blocks import BlockMemory
-from extproc.routing.continuation import Claim, Shown, claim, model_point, of_model, shown
+from extproc.routing.continuation import Claim, Shown, claim, model_point, of_model, shown, tips_after
 from extproc.routing.flow_control import Wait
 from extproc.routing.lru import TwoGenerationLru
 from extproc.routing.peers import PeerRequest, PeerView, peer_view
@@ -145,7 +145,7 @@ class Pending:
 
     ticket: Ticket  # the request, the router's decision and the release of its load (once)
     predicted_cached_tokens: int  # the decision's, or what the pick holds of the prompt's opening
-    digest: int  # of its history (continuation.py): who may use its placement once it is done
+    shown: Shown  # its history's digests (continuation.py): who may use its placement once it is done
     continued: bool  # it continued a conversation the router knew
     model: str  # the model it named (bounded), "" when none
     endpoint: str
@@ -217,7 +217,7 @@ class Gateway:
         self.store: SharedStore | None = None  # several routers' shared state (main.py sets it from [store])
         self.block_memory: BlockMemory | None = None  # the last prompt's blocks per conversation, when hashed
         # conversation key -> digest of its last completed request: who may use its placement
-        self.digests = TwoGenerationLru(router.settings.memory_capacity)
+        self.digests: TwoGenerationLru[tuple[int, ...]] = TwoGenerationLru(router.settings.memory_capacity)
         # history digest of a completed chat request (under its model: model_point) -> where it was
         # served and its prompt tokens: where a branch of it (an edited or regenerated turn) finds its prefix cached
         self.branch_points = PlacementMemory(router.settings.memory_capacity)
@@ -317,16 +317,16 @@ class Gateway:
             key = self.router.conversation_key(request.conversation)
             self.leaving.ended(key, decision.replica)
             if ok:
-                self.digests.put(key, pending.digest)
+                self.digests.put(key, tips_after(self.digests.get(key) or (), pending.shown))
                 if GENERATION_PATHS.get(pending.path) == "chat":
-                    self.branch_points.remember(model_point(pending.digest, pending.model), served or decision.replica,
-                                                request.prompt_tokens)
+                    point = model_point(pending.shown.digest, pending.model)
+                    self.branch_points.remember(point, served or decision.replica, request.prompt_tokens)
             if self.store is not None:
                 placement = None
                 if ok:  # overtaken: the move's placement again, under this request's digest (the move's is older)
                     moved = self.router.memory.get(key) if pending.ticket.overtaken else None
                     placement = moved or Placement(served or decision.replica, request.prompt_tokens)
-                self.store.completed(key, request.request_id, placement, pending.digest, pending.continued)
+                self.store.completed(key, request.request_id, placement, pending.shown.digest, pending.continued)
 
     # ------------------------------------------------------------------ route stream
 
@@ -468,9 +468,8 @@ class Gateway:
         return Prepared(request, parsed, path, digests, claimed, named)
 
     def _known(self, conversation: str) -> tuple[int, ...]:
-        """The history digest this router holds for ``conversation`` (continuation.py), if any."""
-        digest = self.digests.get(self.router.conversation_key(conversation))
-        return () if digest is None else (digest,)
+        """The tips this router holds for ``conversation`` (continuation.py), if any."""
+        return self.digests.get(self.router.conversation_key(conversation)) or ()
 
     @staticmethod
     def _branches(step: Prepared) -> bool:
@@ -573,7 +572,7 @@ class Gateway:
         # Behind an Endpoint Picker's gateway no access log comes: the stream itself says when
         # the request is over (stream_ended), as if logged at once.
         self.pending[unique_id] = Pending(
-            ticket, predicted, step.shown.digest, step.claim.continues, bounded(parsed.model),
+            ticket, predicted, step.shown, step.claim.continues, bounded(parsed.model),
             self.endpoints[decision.replica], step.path,
             bounded(turn), parsed.stream, started, time.monotonic(),
             envoy_id=self._remember_envoy_id(request_id, unique_id), logged=phase != "own", wait=wait,

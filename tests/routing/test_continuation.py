@@ -5,12 +5,13 @@ key of its own; the digests are bounded."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from random import Random
 
 import orjson
 from hypothesis import given
 from hypothesis import strategies as st
 
-from extproc.routing.continuation import SEPARATOR, claim, shown, unclaimed
+from extproc.routing.continuation import SEPARATOR, TIPS, claim, shown, tips_after, unclaimed
 from extproc.service.bodies import parse_request
 
 texts = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=40)
@@ -81,6 +82,30 @@ def test_a_branch_goes_on_under_its_key_and_a_stranger_after_it_gets_one_of_its_
     assert not own.continues and own.foreign
     assert own.conversation not in digests and own.conversation.startswith(branch.conversation + SEPARATOR)
     assert own == claim("c-1", opening, held(digests), stranger)
+
+
+@given(texts, turns, st.lists(texts, min_size=1, max_size=12, unique=True), st.randoms(use_true_random=False))
+def test_every_branch_of_a_fan_out_goes_on_and_an_edit_before_it_does_not(
+    system: str, conversation: list[tuple[str, str]], questions: list[str], random: Random
+) -> None:
+    """Requests sent at once on one history (an agent's fan-out), ended in any order: a next turn
+    on any of the last TIPS to end continues the conversation; a body showing only the history
+    before the fan-out (an edit of its turn) does not; never more than TIPS tips."""
+    history = conversation[:-1]
+    before = shown(*body_of(system, history[:-1], history[-1][0])) if history else None
+    tips: tuple[int, ...] = () if before is None else (before.digest,)
+    branches = [shown(*body_of(system, history, question)) for question in questions]
+    ending = list(range(len(branches)))
+    random.shuffle(ending)
+    for index in ending:
+        tips = tips_after(tips, branches[index])
+        assert len(tips) <= TIPS
+    for index in ending[-TIPS:]:
+        later = shown(*body_of(system, [*history, (questions[index], "an answer")], "go on"))
+        assert claim("c-1", "", held({"c-1": tips}), later) == ("c-1", True, False)
+    if before is not None:
+        edit = shown(*body_of(system, history[:-1], history[-1][0] + "\x00edited"))
+        assert not claim("c-1", "", held({"c-1": tips}), edit).continues
 
 
 def held(digests: dict[str, tuple[int, ...]]) -> Callable[[str], tuple[int, ...]]:

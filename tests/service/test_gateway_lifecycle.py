@@ -180,6 +180,14 @@ def complete_turn(gateway: Gateway, messages: list[dict[str, str]], conversation
     return pending
 
 
+def send_turn(gateway: Gateway, messages: list[dict[str, str]]) -> str:
+    """One chat request decided, not yet answered: the service's own id for it."""
+    body = orjson.dumps({"messages": messages, "max_tokens": 8})
+    gateway.route_request(path="/v1/chat/completions", content_type="application/json", session_headers={},
+                          turn="", request_id="", body=body)
+    return next(reversed(gateway.pending))
+
+
 def four_turns(gateway: Gateway, name: str) -> tuple[list[dict[str, str]], list[Pending]]:
     """A 4-turn chat: its messages and each turn's request."""
     messages = [{"role": "system", "content": f"You help {name}."}]
@@ -211,6 +219,29 @@ def test_an_edited_turn_starts_where_its_prefix_was_served_and_moves_nothing() -
         messages.append({"role": "user", "content": "and the next turn of the original"})
         assert complete_turn(gateway, messages).decision.replica == turns[-1].decision.replica  # still continues
     assert gateway.metrics.branches == 12
+
+
+@pytest.mark.parametrize("turn_ends", [0, 1, 2])
+def test_an_agents_next_turn_after_a_fan_out_continues_its_conversation_whichever_request_ended_last(
+    turn_ends: int,
+) -> None:
+    """An agent's fan-out: its turn and two more requests sent at once on the same history, the
+    loop going on from the turn's answer. Whether the turn's answer ends first, between or last,
+    the next turn continues the conversation: its key, its replica (each branch is a tip)."""
+    gateway = make_gateway()
+    for chat in range(6):
+        messages, turns = four_turns(gateway, f"agent {chat}")
+        turn = [*messages, {"role": "user", "content": "the loop's own next step"}]
+        sides = [send_turn(gateway, [*messages, {"role": "user", "content": f"side {k} " + "lorem " * 30}])
+                 for k in range(2)]
+        ending = [*sides[:turn_ends], send_turn(gateway, turn), *sides[turn_ends:]]
+        for ours in ending:
+            gateway.access_logged(ours, 200, gateway.pending[ours].endpoint, cut_off=False, timings=TIMINGS)
+        after = complete_turn(gateway, [*turn, {"role": "assistant", "content": "done"},
+                                        {"role": "user", "content": "go on"}])
+        assert after.request.conversation == turns[-1].request.conversation, (chat, turn_ends)
+        assert after.decision.replica == turns[-1].decision.replica
+    assert gateway.metrics.branches == 0
 
 
 def test_a_stranger_with_the_same_opening_moves_nothing_and_is_placed_only_by_the_prefix_it_proves() -> None:
