@@ -15,6 +15,7 @@ their hits, and how many went to the leaving replica itself.
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from datetime import datetime
@@ -80,7 +81,19 @@ def roll_figures(run_dir: Path) -> dict[str, Any]:
 
 
 def main(argv: list[str]) -> int:
-    runs = [run for folder in argv for run in sorted(Path(folder).iterdir()) if (run / "requests.parquet").exists()]
+    parser = argparse.ArgumentParser(prog="python -m extproc.analysis.roll", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out_dirs", nargs="+", metavar="DIR", help="an `llm-ring run --out-dir` folder")
+    folders = [Path(folder) for folder in parser.parse_args(argv).out_dirs]
+    for folder in folders:
+        if not folder.is_dir():
+            print(f"python -m extproc.analysis.roll: {folder}: no such folder", file=sys.stderr)
+            return 2
+    runs = [run for folder in folders for run in sorted(folder.iterdir()) if (run / "requests.parquet").exists()]
+    if not runs:
+        named = ", ".join(map(str, folders))
+        print(f"python -m extproc.analysis.roll: no run (a folder with requests.parquet) in {named}", file=sys.stderr)
+        return 2
     for run in runs:
         print(json.dumps(roll_figures(run)))
     return 0

@@ -661,8 +661,8 @@ FRONT_HEALTH_INTERVAL_MS = 500  # a dead gateway is marked unhealthy within abou
 # A refused connection is tried again this many times in all, after a pause growing from 20 ms to
 # 200 ms: each try draws a gateway at random again (a TCP proxy cannot exclude the one that refused),
 # and the refusing gateway's ejection reaches the draws only later. Measured with one of two
-# gateways killed, 12 new connections at once, 40 times: 3 tries without pauses lost 46 of 480
-# connections (reset), 10 tries with the pauses none (docs/local-stack.md).
+# gateways killed, 12 new connections at once, 40 times: 3 tries without pauses lost 62 of 480
+# connections (reset), 10 tries with the pauses none (scripts/measure-front-retries).
 FRONT_CONNECT_ATTEMPTS = 10
 FRONT_RETRY_PAUSE = {"base_interval": "0.02s", "max_interval": "0.2s"}
 

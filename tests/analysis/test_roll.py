@@ -7,7 +7,9 @@ import json
 from datetime import UTC, datetime
 from pathlib import Path
 
-from extproc.analysis.roll import roll_figures
+import pytest
+
+from extproc.analysis.roll import main, roll_figures
 from extproc.records import write_records
 
 T0 = 1_800_000_000.0
@@ -41,3 +43,12 @@ def test_each_missed_follow_up_of_a_left_replica_gets_its_cause(tmp_path: Path) 
     assert figures["misses"] == {"migrated": 1, "early": 1, "not moved": 1}
     assert figures["during_drain"] == {"follow_ups": 2, "hits": 1, "on_leaving": 1}  # "early" and "stayed"
     assert figures["requests_around_roll"] == 8 and figures["moved"] == 2  # started 5 s before out to 5 s after down
+
+
+def test_a_folder_that_is_missing_or_holds_no_run_is_one_line_and_exit_code_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main([str(tmp_path / "nowhere")]) == 2
+    assert capsys.readouterr().err == f"python -m extproc.analysis.roll: {tmp_path / 'nowhere'}: no such folder\n"
+    assert main([str(tmp_path)]) == 2
+    assert "no run (a folder with requests.parquet)" in capsys.readouterr().err
