@@ -11,6 +11,7 @@ terminating pod that still serves, kept in the list for the order of leaving
 
 from __future__ import annotations
 
+import importlib
 import ipaddress
 from collections.abc import AsyncIterator, Iterable, Mapping
 from typing import Any, Protocol
@@ -50,23 +51,20 @@ class Discovery(Protocol):
     def snapshots(self) -> AsyncIterator[dict[str, str]]: ...
 
 
+# discovery.source -> the module of that source, imported only when chosen; each module's
+# from_settings(DiscoverySettings) builds its Discovery
+SOURCES = {
+    "static": "extproc.discovery.static",
+    "file": "extproc.discovery.file",
+    "kubernetes": "extproc.discovery.kubernetes",
+    "inference-pool": "extproc.discovery.inference_pool",
+}
+
+
 def make_discovery(settings: DiscoverySettings) -> Discovery:
-    """The source named by ``discovery.source``; imports only what that source needs."""
-    if settings.source == "static":
-        from extproc.discovery.static import StaticDiscovery
-
-        return StaticDiscovery(settings.static)
-    if settings.source == "file":
-        from extproc.discovery.file import FileDiscovery
-
-        return FileDiscovery(settings.file, settings.file_poll_seconds)
-    if settings.source == "inference-pool":
-        from extproc.discovery.inference_pool import InferencePoolDiscovery
-
-        return InferencePoolDiscovery(settings)
-    from extproc.discovery.kubernetes import KubernetesDiscovery
-
-    return KubernetesDiscovery(settings)
+    """The source named by ``discovery.source``."""
+    source: Discovery = importlib.import_module(SOURCES[settings.source]).from_settings(settings)
+    return source
 
 
 class ReplicaListError(ValueError):

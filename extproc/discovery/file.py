@@ -16,6 +16,7 @@ from pathlib import Path
 import structlog
 
 from extproc.discovery import ReplicaListError, checked_replicas
+from extproc.settings import DiscoverySettings
 
 log = structlog.get_logger("extproc.discovery.file")
 
@@ -53,3 +54,7 @@ class FileDiscovery:
         except (ValueError, ReplicaListError) as exc:  # JSONDecodeError is a ValueError
             log.error("replica_file_invalid", path=str(self.path), error=str(exc))
             return last_good if last_good is not None else {}
+
+
+def from_settings(settings: DiscoverySettings) -> FileDiscovery:
+    return FileDiscovery(settings.file, settings.file_poll_seconds)

@@ -31,7 +31,7 @@ import structlog
 from kubernetes import client
 
 from extproc.discovery import Snapshot
-from extproc.discovery.kubernetes import (
+from extproc.discovery.watch import (
     ListWatchLoop,
     Publish,
     WatchedSource,
@@ -241,3 +241,7 @@ class _PodLoop(ListWatchLoop):
 
     def serving(self) -> list[str]:
         return self._state.serving()
+
+
+def from_settings(settings: DiscoverySettings) -> InferencePoolDiscovery:
+    return InferencePoolDiscovery(settings)

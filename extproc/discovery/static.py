@@ -6,6 +6,7 @@ import asyncio
 from collections.abc import AsyncIterator, Mapping
 
 from extproc.discovery import checked_replicas
+from extproc.settings import DiscoverySettings
 
 
 class StaticDiscovery:
@@ -15,3 +16,7 @@ class StaticDiscovery:
     async def snapshots(self) -> AsyncIterator[dict[str, str]]:
         yield dict(self.replicas)
         await asyncio.Event().wait()  # a static list never changes; the consumer cancels us
+
+
+def from_settings(settings: DiscoverySettings) -> StaticDiscovery:
+    return StaticDiscovery(settings.static)

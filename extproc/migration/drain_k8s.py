@@ -220,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     except SettingsError as exc:
         print(exc, file=sys.stderr)
         return 2
-    from extproc.discovery.kubernetes import default_api_client
+    from extproc.discovery.watch import default_api_client
 
     api: list[Any] = []  # made at the first drain: a sidecar starts without the API
 

@@ -7,11 +7,12 @@ import json
 import os
 import subprocess
 import sys
+import typing
 from pathlib import Path
 
 import pytest
 
-from extproc.discovery import ReplicaListError, checked_replicas, make_discovery
+from extproc.discovery import SOURCES, ReplicaListError, checked_replicas, make_discovery
 from extproc.discovery.file import FileDiscovery
 from extproc.files import write_atomically
 from extproc.settings import DiscoverySettings
@@ -33,6 +34,14 @@ def settings(**overrides: object) -> DiscoverySettings:
         "leaving_near_seconds": 0.0,
     }
     return DiscoverySettings.model_validate(base | overrides)
+
+
+@pytest.mark.parametrize("source", typing.get_args(DiscoverySettings.model_fields["source"].annotation))
+def test_every_source_the_settings_accept_is_built_by_its_own_module(source: str) -> None:
+    built = make_discovery(settings(source=source, static={"llm-0": "127.0.0.1:1"}, file="replicas.json",
+                                    inference_pool="pool"))
+    assert type(built).__module__ == SOURCES[source] and callable(built.snapshots)
+    assert set(SOURCES) == set(typing.get_args(DiscoverySettings.model_fields["source"].annotation))
 
 
 def test_static_yields_its_list_once() -> None:

@@ -24,7 +24,8 @@ from structlog.testing import capture_logs
 from watch_support import Reader, requests_of, wait
 
 from extproc.discovery import Snapshot
-from extproc.discovery.kubernetes import KubernetesCredentialsError, KubernetesDiscovery
+from extproc.discovery.kubernetes import KubernetesDiscovery
+from extproc.discovery.watch import KubernetesCredentialsError
 
 FAST = {"watch_timeout_seconds": 30, "max_backoff_seconds": 0.2}
 

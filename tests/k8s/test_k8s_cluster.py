@@ -26,7 +26,8 @@ from k8s_support import GATEWAY_FOLDERS, INFERENCE_POOL, K8S, NAMESPACE, find, p
 
 from extproc.discovery import Discovery
 from extproc.discovery.inference_pool import InferencePoolDiscovery
-from extproc.discovery.kubernetes import KubernetesDiscovery, default_api_client
+from extproc.discovery.kubernetes import KubernetesDiscovery
+from extproc.discovery.watch import default_api_client
 from extproc.migration.drain_k8s import neighbours
 from extproc.migration.settings import SlotSidecarSettings
 

@@ -48,6 +48,7 @@ from k8s_support import (
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
+from extproc.discovery import SOURCES
 from extproc.settings import SettingsError, parse_settings
 from extproc.stack.redis_server import USER, router_rule
 from extproc.traffic.profile import available_profiles, check_context, load_profile
@@ -381,7 +382,8 @@ def dockerfile_distributions() -> set[str]:
     return {importlib.metadata.distribution(w).metadata["Name"].lower() for w in words if not w.startswith("-")}
 
 
-SERVE_ENTRY_POINTS = ("extproc.service.main", "extproc.discovery.kubernetes", "extproc.migration.drain_k8s")
+# every discovery source too: make_discovery imports the chosen one by its name
+SERVE_ENTRY_POINTS = ("extproc.service.main", "extproc.migration.drain_k8s", *SOURCES.values())
 
 
 def imported_top_level_modules() -> set[str]:
