@@ -277,10 +277,12 @@ def migrate_while_draining(source: LlamaServer, deadline: float, migrate_pass: C
         except SlotError as exc:  # gone, or refusing us: nothing more to move
             total.problems.append(str(exc))
             break
-        saved = set(total.saved_slots)
+        saved, problems = set(total.saved_slots), len(total.problems)
         if any(not s.processing and s.tokens > 0 and (s.id, s.last_task) not in saved for s in slots):
             total.add(migrate_pass(frozenset(saved)))
-            if len(total.saved_slots) == len(saved):  # the pass failed before saving: it would again
+            # a pass that saved nothing: its slot turned busy meanwhile (a follow-up came back to
+            # it: wait for its end), or the pass failed before saving (it would again: stop)
+            if len(total.saved_slots) == len(saved) and len(total.problems) > problems:
                 break
         elif any(s.processing for s in slots):
             time.sleep(0.05)

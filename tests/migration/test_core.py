@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import os
 import struct
+import time
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from extproc.migration import slotfiles
+from extproc.migration.llama import Slot
+from extproc.migration.migrate import Outcome, migrate_while_draining
 from extproc.migration.openings import Framing, opening_key, opening_keys
 from extproc.migration.planner import Candidate, Costs, plan
 from extproc.routing.placement import PlacementMemory
@@ -219,7 +222,7 @@ def test_a_reused_conversation_id_is_listed_with_its_own_opening_after_a_reset()
     turn([*first, {"role": "assistant", "content": "sure"}, {"role": "user", "content": "go on"}])
     gateway.router.reset()  # between runs: the gateway still knows c-1's last history
     replica = turn([{"role": "user", "content": "this run's chat"}])
-    reply = asyncio.run(AdminService(gateway).Placements(admin_pb2.PlacementsRequest(replica=replica), None))  # type: ignore[arg-type]
+    reply = asyncio.run(AdminService(gateway).Placements(admin_pb2.PlacementsRequest(replica=replica), None))
     (listed,) = reply.conversations
     assert listed.opening == opening_key([("user", "this run's chat")])
 
@@ -254,9 +257,9 @@ def test_a_migrated_conversation_of_a_named_model_follows_its_cache_to_the_recei
     source, _ = turn()
     receiver = next(name for name in ENDPOINTS if name != source)
     (placed,) = asyncio.run(AdminService(gateway).Placements(admin_pb2.PlacementsRequest(replica=source),
-                                                             None)).conversations  # type: ignore[arg-type]
+                                                             None)).conversations
     move = admin_pb2.Move(key=placed.key, replica=receiver, tokens=placed.prompt_tokens)
-    asyncio.run(AdminService(gateway).Migrated(admin_pb2.MigratedRequest(moves=[move]), None))  # type: ignore[arg-type]
+    asyncio.run(AdminService(gateway).Migrated(admin_pb2.MigratedRequest(moves=[move]), None))
     went, reason = turn()
     assert (went, reason.endswith("+migrated")) == (receiver, True), reason
 
@@ -294,7 +297,7 @@ def test_a_turn_whose_answer_ends_after_its_move_leaves_the_next_turn_to_the_rec
     source = gateway.pending[second].decision.replica
     receiver = next(name for name in sorted(ENDPOINTS) if name != source)
     move = admin_pb2.Move(key=gateway.router.conversation_key("c-1"), replica=receiver, tokens=40)
-    reply = asyncio.run(AdminService(gateway).Migrated(admin_pb2.MigratedRequest(moves=[move], attempted=1), None))  # type: ignore[arg-type]
+    reply = asyncio.run(AdminService(gateway).Migrated(admin_pb2.MigratedRequest(moves=[move], attempted=1), None))
     assert reply.applied == 1
     if ended_by == "its access log":
         ended(second)
@@ -303,3 +306,39 @@ def test_a_turn_whose_answer_ends_after_its_move_leaves_the_next_turn_to_the_rec
     decision = gateway.pending[routed(history)].decision
     assert ticket is None or not ticket.held  # released: by its access log, or as the next body shows it answered
     assert decision.replica == receiver and decision.reason.endswith("+migrated"), decision.trace
+
+
+class ScriptedSlots:
+    """A leaving replica's slots as successive reads return them."""
+
+    def __init__(self, reads: list[list[Slot]]) -> None:
+        self.reads = reads
+
+    def slots(self) -> list[Slot]:
+        return self.reads.pop(0) if len(self.reads) > 1 else self.reads[0]
+
+
+def test_a_drain_pass_whose_slot_turned_busy_waits_for_it_and_one_that_failed_stops() -> None:
+    """The idle slot seen is taken by a follow-up before the pass saves it: nothing saved, no
+    problem; the drain waits for that request's end and moves the slot then."""
+    idle, busy, later = Slot(0, 300, False, 5), Slot(0, 300, True, 6), Slot(0, 340, False, 6)
+    source = ScriptedSlots([[idle], [busy], [busy], [later]])
+    passes: list[frozenset[tuple[int, int]]] = []
+
+    def migrate_pass(saved: frozenset[tuple[int, int]]) -> Outcome:
+        passes.append(saved)
+        outcome = Outcome("llm-1")
+        if len(passes) > 1:  # the first found the slot busy; the second saves its later state
+            outcome.saved_slots.append((0, 6))
+        return outcome
+
+    total = migrate_while_draining(source, time.monotonic() + 10, migrate_pass, Outcome("llm-1"))
+    assert passes == [frozenset(), frozenset()] and total.saved_slots == [(0, 6)]
+
+    def failing(saved: frozenset[tuple[int, int]]) -> Outcome:
+        passes.append(saved)
+        return Outcome("llm-1", problems=["router 127.0.0.1:1: RpcError"])
+
+    passes.clear()
+    total = migrate_while_draining(ScriptedSlots([[idle]]), time.monotonic() + 10, failing, Outcome("llm-1"))
+    assert len(passes) == 1 and total.problems == ["router 127.0.0.1:1: RpcError"]
