@@ -468,8 +468,12 @@ class Gateway:
         return Prepared(request, parsed, path, digests, claimed, named)
 
     def _known(self, conversation: str) -> tuple[int, ...]:
-        """The tips this router holds for ``conversation`` (continuation.py), if any."""
-        return self.digests.get(self.router.conversation_key(conversation)) or ()
+        """The tips this router holds for ``conversation`` (continuation.py), with the histories
+        of its requests still waiting for their end: a next turn may come before Envoy's access
+        log says its last request is over (after an agent's fan-out, its other requests ended)."""
+        tips = self.digests.get(self.router.conversation_key(conversation)) or ()
+        waiting = self.unanswered.get(conversation)
+        return (*tips, *waiting.values()) if waiting else tips
 
     @staticmethod
     def _branches(step: Prepared) -> bool:

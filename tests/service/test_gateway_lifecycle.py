@@ -244,6 +244,26 @@ def test_an_agents_next_turn_after_a_fan_out_continues_its_conversation_whicheve
     assert gateway.metrics.branches == 0
 
 
+def test_an_agents_next_turn_continues_its_conversation_before_the_fan_outs_turn_is_logged() -> None:
+    """The fan-out's other requests are over, its turn's access log entry has not come yet (Envoy
+    sends them in batches) when the next turn, which shows its answer, arrives: it continues the
+    conversation on its replica and releases that turn; the late entry releases nothing twice."""
+    gateway = make_gateway()
+    messages, turns = four_turns(gateway, "agent")
+    turn = [*messages, {"role": "user", "content": "the loop's own next step"}]
+    sides = [send_turn(gateway, [*messages, {"role": "user", "content": f"side {k} " + "lorem " * 30}])
+             for k in range(2)]
+    own = send_turn(gateway, turn)
+    for ours in sides:
+        gateway.access_logged(ours, 200, gateway.pending[ours].endpoint, cut_off=False, timings=TIMINGS)
+    endpoint = gateway.pending[own].endpoint
+    after = complete_turn(gateway, [*turn, {"role": "assistant", "content": "done"}, {"role": "user", "content": "on"}])
+    assert after.request.conversation == turns[-1].request.conversation
+    assert after.decision.replica == turns[-1].decision.replica
+    gateway.access_logged(own, 200, endpoint, cut_off=False, timings=TIMINGS)
+    assert in_flight(gateway) == 0 and gateway.metrics.branches == 0
+
+
 def test_a_stranger_with_the_same_opening_moves_nothing_and_is_placed_only_by_the_prefix_it_proves() -> None:
     gateway = make_gateway()
     messages, turns = four_turns(gateway, "victim")
