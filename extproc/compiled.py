@@ -25,7 +25,8 @@ from pathlib import Path
 
 # The per-request path: the ring, the ledger, placement memory, the blocks and the prefix
 # index, the replicas' learnt speeds (llm-aware asks each candidate's), the router and the two
-# policies that bound loads. Policies and modules left out run as Python and call into these.
+# policies that bound loads, and flow control (its queue and orders), which every request passes
+# when it is on. Policies and modules left out run as Python and call into these.
 MODULES = (
     "extproc.routing.hashing",
     "extproc.routing.ring",
@@ -39,6 +40,13 @@ MODULES = (
     "extproc.routing.policies.bounded_walk",
     "extproc.routing.policies.bounded",
     "extproc.routing.policies.llm_aware",
+    "extproc.routing.orders.fifo",
+    "extproc.routing.orders.least_attained",
+    "extproc.routing.orders.round_robin",
+    "extproc.routing.orders.vtc",
+    "extproc.routing.orders.vtc_local",
+    "extproc.routing.queue",
+    "extproc.routing.flow_control",
 )
 GROUP = "llm_ring_core"  # mypyc's shared library: the module llm_ring_core__mypyc
 ENV = "LLM_RING_CORE"
