@@ -4,7 +4,7 @@ A client names its conversation (``x-conversation-id``), but knowing an id must 
 to use what the router holds for it: its placement (where its cache is, how long it is), its
 predicted cached tokens, its pending requests, its entry in the store. What proves a request
 belongs to the conversation is its body: a next turn resends the earlier turns, so the history
-digest of the conversation's last completed request is among the digests of the new body's
+digest of a request of the conversation it continues is among the digests of the new body's
 prefixes (bodies.py: ``answered``, plus the body's own ``history`` for a retry).
 
 The gateway remembers, per conversation key, the digests of its *tips*: its completed requests

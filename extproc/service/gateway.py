@@ -216,7 +216,7 @@ class Gateway:
         self.limits = BodyLimits(settings.max_messages, settings.max_prompt_chars, settings.max_output_tokens)
         self.store: SharedStore | None = None  # several routers' shared state (main.py sets it from [store])
         self.block_memory: BlockMemory | None = None  # the last prompt's blocks per conversation, when hashed
-        # conversation key -> digest of its last completed request: who may use its placement
+        # conversation key -> the digests of its tips (continuation.py): who may use its placement
         self.digests: TwoGenerationLru[tuple[int, ...]] = TwoGenerationLru(router.settings.memory_capacity)
         # history digest of a completed chat request (under its model: model_point) -> where it was
         # served and its prompt tokens: where a branch of it (an edited or regenerated turn) finds its prefix cached
