@@ -180,6 +180,8 @@ def test_pods_join_and_leave_as_they_turn_ready_unready_and_terminating(apiserve
                                          "llm-2": "10.0.0.12:8080"}, leaving={"llm-0"}))
             apiserver.delete(NAMESPACE, "llm-0", "Pod")
             apiserver.apply(pod_of("llm-0", "10.0.0.20", ready=False))  # recreated, loading
+            # each change read before the next: two in a row may reach the reader as one snapshot
+            await reader.until({"llm-1": "10.0.0.11:8080", "llm-2": "10.0.0.12:8080"})
             apiserver.apply(pod_of("llm-1", "10.0.0.11", ready=False))  # readiness probe failing
             await reader.until({"llm-2": "10.0.0.12:8080"})
             apiserver.apply(pod_of("llm-0", "10.0.0.20"))  # back, same name, new address
