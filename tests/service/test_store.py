@@ -574,6 +574,11 @@ def test_pending_requests_of_a_router_that_is_gone_are_ignored(server: Running) 
         assert b.store is not None
         ghost = SharedStore(b.store.settings, "r-ghost", lambda: {"llm-0": (5, 500)}, Metrics(), b.store.bounds)
         await ghost.start()
+
+        async def connected() -> bool:  # a first connect slower than store.timeout_ms (a loaded
+            return ghost.in_use  # machine) is retried: until then nothing would be written
+
+        await eventually(connected)
         ghost.routed(b.router.conversation_key("c-1"), "g-1", PeerRequest("r-ghost", "llm-0", 500, 100, 1))
         await ghost.flushed()
         await ghost.close()  # left: its load key is gone at once, its pending entry stays until its TTL
