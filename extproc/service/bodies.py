@@ -50,6 +50,7 @@ import xxhash
 from extproc.envoy.contract import RESPONSE_METADATA
 from extproc.envoy.surface import GENERATION_PATHS
 from extproc.routing.blocks import BLOCK_CHARS, BlockMemory, model_seed, prefix_blocks
+from extproc.routing.continuation import of_model
 from extproc.routing.tokens import ChatCount, Message, TokenCounter
 from extproc.service.sessions import usable_id
 
@@ -166,7 +167,8 @@ def parse_request(
         return parsed
     text, seed = _prompt_text(kind, data), model_seed(parsed.model)
     if memory is not None and memory.block_chars == block_chars:
-        return replace(parsed, prefix_blocks=memory.blocks(blocks_key(parsed.model, parsed.opening_key), text, seed))
+        # a conversation's blocks live under its model, as the conversation itself does
+        return replace(parsed, prefix_blocks=memory.blocks(of_model(parsed.model, parsed.opening_key), text, seed))
     return replace(parsed, prefix_blocks=prefix_blocks(text, block_chars, seed))
 
 
@@ -265,11 +267,6 @@ def _completion(prompts: list[Prompt], limits: BodyLimits | None) -> tuple[str, 
     first = prompts[0]
     opening = first[:OPENING_CHARS].encode() if isinstance(first, str) else repr(first[:OPENING_CHARS]).encode()
     return "h:" + xxhash.xxh64_hexdigest(opening), chars, ids
-
-
-def blocks_key(model: str, opening_key: str) -> str:
-    """A conversation's key in BlockMemory: its opening, under its model when the request names one."""
-    return f"{model}\x1f{opening_key}" if model else opening_key
 
 
 def request_blocks(path: str, body: bytes, block_chars: int = BLOCK_CHARS) -> tuple[int, ...]:

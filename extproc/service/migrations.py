@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from extproc.service.bodies import blocks_key
+from extproc.routing.continuation import of_model
 
 
 class Migrations:
@@ -42,7 +42,7 @@ class Migrations:
     def blocks_key(self, conversation_key: int) -> str:
         """The conversation's key in BlockMemory ("" when forgotten)."""
         opening, model = self._openings.get(conversation_key, ("", ""))
-        return blocks_key(model, opening) if opening else ""
+        return of_model(model, opening) if opening else ""
 
     def reported(self, attempted: int, succeeded: int, failed: int, moved_bytes: int, seconds: float) -> None:
         self.attempted += attempted
