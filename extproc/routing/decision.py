@@ -24,6 +24,7 @@ class RouteRequest(NamedTuple):
     prompt_tokens: int  # estimated from the body's text
     max_tokens: int  # the output the client asked for
     prefix_blocks: tuple[int, ...] = ()  # chained hashes of fixed-size prompt blocks, oldest first (empty: unknown)
+    model: str = ""  # the model the request names ("": none)
 
 
 class Check(NamedTuple):

@@ -27,6 +27,7 @@ from extproc.routing.placement import PlacementMemory
 from extproc.routing.policies import CacheMoves, CacheReports, Policy, SentView, SharedView, make_policy
 from extproc.routing.policies.situation import Situation, new
 from extproc.routing.prefix_index import IndexChange
+from extproc.routing.residency import Residency
 from extproc.routing.ring import HashRing
 from extproc.routing.settings import RoutingSettings
 from extproc.routing.speeds import AnswerTimings, ReplicaSpeeds, Speed
@@ -45,6 +46,8 @@ class Router:
         self.ledger = LoadLedger() if ledger is None else ledger
         self.memory = PlacementMemory(settings.memory_capacity) if memory is None else memory
         self.speeds = _speeds(settings)
+        # facts the replicas report, kept across reset() (their models stay loaded)
+        self.residency = Residency(settings.prior_model_load_ms / 1000, settings.prior_model_wake_ms / 1000)
         self.policy: Policy = make_policy(settings)
         self._decide: Callable[[Situation], Decision | None] = self.policy.decide  # bound once, not per route
         self._view = _view_of(self.policy)
@@ -82,6 +85,7 @@ class Router:
         self._members = frozenset(names)
         self.ledger.set_replicas(names)
         self.speeds.set_replicas(names)
+        self.residency.set_replicas(names)
         if self._view is not None:
             self._view.set_replicas(names)
         gone = [ticket for ticket in self._in_flight.values() if ticket.decision.replica not in names]
@@ -117,7 +121,7 @@ class Router:
         if placement is not None and (placement.replica not in self._members or placement.replica in avoided):
             placement = None  # that cache is gone or unreachable
         decision = self._decide(new(Situation, (request, key, ring, self.ledger, placement, avoided, eligible,
-                                                self.speeds)))
+                                                self.speeds, self.residency)))
         if decision is None:
             return None
         if self._migrated:
@@ -125,6 +129,8 @@ class Router:
             if moved_to is not None and moved_to == decision.replica:  # the trace says why it is cached there
                 decision = decision._replace(reason=f"{decision.reason}+migrated")
         self.ledger.charge(request_id, decision.replica, decision.charged_tokens)
+        if self.residency.tracked:
+            self.residency.sent(decision.replica, request.model)
         ticket = in_flight[request_id] = new(Ticket, (request, decision, key, self))
         if self._view is not None:
             self._view.routed(request, decision)

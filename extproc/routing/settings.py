@@ -30,6 +30,9 @@ class RoutingSettings(Strict):
     prior_prefill_tokens_per_s: float = Field(gt=0, description="a replica's prefill speed before any answer")
     prior_decode_tokens_per_s: float = Field(gt=0, description="a replica's decode speed before any answer")
     prior_request_overhead_ms: float = Field(ge=0, description="a request's fixed prefill cost before any answer")
+    prior_model_load_ms: float = Field(ge=0, description="router mode: a model's load before one is seen "
+                                                         "(docs/fleets.md)")
+    prior_model_wake_ms: float = Field(ge=0, description="a sleeping model's wake before one is seen")
     # a fact of the replicas (llama.cpp --parallel), read by llm-aware's prediction, flow control's
     # room and the gateway's openings per replica
     replica_slots: int = Field(gt=0, le=4096, description="requests a replica runs at once (llama.cpp --parallel)")

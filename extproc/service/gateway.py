@@ -464,7 +464,8 @@ class Gateway:
         self.migrations.opened(self.router.conversation_key(claimed.conversation), parsed.opening_key, parsed.model)
         prompt_tokens = parsed.prompt_token_ids + parsed.prompt_tokens
         max_tokens = (parsed.max_tokens or self.settings.default_max_tokens) * parsed.prompts
-        request = RouteRequest(unique_id, claimed.conversation, prompt_tokens, max_tokens, parsed.prefix_blocks)
+        request = RouteRequest(unique_id, claimed.conversation, prompt_tokens, max_tokens, parsed.prefix_blocks,
+                               bounded(parsed.model))
         return Prepared(request, parsed, path, digests, claimed, named)
 
     def _known(self, conversation: str) -> tuple[int, ...]:

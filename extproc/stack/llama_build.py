@@ -28,6 +28,21 @@ CMAKE_FLAGS = (
 )
 
 
+def unpack(archive: Path, into: Path) -> None:
+    """Unpack an sdist, refusing members that would land outside `into` or are links.
+
+    Python 3.11.4+ has tarfile's "data" filter for this; 3.11.0-3.11.3 (Debian 12's
+    python3) do not, so the check is made here for both."""
+    root = into.resolve()
+    with tarfile.open(archive) as tar:
+        members = tar.getmembers()
+        for member in members:
+            target = (root / member.name).resolve()
+            if member.issym() or member.islnk() or not target.is_relative_to(root):
+                raise ModelError(f"{archive}: member {member.name!r} would unpack outside {into}")
+        tar.extractall(root, members=members)
+
+
 def built_binary(root: Path) -> Path:
     return root / "bin" / "llama-server"
 
@@ -42,8 +57,7 @@ def build_llama_server(root: Path, jobs: int, progress: Progress = print) -> Pat
     if not (source / "CMakeLists.txt").exists():
         progress(f"unpacking {archive.name} into {work}")
         work.mkdir(parents=True, exist_ok=True)
-        with tarfile.open(archive) as tar:
-            tar.extractall(work, filter="data")
+        unpack(archive, work)
     build_dir = work / "cmake-build"
     log = work / "build.log"
     progress(f"configuring and compiling llama-server with {jobs} jobs (several minutes); log: {log}")

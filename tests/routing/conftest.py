@@ -13,6 +13,7 @@ BASE: dict[str, Any] = {
     "memory_capacity": 10_000,
     "speed_learning": True, "speed_ewma_weight": 0.05, "prior_prefill_tokens_per_s": 167.0,
     "prior_decode_tokens_per_s": 55.0, "prior_request_overhead_ms": 19.0, "replica_slots": 4,
+    "prior_model_load_ms": 1500.0, "prior_model_wake_ms": 1500.0,
     "bounded": {"epsilon": 0.25, "load_unit": "requests"},
     "llm-aware": {
         "epsilon": 0.25, "cache_aware": True, "placement_memory": True, "long_stickiness": True,

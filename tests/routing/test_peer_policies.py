@@ -26,7 +26,7 @@ def blocks(*names: str) -> tuple[int, ...]:
 def situation(policy_router: Router, request: RouteRequest) -> Situation:
     ring = policy_router.ring
     return Situation(request, stable_hash(request.conversation), ring, policy_router.ledger, None, frozenset(),
-                     ring.replicas, policy_router.speeds)
+                     ring.replicas, policy_router.speeds, policy_router.residency)
 
 
 def sent(replica: str, cached: int = 0) -> Decision:

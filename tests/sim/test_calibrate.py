@@ -32,6 +32,7 @@ def test_fit_from_records_recovers_the_simulated_costs(tmp_path, monkeypatch):
                                 "speed_learning": True, "speed_ewma_weight": 0.05,
                                 "prior_prefill_tokens_per_s": 167.0, "prior_decode_tokens_per_s": 55.0,
                                 "prior_request_overhead_ms": 19.0, "replica_slots": 4,
+                                "prior_model_load_ms": 1500.0, "prior_model_wake_ms": 1500.0,
                                 "bounded": {"epsilon": 0.25, "load_unit": "requests"}},
                        slots=1, cache_ram_mib=0, cost_model="simple", threads=1, host_cores=0, time_scale=1.0,
                        release_lag_ms=0.0, release_by_next_turn=True, routers=1, router_state="separate",

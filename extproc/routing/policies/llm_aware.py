@@ -169,6 +169,8 @@ class LlmAware:
         assert home is not None  # eligible is not empty
         # expected: replica -> cached tokens there; costs: replica -> the request's new tokens there
         cached_on, expected, costs, seen, holders = self.where_cached(situation, home)
+        if situation.residency.tracked and request.model:
+            cached_on, expected, costs = warm_only(situation, cached_on, expected, costs)
         if not self.cache_aware:
             costs = {}
         by_memory = self.placement_memory and cached_on is not None
@@ -195,7 +197,8 @@ class LlmAware:
         if self.ttft:  # the bounded walk only past the guard rail
             guard = self.guard(situation, loads, average)
             # one long prefill on the cached replica of a light fleet is no imbalance
-            if not guard.past(preferred, preferred_cost, FOLLOW_UP_REQUESTS_FLOOR if cached else 1):
+            floor = max(FOLLOW_UP_REQUESTS_FLOOR if cached else 1, self.warm_floor(situation, preferred))
+            if not guard.past(preferred, preferred_cost, floor):
                 timed = self.soonest(situation, preferred, costs, work, guard,
                                      cached_on == preferred and expected.get(preferred, 0) > 0)
         chosen: str | None
@@ -254,11 +257,13 @@ class LlmAware:
         Mooncake trace and cost a p99 of 1.2 ms at 64 replicas)."""
         loads, running = guard.tokens, guard.requests
         speed, slots = situation.speeds.speed, self.slots
+        wait = model_wait(situation, preferred)
         here = predicted_ttft(slots, speed(preferred), loads[preferred], running[preferred],
-                              costs.get(preferred, work))
+                              costs.get(preferred, work)) + wait
         # a new conversation too stays on its ring home unless elsewhere is ttft_margin sooner: the
-        # learnt speeds of equal replicas differ by noise, which would steer it off at random
-        needed = here / (1 + self.ttft_margin)
+        # learnt speeds of equal replicas differ by noise, which would steer it off at random (a
+        # model's load is no noise: the margin is not taken of it)
+        needed = (here - wait) / (1 + self.ttft_margin) + wait
         kept = costs.get(preferred, work) if cached and self.recompute_cost else None
         best, soonest = self.soonest_other(situation, preferred, costs, work, guard, kept)
         if best is None:
@@ -276,15 +281,22 @@ class LlmAware:
         best, soonest = None, math.inf
         for name in self.candidates(situation, costs):
             load, cost = loads[name], costs.get(name, work)
-            if name == preferred or guard.past(name, cost):
+            if name == preferred or guard.past(name, cost, self.warm_floor(situation, name)):
                 continue
             here = speed(name)
-            seconds = predicted_ttft(slots, here, load, running[name], cost)
+            seconds = predicted_ttft(slots, here, load, running[name], cost) + model_wait(situation, name)
             if kept is not None and cost > kept:
                 seconds += (cost - kept) * here.prefill_s_per_token
             if seconds < soonest:
                 best, soonest = name, seconds
         return best, soonest
+
+    def warm_floor(self, situation: Situation, replica: str) -> int:
+        """The requests below which ``replica`` is never past the guard rail: all its slots where the
+        request's model is loaded in a fleet that loads models (a free slot there beats a load
+        elsewhere), else 1."""
+        residency, model = situation.residency, situation.request.model
+        return self.slots if residency.tracked and model and not residency.cold(replica, model) else 1
 
     def candidates(self, situation: Situation, costs: dict[str, int]) -> Iterable[str]:
         """The replicas whose first token is predicted: every eligible one in a fleet of up to
@@ -595,6 +607,24 @@ def predicted_ttft(slots: int, speed: Speed, load: int, running: int, cost: int)
     ``cost``; without one it waits behind all of it."""
     ahead = min(load, running * cost) if running < slots else load
     return speed.overhead_s + (ahead + cost) * speed.prefill_s_per_token
+
+
+def model_wait(situation: Situation, replica: str) -> float:
+    """The seconds a request waits on ``replica`` for its model's load or wake (residency.py)."""
+    residency = situation.residency
+    return residency.penalty(replica, situation.request.model) if residency.tracked else 0.0
+
+
+def warm_only(situation: Situation, cached_on: str | None, expected: dict[str, int],
+              costs: dict[str, int]) -> tuple[str | None, dict[str, int], dict[str, int]]:
+    """Where the request's model sleeps or is not loaded its cache is gone: (cached_on, expected,
+    costs) without those replicas."""
+    model, cold = situation.request.model, situation.residency.cold
+    gone = [name for name in expected if cold(name, model)]
+    if not gone:
+        return cached_on, expected, costs
+    kept = {name: tokens for name, tokens in expected.items() if name not in gone}
+    return (None if cached_on in gone else cached_on), kept, {name: costs[name] for name in costs if name in kept}
 
 
 def make_llm_aware(params: LlmAwareParams, slots: int) -> LlmAware:

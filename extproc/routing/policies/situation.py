@@ -9,6 +9,7 @@ from extproc.routing.blocks import covered_tokens
 from extproc.routing.decision import Candidate, Check, Decision, RouteRequest, Trace
 from extproc.routing.ledger import LoadLedger, LoadUnit
 from extproc.routing.placement import Placement
+from extproc.routing.residency import Residency
 from extproc.routing.ring import HashRing
 from extproc.routing.speeds import ReplicaSpeeds
 
@@ -46,6 +47,7 @@ class Situation(NamedTuple):
     avoid: frozenset[str]  # replicas not to pick (unhealthy)
     eligible: tuple[str, ...]  # the ring's replicas minus ``avoid``, in name order
     speeds: ReplicaSpeeds  # each replica's speed, learnt from its answers
+    residency: Residency  # which models each replica holds loaded (router mode, sleep)
 
     def walk(self) -> Iterator[str]:
         """Eligible replicas clockwise from the conversation's ring position."""
