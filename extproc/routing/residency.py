@@ -8,8 +8,8 @@ the next request waits for the wake. To a router both are locality, as the promp
 
 - ``penalty(replica, model)``: the seconds a request waits there before its prefill starts.
   0 when the model is loaded, or when the replica reports no statuses (a one-model server
-  without sleep: nothing changes). The load time when the model is unloaded or loading, and the
-  wake time when it sleeps. A load on a replica at its capacity in models is charged one load
+  without sleep: nothing changes). The load time when the model is unloaded, half of it while it
+  loads, and the wake time when it sleeps. A load on a replica at its capacity in models is charged one load
   more: the evicted model's conversations load it again when they come back.
 - ``cold(replica, model)``: the model sleeps or is not loaded there, so its cache counts as empty.
 
@@ -90,6 +90,8 @@ class Residency:
             return 0.0
         if status == "sleeping":
             return self.wake_s
+        if status == "loading":  # under way: half of it left, on average, and no other model evicted
+            return self.load_s / 2
         capacity = self._capacity.get(replica, 0)
         full = capacity and sum(1 for name, held in models.items() if held != "unloaded" and name != model) >= capacity
         return 2 * self.load_s if full else self.load_s

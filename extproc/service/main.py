@@ -52,6 +52,7 @@ from extproc.service.metrics import Metrics
 from extproc.service.offload import BodyParser
 from extproc.service.processor import SERVICE, access_log_handler, handler
 from extproc.service.replica_health import ReplicaHealth
+from extproc.service.residency_watch import ResidencyWatcher
 from extproc.service.tls import SELF_SIGNED, TlsError, server_credentials
 from extproc.service.tokenizer import TokenizerError, make_counter
 from extproc.service.waiting_room import WaitingRoom
@@ -119,6 +120,7 @@ async def serve(settings: Settings) -> int:
         gateway.decision_log = DecisionLog(sys.stdout.buffer)
     health = ReplicaHealth(gateway, service.health_probe_seconds)
     models = ModelFetcher(gateway.catalog, lambda: gateway.endpoints, replica_key, service.health_probe_seconds)
+    residency = ResidencyWatcher(lambda: gateway.router.residency, lambda: gateway.endpoints, replica_key)
     gateway.on_replica_failed = health.replica_failed
     metrics.watch(gateway.replica_states, lambda: gateway.router.speeds.speeds())  # reconfigure may replace them
     room = WaitingRoom(gateway, settings.flow) if settings.flow.enabled else None
@@ -169,7 +171,7 @@ async def serve(settings: Settings) -> int:
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
-    watcher = loop.create_task(_follow_discovery(settings, gateway, models, health_service, readiness))
+    watcher = loop.create_task(_follow_discovery(settings, gateway, (models, residency), health_service, readiness))
     sweeper = loop.create_task(_release_lost(gateway))
     watcher.add_done_callback(lambda task: _discovery_ended(task, stop))
     try:
@@ -184,6 +186,7 @@ async def serve(settings: Settings) -> int:
         sweeper.cancel()
         health.close()
         await models.close()
+        await residency.close()
         await asyncio.gather(*(server.stop(grace=2) for server in servers))
         if gateway.store is not None:
             await gateway.store.close()
@@ -196,7 +199,8 @@ async def serve(settings: Settings) -> int:
 
 
 async def _follow_discovery(
-    settings: Settings, gateway: Gateway, models: ModelFetcher, health: health_aio.HealthServicer,
+    settings: Settings, gateway: Gateway, askers: tuple[ModelFetcher, ResidencyWatcher],
+    health: health_aio.HealthServicer,
     readiness: Readiness,
 ) -> None:
     endpoints_file = settings.service.envoy_endpoints_file
@@ -207,7 +211,8 @@ async def _follow_discovery(
         gateway.set_replicas(replicas)
         for name in leaving_of(replicas) - gateway.leaving.orders.keys():  # a pod began terminating
             gateway.begin_leaving(name, discovery.leaving_seconds, discovery.leaving_near_seconds)
-        models.replicas_changed()
+        for asker in askers:  # what each replica serves, and holds loaded
+            asker.replicas_changed()
         if endpoints_file:
             write_endpoints_file(endpoints_file, replicas)
         status = health_pb2.HealthCheckResponse.SERVING if replicas else health_pb2.HealthCheckResponse.NOT_SERVING

@@ -39,6 +39,8 @@ def configure_up(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--parallel", type=int, help="[replicas] parallel (slots)")
     parser.add_argument("--threads", type=int, help="[replicas] threads")
     parser.add_argument("--cache-ram", type=int, metavar="MIB", help="[replicas] cache_ram_mib")
+    parser.add_argument("--models-max", type=int, metavar="N",
+                        help="router mode: every replica serves every model, N loaded at once ([replicas] models_max)")
     parser.add_argument("--profile", help="[check] profile whose max_context_tokens must fit a slot")
 
 
@@ -48,7 +50,7 @@ def main_up(args: argparse.Namespace) -> int:
         settings = load_stack_settings(args.settings, {
             "replicas": {"count": args.replicas, "backend": args.backend, "llama_server": args.llama_server,
                          "model": _models(args.model), "ctx_size": args.ctx_size, "parallel": args.parallel,
-                         "threads": args.threads, "cache_ram_mib": args.cache_ram},
+                         "threads": args.threads, "cache_ram_mib": args.cache_ram, "models_max": args.models_max},
             "gateways": {"count": args.gateways},
             "router": {"policy": args.policy},
             "check": {"profile": args.profile},

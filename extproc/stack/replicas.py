@@ -46,6 +46,9 @@ class ReplicaSettings:
     # one compute pass of it (--ubatch-size; 512): a request arriving mid-step waits for the step
     batch_size: int = 2048
     ubatch_size: int = 512
+    # router mode (docs/fleets.md): the folder of every model served, and how many run at once
+    models_dir: str = ""
+    models_max: int = 0
 
     @property
     def served_name(self) -> str:
@@ -92,10 +95,11 @@ def command(settings: ReplicaSettings, port: int, slot_dir: Path, key_file: Path
     else:
         raise ReplicaError(f"backend llama-server: no binary at {settings.llama_server!r} "
                            f"(build one: llm-ring models build-llama-server)")
+    served = (["--models-dir", settings.models_dir, "--models-max", str(settings.models_max)] if settings.models_dir
+              else ["--model", settings.model, "--alias", settings.served_name])
     return [
         *program,
-        "--model", settings.model,
-        "--alias", settings.served_name,
+        *served,
         "--host", HOST,
         "--port", str(port),
         "--ctx-size", str(settings.ctx_size),

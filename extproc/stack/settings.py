@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from extproc.migration.settings import MigrationSection
 from extproc.settings import read_toml, validate_settings
@@ -34,7 +34,15 @@ class ReplicasSection(Strict):
     ubatch_size: int = Field(gt=0)
     cache_ram_mib: int = Field(ge=0)
     slot_prompt_similarity: float = Field(ge=0, le=1)
+    models_max: int = Field(ge=0, le=64)
     health_timeout_seconds: float = Field(gt=0)
+
+    @model_validator(mode="after")
+    def _router_mode_backend(self) -> ReplicasSection:
+        if self.models_max and self.backend != "llama-server":
+            raise ValueError("models_max: router mode needs backend = \"llama-server\" (xllamacpp has none; "
+                             "build it: llm-ring models build-llama-server)")
+        return self
 
     @field_validator("model")
     @classmethod

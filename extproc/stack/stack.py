@@ -14,7 +14,9 @@ process by name, restarts, drills). ``Stack`` holds the state and ties them toge
 
 from __future__ import annotations
 
+import shutil
 import time
+from collections.abc import Iterable
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
@@ -218,7 +220,9 @@ def _new_state(settings: StackSettings, data: Path, run: Path, taken: dict[str, 
     check_slot_context(settings.check.profile, replica_settings)
     served = {name: _served_model(name, data, progress) for name in dict.fromkeys(rs.models)}
     cycle = [served[name] for name in rs.models]
-    replica_settings = replace(replica_settings, model=cycle[0].path, alias=cycle[0].alias)
+    replica_settings = replace(replica_settings, model=cycle[0].path, alias=cycle[0].alias,
+                               models_dir=_models_dir(run, served.values()) if rs.models_max else "",
+                               models_max=rs.models_max)
     # what a replica holds (slots + host cache), for the routers: the least of the models'
     capacity = min(rs.ctx_size + rs.cache_ram_mib * 2**20 // model.kv_bytes_per_token for model in served.values())
     (run / "logs").mkdir(parents=True, exist_ok=True)
@@ -233,6 +237,17 @@ def _new_state(settings: StackSettings, data: Path, run: Path, taken: dict[str, 
         gateways=[asdict(gw) for gw in gateways], prefix_capacity_tokens=capacity,
         migration=settings.migration.model_dump(), models=[asdict(model) for model in cycle],
     )
+
+
+def _models_dir(run: Path, served: Iterable[ServedModel]) -> str:
+    """Router mode's --models-dir: each served model linked as <its name>.gguf (llama.cpp names a
+    folder's models by their files' stems)."""
+    folder = run / "models"
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    for model in served:
+        (folder / f"{model.alias}.gguf").symlink_to(Path(model.path).resolve())
+    return str(folder)
 
 
 def _served_model(name: str, data: Path, progress: Progress) -> ServedModel:

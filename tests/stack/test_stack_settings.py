@@ -6,7 +6,7 @@ from __future__ import annotations
 import socket
 import tomllib
 from collections.abc import Iterator
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
@@ -16,7 +16,7 @@ from extproc.settings import SettingsError, load_settings
 from extproc.stack.errors import StackError
 from extproc.stack.ports import PortInUse
 from extproc.stack.processes import ROUTER_REFERENCE
-from extproc.stack.replicas import ReplicaSettings
+from extproc.stack.replicas import ReplicaSettings, command
 from extproc.stack.router import render_router_settings
 from extproc.stack.settings import REFERENCE_SETTINGS, check_slot_context, load_stack_settings
 from extproc.stack.stack import Stack
@@ -149,3 +149,22 @@ def test_a_fleet_of_several_models_is_a_list_the_replicas_serve_in_turn(tmp_path
     assert [stack.replica_settings(f"llm-{i}").alias for i in range(4)] == ["smollm2", "smollm2", "tiny", "smollm2"]
     assert stack.replica_settings("llm-2").model == "/m/tiny.gguf" and stack.replica_settings().alias == "smollm2"
     assert [model.alias for model in stack.served_models()] == ["smollm2", "tiny"]
+
+
+def test_router_mode_needs_the_llama_server_backend() -> None:
+    with pytest.raises(SettingsError, match=r"replicas: .*models_max: router mode needs backend = \"llama-server\""):
+        load_stack_settings(overrides={"replicas": {"models_max": 1, "backend": "xllamacpp"}})
+    settings = load_stack_settings(overrides={"replicas": {"models_max": 1, "backend": "llama-server"}})
+    assert settings.replicas.models_max == 1
+
+
+def test_a_router_mode_replica_serves_a_folder_of_models(tmp_path: Path) -> None:
+    binary = tmp_path / "llama-server"
+    binary.write_text("")
+    one = ReplicaSettings("llama-server", "/m/smollm2.gguf", 4096, 2, 1, 0, llama_server=str(binary))
+    line = command(one, 9000, tmp_path, tmp_path / "key")
+    assert line[line.index("--model") + 1] == "/m/smollm2.gguf" and "--models-dir" not in line
+    routed = command(replace(one, models_dir=str(tmp_path / "models"), models_max=1), 9000, tmp_path, tmp_path / "k")
+    assert "--model" not in routed and "--alias" not in routed
+    assert routed[routed.index("--models-dir") + 1:routed.index("--models-max") + 2] == [
+        str(tmp_path / "models"), "--models-max", "1"]
