@@ -5,7 +5,7 @@ its ``--models-max``), lists each model's status in ``GET /v1/models`` (``status
 streams every change on ``GET /models/sse`` (``{"model", "event", "data": {"status"}}``). For each
 such replica one task reads the list, then follows the stream; the list is read again every
 ``resync_seconds`` and whenever the stream ends, so a lost event is corrected. The seconds from
-a model's "loading" event to its "loaded" one are learnt as the load time. A replica that is not
+a model's first "loading" event to its "loaded" one are learnt as the load time. A replica that is not
 in router mode is asked once and left alone: nothing changes for it.
 """
 
@@ -134,8 +134,8 @@ class ResidencyWatcher:
     def _changed(self, replica: str, model: str, status: Status) -> None:
         residency, now = self.residency(), time.monotonic()
         residency.status_changed(replica, model, status)
-        if status == "loading":
-            self._loading[replica, model] = now
+        if status == "loading":  # one event when the load begins, more as it progresses
+            self._loading.setdefault((replica, model), now)
         elif (began := self._loading.pop((replica, model), None)) is not None and status == "loaded":
             residency.learn("load", now - began)
             log.info("replica_model_loaded", replica=replica, model=model, seconds=round(now - began, 3))

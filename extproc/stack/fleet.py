@@ -199,7 +199,7 @@ def _migrate(stack: StackRun, leaving: Replica, staying: list[Replica], deadline
 
     model = stack.model_of(leaving.name)
     staying = [r for r in staying if stack.model_of(r.name).path == model.path]  # another model's cache is none
-    if not staying:
+    if not staying or stack.router_mode:  # router mode: a slot belongs to one of several models (docs/fleets.md)
         return Outcome(leaving.name)
     section = stack.state.migration
     identity = Identity(model.sha256, stack.replica_settings(leaving.name).slot_context, "f16")

@@ -173,7 +173,8 @@ class Stack(StackRun):
     def _replica_status(self, r: Replica) -> dict[str, Any]:
         return {
             "name": r.name,
-            "model": self.model_of(r.name).alias,
+            "model": (", ".join(m.alias for m in self.served_models()) if self.router_mode
+                      else self.model_of(r.name).alias),
             "address": r.address,
             "pid": r.process.pid,
             "alive": r.process.alive(),

@@ -142,6 +142,11 @@ class StackRun:
         cycle = self.state.models
         return ServedModel(**cycle[replica_index(name) % len(cycle)])
 
+    @property
+    def router_mode(self) -> bool:
+        """Every replica serves every model, loading them on demand (docs/fleets.md)."""
+        return bool(self.state.replica_settings.get("models_dir"))
+
     def served_models(self) -> list[ServedModel]:
         """Each model of the fleet once, in the order of [replicas] model."""
         return [ServedModel(**entry) for entry in {entry["path"]: entry for entry in self.state.models}.values()]
