@@ -65,6 +65,8 @@ class Residency:
     def sent(self, replica: str, model: str) -> str | None:
         """A request for ``model`` went to ``replica``: the model it predicts unloaded there, if any."""
         models = self._models.get(replica)
+        if models is not None and not model and len(models) == 1:
+            model = next(iter(models))
         if models is None or model not in models:
             return None
         before = models.pop(model)
@@ -77,22 +79,28 @@ class Residency:
         models[evicted] = "unloaded"
         return evicted
 
-    def cold(self, replica: str, model: str) -> bool:
+    def status(self, replica: str, model: str) -> Status:
+        """``model``'s status on ``replica`` ("loaded" when the replica reports none, or not this
+        model); a request naming no model asks for a one-model replica's model."""
         models = self._models.get(replica)
-        return models is not None and models.get(model, "loaded") != "loaded"
+        if not models:
+            return "loaded"
+        if not model and len(models) == 1:
+            return next(iter(models.values()))
+        return models.get(model, "loaded")
+
+    def cold(self, replica: str, model: str) -> bool:
+        return self.status(replica, model) != "loaded"
 
     def penalty(self, replica: str, model: str) -> float:
-        models = self._models.get(replica)
-        if models is None:
-            return 0.0
-        status = models.get(model, "loaded")
+        status = self.status(replica, model)
         if status == "loaded":
             return 0.0
         if status == "sleeping":
             return self.wake_s
         if status == "loading":  # under way: half of it left, on average, and no other model evicted
             return self.load_s / 2
-        capacity = self._capacity.get(replica, 0)
+        capacity, models = self._capacity.get(replica, 0), self._models[replica]
         full = capacity and sum(1 for name, held in models.items() if held != "unloaded" and name != model) >= capacity
         return 2 * self.load_s if full else self.load_s
 

@@ -169,7 +169,7 @@ class LlmAware:
         assert home is not None  # eligible is not empty
         # expected: replica -> cached tokens there; costs: replica -> the request's new tokens there
         cached_on, expected, costs, seen, holders = self.where_cached(situation, home)
-        if situation.residency.tracked and request.model:
+        if situation.residency.tracked:
             cached_on, expected, costs = warm_only(situation, cached_on, expected, costs)
         if not self.cache_aware:
             costs = {}
@@ -293,10 +293,12 @@ class LlmAware:
 
     def warm_floor(self, situation: Situation, replica: str) -> int:
         """The requests below which ``replica`` is never past the guard rail: all its slots where the
-        request's model is loaded in a fleet that loads models (a free slot there beats a load
-        elsewhere), else 1."""
+        request's model is loaded while it is cold elsewhere (a free slot there beats a load or a
+        wake elsewhere), else 1."""
         residency, model = situation.residency, situation.request.model
-        return self.slots if residency.tracked and model and not residency.cold(replica, model) else 1
+        if not residency.tracked or residency.cold(replica, model):
+            return 1
+        return self.slots if any(residency.cold(name, model) for name in situation.eligible) else 1
 
     def candidates(self, situation: Situation, costs: dict[str, int]) -> Iterable[str]:
         """The replicas whose first token is predicted: every eligible one in a fleet of up to
