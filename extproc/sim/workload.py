@@ -145,7 +145,7 @@ def with_models(workload: ClosedLoop | OpenLoop | Mixed, shares: Mapping[str, fl
     for loop in loops:
         for request in _every_request(loop):
             point = zlib.crc32(f"{seed}/{request.head.conversation}".encode()) / 2**32 * total
-            _name_model(request, _weighted(point, items))
+            name_model(request, _weighted(point, items))
 
 
 def _every_request(loop: ClosedLoop | OpenLoop) -> Iterable[Request]:
@@ -160,7 +160,7 @@ def _every_request(loop: ClosedLoop | OpenLoop) -> Iterable[Request]:
             turn = turn.next
 
 
-def _name_model(request: Request, model: str) -> None:
+def name_model(request: Request, model: str) -> None:
     seed = model_seed(model)
     request.key = model_key(model, request.key)
     route = request.route
