@@ -21,12 +21,14 @@ from extproc.cli_input import UsageError, at_least, distinct, new_folder, parse_
 from extproc.sim.arena import arena, ceiling_line
 from extproc.sim.costmodel import CostModel, CostModelError, load_cost_model
 from extproc.sim.flow_runs import Variant, flow_runs, parse_variant, render_table, summarise
+from extproc.sim.model_loads import loads_table, render_loads
 from extproc.sim.mooncake import TraceError, cacheable_ceiling
 from extproc.sim.roll import RollSettings, render_rolls, roll_runs
 from extproc.sim.routers import ROUTER_STATES
 from extproc.sim.runs import (
     SIM_CONFIG,
     SimConfig,
+    SimRouterModeSection,
     load_sim_config,
     parse_policy,
     profile_source,
@@ -94,6 +96,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="through flow control: none fifo round-robin las vtc ours, knobs as ours:patience=false "
                              "(extproc/sim/flow_runs.py); prints per-tenant p95 TTFT, Jain index, cached share, "
                              "throughput; a trace is split into [flow] trace_tenants")
+    parser.add_argument("--models", metavar="NAME:SHARE,..",
+                        help="llama.cpp router mode: every replica serves these models, each conversation names one "
+                             "in proportion to its share (smollm2:0.5,tiny:0.5; default: [router_mode] models); "
+                             "prints model loads, cached share and p95 TTFT per policy")
+    parser.add_argument("--models-max", type=at_least(1),
+                        help="router mode: models a replica keeps loaded at once (default: [router_mode] models_max)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
 
 
@@ -116,6 +124,7 @@ def main(args: argparse.Namespace) -> int:
             roll_restart_s=config.roll_restart_s if args.restart_s is None else args.restart_s,
             migration_transfer_gb_per_s=args.transfer_gb_per_s or config.migration_transfer_gb_per_s,
             relieve_hot_spots=config.relieve_hot_spots if args.relieve_hot_spots is None else args.relieve_hot_spots,
+            router_mode=router_mode(args, config),
         )
         seeds = parse_seeds(args.seeds)
         distinct(args.replicas or [], "--replicas")
@@ -147,6 +156,7 @@ def main(args: argparse.Namespace) -> int:
         if args.scale_at is not None and args.scale_at <= 0:
             raise ValueError(f"--scale-at must be > 0 seconds (got {args.scale_at:g})")
         check_roll(args, models, config)
+        check_router_mode(args, config, [cost, *models])
         new_folder(args.out_dir)  # last: every other input is known good
     except TraceError as exc:
         raise UsageError(f"--trace {exc}") from None
@@ -159,6 +169,7 @@ def main(args: argparse.Namespace) -> int:
     results: dict[str, Any] = {}
     differences: dict[str, Any] = {}  # replicas -> paired differences to the first policy
     arenas: dict[str, Any] = {}  # traces: replicas -> the arena table
+    loads: dict[str, Any] = {}  # router mode: replicas -> model loads, cached share, p95 TTFT
     ceiling = cacheable_ceiling(source.trace) if source.trace is not None else None
     if source.trace is not None and not args.json:
         print(ceiling_line(ceiling))
@@ -191,6 +202,12 @@ def main(args: argparse.Namespace) -> int:
             if not args.json:
                 print(f"\narena, {source.label}: {replicas} replicas, cost model {cost.name}, {len(seeds)} seeds")
                 print(render_stats(table, metrics))
+        if fleet.router_mode is not None:
+            loads[str(replicas)] = loads_table(out_dir, args.policies)
+            if not args.json:
+                print(f"\nrouter mode, models {fleet.router_mode.shares}, models_max {fleet.router_mode.models_max}: "
+                      f"{replicas} replicas, {len(seeds)} seeds")
+                print(render_loads(loads[str(replicas)]))
     relief = fleet.relief
     if relief is not None:
         print(f"hot-spot relief: {relief.moves:,} caches moved ({relief.moved_bytes / 1e9:,.1f} GB) over every run",
@@ -201,8 +218,46 @@ def main(args: argparse.Namespace) -> int:
                                "paired": {"against": args.policies[0], "replicas": differences}}
         if source.trace is not None:
             out["arena"] = {"ceiling": ceiling, "cost_model": cost.name, "replicas": arenas}
+        if loads:
+            out["model_loads"] = loads
         print(json.dumps(out))
     return 0
+
+
+def router_mode(args: argparse.Namespace, config: SimConfig) -> SimRouterModeSection | None:
+    """[router_mode] with --models and --models-max over it."""
+    section = config.router_mode
+    if section is None:
+        return None
+    update: dict[str, Any] = {} if args.models_max is None else {"models_max": args.models_max}
+    if args.models is not None:
+        update["models"] = parse_shares(args.models)
+    return section.model_copy(update=update).checked()
+
+
+def parse_shares(text: str) -> dict[str, float]:
+    """``NAME:SHARE,NAME:SHARE ..`` (shares > 0; they need not sum to 1)."""
+    shares: dict[str, float] = {}
+    for item in text.split(","):
+        name, _, share = item.partition(":")
+        try:
+            shares[name] = float(share)
+        except ValueError:
+            raise ValueError(f"--models: {item!r} is not NAME:SHARE (smollm2:0.5,tiny:0.5)") from None
+        if not name or shares[name] <= 0:
+            raise ValueError(f"--models: {item!r}: a model name and a share > 0")
+    return shares
+
+
+def check_router_mode(args: argparse.Namespace, config: SimConfig, costs: list[CostModel]) -> None:
+    if config.models() is None:
+        if args.models_max is not None:
+            raise ValueError("--models-max: only with models in router mode (--models or [router_mode] models)")
+        return
+    if args.flow or args.roll_at is not None:
+        raise ValueError("--models: router mode runs without --flow and --roll-at")
+    if any(cost.server is not None and cost.server.kv_cache == "paged" for cost in costs):
+        raise ValueError("--models: router mode is llama.cpp's: a slot server's cost model, not a paged one")
 
 
 def check_flow(args: argparse.Namespace, config: SimConfig) -> None:

@@ -42,6 +42,7 @@ from extproc.sim.paged import PagedReplica
 from extproc.sim.relief import Relief
 from extproc.sim.replica import Replica
 from extproc.sim.request import Request
+from extproc.sim.router_mode import RouterMode, SimRouterMode
 from extproc.sim.routers import RouterTier
 
 _WAKE, _SEND, _SCALE, _USER, _RELEASE, _SLOW, _HOOK = 0, 1, 2, 3, 4, 5, 6
@@ -67,6 +68,7 @@ class Fleet:
     models: tuple[tuple[CostModel, int], ...] = ()
     slow: tuple[tuple[str, float, float], ...] = ()  # (replica, at seconds, factor): from then that much slower
     relief: Relief | None = None  # hot-spot relief: a turn sent away from its cache takes it along
+    router_mode: RouterMode | None = None  # each replica serves several models, some loaded (router_mode.py)
 
     def names(self, count: int) -> list[str]:
         return [f"llm-{i}" for i in range(count)]
@@ -98,6 +100,7 @@ class Outcome:
     # per answer, the router's learnt speed of its replica and the replica's true one:
     # (at s, replica, cost model, learnt Speed, true Speed)
     speeds: list[tuple[float, str, str, Speed, Speed]] = field(default_factory=list)
+    loads: dict[str, int] = field(default_factory=dict)  # router mode: model loads per replica
 
 
 def simulate(
@@ -141,6 +144,7 @@ class _Simulation:
         self.flow: SimFlow | None = None
         self.busy = 0  # replicas with at least one running request
         self.host_factor = 1.0
+        self.models = SimRouterMode(self, fleet.router_mode) if fleet.router_mode is not None else None
         self._set_fleet(fleet.replicas, 0.0)
 
     def push(self, at: float, kind: int, payload: object) -> None:
@@ -192,6 +196,8 @@ class _Simulation:
             self.router.settle()
         self.outcome.end_s = now
         self.outcome.events = events
+        if self.models is not None:
+            self.outcome.loads = self.models.loads()
         return self.outcome
 
     def _next_conversation(self, users: Iterator[Request], now: float) -> None:
@@ -238,6 +244,14 @@ class _Simulation:
         if server is not None and request.prompt_tokens + request.max_tokens > server.context_tokens:
             self._reject(request, now)
             return
+        if self.models is not None:
+            assert isinstance(replica, Replica)  # router mode runs llama.cpp slot servers
+            self.models.arrive(request, replica, now)  # now, or once its model is loaded
+        else:
+            self.serve(request, replica, now)
+
+    def serve(self, request: Request, replica: Replica | PagedReplica, now: float) -> None:
+        """``request`` reaches the server (router mode: its model loaded): a slot, or the queue."""
         was_idle = not replica.running
         if not replica.arrive(request, now):
             return  # queued: the replica's pending wake-up still holds
@@ -284,6 +298,9 @@ class _Simulation:
             else:
                 release(ticket, True)
             self.done(request, now)
+            if self.models is not None:
+                assert isinstance(replica, Replica)
+                self.models.finished(request, replica, now)
 
     def done(self, request: Request, now: float) -> None:
         self.record(request)
@@ -351,6 +368,8 @@ class _Simulation:
                 replica.host_factor = self.host_factor
                 self.replicas[name] = replica
                 self.every_replica.append(replica)
+                if self.models is not None:
+                    self.models.add(name)
         for name, replica in self.replicas.items():
             replica.draining = name not in names
         self.router.set_replicas(names)

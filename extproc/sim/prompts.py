@@ -20,7 +20,7 @@ the newest one always stays.
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 
 BLOCK_TOKENS = 512  # Mooncake's block size
 
@@ -95,6 +95,11 @@ class HostCache:
         entry = self._entries[best]
         self._remove(best)
         return entry
+
+    def forget(self, owned: Callable[[Hashable], bool]) -> None:
+        """Drop every entry whose key is ``owned`` (an unloaded model's: its process is gone)."""
+        for entry_id in [entry_id for entry_id, (key, _, _) in self._entries.items() if owned(key)]:
+            self._remove(entry_id)
 
     def _remove(self, entry_id: int) -> None:
         key, _, tokens = self._entries.pop(entry_id)

@@ -13,6 +13,7 @@ host-RAM cache is consulted (see ``prompts``).
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Hashable
 
 from extproc.sim.clock import TwoPhaseClock
 from extproc.sim.costmodel import CostModel
@@ -76,6 +77,17 @@ class Replica(TwoPhaseClock):
         while queue and self.running < self.slot_count:
             self._start(queue.popleft(), now)
         return finished
+
+    def forget(self, model: int) -> None:
+        """Router mode: the model seeded ``model`` was unloaded; its slots' content and host-RAM
+        entries (keys ``router_mode.model_key``) are gone with its process. Its slots are idle."""
+        def owned(key: Hashable) -> bool:
+            return isinstance(key, tuple) and key[0] == model
+
+        for slot in self.slots:
+            if owned(slot.key):
+                slot.key, slot.blocks, slot.tokens = None, None, 0
+        self.cache.forget(owned)
 
     def _start(self, request: Request, now: float) -> None:
         slot, shared = self._pick_slot(request)

@@ -25,8 +25,9 @@ from extproc.sim.flow import FlowSpec
 from extproc.sim.mooncake import TraceError, TraceRequest, jittered_arrivals, read_trace
 from extproc.sim.records import SIM_EPOCH_S, request_rows
 from extproc.sim.relief import Relief
+from extproc.sim.router_mode import RouterMode
 from extproc.sim.routers import RouterTier, check_router_tier
-from extproc.sim.workload import MIXES, mixed_workload, profile_workload, requests_from_trace
+from extproc.sim.workload import MIXES, mixed_workload, profile_workload, requests_from_trace, with_models
 from extproc.strict import Strict
 from extproc.traffic import Profile, load_profile
 
@@ -57,6 +58,7 @@ class SimConfig:
     # traces: arrivals sharing a bucket this wide are spread over it with the seed (None: not read)
     jitter_bucket_s: float | None = None
     flow: SimFlowSection | None = None  # [flow]: flow control's settings in `llm-ring sim --flow` (None: not read)
+    router_mode: SimRouterModeSection | None = None  # [router_mode]: several models per replica (None: not read)
 
     def fleet(self, replicas: int, cost: CostModel, scale: tuple[tuple[float, int], ...] = (),
               host_cores: float | None = None, cache: bool = True, models: tuple[CostModel, ...] = (),
@@ -70,7 +72,14 @@ class SimConfig:
                      self.host_cores if host_cores is None else host_cores, self.threads,
                      self.release_lag_ms / 1000, self.release_by_next_turn,
                      tuple((model, cache_tokens(self.cache_ram_mib, model) if cache else 0) for model in models),
-                     slow, relief)
+                     slow, relief, self.models())
+
+    def models(self) -> RouterMode | None:
+        """[router_mode] as the fleet's (None: no models named, one model per replica)."""
+        section = self.router_mode
+        if section is None or not section.models:
+            return None
+        return RouterMode(section.models, section.load_s, section.models_max, section.report_lag_ms / 1000)
 
 
 class SimReplicaSection(Strict):
@@ -107,6 +116,26 @@ class SimMigrationSection(Strict):
     relieve_hot_spots: bool
 
 
+class SimRouterModeSection(Strict):
+    """[router_mode]: the models each replica serves in llama.cpp's router mode (extproc/sim/router_mode.py)."""
+
+    models: dict[str, float]  # model -> share of the conversations ({}: no router mode)
+    models_max: int
+    load_s: dict[str, float]  # model -> seconds its load takes
+    report_lag_ms: float
+
+    def checked(self) -> SimRouterModeSection:
+        unknown = [model for model in self.models if model not in self.load_s]
+        if unknown:
+            raise ValueError(f"router_mode.models: no load_s for {', '.join(unknown)} "
+                             f"(known: {', '.join(self.load_s)})")
+        if any(share <= 0 for share in self.models.values()) or self.models_max < 1 or self.report_lag_ms < 0:
+            raise ValueError("router_mode: every share must be > 0, models_max >= 1, report_lag_ms >= 0")
+        if any(seconds < 0 for seconds in self.load_s.values()):
+            raise ValueError("router_mode.load_s: a load takes >= 0 seconds")
+        return self
+
+
 class SimFlowSection(Strict):
     """[flow]: the queue's settings for `llm-ring sim --flow` (extproc/sim/flow_runs.py)."""
 
@@ -131,6 +160,7 @@ class SimSettings(Strict):
     trace: SimTraceSection
     gateway: SimGatewaySection
     migration: SimMigrationSection
+    router_mode: SimRouterModeSection
     flow: SimFlowSection
 
 
@@ -151,7 +181,7 @@ def load_sim_config(path: str | Path = SIM_CONFIG) -> SimConfig:
             roll_restart_s=checked.migration.roll_restart_s,
             migration_transfer_gb_per_s=checked.migration.transfer_gb_per_s,
             migration_min_tokens=checked.migration.min_tokens, relieve_hot_spots=checked.migration.relieve_hot_spots,
-            flow=checked.flow,
+            flow=checked.flow, router_mode=checked.router_mode.checked(),
         )
         check_router_tier(config.routers, config.router_state, config.store_lag_ms)
     except ValueError as exc:
@@ -255,7 +285,10 @@ def run_experiment(
         for spec in policies:
             base = {**config.routing, "hash_seed": seed} if source.seeds_hash else config.routing
             settings = parse_policy(spec, base)
-            outcome = run_once(source.make(seed, make_policy(settings).prefix_block_chars), settings, cost, fleet,
+            workload = source.make(seed, make_policy(settings).prefix_block_chars)
+            if fleet.router_mode is not None:
+                with_models(workload, fleet.router_mode.shares, seed)
+            outcome = run_once(workload, settings, cost, fleet,
                                config.routers, config.router_state, seed, config.store_lag_ms,
                                config.store_handoff, config.store_outage)
             run_id = f"sim-{source.label}-r{fleet.replicas}-{spec.replace(':', '_').replace(',', '_')}-s{seed}"
@@ -292,8 +325,16 @@ def _meta(run_id: str, spec: str, seed: int, source: Source, settings: RoutingSe
                   if config.router_state == "store" else {}),
                "scale": [list(event) for event in fleet.scale], "events": outcome.events,
                **({"models": [model.name for model, _ in fleet.models]} if fleet.models else {}),
-               **({"slow": [list(event) for event in fleet.slow]} if fleet.slow else {})},
+               **({"slow": [list(event) for event in fleet.slow]} if fleet.slow else {}),
+               **(router_mode_meta(fleet.router_mode, outcome.loads) if fleet.router_mode else {})},
     )
+
+
+def router_mode_meta(spec: RouterMode, loads: dict[str, int]) -> dict[str, Any]:
+    """run.json's record of router mode: the models, and the loads counted (in all, per replica)."""
+    return {"router_mode": {"models": dict(spec.shares), "models_max": spec.models_max, "load_s": dict(spec.load_s),
+                            "report_lag_ms": spec.report_lag_s * 1000},
+            "model_loads": sum(loads.values()), "model_loads_by_replica": loads}
 
 
 def write_speeds(samples: list[tuple[float, str, str, Speed, Speed]], path: Path) -> None:

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import zlib
-from typing import NamedTuple
+from collections.abc import Iterable, Mapping
+from typing import NamedTuple, TypeVar
 
+from extproc.routing.blocks import model_seed
+from extproc.routing.continuation import of_model
 from extproc.sim.engine import ClosedLoop, Mixed, OpenLoop
 from extproc.sim.mooncake import TraceRequest, infer_conversations
 from extproc.sim.request import Request
+from extproc.sim.router_mode import model_key
 from extproc.traffic import Profile, generate_conversations, load_profile
 
 
@@ -128,9 +132,49 @@ def requests_from_trace(
 def tenant_of(conversation: str, tenants: tuple[tuple[str, int], ...]) -> str:
     """The tenant a conversation belongs to: its id's CRC-32 among the tenants' weights (stable
     across processes and Python versions, unlike ``hash``)."""
-    point = zlib.crc32(conversation.encode()) % sum(weight for _, weight in tenants)
-    for name, weight in tenants:
+    return _weighted(zlib.crc32(conversation.encode()) % sum(weight for _, weight in tenants), tenants)
+
+
+def with_models(workload: ClosedLoop | OpenLoop | Mixed, shares: Mapping[str, float], seed: int) -> None:
+    """Each conversation names a model, in proportion to ``shares`` (by a CRC-32 of the seed and its
+    id), as a client's ``model`` field: its route carries it, its conversation and prefix blocks are
+    keyed under it (as the service keys them: ``continuation.of_model``, ``blocks.model_seed``), and
+    so is its prompt cache on the replicas (``router_mode.model_key``)."""
+    loops = (workload,) if isinstance(workload, ClosedLoop | OpenLoop) else workload
+    total, items = sum(shares.values()), tuple(shares.items())
+    for loop in loops:
+        for request in _every_request(loop):
+            point = zlib.crc32(f"{seed}/{request.head.conversation}".encode()) / 2**32 * total
+            name_model(request, _weighted(point, items))
+
+
+def _every_request(loop: ClosedLoop | OpenLoop) -> Iterable[Request]:
+    if isinstance(loop, OpenLoop):
+        yield from loop.requests
+        return
+    for first in loop.conversations:
+        turn: Request | None = first
+        while turn is not None:
+            yield turn
+            yield from turn.sides
+            turn = turn.next
+
+
+def name_model(request: Request, model: str) -> None:
+    seed = model_seed(model)
+    request.key = model_key(model, request.key)
+    route = request.route
+    request.route = route._replace(model=model, conversation=of_model(model, route.conversation),
+                                   prefix_blocks=tuple(hash((seed, block)) for block in route.prefix_blocks))
+
+
+Named = TypeVar("Named")
+
+
+def _weighted(point: float, weights: tuple[tuple[Named, float], ...]) -> Named:
+    """The item whose stretch of the weights' sum holds ``point`` (0 <= point < the sum)."""
+    for name, weight in weights:
         if point < weight:
             return name
         point -= weight
-    raise AssertionError("unreachable: point < the weights' sum")
+    return weights[-1][0]  # a float sum's rounding: the last stretch
