@@ -70,6 +70,8 @@ class ServiceSettings(Strict):
     log_level: Literal["debug", "info", "warning", "error"]
     fallbacks: int = Field(ge=0, le=8, description="endpoints after the pick, tried by Envoy on connect failure")
     health_probe_seconds: float = Field(gt=0, description="probe period (GET /health) of a replica that failed")
+    model_status_seconds: float = Field(gt=0, description="how often each replica's loaded models and sleep are "
+                                                          "read again (docs/fleets.md)")
     observe_grace_ms: int = Field(ge=0, le=10_000, description="SSE: wait after the access log entry for the end")
     envoy_endpoints_file: str = Field(description="EDS file written for Envoy; empty: Envoy resolves DNS")
     fail_open: bool = Field(description="Envoy: round robin when this service is down (true) or 500 (false)")

@@ -120,7 +120,8 @@ async def serve(settings: Settings) -> int:
         gateway.decision_log = DecisionLog(sys.stdout.buffer)
     health = ReplicaHealth(gateway, service.health_probe_seconds)
     models = ModelFetcher(gateway.catalog, lambda: gateway.endpoints, replica_key, service.health_probe_seconds)
-    residency = ResidencyWatcher(lambda: gateway.router.residency, lambda: gateway.endpoints, replica_key)
+    residency = ResidencyWatcher(lambda: gateway.router.residency, lambda: gateway.endpoints, replica_key,
+                                 service.model_status_seconds)
     gateway.on_replica_failed = health.replica_failed
     metrics.watch(gateway.replica_states, lambda: gateway.router.speeds.speeds())  # reconfigure may replace them
     room = WaitingRoom(gateway, settings.flow) if settings.flow.enabled else None

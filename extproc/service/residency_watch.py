@@ -5,8 +5,10 @@ its ``--models-max``), lists each model's status in ``GET /v1/models`` (``status
 streams every change on ``GET /models/sse`` (``{"model", "event", "data": {"status"}}``). For each
 such replica one task reads the list, then follows the stream; the list is read again every
 ``resync_seconds`` and whenever the stream ends, so a lost event is corrected. The seconds from
-a model's first "loading" event to its "loaded" one are learnt as the load time. A replica that is not
-in router mode is asked once and left alone: nothing changes for it.
+a model's first "loading" event to its "loaded" one are learnt as the load time. A one-model
+replica says in ``GET /props`` whether it sleeps (``is_sleeping``, with ``--sleep-idle-seconds``):
+that is read every ``resync_seconds``, and told to the router from the first time it sleeps
+(until then nothing changes for it).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import orjson
 import structlog
 
 from extproc.routing.residency import STATUSES, Residency, Status
+from extproc.service.catalog import served_name
 
 log = structlog.get_logger("extproc.service.residency_watch")
 
@@ -83,10 +86,17 @@ class ResidencyWatcher:
                 self._tasks[name] = loop.create_task(self._watch(name))
 
     async def _watch(self, name: str) -> None:
-        capacity = await self._router_capacity(name)
-        if capacity is None:
+        props = await self._first_props(name)
+        if props is None:
             return
-        log.info("replica_router_mode", replica=name, models_max=capacity)
+        capacity = props.get("max_instances")
+        if props.get("role") == "router" and type(capacity) is int:
+            log.info("replica_router_mode", replica=name, models_max=capacity)
+            await self._follow_router(name, max(0, capacity))
+        elif "is_sleeping" in props:
+            await self._follow_sleep(name)
+
+    async def _follow_router(self, name: str, capacity: int) -> None:
         while (endpoint := self.endpoints().get(name)) is not None:
             statuses = await self._list(endpoint)
             if statuses is not None:
@@ -97,19 +107,35 @@ class ResidencyWatcher:
                     await self._follow(name, endpoint)
             await asyncio.sleep(max(0.0, 1.0 - (time.monotonic() - began)))  # a refused stream: not a busy loop
 
-    async def _router_capacity(self, name: str) -> int | None:
-        """``--models-max`` of a router-mode replica (0: no limit); None for any other (asked until it answers)."""
+    async def _follow_sleep(self, name: str) -> None:
+        slept = False
         while (endpoint := self.endpoints().get(name)) is not None:
-            try:
-                response = await self.client.get(f"http://{endpoint}/props")
-                props = orjson.loads(response.content) if response.status_code == 200 else None
-            except (httpx.HTTPError, orjson.JSONDecodeError):
-                props = None
-            if isinstance(props, dict):
-                capacity = props.get("max_instances")
-                return max(0, capacity) if props.get("role") == "router" and type(capacity) is int else None
+            props = await self._props(endpoint)
+            asleep = props is not None and props.get("is_sleeping") is True
+            if props is not None and (slept or asleep):
+                model = served_name(str(props.get("model_alias") or props.get("model_path") or ""))
+                if asleep != (self.residency().status(name, model) == "sleeping"):
+                    log.info("replica_sleep", replica=name, model=model, sleeping=asleep)
+                slept = True
+                self.residency().observe(name, {model: "sleeping" if asleep else "loaded"}, 0)
+            await asyncio.sleep(self.resync)
+
+    async def _first_props(self, name: str) -> dict[str, object] | None:
+        """The replica's ``GET /props``, asked until it answers; None once it has left."""
+        while (endpoint := self.endpoints().get(name)) is not None:
+            props = await self._props(endpoint)
+            if props is not None:
+                return props
             await asyncio.sleep(1.0)
         return None
+
+    async def _props(self, endpoint: str) -> dict[str, object] | None:
+        try:
+            response = await self.client.get(f"http://{endpoint}/props")
+            props = orjson.loads(response.content) if response.status_code == 200 else None
+        except (httpx.HTTPError, orjson.JSONDecodeError):
+            return None
+        return props if isinstance(props, dict) else None
 
     async def _list(self, endpoint: str) -> dict[str, Status] | None:
         try:

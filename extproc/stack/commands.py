@@ -41,6 +41,8 @@ def configure_up(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cache-ram", type=int, metavar="MIB", help="[replicas] cache_ram_mib")
     parser.add_argument("--models-max", type=int, metavar="N",
                         help="router mode: every replica serves every model, N loaded at once ([replicas] models_max)")
+    parser.add_argument("--sleep-idle-seconds", type=int, metavar="S",
+                        help="replicas unload their model after S idle seconds ([replicas] sleep_idle_seconds)")
     parser.add_argument("--profile", help="[check] profile whose max_context_tokens must fit a slot")
 
 
@@ -50,7 +52,8 @@ def main_up(args: argparse.Namespace) -> int:
         settings = load_stack_settings(args.settings, {
             "replicas": {"count": args.replicas, "backend": args.backend, "llama_server": args.llama_server,
                          "model": _models(args.model), "ctx_size": args.ctx_size, "parallel": args.parallel,
-                         "threads": args.threads, "cache_ram_mib": args.cache_ram, "models_max": args.models_max},
+                         "threads": args.threads, "cache_ram_mib": args.cache_ram, "models_max": args.models_max,
+                         "sleep_idle_seconds": args.sleep_idle_seconds},
             "gateways": {"count": args.gateways},
             "router": {"policy": args.policy},
             "check": {"profile": args.profile},

@@ -49,6 +49,7 @@ class ReplicaSettings:
     # router mode (docs/fleets.md): the folder of every model served, and how many run at once
     models_dir: str = ""
     models_max: int = 0
+    sleep_idle_seconds: int = 0  # > 0: the model and its cache are unloaded after this many idle seconds
 
     @property
     def served_name(self) -> str:
@@ -112,6 +113,7 @@ def command(settings: ReplicaSettings, port: int, slot_dir: Path, key_file: Path
         "--slot-save-path", str(slot_dir),  # enables the /slots actions
         "--api-key-file", str(key_file),  # ... for the key's holders alone
         "--metrics",
+        *(["--sleep-idle-seconds", str(settings.sleep_idle_seconds)] if settings.sleep_idle_seconds else []),
     ]
 
 

@@ -35,6 +35,7 @@ class ReplicasSection(Strict):
     cache_ram_mib: int = Field(ge=0)
     slot_prompt_similarity: float = Field(ge=0, le=1)
     models_max: int = Field(ge=0, le=64)
+    sleep_idle_seconds: int = Field(ge=0)
     health_timeout_seconds: float = Field(gt=0)
 
     @model_validator(mode="after")

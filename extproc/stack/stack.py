@@ -223,7 +223,7 @@ def _new_state(settings: StackSettings, data: Path, run: Path, taken: dict[str, 
     cycle = [served[name] for name in rs.models]
     replica_settings = replace(replica_settings, model=cycle[0].path, alias=cycle[0].alias,
                                models_dir=_models_dir(run, served.values()) if rs.models_max else "",
-                               models_max=rs.models_max)
+                               models_max=rs.models_max, sleep_idle_seconds=rs.sleep_idle_seconds)
     # what a replica holds (slots + host cache), for the routers: the least of the models'
     capacity = min(rs.ctx_size + rs.cache_ram_mib * 2**20 // model.kv_bytes_per_token for model in served.values())
     (run / "logs").mkdir(parents=True, exist_ok=True)

@@ -34,6 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--api-key-file", default="", help="each line a key: every request but /health must "
                                                             "carry one (authorization: Bearer KEY)")
     parser.add_argument("--metrics", action="store_true", help="serve Prometheus /metrics")
+    parser.add_argument("--sleep-idle-seconds", type=int, default=-1, help="unload the model and its cache after "
+                                                                          "this many idle seconds (-1: never)")
     return parser
 
 
@@ -68,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     params.endpoint_slots = True
     params.endpoint_metrics = args.metrics
     params.api_keys = api_keys(args.api_key_file)
+    params.sleep_idle_seconds = args.sleep_idle_seconds
     server = xllamacpp.Server(params)  # returns once the model is loaded and the port listens
     print(f"llm-ring replica listening on {server.listening_address}", flush=True)
     while True:

@@ -96,3 +96,35 @@ async def left_alone() -> None:
     finally:
         await watcher.close()
         server.close()
+
+
+def test_a_one_model_replica_is_followed_once_it_sleeps() -> None:
+    asyncio.run(asleep_then_awake())
+
+
+async def asleep_then_awake() -> None:
+    state = {"is_sleeping": False, "model_alias": "/data/models/tiny.gguf"}
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        body = orjson.dumps(state)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(answer, "127.0.0.1", 0)
+    residency = Residency(1.5, 1.0)
+    port = server.sockets[0].getsockname()[1]
+    watcher = ResidencyWatcher(lambda: residency, lambda: {"llm-0": f"127.0.0.1:{port}"}, resync_seconds=0.05)
+    try:
+        watcher.replicas_changed()
+        await asyncio.sleep(0.3)
+        assert not residency.tracked  # awake since it started: nothing to tell
+        state["is_sleeping"] = True
+        await until(lambda: residency.status("llm-0", "tiny") == "sleeping")
+        assert residency.penalty("llm-0", "") == 1.0 and residency.cold("llm-0", "")  # a request naming no model
+        state["is_sleeping"] = False
+        await until(lambda: residency.status("llm-0", "tiny") == "loaded")
+    finally:
+        await watcher.close()
+        server.close()
