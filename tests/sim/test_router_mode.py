@@ -21,7 +21,7 @@ def run(*sent, models_max=1, slots=1, cache_tokens=0, lag_s=0.0):  # noqa: ANN20
     """(model, request) pairs through one router-mode replica."""
     for model, item in sent:
         name_model(item, model)
-    router = Router(settings("round-robin"))
+    router = Router(settings("round-robin").model_copy(update={"prior_model_load_ms": 1500.0}))
     fleet = Fleet(1, slots, cache_tokens, router_mode=RouterMode({"a": 1, "b": 1}, LOAD_S, models_max, lag_s))
     outcome = simulate(OpenLoop([item for _, item in sent]), router, simple_cost(), fleet)
     return {r.request_id: r for r in outcome.requests}, outcome, router

@@ -93,6 +93,8 @@ REASONS = {
     "least-recent": "llm-aware, prefix index: a prompt no replica holds; under the cap, the replica whose least "
                     "recent prompt is oldest",
     "faster": "llm-aware: another replica's first token predicted ttft_margin sooner than the preferred one's",
+    "warm": "llm-aware: no replica holds the cache and the model is cold on the preferred one: the first replica "
+            "clockwise where the model is loaded (router mode, sleep)",
     **WALK_REASONS,
     "kept": "llm-aware, prefix index: none fitted under the cap; the cached replica, none landing (1 + ε) x lower",
 }
@@ -183,6 +185,10 @@ class LlmAware:
         if least_recent is not None:  # a prompt no replica holds: where the fleet forgets its least recent
             preferred = least_recent[0]
             seen = (*seen[:2], (*seen[2], ("least_recent_use", least_recent[1])))
+        residency = situation.residency
+        warmed = residency.tracked and cached_on is None and residency.cold(preferred, request.model)
+        if warmed:  # no cache to keep: where the model is loaded
+            preferred, holders = warm_first(situation, preferred, holders)
         long_cap = None
         if self.long_stickiness and cached_on == preferred and prompt >= self.long_prompt_tokens:
             # with the index, against the prefix cached there when that is larger: what a move computes again
@@ -216,7 +222,7 @@ class LlmAware:
         elif timed is not None and chosen != preferred:
             reason = "faster"
         elif chosen == preferred:
-            reason = ("home" if preferred == home else "least-recent" if least_recent
+            reason = ("home" if preferred == home else "warm" if warmed else "least-recent" if least_recent
                       else "prefix" if seen else "sticky")
             load = loads[chosen]
             if checks and load and load + preferred_cost > cap and not (discount.cached and load < cap):
@@ -615,6 +621,23 @@ def model_wait(situation: Situation, replica: str) -> float:
     """The seconds a request waits on ``replica`` for its model's load or wake (residency.py)."""
     residency = situation.residency
     return residency.penalty(replica, situation.request.model) if residency.tracked else 0.0
+
+
+def warm_first(situation: Situation, preferred: str,
+               holders: Callable[[], tuple[str, ...]] | None) -> tuple[str, Callable[[], tuple[str, ...]] | None]:
+    """(the first replica clockwise where the request's model is loaded, the walk's replicas to try
+    first: ``holders``', then the other warm replicas clockwise): the ring of the model's warm
+    replicas. Unchanged when it is cold everywhere."""
+    model, cold = situation.request.model, situation.residency.cold
+    warm = tuple(name for name in situation.walk() if not cold(name, model))
+    if not warm:
+        return preferred, holders
+
+    def warm_later() -> tuple[str, ...]:
+        earlier = holders() if holders is not None else ()
+        return (*earlier, *(name for name in warm if name not in earlier))
+
+    return warm[0], warm_later
 
 
 def warm_only(situation: Situation, cached_on: str | None, expected: dict[str, int],
