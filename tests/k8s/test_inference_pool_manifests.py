@@ -33,6 +33,7 @@ import kubernetes_validate
 import pytest
 from crd_schemas import is_custom, validate_custom
 from k8s_support import (
+    REPLICAS,
     GATEWAY_FOLDERS,
     INFERENCE_POOL,
     NAMESPACE,
@@ -262,7 +263,7 @@ def admitted(policy: dict[str, Any]) -> list[tuple[str, list[dict[str, Any]]]]:
 def test_only_the_gateways_data_plane_reaches_the_picker_port_and_the_admin_api_has_no_port():
     labels = picker_deployment()["spec"]["template"]["metadata"]["labels"]
     metrics = one(picker_docs(), "NetworkPolicy", "picker-metrics")
-    replicas = [{"podSelector": {"matchLabels": {"app.kubernetes.io/name": "llm"}}}]
+    replicas = [{"podSelector": {"matchLabels": REPLICAS}}]
     assert admitted(metrics) == [("metrics", []), ("migration", replicas)], "metrics from any pod, migration: replicas"
     peers = {
         "envoy-ai-gateway": {

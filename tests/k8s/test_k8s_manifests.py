@@ -30,6 +30,7 @@ from typing import Any
 import kubernetes_validate
 import pytest
 from k8s_support import (
+    REPLICAS,
     K8S,
     KIND_CONFIG,
     NAMESPACE,
@@ -222,7 +223,7 @@ def test_gateway_pod_wires_envoy_router_and_their_configs():
     policy = find("NetworkPolicy", "gateway")
     allowed = {(p["port"], json.dumps(rule.get("from", [])))
                for rule in policy["spec"]["ingress"] for p in rule["ports"]}
-    replicas = json.dumps([{"podSelector": {"matchLabels": {"app.kubernetes.io/name": "llm"}}}])
+    replicas = json.dumps([{"podSelector": {"matchLabels": REPLICAS}}])
     assert allowed == {("http", "[]"), ("metrics", "[]"), ("migration", replicas)}
     assert policy["spec"]["policyTypes"] == ["Ingress"]
 

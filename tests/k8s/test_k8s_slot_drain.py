@@ -23,6 +23,7 @@ import httpx
 import pytest
 from fake_apiserver import Endpoint, FakeApiServer, endpoint_slice, identity_from_manifests
 from k8s_support import (
+    REPLICAS,
     MIGRATION_TOKEN,
     NAMESPACE,
     REPLICA_KEY,
@@ -140,7 +141,7 @@ def test_routers_send_a_leaving_replica_follow_ups_only_while_it_surely_serves()
 
 
 def test_only_the_replicas_reach_the_sidecar_and_the_routers_migration_ports():
-    replicas = [{"podSelector": {"matchLabels": {"app.kubernetes.io/name": "llm"}}}]
+    replicas = [{"podSelector": {"matchLabels": REPLICAS}}]
     policy = find("NetworkPolicy", "llm")
     admitted = [(p["port"], rule.get("from", [])) for rule in policy["spec"]["ingress"] for p in rule["ports"]]
     assert admitted == [("http", []), ("slots", replicas)], "llama-server as before; the sidecar: replicas only"
