@@ -161,8 +161,9 @@ def test_replicas_service_statefulset_and_router_settings_agree():
     assert service["spec"]["clusterIP"] == "None", "headless: the router picks the replica"
     assert statefulset["spec"]["serviceName"] == service["metadata"]["name"]
     selector = service["spec"]["selector"]
+    assert selector == REPLICAS, "every model's replicas (test_k8s_two_models.py)"
     assert selector.items() <= template["metadata"]["labels"].items()
-    assert selector == statefulset["spec"]["selector"]["matchLabels"]
+    assert statefulset["spec"]["selector"]["matchLabels"].items() <= template["metadata"]["labels"].items()
     (port,) = [p for p in service["spec"]["ports"] if p["name"] == discovery.kubernetes_port_name]
     llama = template["spec"]["containers"][0]
     named = {p["name"]: p["containerPort"] for p in llama["ports"]}
