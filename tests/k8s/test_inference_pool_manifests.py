@@ -52,7 +52,8 @@ from k8s_support import (
 from extproc.envoy.surface import GENERATION_PATHS, HEALTH_PATHS, MODEL_PREFIX, MODELS_PATHS
 from extproc.settings import Settings, apply_env_overrides, parse_settings
 
-FOLDERS = [INFERENCE_POOL] + [INFERENCE_POOL / name for name in GATEWAY_FOLDERS]
+SECOND_MODEL = INFERENCE_POOL / "two-models"  # a second model's pool (test_k8s_two_models.py)
+FOLDERS = [base / name for base in (INFERENCE_POOL, SECOND_MODEL) for name in ("", *GATEWAY_FOLDERS)]
 GATEWAY_NAMESPACE = "llm-ring-gateway"
 
 
