@@ -9,7 +9,9 @@ GET /drain, and llama-server gets its SIGTERM only once that answers. The drain:
    leaving (discovery.leaving_seconds), send it no new conversation, and send it the
    follow-ups of its conversations whose cache has not moved yet;
 2. reads, from the same API, the replicas that stay (llama-server and sidecar ports) and every
-   router's migration port (the EndpointSlices of migration.routers_service);
+   router's migration port (the EndpointSlices of migration.routers_service), and keeps the
+   replicas whose sidecar names this pod's identity (GET /identity: the same model, slot context
+   and KV type; the Service lists every model's replicas of a fleet of several);
 3. moves the conversations of its slots as they turn idle, the idle ones at once, each busy one
    when its request ends (migrate.migrate_while_draining; transport: the receivers' sidecars
    fetch from this one), every router told where each one went;
@@ -36,6 +38,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from http.server import ThreadingHTTPServer
 from pathlib import Path
@@ -46,7 +49,7 @@ from extproc.migration.llama import LlamaServer, SlotError
 from extproc.migration.migrate import Limits, Outcome, migrate_out, migrate_while_draining, tell_drained
 from extproc.migration.planner import Costs
 from extproc.migration.settings import SlotSidecarSettings, load_sidecar_settings
-from extproc.migration.sidecar import Sidecars, SidecarSettings, make_server
+from extproc.migration.sidecar import Sidecars, SidecarSettings, identity_of, make_server
 from extproc.settings import SettingsError, read_secret_file
 
 POLL_SECONDS = 0.2
@@ -109,6 +112,21 @@ def neighbours(api: Any, settings: SlotSidecarSettings, pod: str) -> Neighbours:
                       {name: sidecars[name] for name in staying}, sorted(routers.values()))
 
 
+def same_identity(seen: Neighbours, identities: Mapping[str, slotfiles.Identity | None],
+                  identity: slotfiles.Identity) -> Neighbours:
+    """The neighbours whose replica may restore what this one saves: a receiver of another model
+    would refuse each file, and the conversations planned for it would not move at all."""
+    keep = sorted(name for name in seen.replicas if identities.get(name) == identity)
+    return Neighbours(seen.leaving, {name: seen.replicas[name] for name in keep},
+                      {name: seen.sidecars[name] for name in keep}, seen.routers)
+
+
+def ask_identities(sidecars: Mapping[str, str]) -> dict[str, slotfiles.Identity | None]:
+    """Each sidecar's identity (name -> host:port), asked at once."""
+    with ThreadPoolExecutor(max(1, len(sidecars))) as pool:
+        return dict(zip(sidecars, pool.map(identity_of, sidecars.values()), strict=True))
+
+
 Lookup = Callable[[], Neighbours]
 
 
@@ -155,9 +173,11 @@ class Drainer:
 
     def _drain(self, seen: Neighbours | None, deadline: float, problems: list[str]) -> dict[str, Any]:
         migration = self.settings.migration
+        if seen is not None and migration.enabled:
+            seen = same_identity(seen, ask_identities(seen.sidecars), self.pod.identity)
         if seen is None or not migration.enabled or not seen.replicas or not seen.routers:
             if seen is not None and migration.enabled:
-                problems.append("no replica or router to hand the caches to")
+                problems.append("no replica of its identity, or no router, to hand the caches to")
             if seen is not None:
                 problems += tell_drained(seen.routers, self.router_token, self.pod.name)
             self._wait_idle(deadline)
@@ -211,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", type=Path, required=True, help="slots.toml (k8s/15-slot-sidecar-config.yaml)")
     args = parser.parse_args(argv)
     try:
-        settings = load_sidecar_settings(args.config)
+        settings = load_sidecar_settings(args.config, os.environ)
         if not settings.sidecar.folder.is_dir():
             raise SettingsError(f"{args.config}: sidecar.folder {settings.sidecar.folder} is not a folder")
         pod = pod_from_environment(os.environ, settings.sidecar.model_folder)

@@ -1,15 +1,18 @@
 """Settings of a migration: [migration] (the local stack's stack.toml and the Kubernetes slot
 sidecar's slots.toml, the same keys) and [sidecar] (the slot sidecar of a Kubernetes replica,
-k8s/15-slot-sidecar-config.yaml). No defaults: a missing key stops start-up naming it."""
+k8s/15-slot-sidecar-config.yaml). No defaults: a missing key stops start-up naming it. A
+``LLM_RING__<SECTION>__<KEY>`` variable overrides a key, as for the router (one model's replicas
+of a fleet of several: their kv_bytes_per_token, k8s/two-models/)."""
 
 from __future__ import annotations
 
 import tomllib
+from collections.abc import Mapping
 from pathlib import Path
 
 from pydantic import Field, ValidationError
 
-from extproc.settings import SettingsError, describe_errors
+from extproc.settings import SettingsError, apply_env_overrides, describe_errors
 from extproc.strict import Strict
 
 
@@ -51,9 +54,10 @@ class SlotSidecarSettings(Strict):
     sidecar: SidecarSection
 
 
-def load_sidecar_settings(path: Path) -> SlotSidecarSettings:
+def load_sidecar_settings(path: Path, environ: Mapping[str, str]) -> SlotSidecarSettings:
     try:
         raw = tomllib.loads(path.read_text())
+        apply_env_overrides(raw, environ)
     except FileNotFoundError:
         raise SettingsError(f"settings file not found: {path}") from None
     except tomllib.TOMLDecodeError as exc:

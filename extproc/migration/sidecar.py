@@ -3,6 +3,8 @@ Kubernetes pod's volume), it serves that folder's slot files to its peers and fe
 from a peer when a migration hands it a conversation.
 
     GET  /slots/<name>                    a slot file or its manifest, from this folder
+    GET  /identity                        what this replica's slot files are for (slotfiles.Identity):
+         a leaving replica hands its caches only to replicas of its own identity
     POST /fetch  {"peer": "host:port", "conversation_key": N}
          -> 200 {"file": name, "tokens": n, "bytes": b} | 404 {"miss": why}
     GET  /drain                           (a Kubernetes pod's, drain_k8s.py: the llama.cpp
@@ -28,7 +30,7 @@ import sys
 import urllib.error
 import urllib.request
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -62,6 +64,9 @@ def make_server(listen: tuple[str, int], settings: SidecarSettings, drain: Drain
                     self._json(403, {"error": "only this pod's own preStop hook (on loopback) may drain it"})
                     return
                 self._json(*drain())
+                return
+            if self.path == "/identity":
+                self._json(200, asdict(settings.identity))
                 return
             name = self.path.removeprefix("/slots/")
             path = settings.folder / name
@@ -135,6 +140,15 @@ def fetch(settings: SidecarSettings, peer: str, key: int) -> tuple[int, dict[str
             part.unlink(missing_ok=True)
     slotfiles.prune(folder, settings.max_bytes, settings.max_age_seconds)
     return 200, {"file": f"{stem}.bin", "tokens": manifest.tokens, "bytes": size}
+
+
+def identity_of(sidecar: str, timeout: float = 5.0) -> slotfiles.Identity | None:
+    """The identity the sidecar at ``sidecar`` (host:port) serves; None when it does not say."""
+    try:
+        with urllib.request.urlopen(f"http://{sidecar}/identity", timeout=timeout) as reply:
+            return slotfiles.Identity(**json.loads(reply.read(MAX_REQUEST_BYTES)))
+    except (OSError, ValueError, TypeError):
+        return None
 
 
 @dataclass(frozen=True)

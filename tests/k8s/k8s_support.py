@@ -28,6 +28,8 @@ PICKER_TOKEN = "picker-sa-token"
 KIND_CONFIG = REPO / "kind" / "kind-config.yaml"
 MIGRATION_TOKEN = "the-migration-token"  # the Secret llm-ring-migration's, here
 REPLICA_KEY = "the-replica-key"  # the Secret llm-ring-replica-key's, here
+# every model's replicas (k8s/20-llm.yaml, k8s/two-models/): the Service llm, the NetworkPolicies, the PDB
+REPLICAS = {"app.kubernetes.io/component": "replica"}
 
 
 def migration_token_file(folder: Path) -> Path:

@@ -37,6 +37,7 @@ from k8s_support import (
     INFERENCE_POOL,
     NAMESPACE,
     PICKER_TOKEN,
+    REPLICAS,
     REPO,
     find,
     load_docs,
@@ -51,7 +52,8 @@ from k8s_support import (
 from extproc.envoy.surface import GENERATION_PATHS, HEALTH_PATHS, MODEL_PREFIX, MODELS_PATHS
 from extproc.settings import Settings, apply_env_overrides, parse_settings
 
-FOLDERS = [INFERENCE_POOL] + [INFERENCE_POOL / name for name in GATEWAY_FOLDERS]
+SECOND_MODEL = INFERENCE_POOL / "two-models"  # a second model's pool (test_k8s_two_models.py)
+FOLDERS = [base / name for base in (INFERENCE_POOL, SECOND_MODEL) for name in ("", *GATEWAY_FOLDERS)]
 GATEWAY_NAMESPACE = "llm-ring-gateway"
 
 
@@ -262,7 +264,7 @@ def admitted(policy: dict[str, Any]) -> list[tuple[str, list[dict[str, Any]]]]:
 def test_only_the_gateways_data_plane_reaches_the_picker_port_and_the_admin_api_has_no_port():
     labels = picker_deployment()["spec"]["template"]["metadata"]["labels"]
     metrics = one(picker_docs(), "NetworkPolicy", "picker-metrics")
-    replicas = [{"podSelector": {"matchLabels": {"app.kubernetes.io/name": "llm"}}}]
+    replicas = [{"podSelector": {"matchLabels": REPLICAS}}]
     assert admitted(metrics) == [("metrics", []), ("migration", replicas)], "metrics from any pod, migration: replicas"
     peers = {
         "envoy-ai-gateway": {

@@ -33,6 +33,7 @@ from k8s_support import (
     K8S,
     KIND_CONFIG,
     NAMESPACE,
+    REPLICAS,
     REPO,
     ROUTER_TOKEN,
     all_docs,
@@ -160,8 +161,9 @@ def test_replicas_service_statefulset_and_router_settings_agree():
     assert service["spec"]["clusterIP"] == "None", "headless: the router picks the replica"
     assert statefulset["spec"]["serviceName"] == service["metadata"]["name"]
     selector = service["spec"]["selector"]
+    assert selector == REPLICAS, "every model's replicas (test_k8s_two_models.py)"
     assert selector.items() <= template["metadata"]["labels"].items()
-    assert selector == statefulset["spec"]["selector"]["matchLabels"]
+    assert statefulset["spec"]["selector"]["matchLabels"].items() <= template["metadata"]["labels"].items()
     (port,) = [p for p in service["spec"]["ports"] if p["name"] == discovery.kubernetes_port_name]
     llama = template["spec"]["containers"][0]
     named = {p["name"]: p["containerPort"] for p in llama["ports"]}
@@ -222,7 +224,7 @@ def test_gateway_pod_wires_envoy_router_and_their_configs():
     policy = find("NetworkPolicy", "gateway")
     allowed = {(p["port"], json.dumps(rule.get("from", [])))
                for rule in policy["spec"]["ingress"] for p in rule["ports"]}
-    replicas = json.dumps([{"podSelector": {"matchLabels": {"app.kubernetes.io/name": "llm"}}}])
+    replicas = json.dumps([{"podSelector": {"matchLabels": REPLICAS}}])
     assert allowed == {("http", "[]"), ("metrics", "[]"), ("migration", replicas)}
     assert policy["spec"]["policyTypes"] == ["Ingress"]
 

