@@ -58,7 +58,7 @@ def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalLab]:
         models.prepare(name, models.data_dir(), progress=lambda _: None)
     settings = load_stack_settings(overrides={
         "replicas": {"count": 2, "model": ["smollm2", "tiny"], "backend": "llama-server", "models_max": 1,
-                     "ctx_size": 4096, "parallel": 2, "cache_ram_mib": 0},
+                     "ctx_size": 8192, "parallel": 4, "cache_ram_mib": 0},  # a slot for each chat
         "ports": FREE_PORTS,
         "router": {"policy": "llm-aware"},
         "check": {"profile": "quick"},
@@ -86,16 +86,24 @@ def test_each_model_keeps_its_replica_and_nothing_is_loaded_twice(lab: LocalLab)
     sdk = openai.OpenAI(base_url=lab.gateway_url + "/v1", api_key="unused", max_retries=0, timeout=120)
     assert sorted(model.id for model in sdk.models.list()) == ["smollm2", "tiny"]
     log = Path(lab.stack.state.run_dir) / "logs" / "router.log"
-    assert log.read_text().count('"event":"replica_router_mode"') == 2
-    chats: dict[str, list[Any]] = {"smollm2": [], "tiny": []}
-    for turn in range(3):
-        for model, history in chats.items():
-            served, cached = chat(sdk, model, history, f"Tell me more about the harbour, part {turn}.")
+    # three chats a model, one model's after the other's: placed by their prompts alone (the ring
+    # home, or the replica whose least recent prompt is oldest, which alternates) the models would
+    # share the replicas and load each other out
+    # a long opening of its own (no prefix shared): a turn shares more than the slot similarity (0.5)
+    # with its chat's last prompt
+    chats = [(model, number, [{"role": "system", "content": f"Guide {number} of {model}. " + "You know every "
+                                                            "harbour of the coast. " * 8}])
+             for model in ("smollm2", "tiny") for number in range(3)]
+    for turn in range(2):
+        for model, number, history in chats:
+            served, cached = chat(sdk, model, history, f"Tell me about harbour {number}, part {turn}.")
             assert served == model
             if turn:
-                assert cached > 0, f"{model}'s turn {turn + 1} found no cache"
+                assert cached > 0, f"{model} chat {number}'s turn {turn + 1} found no cache"
     routed = [json.loads(line) for line in log.read_text().splitlines() if '"request_id"' in line]
-    replica_of = {model: {entry["replica"] for entry in routed if entry["model"] == model} for model in chats}
+    replica_of = {model: {entry["replica"] for entry in routed if entry["model"] == model} for model in ("smollm2",
+                                                                                                         "tiny")}
     assert all(len(replicas) == 1 for replicas in replica_of.values()), replica_of
     assert replica_of["smollm2"] != replica_of["tiny"]  # each model on a replica of its own
     assert sorted(model for _, model in counter.loads) == ["smollm2", "tiny"]  # one load each, never again
+    assert log.read_text().count('"event":"replica_router_mode"') == 2
