@@ -6,7 +6,7 @@ own (the adapters in the key): each follow-up goes to the replica that served th
 configuration's last turn, and llama.cpp reports (``timings.cache_n``) that turn's prompt cached.
 The id is chosen so that the two configurations' keys have different ring homes: on one replica
 they would share its slots, which llama.cpp hands out by prompt likeness alone
-(docs/gateway.md#lora-adapters)."""
+(docs/clients.md#lora-adapters)."""
 
 from __future__ import annotations
 
