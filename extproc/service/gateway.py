@@ -58,6 +58,7 @@ from extproc.envoy.contract import (
 from extproc.envoy.cors import CorsPolicy
 from extproc.envoy.surface import GENERATION_PATHS, ReadOnly, Refused
 from extproc.routing import Decision, Router, RouteRequest, Ticket, adapters, estimate_tokens
+from extproc.routing.adapters import InFlight
 from extproc.routing.blocks import BlockMemory
 from extproc.routing.continuation import Claim, Shown, claim, model_point, of_model, shown, tips_after
 from extproc.routing.flow_control import Wait
@@ -228,6 +229,7 @@ class Gateway:
         # served and its prompt tokens: where a branch of it (an edited or regenerated turn) finds its prefix cached
         self.branch_points = PlacementMemory(router.settings.memory_capacity)
         self.migrations = Migrations(router.settings.memory_capacity, metrics.registry)
+        self.adapters_in_flight = InFlight()  # the LoRA configurations running on each replica (adapters.py)
         self.decision_log: Callable[[dict[str, Any]], None] = through_structlog  # main.py: DecisionLog
         self.lifecycle = Lifecycle()  # flow control's ears (waiting_room.py sets its own)
         self.leaving = LeavingReplicas(router.conversation_key, lambda fields: self.decision_log(fields))
@@ -320,6 +322,7 @@ class Gateway:
         if pending.ticket.release(ok, served):
             self.lifecycle.released(pending.request.request_id)
             request, decision = pending.request, pending.decision
+            self.adapters_in_flight.ended(pending.model, pending.lora, decision.replica)
             key = self.router.conversation_key(request.conversation)
             self.leaving.ended(key, decision.replica)
             if ok:
@@ -551,8 +554,8 @@ class Gateway:
         self, step: Prepared, subset: frozenset[str] | None, peers: PeerView | None,
     ) -> tuple[Prepared, Collection[str]]:
         """What a new body tells before its request is routed (a branch it starts, the turns it shows
-        answered, the cache its last answer left); the step with its leaving phase, and the
-        replicas it must not go to."""
+        answered, the cache its last answer left); the step with its leaving phase (and the
+        replicas running another LoRA configuration of its model), and the replicas it must not go to."""
         request, parsed = step.request, step.parsed
         conversation = request.conversation
         # judged on the final claim (the store may have changed it): a chat another router served
@@ -565,6 +568,9 @@ class Gateway:
         if parsed.answered_tokens:
             self._holds_answer(request, parsed.answered_tokens)
         avoid, leaving_phase = self.leaving.avoid(conversation, self._avoid(subset, parsed.model), self.endpoints)
+        unbatched = self.adapters_in_flight.unbatched(bounded(parsed.model), bounded(parsed.lora))
+        if unbatched:  # llama.cpp batches none of those replicas' running requests with this one
+            step = replace(step, request=request._replace(unbatched=unbatched))
         return replace(step, leaving_phase=leaving_phase), avoid
 
     def routed(
@@ -577,6 +583,7 @@ class Gateway:
         conversation, unique_id = request.conversation, request.request_id
         decision = ticket.decision
         self.leaving.sent(conversation, decision.replica)
+        self.adapters_in_flight.sent(bounded(parsed.model), bounded(parsed.lora), decision.replica)
         predicted = decision.predicted_cached_tokens
         if parsed.opening:
             predicted = self._with_opening(decision, parsed.opening, request.prompt_tokens)

@@ -6,7 +6,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from extproc.routing import adapters
+from extproc.routing import RouteRequest, adapters
+from tests.routing.conftest import key_with_walk
+from tests.routing.test_ttft import busy, timed
 
 scales = st.floats(min_value=-4.0, max_value=4.0, allow_nan=False).map(adapters.as_float32)
 entries = st.lists(st.tuples(st.integers(0, 7), scales), max_size=8)
@@ -48,3 +50,42 @@ def test_labels_and_scopes() -> None:
     assert adapters.label(adapters.normalised([(1, 0.5), (0, 1.0)])) == "lora:0=1.0,1=0.5"
     assert adapters.scope("smollm2", "") == "smollm2"
     assert adapters.scope("smollm2", "lora:0=1.0") == "smollm2\x1flora:0=1.0"
+
+
+def test_in_flight_names_the_replicas_running_another_configuration_of_the_model() -> None:
+    running = adapters.InFlight()
+    running.sent("tiny", "lora:0=1.0", "llm-0")
+    running.sent("tiny", "lora:0=1.0", "llm-0")
+    running.sent("tiny", "", "llm-1")
+    running.sent("smollm2", "lora:1=1.0", "llm-2")  # another model: its own server, its own batches
+    assert running.unbatched("tiny", "lora:0=1.0") == {"llm-1"}
+    assert running.unbatched("tiny", "") == {"llm-0"}
+    assert running.unbatched("tiny", "lora:1=1.0") == {"llm-0", "llm-1"}
+    running.ended("tiny", "lora:0=1.0", "llm-0")
+    assert running.unbatched("tiny", "") == {"llm-0"}  # one of the two still runs
+    running.ended("tiny", "lora:0=1.0", "llm-0")
+    running.ended("tiny", "lora:0=1.0", "llm-0")  # ended twice: nothing more to end
+    assert running.unbatched("tiny", "") == frozenset() and running.unbatched("tiny", "lora:0=1.0") == {"llm-1"}
+
+
+def test_a_replica_running_another_configuration_is_seen_with_no_free_slot() -> None:
+    running = {"llm-0": 1, "llm-1": 0}
+    assert adapters.seen_running(running, 4, frozenset()) is running
+    assert adapters.seen_running(running, 4, frozenset({"llm-0"})) == {"llm-0": 4, "llm-1": 0}
+
+
+def test_llm_aware_predicts_the_wait_behind_another_configuration_and_moves_a_follow_up() -> None:
+    router = timed()
+    conversation = key_with_walk(router, "llm-0", "llm-1")
+
+    def route(unbatched: frozenset[str]) -> tuple[str, dict[str, float]]:
+        router.reset()
+        router.memory.remember(router.conversation_key(conversation), "llm-0", 400)
+        busy(router, "llm-0", 1, 2400)  # one request decoding there
+        decision = router.route(RouteRequest("r", conversation, 440, 8, unbatched=unbatched)).decision
+        return decision.replica, dict(decision.trace.details.predicted_ttft_s)
+
+    batched, together = route(frozenset())
+    apart, behind = route(frozenset({"llm-0"}))
+    assert batched == "llm-0" and apart != "llm-0"  # beside the same configuration it stays with its cache
+    assert behind["llm-0"] > together["llm-0"]  # behind another: after all of its 2,400 tokens

@@ -114,3 +114,24 @@ def test_an_adapter_configuration_seeds_its_own_prefix_blocks_and_logs_its_name(
     routed(gateway, text["messages"], B)
     assert logged[-1]["model"] == "tiny" and logged[-1]["lora"] == "lora:1=0.5"
     assert logged[-1]["conversation"] == "tiny\x1flora:1=0.5\x1fc-1"
+
+
+def test_a_request_knows_the_replicas_running_another_configuration_until_they_end() -> None:
+    gateway = fleet({name: ("tiny",) for name in ENDPOINTS})
+
+    def send(lora: Any, session: str) -> Pending:
+        body = {"model": "tiny", "messages": [{"role": "user", "content": session * 20}], "max_tokens": 8, "lora": lora}
+        _, routed_id = gateway.route_request(path=CHAT, content_type="application/json",
+                                             session_headers={"x-conversation-id": session}, turn="", request_id="",
+                                             body=orjson.dumps(body))
+        assert routed_id is not None
+        return gateway.pending[routed_id]
+
+    running = send(A, "first")
+    beside = send(A, "second")
+    other = send(B, "third")
+    assert beside.request.unbatched == frozenset()
+    assert other.request.unbatched == {running.decision.replica, beside.decision.replica}
+    for pending in (running, beside):
+        gateway.access_logged(pending.request.request_id, 200, pending.endpoint, cut_off=False, timings=TIMINGS)
+    assert send(B, "fourth").request.unbatched == frozenset()  # only its own configuration runs now
