@@ -25,7 +25,8 @@ A completion body (no chat history) has one digest: its opening's.
 
 A conversation lives under its model (``of_model``): the same id or opening sent to two models
 names two conversations, whose caches are on different replicas; a completed request proves its
-history to a branch under the same model alone (``model_point``).
+history to a branch under the same model alone (``model_point``). With LoRA adapters, "model" in
+both is the request's cache scope: its model under its adapter configuration (adapters.scope).
 """
 
 from __future__ import annotations

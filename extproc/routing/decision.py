@@ -25,6 +25,9 @@ class RouteRequest(NamedTuple):
     max_tokens: int  # the output the client asked for
     prefix_blocks: tuple[int, ...] = ()  # chained hashes of fixed-size prompt blocks, oldest first (empty: unknown)
     model: str = ""  # the model the request names ("": none)
+    # replicas running a request of its model under another LoRA adapter configuration, which llama.cpp
+    # does not batch with it (routing/adapters.py)
+    unbatched: frozenset[str] = frozenset()
 
 
 class Check(NamedTuple):

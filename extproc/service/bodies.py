@@ -25,8 +25,12 @@ of them counts as answered by another.
 Prefix blocks (only for policies that need them, ``request_blocks``): the prompt rendered as
 one text, each chat message as ``role NUL text NUL`` in order (token-id prompts as ``id,``
 per id), cut into chained block hashes by ``extproc.routing.blocks.prefix_blocks``, seeded
-with the body's ``model`` (two models' equal prompts share no block); a later turn resends the
-earlier messages unchanged, so its blocks begin with the earlier turn's.
+with the body's ``model`` and LoRA adapters (``scope``: two models' equal prompts share no
+block, nor one model's under two adapter configurations); a later turn resends the earlier
+messages unchanged, so its blocks begin with the earlier turn's.
+
+LoRA adapters (``lora``: a list of ``{"id", "scale"}``, extproc/routing/adapters.py): normalised
+as llama.cpp compares them, and part of the request's cache ``scope`` with its model.
 
 Tokens (``counter``, extproc/routing/tokens.py): the prompt as the replica counts it (the
 model's tokenizer over the chat template's rendering, or characters / chars_per_token), the
@@ -49,6 +53,7 @@ import xxhash
 
 from extproc.envoy.contract import RESPONSE_METADATA
 from extproc.envoy.surface import GENERATION_PATHS
+from extproc.routing import adapters
 from extproc.routing.blocks import BLOCK_CHARS, BlockMemory, model_seed, prefix_blocks
 from extproc.routing.continuation import of_model
 from extproc.routing.tokens import ChatCount, Message, TokenCounter
@@ -80,6 +85,12 @@ class ParsedRequest:
     model: str = ""  # the body's "model", "" when it names none
     prompts: int = 1  # completion: the prompts of a list, each answered (and charged) on its own
     sessions: tuple[tuple[str, str], ...] = ()  # (field, id) of the session fields asked for that it carries
+    lora: str = ""  # its LoRA adapter configuration, normalised (routing/adapters.py: label); "": the server's own
+
+    @property
+    def scope(self) -> str:
+        """Where its cache lives: its model under its adapter configuration (adapters.scope)."""
+        return adapters.scope(self.model, self.lora)
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,24 +162,25 @@ def parse_request(
     if model is not None and not isinstance(model, str):
         raise BadRequest(400, "'model' must be a string", "invalid_type", "model")
     max_tokens = _max_tokens(data, limits, OUTPUT_FIELDS[kind])
+    lora = _lora(data.get("lora"))
     sessions = tuple((name, found) for name in session_fields if (found := usable_id(data.get(name))))
     if kind == "chat":
         key, chars, history, answered, messages = _chat(data.get("messages"), limits)
         counted = counter.count_chat(messages) if counter is not None else NOT_COUNTED
         parsed = ParsedRequest(key, chars, 0, max_tokens, stream, history, answered, (), counted.prompt,
-                               counted.answered, counted.opening, model or "", sessions=sessions)
+                               counted.answered, counted.opening, model or "", sessions=sessions, lora=lora)
     else:
         prompts = _prompts(data.get("prompt"))
         key, chars, ids = _completion(prompts, limits)
         tokens = sum(counter.count_text(p) for p in prompts if isinstance(p, str)) if counter is not None else 0
         parsed = ParsedRequest(key, chars, ids, max_tokens, stream, prompt_tokens=tokens, model=model or "",
-                               prompts=len(prompts), sessions=sessions)
+                               prompts=len(prompts), sessions=sessions, lora=lora)
     if not block_chars:
         return parsed
-    text, seed = _prompt_text(kind, data), model_seed(parsed.model)
+    text, seed = _prompt_text(kind, data), model_seed(parsed.scope)
     if memory is not None and memory.block_chars == block_chars:
-        # a conversation's blocks live under its model, as the conversation itself does
-        return replace(parsed, prefix_blocks=memory.blocks(of_model(parsed.model, parsed.opening_key), text, seed))
+        # a conversation's blocks live under its model and adapters, as the conversation itself does
+        return replace(parsed, prefix_blocks=memory.blocks(of_model(parsed.scope, parsed.opening_key), text, seed))
     return replace(parsed, prefix_blocks=prefix_blocks(text, block_chars, seed))
 
 
@@ -272,7 +284,34 @@ def _completion(prompts: list[Prompt], limits: BodyLimits | None) -> tuple[str, 
 def request_blocks(path: str, body: bytes, block_chars: int = BLOCK_CHARS) -> tuple[int, ...]:
     """Prefix blocks of a body that ``parse_request`` accepted (() when it has no prompt text)."""
     data = orjson.loads(body)
-    return prefix_blocks(_prompt_text(GENERATION_PATHS[path], data), block_chars, model_seed(data.get("model") or ""))
+    seed = model_seed(adapters.scope(data.get("model") or "", _lora(data.get("lora"))))
+    return prefix_blocks(_prompt_text(GENERATION_PATHS[path], data), block_chars, seed)
+
+
+def _lora(value: Any) -> str:
+    """The label of a body's ``lora`` (routing/adapters.py): "" when absent or empty (the
+    server's own adapters), else its entries normalised; BadRequest unless it is a list of
+    ``{"id": integer >= 0, "scale": number}``."""
+    if value is None or value == []:
+        return ""
+    if not isinstance(value, list):
+        raise BadRequest(400, "'lora' must be a list of {\"id\": integer, \"scale\": number}", "invalid_type", "lora")
+    entries = [_adapter(entry, f"lora[{index}]") for index, entry in enumerate(value)]
+    try:
+        return adapters.label(adapters.normalised(entries))
+    except OverflowError:
+        raise BadRequest(400, "'lora': a scale is out of a 32-bit float's range", "invalid_value", "lora") from None
+
+
+def _adapter(entry: Any, where: str) -> tuple[int, float]:
+    if not isinstance(entry, dict):
+        raise BadRequest(400, f"{where} must be an object with \"id\" and \"scale\"", "invalid_type", where)
+    adapter, scale = entry.get("id"), entry.get("scale")
+    if type(adapter) is not int or not 0 <= adapter < 2**31:
+        raise BadRequest(400, f"{where}.id must be an integer >= 0 (an adapter's index)", "invalid_type", f"{where}.id")
+    if isinstance(scale, bool) or not isinstance(scale, int | float):
+        raise BadRequest(400, f"{where}.scale must be a number", "invalid_type", f"{where}.scale")
+    return adapter, float(scale)
 
 
 def _prompt_text(kind: str, data: dict[str, Any]) -> str:

@@ -57,7 +57,8 @@ from extproc.envoy.contract import (
 )
 from extproc.envoy.cors import CorsPolicy
 from extproc.envoy.surface import GENERATION_PATHS, ReadOnly, Refused
-from extproc.routing import Decision, Router, RouteRequest, Ticket, estimate_tokens
+from extproc.routing import Decision, Router, RouteRequest, Ticket, adapters, estimate_tokens
+from extproc.routing.adapters import InFlight
 from extproc.routing.blocks import BlockMemory
 from extproc.routing.continuation import Claim, Shown, claim, model_point, of_model, shown, tips_after
 from extproc.routing.flow_control import Wait
@@ -111,6 +112,11 @@ def bounded(value: str, limit: int = BOUNDED_CHARS) -> str:
     return value[: limit - 17] + "~" + xxhash.xxh64_hexdigest(value.encode(errors="replace"))
 
 
+def bounded_scope(model: str, lora: str) -> str:
+    """A request's cache scope (adapters.scope) as the gateway keys it: each part ``bounded``."""
+    return adapters.scope(bounded(model), bounded(lora))
+
+
 @dataclass(frozen=True, slots=True)
 class Prepared:
     """A request read and ready to be decided."""
@@ -148,6 +154,7 @@ class Pending:
     shown: Shown  # its history's digests (continuation.py): who may use its placement once it is done
     continued: bool  # it continued a conversation the router knew
     model: str  # the model it named (bounded), "" when none
+    lora: str  # its LoRA adapter configuration (bounded adapters.label), "" when it names none
     endpoint: str
     path: str
     turn: str
@@ -222,6 +229,7 @@ class Gateway:
         # served and its prompt tokens: where a branch of it (an edited or regenerated turn) finds its prefix cached
         self.branch_points = PlacementMemory(router.settings.memory_capacity)
         self.migrations = Migrations(router.settings.memory_capacity, metrics.registry)
+        self.adapters_in_flight = InFlight()  # the LoRA configurations running on each replica (adapters.py)
         self.decision_log: Callable[[dict[str, Any]], None] = through_structlog  # main.py: DecisionLog
         self.lifecycle = Lifecycle()  # flow control's ears (waiting_room.py sets its own)
         self.leaving = LeavingReplicas(router.conversation_key, lambda fields: self.decision_log(fields))
@@ -314,12 +322,13 @@ class Gateway:
         if pending.ticket.release(ok, served):
             self.lifecycle.released(pending.request.request_id)
             request, decision = pending.request, pending.decision
+            self.adapters_in_flight.ended(pending.model, pending.lora, decision.replica)
             key = self.router.conversation_key(request.conversation)
             self.leaving.ended(key, decision.replica)
             if ok:
                 self.digests.put(key, tips_after(self.digests.get(key) or (), pending.shown))
                 if GENERATION_PATHS.get(pending.path) == "chat":
-                    point = model_point(pending.shown.digest, pending.model)
+                    point = model_point(pending.shown.digest, bounded_scope(pending.model, pending.lora))
                     self.branch_points.remember(point, served or decision.replica, request.prompt_tokens)
             if self.store is not None:
                 placement = None
@@ -458,10 +467,10 @@ class Gateway:
         unique_id = self._request_id()
         digests = shown(parsed.history, parsed.answered, parsed.opening_key)
         session = self.sessions.pick(session_headers, dict(parsed.sessions))
-        named = of_model(bounded(parsed.model), bounded(session) or parsed.opening_key)
+        named = of_model(bounded_scope(parsed.model, parsed.lora), bounded(session) or parsed.opening_key)
         claimed = claim(named, parsed.opening_key, self._known, digests)
         # under the key the router places it by (a reused id that does not continue its chat has its own)
-        self.migrations.opened(self.router.conversation_key(claimed.conversation), parsed.opening_key, parsed.model)
+        self.migrations.opened(self.router.conversation_key(claimed.conversation), parsed.opening_key, parsed.scope)
         prompt_tokens = parsed.prompt_token_ids + parsed.prompt_tokens
         max_tokens = (parsed.max_tokens or self.settings.default_max_tokens) * parsed.prompts
         request = RouteRequest(unique_id, claimed.conversation, prompt_tokens, max_tokens, parsed.prefix_blocks,
@@ -485,7 +494,7 @@ class Gateway:
         claimed = step.claim
         return bool(step.parsed.history) and not claimed.continues and (claimed.foreign or bool(step.parsed.answered))
 
-    def _branch(self, conversation: str, prefixes: frozenset[int], model: str) -> None:
+    def _branch(self, conversation: str, prefixes: frozenset[int], scope: str) -> None:
         """A chat that continues no conversation known here but resends a completed request's whole
         history (an edited or regenerated turn, a retry of an earlier message, a new id on an old
         chat) starts where that history was served, under its own key: placed with the proven
@@ -495,7 +504,7 @@ class Gateway:
         if self.router.memory.get(key) is not None:
             return
         found = [point for digest in prefixes
-                 if (point := self.branch_points.get(model_point(digest, model))) is not None]
+                 if (point := self.branch_points.get(model_point(digest, scope))) is not None]
         best = max(found, key=lambda point: point.prompt_tokens, default=None)
         if best is not None and best.replica in self.endpoints:
             self.router.memory.remember(key, best.replica, best.prompt_tokens)
@@ -521,7 +530,7 @@ class Gateway:
                 step = Prepared(request._replace(conversation=claimed.conversation), step.parsed, step.path,
                                 step.shown, claimed, step.named)
                 self.migrations.opened(self.router.conversation_key(claimed.conversation), step.parsed.opening_key,
-                                       step.parsed.model)
+                                       step.parsed.scope)
                 return step, peer_view(snapshot.loads, (), frozenset(), None)
             step = Prepared(request, step.parsed, step.path, step.shown, claimed, step.named)
         return step, peer_view(snapshot.loads, snapshot.pending, step.parsed.answered, snapshot.placement)
@@ -545,20 +554,23 @@ class Gateway:
         self, step: Prepared, subset: frozenset[str] | None, peers: PeerView | None,
     ) -> tuple[Prepared, Collection[str]]:
         """What a new body tells before its request is routed (a branch it starts, the turns it shows
-        answered, the cache its last answer left); the step with its leaving phase, and the
-        replicas it must not go to."""
+        answered, the cache its last answer left); the step with its leaving phase (and the
+        replicas running another LoRA configuration of its model), and the replicas it must not go to."""
         request, parsed = step.request, step.parsed
         conversation = request.conversation
         # judged on the final claim (the store may have changed it): a chat another router served
         # or still serves (its placement, or a pending request this body answers) is no branch
         elsewhere = peers is not None and peers.placement is not None
         if self._branches(step) and not elsewhere:
-            self._branch(conversation, step.shown.prefixes, bounded(parsed.model))
+            self._branch(conversation, step.shown.prefixes, bounded_scope(parsed.model, parsed.lora))
         if parsed.answered:
             self._release_answered(conversation, parsed.answered)
         if parsed.answered_tokens:
             self._holds_answer(request, parsed.answered_tokens)
         avoid, leaving_phase = self.leaving.avoid(conversation, self._avoid(subset, parsed.model), self.endpoints)
+        unbatched = self.adapters_in_flight.unbatched(bounded(parsed.model), bounded(parsed.lora))
+        if unbatched:  # llama.cpp batches none of those replicas' running requests with this one
+            step = replace(step, request=request._replace(unbatched=unbatched))
         return replace(step, leaving_phase=leaving_phase), avoid
 
     def routed(
@@ -571,13 +583,14 @@ class Gateway:
         conversation, unique_id = request.conversation, request.request_id
         decision = ticket.decision
         self.leaving.sent(conversation, decision.replica)
+        self.adapters_in_flight.sent(bounded(parsed.model), bounded(parsed.lora), decision.replica)
         predicted = decision.predicted_cached_tokens
         if parsed.opening:
             predicted = self._with_opening(decision, parsed.opening, request.prompt_tokens)
         # Behind an Endpoint Picker's gateway no access log comes: the stream itself says when
         # the request is over (stream_ended), as if logged at once.
         self.pending[unique_id] = Pending(
-            ticket, predicted, step.shown, step.claim.continues, bounded(parsed.model),
+            ticket, predicted, step.shown, step.claim.continues, bounded(parsed.model), bounded(parsed.lora),
             self.endpoints[decision.replica], step.path,
             bounded(turn), parsed.stream, started, time.monotonic(),
             envoy_id=self._remember_envoy_id(request_id, unique_id), logged=phase != "own", wait=wait,
@@ -812,6 +825,7 @@ class Gateway:
             "envoy_request_id": pending.envoy_id,
             "conversation": pending.request.conversation,
             "model": pending.model,
+            "lora": pending.lora,
             "turn": pending.turn,
             "path": pending.path,
             "stream": pending.stream,

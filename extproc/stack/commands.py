@@ -32,8 +32,11 @@ def configure_up(parser: argparse.ArgumentParser) -> None:
                         help="gateway pairs (Envoy + routing service) behind one front listener ([gateways] count)")
     parser.add_argument("--backend", choices=("xllamacpp", "llama-server"), help="[replicas] backend")
     parser.add_argument("--llama-server", metavar="PATH", help="backend llama-server: the binary")
-    parser.add_argument("--model", help=f"{' | '.join(models.MODELS)} | a .gguf path, or several comma-separated: "
+    served = [name for name, spec in models.MODELS.items() if not spec.adapter]
+    parser.add_argument("--model", help=f"{' | '.join(served)} | a .gguf path, or several comma-separated: "
                                         "the models the replicas serve in turn ([replicas] model)")
+    parser.add_argument("--lora", help="LoRA adapters every replica loads, comma-separated: names from "
+                                       "`llm-ring models list` or .gguf paths ([replicas] lora)")
     parser.add_argument("--policy", choices=list(POLICIES), help="routing policy ([router] policy)")
     parser.add_argument("--ctx-size", type=int, help="[replicas] ctx_size")
     parser.add_argument("--parallel", type=int, help="[replicas] parallel (slots)")
@@ -53,7 +56,8 @@ def main_up(args: argparse.Namespace) -> int:
             "replicas": {"count": args.replicas, "backend": args.backend, "llama_server": args.llama_server,
                          "model": _models(args.model), "ctx_size": args.ctx_size, "parallel": args.parallel,
                          "threads": args.threads, "cache_ram_mib": args.cache_ram, "models_max": args.models_max,
-                         "sleep_idle_seconds": args.sleep_idle_seconds},
+                         "sleep_idle_seconds": args.sleep_idle_seconds,
+                         "lora": args.lora.split(",") if args.lora else None},
             "gateways": {"count": args.gateways},
             "router": {"policy": args.policy},
             "check": {"profile": args.profile},

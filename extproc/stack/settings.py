@@ -36,6 +36,7 @@ class ReplicasSection(Strict):
     slot_prompt_similarity: float = Field(ge=0, le=1)
     models_max: int = Field(ge=0, le=64)
     sleep_idle_seconds: int = Field(ge=0)
+    lora: list[Annotated[str, Field(min_length=1)]]  # LoRA adapters every replica loads, in order
     health_timeout_seconds: float = Field(gt=0)
 
     @model_validator(mode="after")

@@ -221,9 +221,10 @@ def _new_state(settings: StackSettings, data: Path, run: Path, taken: dict[str, 
     check_slot_context(settings.check.profile, replica_settings)
     served = {name: _served_model(name, data, progress) for name in dict.fromkeys(rs.models)}
     cycle = [served[name] for name in rs.models]
+    adapters = tuple(_adapter(name, rs.models, data, progress) for name in rs.lora)
     replica_settings = replace(replica_settings, model=cycle[0].path, alias=cycle[0].alias,
                                models_dir=_models_dir(run, served.values()) if rs.models_max else "",
-                               models_max=rs.models_max, sleep_idle_seconds=rs.sleep_idle_seconds)
+                               models_max=rs.models_max, sleep_idle_seconds=rs.sleep_idle_seconds, lora=adapters)
     # what a replica holds (slots + host cache), for the routers: the least of the models'
     capacity = min(rs.ctx_size + rs.cache_ram_mib * 2**20 // model.kv_bytes_per_token for model in served.values())
     (run / "logs").mkdir(parents=True, exist_ok=True)
@@ -249,6 +250,17 @@ def _models_dir(run: Path, served: Iterable[ServedModel]) -> str:
     for model in served:
         (folder / f"{model.alias}.gguf").symlink_to(Path(model.path).resolve())
     return str(folder)
+
+
+def _adapter(name: str, served: tuple[str, ...], data: Path, progress: Progress) -> str:
+    """The path of a LoRA adapter of [replicas] lora, prepared; StackError for a known adapter
+    made for another model than one the replicas serve."""
+    base = models.MODELS[name].base if name in models.MODELS else ""
+    others = sorted({model for model in served if base and model != base})
+    if others:
+        raise StackError(f"[replicas] lora: {name!r} is made for {base!r}, and the replicas also serve "
+                         f"{', '.join(others)}: every replica loads every adapter")
+    return str(models.resolve(name, data, progress, adapter=True))
 
 
 def _served_model(name: str, data: Path, progress: Progress) -> ServedModel:

@@ -36,6 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--metrics", action="store_true", help="serve Prometheus /metrics")
     parser.add_argument("--sleep-idle-seconds", type=int, default=-1, help="unload the model and its cache after "
                                                                           "this many idle seconds (-1: never)")
+    parser.add_argument("--lora-scaled", action="append", default=[], type=scaled_adapter, metavar="FILE:SCALE",
+                        help="a LoRA adapter to load, applied at SCALE to requests without \"lora\" (repeatable; "
+                             "a request's \"lora\" names it by its index, from 0 in order)")
     return parser
 
 
@@ -45,6 +48,14 @@ def api_keys(path: str) -> list[str]:
         return []
     with open(path) as file:
         return [line.rstrip("\n") for line in file if line.rstrip("\n")]
+
+
+def scaled_adapter(value: str) -> tuple[str, float]:
+    """``FILE:SCALE``, as llama-server's --lora-scaled reads one."""
+    path, colon, scale = value.rpartition(":")
+    if not colon or not path:
+        raise argparse.ArgumentTypeError(f"{value!r}: expected FILE:SCALE")
+    return path, float(scale)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -71,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     params.endpoint_metrics = args.metrics
     params.api_keys = api_keys(args.api_key_file)
     params.sleep_idle_seconds = args.sleep_idle_seconds
+    params.lora_adapters = [xllamacpp.CommonAdapterLoraInfo(path, scale) for path, scale in args.lora_scaled]
     server = xllamacpp.Server(params)  # returns once the model is loaded and the port listens
     print(f"llm-ring replica listening on {server.listening_address}", flush=True)
     while True:

@@ -301,17 +301,20 @@ class LlamaReplicas:
 
 
 @contextmanager
-def llama_replicas(run: Path, count: int = 2, model: str = "smollm2", cache_ram_mib: int = 0
-                   ) -> Iterator[LlamaReplicas]:
+def llama_replicas(run: Path, count: int = 2, model: str = "smollm2", cache_ram_mib: int = 0,
+                   lora: Sequence[str] = ()) -> Iterator[LlamaReplicas]:
     """``count`` real llama.cpp replicas llm-0 ... (2 slots; a prompt cache in RAM of
     ``cache_ram_mib``, none by default) serving ``model`` under its name: "smollm2" (SmolLM2-135M)
-    or "tiny" (the generated tiny model, prepared once in the data dir)."""
+    or "tiny" (the generated tiny model, prepared once in the data dir), each loading the LoRA
+    adapters ``lora`` (names from models.MODELS, prepared once)."""
     if model == "smollm2":
         path = str(models.smollm2_gguf())
     else:
         path = models.prepare(model, models.data_dir(), progress=lambda _: None).path
+    adapters = tuple(models.prepare(name, models.data_dir(), progress=lambda _: None).path for name in lora)
     settings = stack_replicas.ReplicaSettings(
         backend="xllamacpp", model=path, ctx_size=2048, parallel=2, threads=1, cache_ram_mib=cache_ram_mib, alias=model,
+        lora=adapters,
     )
     started = stack_replicas.start({f"llm-{index}": free_port() for index in range(count)}, settings, run)
     try:

@@ -41,6 +41,7 @@ from typing import Annotated, ClassVar, NamedTuple
 from pydantic import Field
 
 import extproc
+from extproc.routing.adapters import seen_running
 from extproc.routing.blocks import covered_tokens
 from extproc.routing.decision import Candidate, Check, Decision, RouteRequest, Trace
 from extproc.routing.policies.bounded_walk import WALK_REASONS, Discount, average_and_cap, first_fit, least_loaded
@@ -261,7 +262,7 @@ class LlmAware:
         not candidates. Of the prefix index's holders only those the lookup entered count as
         cached (entering every holder of a shared system prompt changed no figure on the
         Mooncake trace and cost a p99 of 1.2 ms at 64 replicas)."""
-        loads, running = guard.tokens, guard.requests
+        loads, running = guard.tokens, seen_running(guard.requests, self.slots, situation.request.unbatched)
         speed, slots = situation.speeds.speed, self.slots
         wait = model_wait(situation, preferred)
         here = predicted_ttft(slots, speed(preferred), loads[preferred], running[preferred],
@@ -282,7 +283,7 @@ class LlmAware:
         prediction); (None, inf) when there is none. ``kept``: the request's cost on the cached
         preferred replica; a move is charged the tokens it computes again once more, the delay
         they bring the requests behind it (None: not charged)."""
-        loads, running = guard.tokens, guard.requests
+        loads, running = guard.tokens, seen_running(guard.requests, self.slots, situation.request.unbatched)
         speed, slots = situation.speeds.speed, self.slots
         best, soonest = None, math.inf
         for name in self.candidates(situation, costs):
