@@ -62,6 +62,6 @@ def test_a_new_conversation_goes_to_the_awake_replica_not_its_sleeping_home(lab:
     conversation = conversation_homed_on(lab, "llm-0", ["llm-0", "llm-1"], "sleepy")
     reply, _ = Chat(lab.gateway_url, conversation).turn("Tell me about the harbour.")
     assert reply.status_code == 200, reply.text
-    assert (reply.headers["x-routed-to"], reply.headers["x-route-reason"]) == ("llm-1", "faster")
+    assert (reply.headers["x-routed-to"], reply.headers["x-route-reason"]) == ("llm-1", "warm")
     assert sleeping(lab, "llm-0")  # not woken
     assert '"event":"replica_sleep"' in log.read_text()
