@@ -120,6 +120,9 @@ class Processor:
         self.parser = parser  # large bodies are parsed there (offload.py); None: all inline
         self.room = room  # flow control's waiting room (None: off)
         self.own_envoy = own_envoy  # our Envoy's route and observe streams too (module docstring)
+        # the attributes naming a request's tenant and objective (config.py asks Envoy for them)
+        self.flow_attributes = None if room is None else \
+            (f"request.headers['{room.headers[0]}']", f"request.headers['{room.headers[1]}']")
 
     async def process(self, _requests: Any, context: grpc.aio.ServicerContext) -> None:
         stream = "route"
@@ -169,11 +172,12 @@ class Processor:
             if message.request_body.end_of_stream:
                 break
         generation = generation_path(path)
-        room = self.room
-        tenant, objective = (_text(attributes, f"request.headers['{name}']") for name in room.headers) \
-            if room is not None else ("", "")
+        tenant = objective = ""
+        if self.flow_attributes is not None:
+            tenant_name, objective_name = self.flow_attributes
+            tenant, objective = _text(attributes, tenant_name), _text(attributes, objective_name)
         answer, routed_id = await route_body(
-            self.gateway, self.parser, room, context, tenant, objective,
+            self.gateway, self.parser, self.room, context, tenant, objective,
             path=generation.path if generation is not None else path,
             content_type=_text(attributes, "request.headers['content-type']"),
             session_headers=session_headers,
