@@ -15,9 +15,10 @@ concurrency, closed-loop keep-alive clients send chat requests for a fixed time;
 shows p50/p99 latency, req/s, and the latency ext_proc adds over Envoy alone, then the CPU
 time each process spent per request (from /proc: less moved by other work on a busy machine
 than latency, so it is the figure to compare between runs and changes).
-Rounds: every cell is measured --rounds times, the modes alternating within each round, and
-each figure is the median over the rounds (these machines are noisy: a burst of other work
-then spoils one round of every mode alike instead of one mode's only measurement).
+Rounds: every cell is measured --rounds times, the modes alternating within each round (in
+reverse order every other round), and each figure is the median over the rounds (these machines
+are noisy: a burst of other work then spoils one round of every mode alike instead of one
+mode's only measurement).
 Everything shares this machine's cores: the client's own cost is in every column alike.
 """
 
@@ -195,11 +196,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def measure_rounds(modes: tuple[str, ...], targets: dict[str, list[int]], processes: dict[str, dict[str, Running]],
                    concurrency: list[int], rounds: int, seconds: float, conversations: int) -> list[dict[str, Any]]:
-    """Every (mode, concurrency) cell ``rounds`` times, the modes alternating within a round; the medians."""
+    """Every (mode, concurrency) cell ``rounds`` times, the modes alternating within a round, in
+    reverse order every other round (a cell just after a service's is measured while that
+    service still reads the access log Envoy flushes it: none always comes second); the medians."""
     measured: dict[tuple[str, int], list[dict[str, Any]]] = {}
     for round_number in range(1, rounds + 1):
         for level in concurrency:
-            for mode in modes:
+            for mode in modes if round_number % 2 else modes[::-1]:
                 cell = measure(targets[mode], processes[mode], level, seconds, conversations)
                 measured.setdefault((mode, level), []).append(cell)
                 _progress(
