@@ -129,10 +129,11 @@ class FlowControl:
         if not self.queue:
             rooms = self._rooms(flow, avoided)
             self._now = now
-            # every replica it may go to has room (the usual case): its cache holder too, whatever its kind
+            # every replica it may go to has room (the usual case): its cache holder's too, whatever its
+            # kind; else its kind tells (None: its full holder is worth waiting for)
             everywhere = len(rooms) == _allowed(replicas, avoided)
             if rooms and (everywhere or self._kind(self._waiting(request, flow, avoided, now), rooms) is not None):
-                routed = self._at_once(request, flow, rooms, peers)  # _kind None: its full holder is worth waiting for
+                routed = self._at_once(request, flow, rooms, peers)
                 if routed is not None:
                     return routed
         waiting = self._waiting(request, flow, avoided, now)
