@@ -15,9 +15,10 @@ concurrency, closed-loop keep-alive clients send chat requests for a fixed time;
 shows p50/p99 latency, req/s, and the latency ext_proc adds over Envoy alone, then the CPU
 time each process spent per request (from /proc: less moved by other work on a busy machine
 than latency, so it is the figure to compare between runs and changes).
-Rounds: every cell is measured --rounds times, the modes alternating within each round, and
-each figure is the median over the rounds (these machines are noisy: a burst of other work
-then spoils one round of every mode alike instead of one mode's only measurement).
+Rounds: every cell is measured --rounds times, the modes alternating within each round (in
+reverse order every other round), and each figure is the median over the rounds (these machines
+are noisy: a burst of other work then spoils one round of every mode alike instead of one
+mode's only measurement).
 Everything shares this machine's cores: the client's own cost is in every column alike.
 """
 
@@ -61,6 +62,7 @@ TARGET_ADDED_P99_MS = 5.0
 TARGET_RPS = 1500.0
 BUSY_LOAD_PER_CPU = 0.5  # a 1-minute load average above this per CPU at the start: other work shares the cores
 MODES = ("direct", "envoy", "envoy+stub_ext_proc", "envoy+ext_proc")
+FULL = MODES[3]  # the service, which the variants below are measured against
 STORE_MODE = "envoy+ext_proc+store"
 TOKENIZER_MODE = "envoy+ext_proc+tokenizer"
 FLOW_MODE = "envoy+ext_proc+flow"
@@ -76,6 +78,7 @@ ROOM_ENV = {ROOM_KEY: "1024"}
 POOL_FLOOR = "pool+stub_picker"
 POOL_MODE = "pool+ext_proc"
 POOL_MODES = (POOL_FLOOR, POOL_MODE)
+VARIANT_MODES = (STORE_MODE, TOKENIZER_MODE, FLOW_MODE)  # the service with one thing changed
 WARMUP_SECONDS = 0.5
 
 
@@ -193,11 +196,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def measure_rounds(modes: tuple[str, ...], targets: dict[str, list[int]], processes: dict[str, dict[str, Running]],
                    concurrency: list[int], rounds: int, seconds: float, conversations: int) -> list[dict[str, Any]]:
-    """Every (mode, concurrency) cell ``rounds`` times, the modes alternating within a round; the medians."""
+    """Every (mode, concurrency) cell ``rounds`` times, the modes alternating within a round, in
+    reverse order every other round (a cell just after a service's is measured while that
+    service still reads the access log Envoy flushes it: none always comes second); the medians."""
     measured: dict[tuple[str, int], list[dict[str, Any]]] = {}
     for round_number in range(1, rounds + 1):
         for level in concurrency:
-            for mode in modes:
+            for mode in modes if round_number % 2 else modes[::-1]:
                 cell = measure(targets[mode], processes[mode], level, seconds, conversations)
                 measured.setdefault((mode, level), []).append(cell)
                 _progress(
@@ -205,7 +210,23 @@ def measure_rounds(modes: tuple[str, ...], targets: dict[str, list[int]], proces
                     f"p99={cell['p99_ms']:.3f} ms {cell['rps']:.0f} req/s"
                     + (f" {cell['errors']} errors ({cell['first_error']})" if cell["errors"] else "")
                 )
-    return [{"mode": mode, "concurrency": level, **median_cell(runs)} for (mode, level), runs in measured.items()]
+    return [{"mode": mode, "concurrency": level, **median_cell(runs),
+             **(round_ratios(runs, measured[(FULL, level)]) if mode in VARIANT_MODES else {})}
+            for (mode, level), runs in measured.items()]
+
+
+def round_ratios(runs: list[dict[str, Any]], full: list[dict[str, Any]]) -> dict[str, Any]:
+    """A variant's req/s and ext_proc CPU per request over the service's without it, round by round
+    (the two measured one right after the other), and the median of each: less moved by the
+    machine's drift than the ratio of the medians."""
+    pairs = list(zip(runs, full, strict=True))
+
+    def ratios(key: str) -> list[float]:
+        return [round(run[key] / without[key], 3) if without[key] else 0.0 for run, without in pairs]
+
+    rps, cpu = ratios("rps"), ratios("ext_proc_cpu_us_per_request")
+    return {"rps_ratios": rps, "cpu_ratios": cpu, "rps_ratio": statistics.median(rps),
+            "cpu_ratio": statistics.median(cpu)}
 
 
 def start_sharing_service(workdir: Path, stubbed: ServiceOnStubs, store_url: str, store_password: Path) -> Running:
@@ -366,13 +387,15 @@ def _variant_figures(name: str, variant: dict[str, Any], full: dict[str, Any],
     without it."""
     return {f"{name}_over_ext_proc_p50_ms": round(variant["p50_ms"] - full["p50_ms"], 3),
             f"{name}_rps": variant["rps"],
-            f"{name}_rps_over_floor": round(variant["rps"] / floor["rps"], 3) if floor["rps"] else None}
+            f"{name}_rps_over_floor": round(variant["rps"] / floor["rps"], 3) if floor["rps"] else None,
+            f"{name}_rps_ratio": variant.get("rps_ratio"), f"{name}_cpu_ratio": variant.get("cpu_ratio")}
 
 
 def _variant_lines(name: str, without: str, levels: list[int], added: dict[int, dict[str, Any]]) -> list[str]:
     return [f"{level:>4} | p50 {row[f'{name}_over_ext_proc_p50_ms']:+.3f} ms over ext_proc without it; "
             f"{row[f'{name}_rps']:.0f} req/s = {row[f'{name}_rps_over_floor']:.2f} x the floor "
-            f"({without} {row['ext_proc_rps_over_floor']:.2f} x)"
+            f"({without} {row['ext_proc_rps_over_floor']:.2f} x); round by round, over ext_proc without it: "
+            f"req/s {row[f'{name}_rps_ratio']:.3f} x, ext_proc CPU per request {row[f'{name}_cpu_ratio']:.3f} x"
             for level in levels for row in (added[level],)]
 
 

@@ -116,7 +116,7 @@ def render_envoy_config(
     shorten it to drill a replica that never answers; the service's lost-entry sweep assumes
     STREAM_IDLE_TIMEOUT_S).
     cors_origins: service.cors_origins, the browser origins allowed (none: no CORS filter).
-    flow: flow control's headers and wait ([flow], flow_options); None: off.
+    flow: flow control's wait ([flow], flow_options); None: off.
     """
     if ext_proc is not None and not ext_proc.startswith("@"):
         raise ValueError(f"ext_proc={ext_proc!r}: the service's abstract socket '@name' (service.ext_proc_socket), "
@@ -161,10 +161,9 @@ def render_envoy_config(
 
 @dataclass(frozen=True)
 class FlowOptions:
-    """Flow control behind our own Envoy: the headers naming a request's flow, sent to the
-    service as attributes, and how long a request may wait in the router."""
+    """Flow control behind our own Envoy: how long a request may wait in the router (the headers
+    naming its flow reach the service in the request's header map, as any)."""
 
-    headers: tuple[str, ...]
     ttl_seconds: float
 
     @property
@@ -175,7 +174,7 @@ class FlowOptions:
 
 def flow_options(flow: FlowSettings) -> FlowOptions | None:
     """[flow] as the renderer needs it; None when flow control is off."""
-    return FlowOptions((flow.tenant_header, flow.objective_header), flow.ttl_seconds) if flow.enabled else None
+    return FlowOptions(flow.ttl_seconds) if flow.enabled else None
 
 
 def _connection_limit() -> dict[str, Any]:
@@ -327,10 +326,10 @@ def _ext_proc_filter(name: str, fail_open: bool, timeout_ms: int, observe: bool,
     The headers cannot be skipped: with request_header_mode SKIP, Envoy 1.40 lets the headers
     go on to the router before the body is read, so the pick is ignored, and a POST without a
     body reaches the service not at all (both checked).
-    observe: the response body, never waited for. flow: the flow headers are sent too, and a
-    request the service holds in its queue may be waited for up to the TTL and a margin (the
-    service asks for it with override_message_timeout; any other answer keeps message_timeout,
-    so a hung service still fails open as soon)."""
+    observe: the response body, never waited for. flow: a request the service holds in its
+    queue may be waited for up to the TTL and a margin (the service asks for it with
+    override_message_timeout; any other answer keeps message_timeout, so a hung service still
+    fails open as soon)."""
     mode = {
         "request_header_mode": "SKIP" if observe else "SEND",
         "response_header_mode": "SKIP",
@@ -357,7 +356,6 @@ def _ext_proc_filter(name: str, fail_open: bool, timeout_ms: int, observe: bool,
         config["send_body_without_waiting_for_header_response"] = True
         config["request_attributes"] = list(REQUEST_ATTRIBUTES)
         if flow is not None:
-            config["request_attributes"] += [f"request.headers['{header}']" for header in flow.headers]
             config["max_message_timeout"] = f"{flow.max_wait_s}s"
         # Envoy drops the dynamic metadata an ext_proc answer carries unless its namespace is
         # listed (checked on 1.40): without this the envoy.lb copy of the pick never lands.

@@ -126,18 +126,33 @@ class FlowControl:
         replicas = self.router.replicas
         if not replicas or avoided and all(name in avoided for name in replicas):
             return Refused(NO_REPLICA)
-        key = self.router.conversation_key(request.conversation)
-        waiting = Waiting(request, flow, key, avoided, now, now + self.settings.ttl_seconds)
         if not self.queue:
             rooms = self._rooms(flow, avoided)
             self._now = now
-            if rooms and self._kind(waiting, rooms) is not None:  # None: its full holder is worth waiting for
-                ticket = self.router.route(request, self._without(rooms), peers)
-                if ticket is not None:
-                    counter = self.queue.charge_at_once(flow, self._charged(request, flow, ticket.decision))
-                    self._running[request.request_id] = flow
-                    return Routed(ticket, Wait(flow, 0.0, "at_once", counter, counter))
+            # every replica it may go to has room (the usual case): its cache holder's too, whatever its
+            # kind; else its kind tells (None: its full holder is worth waiting for)
+            everywhere = len(rooms) == _allowed(replicas, avoided)
+            if rooms and (everywhere or self._kind(self._waiting(request, flow, avoided, now), rooms) is not None):
+                routed = self._at_once(request, flow, rooms, peers)
+                if routed is not None:
+                    return routed
+        waiting = self._waiting(request, flow, avoided, now)
         return Queued(waiting) if self.queue.push(waiting) else Refused(QUEUE_FULL)
+
+    def _waiting(self, request: RouteRequest, flow: Flow, avoided: frozenset[str], now: float) -> Waiting:
+        key = self.router.conversation_key(request.conversation)
+        return Waiting(request, flow, key, avoided, now, now + self.settings.ttl_seconds)
+
+    def _at_once(self, request: RouteRequest, flow: Flow, rooms: tuple[str, ...],
+                 peers: PeerView | None) -> Routed | None:
+        """Route a request that need not wait to one of ``rooms``, its flow charged; None when the
+        policy finds no replica."""
+        ticket = self.router.route(request, self._without(rooms), peers)
+        if ticket is None:
+            return None
+        counter = self.queue.charge_at_once(flow, self._charged(request, flow, ticket.decision))
+        self._running[request.request_id] = flow
+        return Routed(ticket, Wait(flow, 0.0, "at_once", counter, counter))
 
     def dispatch(self, now: float) -> list[Dispatched]:
         """Send waiting requests to replicas with room, best first, until none can go."""
@@ -257,3 +272,8 @@ class FlowControl:
         if placement is None or placement.replica in waiting.avoid or placement.replica not in self.router.replicas:
             return None
         return placement
+
+
+def _allowed(replicas: Collection[str], avoided: frozenset[str]) -> int:
+    """How many of ``replicas`` a request avoiding ``avoided`` may go to."""
+    return len(replicas) if not avoided else sum(1 for name in replicas if name not in avoided)

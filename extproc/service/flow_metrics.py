@@ -33,13 +33,13 @@ class FlowMetrics:
     def __init__(self, registry: CollectorRegistry, depths: Depths, clock: Callable[[], float]) -> None:
         self.depths = depths
         self.clock = clock
-        self.outcomes: Counter[tuple[str, str]] = Counter()  # (band, outcome)
+        self.outcomes: Counter[tuple[int, str]] = Counter()  # (band, outcome)
         self.waits: dict[str, Histogram] = {}  # band -> seconds waited by the requests that left the queue
         self.fairness = FairnessWindow(JAIN_WINDOW_S)
         registry.register(_Collector(self))
 
     def outcome(self, flow: Flow, outcome: str) -> None:
-        self.outcomes[str(flow.priority), outcome] += 1
+        self.outcomes[flow.priority, outcome] += 1
 
     def left_queue(self, flow: Flow, seconds: float) -> None:
         band = str(flow.priority)
@@ -57,8 +57,8 @@ class _Collector(Collector):
         m = self.metrics
         outcomes = CounterMetricFamily("llm_ring_flow_requests", "requests through flow control, by band and how "
                                        "they left: " + ", ".join(OUTCOMES), labels=["band", "outcome"])
-        for (band, outcome), count in dict(m.outcomes).items():
-            outcomes.add_metric([band, outcome], count)
+        for (priority, outcome), count in dict(m.outcomes).items():
+            outcomes.add_metric([str(priority), outcome], count)
         yield outcomes
         waiting = GaugeMetricFamily("llm_ring_flow_waiting", f"requests waiting in the router, by band and tenant "
                                     f"(the {TENANT_SERIES} with the most waiting; the rest as {OTHER!r})",

@@ -120,6 +120,7 @@ class Processor:
         self.parser = parser  # large bodies are parsed there (offload.py); None: all inline
         self.room = room  # flow control's waiting room (None: off)
         self.own_envoy = own_envoy  # our Envoy's route and observe streams too (module docstring)
+        self.flow_headers = room.headers if room is not None else ()  # naming a request's tenant and objective
 
     async def process(self, _requests: Any, context: grpc.aio.ServicerContext) -> None:
         stream = "route"
@@ -159,7 +160,8 @@ class Processor:
         if message.request_headers.end_of_stream:  # a POST without a body
             await context.write(EMPTY_BODY)
             return
-        session_headers = header_values(message.request_headers, self.gateway.sessions.headers)
+        # the session headers, and flow control's (read here: no attributes for Envoy to evaluate)
+        values = header_values(message.request_headers, (*self.gateway.sessions.headers, *self.flow_headers))
         chunks: list[bytes] = []
         while True:
             message = await context.read()
@@ -169,14 +171,13 @@ class Processor:
             if message.request_body.end_of_stream:
                 break
         generation = generation_path(path)
-        room = self.room
-        tenant, objective = (_text(attributes, f"request.headers['{name}']") for name in room.headers) \
-            if room is not None else ("", "")
+        tenant_header, objective_header = self.room.headers if self.room is not None else ("", "")
+        tenant, objective = values.get(tenant_header, ""), values.get(objective_header, "")
         answer, routed_id = await route_body(
-            self.gateway, self.parser, room, context, tenant, objective,
+            self.gateway, self.parser, self.room, context, tenant, objective,
             path=generation.path if generation is not None else path,
             content_type=_text(attributes, "request.headers['content-type']"),
-            session_headers=session_headers,
+            session_headers=values,
             turn=_text(attributes, "request.headers['x-turn']"), request_id=_text(attributes, "request.id"),
             body=chunks[0] if len(chunks) == 1 else b"".join(chunks),
         )  # fmt: skip

@@ -36,16 +36,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from extproc.envoy.contract import DROPPED_REASON, QUEUE_WAIT_MARGIN_S
-from extproc.routing.flow_control import NO_REPLICA, Dispatched, FlowControl, Queued, Refused, Wait
+from extproc.routing.flow_control import NO_REPLICA, Dispatched, FlowControl, Refused, Routed, Wait
 from extproc.routing.flows import Flow, FlowSettings, flow_of
 from extproc.routing.peers import PeerView
 from extproc.routing.queue import Waiting
 from extproc.service.answers import Phase, immediate, immediate_headers, wait_longer
 from extproc.service.bodies import BadRequest, ParsedRequest
 from extproc.service.flow_metrics import FlowMetrics
-from extproc.service.gateway import Gateway, Lifecycle, Prepared, bounded
+from extproc.service.gateway import BOUNDED_CHARS, Gateway, Lifecycle, Prepared, bounded
 
 LEFT = b""  # route()'s answer when the client went away while its request waited: nothing to say
+FLOWS_KEPT = 1024  # flows remembered by their header values (all forgotten when full)
 
 
 @dataclass(slots=True)
@@ -70,6 +71,7 @@ class WaitingRoom(Lifecycle):
         self.metrics = FlowMetrics(gateway.metrics.registry, self.control.queue.depths, time.monotonic)
         self.headers = (settings.tenant_header, settings.objective_header)
         self._waiters: dict[str, _Waiter] = {}
+        self._flows: dict[tuple[str, str], Flow] = {}  # (tenant, objective) header values -> their flow
         self._timer: asyncio.TimerHandle | None = None
         self._dispatch_planned = False
         gateway.lifecycle = self
@@ -96,15 +98,15 @@ class WaitingRoom(Lifecycle):
         if gateway.store is not None:
             step, peers = await gateway.peers(step)
         step, avoid = gateway.before_route(step, subset, peers)
-        flow = flow_of(self.settings, bounded(tenant), bounded(objective))
+        flow = self._flow(tenant, objective)
         now = time.monotonic()
         admitted = self.control.admit(step.request, flow, avoid, now, peers)
-        if isinstance(admitted, Refused):
-            return self._refused(flow, admitted.reason, subset), None
-        if not isinstance(admitted, Queued):
+        if isinstance(admitted, Routed):  # nothing waits, a replica has room: the path without flow control
             self._went(flow, admitted.wait, admitted.ticket.decision.predicted_cached_tokens, step, now)
             answer = gateway.routed(step, admitted.ticket, turn, request_id, started, phase, subset, admitted.wait)
             return answer, step.request.request_id
+        if isinstance(admitted, Refused):
+            return self._refused(flow, admitted.reason, subset), None
         future: asyncio.Future[tuple[bytes, str | None]] = asyncio.get_running_loop().create_future()
         waiter = _Waiter(step, flow, turn, request_id, started, phase, subset, future)
         self._waiters[step.request.request_id] = waiter
@@ -113,6 +115,19 @@ class WaitingRoom(Lifecycle):
         if not waiter.answer.done() and phase == "own":
             await stream.write(wait_longer(math.ceil(self.settings.ttl_seconds) + QUEUE_WAIT_MARGIN_S))
         return await self._wait(step.request.request_id, waiter, stream)
+
+    def _flow(self, tenant: str, objective: str) -> Flow:
+        """The flow of a request carrying these header values, kept for the next request that
+        carries them (FLOWS_KEPT at most, of values of at most BOUNDED_CHARS: a client inventing
+        tenants or long values grows nothing)."""
+        flow = self._flows.get((tenant, objective))
+        if flow is None:
+            flow = flow_of(self.settings, bounded(tenant), bounded(objective))
+            if len(tenant) <= BOUNDED_CHARS and len(objective) <= BOUNDED_CHARS:
+                if len(self._flows) >= FLOWS_KEPT:
+                    self._flows.clear()
+                self._flows[tenant, objective] = flow
+        return flow
 
     async def _wait(self, request_id: str, waiter: _Waiter, stream: HeldReads) -> tuple[bytes, str | None]:
         """The answer once dispatched or expired; LEFT when the stream ended first (the client left)."""

@@ -74,4 +74,6 @@ def test_with_flow_on_the_service_with_flow_control_routes_every_request_at_once
     assert cells[FLOW_MODE]["requests"] > 0 and cells[FLOW_MODE]["errors"] == 0
     assert cells[FLOW_MODE]["ext_proc_cpu_us_per_request"] > 0
     assert result["flow"]["at_once"] >= cells[FLOW_MODE]["requests"] and result["flow"]["other"] == 0
+    assert len(cells[FLOW_MODE]["cpu_ratios"]) == 1 and cells[FLOW_MODE]["rps_ratio"] > 0
     assert "flow control on (envoy+ext_proc+flow: nothing waits" in render_table(result)
+    assert "round by round, over ext_proc without it: req/s" in render_table(result)
