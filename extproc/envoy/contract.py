@@ -42,7 +42,7 @@ STREAMED_CLUSTER = "replicas-streamed"  # the same replicas, one connection per 
 EXT_PROC_CLUSTER = "ext_proc"
 METADATA_NAMESPACE = "llm-ring"  # where the timings of a JSON answer land (json_to_metadata)
 # Envoy ends a request that shows no activity (bytes either way) for this long; the service
-# takes a request whose access log entry is this late twice over as lost (gateway.release_lost).
+# takes a request whose access log entry is this late twice over as lost (service/lifecycle.py: release_lost).
 STREAM_IDLE_TIMEOUT_S = 300
 # Connections to a replica idle this long are closed by Envoy: below the 5 s after which
 # llama.cpp's HTTP server (cpp-httplib, CPPHTTPLIB_KEEPALIVE_TIMEOUT_SECOND) closes them

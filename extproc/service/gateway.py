@@ -6,20 +6,11 @@ One HTTP request meets the service on (see extproc/envoy/config.py):
     headers (answers.py: pre-serialized, cached per (replica, reason, streamed)); the service
     lets the body pass and closes the stream (fewer gRPC operations than waiting for Envoy
     to end it);
-  - Envoy's access log entry, for every request that got a pick (status, the upstream that
-    served, reset flags, the timings Envoy copied from a JSON body) -> ``access_logged``:
-    the HTTP request is over;
-  - a streamed (SSE) answer: the *observe* stream, the response body chunks (the first with
-    status and the upstream that served), never answered -> ``observe_*``.
-They meet in ``pending`` by request id: the service's own, set as the request's
-``x-request-id`` by its answer (a client's id is only logged, bounded). An access log entry
-that carries Envoy's id instead (``envoy_ids``) means the answer never landed: Envoy failed
-open past ext_proc's timeout and served the request round robin. The request is over, and
-logged, in ``_finish``:
-when the access log entry has come and, for a streamed answer, the observer has seen its end
-(or ``observe_grace`` after the entry). An entry that never comes (the access log stream
-broke) is made up for by ``release_lost``: Envoy itself ends a request that shows no activity
-for STREAM_IDLE_TIMEOUT_S, so a request silent for twice that long is over.
+  - Envoy's access log entry (``access_logged``) and, for a streamed answer, the *observe*
+    stream (``observe_*``): they end the request. Its end is lifecycle.py's room
+    (``PendingRequests``, the gateway's ``requests``): the gateway hands it each routed request
+    (its ``Pending``) and gets it back at its end (``settle``: load released, the conversation's
+    bookkeeping done; ``report_answer``: what its answer taught).
 
 Back-to-back turns. Envoy sends the access log entry after the answer has gone to the client,
 so a client that sends its next turn at once (an agent loop) would be routed while its last
@@ -28,7 +19,7 @@ answered: its messages are the last turn's messages plus the answer (bodies.py: 
 holds the histories a body shows answered). So before routing a chat request, every pending
 request of the same conversation whose history it shows answered is released (load freed,
 placement remembered: its ``Ticket.release``) — by construction, whatever the timing, for JSON
-and SSE answers alike. Such a request still waits in ``pending`` for its access log entry,
+and SSE answers alike. Such a request still waits in ``requests.pending`` for its access log entry,
 which brings its outcome and timings. Parallel requests on one prefix carry no answer of each
 other: each stays charged until its own end.
 
@@ -41,20 +32,15 @@ queued for the store's writer. Without a store ``route_request`` decides on loca
 
 from __future__ import annotations
 
-import asyncio
 import secrets
 import time
 from collections import deque
 from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
-import structlog
 import xxhash
 
-from extproc.envoy.contract import (
-    STREAM_IDLE_TIMEOUT_S,
-)
 from extproc.envoy.cors import CorsPolicy
 from extproc.envoy.surface import GENERATION_PATHS, ReadOnly, Refused
 from extproc.routing import Decision, Router, RouteRequest, Ticket, adapters, estimate_tokens
@@ -68,7 +54,6 @@ from extproc.routing.placement import Placement, PlacementMemory
 from extproc.routing.speeds import AnswerTimings
 from extproc.routing.tokens import TokenCounter, shared_opening
 from extproc.service.answers import (
-    RESPONSE_HEADERS_CONTINUE,
     AnswerCache,
     Phase,
     immediate,
@@ -80,13 +65,12 @@ from extproc.service.bodies import (
     BadRequest,
     BodyLimits,
     ParsedRequest,
-    Timings,
     parse_request,
-    parse_timings,
 )
 from extproc.service.catalog import ModelCatalog
 from extproc.service.decision_log import through_structlog
 from extproc.service.leaving import LeavingReplicas
+from extproc.service.lifecycle import Lifecycle, Pending, PendingRequests
 from extproc.service.metrics import Metrics, ReplicaState
 from extproc.service.migrations import Migrations
 from extproc.service.sessions import SessionSources
@@ -94,11 +78,6 @@ from extproc.service.store import EntryBounds, SharedStore
 from extproc.service.tokenizer import make_counter
 from extproc.settings import ServiceSettings, StoreSettings
 
-log = structlog.get_logger("extproc.service")
-
-MAX_JSON_RESPONSE_BYTES = 1 << 20  # larger JSON answers are passed on unread (no timings)
-SSE_TAIL_BYTES = 64 << 10  # the last events of a stream are all we read
-LOST_AFTER_S = 2 * STREAM_IDLE_TIMEOUT_S  # no access log entry by then: it was lost
 BOUNDED_CHARS = 64  # client-chosen ids kept in state and logs: longer ones are cut and hashed
 NO_PEERS = PeerView({}, None)  # the store is configured but not answering: this router's state alone
 TEMPLATE_OPENING_TOKENS = 1024  # what a chat template may add before the first message (a default system prompt)
@@ -130,64 +109,6 @@ class Prepared:
     leaving_phase: str = ""  # a follow-up of a leaving replica's conversation: its phase (service/leaving.py)
 
 
-class Lifecycle:
-    """What flow control hears of the requests it let through (waiting_room.py); this one hears
-    nothing (flow control off)."""
-
-    def released(self, request_id: str) -> None:
-        """The request's load was released: its slot is free."""
-
-    def finished(self, request_id: str, computed: tuple[int, int] | None) -> None:
-        """The request is over; computed: (prompt tokens computed, tokens generated), when reported."""
-
-    def replicas_changed(self) -> None:
-        """The fleet changed: room may have appeared."""
-
-
-@dataclass(slots=True)
-class Pending:
-    """A routed request from its decision to its end (its load may be released before: by a next
-    turn showing its answer): the router's ticket and the service's own state of the request."""
-
-    ticket: Ticket  # the request, the router's decision and the release of its load (once)
-    predicted_cached_tokens: int  # the decision's, or what the pick holds of the prompt's opening
-    shown: Shown  # its history's digests (continuation.py): who may use its placement once it is done
-    continued: bool  # it continued a conversation the router knew
-    model: str  # the model it named (bounded), "" when none
-    lora: str  # its LoRA adapter configuration (bounded adapters.label), "" when it names none
-    endpoint: str
-    path: str
-    turn: str
-    stream: bool
-    started: float  # perf_counter at the decision
-    last_seen: float  # monotonic: the decision, then each observed chunk
-    status: int = 0
-    served: str = ""
-    logged: bool = False  # no access log entry to wait for: it came (the HTTP request is over), or none
-    # will (an Endpoint Picker's stream, whose own end says when the request is over)
-    answered: bool = False  # the whole answer passed (per the access log, or the observer saw its end)
-    observed_end: bool = False  # streamed: the observer saw the last chunk
-    lost: bool = False  # released by release_lost: the access log entry never came
-    released_by_next_turn: bool = False  # a later turn of its conversation showed its answer
-    not_applied: bool = False  # Envoy served the request without the pick (fail-open)
-    envoy_id: str = ""  # the id Envoy gave the request (a client's x-request-id, bounded)
-    event_stream: bool = False
-    chunks: deque[bytes] = field(default_factory=deque)
-    size: int = 0
-    timings: Timings | None = None  # from the access log (JSON answers)
-    timer: asyncio.TimerHandle | None = None
-    wait: Wait | None = None  # how it went through flow control (None: off)
-    leaving_phase: str = ""  # a follow-up of a leaving replica's conversation: its phase (service/leaving.py)
-
-    @property
-    def request(self) -> RouteRequest:
-        return self.ticket.request
-
-    @property
-    def decision(self) -> Decision:
-        return self.ticket.decision
-
-
 class Gateway:
     def __init__(
         self,
@@ -210,13 +131,12 @@ class Gateway:
         self.on_replica_failed = on_replica_failed
         self.endpoints: dict[str, str] = {}
         self.unhealthy: set[str] = set()
-        self.pending: dict[str, Pending] = {}
         # conversation -> {request id: history} of pending requests not yet shown answered
         self.unanswered: dict[str, dict[str, int]] = {}
         self.answers = AnswerCache(settings.routing_headers, replica_key or "")
+        self.requests = PendingRequests(self, metrics, self.answers, settings.observe_grace_ms / 1000)
         self._sequence = 0
         self._id_prefix = secrets.token_hex(3) + "-"  # ids differ across restarts of the service
-        self.envoy_ids: dict[str, str] = {}  # Envoy's id -> ours, while pending
         self.catalog = ModelCatalog()  # what each replica serves (main.py's ModelFetcher fills it)
         self.cors = CorsPolicy(frozenset(settings.cors_origins))
         self.sessions = SessionSources.parse(settings.session_ids)  # where a conversation id comes from
@@ -250,8 +170,8 @@ class Gateway:
 
     def begin_leaving(self, replica: str, seconds: float, near_seconds: float) -> tuple[int, int]:
         """``replica`` starts leaving (extproc/migration/leaving.py); (idle, in flight) conversations placed there."""
-        key = self.router.conversation_key
-        in_flight = {key(p.request.conversation) for p in self.pending.values() if p.decision.replica == replica}
+        key, ongoing = self.router.conversation_key, self.requests.pending.values()
+        in_flight = {key(p.request.conversation) for p in ongoing if p.decision.replica == replica}
         idle = {k for k, _ in self.router.placed_on(replica)} - in_flight
         self.leaving.begin(replica, idle, in_flight, seconds, near_seconds)
         return len(idle), len(in_flight)
@@ -308,7 +228,7 @@ class Gateway:
 
     def _publish_pending(self, request_id: str, history: int) -> None:
         assert self.store is not None
-        pending = self.pending[request_id]
+        pending = self.requests.pending[request_id]
         request, decision = pending.request, pending.decision
         self.store.routed(
             self.router.conversation_key(request.conversation), request_id,
@@ -589,13 +509,13 @@ class Gateway:
             predicted = self._with_opening(decision, parsed.opening, request.prompt_tokens)
         # Behind an Endpoint Picker's gateway no access log comes: the stream itself says when
         # the request is over (stream_ended), as if logged at once.
-        self.pending[unique_id] = Pending(
+        self.requests.track(Pending(
             ticket, predicted, step.shown, step.claim.continues, bounded(parsed.model), bounded(parsed.lora),
             self.endpoints[decision.replica], step.path,
             bounded(turn), parsed.stream, started, time.monotonic(),
-            envoy_id=self._remember_envoy_id(request_id, unique_id), logged=phase != "own", wait=wait,
+            envoy_id=bounded(request_id), logged=phase != "own", wait=wait,
             leaving_phase=step.leaving_phase,
-        )  # fmt: skip
+        ))  # fmt: skip
         if parsed.history:
             self.unanswered.setdefault(conversation, {})[unique_id] = parsed.history
         if self.store is not None:
@@ -645,218 +565,29 @@ class Gateway:
             return
         for request_id in [rid for rid, history in waiting.items() if history in answered]:
             del waiting[request_id]
-            pending = self.pending[request_id]
+            pending = self.requests.pending[request_id]
             pending.released_by_next_turn = True
             self._release(pending, ok=True)
             self.metrics.released_by_next_turn += 1
         if not waiting:
             del self.unanswered[conversation]
 
-    # ------------------------------------------------------------------ access log
+    # ------------------------------------------------------------------ a request's end (lifecycle.py)
 
-    def access_logged(self, request_id: str, status: int, served: str, cut_off: bool, timings: Timings | None) -> None:
-        """Envoy's access log entry for a request: it is over. cut_off: the client went away,
-        or the upstream broke off a started answer (a JSON answer ends as abandoned). A streamed
-        answer's end and timings are in its last events: wait for the observer's end, at most
-        observe_grace, cut off or not (whole when the replica sent ``[DONE]``: _finish)."""
-        pending = self.pending.get(request_id)
-        if pending is None:
-            self._served_without_pick(request_id, status, served)
-            return
-        pending.logged = True
-        pending.status = status
-        pending.served = served
-        pending.answered = pending.answered or not cut_off
-        if not pending.stream:
-            pending.timings = timings
-            self._finish(request_id)
-        elif pending.observed_end:
-            self._finish(request_id)
-        else:  # a client that hangs up right after [DONE] is cut off too: the observer says whether it was whole
-            grace = self.settings.observe_grace_ms / 1000
-            pending.timer = asyncio.get_running_loop().call_later(grace, self._finish, request_id)
-
-    def _served_without_pick(self, envoy_id: str, status: int, served: str) -> None:
-        """An entry under Envoy's own id: the service decided too late (Envoy failed open) and
-        the request went round robin. Release the load; the pick is not to blame for anything."""
-        request_id = self.envoy_ids.get(envoy_id)
-        if request_id is None:
-            return  # not a routed request (a 404/405, a request ext_proc never saw)
-        pending = self.pending[request_id]
-        pending.logged = pending.not_applied = True
-        pending.status, pending.served = status, served
-        self._finish(request_id)
-
-    def release_lost(self, now: float) -> int:
-        """Release requests silent for LOST_AFTER_S (monotonic ``now``): their access log
-        entry was lost, e.g. while the log stream was down. Returns how many."""
-        lost = [request_id for request_id, p in self.pending.items() if now - p.last_seen > LOST_AFTER_S]
-        for request_id in lost:
-            self.pending[request_id].lost = True
-            self.metrics.errors["access_log_lost"] += 1
-            self._finish(request_id)
-        return len(lost)
-
-    # ------------------------------------------------------------------ observe stream
-
-    def observe_start(self, request_id: str, status: int, served: str) -> str | None:
-        """The response begins (first body chunk): None when the request is not ours to track."""
-        pending = self.pending.get(request_id)
-        if pending is None:
-            log.debug("response_not_tracked", request_id=request_id, status=status, served=served)
-            return None
-        pending.status = status
-        pending.served = served
-        return request_id
-
-    def observe_body(self, request_id: str, chunk: bytes, end_of_stream: bool) -> None:
-        pending = self.pending.get(request_id)
-        if pending is None:
-            return
-        pending.last_seen = time.monotonic()
-        if chunk:
-            if not pending.chunks:  # SSE starts with "data:", "event:" or ":"; JSON with "{"
-                pending.event_stream = not chunk.lstrip().startswith(b"{")
-            pending.chunks.append(chunk)
-            pending.size += len(chunk)
-            if pending.event_stream:
-                while pending.size - len(pending.chunks[0]) >= SSE_TAIL_BYTES:
-                    pending.size -= len(pending.chunks.popleft())
-            elif pending.size > MAX_JSON_RESPONSE_BYTES:
-                pending.chunks.clear()
-        if end_of_stream:
-            pending.observed_end = pending.answered = True
-            if pending.logged:
-                if pending.timer is not None:
-                    pending.timer.cancel()
-                self._finish(request_id)
-
-    def response_headers_answer(self, request_id: str | None) -> bytes:
-        """An Endpoint Picker's answer to the response headers (x-routed-to, x-route-reason
-        added for a tracked request)."""
-        pending = self.pending.get(request_id) if request_id is not None else None
-        if pending is None:
-            return RESPONSE_HEADERS_CONTINUE
-        return self.answers.response(pending.decision.replica, pending.decision.reason)
-
-    def stream_ended(self, request_id: str) -> None:
-        """An Endpoint Picker's stream for the request closed (Envoy ends it with the HTTP
-        request): over, as abandoned unless its answer passed whole."""
-        if request_id in self.pending:
-            self._finish(request_id)
-
-    # ------------------------------------------------------------------ the end
-
-    def _finish(self, request_id: str) -> None:
-        pending = self.pending.pop(request_id, None)
-        if pending is None:
-            return
-        if self.envoy_ids.get(pending.envoy_id) == request_id:
-            del self.envoy_ids[pending.envoy_id]
-        decision = pending.decision
-        failed_over = not pending.not_applied and bool(pending.served) and pending.served != pending.endpoint
-        # ok: a whole 2xx answer from the pick; failed_over: a whole 2xx answer from a fallback
-        # (the pick refused; placement memory now points where the cache went); failed: an error
-        # status; abandoned: the request ended before its answer did (the client hung up, or the
-        # upstream broke off).
-        # A stream is whole when the replica sent its end ([DONE], after the timings), whether or
-        # not the client stayed to the end of the connection (the SDK closes it right after [DONE]).
-        pending.answered = pending.answered or (pending.event_stream and _stream_done(pending.chunks))
-        succeeded = pending.answered and 200 <= pending.status < 300
-        if pending.not_applied:
-            outcome = "not_applied"
-        elif not pending.answered:
-            outcome = "abandoned"
-        elif not succeeded:
-            outcome = "failed"
-        else:
-            outcome = "failed_over" if failed_over else "ok"
-        served_replica = self._served_replica(pending)  # a name, or the address when it is no replica of ours
+    def settle(self, request_id: str, pending: Pending, ok: bool, served: str | None) -> None:
+        """The request is over: no longer waiting for a next turn to show its answer, its load
+        released (a no-op when a later turn released it already)."""
         waiting = self.unanswered.get(pending.request.conversation)
         if waiting is not None and waiting.pop(request_id, None) is not None and not waiting:
             del self.unanswered[pending.request.conversation]
-        self._release(  # a no-op when a later turn released it already
-            pending,
-            ok=succeeded,
-            served=served_replica if failed_over and served_replica in self.endpoints else None,
-        )
-        self.metrics.completed[outcome] += 1
-        refused = pending.answered and pending.status in (502, 503) and not pending.served
-        # 504 from the pick itself: it took the request and sent nothing until Envoy's stream idle
-        # timeout (a hung server). Avoided until its /health answers, like a refusing one.
-        silent = pending.status == 504 and pending.served == pending.endpoint
-        if failed_over or ((refused or silent) and not pending.not_applied):
-            self.metrics.errors["replica_timed_out" if silent else "replica_failed"] += 1
-            self.mark_unhealthy(decision.replica)
-        timings = pending.timings
-        if pending.chunks and (pending.observed_end or pending.event_stream):  # an SSE tail holds them at its end
-            timings = parse_timings(b"".join(pending.chunks), pending.event_stream)
-        if timings is not None and timings.cache_n is not None:
-            learnt = answer_timings(timings)
-            self.router.report_cached(pending.request, served_replica, pending.predicted_cached_tokens,
-                                      timings.cache_n, learnt)
-            if self.store is not None and self.router.speeds.learning and served_replica in self.router.replicas:
-                self.store.answered(served_replica, learnt)  # the other routers learn from it too
-            self.metrics.cache_tokens(
-                served_replica,
-                pending.predicted_cached_tokens,
-                timings.cache_n,
-                timings.cache_n + (timings.prompt_n or 0),
-            )
-        self._log(request_id, pending, outcome, served_replica, timings)
-        computed = None if timings is None or timings.prompt_n is None or timings.predicted_n is None \
-            else (int(timings.prompt_n), int(timings.predicted_n))
-        self.lifecycle.finished(request_id, computed)
+        self._release(pending, ok=ok, served=served)
 
-    def _served_replica(self, pending: Pending) -> str:
-        if not pending.served or pending.served == pending.endpoint:
-            return pending.decision.replica
-        for name, endpoint in self.endpoints.items():
-            if endpoint == pending.served:
-                return name
-        return pending.served
-
-    def _log(
-        self, request_id: str, pending: Pending, outcome: str, served_replica: str, timings: Timings | None
-    ) -> None:
-        decision = pending.decision
-        fields: dict[str, Any] = {
-            "request_id": request_id,
-            "envoy_request_id": pending.envoy_id,
-            "conversation": pending.request.conversation,
-            "model": pending.model,
-            "lora": pending.lora,
-            "turn": pending.turn,
-            "path": pending.path,
-            "stream": pending.stream,
-            "replica": decision.replica,
-            "endpoint": pending.endpoint,
-            "reason": decision.reason,
-            "policy": decision.trace.policy,
-            "prompt_tokens": pending.request.prompt_tokens,
-            "max_tokens": pending.request.max_tokens,
-            "cost": decision.cost,
-            "charged_tokens": decision.charged_tokens,
-            "predicted_cached_tokens": pending.predicted_cached_tokens,
-            "trace": decision.trace.as_dict(),
-            "outcome": outcome,
-            "status": pending.status,
-            "served": pending.served,
-            "served_replica": served_replica if pending.served else "",
-            "duration_ms": round((time.perf_counter() - pending.started) * 1000, 3),
-        }
-        if pending.lost:
-            fields["access_log_lost"] = True
-        if pending.released_by_next_turn:
-            fields["released_by_next_turn"] = True
-        if pending.wait is not None:  # flow control: who it was, how long it waited and why it left then
-            fields["queue_wait_ms"] = round(pending.wait.waited * 1000, 3)
-            fields["trace"]["queue"] = pending.wait.as_dict()
-        if pending.leaving_phase:
-            fields["leaving_phase"] = pending.leaving_phase
-        if timings is not None:
-            fields.update(timings.as_dict())
-        self.decision_log(fields)
+    def report_answer(self, pending: Pending, served_replica: str, cached_tokens: int, learnt: AnswerTimings) -> None:
+        """What the answer reported: the router learns it, and the other routers through the store."""
+        self.router.report_cached(pending.request, served_replica, pending.predicted_cached_tokens, cached_tokens,
+                                  learnt)
+        if self.store is not None and self.router.speeds.learning and served_replica in self.router.replicas:
+            self.store.answered(served_replica, learnt)  # the other routers learn from it too
 
     # ------------------------------------------------------------------ helpers
 
@@ -895,25 +626,3 @@ class Gateway:
         fallbacks = [n for n in names[start + 1 :] + names[:start]
                      if n not in self.unhealthy and (subset is None or self.endpoints[n] in subset)]
         return ",".join([self.endpoints[replica]] + [self.endpoints[n] for n in fallbacks[: self.settings.fallbacks]])
-
-    def _remember_envoy_id(self, envoy_id: str, request_id: str) -> str:
-        """Envoy's id for the request (bounded), mapped to ours until it ends. A client may
-        reuse an id: the newest request holds it, an older one ends by its own id (or as lost)."""
-        envoy_id = bounded(envoy_id)
-        self.envoy_ids[envoy_id] = request_id
-        return envoy_id
-
-
-def _stream_done(chunks: deque[bytes]) -> bool:
-    """The tail of an SSE answer holds its last event, ``data: [DONE]``."""
-    tail = b"".join(list(chunks)[-2:])[-64:]
-    return b"data: [DONE]" in tail
-
-
-def answer_timings(timings: Timings) -> AnswerTimings:
-    """The figures the router learns a replica's speed from; a missing one as -1 (ignored)."""
-    def known(value: float | None) -> float:
-        return -1.0 if value is None else value
-
-    return AnswerTimings(int(known(timings.prompt_n)), known(timings.prompt_ms), int(known(timings.predicted_n)),
-                         known(timings.predicted_ms), int(known(timings.cache_n)))

@@ -179,7 +179,8 @@ async def serve(settings: Settings) -> int:
         await stop.wait()
         if not watcher.done():  # a signal, not a failed discovery
             readiness.draining = True
-            await drain(lambda: len(gateway.pending) + (room.waiting() if room is not None else 0), health_service,
+            in_flight = gateway.requests.pending
+            await drain(lambda: len(in_flight) + (room.waiting() if room is not None else 0), health_service,
                         service.drain_seconds)
     finally:
         log.info("service_stopping", in_flight=gateway.router.ledger.total_requests())
@@ -273,10 +274,10 @@ def _tls_kind(setting: str) -> str:
 
 
 async def _release_lost(gateway: Gateway) -> None:
-    """Requests whose access log entry never came are released (see Gateway.release_lost)."""
+    """Requests whose access log entry never came are released (see PendingRequests.release_lost, lifecycle.py)."""
     while True:
         await asyncio.sleep(LOST_SWEEP_SECONDS)
-        lost = gateway.release_lost(time.monotonic())
+        lost = gateway.requests.release_lost(time.monotonic())
         if lost:
             log.warning("access_log_entries_lost", released=lost)
 

@@ -11,7 +11,7 @@ bodies FULL_DUPLEX_STREAMED or BUFFERED. So one stream carries one whole HTTP re
   each chunk as a streamed_response in full-duplex mode -> trailers answered -> the response
   headers (status, the endpoint that served it from ``envoy.lb``) and every body chunk,
   answered as they come (an SSE stream is never held) and watched for the answer's end and
-  its timings -> the stream closes: the request is over (``Gateway.stream_ended``).
+  its timings -> the stream closes: the request is over (``PendingRequests.stream_ended``, lifecycle.py).
 
 A request that is no generation is answered by the gateway itself (surface.py: the fleet's
 models, its health, CORS preflights, 404/405 for the rest): nothing else reaches a replica.
@@ -145,7 +145,7 @@ class PickerStream:
                 await self._rest()
         finally:  # whatever ended the stream (its close, a cancel, a reset) ends the request
             if self.request_id is not None:
-                self.gateway.stream_ended(self.request_id)
+                self.gateway.requests.stream_ended(self.request_id)
 
     async def _request(self, first: pb.ProcessingRequest) -> bool:
         """Answer the request's headers and body; False when the answer ended the request."""
@@ -240,7 +240,7 @@ class PickerStream:
         """Every later phase, answered as it comes; the response watched for its end. A response
         phase is watched before it is answered: the answer lets Envoy pass it on, and a client that
         hangs up once it has read [DONE] ends this stream (cancelled) in the middle of a write."""
-        gateway, context = self.gateway, self.context
+        requests, context = self.gateway.requests, self.context
         while True:
             message = await context.read()
             if message is grpc.aio.EOF:
@@ -254,19 +254,19 @@ class PickerStream:
                 await context.write(REQUEST_TRAILERS_CONTINUE)
             elif kind == "response_headers":
                 headers = message.response_headers
-                answer = gateway.response_headers_answer(tracked)
+                answer = requests.response_headers_answer(tracked)
                 if tracked is not None:
                     status = header_values(headers, (":status",)).get(":status", "")
-                    gateway.observe_start(tracked, int(status) if status.isdigit() else 0, served_endpoint(message))
+                    requests.observe_start(tracked, int(status) if status.isdigit() else 0, served_endpoint(message))
                     if headers.end_of_stream:
-                        gateway.observe_body(tracked, b"", True)
+                        requests.observe_body(tracked, b"", True)
                 await context.write(answer + self._cors_answer())
             elif kind == "response_body":
                 body = message.response_body
                 if tracked is not None:
-                    gateway.observe_body(tracked, body.body, body.end_of_stream)
+                    requests.observe_body(tracked, body.body, body.end_of_stream)
                 await context.write(response_body_answer(self.response_mode, body.body, body.end_of_stream))
             elif kind == "response_trailers":
                 if tracked is not None:
-                    gateway.observe_body(tracked, b"", True)
+                    requests.observe_body(tracked, b"", True)
                 await context.write(RESPONSE_TRAILERS_CONTINUE)

@@ -95,7 +95,7 @@ def _access_logged(gateway: Gateway, entry: accesslog_pb2.HTTPAccessLogEntry) ->
         timings = timings_from_metadata(
             {key: value.number_value for key, value in extracted.fields.items() if value.HasField("number_value")}
         )
-    gateway.access_logged(entry.request.request_id, status, served, bool(cut_off), timings)
+    gateway.requests.access_logged(entry.request.request_id, status, served, bool(cut_off), timings)
 
 
 def _tolerant(message_class: type[M], gateway: Gateway) -> Callable[[bytes], M]:
@@ -193,10 +193,10 @@ class Processor:
         """Response body chunks, never answered; the first one carries the attributes."""
         if message.WhichOneof("request") != "response_body":
             return
-        gateway = self.gateway
+        requests = self.gateway.requests
         attributes = message.attributes[ATTRIBUTES].fields
         code = attributes.get("response.code")
-        request_id = gateway.observe_start(
+        request_id = requests.observe_start(
             _text(attributes, "request.id"),
             int(code.number_value) if code is not None else 0,
             _text(attributes, "upstream.address"),
@@ -205,7 +205,7 @@ class Processor:
             return
         while True:
             body = message.response_body
-            gateway.observe_body(request_id, body.body, body.end_of_stream)
+            requests.observe_body(request_id, body.body, body.end_of_stream)
             if body.end_of_stream:
                 return
             message = await context.read()

@@ -111,7 +111,7 @@ WRITE_RETRY_S = 0.05  # a failed batch is sent again this much later (with whate
 # a batch reads the routers' ids, the others' answers and their changes to the index at most this often
 # (not each of a busy router's batches): a router that joined counts this much later at most
 READ_EVERY_S = 0.1
-PENDING_TTL_MS = 2 * STREAM_IDLE_TIMEOUT_S * 1000  # no request stays pending longer (gateway.LOST_AFTER_S)
+PENDING_TTL_MS = 2 * STREAM_IDLE_TIMEOUT_S * 1000  # no request stays pending longer (lifecycle.LOST_AFTER_S)
 MAX_ROUTERS = 64  # peers read per decision: a set flooded with ids cannot make a read unbounded
 MAX_PENDING = 256  # a conversation's pending requests read per decision
 MAX_NAME_CHARS = 253  # a replica name (a DNS name at most) or a router id

@@ -43,7 +43,8 @@ from extproc.routing.queue import Waiting
 from extproc.service.answers import Phase, immediate, immediate_headers, wait_longer
 from extproc.service.bodies import BadRequest, ParsedRequest
 from extproc.service.flow_metrics import FlowMetrics
-from extproc.service.gateway import BOUNDED_CHARS, Gateway, Lifecycle, Prepared, bounded
+from extproc.service.gateway import BOUNDED_CHARS, Gateway, Prepared, bounded
+from extproc.service.lifecycle import Lifecycle
 
 LEFT = b""  # route()'s answer when the client went away while its request waited: nothing to say
 FLOWS_KEPT = 1024  # flows remembered by their header values (all forgotten when full)
@@ -152,7 +153,7 @@ class WaitingRoom(Lifecycle):
             self.metrics.outcome(waiter.flow, "cancelled")
             self._arm_timer()
         elif waiter.answer.done() and waiter.answer.result()[1] is not None:
-            self.gateway.stream_ended(request_id)
+            self.gateway.requests.stream_ended(request_id)
 
     def dispatch(self) -> None:
         """Send what may go now (flow_control.py's order), and answer it."""

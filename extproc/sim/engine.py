@@ -21,7 +21,7 @@ Several closed loops may run side by side (tenants of a noisy-neighbour mix): ea
 users and conversations. With flow control (extproc/sim/flow.py) a request goes through the
 core's FlowControl as in the service: it may wait in the router before its route.
 
-Releases follow the gateway (extproc/service/gateway.py): a finished request is released
+Releases follow the gateway (extproc/service/gateway.py, lifecycle.py): a finished request is released
 ``release_lag_s`` later (Envoy's access log entry), or earlier when the next turn of its
 conversation arrives, which carries its answer and so releases it before its own decision.
 """

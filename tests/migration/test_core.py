@@ -212,9 +212,9 @@ def test_a_reused_conversation_id_is_listed_with_its_own_opening_after_a_reset()
                                           session_headers={"x-conversation-id": "c-1"}, turn="", request_id="envoy-id",
                                           body=orjson.dumps({"messages": messages, "max_tokens": 8}))
         assert routed
-        request_id = next(reversed(gateway.pending))
-        replica = gateway.pending[request_id].decision.replica
-        gateway.access_logged(request_id, 200, ENDPOINTS[replica], cut_off=False, timings=None)
+        request_id = next(reversed(gateway.requests.pending))
+        replica = gateway.requests.pending[request_id].decision.replica
+        gateway.requests.access_logged(request_id, 200, ENDPOINTS[replica], cut_off=False, timings=None)
         return replica
 
     first = [{"role": "user", "content": "an earlier run's chat"}]
@@ -248,9 +248,9 @@ def test_a_migrated_conversation_of_a_named_model_follows_its_cache_to_the_recei
         gateway.route_request(path="/v1/chat/completions", content_type="application/json",
                               session_headers={"x-conversation-id": "c-1"}, turn="", request_id="envoy-id",
                               body=orjson.dumps(body))
-        request_id = next(reversed(gateway.pending))
-        decision = gateway.pending[request_id].decision
-        gateway.access_logged(request_id, 200, ENDPOINTS[decision.replica], cut_off=False, timings=None)
+        request_id = next(reversed(gateway.requests.pending))
+        decision = gateway.requests.pending[request_id].decision
+        gateway.requests.access_logged(request_id, 200, ENDPOINTS[decision.replica], cut_off=False, timings=None)
         messages.extend([{"role": "assistant", "content": "an answer"}, {"role": "user", "content": "and then?"}])
         return decision.replica, decision.reason
 
@@ -287,14 +287,14 @@ def test_a_turn_whose_answer_ends_after_its_move_leaves_the_next_turn_to_the_rec
         return request_id
 
     def ended(request_id: str) -> None:
-        replica = gateway.pending[request_id].decision.replica
-        gateway.access_logged(request_id, 200, ENDPOINTS[replica], cut_off=False, timings=None)
+        replica = gateway.requests.pending[request_id].decision.replica
+        gateway.requests.access_logged(request_id, 200, ENDPOINTS[replica], cut_off=False, timings=None)
 
     history = [{"role": "user", "content": "an opening question"}]
     ended(routed(history))
     history += [{"role": "assistant", "content": "an answer"}, {"role": "user", "content": "a second question"}]
     second = routed(history)
-    source = gateway.pending[second].decision.replica
+    source = gateway.requests.pending[second].decision.replica
     receiver = next(name for name in sorted(ENDPOINTS) if name != source)
     move = admin_pb2.Move(key=gateway.router.conversation_key("c-1"), replica=receiver, tokens=40)
     reply = asyncio.run(AdminService(gateway).Migrated(admin_pb2.MigratedRequest(moves=[move], attempted=1), None))
@@ -302,8 +302,8 @@ def test_a_turn_whose_answer_ends_after_its_move_leaves_the_next_turn_to_the_rec
     if ended_by == "its access log":
         ended(second)
     history += [{"role": "assistant", "content": "another answer"}, {"role": "user", "content": "and then?"}]
-    ticket = gateway.pending[second].ticket if second in gateway.pending else None
-    decision = gateway.pending[routed(history)].decision
+    ticket = gateway.requests.pending[second].ticket if second in gateway.requests.pending else None
+    decision = gateway.requests.pending[routed(history)].decision
     assert ticket is None or not ticket.held  # released: by its access log, or as the next body shows it answered
     assert decision.replica == receiver and decision.reason.endswith("+migrated"), decision.trace
 

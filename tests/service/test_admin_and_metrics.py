@@ -50,7 +50,7 @@ def test_admin_state_and_the_scrape_show_the_same_replicas_load_and_health() -> 
     gateway = make_gateway()
     gateway.metrics.watch(gateway.replica_states)
     request_id, endpoint = decide(gateway, "envoy-1")
-    pick = gateway.pending[request_id].decision.replica
+    pick = gateway.requests.pending[request_id].decision.replica
     other = next(name for name in ENDPOINTS if name != pick)
     gateway.mark_unhealthy(other)
 
@@ -68,7 +68,7 @@ def test_admin_state_and_the_scrape_show_the_same_replicas_load_and_health() -> 
         assert scraped["llm_ring_in_flight_tokens"][replica.name] == replica.in_flight_tokens
         assert scraped["llm_ring_replica_healthy"][replica.name] == (1 if replica.healthy else 0)
 
-    gateway.access_logged(request_id, 200, endpoint, cut_off=False, timings=None)
+    gateway.requests.access_logged(request_id, 200, endpoint, cut_off=False, timings=None)
     assert all(replica.in_flight_requests == 0 for replica in AdminService(gateway).state().replicas)
     assert set(gauges(gateway.metrics)["llm_ring_in_flight_requests"].values()) == {0}
 
@@ -77,9 +77,9 @@ def test_an_answers_timings_teach_its_replicas_speed_shown_in_admin_state_and_sc
     gateway = make_gateway()
     gateway.metrics.watch(gateway.replica_states, lambda: gateway.router.speeds.speeds())
     request_id, endpoint = decide(gateway, "envoy-1")
-    pick = gateway.pending[request_id].decision.replica
+    pick = gateway.requests.pending[request_id].decision.replica
     prior = AdminService(gateway).state().replicas[0].prefill_tokens_per_s
-    gateway.access_logged(request_id, 200, endpoint, cut_off=False,
+    gateway.requests.access_logged(request_id, 200, endpoint, cut_off=False,
                           timings=Timings(cache_n=0, prompt_n=2000, prompt_ms=1000.0, predicted_n=8, predicted_ms=80.0))
     by_name = {replica.name: replica for replica in AdminService(gateway).state().replicas}
     assert by_name[pick].answers_learnt == 1  # until its answers outweigh the prior: the fleet's speed

@@ -13,7 +13,7 @@ from structlog.testing import capture_logs
 
 from extproc.routing.tokens import estimate_tokens
 from extproc.service.bodies import parse_request
-from extproc.service.gateway import LOST_AFTER_S
+from extproc.service.lifecycle import LOST_AFTER_S
 from tests.service.test_gateway_lifecycle import TIMINGS, decisions, in_flight, make_gateway, samples
 
 CHAT = "/v1/chat/completions"
@@ -65,7 +65,7 @@ def chat(gateway, messages: list[dict[str, str]], conversation: str = "c-1") -> 
         body=orjson.dumps({"messages": messages, "max_tokens": 8}),
     )
     assert routed
-    return next(reversed(gateway.pending))
+    return next(reversed(gateway.requests.pending))
 
 
 USER1 = {"role": "user", "content": "first question"}
@@ -76,20 +76,21 @@ def test_the_next_turn_releases_the_last_one_before_its_own_decision() -> None:
     gateway.metrics.watch(gateway.replica_states)
     with capture_logs() as logs:
         t1 = chat(gateway, [USER1])
-        endpoint = gateway.pending[t1].endpoint
+        endpoint = gateway.requests.pending[t1].endpoint
         assert in_flight(gateway) == 1
         # the answer reached the client, Envoy's access log entry has not come yet
         t2 = chat(gateway, [USER1, {"role": "assistant", "content": "an answer"}, {"role": "user", "content": "more"}])
         assert in_flight(gateway) == 1  # t2 only: t1 was released first
-        second = gateway.pending[t2].decision
-        assert second.replica == gateway.pending[t1].decision.replica and second.reason in ("home", "sticky")
+        second = gateway.requests.pending[t2].decision
+        assert second.replica == gateway.requests.pending[t1].decision.replica and second.reason in ("home", "sticky")
         # its replica holds the first prompt and the answer it wrote (its last token but one)
         held = estimate_tokens(len(USER1["content"] + "an answer"), gateway.settings.chars_per_token) - 1
-        assert second.predicted_cached_tokens == held > gateway.pending[t1].request.prompt_tokens
-        gateway.access_logged(t1, 200, endpoint, cut_off=False, timings=TIMINGS)  # late: logs, releases nothing
-        assert in_flight(gateway) == 1 and t1 not in gateway.pending
-        gateway.access_logged(t2, 200, endpoint, cut_off=False, timings=TIMINGS)
-    assert in_flight(gateway) == 0 and not gateway.pending and not gateway.unanswered
+        assert second.predicted_cached_tokens == held > gateway.requests.pending[t1].request.prompt_tokens
+        # late: logs, releases nothing
+        gateway.requests.access_logged(t1, 200, endpoint, cut_off=False, timings=TIMINGS)
+        assert in_flight(gateway) == 1 and t1 not in gateway.requests.pending
+        gateway.requests.access_logged(t2, 200, endpoint, cut_off=False, timings=TIMINGS)
+    assert in_flight(gateway) == 0 and not gateway.requests.pending and not gateway.unanswered
     first, last = decisions(logs)
     assert first["request_id"] == t1 and first["outcome"] == "ok" and first["released_by_next_turn"] is True
     assert first["cache_n"] == 3  # what arrives later still lands in the record
@@ -109,10 +110,11 @@ def test_parallel_requests_of_one_conversation_stay_charged_until_their_own_end(
     following = chat(gateway, [*fan_out[0], *answer_and_next])
     assert set(gateway.router._in_flight) == {p1, p2, following}
     assert gateway.router.ledger.total_tokens() != tokens_during_overlap
-    gateway.access_logged(p1, 200, gateway.pending[p1].endpoint, cut_off=False, timings=None)
+    gateway.requests.access_logged(p1, 200, gateway.requests.pending[p1].endpoint, cut_off=False, timings=None)
     assert set(gateway.router._in_flight) == {p2, following}
     for request_id in (p0, p2, following):
-        gateway.access_logged(request_id, 200, gateway.pending[request_id].endpoint, cut_off=False, timings=None)
+        endpoint = gateway.requests.pending[request_id].endpoint
+        gateway.requests.access_logged(request_id, 200, endpoint, cut_off=False, timings=None)
     assert in_flight(gateway) == 0 and not gateway.unanswered
 
 
@@ -128,6 +130,6 @@ def test_a_released_request_swept_as_lost_is_logged_once() -> None:
     with capture_logs() as logs:
         t1 = chat(gateway, [USER1])
         t2 = chat(gateway, [USER1, {"role": "assistant", "content": "a"}, {"role": "user", "content": "b"}])
-        assert gateway.release_lost(time.monotonic() + LOST_AFTER_S + 1) == 2
-    assert in_flight(gateway) == 0 and not gateway.pending and not gateway.unanswered
+        assert gateway.requests.release_lost(time.monotonic() + LOST_AFTER_S + 1) == 2
+    assert in_flight(gateway) == 0 and not gateway.requests.pending and not gateway.unanswered
     assert sorted(record["request_id"] for record in decisions(logs)) == sorted([t1, t2])

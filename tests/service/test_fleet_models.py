@@ -13,7 +13,8 @@ from extproc.routing.blocks import prefix_blocks
 from extproc.service.answers import error_document
 from extproc.service.bodies import parse_request
 from extproc.service.catalog import ModelEntry
-from extproc.service.gateway import Gateway, Pending
+from extproc.service.gateway import Gateway
+from extproc.service.lifecycle import Pending
 from tests.service.test_gateway_lifecycle import ENDPOINTS, TIMINGS, make_gateway
 
 CHAT = "/v1/chat/completions"
@@ -35,8 +36,8 @@ def turn(gateway: Gateway, messages: list[dict[str, str]], model: str, session: 
         body=orjson.dumps({"model": model, "messages": messages, "max_tokens": 8}))
     if routed is None:
         return answer
-    pending = gateway.pending[routed]
-    gateway.access_logged(routed, 200, pending.endpoint, cut_off=False, timings=TIMINGS)
+    pending = gateway.requests.pending[routed]
+    gateway.requests.access_logged(routed, 200, pending.endpoint, cut_off=False, timings=TIMINGS)
     return pending
 
 

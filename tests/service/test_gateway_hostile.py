@@ -210,7 +210,7 @@ def test_the_service_applies_its_limits_and_admin_state_stays_representable() ->
     for asked in (2**63 - 1, -1):
         answer, routed = decide(gateway, chat(max_tokens=asked))
         assert routed
-        assert gateway.pending[routed].request.max_tokens == SETTINGS.service.max_output_tokens
+        assert gateway.requests.pending[routed].request.max_tokens == SETTINGS.service.max_output_tokens
     assert AdminService(gateway).state().in_flight_requests == 2
 
 
@@ -222,14 +222,14 @@ def test_pending_requests_are_keyed_on_the_services_own_ids() -> None:
     for _ in range(3):
         answer, routed = decide(gateway, chat(), request_id="same-client-id")
         assert routed
-    assert len(gateway.pending) == 3 and "same-client-id" not in gateway.pending
+    assert len(gateway.requests.pending) == 3 and "same-client-id" not in gateway.requests.pending
     header_ids = {
         header.header.raw_value.decode()
         for answer in [decide(gateway, chat(), request_id="x")[0]]
         for header in pb.ProcessingResponse.FromString(answer).request_headers.response.header_mutation.set_headers
         if header.header.key == "x-request-id"
     }
-    assert header_ids and header_ids <= set(gateway.pending)
+    assert header_ids and header_ids <= set(gateway.requests.pending)
 
 
 def test_long_client_ids_are_bounded_in_state_and_logs() -> None:
@@ -237,9 +237,9 @@ def test_long_client_ids_are_bounded_in_state_and_logs() -> None:
     huge = "c" * 60_000
     with capture_logs() as logs:
         decide(gateway, chat(), request_id="r" * 10_000, conversation_id=huge)
-        (our_id,) = gateway.pending
-        endpoint = gateway.pending[our_id].endpoint
-        gateway.access_logged(our_id, 200, endpoint, cut_off=False, timings=None)
+        (our_id,) = gateway.requests.pending
+        endpoint = gateway.requests.pending[our_id].endpoint
+        gateway.requests.access_logged(our_id, 200, endpoint, cut_off=False, timings=None)
     (record,) = [entry for entry in logs if entry["event"] == "route_decision"]
     assert len(orjson.dumps(record)) < 4096
     assert record["conversation"] == bounded(huge) and len(record["conversation"]) <= 64
@@ -256,11 +256,11 @@ def test_a_pick_envoy_never_applied_is_released_without_blaming_the_replica() ->
     gateway = make_gateway()
     with capture_logs() as logs:
         decide(gateway, chat(), request_id="envoy-id")
-        (pending,) = gateway.pending.values()
+        (pending,) = gateway.requests.pending.values()
         other = next(endpoint for endpoint in ENDPOINTS.values() if endpoint != pending.endpoint)
-        gateway.access_logged("envoy-id", 200, other, cut_off=False, timings=None)
+        gateway.requests.access_logged("envoy-id", 200, other, cut_off=False, timings=None)
     assert not gateway.unhealthy
-    assert not gateway.pending and gateway.router.ledger.total_requests() == 0
+    assert not gateway.requests.pending and gateway.router.ledger.total_requests() == 0
     (record,) = [entry for entry in logs if entry["event"] == "route_decision"]
     assert record["outcome"] == "not_applied"
 

@@ -23,7 +23,8 @@ from extproc.routing import Router
 from extproc.routing.placement import Placement
 from extproc.routing.settings import with_knobs
 from extproc.service.bodies import Timings
-from extproc.service.gateway import LOST_AFTER_S, Gateway, Pending
+from extproc.service.gateway import Gateway
+from extproc.service.lifecycle import LOST_AFTER_S, Pending
 from extproc.service.metrics import Metrics
 from extproc.service.picker import FULL_DUPLEX, PickerStream
 from extproc.settings import load_settings, parse_routing
@@ -55,8 +56,8 @@ def decide(gateway: Gateway, request_id: str, stream: bool = False) -> tuple[str
         request_id=request_id,
         body=body,
     )
-    ours = next(reversed(gateway.pending))
-    return ours, gateway.pending[ours].endpoint
+    ours = next(reversed(gateway.requests.pending))
+    return ours, gateway.requests.pending[ours].endpoint
 
 
 def in_flight(gateway: Gateway) -> int:
@@ -72,9 +73,9 @@ def test_a_json_answer_ends_with_its_access_log_entry() -> None:
     with capture_logs() as logs:
         r1, endpoint = decide(gateway, "envoy-r1")
         assert in_flight(gateway) == 1
-        gateway.access_logged(r1, 200, endpoint, cut_off=False, timings=TIMINGS)
-        gateway.access_logged(r1, 200, endpoint, cut_off=False, timings=TIMINGS)  # a duplicate: no-op
-    assert in_flight(gateway) == 0 and not gateway.pending
+        gateway.requests.access_logged(r1, 200, endpoint, cut_off=False, timings=TIMINGS)
+        gateway.requests.access_logged(r1, 200, endpoint, cut_off=False, timings=TIMINGS)  # a duplicate: no-op
+    assert in_flight(gateway) == 0 and not gateway.requests.pending
     (record,) = decisions(logs)
     assert record["outcome"] == "ok" and record["cache_n"] == 3 and "access_log_lost" not in record
 
@@ -83,7 +84,7 @@ def test_a_client_that_hangs_up_is_abandoned() -> None:
     gateway = make_gateway()
     with capture_logs() as logs:
         r1, endpoint = decide(gateway, "envoy-r1")
-        gateway.access_logged(r1, 200, endpoint, cut_off=True, timings=None)
+        gateway.requests.access_logged(r1, 200, endpoint, cut_off=True, timings=None)
     assert in_flight(gateway) == 0
     assert decisions(logs)[0]["outcome"] == "abandoned"
 
@@ -93,12 +94,12 @@ def test_a_lost_access_log_entry_is_made_up_for_once_the_request_must_be_over() 
     with capture_logs() as logs:
         r1, endpoint = decide(gateway, "envoy-r1")
         now = time.monotonic()
-        assert gateway.release_lost(now + LOST_AFTER_S - 1) == 0  # may still be generating
+        assert gateway.requests.release_lost(now + LOST_AFTER_S - 1) == 0  # may still be generating
         assert in_flight(gateway) == 1
-        assert gateway.release_lost(now + LOST_AFTER_S + 1) == 1
+        assert gateway.requests.release_lost(now + LOST_AFTER_S + 1) == 1
         assert in_flight(gateway) == 0
-        assert gateway.release_lost(now + 2 * LOST_AFTER_S) == 0
-        gateway.access_logged(r1, 200, endpoint, cut_off=False, timings=TIMINGS)  # too late: no-op
+        assert gateway.requests.release_lost(now + 2 * LOST_AFTER_S) == 0
+        gateway.requests.access_logged(r1, 200, endpoint, cut_off=False, timings=TIMINGS)  # too late: no-op
     assert in_flight(gateway) == 0
     (record,) = decisions(logs)
     assert record["outcome"] == "abandoned" and record["access_log_lost"] is True
@@ -109,12 +110,12 @@ def test_a_streamed_answer_waits_for_the_observers_last_chunk() -> None:
         gateway = make_gateway()
         with capture_logs() as logs:
             r1, endpoint = decide(gateway, "envoy-r1", stream=True)
-            assert gateway.observe_start(r1, 200, endpoint) == r1
-            gateway.observe_body(r1, b'data: {"content": "hi"}\n\n', end_of_stream=False)
-            gateway.access_logged(r1, 200, endpoint, cut_off=False, timings=None)  # the log came first
+            assert gateway.requests.observe_start(r1, 200, endpoint) == r1
+            gateway.requests.observe_body(r1, b'data: {"content": "hi"}\n\n', end_of_stream=False)
+            gateway.requests.access_logged(r1, 200, endpoint, cut_off=False, timings=None)  # the log came first
             assert in_flight(gateway) == 1
             last = b'data: {"content": "", "timings": {"cache_n": 7, "prompt_n": 1}}\n\n'
-            gateway.observe_body(r1, last, end_of_stream=True)
+            gateway.requests.observe_body(r1, last, end_of_stream=True)
             assert in_flight(gateway) == 0
             await asyncio.sleep(0.05)  # the grace timer was cancelled: nothing more happens
         return logs
@@ -129,7 +130,7 @@ def test_a_streamed_answer_whose_end_is_not_observed_is_released_after_the_grace
         gateway = make_gateway(grace_ms=20)
         with capture_logs() as logs:
             r1, endpoint = decide(gateway, "envoy-r1", stream=True)
-            gateway.access_logged(r1, 200, endpoint, cut_off=cut_off, timings=None)
+            gateway.requests.access_logged(r1, 200, endpoint, cut_off=cut_off, timings=None)
             assert in_flight(gateway) == 1  # the observer may still deliver the end and the timings
             await asyncio.sleep(0.1)
             assert in_flight(gateway) == 0
@@ -149,13 +150,13 @@ def test_a_stream_the_replica_ended_is_whole_though_the_client_hung_up_after_don
         gateway = make_gateway(grace_ms=20)
         with capture_logs() as logs:
             r1, endpoint = decide(gateway, "envoy-r1", stream=True)
-            gateway.observe_start(r1, 200, endpoint)
+            gateway.requests.observe_start(r1, 200, endpoint)
             if log_first:
-                gateway.access_logged(r1, 200, endpoint, cut_off=True, timings=None)
+                gateway.requests.access_logged(r1, 200, endpoint, cut_off=True, timings=None)
             last = b'data: {"choices": [], "timings": {"cache_n": 7, "prompt_n": 1}}\n\ndata: [DONE]\n\n'
-            gateway.observe_body(r1, last, end_of_stream=end_seen)
+            gateway.requests.observe_body(r1, last, end_of_stream=end_seen)
             if not log_first:
-                gateway.access_logged(r1, 200, endpoint, cut_off=True, timings=None)
+                gateway.requests.access_logged(r1, 200, endpoint, cut_off=True, timings=None)
             await asyncio.sleep(0.1)
             assert in_flight(gateway) == 0
         return logs
@@ -172,9 +173,9 @@ def complete_turn(gateway: Gateway, messages: list[dict[str, str]], conversation
     named = {"x-conversation-id": conversation} if conversation else {}
     gateway.route_request(path="/v1/chat/completions", content_type="application/json", session_headers=named,
                           turn="", request_id="", body=body)
-    ours = next(reversed(gateway.pending))
-    pending = gateway.pending[ours]
-    gateway.access_logged(ours, 200, ENDPOINTS[served] if served else pending.endpoint, cut_off=False,
+    ours = next(reversed(gateway.requests.pending))
+    pending = gateway.requests.pending[ours]
+    gateway.requests.access_logged(ours, 200, ENDPOINTS[served] if served else pending.endpoint, cut_off=False,
                           timings=TIMINGS)
     gateway.mark_healthy(pending.decision.replica)  # a pick that refused: its probe answers again at once
     return pending
@@ -185,7 +186,7 @@ def send_turn(gateway: Gateway, messages: list[dict[str, str]]) -> str:
     body = orjson.dumps({"messages": messages, "max_tokens": 8})
     gateway.route_request(path="/v1/chat/completions", content_type="application/json", session_headers={},
                           turn="", request_id="", body=body)
-    return next(reversed(gateway.pending))
+    return next(reversed(gateway.requests.pending))
 
 
 def four_turns(gateway: Gateway, name: str) -> tuple[list[dict[str, str]], list[Pending]]:
@@ -236,7 +237,8 @@ def test_an_agents_next_turn_after_a_fan_out_continues_its_conversation_whicheve
                  for k in range(2)]
         ending = [*sides[:turn_ends], send_turn(gateway, turn), *sides[turn_ends:]]
         for ours in ending:
-            gateway.access_logged(ours, 200, gateway.pending[ours].endpoint, cut_off=False, timings=TIMINGS)
+            endpoint = gateway.requests.pending[ours].endpoint
+            gateway.requests.access_logged(ours, 200, endpoint, cut_off=False, timings=TIMINGS)
         after = complete_turn(gateway, [*turn, {"role": "assistant", "content": "done"},
                                         {"role": "user", "content": "go on"}])
         assert after.request.conversation == turns[-1].request.conversation, (chat, turn_ends)
@@ -255,12 +257,13 @@ def test_an_agents_next_turn_continues_its_conversation_before_the_fan_outs_turn
              for k in range(2)]
     own = send_turn(gateway, turn)
     for ours in sides:
-        gateway.access_logged(ours, 200, gateway.pending[ours].endpoint, cut_off=False, timings=TIMINGS)
-    endpoint = gateway.pending[own].endpoint
+        endpoint = gateway.requests.pending[ours].endpoint
+        gateway.requests.access_logged(ours, 200, endpoint, cut_off=False, timings=TIMINGS)
+    endpoint = gateway.requests.pending[own].endpoint
     after = complete_turn(gateway, [*turn, {"role": "assistant", "content": "done"}, {"role": "user", "content": "on"}])
     assert after.request.conversation == turns[-1].request.conversation
     assert after.decision.replica == turns[-1].decision.replica
-    gateway.access_logged(own, 200, endpoint, cut_off=False, timings=TIMINGS)
+    gateway.requests.access_logged(own, 200, endpoint, cut_off=False, timings=TIMINGS)
     assert in_flight(gateway) == 0 and gateway.metrics.branches == 0
 
 
@@ -376,9 +379,9 @@ def test_metrics_count_what_happened() -> None:
         r1, endpoint = decide(gateway, "envoy-r1")
         scraped = samples(gateway)
         assert scraped["llm_ring_in_flight_requests", (("replica", record_replica(gateway, r1)),)] == 1
-        gateway.access_logged(r1, 200, endpoint, cut_off=False, timings=TIMINGS)
+        gateway.requests.access_logged(r1, 200, endpoint, cut_off=False, timings=TIMINGS)
         r2, _ = decide(gateway, "envoy-r2")
-        gateway.access_logged(r2, 200, endpoint, cut_off=True, timings=None)
+        gateway.requests.access_logged(r2, 200, endpoint, cut_off=True, timings=None)
         gateway.route_request(path="/v1/chat/completions", content_type="application/json", session_headers={}, turn="",
                        request_id="r3", body=b"{not json")  # fmt: skip
     first = decisions(logs)[0]
@@ -402,7 +405,7 @@ def test_metrics_count_what_happened() -> None:
 
 
 def record_replica(gateway: Gateway, request_id: str) -> str:
-    return gateway.pending[request_id].decision.replica
+    return gateway.requests.pending[request_id].decision.replica
 
 
 def samples(gateway: Gateway) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -462,6 +465,6 @@ def test_a_picker_stream_reset_as_the_answers_end_goes_out_is_whole(stream: bool
     picker = PickerStream(gateway, None, None, HangsUpAfterTheAnswer(messages[1:]))  # type: ignore[arg-type]
     with capture_logs() as logs, pytest.raises(asyncio.CancelledError):
         asyncio.run(picker.serve(messages[0]))
-    assert in_flight(gateway) == 0 and not gateway.pending
+    assert in_flight(gateway) == 0 and not gateway.requests.pending
     (record,) = decisions(logs)
     assert (record["outcome"], record["cache_n"], record["prompt_n"]) == ("ok", 3, 5), record

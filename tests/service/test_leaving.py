@@ -39,8 +39,8 @@ class Chats:
 
     def end(self, request_id: str) -> str:
         """Its access log: served where it was sent; that replica."""
-        replica = self.gateway.pending[request_id].decision.replica
-        self.gateway.access_logged(request_id, 200, ENDPOINTS[replica], cut_off=False, timings=None)
+        replica = self.gateway.requests.pending[request_id].decision.replica
+        self.gateway.requests.access_logged(request_id, 200, ENDPOINTS[replica], cut_off=False, timings=None)
         return replica
 
     def admin(self, method: str, request: Any) -> Any:
@@ -64,11 +64,11 @@ def test_a_leaving_replica_keeps_its_conversations_until_they_move_and_takes_no_
     chats = Chats()
     idle, busy = placed(chats, "llm-1", "idle"), placed(chats, "llm-1", "busy")
     in_flight = chats.send(busy)
-    assert chats.gateway.pending[in_flight].decision.replica == "llm-1"
+    assert chats.gateway.requests.pending[in_flight].decision.replica == "llm-1"
     reply = chats.admin("Leaving", admin_pb2.LeavingRequest(replica="llm-1", seconds=60, near_seconds=10))
     assert (reply.idle, reply.in_flight) == (1, 1)
 
-    new = [chats.gateway.pending[chats.send(f"new-{i}")].decision.replica for i in range(30)]
+    new = [chats.gateway.requests.pending[chats.send(f"new-{i}")].decision.replica for i in range(30)]
     assert "llm-1" not in new  # without the order, a third of them would go there
     follow_up = chats.send(idle)
     assert chats.end(follow_up) == "llm-1"  # still serving, its cache there

@@ -10,7 +10,7 @@ import orjson
 import pytest
 
 from extproc.service.bodies import BadRequest, parse_request, request_blocks
-from extproc.service.gateway import Pending
+from extproc.service.lifecycle import Pending
 from tests.service.test_fleet_models import CHAT, error, fleet
 from tests.service.test_gateway_lifecycle import ENDPOINTS, TIMINGS
 
@@ -27,8 +27,8 @@ def ask(gateway: Any, messages: list[dict[str, str]], lora: Any, session: str = 
         request_id="", body=orjson.dumps(body))
     if routed is None:
         return answer
-    pending = gateway.pending[routed]
-    gateway.access_logged(routed, 200, pending.endpoint, cut_off=False, timings=TIMINGS)
+    pending = gateway.requests.pending[routed]
+    gateway.requests.access_logged(routed, 200, pending.endpoint, cut_off=False, timings=TIMINGS)
     return pending
 
 
@@ -125,7 +125,7 @@ def test_a_request_knows_the_replicas_running_another_configuration_until_they_e
                                              session_headers={"x-conversation-id": session}, turn="", request_id="",
                                              body=orjson.dumps(body))
         assert routed_id is not None
-        return gateway.pending[routed_id]
+        return gateway.requests.pending[routed_id]
 
     running = send(A, "first")
     beside = send(A, "second")
@@ -133,5 +133,6 @@ def test_a_request_knows_the_replicas_running_another_configuration_until_they_e
     assert beside.request.unbatched == frozenset()
     assert other.request.unbatched == {running.decision.replica, beside.decision.replica}
     for pending in (running, beside):
-        gateway.access_logged(pending.request.request_id, 200, pending.endpoint, cut_off=False, timings=TIMINGS)
+        gateway.requests.access_logged(pending.request.request_id, 200, pending.endpoint, cut_off=False,
+                                       timings=TIMINGS)
     assert send(B, "fourth").request.unbatched == frozenset()  # only its own configuration runs now

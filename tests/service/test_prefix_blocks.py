@@ -57,7 +57,7 @@ def test_the_gateway_hashes_blocks_only_for_a_policy_that_needs_them_and_as_long
     _, routed = gateway.route_request(path=CHAT, content_type="application/json", session_headers={}, turn="1",
                                request_id="r1", body=body)
     assert routed
-    (pending,) = gateway.pending.values()
+    (pending,) = gateway.requests.pending.values()
     assert pending.request.prefix_blocks == (request_blocks(CHAT, body, block_chars) if block_chars else ())
     if block_chars:  # the rendered prompt: role NUL content NUL
         assert len(pending.request.prefix_blocks) == -(-len("user\x00" + "hello there, " * 60 + "\x00") // block_chars)
@@ -110,5 +110,5 @@ def test_the_gateway_hashes_a_next_turn_once_per_new_block(monkeypatch: pytest.M
     second = len(hashed) - whole
     before, now = request_blocks(CHAT, first, INDEX_BLOCK_CHARS), request_blocks(CHAT, later, INDEX_BLOCK_CHARS)
     assert whole == len(before) and len(now) > len(before)
-    assert list(gateway.pending.values())[-1].request.prefix_blocks == now
+    assert list(gateway.requests.pending.values())[-1].request.prefix_blocks == now
     assert second == len(now) - (len(before) - 1)  # the first turn's whole blocks were not hashed again

@@ -44,7 +44,7 @@ def conversation(headers: dict[str, str], **body: Any) -> str:
     chat = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 8, **body}
     gateway.route_request(path="/v1/chat/completions", content_type="application/json", session_headers=headers,
                           turn="", request_id="", body=orjson.dumps(chat))
-    return next(reversed(gateway.pending.values())).request.conversation
+    return next(reversed(gateway.requests.pending.values())).request.conversation
 
 
 def test_the_gateway_routes_under_the_first_source_carried() -> None:

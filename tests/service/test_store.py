@@ -107,14 +107,14 @@ async def ask(gateway: Gateway, messages: list[dict[str, str]], conversation: st
         request_id="envoy-id", body=orjson.dumps({"messages": messages, "max_tokens": 8}),
     )
     assert routed
-    return next(reversed(gateway.pending))
+    return next(reversed(gateway.requests.pending))
 
 
 def answered(gateway: Gateway, request_id: str, served: str = "") -> None:
     """Envoy's access log entry: a whole 200 answer (from ``served``, a replica name, if not the pick:
     the pick refused and is avoided until its probe answers, here at once)."""
-    pick = gateway.pending[request_id].decision.replica
-    gateway.access_logged(request_id, 200, ENDPOINTS[served or pick], cut_off=False, timings=None)
+    pick = gateway.requests.pending[request_id].decision.replica
+    gateway.requests.access_logged(request_id, 200, ENDPOINTS[served or pick], cut_off=False, timings=None)
     gateway.mark_healthy(pick)
 
 
@@ -150,7 +150,7 @@ def test_turns_that_alternate_between_routers_stay_on_their_replica(server: Runn
             conversation = f"conv-{index}"
             messages = [{"role": "user", "content": f"question {index}"}]
             first = await ask(routers[0], messages, conversation)
-            home = routers[0].pending[first].decision.replica
+            home = routers[0].requests.pending[first].decision.replica
             elsewhere = next(name for name in sorted(ENDPOINTS) if name != home)
             answered(routers[0], first, served=elsewhere)  # the pick refused: a fallback holds the cache now
             await routers[0].store.flushed()  # type: ignore[union-attr]
@@ -158,14 +158,14 @@ def test_turns_that_alternate_between_routers_stay_on_their_replica(server: Runn
                 messages = follow_up(messages, f"answer {turn}", f"more {turn}")
                 gateway = routers[turn % 2]
                 request_id = await ask(gateway, messages, conversation)
-                assert gateway.pending[request_id].decision.replica == elsewhere, (conversation, turn)
+                assert gateway.requests.pending[request_id].decision.replica == elsewhere, (conversation, turn)
                 answered(gateway, request_id)
                 await gateway.store.flushed()  # type: ignore[union-attr]
             alone = make_gateway()  # the control: a router that shares nothing goes to the ring home
             _, routed = alone.route_request(path=CHAT, content_type="application/json",
                                             session_headers={"x-conversation-id": conversation}, turn="",
                                             request_id="x", body=orjson.dumps({"messages": messages}))
-            assert routed and next(reversed(alone.pending.values())).decision.replica == home
+            assert routed and next(reversed(alone.requests.pending.values())).decision.replica == home
         assert all(gateway.router.ledger.total_requests() == 0 for gateway in routers)
 
     run_closing(run)
@@ -205,17 +205,17 @@ def test_a_chat_another_router_served_is_no_branch_of_an_equal_history_served_he
         first = [USER1]
         second = follow_up(first, "answer 1", "more 1")
         old = await ask(b, first, "old")
-        x = b.pending[old].decision.replica
+        x = b.requests.pending[old].decision.replica
         answered(b, old)
         answered(b, await ask(b, second, "old"))
-        assert b.pending == {} and x
+        assert b.requests.pending == {} and x
         new = await ask(a, first, "new")
-        y = next(name for name in sorted(ENDPOINTS) if name not in (x, a.pending[new].decision.replica))
+        y = next(name for name in sorted(ENDPOINTS) if name not in (x, a.requests.pending[new].decision.replica))
         answered(a, new, served=y)
         answered(a, await ask(a, second, "new"))
         await a.store.flushed()  # type: ignore[union-attr]
         third = await ask(b, follow_up(second, "answer 2", "more 2"), "new")
-        assert b.pending[third].decision.replica == y, (x, y)
+        assert b.requests.pending[third].decision.replica == y, (x, y)
         assert b.metrics.branches == 0
 
     run_closing(run)
@@ -229,16 +229,16 @@ def test_a_back_to_back_turn_another_router_still_serves_is_no_branch_either(ser
         a, b = await sharing(server, "r-a"), await sharing(server, "r-b")
         first = [USER1]
         old = await ask(b, first, "old")
-        x = b.pending[old].decision.replica
+        x = b.requests.pending[old].decision.replica
         answered(b, old)
         for attempt in range(20):  # a conversation a places away from X
             new = await ask(a, first, f"new-{attempt}")
-            if (y := a.pending[new].decision.replica) != x:
+            if (y := a.requests.pending[new].decision.replica) != x:
                 break
             answered(a, new)
         await a.store.flushed()  # type: ignore[union-attr]
         turn = await ask(b, follow_up(first, "answer 1", "more 1"), f"new-{attempt}")
-        assert b.pending[turn].decision.replica == y, (x, y)
+        assert b.requests.pending[turn].decision.replica == y, (x, y)
         assert b.metrics.branches == 0
 
     run_closing(run)
@@ -250,11 +250,12 @@ def test_a_back_to_back_turn_through_another_router_is_not_charged_the_answered_
         t1 = await ask(a, [USER1])
         still_running = await ask(a, [{"role": "user", "content": "another chat"}], conversation="c-2")
         await a.store.flushed()  # type: ignore[union-attr]
-        first, other = a.pending[t1].decision, a.pending[still_running].decision
+        first, other = a.requests.pending[t1].decision, a.requests.pending[still_running].decision
         # the answer reached the client; Envoy's access log entry has not reached router a yet
         t2 = await ask(b, follow_up([USER1], "an answer", "and then?"))
-        second = b.pending[t2].decision
-        assert second.replica == first.replica and second.predicted_cached_tokens == a.pending[t1].request.prompt_tokens
+        second = b.requests.pending[t2].decision
+        assert second.replica == first.replica
+        assert second.predicted_cached_tokens == a.requests.pending[t1].request.prompt_tokens
         assert b.router.ledger.elsewhere() == {other.replica: (1, other.charged_tokens)}  # t1 left out, c-2 not
         answered(a, t1)  # late: router a releases its own request itself
         answered(a, still_running)
@@ -270,13 +271,13 @@ def test_a_new_router_starts_warm(server: Running) -> None:
     async def run() -> None:
         a = await sharing(server, "r-a")
         t1 = await ask(a, [USER1])
-        home = a.pending[t1].decision.replica
+        home = a.requests.pending[t1].decision.replica
         moved_to = next(name for name in sorted(ENDPOINTS) if name != home)
         answered(a, t1, served=moved_to)
         await a.store.flushed()  # type: ignore[union-attr]
         late = await sharing(server, "r-new")  # started after: an empty memory of its own
         t2 = await ask(late, follow_up([USER1], "an answer", "more"))
-        assert late.pending[t2].decision.replica == moved_to != home
+        assert late.requests.pending[t2].decision.replica == moved_to != home
 
     run_closing(run)
 
@@ -292,20 +293,20 @@ def test_a_stranger_through_a_router_that_knows_its_prefix_from_elsewhere_moves_
         messages = list(opening)
         for turn in range(4):
             request_id = await ask(a, messages, "victim")
-            victim = a.pending[request_id].decision.replica
+            victim = a.requests.pending[request_id].decision.replica
             answered(a, request_id)
             messages = follow_up(messages, f"answer {turn}", f"question {turn}")
         await a.store.flushed()  # type: ignore[union-attr]
         elsewhere = next(name for name in sorted(ENDPOINTS) if name != victim)
         answered(b, await ask(b, opening, ""), served=elsewhere)
         stranger = await ask(b, follow_up(opening, "a guessed answer", "?"), "victim")
-        routed = b.pending[stranger]
+        routed = b.requests.pending[stranger]
         assert routed.request.conversation != "victim" and not routed.continued
         assert routed.decision.replica == elsewhere  # where b saw the opening served: what the body proves
         answered(b, stranger)
         assert b.router.memory.get(b.router.conversation_key("victim")) is None
         next_turn = await ask(b, messages, "victim")
-        assert b.pending[next_turn].decision.replica == victim
+        assert b.requests.pending[next_turn].decision.replica == victim
 
     run_closing(run)
 
@@ -321,9 +322,9 @@ def test_every_router_learns_the_replica_speeds_from_every_answer(server: Runnin
         served = set()
         for _ in range(trusted):
             request_id = await ask(a, [USER1])
-            slow = a.pending[request_id].decision.replica
+            slow = a.requests.pending[request_id].decision.replica
             served.add(slow)
-            a.access_logged(request_id, 200, ENDPOINTS[slow], cut_off=False, timings=SLOW)
+            a.requests.access_logged(request_id, 200, ENDPOINTS[slow], cut_off=False, timings=SLOW)
         learnt = a.router.speeds.speed(slow)
         assert served == {slow} and learnt != prior and a.router.speeds.answers[slow] == trusted
         await a.store.flushed()  # type: ignore[union-attr]
@@ -355,8 +356,8 @@ def test_a_migration_told_to_one_router_sends_the_next_turn_through_another_to_t
     async def run() -> None:
         a, b = await sharing(server, "r-a"), await sharing(server, "r-b")
         t1 = await ask(a, [USER1])
-        home = a.pending[t1].decision.replica
-        tokens = a.pending[t1].request.prompt_tokens
+        home = a.requests.pending[t1].decision.replica
+        tokens = a.requests.pending[t1].request.prompt_tokens
         if not answered_after_the_move:
             answered(a, t1)
         await a.store.flushed()  # type: ignore[union-attr]
@@ -368,10 +369,10 @@ def test_a_migration_told_to_one_router_sends_the_next_turn_through_another_to_t
             answered(a, t1)
         await a.store.flushed()  # type: ignore[union-attr]
         t2 = await ask(b, follow_up([USER1], "an answer", "more"))  # b was not told: it reads the store
-        assert b.pending[t2].decision.replica == receiver != home
-        assert "migrated" not in b.pending[t2].decision.reason  # b reads a placement, not a move
+        assert b.requests.pending[t2].decision.replica == receiver != home
+        assert "migrated" not in b.requests.pending[t2].decision.reason  # b reads a placement, not a move
         t2_on_a = await ask(a, follow_up([USER1], "an answer", "more"))
-        assert a.pending[t2_on_a].decision.replica == receiver
+        assert a.requests.pending[t2_on_a].decision.replica == receiver
 
     run_closing(run)
 
@@ -411,7 +412,7 @@ def test_the_store_down_leaves_routing_on_local_state_and_it_recovers_without_le
         pending = raw.hgetall("llm-ring:pending:" + f"{a.router.conversation_key('c0'):016x}")
         assert list(pending) == [during[0].encode()]  # republished: it is still waiting for its answer
         assert raw.exists(f"llm-ring:place:{a.router.conversation_key('c-out'):016x}")  # kept until written
-        for request_id in list(a.pending):
+        for request_id in list(a.requests.pending):
             answered(a, request_id)
         await store.flushed()
         assert published_load(raw, "r-a") == {}
@@ -470,7 +471,7 @@ def test_a_slow_store_costs_a_decision_at_most_the_timeout(server: Running) -> N
         started = time.monotonic()
         request_id = await ask(a, [{"role": "user", "content": "b"}], conversation="c-2")
         assert time.monotonic() - started < 2.5  # the bound is 0.3 s; the slack is for a busy machine
-        assert a.metrics.store_errors["read"] >= 1 and request_id in a.pending
+        assert a.metrics.store_errors["read"] >= 1 and request_id in a.requests.pending
         assert store.in_use  # one slow call costs that decision, not the next ones
         proxy.delay = 0.0
         reads_failed = a.metrics.store_errors["read"]

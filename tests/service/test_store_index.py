@@ -122,12 +122,12 @@ def test_a_prompt_one_router_sent_is_cached_for_every_router(server: Running) ->
     async def run() -> None:
         a, b = await indexed("r-a", server), await indexed("r-b", server)
         first = await ask(a, [SYSTEM, {"role": "user", "content": "alice asks"}], conversation="alice")
-        replica, sent = a.pending[first].decision.replica, a.pending[first].request.prefix_blocks
+        replica, sent = a.requests.pending[first].decision.replica, a.requests.pending[first].request.prefix_blocks
         answered(a, first)
         await a.store.flushed()  # type: ignore[union-attr]
         await meet(b.store)  # type: ignore[arg-type]  # b meets r-a: its next read reads r-a's changes
         second = await ask(b, [SYSTEM, {"role": "user", "content": "bob asks something else"}], conversation="bob")
-        decision = b.pending[second].decision
+        decision = b.requests.pending[second].decision
         assert decision.replica == replica and decision.predicted_cached_tokens > 0  # a new conversation
         assert held_by(b, replica, sent) == len(sent) > 3
         assert samples(b)["llm_ring_store_index_changes_applied_total", ()] == b.metrics.store_index_applied == 2
@@ -166,7 +166,7 @@ def test_changes_made_while_the_store_was_down_reach_the_others_once_it_is_back(
         server.process.kill()
         server.process.wait()
         during = await ask(a, [SYSTEM, {"role": "user", "content": "asked while the store was down"}], "down")
-        replica, sent = a.pending[during].decision.replica, a.pending[during].request.prefix_blocks
+        replica, sent = a.requests.pending[during].decision.replica, a.requests.pending[during].request.prefix_blocks
         answered(a, during)
         assert not a.store.in_use  # type: ignore[union-attr]
         restarted.append(start_redis(folder(server), port))  # empty: it kept nothing

@@ -131,8 +131,8 @@ def route(gateway: Gateway, messages: list[dict[str, str]], conversation: str) -
     gateway.route_request(path=CHAT, content_type="application/json",
                           session_headers={"x-conversation-id": conversation}, turn="", request_id=conversation,
                           body=orjson.dumps({"messages": messages, "max_tokens": 8}))
-    ours = next(reversed(gateway.pending))
-    return ours, gateway.pending[ours]
+    ours = next(reversed(gateway.requests.pending))
+    return ours, gateway.requests.pending[ours]
 
 
 def test_a_follow_up_is_predicted_to_find_the_previous_prompt_and_answer() -> None:
@@ -140,7 +140,7 @@ def test_a_follow_up_is_predicted_to_find_the_previous_prompt_and_answer() -> No
     first = [{"role": "system", "content": "Session 1a2b3c4d."}, {"role": "user", "content": "Name a planet."}]
     request_id, pending = route(gateway, first, "c-1")
     assert pending.request.prompt_tokens == smollm2().count_chat([(m["role"], m["content"]) for m in first]).prompt
-    gateway.access_logged(request_id, 200, pending.endpoint, cut_off=False, timings=TIMINGS)
+    gateway.requests.access_logged(request_id, 200, pending.endpoint, cut_off=False, timings=TIMINGS)
     answer = "Mars, the fourth planet from the Sun, is red."
     second = [*first, {"role": "assistant", "content": answer}, {"role": "user", "content": "Another?"}]
     _, follow_up = route(gateway, second, "c-1")
@@ -156,7 +156,7 @@ def test_a_new_conversation_is_predicted_to_find_the_opening_it_shares_while_a_f
     system = {"role": "system", "content": "Session 1a2b3c4d.\n\nYou answer briefly."}
     request_id, pending = route(gateway, [system, {"role": "user", "content": "Why is the sky blue?"}], "c-1")
     assert pending.predicted_cached_tokens == 0  # nothing was sent there before
-    gateway.access_logged(request_id, 200, pending.endpoint, cut_off=False, timings=TIMINGS)
+    gateway.requests.access_logged(request_id, 200, pending.endpoint, cut_off=False, timings=TIMINGS)
     replica = pending.decision.replica
     shared = smollm2().count_text("<|im_start|>system\nSession 1a2b3c4d.\n\nYou answer")
     for conversation in (f"c-{n}" for n in range(2, 40)):  # a second conversation landing on the same replica
