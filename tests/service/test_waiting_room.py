@@ -36,11 +36,11 @@ def test_a_request_with_room_is_routed_at_once_charged_to_its_flow_and_released_
                                 objective="interactive")
 
     answer, routed_id = asyncio.run(route())
-    assert answer and routed_id in room.gateway.pending and room.waiting() == 0
+    assert answer and routed_id in room.gateway.requests.pending and room.waiting() == 0
     assert room.metrics.outcomes == {(10, "at_once"): 1}
     assert room.control.queue.in_flight == {Flow(10, "acme"): 1}
-    room.gateway.access_logged(routed_id, 200, ENDPOINTS["llm-0"], False, None)
-    assert room.control.queue.in_flight == {} and not room.gateway.pending
+    room.gateway.requests.access_logged(routed_id, 200, ENDPOINTS["llm-0"], False, None)
+    assert room.control.queue.in_flight == {} and not room.gateway.requests.pending
 
 
 def test_a_flow_is_kept_by_its_header_values_and_what_is_kept_stays_bounded() -> None:
