@@ -13,15 +13,17 @@ feeds the catalog.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Coroutine, Mapping
 from dataclasses import dataclass
 from pathlib import PurePosixPath
+from typing import Any, TypeVar
 
 import httpx
 import orjson
 import structlog
 
 log = structlog.get_logger("extproc.service.catalog")
+T = TypeVar("T")
 
 MAX_MODELS_BYTES = 1 << 20  # a replica's model list larger than this is not read
 MAX_MODEL_ID_CHARS = 256
@@ -45,8 +47,8 @@ def served_name(reported: str) -> str:
     return PurePosixPath(reported).stem if reported.endswith(".gguf") else reported
 
 
-def parse_models(body: bytes) -> tuple[ModelEntry, ...]:
-    """The entries of an OpenAI model list (``{"data": [{"id": ...}, ...]}``); ValueError if it is none."""
+def model_list(body: bytes) -> list[Any]:
+    """The items of an OpenAI model list (``{"data": [{"id": ...}, ...]}``); ValueError if it is none."""
     try:
         document = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
@@ -54,8 +56,43 @@ def parse_models(body: bytes) -> tuple[ModelEntry, ...]:
     data = document.get("data") if isinstance(document, dict) else None
     if not isinstance(data, list):
         raise ValueError("no 'data' list")
+    return data
+
+
+async def read_model_list(client: httpx.AsyncClient, endpoint: str, parse: Callable[[bytes], T],
+                          unreadable: str) -> T | None:
+    """A replica's ``GET /v1/models`` as ``parse`` reads it; None when it does not answer 200, is
+    larger than MAX_MODELS_BYTES, or cannot be read (logged as ``unreadable``)."""
+    try:
+        response = await client.get(f"http://{endpoint}/v1/models")
+    except httpx.HTTPError:
+        return None
+    if response.status_code != 200 or len(response.content) > MAX_MODELS_BYTES:
+        return None
+    try:
+        return parse(response.content)
+    except ValueError as exc:
+        log.warning(unreadable, endpoint=endpoint, error=str(exc)[:200])
+        return None
+
+
+def per_replica(tasks: dict[str, asyncio.Task[None]], replicas: Collection[str],
+                start: Callable[[str], Coroutine[Any, Any, None]], wanted: Callable[[str], bool]) -> None:
+    """One task a replica: those of replicas gone are cancelled; ``start`` runs for each replica
+    ``wanted`` says needs one."""
+    for name in list(tasks):
+        if name not in replicas:
+            tasks.pop(name).cancel()
+    loop = asyncio.get_running_loop()
+    for name in replicas:
+        if wanted(name):
+            tasks[name] = loop.create_task(start(name))
+
+
+def parse_models(body: bytes) -> tuple[ModelEntry, ...]:
+    """The entries of an OpenAI model list; ValueError if it is none."""
     entries = []
-    for item in data:
+    for item in model_list(body):
         reported = item.get("id") if isinstance(item, dict) else None
         if not isinstance(reported, str) or not reported or len(reported) > MAX_MODEL_ID_CHARS:
             continue
@@ -146,14 +183,9 @@ class ModelFetcher:
 
     def replicas_changed(self) -> None:
         """Discovery gave a new replica set: ask the new replicas, forget the removed ones."""
-        current = self.endpoints()
-        for name in list(self._tasks):
-            if name not in current:
-                self._tasks.pop(name).cancel()
-        loop = asyncio.get_running_loop()
-        for name in current:
-            if not self.catalog.knows(name) and (name not in self._tasks or self._tasks[name].done()):
-                self._tasks[name] = loop.create_task(self._ask(name))
+        tasks = self._tasks
+        per_replica(tasks, self.endpoints(), self._ask,
+                    lambda name: not self.catalog.knows(name) and (name not in tasks or tasks[name].done()))
 
     async def _ask(self, name: str) -> None:
         while (endpoint := self.endpoints().get(name)) is not None:
@@ -165,17 +197,7 @@ class ModelFetcher:
             await asyncio.sleep(self.retry)
 
     async def _fetch(self, endpoint: str) -> tuple[ModelEntry, ...] | None:
-        try:
-            response = await self.client.get(f"http://{endpoint}/v1/models")
-        except httpx.HTTPError:
-            return None
-        if response.status_code != 200 or len(response.content) > MAX_MODELS_BYTES:
-            return None
-        try:
-            return parse_models(response.content)
-        except ValueError as exc:
-            log.warning("replica_models_unreadable", endpoint=endpoint, error=str(exc)[:200])
-            return None
+        return await read_model_list(self.client, endpoint, parse_models, "replica_models_unreadable")
 
     async def close(self) -> None:
         for task in self._tasks.values():

@@ -23,25 +23,17 @@ import orjson
 import structlog
 
 from extproc.routing.residency import STATUSES, Residency, Status
-from extproc.service.catalog import served_name
+from extproc.service.catalog import model_list, per_replica, read_model_list, served_name
 
 log = structlog.get_logger("extproc.service.residency_watch")
 
-MAX_LIST_BYTES = 1 << 20
 MAX_EVENT_BYTES = 1 << 16
 
 
 def parse_statuses(body: bytes) -> dict[str, Status]:
     """Each model's status in a router-mode model list; ValueError when it is not one."""
-    try:
-        document = orjson.loads(body)
-    except orjson.JSONDecodeError as exc:
-        raise ValueError(f"not JSON: {exc}") from None
-    data = document.get("data") if isinstance(document, dict) else None
-    if not isinstance(data, list):
-        raise ValueError("no 'data' list")
     statuses: dict[str, Status] = {}
-    for item in data:
+    for item in model_list(body):
         status = item.get("status") if isinstance(item, dict) else None
         value = status.get("value") if isinstance(status, dict) else None
         if isinstance(item.get("id"), str) and value in STATUSES:
@@ -76,14 +68,7 @@ class ResidencyWatcher:
         self._loading: dict[tuple[str, str], float] = {}  # (replica, model) -> when its load began
 
     def replicas_changed(self) -> None:
-        current = self.endpoints()
-        for name in list(self._tasks):
-            if name not in current:
-                self._tasks.pop(name).cancel()
-        loop = asyncio.get_running_loop()
-        for name in current:
-            if name not in self._tasks:
-                self._tasks[name] = loop.create_task(self._watch(name))
+        per_replica(self._tasks, self.endpoints(), self._watch, lambda name: name not in self._tasks)
 
     async def _watch(self, name: str) -> None:
         props = await self._first_props(name)
@@ -138,17 +123,7 @@ class ResidencyWatcher:
         return props if isinstance(props, dict) else None
 
     async def _list(self, endpoint: str) -> dict[str, Status] | None:
-        try:
-            response = await self.client.get(f"http://{endpoint}/v1/models")
-        except httpx.HTTPError:
-            return None
-        if response.status_code != 200 or len(response.content) > MAX_LIST_BYTES:
-            return None
-        try:
-            return parse_statuses(response.content)
-        except ValueError as exc:
-            log.warning("replica_model_statuses_unreadable", endpoint=endpoint, error=str(exc)[:200])
-            return None
+        return await read_model_list(self.client, endpoint, parse_statuses, "replica_model_statuses_unreadable")
 
     async def _follow(self, name: str, endpoint: str) -> None:
         async with self.client.stream("GET", f"http://{endpoint}/models/sse") as response:

@@ -111,8 +111,13 @@ def picker_settings() -> Settings:
 
 
 def envoy_configmap() -> ModuleType:
-    """k8s/envoy_configmap.py, the generator of the Envoy ConfigMap (a script, not a package)."""
-    spec = importlib.util.spec_from_file_location("envoy_configmap", K8S / "envoy_configmap.py")
+    """k8s/envoy_configmap.py, the generator of the Envoy ConfigMap."""
+    return k8s_script("envoy_configmap")
+
+
+def k8s_script(name: str) -> ModuleType:
+    """k8s/<name>.py, one of the manifests' generators (a script, not a package)."""
+    spec = importlib.util.spec_from_file_location(name, K8S / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -13,7 +13,6 @@ k8s/inference-pool/two-models/ (one InferencePool, picker and HTTPRoute per mode
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import tomllib
@@ -30,6 +29,7 @@ from k8s_support import (
     NAMESPACE,
     REPLICAS,
     find,
+    k8s_script,
     load_docs,
     picker_docs,
     router_settings,
@@ -49,11 +49,7 @@ SECOND_PICKER_TOKEN = "picker-smollm2-sa-token"
 
 
 def generator() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("two_models", K8S / "two_models.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return k8s_script("two_models")
 
 
 def docs_of(folder: Path) -> list[dict[str, Any]]:

@@ -17,6 +17,7 @@ import openai
 from extproc.envoy.config import flow_options
 from extproc.envoy.inference_gateways import AI_GATEWAY, UPSTREAM_HEADER
 from extproc.migration.llama import key_headers
+from extproc.routing import Router, RouteRequest
 from extproc.service.admin_client import AdminClient
 from extproc.settings import load_settings
 from extproc.stack import models
@@ -35,6 +36,12 @@ from extproc.stack.processes import (
 )
 
 OPENAI_ERROR_TYPES = ("invalid_request_error", "rate_limit_error", "server_error")
+
+
+def ring_home(conversation: str, replicas: Sequence[str]) -> str:
+    """Where the service's policy sends a new conversation on an idle fleet (the core decides)."""
+    routing = load_settings(ROUTER_REFERENCE, environ={}).routing
+    return Router(routing, replicas).route(RouteRequest("probe", conversation, 40, 8)).decision.replica
 
 
 def error_message(document: Any) -> str:

@@ -29,12 +29,10 @@ import orjson
 import pytest
 
 from extproc.envoy.contract import PREDICTED_CACHED, ROUTE_REASON, ROUTED_TO, SERVED
-from extproc.routing import Router, RouteRequest
 from extproc.routing.continuation import unclaimed
 from extproc.service.bodies import parse_request
-from extproc.settings import load_settings
-from extproc.stack.processes import ROUTER_REFERENCE
 from tests.service.gateway_support import Gateway, LlamaReplicas, data_plane, llama_replicas
+from tests.service.gateway_support import ring_home as shared_ring_home
 
 pytestmark = pytest.mark.live
 CHAT = "/v1/chat/completions"
@@ -67,9 +65,7 @@ def opening(name: str) -> Messages:
 
 
 def ring_home(conversation: str) -> str:
-    """Where the service's policy sends a new conversation on an idle fleet (the core decides)."""
-    routing = load_settings(ROUTER_REFERENCE, environ={}).routing
-    return Router(routing, REPLICAS).route(RouteRequest("probe", conversation, 40, 8)).decision.replica
+    return shared_ring_home(conversation, REPLICAS)
 
 
 def branching_elsewhere(prefix: str) -> str:

@@ -15,7 +15,7 @@ from extproc.service.bodies import parse_request
 from extproc.service.catalog import ModelEntry
 from extproc.service.gateway import Gateway
 from extproc.service.lifecycle import Pending
-from tests.service.test_gateway_lifecycle import ENDPOINTS, TIMINGS, make_gateway
+from tests.service.test_gateway_lifecycle import ENDPOINTS, logged, make_gateway
 
 CHAT = "/v1/chat/completions"
 
@@ -34,11 +34,7 @@ def turn(gateway: Gateway, messages: list[dict[str, str]], model: str, session: 
     answer, routed = gateway.route_request(
         path=CHAT, content_type="application/json", session_headers=headers, turn="", request_id="",
         body=orjson.dumps({"model": model, "messages": messages, "max_tokens": 8}))
-    if routed is None:
-        return answer
-    pending = gateway.requests.pending[routed]
-    gateway.requests.access_logged(routed, 200, pending.endpoint, cut_off=False, timings=TIMINGS)
-    return pending
+    return logged(gateway, answer, routed)
 
 
 def routed(gateway: Gateway, messages: list[dict[str, str]], model: str, session: str = "") -> Pending:

@@ -60,6 +60,16 @@ def decide(gateway: Gateway, request_id: str, stream: bool = False) -> tuple[str
     return ours, gateway.requests.pending[ours].endpoint
 
 
+def logged(gateway: Gateway, answer: bytes, routed: str | None) -> Pending | bytes:
+    """A route_request's outcome: the gateway's own answer, or its routed request once its
+    access log entry (200, TIMINGS) has come."""
+    if routed is None:
+        return answer
+    pending = gateway.requests.pending[routed]
+    gateway.requests.access_logged(routed, 200, pending.endpoint, cut_off=False, timings=TIMINGS)
+    return pending
+
+
 def in_flight(gateway: Gateway) -> int:
     return gateway.router.ledger.total_requests()
 

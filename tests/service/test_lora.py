@@ -12,7 +12,7 @@ import pytest
 from extproc.service.bodies import BadRequest, parse_request, request_blocks
 from extproc.service.lifecycle import Pending
 from tests.service.test_fleet_models import CHAT, error, fleet
-from tests.service.test_gateway_lifecycle import ENDPOINTS, TIMINGS
+from tests.service.test_gateway_lifecycle import ENDPOINTS, TIMINGS, logged
 
 A = [{"id": 0, "scale": 1.0}]
 B = [{"id": 1, "scale": 0.5}]
@@ -25,11 +25,7 @@ def ask(gateway: Any, messages: list[dict[str, str]], lora: Any, session: str = 
     answer, routed = gateway.route_request(
         path=CHAT, content_type="application/json", session_headers={"x-conversation-id": session}, turn="",
         request_id="", body=orjson.dumps(body))
-    if routed is None:
-        return answer
-    pending = gateway.requests.pending[routed]
-    gateway.requests.access_logged(routed, 200, pending.endpoint, cut_off=False, timings=TIMINGS)
-    return pending
+    return logged(gateway, answer, routed)
 
 
 def routed(gateway: Any, messages: list[dict[str, str]], lora: Any, session: str = "c-1") -> Pending:

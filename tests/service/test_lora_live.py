@@ -15,12 +15,10 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from extproc.routing import Router, RouteRequest
 from extproc.routing.continuation import of_model
 from extproc.service.gateway import bounded_scope
-from extproc.settings import load_settings
-from extproc.stack.processes import ROUTER_REFERENCE
 from tests.service.gateway_support import Gateway, LlamaReplicas, data_plane, llama_replicas
+from tests.service.gateway_support import ring_home as shared_ring_home
 
 pytestmark = pytest.mark.live
 CHAT = "/v1/chat/completions"
@@ -41,8 +39,7 @@ def gw(llama: LlamaReplicas, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 
 
 def ring_home(conversation: str) -> str:
-    routing = load_settings(ROUTER_REFERENCE, environ={}).routing
-    return Router(routing, REPLICAS).route(RouteRequest("probe", conversation, 40, 8)).decision.replica
+    return shared_ring_home(conversation, REPLICAS)
 
 
 def apart(prefix: str) -> str:
