@@ -7,8 +7,8 @@ belongs to the conversation is its body: a next turn resends the earlier turns, 
 digest of a request of the conversation it continues is among the digests of the new body's
 prefixes (bodies.py: ``answered``, plus the body's own ``history`` for a retry).
 
-The gateway remembers, per conversation key, the digests of its *tips*: its completed requests
-that no later completed one shows (``tips_after``). One turn after another leaves one tip; an
+Each router remembers (conversations.py), per conversation key, the digests of its *tips*: its
+completed requests that no later completed one shows (``tips_after``). One turn after another leaves one tip; an
 agent's fan-out (requests sent at once on the same history) leaves one per branch, and the
 conversation goes on from any of them. They sit next to placement memory and are bounded the
 same way (lru.py), at most ``TIPS`` a conversation. ``claim`` decides:

@@ -29,7 +29,7 @@ class AdminService(admin_pb2_grpc.AdminServicer):
 
     async def Reset(self, request: admin_pb2.ResetRequest, context: grpc.aio.ServicerContext) -> admin_pb2.State:
         self.gateway.router.reset()
-        self.gateway.openings.clear()  # what was sent to each replica: a reset begins on emptied caches
+        self.gateway.conversations.openings.clear()  # what was sent to each replica: a reset begins on emptied caches
         if self.gateway.store is not None:  # the others must stop counting what was forgotten here
             self.gateway.store.load_changed()
         return self.state()
@@ -59,7 +59,7 @@ class AdminService(admin_pb2_grpc.AdminServicer):
                 gateway.leaving.moved(move.key, move.replica)
                 if gateway.store is not None:  # the routers that were not told read it there
                     gateway.store.moved(move.key, Placement(move.replica, move.tokens),
-                                        (gateway.digests.get(move.key) or (0,))[-1])
+                                        gateway.conversations.last_tip(move.key))
         gateway.migrations.reported(request.attempted, request.attempted - request.failed, request.failed,
                                     request.bytes, request.seconds)
         if request.drained:

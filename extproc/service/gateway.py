@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections import deque
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -43,16 +42,16 @@ import xxhash
 
 from extproc.envoy.cors import CorsPolicy
 from extproc.envoy.surface import GENERATION_PATHS, ReadOnly, Refused
-from extproc.routing import Decision, Router, RouteRequest, Ticket, adapters, estimate_tokens
+from extproc.routing import Router, RouteRequest, Ticket, adapters, estimate_tokens
 from extproc.routing.adapters import InFlight
 from extproc.routing.blocks import BlockMemory
-from extproc.routing.continuation import Claim, Shown, claim, model_point, of_model, shown, tips_after
+from extproc.routing.continuation import Claim, Shown
+from extproc.routing.conversations import Conversations
 from extproc.routing.flow_control import Wait
-from extproc.routing.lru import TwoGenerationLru
 from extproc.routing.peers import PeerRequest, PeerView, peer_view
-from extproc.routing.placement import Placement, PlacementMemory
+from extproc.routing.placement import Placement
 from extproc.routing.speeds import AnswerTimings
-from extproc.routing.tokens import TokenCounter, shared_opening
+from extproc.routing.tokens import TokenCounter
 from extproc.service.answers import (
     AnswerCache,
     Phase,
@@ -124,15 +123,11 @@ class Gateway:
         generation routed, never on a request passed through."""
         self.router = router
         self.counter = counter or make_counter(settings.tokenizer, settings.chars_per_token)
-        # replica -> the openings of the last prompts sent to it, one per slot (routing.replica_slots)
-        self.openings: dict[str, deque[tuple[int, ...]]] = {}
         self.settings = settings
         self.metrics = metrics
         self.on_replica_failed = on_replica_failed
         self.endpoints: dict[str, str] = {}
         self.unhealthy: set[str] = set()
-        # conversation -> {request id: history} of pending requests not yet shown answered
-        self.unanswered: dict[str, dict[str, int]] = {}
         self.answers = AnswerCache(settings.routing_headers, replica_key or "")
         self.requests = PendingRequests(self, metrics, self.answers, settings.observe_grace_ms / 1000)
         self._sequence = 0
@@ -143,11 +138,8 @@ class Gateway:
         self.limits = BodyLimits(settings.max_messages, settings.max_prompt_chars, settings.max_output_tokens)
         self.store: SharedStore | None = None  # several routers' shared state (main.py sets it from [store])
         self.block_memory: BlockMemory | None = None  # the last prompt's blocks per conversation, when hashed
-        # conversation key -> the digests of its tips (continuation.py): who may use its placement
-        self.digests: TwoGenerationLru[tuple[int, ...]] = TwoGenerationLru(router.settings.memory_capacity)
-        # history digest of a completed chat request (under its model: model_point) -> where it was
-        # served and its prompt tokens: where a branch of it (an edited or regenerated turn) finds its prefix cached
-        self.branch_points = PlacementMemory(router.settings.memory_capacity)
+        # what each request means for its conversation: claims, tips, branch points, unanswered requests
+        self.conversations = Conversations(router.settings.memory_capacity, router.conversation_key, router.memory)
         self.migrations = Migrations(router.settings.memory_capacity, metrics.registry)
         self.adapters_in_flight = InFlight()  # the LoRA configurations running on each replica (adapters.py)
         self.decision_log: Callable[[dict[str, Any]], None] = through_structlog  # main.py: DecisionLog
@@ -159,7 +151,7 @@ class Gateway:
     def set_replicas(self, replicas: Mapping[str, str]) -> None:
         self.endpoints = dict(replicas)
         self.catalog.set_replicas(self.endpoints)
-        self.openings = {name: seen for name, seen in self.openings.items() if name in self.endpoints}
+        self.conversations.set_replicas(self.endpoints)
         self.router.set_replicas(self.endpoints)
         self.leaving.set_replicas(self.endpoints)
         self.unhealthy &= set(self.endpoints)
@@ -222,9 +214,8 @@ class Gateway:
 
     def republish_pending(self) -> None:
         """The store is back: publish again this router's requests still waiting for an answer."""
-        for waiting in self.unanswered.values():
-            for request_id, history in waiting.items():
-                self._publish_pending(request_id, history)
+        for request_id, history in self.conversations.waiting():
+            self._publish_pending(request_id, history)
 
     def _publish_pending(self, request_id: str, history: int) -> None:
         assert self.store is not None
@@ -246,10 +237,10 @@ class Gateway:
             key = self.router.conversation_key(request.conversation)
             self.leaving.ended(key, decision.replica)
             if ok:
-                self.digests.put(key, tips_after(self.digests.get(key) or (), pending.shown))
-                if GENERATION_PATHS.get(pending.path) == "chat":
-                    point = model_point(pending.shown.digest, bounded_scope(pending.model, pending.lora))
-                    self.branch_points.remember(point, served or decision.replica, request.prompt_tokens)
+                chat = GENERATION_PATHS.get(pending.path) == "chat"
+                chat_scope = bounded_scope(pending.model, pending.lora) if chat else None
+                self.conversations.completed(key, pending.shown, served or decision.replica, request.prompt_tokens,
+                                             chat_scope)
             if self.store is not None:
                 placement = None
                 if ok:  # overtaken: the move's placement again, under this request's digest (the move's is older)
@@ -385,10 +376,10 @@ class Gateway:
                 return self._model_not_ready(parsed.model)
             return self._model_not_found(parsed.model)
         unique_id = self._request_id()
-        digests = shown(parsed.history, parsed.answered, parsed.opening_key)
         session = self.sessions.pick(session_headers, dict(parsed.sessions))
-        named = of_model(bounded_scope(parsed.model, parsed.lora), bounded(session) or parsed.opening_key)
-        claimed = claim(named, parsed.opening_key, self._known, digests)
+        digests, claimed, named = self.conversations.claim_request(
+            bounded(session), bounded_scope(parsed.model, parsed.lora), parsed.opening_key, parsed.history,
+            parsed.answered)
         # under the key the router places it by (a reused id that does not continue its chat has its own)
         self.migrations.opened(self.router.conversation_key(claimed.conversation), parsed.opening_key, parsed.scope)
         prompt_tokens = parsed.prompt_token_ids + parsed.prompt_tokens
@@ -396,39 +387,6 @@ class Gateway:
         request = RouteRequest(unique_id, claimed.conversation, prompt_tokens, max_tokens, parsed.prefix_blocks,
                                bounded(parsed.model))
         return Prepared(request, parsed, path, digests, claimed, named)
-
-    def _known(self, conversation: str) -> tuple[int, ...]:
-        """The tips this router holds for ``conversation`` (continuation.py), with the histories
-        of its requests still waiting for their end: a next turn may come before Envoy's access
-        log says its last request is over (after an agent's fan-out, its other requests ended)."""
-        tips = self.digests.get(self.router.conversation_key(conversation)) or ()
-        waiting = self.unanswered.get(conversation)
-        return (*tips, *waiting.values()) if waiting else tips
-
-    @staticmethod
-    def _branches(step: Prepared) -> bool:
-        """A chat body that may branch from a completed request: it continues nothing known, and
-        names a conversation it does not continue (an edit, a regenerate, a retried message) or
-        resends an earlier request with its answer. A new conversation that only shares an opening
-        with others is routed on its own key, as any new one."""
-        claimed = step.claim
-        return bool(step.parsed.history) and not claimed.continues and (claimed.foreign or bool(step.parsed.answered))
-
-    def _branch(self, conversation: str, prefixes: frozenset[int], scope: str) -> None:
-        """A chat that continues no conversation known here but resends a completed request's whole
-        history (an edited or regenerated turn, a retry of an earlier message, a new id on an old
-        chat) starts where that history was served, under its own key: placed with the proven
-        prefix's tokens, it finds that cache, and its own completion never moves the conversation it
-        branched from (docs/security.md#edited-histories)."""
-        key = self.router.conversation_key(conversation)
-        if self.router.memory.get(key) is not None:
-            return
-        found = [point for digest in prefixes
-                 if (point := self.branch_points.get(model_point(digest, scope))) is not None]
-        best = max(found, key=lambda point: point.prompt_tokens, default=None)
-        if best is not None and best.replica in self.endpoints:
-            self.router.memory.remember(key, best.replica, best.prompt_tokens)
-            self.metrics.branches += 1
 
     async def peers(self, step: Prepared) -> tuple[Prepared, PeerView]:
         """What the other live routers hold, for this request (nothing while the store is not in
@@ -439,14 +397,10 @@ class Gateway:
         snapshot = await self.store.read(self.router.conversation_key(request.conversation))
         if snapshot is None:
             return step, NO_PEERS
-        if snapshot.placement is not None:
-            read = request.conversation
-
-            def known(key: str) -> tuple[int, ...]:  # the store's digest too, for the key it was read for
-                return (snapshot.digest, *self._known(key)) if key == read else self._known(key)
-
-            claimed = claim(step.named, step.parsed.opening_key, known, step.shown)
-            if claimed.conversation != read:
+        if snapshot.placement is not None:  # the store's digest is known too, for the key it was read for
+            claimed = self.conversations.claim(step.named, step.parsed.opening_key, step.shown, request.conversation,
+                                               snapshot.digest)
+            if claimed.conversation != request.conversation:
                 step = Prepared(request._replace(conversation=claimed.conversation), step.parsed, step.path,
                                 step.shown, claimed, step.named)
                 self.migrations.opened(self.router.conversation_key(claimed.conversation), step.parsed.opening_key,
@@ -481,12 +435,15 @@ class Gateway:
         # judged on the final claim (the store may have changed it): a chat another router served
         # or still serves (its placement, or a pending request this body answers) is no branch
         elsewhere = peers is not None and peers.placement is not None
-        if self._branches(step) and not elsewhere:
-            self._branch(conversation, step.shown.prefixes, bounded_scope(parsed.model, parsed.lora))
+        conversations = self.conversations
+        branching = conversations.branches(step.claim, parsed.history, parsed.answered) and not elsewhere
+        if branching and conversations.branch(conversation, step.shown.prefixes,
+                                              bounded_scope(parsed.model, parsed.lora), self.endpoints):
+            self.metrics.branches += 1
         if parsed.answered:
             self._release_answered(conversation, parsed.answered)
         if parsed.answered_tokens:
-            self._holds_answer(request, parsed.answered_tokens)
+            conversations.holds_answer(conversation, request.prompt_tokens, parsed.answered_tokens)
         avoid, leaving_phase = self.leaving.avoid(conversation, self._avoid(subset, parsed.model), self.endpoints)
         unbatched = self.adapters_in_flight.unbatched(bounded(parsed.model), bounded(parsed.lora))
         if unbatched:  # llama.cpp batches none of those replicas' running requests with this one
@@ -506,7 +463,9 @@ class Gateway:
         self.adapters_in_flight.sent(bounded(parsed.model), bounded(parsed.lora), decision.replica)
         predicted = decision.predicted_cached_tokens
         if parsed.opening:
-            predicted = self._with_opening(decision, parsed.opening, request.prompt_tokens)
+            predicted = self.conversations.with_opening(decision, parsed.opening, request.prompt_tokens,
+                                                        self.router.ledger.requests(decision.replica),
+                                                        self.router.settings.replica_slots)
         # Behind an Endpoint Picker's gateway no access log comes: the stream itself says when
         # the request is over (stream_ended), as if logged at once.
         self.requests.track(Pending(
@@ -516,8 +475,7 @@ class Gateway:
             envoy_id=bounded(request_id), logged=phase != "own", wait=wait,
             leaving_phase=step.leaving_phase,
         ))  # fmt: skip
-        if parsed.history:
-            self.unanswered.setdefault(conversation, {})[unique_id] = parsed.history
+        self.conversations.sent(conversation, unique_id, parsed.history)
         if self.store is not None:
             self._publish_pending(unique_id, parsed.history)
         deciding = time.perf_counter() - started - (wait.waited if wait is not None else 0.0)  # the wait aside
@@ -531,55 +489,20 @@ class Gateway:
             answer += request_id_header(unique_id)
         return answer
 
-    def _holds_answer(self, request: RouteRequest, answered_tokens: int) -> None:
-        """The replica that served the conversation's last turn holds its prompt and the answer it
-        wrote, all of this body's tokens up to that answer's end but its last token (sampled, never
-        decoded: measured, cache_n = that count - 1): placement memory learns the longer figure,
-        which is what the prediction and the cost count as cached there."""
-        key = self.router.conversation_key(request.conversation)
-        placement = self.router.memory.get(key)
-        held = answered_tokens - 1
-        if placement is not None and placement.prompt_tokens < held <= request.prompt_tokens:
-            self.router.memory.remember(key, placement.replica, held)
-
-    def _with_opening(self, decision: Decision, opening: tuple[int, ...], prompt_tokens: int) -> int:
-        """The prompt tokens predicted cached: the decision's, or what the pick shares with the last
-        prompts sent to it when that is more: the chat template's opening and a common system
-        prompt are cached for a new conversation too. llama.cpp gives a request the idle slot most
-        like it, so only while a slot that holds a prompt is idle: fewer requests in flight there
-        (this one aside) than slots filled. At most the prompt but one token: the replica
-        computes one at least."""
-        slots = self.router.settings.replica_slots
-        seen = self.openings.get(decision.replica)
-        if seen is None or seen.maxlen != slots:
-            seen = self.openings[decision.replica] = deque(seen or (), maxlen=slots)
-        idle_filled = len(seen) > self.router.ledger.requests(decision.replica) - 1
-        shared = min(shared_opening(opening, seen), prompt_tokens - 1) if idle_filled else 0
-        seen.append(opening)
-        return max(shared, decision.predicted_cached_tokens)
-
     def _release_answered(self, conversation: str, answered: frozenset[int]) -> None:
         """Release the pending requests of ``conversation`` that this new body shows answered."""
-        waiting = self.unanswered.get(conversation)
-        if not waiting:
-            return
-        for request_id in [rid for rid, history in waiting.items() if history in answered]:
-            del waiting[request_id]
+        for request_id in self.conversations.answered(conversation, answered):
             pending = self.requests.pending[request_id]
             pending.released_by_next_turn = True
             self._release(pending, ok=True)
             self.metrics.released_by_next_turn += 1
-        if not waiting:
-            del self.unanswered[conversation]
 
     # ------------------------------------------------------------------ a request's end (lifecycle.py)
 
     def settle(self, request_id: str, pending: Pending, ok: bool, served: str | None) -> None:
         """The request is over: no longer waiting for a next turn to show its answer, its load
         released (a no-op when a later turn released it already)."""
-        waiting = self.unanswered.get(pending.request.conversation)
-        if waiting is not None and waiting.pop(request_id, None) is not None and not waiting:
-            del self.unanswered[pending.request.conversation]
+        self.conversations.settled(pending.request.conversation, request_id)
         self._release(pending, ok=ok, served=served)
 
     def report_answer(self, pending: Pending, served_replica: str, cached_tokens: int, learnt: AnswerTimings) -> None:

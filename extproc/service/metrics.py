@@ -86,7 +86,7 @@ class Metrics:
         self.actual_cached: Counter[str] = Counter()
         self.actual_prompt: Counter[str] = Counter()
         self.released_by_next_turn = 0  # released when a later turn showed the answer (gateway.py)
-        self.branches = 0  # chats placed where a completed request they resend was served (gateway._branch)
+        self.branches = 0  # chats placed where a completed request they resend was served (Conversations.branch)
         self.answered_locally: Counter[str] = Counter({kind: 0 for kind in LOCAL_ANSWERS})
         self.store_errors: Counter[str] = Counter({call: 0 for call in STORE_CALLS})  # failed or timed out
         self.store_in_use = False  # a store is configured and answering (store.py)

@@ -90,7 +90,7 @@ def test_the_next_turn_releases_the_last_one_before_its_own_decision() -> None:
         gateway.requests.access_logged(t1, 200, endpoint, cut_off=False, timings=TIMINGS)
         assert in_flight(gateway) == 1 and t1 not in gateway.requests.pending
         gateway.requests.access_logged(t2, 200, endpoint, cut_off=False, timings=TIMINGS)
-    assert in_flight(gateway) == 0 and not gateway.requests.pending and not gateway.unanswered
+    assert in_flight(gateway) == 0 and not gateway.requests.pending and not gateway.conversations.unanswered
     first, last = decisions(logs)
     assert first["request_id"] == t1 and first["outcome"] == "ok" and first["released_by_next_turn"] is True
     assert first["cache_n"] == 3  # what arrives later still lands in the record
@@ -115,7 +115,7 @@ def test_parallel_requests_of_one_conversation_stay_charged_until_their_own_end(
     for request_id in (p0, p2, following):
         endpoint = gateway.requests.pending[request_id].endpoint
         gateway.requests.access_logged(request_id, 200, endpoint, cut_off=False, timings=None)
-    assert in_flight(gateway) == 0 and not gateway.unanswered
+    assert in_flight(gateway) == 0 and not gateway.conversations.unanswered
 
 
 def test_another_conversation_with_the_same_history_releases_nothing() -> None:
@@ -131,5 +131,5 @@ def test_a_released_request_swept_as_lost_is_logged_once() -> None:
         t1 = chat(gateway, [USER1])
         t2 = chat(gateway, [USER1, {"role": "assistant", "content": "a"}, {"role": "user", "content": "b"}])
         assert gateway.requests.release_lost(time.monotonic() + LOST_AFTER_S + 1) == 2
-    assert in_flight(gateway) == 0 and not gateway.requests.pending and not gateway.unanswered
+    assert in_flight(gateway) == 0 and not gateway.requests.pending and not gateway.conversations.unanswered
     assert sorted(record["request_id"] for record in decisions(logs)) == sorted([t1, t2])

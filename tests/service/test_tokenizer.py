@@ -168,7 +168,7 @@ def test_a_new_conversation_is_predicted_to_find_the_opening_it_shares_while_a_f
     else:
         pytest.fail("no new conversation went to the first one's replica")
     asyncio.run(AdminService(gateway).Reset(admin_pb2.ResetRequest(), None))  # type: ignore[arg-type]
-    assert not gateway.openings  # a reset starts on emptied caches (a run restarts its replicas first)
+    assert not gateway.conversations.openings  # a reset starts on emptied caches (a run restarts its replicas first)
 
 
 def test_the_templates_loop_object_is_read_as_the_plain_sandbox_reads_it() -> None:
