@@ -204,7 +204,8 @@ class LlmAware:
         if self.ttft:  # the bounded walk only past the guard rail
             guard = self.guard(situation, loads, average)
             # one long prefill on the cached replica of a light fleet is no imbalance
-            floor = max(FOLLOW_UP_REQUESTS_FLOOR if cached else 1, self.warm_floor(situation, preferred))
+            floor = max(FOLLOW_UP_REQUESTS_FLOOR if cached else 1,
+                        warm_floor(situation, preferred, self.warm_slots(situation)))
             if not guard.past(preferred, preferred_cost, floor):
                 timed = self.soonest(situation, preferred, costs, work, guard,
                                      cached_on == preferred and expected.get(preferred, 0) > 0)
@@ -286,9 +287,10 @@ class LlmAware:
         loads, running = guard.tokens, seen_running(guard.requests, self.slots, situation.request.unbatched)
         speed, slots = situation.speeds.speed, self.slots
         best, soonest = None, math.inf
+        warm_slots = self.warm_slots(situation)
         for name in self.candidates(situation, costs):
             load, cost = loads[name], costs.get(name, work)
-            if name == preferred or guard.past(name, cost, self.warm_floor(situation, name)):
+            if name == preferred or guard.past(name, cost, warm_floor(situation, name, warm_slots)):
                 continue
             here = speed(name)
             seconds = predicted_ttft(slots, here, load, running[name], cost) + model_wait(situation, name)
@@ -298,12 +300,12 @@ class LlmAware:
                 best, soonest = name, seconds
         return best, soonest
 
-    def warm_floor(self, situation: Situation, replica: str) -> int:
-        """The requests below which ``replica`` is never past the guard rail: all its slots where the
-        request's model is loaded while it is cold elsewhere (a free slot there beats a load or a
-        wake elsewhere), else 1."""
+    def warm_slots(self, situation: Situation) -> int:
+        """The guard rail's floor in requests on a replica where the request's model is loaded: all
+        its slots while the model is cold on another eligible replica (a free slot there beats a
+        load or a wake elsewhere), else 1."""
         residency, model = situation.residency, situation.request.model
-        if not residency.tracked or residency.cold(replica, model):
+        if not residency.tracked:
             return 1
         return self.slots if any(residency.cold(name, model) for name in situation.eligible) else 1
 
@@ -616,6 +618,13 @@ def predicted_ttft(slots: int, speed: Speed, load: int, running: int, cost: int)
     ``cost``; without one it waits behind all of it."""
     ahead = min(load, running * cost) if running < slots else load
     return speed.overhead_s + (ahead + cost) * speed.prefill_s_per_token
+
+
+def warm_floor(situation: Situation, replica: str, warm_slots: int) -> int:
+    """The requests below which ``replica`` is never past the guard rail (``warm_slots``: LlmAware.warm_slots)."""
+    if warm_slots == 1 or situation.residency.cold(replica, situation.request.model):
+        return 1
+    return warm_slots
 
 
 def model_wait(situation: Situation, replica: str) -> float:
