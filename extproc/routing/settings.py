@@ -12,7 +12,7 @@ from typing import Any
 from pydantic import Field, ValidationError, model_validator
 
 from extproc.routing.policies import plugin
-from extproc.strict import Strict
+from extproc.strict import Strict, errors_within
 
 
 class RoutingSettings(Strict):
@@ -54,8 +54,7 @@ class RoutingSettings(Strict):
                 try:
                     params[name] = plugin.validate_params(name, raw.get(name, {}))
                 except ValidationError as exc:
-                    problems += [{"type": error["type"], "loc": (name, *error["loc"]), "input": error["input"],
-                                  **({"ctx": error["ctx"]} if "ctx" in error else {})} for error in exc.errors()]
+                    problems += errors_within(name, exc)
         if problems:
             raise ValidationError.from_exception_data("RoutingSettings", problems)  # type: ignore[arg-type]
         return {**shared, "params": params}
