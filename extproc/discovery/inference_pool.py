@@ -33,14 +33,7 @@ from pydantic import Field
 
 from extproc.discovery import Snapshot
 from extproc.discovery.plugin import SharedKeys, SourcePlugin
-from extproc.discovery.watch import (
-    ListWatchLoop,
-    Publish,
-    WatchedSource,
-    WatchSettings,
-    log_change,
-    threaded_snapshots,
-)
+from extproc.discovery.watch import ListWatchLoop, Publish, WatchedSource, WatchSettings, log_change, threaded_snapshots
 
 log = structlog.get_logger("extproc.discovery.inference_pool")
 

@@ -20,14 +20,7 @@ from pydantic import Field
 
 from extproc.discovery import Snapshot
 from extproc.discovery.plugin import SharedKeys, SourcePlugin
-from extproc.discovery.watch import (
-    ListWatchLoop,
-    Publish,
-    WatchedSource,
-    WatchSettings,
-    log_change,
-    threaded_snapshots,
-)
+from extproc.discovery.watch import ListWatchLoop, Publish, WatchedSource, WatchSettings, log_change, threaded_snapshots
 
 SERVICE_NAME_LABEL = "kubernetes.io/service-name"
 

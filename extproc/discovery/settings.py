@@ -12,7 +12,7 @@ from typing import Any
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from extproc.discovery import plugin
-from extproc.strict import Strict, errors_within
+from extproc.strict import Strict, validated_sections
 
 
 class DiscoverySettings(Strict):
@@ -40,15 +40,9 @@ class DiscoverySettings(Strict):
             expected = f"{', '.join(names[:-1])} or {names[-1]}" if len(names) > 1 else names[0]
             raise ValidationError.from_exception_data("DiscoverySettings", [
                 {"type": "literal_error", "loc": ("source",), "input": chosen, "ctx": {"expected": expected}}])
-        sections, problems = {}, []
-        for name in plugin.REGISTRY:
-            if name in raw or name == chosen:
-                try:
-                    sections[name] = plugin.plugin(name).settings.model_validate(raw.get(name, {}))
-                except ValidationError as exc:
-                    problems += errors_within(name, exc)
-        if problems:
-            raise ValidationError.from_exception_data("DiscoverySettings", problems)
+        sections = validated_sections(raw, plugin.REGISTRY, chosen,
+                                      lambda name, section: plugin.plugin(name).settings.model_validate(section),
+                                      "DiscoverySettings")
         shared = {key: value for key, value in raw.items() if key not in plugin.REGISTRY}
         return {**shared, "sections": sections}
 
