@@ -20,6 +20,7 @@ import tomli_w
 from pydantic import BaseModel, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from extproc.cli_input import UsageError
+from extproc.discovery.settings import DiscoverySettings
 from extproc.routing.flows import FlowSettings
 from extproc.routing.settings import RoutingSettings
 from extproc.service.sessions import SOURCE_PATTERN as SESSION_SOURCE
@@ -125,26 +126,6 @@ def _on_loopback(address: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:  # a name (or no host, "all addresses"): reachable from elsewhere
         return False
-
-
-class DiscoverySettings(Strict):
-    """Where the replica list comes from."""
-
-    source: Literal["static", "file", "kubernetes", "inference-pool"]
-    static: dict[str, str] = Field(description="source=static: replica name -> ip:port")
-    file: str = Field(description="source=file: JSON file {name: ip:port}, watched for changes")
-    file_poll_seconds: float = Field(gt=0)
-    kubernetes_namespace: str = Field(description="source=kubernetes or inference-pool: the namespace watched")
-    kubernetes_service: str = Field(description="EndpointSlices labelled kubernetes.io/service-name=<this>")
-    kubernetes_port_name: str = Field(description="named port of the replicas in the EndpointSlice")
-    kubernetes_backoff_seconds: float = Field(gt=0, description="first retry delay when the API is unreachable")
-    inference_pool: str = Field(description="source=inference-pool: name of the InferencePool whose pods are the "
-                                            "replicas (in kubernetes_namespace)")
-    leaving_seconds: float = Field(ge=0, le=3600, description="source=kubernetes or inference-pool: a terminating "
-                                   "replica that still serves stays listed this long in the order of leaving; 0: "
-                                   "it leaves the list at once")
-    leaving_near_seconds: float = Field(ge=0, description="this long before leaving_seconds, follow-ups of its "
-                                                          "unmoved conversations go elsewhere")
 
 
 class StoreSettings(Strict):
@@ -285,12 +266,19 @@ def describe_errors(exc: ValidationError, source: str, from_env: Mapping[tuple[s
 def _valid_keys(model: type[BaseModel], path: tuple[int | str, ...]) -> list[str]:
     """The keys of the section at ``path`` in ``model`` ([] where that is no settings section)."""
     for part in path:
-        field = model.model_fields.get(str(part))
-        section = field.annotation if field else None
+        section = _section_keys(model).get(str(part))
         if not (isinstance(section, type) and issubclass(section, BaseModel)):
             return []
         model = section
-    return list(model.model_fields)
+    return list(_section_keys(model))
+
+
+def _section_keys(model: type[BaseModel]) -> dict[str, Any]:
+    """A section's keys -> their types; one holding named sections of its own (``named_sections``:
+    [discovery.<source>]) lists those instead of the field that keeps them."""
+    keys = {name: field.annotation for name, field in model.model_fields.items()}
+    named = getattr(model, "named_sections", None)
+    return keys if named is None else {key: kind for key, kind in keys.items() if key != "sections"} | named()
 
 
 def apply_env_overrides(raw: dict[str, Any], environ: Mapping[str, str]) -> dict[tuple[str, ...], str]:

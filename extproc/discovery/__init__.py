@@ -1,5 +1,6 @@
 """Where the replica list comes from: a static list, a watched JSON file, or Kubernetes
-(a Service's EndpointSlices, or an InferencePool's pods).
+(a Service's EndpointSlices, or an InferencePool's pods); each source is a module named in
+the registry (plugin.py), configured by its own section ``[discovery.<source>]``.
 
 Every source speaks one protocol: ``snapshots()`` is an async iterator yielding the full
 current set {replica name: "ip:port"} each time it changes (the first yield is the initial
@@ -11,12 +12,9 @@ terminating pod that still serves, kept in the list for the order of leaving
 
 from __future__ import annotations
 
-import importlib
 import ipaddress
 from collections.abc import AsyncIterator, Iterable, Mapping
 from typing import Any, Protocol
-
-from extproc.settings import DiscoverySettings
 
 
 class Snapshot(dict[str, str]):
@@ -49,22 +47,6 @@ def leaving_of(replicas: Mapping[str, str]) -> frozenset[str]:
 
 class Discovery(Protocol):
     def snapshots(self) -> AsyncIterator[dict[str, str]]: ...
-
-
-# discovery.source -> the module of that source, imported only when chosen; each module's
-# from_settings(DiscoverySettings) builds its Discovery
-SOURCES = {
-    "static": "extproc.discovery.static",
-    "file": "extproc.discovery.file",
-    "kubernetes": "extproc.discovery.kubernetes",
-    "inference-pool": "extproc.discovery.inference_pool",
-}
-
-
-def make_discovery(settings: DiscoverySettings) -> Discovery:
-    """The source named by ``discovery.source``."""
-    source: Discovery = importlib.import_module(SOURCES[settings.source]).from_settings(settings)
-    return source
 
 
 class ReplicaListError(ValueError):

@@ -14,11 +14,20 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import structlog
+from pydantic import Field
 
 from extproc.discovery import ReplicaListError, checked_replicas
-from extproc.settings import DiscoverySettings
+from extproc.discovery.plugin import SharedKeys, SourcePlugin
+from extproc.strict import Strict
 
 log = structlog.get_logger("extproc.discovery.file")
+
+
+class FileSettings(Strict):
+    """[discovery.file]"""
+
+    path: str = Field(description='JSON file {name: "ip:port"}, replaced atomically by its writer')
+    poll_seconds: float = Field(gt=0, description="how often the file is checked for changes")
 
 
 class FileDiscovery:
@@ -56,5 +65,8 @@ class FileDiscovery:
             return last_good if last_good is not None else {}
 
 
-def from_settings(settings: DiscoverySettings) -> FileDiscovery:
-    return FileDiscovery(settings.file, settings.file_poll_seconds)
+def _from_settings(section: FileSettings, shared: SharedKeys) -> FileDiscovery:
+    return FileDiscovery(section.path, section.poll_seconds)
+
+
+PLUGIN = SourcePlugin("file", FileSettings, _from_settings)

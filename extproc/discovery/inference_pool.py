@@ -1,6 +1,6 @@
 """Replica discovery from a Gateway API Inference Extension ``InferencePool`` (list + watch).
 
-The pool (``inference.networking.k8s.io/v1``, one name in ``discovery.kubernetes_namespace``)
+The pool (``inference.networking.k8s.io/v1``, ``[discovery.inference-pool] name`` in its ``namespace``)
 says which pods serve it (``spec.selector.matchLabels``, same namespace) and on which ports
 (``spec.targetPorts``). The replicas are its pods that are Ready and not terminating (no
 ``deletionTimestamp``); a pod being deleted that is still Ready (its preStop drain runs) stays
@@ -13,7 +13,7 @@ its place on the hash ring across restarts and IP changes; the n-th after it ``<
 as the reference picker names them (gateway-api-inference-extension,
 pkg/lwepp/datastore/datastore.go, createEndpointNamespacedName, commit 84436a96).
 
-Two list/watch loops (kubernetes.py's, each in its thread) feed one state: the pool, watched
+Two list/watch loops (watch.py's, each in its thread) feed one state: the pool, watched
 by name (fieldSelector metadata.name, so that RBAC can grant this one pool through
 resourceNames), and every pod of the namespace, as the reference picker caches them
 (pkg/lwepp/server/controller_manager.go): a changed selector or port list takes effect at
@@ -29,16 +29,11 @@ from typing import Any
 
 import structlog
 from kubernetes import client
+from pydantic import Field
 
 from extproc.discovery import Snapshot
-from extproc.discovery.watch import (
-    ListWatchLoop,
-    Publish,
-    WatchedSource,
-    log_change,
-    threaded_snapshots,
-)
-from extproc.settings import DiscoverySettings
+from extproc.discovery.plugin import SharedKeys, SourcePlugin
+from extproc.discovery.watch import ListWatchLoop, Publish, WatchedSource, WatchSettings, log_change, threaded_snapshots
 
 log = structlog.get_logger("extproc.discovery.inference_pool")
 
@@ -48,6 +43,12 @@ PLURAL = "inferencepools"
 
 
 # ----------------------------------------------------------------------------- core
+
+
+class InferencePoolSettings(WatchSettings):
+    """[discovery.inference-pool]: the pool ``name`` and its pods, in ``namespace``."""
+
+    name: str = Field(description="the InferencePool whose Ready pods, at its targetPorts, are the replicas")
 
 
 def replicas_from_pool(pool: Mapping[str, Any] | None, pods: Iterable[Any], keep_leaving: bool = False) -> Snapshot:
@@ -120,9 +121,10 @@ class InferencePoolDiscovery(WatchedSource):
     """Discovery protocol: ``snapshots()`` yields {replica: "ip:port"} on every change of the
     pool or of its pods (two watch threads)."""
 
-    def __init__(self, settings: DiscoverySettings, api_client: client.ApiClient | None = None, **timing: Any) -> None:
-        super().__init__(settings, api_client, **timing)
-        self.pool = settings.inference_pool
+    def __init__(self, section: InferencePoolSettings, shared: SharedKeys,
+                 api_client: client.ApiClient | None = None, **timing: Any) -> None:
+        super().__init__(section, shared, api_client, **timing)
+        self.pool = section.name
 
     def snapshots(self) -> AsyncIterator[dict[str, str]]:
         def start(api_client: client.ApiClient, publish: Publish) -> list[ListWatchLoop]:
@@ -243,5 +245,4 @@ class _PodLoop(ListWatchLoop):
         return self._state.serving()
 
 
-def from_settings(settings: DiscoverySettings) -> InferencePoolDiscovery:
-    return InferencePoolDiscovery(settings)
+PLUGIN = SourcePlugin("inference-pool", InferencePoolSettings, InferencePoolDiscovery)

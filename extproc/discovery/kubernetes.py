@@ -16,15 +16,23 @@ from dataclasses import dataclass
 from typing import Any
 
 from kubernetes import client
+from pydantic import Field
 
 from extproc.discovery import Snapshot
-from extproc.discovery.watch import ListWatchLoop, Publish, WatchedSource, log_change, threaded_snapshots
-from extproc.settings import DiscoverySettings
+from extproc.discovery.plugin import SharedKeys, SourcePlugin
+from extproc.discovery.watch import ListWatchLoop, Publish, WatchedSource, WatchSettings, log_change, threaded_snapshots
 
 SERVICE_NAME_LABEL = "kubernetes.io/service-name"
 
 
 # ----------------------------------------------------------------------------- core
+
+
+class KubernetesSettings(WatchSettings):
+    """[discovery.kubernetes]: the EndpointSlices of a Service in ``namespace``, port by name."""
+
+    service: str = Field(description="EndpointSlices labelled kubernetes.io/service-name=<this>")
+    port_name: str = Field(description="named port of the replicas in the EndpointSlice")
 
 
 @dataclass(frozen=True, order=True)
@@ -115,10 +123,11 @@ class KubernetesDiscovery(WatchedSource):
     """Discovery protocol: ``snapshots()`` yields {replica: "ip:port"} on every change of the
     Service's EndpointSlices (one watch thread)."""
 
-    def __init__(self, settings: DiscoverySettings, api_client: client.ApiClient | None = None, **timing: Any) -> None:
-        super().__init__(settings, api_client, **timing)
-        self.service = settings.kubernetes_service
-        self.port_name = settings.kubernetes_port_name
+    def __init__(self, section: KubernetesSettings, shared: SharedKeys, api_client: client.ApiClient | None = None,
+                 **timing: Any) -> None:
+        super().__init__(section, shared, api_client, **timing)
+        self.service = section.service
+        self.port_name = section.port_name
 
     def snapshots(self) -> AsyncIterator[dict[str, str]]:
         return threaded_snapshots(self._api_client, lambda api, publish: [_SliceLoop(self, api, publish)])
@@ -164,5 +173,4 @@ class _SliceLoop(ListWatchLoop):
         self._publish(snapshot)
 
 
-def from_settings(settings: DiscoverySettings) -> KubernetesDiscovery:
-    return KubernetesDiscovery(settings)
+PLUGIN = SourcePlugin("kubernetes", KubernetesSettings, KubernetesDiscovery)

@@ -26,9 +26,11 @@ from typing import Any
 import structlog
 from kubernetes import client, config, watch
 from kubernetes.client.exceptions import ApiException
+from pydantic import Field
 
 from extproc.discovery import Snapshot, leaving_of
-from extproc.settings import DiscoverySettings
+from extproc.discovery.plugin import SharedKeys
+from extproc.strict import Strict
 
 log = structlog.get_logger("extproc.discovery.watch")
 
@@ -36,7 +38,7 @@ HTTP_GONE = 410
 # Server-side length of one watch request; the stream then ends and is resumed from the
 # last resourceVersion. Kept well under the API server's own limit (~30-60 min).
 WATCH_TIMEOUT_SECONDS = 300
-# The backoff doubles from discovery.kubernetes_backoff_seconds up to this ceiling.
+# The backoff doubles from the section's backoff_seconds up to this ceiling.
 MAX_BACKOFF_SECONDS = 30.0
 CONNECT_TIMEOUT_SECONDS = 5.0
 LIST_TIMEOUT_SECONDS = 30.0
@@ -51,7 +53,7 @@ def credentials() -> client.ApiClient:
         return default_api_client()
     except Exception as exc:
         raise KubernetesCredentialsError(
-            f'discovery.source = "kubernetes" but no usable credentials ({type(exc).__name__}: {exc}); '
+            f"discovery from the Kubernetes API but no usable credentials ({type(exc).__name__}: {exc}); "
             "in a pod the ServiceAccount token is used, elsewhere KUBECONFIG or ~/.kube/config"
         ) from exc
 
@@ -66,6 +68,14 @@ def default_api_client() -> client.ApiClient:
     return client.ApiClient(configuration)
 
 
+class WatchSettings(Strict):
+    """The keys of every API-watching source's section ([discovery.kubernetes], [discovery.inference-pool])."""
+
+    namespace: str = Field(description="the namespace watched")
+    backoff_seconds: float = Field(gt=0, description="first retry delay when the API is unreachable or refuses "
+                                                     "(doubles, capped)")
+
+
 @dataclass(frozen=True)
 class WatchTiming:
     backoff_seconds: float
@@ -73,10 +83,10 @@ class WatchTiming:
     watch_timeout_seconds: int
 
 
-def watch_timing(settings: DiscoverySettings, watch_timeout_seconds: int, max_backoff_seconds: float) -> WatchTiming:
+def watch_timing(section: WatchSettings, watch_timeout_seconds: int, max_backoff_seconds: float) -> WatchTiming:
     return WatchTiming(
-        backoff_seconds=settings.kubernetes_backoff_seconds,
-        max_backoff_seconds=max(max_backoff_seconds, settings.kubernetes_backoff_seconds),
+        backoff_seconds=section.backoff_seconds,
+        max_backoff_seconds=max(max_backoff_seconds, section.backoff_seconds),
         watch_timeout_seconds=watch_timeout_seconds,
     )
 
@@ -139,15 +149,16 @@ class WatchedSource:
 
     def __init__(
         self,
-        settings: DiscoverySettings,
+        section: WatchSettings,
+        shared: SharedKeys,
         api_client: client.ApiClient | None = None,
         *,
         watch_timeout_seconds: int = WATCH_TIMEOUT_SECONDS,
         max_backoff_seconds: float = MAX_BACKOFF_SECONDS,
     ) -> None:
-        self.namespace = settings.kubernetes_namespace
-        self.keep_leaving = settings.leaving_seconds > 0
-        self.timing = watch_timing(settings, watch_timeout_seconds, max_backoff_seconds)
+        self.namespace = section.namespace
+        self.keep_leaving = shared.leaving_seconds > 0
+        self.timing = watch_timing(section, watch_timeout_seconds, max_backoff_seconds)
         self._api_client = api_client
 
 

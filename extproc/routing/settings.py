@@ -9,10 +9,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, model_validator
 
 from extproc.routing.policies import plugin
-from extproc.strict import Strict
+from extproc.strict import Strict, validated_sections
 
 
 class RoutingSettings(Strict):
@@ -48,16 +48,7 @@ class RoutingSettings(Strict):
         chosen = raw.get("policy")
         if not isinstance(chosen, str) or chosen not in plugin.REGISTRY:
             raise ValueError(f"unknown policy {chosen!r} (registered: {', '.join(plugin.REGISTRY)})")
-        params, problems = {}, []
-        for name in plugin.REGISTRY:
-            if name in raw or name == chosen:
-                try:
-                    params[name] = plugin.validate_params(name, raw.get(name, {}))
-                except ValidationError as exc:
-                    problems += [{"type": error["type"], "loc": (name, *error["loc"]), "input": error["input"],
-                                  **({"ctx": error["ctx"]} if "ctx" in error else {})} for error in exc.errors()]
-        if problems:
-            raise ValidationError.from_exception_data("RoutingSettings", problems)  # type: ignore[arg-type]
+        params = validated_sections(raw, plugin.REGISTRY, chosen, plugin.validate_params, "RoutingSettings")
         return {**shared, "params": params}
 
     def knobs(self) -> dict[str, Any]:

@@ -29,6 +29,7 @@ import secrets
 import signal
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -37,7 +38,8 @@ import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
-from extproc.discovery import leaving_of, make_discovery
+from extproc.discovery import leaving_of
+from extproc.discovery.plugin import make_discovery
 from extproc.envoy.contract import split_host_port, write_endpoints_file
 from extproc.routing import Router
 from extproc.service import admin_pb2_grpc
@@ -54,7 +56,7 @@ from extproc.service.processor import SERVICE, access_log_handler, handler
 from extproc.service.replica_health import ReplicaHealth
 from extproc.service.residency_watch import ResidencyWatcher
 from extproc.service.tls import SELF_SIGNED, TlsError, server_credentials
-from extproc.service.tokenizer import TokenizerError, make_counter
+from extproc.service.tokenizer import TokenCounter, TokenizerError, make_counter
 from extproc.service.waiting_room import WaitingRoom
 from extproc.settings import ServiceSettings, Settings, SettingsError, load_settings, read_secret_file
 
@@ -105,74 +107,34 @@ async def serve(settings: Settings) -> int:
     replica_key = read_secret_file("service.replica_api_key_file", service.replica_api_key_file)
     try:
         credentials = server_credentials(service.tls)
+        counter = make_counter(service.tokenizer, service.chars_per_token)
     except TlsError as exc:
         print(f"llm-ring serve: {exc}", file=sys.stderr)
         return 2
-    try:
-        counter = make_counter(service.tokenizer, service.chars_per_token)
     except TokenizerError as exc:
         print(f"llm-ring serve: service.tokenizer: {exc}", file=sys.stderr)
         return 2
-    metrics = Metrics()
-    metrics.tokenizer(counter.name)
-    gateway = Gateway(Router(settings.routing), service, metrics, counter=counter, replica_key=replica_key)
-    if getattr(logging, service.log_level.upper()) <= logging.INFO:  # the per-request line, its own fast path
-        gateway.decision_log = DecisionLog(sys.stdout.buffer)
-    health = ReplicaHealth(gateway, service.health_probe_seconds)
-    models = ModelFetcher(gateway.catalog, lambda: gateway.endpoints, replica_key, service.health_probe_seconds)
-    residency = ResidencyWatcher(lambda: gateway.router.residency, lambda: gateway.endpoints, replica_key,
-                                 service.model_status_seconds)
-    gateway.on_replica_failed = health.replica_failed
-    metrics.watch(gateway.replica_states, lambda: gateway.router.speeds.speeds())  # reconfigure may replace them
+    gateway = _make_gateway(settings, counter, replica_key)
+    askers = _ReplicaAskers.start(gateway, service, replica_key)
     room = WaitingRoom(gateway, settings.flow) if settings.flow.enabled else None
     if settings.store.url:  # several routers agree through it; a fresh id per start (the old one expires)
         await gateway.share_state(settings.store, secrets.token_hex(6))
-
     metrics_host, metrics_port = split_host_port(service.metrics_listen)
     readiness = Readiness()
-    metrics_server = start_metrics_server(metrics_host, metrics_port, metrics.registry, readiness)
-
+    metrics_server = start_metrics_server(metrics_host, metrics_port, gateway.metrics.registry, readiness)
     parser = BodyParser(gateway.limits, counter)
     health_service = health_aio.HealthServicer()
-    servers, listen = _gateway_servers(service, gateway, parser, room, health_service, credentials)
-    admin = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-    admin_service = AdminService(gateway)
-    admin_pb2_grpc.add_AdminServicer_to_server(admin_service, admin)
-    health_pb2_grpc.add_HealthServicer_to_server(health_service, admin)
-    servers.append(admin)
-    if service.migration_listen:
-        migration = grpc.aio.server(options=[("grpc.so_reuseport", 0)],
-                                    interceptors=_token_check(migration_token, metrics))
-        admin_pb2_grpc.add_AdminServicer_to_server(MigrationService(admin_service), migration)
-        if migration.add_insecure_port(service.migration_listen) == 0:
-            raise SystemExit(f"llm-ring serve: cannot listen on service.migration_listen={service.migration_listen!r}")
-        servers.append(migration)
-    if admin.add_insecure_port(service.admin_listen) == 0:
-        raise SystemExit(f"llm-ring serve: cannot listen on service.admin_listen={service.admin_listen!r}")
-    for server in servers:
-        await server.start()
-    for name in LIVE:
-        await health_service.set(name, health_pb2.HealthCheckResponse.SERVING)
-    for name in READY:
-        await health_service.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-    log.info(
-        "service_started",
-        listen=listen,
-        tls=_tls_kind(service.tls),
-        ext_proc_socket=service.ext_proc_socket,
-        admin=service.admin_listen,
-        migration=service.migration_listen,
-        metrics=f"{metrics_host}:{metrics_server.server_port}",
-        policy=settings.routing.policy,
-        discovery=settings.discovery.source,
-        tokenizer=counter.name,
-    )
-
+    servers, listen = await _start_servers(service, gateway, (parser, room, health_service), credentials,
+                                           migration_token)
+    log.info("service_started", listen=listen, tls=_tls_kind(service.tls), ext_proc_socket=service.ext_proc_socket,
+             admin=service.admin_listen, migration=service.migration_listen,
+             metrics=f"{metrics_host}:{metrics_server.server_port}", policy=settings.routing.policy,
+             discovery=settings.discovery.source, tokenizer=counter.name)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
-    watcher = loop.create_task(_follow_discovery(settings, gateway, (models, residency), health_service, readiness))
+    watcher = loop.create_task(follow_discovery(settings, gateway, askers, health_service, readiness))
     sweeper = loop.create_task(_release_lost(gateway))
     watcher.add_done_callback(lambda task: _discovery_ended(task, stop))
     try:
@@ -184,11 +146,9 @@ async def serve(settings: Settings) -> int:
                         service.drain_seconds)
     finally:
         log.info("service_stopping", in_flight=gateway.router.ledger.total_requests())
-        watcher.cancel()
-        sweeper.cancel()
-        health.close()
-        await models.close()
-        await residency.close()
+        for task in (watcher, sweeper):
+            task.cancel()
+        await askers.close()
         await asyncio.gather(*(server.stop(grace=2) for server in servers))
         if gateway.store is not None:
             await gateway.store.close()
@@ -200,11 +160,82 @@ async def serve(settings: Settings) -> int:
     return 1 if not watcher.cancelled() and watcher.exception() is not None else 0
 
 
-async def _follow_discovery(
-    settings: Settings, gateway: Gateway, askers: tuple[ModelFetcher, ResidencyWatcher],
-    health: health_aio.HealthServicer,
+def _make_gateway(settings: Settings, counter: TokenCounter, replica_key: str | None) -> Gateway:
+    """The gateway over a Router of ``settings.routing``, its metrics watching it."""
+    metrics = Metrics()
+    metrics.tokenizer(counter.name)
+    gateway = Gateway(Router(settings.routing), settings.service, metrics, counter=counter, replica_key=replica_key)
+    if getattr(logging, settings.service.log_level.upper()) <= logging.INFO:  # the per-request line, its own path
+        gateway.decision_log = DecisionLog(sys.stdout.buffer)
+    metrics.watch(gateway.replica_states, lambda: gateway.router.speeds.speeds())  # reconfigure may replace them
+    return gateway
+
+
+@dataclass(frozen=True)
+class _ReplicaAskers:
+    """What asks the replicas themselves: whether a failed one is back, what each serves and holds loaded."""
+
+    health: ReplicaHealth
+    models: ModelFetcher
+    residency: ResidencyWatcher
+
+    @classmethod
+    def start(cls, gateway: Gateway, service: ServiceSettings, replica_key: str | None) -> _ReplicaAskers:
+        health = ReplicaHealth(gateway, service.health_probe_seconds)
+        gateway.on_replica_failed = health.replica_failed
+        models = ModelFetcher(gateway.catalog, lambda: gateway.endpoints, replica_key, service.health_probe_seconds)
+        residency = ResidencyWatcher(lambda: gateway.router.residency, lambda: gateway.endpoints, replica_key,
+                                     service.model_status_seconds)
+        return cls(health, models, residency)
+
+    def replicas_changed(self) -> None:
+        self.models.replicas_changed()
+        self.residency.replicas_changed()
+
+    async def close(self) -> None:
+        self.health.close()
+        await self.models.close()
+        await self.residency.close()
+
+
+async def _start_servers(
+    service: ServiceSettings, gateway: Gateway,
+    serving: tuple[BodyParser, WaitingRoom | None, health_aio.HealthServicer],
+    tls: grpc.ServerCredentials | None, migration_token: str | None,
+) -> tuple[list[grpc.aio.Server], str]:
+    """Every gRPC server started (the gateway's, the Admin API's, the migration port's), health
+    set (live, not ready until a replica is known); and where the picker port listens."""
+    parser, room, health = serving
+    servers, listen = _gateway_servers(service, gateway, parser, room, health, tls)
+    admin = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    admin_service = AdminService(gateway)
+    admin_pb2_grpc.add_AdminServicer_to_server(admin_service, admin)
+    health_pb2_grpc.add_HealthServicer_to_server(health, admin)
+    servers.append(admin)
+    if service.migration_listen:
+        migration = grpc.aio.server(options=[("grpc.so_reuseport", 0)],
+                                    interceptors=_token_check(migration_token, gateway.metrics))
+        admin_pb2_grpc.add_AdminServicer_to_server(MigrationService(admin_service), migration)
+        if migration.add_insecure_port(service.migration_listen) == 0:
+            raise SystemExit(f"llm-ring serve: cannot listen on service.migration_listen={service.migration_listen!r}")
+        servers.append(migration)
+    if admin.add_insecure_port(service.admin_listen) == 0:
+        raise SystemExit(f"llm-ring serve: cannot listen on service.admin_listen={service.admin_listen!r}")
+    for server in servers:
+        await server.start()
+    for name in LIVE:
+        await health.set(name, health_pb2.HealthCheckResponse.SERVING)
+    for name in READY:
+        await health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    return servers, listen
+
+
+async def follow_discovery(
+    settings: Settings, gateway: Gateway, askers: _ReplicaAskers, health: health_aio.HealthServicer,
     readiness: Readiness,
 ) -> None:
+    """Each snapshot of the chosen discovery source becomes the gateway's replica set (with the
+    leaving ones' order of leaving), Envoy's endpoints file and the readiness."""
     endpoints_file = settings.service.envoy_endpoints_file
     if endpoints_file:
         Path(endpoints_file).parent.mkdir(parents=True, exist_ok=True)
@@ -213,8 +244,7 @@ async def _follow_discovery(
         gateway.set_replicas(replicas)
         for name in leaving_of(replicas) - gateway.leaving.orders.keys():  # a pod began terminating
             gateway.begin_leaving(name, discovery.leaving_seconds, discovery.leaving_near_seconds)
-        for asker in askers:  # what each replica serves, and holds loaded
-            asker.replicas_changed()
+        askers.replicas_changed()  # what each replica serves, and holds loaded
         if endpoints_file:
             write_endpoints_file(endpoints_file, replicas)
         status = health_pb2.HealthCheckResponse.SERVING if replicas else health_pb2.HealthCheckResponse.NOT_SERVING

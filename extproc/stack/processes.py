@@ -143,7 +143,8 @@ def start_inference_gateway_envoy(
 
 
 def service_env(listen: str, endpoints_file: Path, discovery: Mapping[str, str], **service: str) -> dict[str, str]:
-    """Settings overrides for start_service: addresses, the EDS file, discovery (TOML values)."""
+    """Settings overrides for start_service: addresses, the EDS file, discovery (TOML values; a
+    source's own key as ``STATIC__REPLICAS``)."""
     env = {
         "LLM_RING__SERVICE__LISTEN": f'"{listen}"',
         "LLM_RING__SERVICE__EXT_PROC_SOCKET": f'"{socket_name(listen)}"',
@@ -164,7 +165,9 @@ def socket_name(listen: str) -> str:
 
 
 def static_discovery(replicas: Mapping[str, str]) -> dict[str, str]:
-    return {"SOURCE": '"static"', "STATIC": "{" + ", ".join(f'{k} = "{v}"' for k, v in replicas.items()) + "}"}
+    """[discovery] overrides naming ``replicas`` as a static list (keys as service_env takes them)."""
+    listed = "{" + ", ".join(f'{k} = "{v}"' for k, v in replicas.items()) + "}"
+    return {"SOURCE": '"static"', "STATIC__REPLICAS": listed}
 
 
 def start_service(workdir: Path, settings_env: Mapping[str, str], config: Path = ROUTER_REFERENCE) -> Running:

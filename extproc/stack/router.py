@@ -114,7 +114,8 @@ def render_router_settings(base: Path, *, policy: str, admin_listen: str, metric
         raw["service"]["tokenizer"] = tokenizer
     if replica_key_file is not None:
         raw["service"]["replica_api_key_file"] = str(replica_key_file)
-    raw["discovery"].update(source="file", file=str(replicas_file))
+    raw["discovery"]["source"] = "file"
+    raw["discovery"]["file"]["path"] = str(replicas_file)
     if store_url is not None:
         raw["store"]["url"] = store_url
     if store_password_file is not None:

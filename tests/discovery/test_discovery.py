@@ -12,41 +12,101 @@ from pathlib import Path
 
 import pytest
 
-from extproc.discovery import SOURCES, ReplicaListError, checked_replicas, make_discovery
+from extproc.discovery import ReplicaListError, checked_replicas
 from extproc.discovery.file import FileDiscovery
+from extproc.discovery.plugin import REGISTRY, make_discovery
 from extproc.files import write_atomically
-from extproc.settings import DiscoverySettings
+from extproc.settings import DiscoverySettings, Settings, SettingsError, parse_settings, read_toml
 from extproc.stack.processes import ROUTER_REFERENCE, free_port, service_env, static_discovery
 
 
-def settings(**overrides: object) -> DiscoverySettings:
-    base = {
-        "source": "static",
-        "static": {},
-        "file": "",
-        "file_poll_seconds": 0.01,
-        "kubernetes_namespace": "n",
-        "kubernetes_service": "s",
-        "kubernetes_port_name": "http",
-        "kubernetes_backoff_seconds": 1.0,
-        "inference_pool": "",
+def settings(source: str = "static", **sections: dict[str, object]) -> DiscoverySettings:
+    base: dict[str, object] = {
+        "source": source,
         "leaving_seconds": 0.0,
         "leaving_near_seconds": 0.0,
+        "static": {"replicas": {}},
+        "file": {"path": "", "poll_seconds": 0.01},
+        "kubernetes": {"namespace": "n", "service": "s", "port_name": "http", "backoff_seconds": 1.0},
+        "inference-pool": {"namespace": "n", "name": "pool", "backoff_seconds": 1.0},
     }
-    return DiscoverySettings.model_validate(base | overrides)
+    return DiscoverySettings.model_validate(base | sections)
 
 
-@pytest.mark.parametrize("source", typing.get_args(DiscoverySettings.model_fields["source"].annotation))
-def test_every_source_the_settings_accept_is_built_by_its_own_module(source: str) -> None:
-    built = make_discovery(settings(source=source, static={"llm-0": "127.0.0.1:1"}, file="replicas.json",
-                                    inference_pool="pool"))
-    assert type(built).__module__ == SOURCES[source] and callable(built.snapshots)
-    assert set(SOURCES) == set(typing.get_args(DiscoverySettings.model_fields["source"].annotation))
+@pytest.mark.parametrize("source", list(REGISTRY))
+def test_every_registered_source_is_built_by_its_own_module_from_its_own_section(source: str) -> None:
+    built = make_discovery(settings(source, static={"replicas": {"llm-0": "127.0.0.1:1"}}))
+    assert type(built).__module__ == REGISTRY[source] and callable(built.snapshots)
+
+
+def reference_with(change: typing.Callable[[dict[str, typing.Any]], None]) -> str:
+    """What start-up says of the reference settings changed by ``change`` ("" when they pass)."""
+    raw = read_toml(ROUTER_REFERENCE)
+    change(raw["discovery"])
+    try:
+        parse_settings(raw, "router.toml")
+    except SettingsError as exc:
+        return str(exc)
+    return ""
+
+
+@pytest.mark.parametrize(
+    ("change", "says"),
+    [
+        (lambda d: d.update(source="consul"),
+         "router.toml: discovery.source: Input should be 'static', 'file', 'kubernetes' or 'inference-pool' "
+         "(got 'consul')"),
+        (lambda d: d.update(kubernetes_service="llm"),  # a source's key among the shared ones
+         "router.toml: discovery.kubernetes_service: unknown setting (valid: source, leaving_seconds, "
+         "leaving_near_seconds, static, file, kubernetes, inference-pool)"),
+        (lambda d: d["file"].update(service="llm"),  # another source's key
+         "router.toml: discovery.file.service: unknown setting (valid: path, poll_seconds)"),
+        (lambda d: d["kubernetes"].update(backoff_seconds=0),
+         "router.toml: discovery.kubernetes.backoff_seconds: Input should be greater than 0 (got 0)"),
+        (lambda d: d.update(leaving_seconds=-1), "router.toml: discovery.leaving_seconds: Input should be greater"),
+        (lambda d: d["file"].pop("path"), "router.toml: discovery.file.path: missing"),
+    ],
+)
+def test_a_key_in_the_wrong_place_or_an_unknown_source_is_refused_by_name(change: typing.Any, says: str) -> None:
+    said = reference_with(change)
+    assert said.startswith(says) and "; router.toml" not in said, said  # one problem, one line
+
+
+def test_the_chosen_source_needs_its_section_and_every_section_given_is_checked() -> None:
+    def only_static(discovery: dict[str, typing.Any]) -> None:
+        for name in ("file", "kubernetes", "inference-pool"):
+            del discovery[name]
+        discovery["source"] = "static"
+
+    assert reference_with(only_static) == ""
+    assert reference_with(lambda d: d.pop("file")) == (
+        "router.toml: discovery.file.path: missing (every setting must be given; there are no defaults); "
+        "router.toml: discovery.file.poll_seconds: missing (every setting must be given; there are no defaults)")
+    said = reference_with(lambda d: d["inference-pool"].update(pool="llm"))  # not chosen, still checked
+    assert said.startswith("router.toml: discovery.inference-pool.pool: unknown setting (valid: namespace, "
+                           "backoff_seconds, name)"), said
+
+
+def test_llm_ring_serve_stops_with_exit_code_2_and_one_line_naming_the_key(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from extproc.cli import main
+
+    config = tmp_path / "router.toml"
+    config.write_text(ROUTER_REFERENCE.read_text().replace('source = "file"', 'source = "file"\nfile_poll_seconds = 1'))
+    assert main(["serve", "--config", str(config)]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"llm-ring serve: {config}: discovery.file_poll_seconds: unknown setting"), line
+
+
+def test_the_settings_hold_the_chosen_source_s_section() -> None:
+    chosen = parse_settings(read_toml(ROUTER_REFERENCE)).discovery
+    assert (chosen.source, chosen.section.path) == ("file", ".llm-ring/replicas.json")
+    assert Settings.model_fields["discovery"].annotation is DiscoverySettings
 
 
 def test_static_yields_its_list_once() -> None:
     async def first() -> dict[str, str]:
-        snapshots = make_discovery(settings(static={"llm-0": "127.0.0.1:1"})).snapshots()
+        snapshots = make_discovery(settings(static={"replicas": {"llm-0": "127.0.0.1:1"}})).snapshots()
         return await anext(snapshots)
 
     assert asyncio.run(first()) == {"llm-0": "127.0.0.1:1"}

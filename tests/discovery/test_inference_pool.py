@@ -28,8 +28,9 @@ from kubernetes.client.exceptions import ApiException
 from structlog.testing import capture_logs
 from watch_support import Reader, requests_of, wait
 
-from extproc.discovery import Snapshot, leaving_of, make_discovery
+from extproc.discovery import Snapshot, leaving_of
 from extproc.discovery.inference_pool import InferencePoolDiscovery, InvalidPoolError, replicas_from_pool
+from extproc.discovery.plugin import make_discovery
 
 FAST = {"watch_timeout_seconds": 30, "max_backoff_seconds": 0.2}
 LLM = {"app.kubernetes.io/name": "llm"}
@@ -47,13 +48,15 @@ def pod_of(name: str, ip: str | None, labels: Mapping[str, str] = LLM, **state: 
     return obj
 
 
-def discovery_settings():
-    # The committed picker ConfigMap's [discovery], with a test-sized first backoff.
-    return picker_settings().discovery.model_copy(update={"kubernetes_backoff_seconds": 0.05})
+def discovery_settings() -> tuple[Any, Any]:
+    # The committed picker ConfigMap's [discovery]: its source's section, with a test-sized first
+    # backoff, and the shared keys.
+    discovery = picker_settings().discovery
+    return discovery.section.model_copy(update={"backoff_seconds": 0.05}), discovery
 
 
 def pool_reader() -> Reader:
-    return Reader(InferencePoolDiscovery(discovery_settings(), **FAST))
+    return Reader(InferencePoolDiscovery(*discovery_settings(), **FAST))
 
 
 async def both_watching(apiserver: FakeApiServer) -> None:
@@ -80,8 +83,8 @@ def test_the_committed_pool_selects_the_replicas_of_k8s_and_is_what_the_picker_w
     (llama,) = [c for c in statefulset["spec"]["template"]["spec"]["containers"] if c["name"] == "llama"]
     assert [p["number"] for p in pool["spec"]["targetPorts"]] == [llama["ports"][0]["containerPort"]]
     settings = picker_settings().discovery
-    assert (settings.source, settings.inference_pool) == ("inference-pool", pool["metadata"]["name"])
-    assert settings.kubernetes_namespace == pool["metadata"]["namespace"] == NAMESPACE
+    assert (settings.source, settings.section.name) == ("inference-pool", pool["metadata"]["name"])
+    assert settings.section.namespace == pool["metadata"]["namespace"] == NAMESPACE
     assert isinstance(make_discovery(settings), InferencePoolDiscovery)
 
 
@@ -359,7 +362,7 @@ def test_the_picker_role_is_exactly_what_discovery_reads():
         {
             "apiGroups": ["inference.networking.k8s.io"],
             "resources": ["inferencepools"],
-            "resourceNames": [picker_settings().discovery.inference_pool],
+            "resourceNames": [picker_settings().discovery.section.name],
             "verbs": ["list", "watch"],
         },
         {"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]},

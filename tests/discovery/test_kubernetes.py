@@ -30,9 +30,11 @@ from extproc.discovery.watch import KubernetesCredentialsError
 FAST = {"watch_timeout_seconds": 30, "max_backoff_seconds": 0.2}
 
 
-def discovery_settings():
-    # The committed router ConfigMap's [discovery], with a test-sized first backoff.
-    return router_settings().discovery.model_copy(update={"kubernetes_backoff_seconds": 0.05})
+def discovery_settings() -> tuple[Any, Any]:
+    # The committed router ConfigMap's [discovery]: its source's section, with a test-sized first
+    # backoff, and the shared keys.
+    discovery = router_settings().discovery
+    return discovery.section.model_copy(update={"backoff_seconds": 0.05}), discovery
 
 
 def slice_of(name: str, *endpoints: Endpoint, service: str = "llm") -> dict[str, Any]:
@@ -41,7 +43,7 @@ def slice_of(name: str, *endpoints: Endpoint, service: str = "llm") -> dict[str,
 
 async def watching(apiserver: FakeApiServer, expected: dict[str, str]) -> Reader:
     """A reader whose discovery has listed ``expected`` and holds its watch open."""
-    reader = Reader(KubernetesDiscovery(discovery_settings(), **FAST))
+    reader = Reader(KubernetesDiscovery(*discovery_settings(), **FAST))
     await reader.until(expected)
     await wait(lambda: apiserver.watch_count() == 1)
     return reader
@@ -53,7 +55,7 @@ def test_replicas_join_when_ready_and_leave_when_not_ready_or_terminating(apiser
     apiserver.apply(slice_of("other-a", Endpoint("other-0", "10.0.9.9"), service="other"))
 
     async def scenario() -> None:
-        reader = Reader(KubernetesDiscovery(discovery_settings(), **FAST))
+        reader = Reader(KubernetesDiscovery(*discovery_settings(), **FAST))
         try:
             await reader.until({"llm-0": "10.0.0.10:8080"})  # llm-1 still loading its model
             apiserver.apply(slice_of("llm-a", Endpoint("llm-0", "10.0.0.10"), Endpoint("llm-1", "10.0.0.11")))
@@ -162,7 +164,7 @@ def test_keeps_the_last_set_while_the_api_is_away_and_recovers(apiserver, kubeco
         return [e for e in logs if e["event"] == "kubernetes_api_unreachable"]
 
     async def scenario(logs: list[dict[str, Any]]) -> None:
-        reader = Reader(KubernetesDiscovery(discovery_settings(), **FAST))
+        reader = Reader(KubernetesDiscovery(*discovery_settings(), **FAST))
         try:
             await reader.until(both)
             apiserver.stop()  # connections cut, then connection refused
@@ -189,7 +191,7 @@ def test_refused_credentials_back_off_then_recover_when_granted(apiserver, kubec
     apiserver.apply(slice_of("llm-a", Endpoint("llm-0", "10.0.0.10")))
 
     async def scenario() -> None:
-        reader = Reader(KubernetesDiscovery(discovery_settings(), **FAST))
+        reader = Reader(KubernetesDiscovery(*discovery_settings(), **FAST))
         try:
             await wait(lambda: len(requests_of(apiserver, "list", status)) >= 3, timeout=20)
             await asyncio.sleep(0.5)
@@ -213,7 +215,7 @@ def test_stopping_the_iteration_ends_the_watch_thread(apiserver, kubeconfig):
     apiserver.apply(slice_of("llm-a", Endpoint("llm-0", "10.0.0.10")))
 
     async def scenario() -> float:
-        snapshots = KubernetesDiscovery(discovery_settings(), **FAST).snapshots()
+        snapshots = KubernetesDiscovery(*discovery_settings(), **FAST).snapshots()
         assert await anext(snapshots) == {"llm-0": "10.0.0.10:8080"}
         await wait(lambda: apiserver.watch_count() == 1)
         start = time.monotonic()
@@ -252,7 +254,7 @@ def test_in_a_pod_discovery_uses_the_service_account_token_and_ca(apiserver, tmp
     apiserver.apply(slice_of("llm-a", Endpoint("llm-0", "10.0.0.10")))
 
     async def scenario() -> None:
-        reader = Reader(KubernetesDiscovery(discovery_settings(), **FAST))
+        reader = Reader(KubernetesDiscovery(*discovery_settings(), **FAST))
         try:
             await reader.until({"llm-0": "10.0.0.10:8080"})
         finally:
@@ -268,7 +270,7 @@ def test_without_credentials_discovery_fails_at_once_naming_the_cause(tmp_path, 
     monkeypatch.setenv("KUBECONFIG", str(tmp_path / "no-such-kubeconfig"))
 
     async def scenario() -> None:
-        await anext(KubernetesDiscovery(discovery_settings(), **FAST).snapshots())
+        await anext(KubernetesDiscovery(*discovery_settings(), **FAST).snapshots())
 
     with pytest.raises(KubernetesCredentialsError, match="no usable credentials.*KUBECONFIG"):
         asyncio.run(asyncio.wait_for(scenario(), 10))

@@ -19,7 +19,7 @@ import pytest
 from extproc.cli import COMMANDS, build_parser, main
 from extproc.routing import POLICIES
 from extproc.routing.policies.plugin import param_names
-from extproc.settings import Settings
+from extproc.settings import DiscoverySettings, Settings
 
 ROOT = Path(__file__).resolve().parents[2]
 REFERENCE_PAGES = sorted((ROOT / "docs").glob("*.md"))
@@ -127,7 +127,7 @@ def test_every_inline_command_names_real_options(page, span, tokens):
 
 
 SECTIONS = "|".join(Settings.model_fields)
-# routing.<policy>.<key> too; the rest: "unknown setting" examples
+# routing.<policy>.<key> and discovery.<source>.<key> too; the rest: "unknown setting" examples
 SETTING = re.compile(rf"`({SECTIONS})\.((?:[a-z-]+\.)?[a-z_]+)([^`]*)`")
 VARIABLE = re.compile(r"LLM_RING__([A-Z]+)__([A-Z_]+)")
 
@@ -137,6 +137,8 @@ def test_every_setting_named_exists(page):
     text = page.read_text()
     sections = {name: set(field.annotation.model_fields) for name, field in Settings.model_fields.items()}
     sections["routing"] |= {f"{policy}.{key}" for policy in POLICIES for key in param_names(policy)}
+    sections["discovery"] |= {f"{source}.{key}" for source, model in DiscoverySettings.named_sections().items()
+                              for key in model.model_fields}
     named = [(section, key) for section, key, rest in SETTING.findall(text) if "unknown setting" not in rest]
     named += [(section.lower(), _variable_key(key)) for section, key in VARIABLE.findall(text) if section != "SECTION"]
     unknown = sorted(f"{section}.{key}" for section, key in named if key not in sections[section])

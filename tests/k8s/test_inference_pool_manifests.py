@@ -310,7 +310,7 @@ def test_llm_ring_serve_with_the_picker_configmap_serves_tls_and_follows_the_poo
         "LLM_RING__SERVICE__MIGRATION_TOKEN_FILE": f'"{migration_token_file(tmp_path)}"',
         "LLM_RING__SERVICE__REPLICA_API_KEY_FILE": f'"{replica_key_file(tmp_path)}"',
         "LLM_RING__SERVICE__METRICS_LISTEN": f'"{metrics}"',
-        "LLM_RING__DISCOVERY__KUBERNETES_BACKOFF_SECONDS": "0.05",
+        "LLM_RING__DISCOVERY__INFERENCE_POOL__BACKOFF_SECONDS": "0.05",
     }
     pool = inference_pool("llm", {"app.kubernetes.io/name": "llm"}, [8080], namespace=NAMESPACE)
     validate_custom(pool)

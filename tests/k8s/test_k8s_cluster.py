@@ -107,7 +107,8 @@ def first_snapshot(discovery: Discovery) -> dict[str, str]:
 
 def test_discovery_finds_the_ready_replicas():
     ready = ready_replicas()
-    assert set(first_snapshot(KubernetesDiscovery(router_settings().discovery, default_api_client()))) == ready
+    discovery = router_settings().discovery
+    assert set(first_snapshot(KubernetesDiscovery(discovery.section, discovery, default_api_client()))) == ready
 
 
 def needs_the_inference_pool_crd() -> None:
@@ -134,7 +135,7 @@ def test_picker_service_account_may_read_its_pool_and_pods_and_nothing_else():
 
     if kubectl("get", "role", "inference-pool-reader", "-n", NAMESPACE, check=False).returncode != 0:
         pytest.skip("kubectl apply -f k8s/inference-pool/ first")
-    pool = f"inferencepools.inference.networking.k8s.io/{picker_settings().discovery.inference_pool}"
+    pool = f"inferencepools.inference.networking.k8s.io/{picker_settings().discovery.section.name}"
     for verb in ("list", "watch"):
         assert can(verb, "pods") == "yes" and can(verb, pool) == "yes"
     assert can("list", "inferencepools.inference.networking.k8s.io") == "no", "only its pool, by name"
@@ -146,9 +147,9 @@ def test_inference_pool_discovery_finds_the_ready_replicas():
     needs_the_inference_pool_crd()
     ready = ready_replicas()
     settings = picker_settings().discovery
-    if kubectl("get", "inferencepool", settings.inference_pool, "-n", NAMESPACE, check=False).returncode != 0:
+    if kubectl("get", "inferencepool", settings.section.name, "-n", NAMESPACE, check=False).returncode != 0:
         pytest.skip("kubectl apply -f k8s/inference-pool/ first")
-    assert set(first_snapshot(InferencePoolDiscovery(settings, default_api_client()))) == ready
+    assert set(first_snapshot(InferencePoolDiscovery(settings.section, settings, default_api_client()))) == ready
 
 
 def test_a_drain_would_find_the_ready_replicas_as_receivers():

@@ -49,7 +49,7 @@ from k8s_support import (
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from extproc.discovery import SOURCES
+from extproc.discovery.plugin import REGISTRY
 from extproc.settings import SettingsError, parse_settings
 from extproc.stack.redis_server import USER, router_rule
 from extproc.traffic.profile import available_profiles, check_context, load_profile
@@ -153,18 +153,18 @@ def test_pods_meet_restricted_and_set_requests_and_limits(name: str, spec: dict[
 
 def test_replicas_service_statefulset_and_router_settings_agree():
     discovery = parse_settings(router_settings_raw()).discovery
-    service = find("Service", discovery.kubernetes_service)
+    service = find("Service", discovery.section.service)
     statefulset = find("StatefulSet", "llm")
     template = statefulset["spec"]["template"]
     assert discovery.source == "kubernetes"
-    assert discovery.kubernetes_namespace == NAMESPACE
+    assert discovery.section.namespace == NAMESPACE
     assert service["spec"]["clusterIP"] == "None", "headless: the router picks the replica"
     assert statefulset["spec"]["serviceName"] == service["metadata"]["name"]
     selector = service["spec"]["selector"]
     assert selector == REPLICAS, "every model's replicas (test_k8s_two_models.py)"
     assert selector.items() <= template["metadata"]["labels"].items()
     assert statefulset["spec"]["selector"]["matchLabels"].items() <= template["metadata"]["labels"].items()
-    (port,) = [p for p in service["spec"]["ports"] if p["name"] == discovery.kubernetes_port_name]
+    (port,) = [p for p in service["spec"]["ports"] if p["name"] == discovery.section.port_name]
     llama = template["spec"]["containers"][0]
     named = {p["name"]: p["containerPort"] for p in llama["ports"]}
     assert named[port["targetPort"]] == port["port"] == int(find("ConfigMap", "llm-config")["data"]["LLAMA_ARG_PORT"])
@@ -384,8 +384,8 @@ def dockerfile_distributions() -> set[str]:
     return {importlib.metadata.distribution(w).metadata["Name"].lower() for w in words if not w.startswith("-")}
 
 
-# every discovery source too: make_discovery imports the chosen one by its name
-SERVE_ENTRY_POINTS = ("extproc.service.main", "extproc.migration.drain_k8s", *SOURCES.values())
+# every discovery source too: the registry imports the chosen one by its module's name
+SERVE_ENTRY_POINTS = ("extproc.service.main", "extproc.migration.drain_k8s", *REGISTRY.values())
 
 
 def imported_top_level_modules() -> set[str]:

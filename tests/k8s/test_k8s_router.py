@@ -40,7 +40,7 @@ def test_router_follows_endpointslices_and_survives_the_api_restarting(apiserver
         "LLM_RING__SERVICE__MIGRATION_TOKEN_FILE": f'"{migration_token_file(tmp_path)}"',
         "LLM_RING__SERVICE__REPLICA_API_KEY_FILE": f'"{replica_key_file(tmp_path)}"',  # the Secret's mount
         "LLM_RING__SERVICE__METRICS_LISTEN": f'"127.0.0.1:{free_port()}"',
-        "LLM_RING__DISCOVERY__KUBERNETES_BACKOFF_SECONDS": "0.05",
+        "LLM_RING__DISCOVERY__KUBERNETES__BACKOFF_SECONDS": "0.05",
         "LLM_RING__SERVICE__ENVOY_ENDPOINTS_FILE": f'"{tmp_path / "eds" / "replicas.json"}"',
         "LLM_RING__STORE__PASSWORD_FILE": f'"{tmp_path / "store-password"}"',  # the Secret's mount, here
     }

