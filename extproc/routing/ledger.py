@@ -43,7 +43,7 @@ class LoadLedger:
         self._elsewhere_requests = self._elsewhere_tokens = 0
         # what the policies see: the own dicts themselves while nothing is elsewhere
         self._seen_requests, self._seen_tokens = self._requests, self._tokens
-        self.journal: list[LedgerChange] | None = None  # a list: this ledger's charges and releases are kept
+        self.journal: list[LedgerChange] | None = None  # a list: this ledger's charges and releases, oldest first
         self.set_replicas(replicas)
 
     def set_replicas(self, replicas: Iterable[str]) -> None:
@@ -150,11 +150,3 @@ class LoadLedger:
     def charges(self) -> Mapping[str, tuple[str, int]]:
         """This router's requests in flight: request id -> (replica, tokens), in the order charged."""
         return self._charges
-
-    def changes(self) -> list[LedgerChange]:
-        """The charges and releases since the last call, oldest first (empty without a journal)."""
-        journal = self.journal
-        if not journal:
-            return []
-        self.journal = []
-        return journal

@@ -37,7 +37,7 @@ class PlacementMemory:
         self._entries: TwoGenerationLru[int] = TwoGenerationLru(capacity)  # packed placements
         self._names: list[str] = []
         self._ids: dict[str, int] = {}
-        self.journal: list[PlacementChange] | None = None  # a list: the placements remembered are kept
+        self.journal: list[PlacementChange] | None = None  # a list: the placements remembered, oldest first
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -69,14 +69,6 @@ class PlacementMemory:
             return []
         return [(key, packed >> _REPLICA_BITS) for key, packed in self._entries.items()
                 if packed & _REPLICA_MASK == replica_id]
-
-    def changes(self) -> list[PlacementChange]:
-        """The placements remembered since the last call, oldest first (empty without a journal)."""
-        journal = self.journal
-        if not journal:
-            return []
-        self.journal = []
-        return journal
 
     def clear(self) -> None:
         self._entries.clear()

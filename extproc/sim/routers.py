@@ -246,12 +246,16 @@ class Store:
 
     def _journals(self, writer: int) -> None:
         """The charges, releases and placements ``writer``'s router made since these were last written."""
-        router = self.routers[writer]
-        for request_id, replica, tokens in router.ledger.changes():
-            self._publish(writer, _CHARGE if replica else _RELEASE, request_id, replica, tokens)
-        for key, replica, tokens in router.memory.changes():
-            self.placed_at[writer][key] = self.now
-            self._publish(writer, _REMEMBER, key, replica, tokens)
+        ledger, memory = self.routers[writer].ledger, self.routers[writer].memory
+        if ledger.journal:
+            charges, ledger.journal = ledger.journal, []
+            for request_id, replica, tokens in charges:
+                self._publish(writer, _CHARGE if replica else _RELEASE, request_id, replica, tokens)
+        if memory.journal:
+            placements, memory.journal = memory.journal, []
+            for key, replica, tokens in placements:
+                self.placed_at[writer][key] = self.now
+                self._publish(writer, _REMEMBER, key, replica, tokens)
 
     def answered(self, writer: int, replica: str, timings: AnswerTimings) -> None:
         """``writer`` learnt ``replica``'s speed from an answer: the others learn it as they read."""

@@ -51,5 +51,4 @@ def test_a_journal_keeps_the_placements_remembered_and_none_learnt() -> None:
     memory.learn(key("b"), "llm-1", 200)  # another router's, read from a store
     memory.remember(key("a"), "llm-2", 300)
     assert memory.get(key("b")) == Placement("llm-1", 200)
-    assert memory.changes() == [(key("a"), "llm-0", 100), (key("a"), "llm-2", 300)]
-    assert memory.changes() == []  # taken once
+    assert memory.journal == [(key("a"), "llm-0", 100), (key("a"), "llm-2", 300)]

@@ -283,4 +283,4 @@ def test_nothing_of_the_simulator_runs_inside_a_routers_calls():
     finally:
         sys.setprofile(None)
     assert called and not [name for name in called if f"{os.sep}sim{os.sep}" in name]
-    assert router.ledger.changes() and router.memory.changes()  # what the store reads after the calls
+    assert router.ledger.journal and router.memory.journal  # what the store reads after the calls
