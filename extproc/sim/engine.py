@@ -1,8 +1,8 @@
 """The discrete-event loop: requests arrive, the real Router picks, replicas serve.
 
-The router is the service's own ``extproc.routing.Router``: ``route()`` when a request
-arrives (its ticket is kept on the request), the ticket's release when its answer is done,
-``set_replicas()`` at scale events.
+The routers are the service's own ``extproc.routing.Router``, driven through routers.py's
+``RouterTier`` (a single router: a tier of one): ``route()`` when a request arrives (its ticket
+is kept on the request), its release when its answer is done, ``set_replicas()`` at scale events.
 The loop keeps a heap of (time, sequence, kind, payload); ties are broken by the
 sequence number, so a run is fully deterministic.
 
