@@ -8,7 +8,10 @@ With several routers (docs/several-gateways.md) each one charges and releases on
 requests here (one writer); what the others hold on each replica is set as a whole, the
 *elsewhere* part, from a snapshot of the shared store. The policies read both together
 through ``loads`` and ``total``; ``requests``, ``tokens`` and the ``total_*`` figures stay
-this router's own (what it publishes, and what it must bring back to zero).
+this router's own (what it publishes, and what it must bring back to zero). With a ``journal``
+(a list), each own charge and release is also kept there, in order, for a caller that passes them
+on to the other routers (the simulator's store model, extproc/sim/routers.py); what the others
+hold comes back as the elsewhere part.
 """
 
 from __future__ import annotations
@@ -16,16 +19,18 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Literal
 
-from mypy_extensions import mypyc_attr
-
 LoadUnit = Literal["requests", "tokens"]
 
 
-# compiled (extproc/compiled.py); the simulator's store-backed ledger extends it (extproc/sim/routers.py)
-@mypyc_attr(allow_interpreted_subclasses=True)
+# (request id, replica, tokens) of a charge; (request id, "", 0) of the release of one held
+LedgerChange = tuple[str, str, int]
+
+
+# compiled (extproc/compiled.py)
 class LoadLedger:
     __slots__ = ("_requests", "_tokens", "_charges", "_total_requests", "_total_tokens",
-                 "_elsewhere", "_seen_requests", "_seen_tokens", "_elsewhere_requests", "_elsewhere_tokens")
+                 "_elsewhere", "_seen_requests", "_seen_tokens", "_elsewhere_requests", "_elsewhere_tokens",
+                 "journal")
 
     def __init__(self, replicas: Iterable[str] = ()) -> None:
         self._requests: dict[str, int] = {}
@@ -38,6 +43,7 @@ class LoadLedger:
         self._elsewhere_requests = self._elsewhere_tokens = 0
         # what the policies see: the own dicts themselves while nothing is elsewhere
         self._seen_requests, self._seen_tokens = self._requests, self._tokens
+        self.journal: list[LedgerChange] | None = None  # a list: this ledger's charges and releases, oldest first
         self.set_replicas(replicas)
 
     def set_replicas(self, replicas: Iterable[str]) -> None:
@@ -89,6 +95,8 @@ class LoadLedger:
         if self._elsewhere:
             self._seen_requests[replica] += 1
             self._seen_tokens[replica] += tokens
+        if self.journal is not None:
+            self.journal.append((request_id, replica, tokens))
 
     def release(self, request_id: str) -> tuple[str, int] | None:
         """Release a request's load; returns (replica, tokens), or None if nothing was held."""
@@ -102,6 +110,8 @@ class LoadLedger:
             if self._elsewhere:
                 self._seen_requests[replica] -= 1
                 self._seen_tokens[replica] -= tokens
+            if self.journal is not None:
+                self.journal.append((request_id, "", 0))
         return charge
 
     def clear(self) -> None:
@@ -136,3 +146,7 @@ class LoadLedger:
 
     def in_flight(self) -> int:
         return len(self._charges)
+
+    def charges(self) -> Mapping[str, tuple[str, int]]:
+        """This router's requests in flight: request id -> (replica, tokens), in the order charged."""
+        return self._charges

@@ -3,13 +3,15 @@
 Bounded so memory stays flat with millions of conversations: a two-generation LRU
 (lru.py). Keys are the conversation's 64-bit ring hash, which the router has already
 computed, and values one packed int (the replica's number and the prompt's tokens).
+
+With a ``journal`` (a list), each placement remembered is also kept there, in order, for a
+caller that passes them on to the other routers (the simulator's store model,
+extproc/sim/routers.py); theirs come back through ``learn``, which keeps none.
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple
-
-from mypy_extensions import mypyc_attr
 
 from extproc.routing.lru import TwoGenerationLru
 
@@ -23,15 +25,19 @@ class Placement(NamedTuple):
     prompt_tokens: int
 
 
-# compiled (extproc/compiled.py); the simulator's store-backed memory extends it (extproc/sim/routers.py)
-@mypyc_attr(allow_interpreted_subclasses=True)
+# (conversation key, replica, prompt tokens) of a placement remembered
+PlacementChange = tuple[int, str, int]
+
+
+# compiled (extproc/compiled.py)
 class PlacementMemory:
-    __slots__ = ("_entries", "_names", "_ids")
+    __slots__ = ("_entries", "_names", "_ids", "journal")
 
     def __init__(self, capacity: int) -> None:
         self._entries: TwoGenerationLru[int] = TwoGenerationLru(capacity)  # packed placements
         self._names: list[str] = []
         self._ids: dict[str, int] = {}
+        self.journal: list[PlacementChange] | None = None  # a list: the placements remembered, oldest first
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -43,6 +49,12 @@ class PlacementMemory:
         return _new(Placement, (self._names[packed & _REPLICA_MASK], packed >> _REPLICA_BITS))
 
     def remember(self, key: int, replica: str, prompt_tokens: int) -> None:
+        self.learn(key, replica, prompt_tokens)
+        if self.journal is not None:
+            self.journal.append((key, replica, prompt_tokens))
+
+    def learn(self, key: int, replica: str, prompt_tokens: int) -> None:
+        """Another router's placement (read from a store): held here as one remembered, not journaled."""
         replica_id = self._ids.get(replica)
         if replica_id is None:
             replica_id = self._ids[replica] = len(self._names)
@@ -63,5 +75,5 @@ class PlacementMemory:
 
     def reset(self, capacity: int) -> None:
         """Forget everything and hold up to ``capacity`` from now on (the same object: a router's
-        memory may be a store-backed one)."""
+        memory may be shared with a caller)."""
         self._entries.reset(capacity)

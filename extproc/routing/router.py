@@ -6,9 +6,11 @@ decision and its release), then one release (``Ticket.release``, or ``complete``
 whatever happened in between; a second does nothing. The router's table of requests in flight,
 by request id, holds the tickets and is the only one: the gateway and the simulator keep a
 request's ticket next to their own state of it. Its state is given to it: the load ledger and
-placement memory (a store-backed pair in the simulator's store model, one ledger shared by
-several routers in its shared-load model; by default its own); the policy, with its indexes,
-comes from the settings. With several routers, ``route`` may be given
+placement memory (one ledger shared by several routers in the simulator's shared-load model; by
+default its own); the policy, with its indexes, comes from the settings. Several routers agreeing
+through a store read what each one changed from its ledger's and memory's journals and the
+policy's ``view_changes``, and give it the others' (the ledger's elsewhere part, ``learn``-ed
+placements, ``apply_view_changes``): nothing of theirs runs inside a route. With several routers, ``route`` may be given
 what the others know (peers.py): their load joins the ledger's elsewhere part, and their
 placement of the conversation is used when it is later than this router's own.
 """
@@ -116,7 +118,7 @@ class Router:
             self.ledger.set_elsewhere(peers.elsewhere)
             shared = latest(placement, peers.placement)
             if shared is not placement and shared is not None:  # this router learns it too
-                self.memory.remember(key, shared.replica, shared.prompt_tokens)
+                self.memory.learn(key, shared.replica, shared.prompt_tokens)
                 placement = shared
         if placement is not None and (placement.replica not in self._members or placement.replica in avoided):
             placement = None  # that cache is gone or unreachable

@@ -13,7 +13,7 @@ import sys
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from extproc.analysis.metrics import connect, paired_differences
 from extproc.analysis.report import SUMMARY_FILE, build_report, pictures_hint, render_markdown, render_stats
@@ -29,6 +29,7 @@ from extproc.sim.runs import (
     SIM_CONFIG,
     SimConfig,
     SimRouterModeSection,
+    Source,
     load_sim_config,
     parse_policy,
     profile_source,
@@ -55,6 +56,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="set the fleet to N replicas at T seconds (scale up or down)")
     parser.add_argument("--out-dir", type=Path, required=True)
     parser.add_argument("--config", type=Path, default=SIM_CONFIG, help=f"simulator settings (default {SIM_CONFIG})")
+    _replica_options(parser)
+    _gateway_options(parser)
+    _scenario_options(parser)
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+
+
+def _replica_options(parser: argparse.ArgumentParser) -> None:
+    """What the simulated replicas are ([replica], [host])."""
     parser.add_argument("--cost-model", nargs="+", metavar="NAME[:COUNT]",
                         help="cost model name or path (default: [replica] cost_model); a mixed fleet: "
                              "NAME:COUNT NAME:COUNT ..., replicas llm-0.. in that order")
@@ -66,6 +75,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="replicas share this many cores, like the local stack (0 = a CPU each; default: [host])")
     parser.add_argument("--threads", type=at_least(1),
                         help="CPU threads of a busy replica (default: [replica] threads)")
+
+
+def _gateway_options(parser: argparse.ArgumentParser) -> None:
+    """The gateway routers in front of the fleet ([gateway])."""
     parser.add_argument("--routers", type=at_least(1),
                         help="gateway routers; each request meets one at random (default: [gateway] routers)")
     parser.add_argument("--router-state", choices=ROUTER_STATES,
@@ -79,6 +92,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--store-outage", metavar="AT:SECONDS",
                         help="--router-state store: the store is down from AT for SECONDS simulated seconds "
                              "(default: [gateway] store_outage_at_s, store_outage_s)")
+
+
+def _scenario_options(parser: argparse.ArgumentParser) -> None:
+    """Traces, rolling restarts, hot-spot relief, flow control, router mode."""
     parser.add_argument("--time-scale", type=float, help="traces: multiply arrival times (default: [trace])")
     parser.add_argument("--limit", type=at_least(1), help="traces: only the first N requests")
     parser.add_argument("--roll-at", type=float, metavar="S",
@@ -102,70 +119,102 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "prints model loads, cached share and p95 TTFT per policy")
     parser.add_argument("--models-max", type=at_least(1),
                         help="router mode: models a replica keeps loaded at once (default: [router_mode] models_max)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+
+
+class Inputs(NamedTuple):
+    """The command's inputs, read and checked."""
+
+    source: Source
+    seeds: list[int]
+    config: SimConfig
+    cost: CostModel  # the fleet's (a mixed fleet's first)
+    models: list[CostModel]  # a mixed fleet: each replica's, in order ([]: one cost model)
+    fleet_sizes: list[int]
+    scale: list[tuple[float, int]]  # --scale events
+    slow: tuple[tuple[str, float, float], ...]
+    variants: list[Variant]  # --flow
 
 
 def main(args: argparse.Namespace) -> int:
     try:
-        config = load_sim_config(args.config)
-        config = replace(
-            config,
-            slots=args.slots or config.slots,
-            cache_ram_mib=config.cache_ram_mib if args.cache_ram_mib is None else args.cache_ram_mib,
-            cost_model=args.cost_model[0] if args.cost_model else config.cost_model,
-            threads=args.threads or config.threads,
-            host_cores=config.host_cores if args.host_cores is None else args.host_cores,
-            time_scale=args.time_scale or config.time_scale,
-            routers=args.routers or config.routers,
-            router_state=args.router_state or config.router_state,
-            store_lag_ms=config.store_lag_ms if args.store_lag_ms is None else args.store_lag_ms,
-            store_handoff=config.store_handoff if args.store_handoff is None else args.store_handoff,
-            store_outage=config.store_outage if args.store_outage is None else parse_outage(args.store_outage),
-            roll_restart_s=config.roll_restart_s if args.restart_s is None else args.restart_s,
-            migration_transfer_gb_per_s=args.transfer_gb_per_s or config.migration_transfer_gb_per_s,
-            relieve_hot_spots=config.relieve_hot_spots if args.relieve_hot_spots is None else args.relieve_hot_spots,
-            router_mode=router_mode(args, config),
-        )
-        seeds = parse_seeds(args.seeds)
-        distinct(args.replicas or [], "--replicas")
-        distinct(args.policies, "--policies")
-        if args.time_scale is not None and args.time_scale <= 0:
-            raise UsageError(f"--time-scale: must be > 0 (got {args.time_scale:g})")
-        for spec in args.policies:
-            parse_policy(spec, config.routing)  # fail before any run
-        models = parse_models(args.cost_model or [])
-        cost = models[0] if models else load_cost_model(config.cost_model)
-        if models:
-            if args.replicas not in (None, [len(models)]):
-                raise ValueError(f"--replicas: a mixed --cost-model has {len(models)} replicas "
-                                 f"(got {' '.join(map(str, args.replicas))})")
-            config = replace(config, cost_model=args.cost_model[0].rpartition(":")[0])  # the first model
-        fleet_sizes = [len(models)] if models else args.replicas or [3]
-        slow = parse_slow(args.slow, max(fleet_sizes))
-        if cost.server is not None and cost.server.kv_cache == "paged":
-            for option, value in (("--slots", args.slots), ("--cache-ram-mib", args.cache_ram_mib)):
-                if value is not None:
-                    raise ValueError(f"{option}: does not apply to the paged cost model {cost.name} "
-                                     "(its server section sets the KV pool and max_running)")
-        variants = [parse_variant(spec, config.flow) for spec in args.flow or [] if config.flow is not None]
-        check_flow(args, config)
-        tenants = tuple(config.flow.trace_tenants.items()) if args.flow and config.flow is not None else ()
-        source = profile_source(args.profile) if args.profile else trace_source(
-            args.trace, config.time_scale, config.jitter_bucket_s, args.limit, tenants)
-        scale = parse_scale(args.scale)
-        if args.scale_at is not None and args.scale_at <= 0:
-            raise ValueError(f"--scale-at must be > 0 seconds (got {args.scale_at:g})")
-        check_roll(args, models, config)
-        check_router_mode(args, config, [cost, *models])
-        new_folder(args.out_dir)  # last: every other input is known good
+        inputs = read_inputs(args)
     except TraceError as exc:
         raise UsageError(f"--trace {exc}") from None
     except (CostModelError, ProfileError, ValueError) as exc:  # bad input: one line, exit 2
         raise UsageError(str(exc)) from None
+    source, seeds, config, cost, fleet_sizes = inputs.source, inputs.seeds, inputs.config, inputs.cost, \
+        inputs.fleet_sizes
     if args.roll_at is not None:
         return main_roll(args, source, seeds, config, cost, fleet_sizes)
-    if variants:
-        return main_flow(args, source, variants, seeds, config, cost, fleet_sizes)
+    if inputs.variants:
+        return main_flow(args, source, inputs.variants, seeds, config, cost, fleet_sizes)
+    return main_runs(args, inputs)
+
+
+def read_inputs(args: argparse.Namespace) -> Inputs:
+    """Every input checked, in this order, before anything runs; the out dir made last."""
+    config = with_options(load_sim_config(args.config), args)
+    seeds = parse_seeds(args.seeds)
+    distinct(args.replicas or [], "--replicas")
+    distinct(args.policies, "--policies")
+    if args.time_scale is not None and args.time_scale <= 0:
+        raise UsageError(f"--time-scale: must be > 0 (got {args.time_scale:g})")
+    for spec in args.policies:
+        parse_policy(spec, config.routing)  # fail before any run
+    models = parse_models(args.cost_model or [])
+    cost = models[0] if models else load_cost_model(config.cost_model)
+    if models:
+        if args.replicas not in (None, [len(models)]):
+            raise ValueError(f"--replicas: a mixed --cost-model has {len(models)} replicas "
+                             f"(got {' '.join(map(str, args.replicas))})")
+        config = replace(config, cost_model=args.cost_model[0].rpartition(":")[0])  # the first model
+    fleet_sizes = [len(models)] if models else args.replicas or [3]
+    slow = parse_slow(args.slow, max(fleet_sizes))
+    if cost.server is not None and cost.server.kv_cache == "paged":
+        for option, value in (("--slots", args.slots), ("--cache-ram-mib", args.cache_ram_mib)):
+            if value is not None:
+                raise ValueError(f"{option}: does not apply to the paged cost model {cost.name} "
+                                 "(its server section sets the KV pool and max_running)")
+    variants = [parse_variant(spec, config.flow) for spec in args.flow or [] if config.flow is not None]
+    check_flow(args, config)
+    tenants = tuple(config.flow.trace_tenants.items()) if args.flow and config.flow is not None else ()
+    source = profile_source(args.profile) if args.profile else trace_source(
+        args.trace, config.time_scale, config.jitter_bucket_s, args.limit, tenants)
+    scale = parse_scale(args.scale)
+    if args.scale_at is not None and args.scale_at <= 0:
+        raise ValueError(f"--scale-at must be > 0 seconds (got {args.scale_at:g})")
+    check_roll(args, models, config)
+    check_router_mode(args, config, [cost, *models])
+    new_folder(args.out_dir)  # last: every other input is known good
+    return Inputs(source, seeds, config, cost, models, fleet_sizes, scale, slow, variants)
+
+
+def with_options(config: SimConfig, args: argparse.Namespace) -> SimConfig:
+    """sim.toml's settings with the command line's over them."""
+    return replace(
+        config,
+        slots=args.slots or config.slots,
+        cache_ram_mib=config.cache_ram_mib if args.cache_ram_mib is None else args.cache_ram_mib,
+        cost_model=args.cost_model[0] if args.cost_model else config.cost_model,
+        threads=args.threads or config.threads,
+        host_cores=config.host_cores if args.host_cores is None else args.host_cores,
+        time_scale=args.time_scale or config.time_scale,
+        routers=args.routers or config.routers,
+        router_state=args.router_state or config.router_state,
+        store_lag_ms=config.store_lag_ms if args.store_lag_ms is None else args.store_lag_ms,
+        store_handoff=config.store_handoff if args.store_handoff is None else args.store_handoff,
+        store_outage=config.store_outage if args.store_outage is None else parse_outage(args.store_outage),
+        roll_restart_s=config.roll_restart_s if args.restart_s is None else args.restart_s,
+        migration_transfer_gb_per_s=args.transfer_gb_per_s or config.migration_transfer_gb_per_s,
+        relieve_hot_spots=config.relieve_hot_spots if args.relieve_hot_spots is None else args.relieve_hot_spots,
+        router_mode=router_mode(args, config),
+    )
+
+
+def main_runs(args: argparse.Namespace, inputs: Inputs) -> int:
+    """Per fleet size, the experiment folder and its summary; with a trace, the arena; in router
+    mode, the model loads."""
+    source, seeds, config, cost = inputs.source, inputs.seeds, inputs.config, inputs.cost
     results: dict[str, Any] = {}
     differences: dict[str, Any] = {}  # replicas -> paired differences to the first policy
     arenas: dict[str, Any] = {}  # traces: replicas -> the arena table
@@ -174,40 +223,30 @@ def main(args: argparse.Namespace) -> int:
     if source.trace is not None and not args.json:
         print(ceiling_line(ceiling))
     started = time.perf_counter()
-    for replicas in fleet_sizes:
-        events = scale + ([(args.scale_at, replicas + 1)] if args.scale_at is not None else [])
-        fleet = config.fleet(replicas, cost, tuple(sorted(events)), models=tuple(models), slow=slow)
-        out_dir = args.out_dir / f"replicas-{replicas}" if len(fleet_sizes) > 1 else args.out_dir
+    for replicas in inputs.fleet_sizes:
+        events = inputs.scale + ([(args.scale_at, replicas + 1)] if args.scale_at is not None else [])
+        fleet = config.fleet(replicas, cost, tuple(sorted(events)), models=tuple(inputs.models), slow=inputs.slow)
+        out_dir = args.out_dir / f"replicas-{replicas}" if len(inputs.fleet_sizes) > 1 else args.out_dir
         run_experiment(source, args.policies, seeds, config, fleet, out_dir,
                        progress=lambda line: print(line, file=sys.stderr))
         report = build_report(out_dir)
         (out_dir / SUMMARY_FILE).write_text(render_markdown(report, with_runs=True))
-        results[str(replicas)] = report["summary"]
-        paired = differences[str(replicas)] = paired_differences(report["runs"], args.policies)
+        key = str(replicas)
+        results[key] = report["summary"]
+        differences[key] = paired_differences(report["runs"], args.policies)
         if not args.json:
-            outage = config.store_outage
-            store = (f" (lag {config.store_lag_ms:g} ms{', handoff' if config.store_handoff else ''}"
-                     f"{f', down {outage[0]:g}-{outage[1]:g} s' if outage else ''})"
-                     if config.router_state == "store" else "")
-            print(f"\n{source.label}: {replicas} replicas, {len(seeds)} seeds, "
-                  f"{config.routers} router(s) {config.router_state}{store} ({out_dir})")
-            print(render_stats(results[str(replicas)]))
-            if paired:
-                print(f"\npaired by seed, difference to {args.policies[0]}:")
-                print(render_stats(paired))
-            print(pictures_hint(out_dir), file=sys.stderr)
+            print_summary(args, inputs, replicas, out_dir, results[key], differences[key])
         if source.trace is not None:
-            metrics, table = arena(connect(out_dir), args.policies, ceiling)
-            arenas[str(replicas)] = table
+            metrics, arenas[key] = arena(connect(out_dir), args.policies, ceiling)
             if not args.json:
                 print(f"\narena, {source.label}: {replicas} replicas, cost model {cost.name}, {len(seeds)} seeds")
-                print(render_stats(table, metrics))
+                print(render_stats(arenas[key], metrics))
         if fleet.router_mode is not None:
-            loads[str(replicas)] = loads_table(out_dir, args.policies)
+            loads[key] = loads_table(out_dir, args.policies)
             if not args.json:
                 print(f"\nrouter mode, models {fleet.router_mode.shares}, models_max {fleet.router_mode.models_max}: "
                       f"{replicas} replicas, {len(seeds)} seeds")
-                print(render_loads(loads[str(replicas)]))
+                print(render_loads(loads[key]))
     relief = fleet.relief
     if relief is not None:
         print(f"hot-spot relief: {relief.moves:,} caches moved ({relief.moved_bytes / 1e9:,.1f} GB) over every run",
@@ -222,6 +261,23 @@ def main(args: argparse.Namespace) -> int:
             out["model_loads"] = loads
         print(json.dumps(out))
     return 0
+
+
+def print_summary(args: argparse.Namespace, inputs: Inputs, replicas: int, out_dir: Path, summary: Any,
+                  paired: Any) -> None:
+    """One fleet size's summary table, and its differences to the first policy paired by seed."""
+    config = inputs.config
+    outage = config.store_outage
+    store = (f" (lag {config.store_lag_ms:g} ms{', handoff' if config.store_handoff else ''}"
+             f"{f', down {outage[0]:g}-{outage[1]:g} s' if outage else ''})"
+             if config.router_state == "store" else "")
+    print(f"\n{inputs.source.label}: {replicas} replicas, {len(inputs.seeds)} seeds, "
+          f"{config.routers} router(s) {config.router_state}{store} ({out_dir})")
+    print(render_stats(summary))
+    if paired:
+        print(f"\npaired by seed, difference to {args.policies[0]}:")
+        print(render_stats(paired))
+    print(pictures_hint(out_dir), file=sys.stderr)
 
 
 def router_mode(args: argparse.Namespace, config: SimConfig) -> SimRouterModeSection | None:

@@ -31,7 +31,6 @@ from extproc.sim.engine import HOOK, _Simulation
 from extproc.sim.paged import PagedReplica
 from extproc.sim.replica import Replica
 from extproc.sim.request import Request
-from extproc.sim.routers import RouterTier
 
 
 @dataclass(frozen=True)
@@ -55,7 +54,7 @@ class DrainWindow:
         self.sim, self.name, self.staying, self.settings, self.cost, self.counts = \
             sim, name, staying, settings, cost, counts
         self.replica = sim.replicas[name]
-        self.routers = sim.router.distinct() if isinstance(sim.router, RouterTier) else [sim.router]
+        self.routers = sim.router.distinct()
         self.seed = self.routers[0].settings.hash_seed
         running = self._running()
         last = {r.conversation: r.replica for r in sim.outcome.requests if r.status == 200}

@@ -1,8 +1,8 @@
 """The discrete-event loop: requests arrive, the real Router picks, replicas serve.
 
-The router is the service's own ``extproc.routing.Router``: ``route()`` when a request
-arrives (its ticket is kept on the request), the ticket's release when its answer is done,
-``set_replicas()`` at scale events.
+The routers are the service's own ``extproc.routing.Router``, driven through routers.py's
+``RouterTier`` (a single router: a tier of one): ``route()`` when a request arrives (its ticket
+is kept on the request), its release when its answer is done, ``set_replicas()`` at scale events.
 The loop keeps a heap of (time, sequence, kind, payload); ties are broken by the
 sequence number, so a run is fully deterministic.
 
@@ -21,9 +21,12 @@ Several closed loops may run side by side (tenants of a noisy-neighbour mix): ea
 users and conversations. With flow control (extproc/sim/flow.py) a request goes through the
 core's FlowControl as in the service: it may wait in the router before its route.
 
-Releases follow the gateway (extproc/service/gateway.py, lifecycle.py): a finished request is released
-``release_lag_s`` later (Envoy's access log entry), or earlier when the next turn of its
-conversation arrives, which carries its answer and so releases it before its own decision.
+Releases follow the gateway (extproc/service/gateway.py, lifecycle.py), whose conversation
+bookkeeping (extproc/routing/conversations.py) each router runs here too (routers.py): a finished
+request is released ``release_lag_s`` later (Envoy's access log entry), or earlier when the next
+turn of its conversation arrives, whose body shows its answer (each simulated request's history
+digest is its own, ``Request.history``; a turn shows its previous turn's) and so releases it
+before its own decision.
 """
 
 from __future__ import annotations
@@ -62,7 +65,6 @@ class Fleet:
     host_cores: float = 0.0  # replicas share this many cores (0 = each replica has its own CPU)
     replica_threads: int = 1  # threads a busy replica wants (llama.cpp --threads)
     release_lag_s: float = 0.0  # from an answer's end to the router's release (the gateway's access log)
-    release_by_next_turn: bool = True  # a next turn carrying the answer releases it at once (the gateway)
     # a mixed fleet: replica llm-i's (cost model, host-RAM cache tokens) is models[i % len(models)]
     # (empty: every replica has the run's one cost model and cache_tokens)
     models: tuple[tuple[CostModel, int], ...] = ()
@@ -118,7 +120,7 @@ def simulate(
 
 class _Simulation:
     def __init__(self, router: Router | RouterTier, cost: CostModel, fleet: Fleet) -> None:
-        self.router = router
+        self.router = tier = router if isinstance(router, RouterTier) else RouterTier.of(router)
         self.cost = cost
         self.fleet = fleet
         self.replicas: dict[str, Replica | PagedReplica] = {}
@@ -127,19 +129,14 @@ class _Simulation:
         self.seq = 0
         self.outcome = Outcome()
         self.record = self.outcome.requests.append
-        self.route: Callable[[RouteRequest], Ticket | None] = router.route  # a drain window wraps it (drain.py)
+        self.route: Callable[[RouteRequest], Ticket | None] = tier.route  # a drain window wraps it (drain.py)
         self.shared_host = fleet.host_cores > 0
         self.now = 0.0
-        self.release: Callable[[Ticket, bool], object]
-        self.release_answered: Callable[[Ticket], object]  # released by the next turn, which carries its answer
-        self.report: Callable[[Ticket, str, int, int, AnswerTimings], None]
-        if isinstance(router, RouterTier):
-            router.clock = lambda: self.now  # a store's lag is measured in simulated time
-            self.release, self.report = router.release, router.report_cached
-            self.release_answered = lambda ticket: router.release(ticket, True, by_next_turn=True)
-        else:
-            self.release = self.release_answered = Ticket.release
-            self.report = lambda ticket, *answer: router.report_cached(ticket.request, *answer)
+        tier.clock = lambda: self.now  # a store's lag is measured in simulated time
+        self.release: Callable[[Ticket, bool], object] = tier.release
+        # (conversation, histories shown answered) -> the requests a next turn released
+        self.release_answered: Callable[[str, frozenset[int]], list[str]] = tier.answered
+        self.report: Callable[[Ticket, str, int, int, AnswerTimings], None] = tier.report_cached
         self.deadline = float("inf")
         self.flow: SimFlow | None = None
         self.busy = 0  # replicas with at least one running request
@@ -192,8 +189,7 @@ class _Simulation:
                 payload(self, now)
             else:
                 self._set_fleet(payload, now)
-        if isinstance(self.router, RouterTier):
-            self.router.settle()
+        self.router.settle()
         self.outcome.end_s = now
         self.outcome.events = events
         if self.models is not None:
@@ -208,9 +204,9 @@ class _Simulation:
 
     def _send(self, request: Request, now: float) -> None:
         request.arrived_at = now
-        previous = request.previous
-        if previous is not None and previous.ticket is not None and self.fleet.release_by_next_turn:
-            self.release_answered(previous.ticket)  # it carries the last answer
+        previous = request.head.previous
+        if previous is not None:  # its body shows the last turn's answer (a side's too)
+            self.release_answered(request.route.conversation, frozenset((previous.history,)))
         for side in request.sides:
             self._send(side, now)
         if self.flow is not None:
@@ -226,6 +222,7 @@ class _Simulation:
             request.started_at = request.first_token_at = request.finished_at = now
             self.done(request, now)
             return
+        self.router.sent(ticket, request.history)
         decision = ticket.decision
         request.replica = decision.replica
         request.reason = decision.reason
@@ -328,8 +325,8 @@ class _Simulation:
 
     def learnt_speeds(self) -> ReplicaSpeeds | None:
         """The speeds the (first) router learnt; None without learning."""
-        router = self.router.routers[0] if isinstance(self.router, RouterTier) else self.router
-        return router.speeds if router.speeds.learning else None
+        speeds = self.router.routers[0].speeds
+        return speeds if speeds.learning else None
 
     def _slow_down(self, name: str, factor: float, now: float) -> None:
         """``name`` runs ``factor`` times slower from now on (a shared CPU, thermal throttling)."""

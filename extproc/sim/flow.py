@@ -49,11 +49,13 @@ class SimFlow:
 
         def released(ticket: Ticket, ok: bool) -> None:
             release(ticket, ok)
-            self._freed(ticket)
+            self._freed(ticket.request.request_id)
 
-        def released_by_next_turn(ticket: Ticket) -> None:
-            release_answered(ticket)
-            self._freed(ticket)
+        def released_by_next_turn(conversation: str, shown: frozenset[int]) -> list[str]:
+            freed = release_answered(conversation, shown)
+            for request_id in freed:
+                self._freed(request_id)
+            return freed
 
         def reported(ticket: Ticket, replica: str, predicted: int, cached: int, timings: AnswerTimings) -> None:
             report(ticket, replica, predicted, cached, timings)
@@ -87,8 +89,7 @@ class SimFlow:
                 self.sim.routed(request, sent.ticket, now)
         self._arm_timer(now)
 
-    def _freed(self, ticket: Ticket) -> None:
-        request_id = ticket.request.request_id
+    def _freed(self, request_id: str) -> None:
         self.control.released(request_id)
         self.control.settle(request_id, None, self.sim.now)  # a no-op once its answer settled it
         self._plan_dispatch(self.sim.now)
@@ -123,11 +124,9 @@ class SimFlow:
         self.sim.done(request, now)
 
 
-def _one_router(router: Router | RouterTier) -> Router:
+def _one_router(tier: RouterTier) -> Router:
     """Flow control sits in one router: the queue is that router's."""
-    if isinstance(router, Router):
-        return router
-    routers = router.distinct()
+    routers = tier.distinct()
     if len(routers) != 1:
         raise ValueError(f"flow control: simulated with one gateway router only (got {len(routers)})")
     return routers[0]

@@ -6,6 +6,7 @@ from collections.abc import Hashable, Iterator
 
 from extproc.routing import RouteRequest, Ticket
 from extproc.routing.flow_control import Wait
+from extproc.routing.hashing import stable_hash
 from extproc.sim.prompts import BLOCK_TOKENS
 
 
@@ -16,7 +17,7 @@ class Request:
         "route", "request_id", "conversation", "turn", "key", "blocks", "prompt_tokens", "max_tokens", "arrival_s",
         "think_s", "next", "previous", "sides", "waiting", "head", "replica", "reason", "predicted_cached",
         "cache_n", "prompt_n", "arrived_at", "started_at", "first_token_at", "finished_at", "status", "error",
-        "order", "target", "slot", "ticket", "tenant", "objective", "users", "wait",
+        "order", "target", "slot", "ticket", "tenant", "objective", "users", "wait", "history",
     )
 
     def __init__(
@@ -27,6 +28,8 @@ class Request:
         full_blocks = blocks[: prompt_tokens // BLOCK_TOKENS] if blocks else ()
         self.route = RouteRequest(request_id, conversation, prompt_tokens, max_tokens, full_blocks)
         self.request_id = request_id
+        # its body's history digest (continuation.py's, never 0: a chat): a next turn shows it answered
+        self.history = stable_hash(request_id) or 1
         self.conversation = conversation
         self.turn = turn  # 1-based
         self.key = key

@@ -31,7 +31,6 @@ from extproc.routing.blocks import model_seed
 from extproc.routing.residency import Status
 from extproc.sim.replica import Replica
 from extproc.sim.request import Request
-from extproc.sim.routers import RouterTier
 
 if TYPE_CHECKING:
     from extproc.sim.engine import _Simulation
@@ -116,8 +115,7 @@ class SimRouterMode:
         self.sim = sim
         self.spec = spec
         self.servers: dict[str, ModelServer] = {}
-        router = sim.router
-        self.routers: list[Router] = router.distinct() if isinstance(router, RouterTier) else [router]
+        self.routers: list[Router] = sim.router.distinct()
 
     def add(self, replica: str) -> None:
         """A new replica (a fresh server: every model unloaded), as its ``/models`` reports it."""

@@ -45,7 +45,6 @@ class SimConfig:
     host_cores: float
     time_scale: float
     release_lag_ms: float
-    release_by_next_turn: bool
     routers: int  # gateway routers in front of the fleet (extproc/sim/routers.py)
     router_state: str  # separate | shared | affinity | ... | store (extproc/sim/routers.py)
     store_lag_ms: float  # router_state store: a write reaches the other routers this much later
@@ -70,7 +69,7 @@ class SimConfig:
             if self.relieve_hot_spots else None
         return Fleet(replicas, self.slots, cache_tokens(self.cache_ram_mib, cost) if cache else 0, scale,
                      self.host_cores if host_cores is None else host_cores, self.threads,
-                     self.release_lag_ms / 1000, self.release_by_next_turn,
+                     self.release_lag_ms / 1000,
                      tuple((model, cache_tokens(self.cache_ram_mib, model) if cache else 0) for model in models),
                      slow, relief, self.models())
 
@@ -100,7 +99,6 @@ class SimTraceSection(Strict):
 
 class SimGatewaySection(Strict):
     release_lag_ms: float
-    release_by_next_turn: bool
     routers: int
     router_state: str
     store_lag_ms: float
@@ -174,7 +172,7 @@ def load_sim_config(path: str | Path = SIM_CONFIG) -> SimConfig:
             routing=dict(raw["routing"]), slots=replica.slots, cache_ram_mib=replica.cache_ram_mib,
             cost_model=replica.cost_model, threads=replica.threads, host_cores=checked.host.cores,
             time_scale=checked.trace.time_scale, release_lag_ms=gateway.release_lag_ms,
-            release_by_next_turn=gateway.release_by_next_turn, routers=gateway.routers,
+            routers=gateway.routers,
             router_state=gateway.router_state, store_lag_ms=gateway.store_lag_ms, store_handoff=gateway.store_handoff,
             store_outage=store_outage(gateway.store_outage_at_s, gateway.store_outage_s),
             jitter_bucket_s=checked.trace.jitter_bucket_ms / 1000.0,
@@ -269,7 +267,7 @@ def run_once(workload: ClosedLoop | OpenLoop | Mixed, settings: RoutingSettings,
     tier = RouterTier(settings, routers, router_state, seed, store_lag_ms / 1000, store_handoff, store_outage)
     outcome = simulate(workload, tier, cost, fleet, flow=flow)
     for router in tier.distinct():
-        if router.in_flight() or router.ledger.total_requests() or router.ledger.total_tokens():
+        if router.in_flight() or router.ledger.total("requests") or router.ledger.total("tokens"):
             raise RuntimeError(f"simulation left load in the ledger: {router.in_flight()} requests in flight")
     return outcome
 

@@ -36,6 +36,21 @@ def test_a_removed_replica_takes_its_in_flight_load_with_it() -> None:
     assert ledger.tokens("a") == 0 and ledger.total_requests() == 1
 
 
+def test_a_journal_keeps_each_charge_and_release_held_and_charges_lists_the_own_in_flight() -> None:
+    assert LoadLedger(["a"]).journal is None  # none unless asked for
+    ledger = LoadLedger(["a", "b"])
+    ledger.journal = []
+    ledger.charge("r1", "a", 10)
+    ledger.charge("r2", "b", 20)
+    ledger.release("r1")
+    ledger.release("r1")  # nothing held: not kept
+    ledger.set_elsewhere({"a": (3, 300)})  # the others' load: not this ledger's change
+    assert ledger.journal == [("r1", "a", 10), ("r2", "b", 20), ("r1", "", 0)]
+    assert dict(ledger.charges()) == {"r2": ("b", 20)}
+    ledger.set_replicas(["a"])  # r2's load went with b: no release is kept for it
+    assert len(ledger.journal) == 3 and dict(ledger.charges()) == {}
+
+
 class LedgerMachine(RuleBasedStateMachine):
     """Counters always equal the sum of outstanding charges, whatever the order of events."""
 

@@ -41,3 +41,14 @@ def test_large_prompt_sizes_round_trip() -> None:
     memory = PlacementMemory(10)
     memory.remember(key("c"), "replica-with-a-long-name", 2_000_000)
     assert memory.get(key("c")) == Placement("replica-with-a-long-name", 2_000_000)
+
+
+def test_a_journal_keeps_the_placements_remembered_and_none_learnt() -> None:
+    memory = PlacementMemory(10)
+    memory.remember(key("before"), "llm-0", 5)  # no journal yet: nothing kept
+    memory.journal = []
+    memory.remember(key("a"), "llm-0", 100)
+    memory.learn(key("b"), "llm-1", 200)  # another router's, read from a store
+    memory.remember(key("a"), "llm-2", 300)
+    assert memory.get(key("b")) == Placement("llm-1", 200)
+    assert memory.journal == [(key("a"), "llm-0", 100), (key("a"), "llm-2", 300)]

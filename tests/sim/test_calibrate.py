@@ -35,7 +35,7 @@ def test_fit_from_records_recovers_the_simulated_costs(tmp_path, monkeypatch):
                                 "prior_model_load_ms": 1500.0, "prior_model_wake_ms": 1500.0,
                                 "bounded": {"epsilon": 0.25, "load_unit": "requests"}},
                        slots=1, cache_ram_mib=0, cost_model="simple", threads=1, host_cores=0, time_scale=1.0,
-                       release_lag_ms=0.0, release_by_next_turn=True, routers=1, router_state="separate",
+                       release_lag_ms=0.0, routers=1, router_state="separate",
                        store_lag_ms=0.0, store_handoff=False, store_outage=None, roll_restart_s=30.0,
                        migration_transfer_gb_per_s=1.0, migration_min_tokens=64, relieve_hot_spots=False)
     run_experiment(source, ["bounded"], [1, 2], config, Fleet(3, 1, 0), tmp_path / "exp")

@@ -150,12 +150,14 @@ def test_a_finished_request_is_released_after_the_lag_unless_its_next_turn_comes
     assert router.seen == {"t1": set(), "t2": set(), "t3": set()} and router.in_flight() == 0
 
 
-def test_without_the_next_turn_release_a_back_to_back_turn_sees_its_predecessor_charged():
+def test_a_request_of_the_conversation_that_shows_no_answer_sees_its_predecessor_charged():
+    # open loop: y follows x in conversation a, but its body shows no history of x's (a trace's
+    # requests carry none): x waits for the lag, as the gateway releases only what a body shows answered
     router = _WatchedRouter(settings("llm-aware"))
-    t1, t2 = _turn("t1", 100, 10), _turn("t2", 120, 10)
-    fleet = Fleet(2, 2, 0, release_lag_s=0.5, release_by_next_turn=False)
-    simulate(_closed_loop(t1, t2), router, simple_cost(), fleet)
-    assert router.seen == {"t1": set(), "t2": {"t1"}} and router.in_flight() == 0
+    x, y = request("x", "a", 1, 10, 1, 0.0), request("y", "a", 2, 10, 1, 0.3)
+    simulate(OpenLoop([x, y]), router, simple_cost(), Fleet(2, 2, 0, release_lag_s=0.5))
+    assert x.finished_at == pytest.approx(0.2)
+    assert router.seen == {"x": set(), "y": {"x"}} and router.in_flight() == 0
 
 
 def test_another_conversation_sees_a_finished_request_until_the_lag_has_passed():

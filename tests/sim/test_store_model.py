@@ -4,6 +4,9 @@ exactly ``store_lag_ms`` late; with the handoff, a release by the next turn at o
 
 from __future__ import annotations
 
+import os
+import sys
+
 import pytest
 from hypothesis import given
 from hypothesis import settings as hsettings
@@ -75,7 +78,8 @@ def test_every_router_ends_empty_whatever_the_lag(count, lag_ms, handoff, seed, 
     workload = profile_workload(QUICK, seed % 50)
     outcome = simulate(ClosedLoop(workload.conversations, 4, workload.spawn_rate, 60.0), tier, simple_cost(), scaled)
     assert sum(tier.routed) == len(outcome.requests)
-    assert all(router.in_flight() == 0 and router.ledger.total_tokens() == 0 for router in tier.routers)
+    assert all(router.in_flight() == 0 and router.ledger.total("tokens") == 0 for router in tier.routers)
+    assert all(not list(conversations.waiting()) for conversations in tier.held.values())
 
 
 REPLICAS = ("llm-0", "llm-1")
@@ -83,11 +87,9 @@ REPLICAS = ("llm-0", "llm-1")
 
 def stored_routers(policy: str, replicas: tuple[str, ...], count: int, lag_s: float,
                    outage: tuple[float, float] | None = None) -> tuple[Store, list[Router]]:
-    """``count`` routers, each given its store-backed ledger and memory."""
-    settings = policy_settings(policy)
-    store = Store(count, settings.memory_capacity, lag_s, outage)
-    return store, [Router(settings, replicas, ledger, memory)
-                   for ledger, memory in zip(store.ledgers, store.memories, strict=True)]
+    """``count`` routers writing to one store."""
+    routers = [Router(policy_settings(policy), replicas) for _ in range(count)]
+    return Store(routers, lag_s, outage), routers
 operations = st.lists(
     st.tuples(st.floats(0, 0.05), st.integers(0, 2), st.booleans(), st.sampled_from(REPLICAS), st.integers(1, 500)),
     max_size=60,
@@ -163,18 +165,19 @@ def test_the_next_turn_on_another_router_sees_the_handoff_at_once_or_lag_late(ha
     ticket = tier.route(RouteRequest("r0-turn1", "c", 400, 8))
     assert ticket is not None
     first = ticket.decision
-    tier.clock = lambda: 20.0  # answered; the next turn arrives at once, on router 1
-    assert tier.release(ticket, True, by_next_turn=True)
+    tier.sent(ticket, 11)
+    tier.clock = lambda: 20.0  # answered; the next turn (its body showing history 11) arrives at once, on router 1
+    assert tier.answered("c", frozenset({11})) == ["r0-turn1"] and not ticket.held
     reader = tier.routers[1]
     tier.store.read(1, 20.0)  # what router 1 knows as it decides
     placement = reader.memory.get(reader.conversation_key("c"))
     if handoff:
         assert placement is not None and placement.replica == first.replica
-        assert reader.ledger.total_requests() == 0
+        assert reader.ledger.total("requests") == 0
     else:  # the charge (10 s old) is read, its release and the placement (written now) are not
-        assert placement is None and reader.ledger.requests(first.replica) == 1
+        assert placement is None and reader.ledger.loads("requests")[first.replica] == 1
     tier.store.read(1, 21.0)  # a lag later, the same either way
-    assert reader.ledger.total_requests() == 0
+    assert reader.ledger.total("requests") == 0
     assert reader.memory.get(reader.conversation_key("c")).replica == first.replica
 
 
@@ -213,7 +216,7 @@ def test_an_outage_loses_writes_and_the_return_drops_what_they_left_behind():
     store.read(0, 6.5)
     routers[0].ledger.release("during")
     store.read(1, 7.5)
-    assert routers[1].ledger.total_tokens() == 0
+    assert routers[1].ledger.total("tokens") == 0
 
 
 @hsettings(max_examples=30, deadline=None)
@@ -224,7 +227,8 @@ def test_every_router_ends_empty_whatever_the_outage(count, lag_ms, handoff, at_
     workload = profile_workload(QUICK, seed % 50)
     outcome = simulate(ClosedLoop(workload.conversations, 4, workload.spawn_rate, 60.0), tier, simple_cost(), FLEET)
     assert sum(tier.routed) == len(outcome.requests)
-    assert all(router.in_flight() == 0 and router.ledger.total_tokens() == 0 for router in tier.routers)
+    assert all(router.in_flight() == 0 and router.ledger.total("tokens") == 0 for router in tier.routers)
+    assert all(not list(conversations.waiting()) for conversations in tier.held.values())
 
 
 @pytest.mark.parametrize("value", ["30", "5:-1", "30:x"])
@@ -248,3 +252,35 @@ def test_through_the_store_every_router_holds_every_routers_prompts_in_its_prefi
             for index, router in zip(indexes, tier.routers, strict=True)]
     assert held[0] == held[1] == held[2] and sum(size for _, size in held[0].values()) > 0
     assert all(count > 0 for count in tier.routed)  # each router sent part of them
+
+
+def test_a_sim_toml_naming_the_removed_next_turn_setting_is_refused_by_name(tmp_path):
+    # the simulated routers release by the next turn as the gateway does: no setting turns it off
+    config = tmp_path / "sim.toml"
+    config.write_text(SIM_CONFIG.read_text().replace("[gateway]\n", "[gateway]\nrelease_by_next_turn = false\n"))
+    with pytest.raises(SettingsError, match=r"gateway\.release_by_next_turn: unknown setting"):
+        load_sim_config(config)
+
+
+def test_nothing_of_the_simulator_runs_inside_a_routers_calls():
+    # the store model reads each router's journals after its calls: route, release and report stay in the core
+    tier = RouterTier(policy_settings("llm-aware"), 2, "store", 1)
+    tier.set_replicas(["llm-0", "llm-1"])
+    router = tier.routers[0]
+    called: set[str] = set()
+
+    def watch(frame, event, _):  # noqa: ANN001, ANN202
+        if event == "call":
+            called.add(frame.f_code.co_filename)
+
+    sys.setprofile(watch)
+    try:
+        ticket = router.route(RouteRequest("r1", "c", 400, 8, tuple(range(4))))
+        assert ticket is not None
+        router.report_cached(ticket.request, ticket.decision.replica, 0, 0)
+        ticket.release()
+        router.migrated(ticket.key, "llm-1", 400)
+    finally:
+        sys.setprofile(None)
+    assert called and not [name for name in called if f"{os.sep}sim{os.sep}" in name]
+    assert router.ledger.journal and router.memory.journal  # what the store reads after the calls
