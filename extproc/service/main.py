@@ -44,13 +44,14 @@ from extproc.service import admin_pb2_grpc
 from extproc.service.admin import AdminService, MigrationService
 from extproc.service.bearer import BearerCheck
 from extproc.service.catalog import ModelFetcher
+from extproc.service.dataplanes.own_envoy import access_log_handler
 from extproc.service.decision_log import DecisionLog
 from extproc.service.drain import drain
 from extproc.service.gateway import Gateway
 from extproc.service.http_probes import Readiness, start_metrics_server
 from extproc.service.metrics import Metrics
 from extproc.service.offload import BodyParser
-from extproc.service.processor import SERVICE, access_log_handler, handler
+from extproc.service.processor import SERVICE, handler
 from extproc.service.replica_health import ReplicaHealth
 from extproc.service.residency_watch import ResidencyWatcher
 from extproc.service.tls import SELF_SIGNED, TlsError, server_credentials
@@ -119,20 +120,20 @@ async def serve(settings: Settings) -> int:
     if getattr(logging, service.log_level.upper()) <= logging.INFO:  # the per-request line, its own fast path
         gateway.decision_log = DecisionLog(sys.stdout.buffer)
     health = ReplicaHealth(gateway, service.health_probe_seconds)
-    models = ModelFetcher(gateway.catalog, lambda: gateway.endpoints, replica_key, service.health_probe_seconds)
-    residency = ResidencyWatcher(lambda: gateway.router.residency, lambda: gateway.endpoints, replica_key,
+    models = ModelFetcher(gateway.catalog, lambda: gateway.fleet.endpoints, replica_key, service.health_probe_seconds)
+    residency = ResidencyWatcher(lambda: gateway.router.residency, lambda: gateway.fleet.endpoints, replica_key,
                                  service.model_status_seconds)
     gateway.on_replica_failed = health.replica_failed
     metrics.watch(gateway.replica_states, lambda: gateway.router.speeds.speeds())  # reconfigure may replace them
     room = WaitingRoom(gateway, settings.flow) if settings.flow.enabled else None
     if settings.store.url:  # several routers agree through it; a fresh id per start (the old one expires)
-        await gateway.share_state(settings.store, secrets.token_hex(6))
+        await gateway.publishing.share_state(settings.store, secrets.token_hex(6))
 
     metrics_host, metrics_port = split_host_port(service.metrics_listen)
     readiness = Readiness()
     metrics_server = start_metrics_server(metrics_host, metrics_port, metrics.registry, readiness)
 
-    parser = BodyParser(gateway.limits, counter)
+    parser = BodyParser(gateway.reader.limits, counter)
     health_service = health_aio.HealthServicer()
     servers, listen = _gateway_servers(service, gateway, parser, room, health_service, credentials)
     admin = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
