@@ -18,12 +18,13 @@ import grpc
 from envoy.service.accesslog.v3 import als_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-from extproc.service.answers import BODY_CONTINUE, route_answer
-from extproc.service.processor import ACCESS_LOG_SERVICE, SERVICE
+from extproc.service.answers import BODY_CONTINUE
+from extproc.service.dataplanes.own_envoy import ACCESS_LOG_SERVICE, OWN_ENVOY
+from extproc.service.processor import SERVICE
 
 
 async def serve(port: int, endpoint: str, socket: str = "") -> None:
-    pick = route_answer(endpoint, "stub", "home", streamed=False)
+    pick = OWN_ENVOY.pick(endpoint, "stub", "home", streamed=False, routing_headers=True, replica_key="")
 
     async def process(_requests: Any, context: grpc.aio.ServicerContext) -> None:
         message = await context.read()

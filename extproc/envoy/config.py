@@ -121,32 +121,17 @@ def render_envoy_config(
     if ext_proc is not None and not ext_proc.startswith("@"):
         raise ValueError(f"ext_proc={ext_proc!r}: the service's abstract socket '@name' (service.ext_proc_socket), "
                          "the only place it serves the access log")
-    listen_host, listen_port = split_host_port(listen)
     admin_host, admin_port = split_host_port(admin)
+    manager = _http_connection_manager(ext_proc is not None, fail_open, ext_proc_timeout_ms, retries,
+                                       max_request_bytes, stream_idle_timeout_s, cors_origins,
+                                       replica_key_file is not None, flow)
     config = {
         # File-based EDS needs a node identity.
         "node": {"id": "llm-ring-gateway", "cluster": "llm-ring"},
         "admin": {"address": socket_address(admin_host, admin_port)},
         "overload_manager": _connection_limit(),
         "static_resources": {
-            "listeners": [
-                {
-                    "name": "gateway",
-                    "address": socket_address(listen_host, listen_port),
-                    # The buffered body must fit: larger ones get Envoy's 413 (as JSON, below).
-                    "per_connection_buffer_limit_bytes": max_request_bytes,
-                    "filter_chains": [
-                        {
-                            "filters": [
-                                _http_connection_manager(
-                                    ext_proc is not None, fail_open, ext_proc_timeout_ms, retries, max_request_bytes,
-                                    stream_idle_timeout_s, cors_origins, replica_key_file is not None, flow,
-                                )
-                            ]
-                        }
-                    ],
-                }
-            ],
+            "listeners": [_gateway_listener(listen, max_request_bytes, manager)],
             "clusters": [
                 _replicas_cluster(name, endpoints, connect_timeout_ms, max_request_bytes)
                 for name in (CLUSTER, STREAMED_CLUSTER)
@@ -157,6 +142,17 @@ def render_envoy_config(
         },
     }
     return json.dumps(config, indent=2) + "\n"
+
+
+def _gateway_listener(listen: str, max_request_bytes: int, manager: dict[str, Any]) -> dict[str, Any]:
+    host, port = split_host_port(listen)
+    return {
+        "name": "gateway",
+        "address": socket_address(host, port),
+        # The buffered body must fit: larger ones get Envoy's 413 (as JSON, below).
+        "per_connection_buffer_limit_bytes": max_request_bytes,
+        "filter_chains": [{"filters": [manager]}],
+    }
 
 
 @dataclass(frozen=True)
@@ -576,35 +572,7 @@ def _replicas_cluster(
                 "explicit_http_config": {"http_protocol_options": {}},
             }
         },
-        "load_balancing_policy": {
-            "policies": [
-                {
-                    "typed_extension_config": {
-                        "name": "envoy.load_balancing_policies.override_host",
-                        "typed_config": {
-                            "@type": _T + "envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost",
-                            "override_host_sources": [
-                                {"header": DESTINATION},
-                                {"metadata": {"key": "envoy.lb", "path": [{"key": DESTINATION}]}},
-                            ],
-                            "fallback_policy": {
-                                "policies": [
-                                    {
-                                        "typed_extension_config": {
-                                            "name": "envoy.load_balancing_policies.round_robin",
-                                            "typed_config": {
-                                                "@type": _T
-                                                + "envoy.extensions.load_balancing_policies.round_robin.v3.RoundRobin"
-                                            },
-                                        }
-                                    }
-                                ]
-                            },
-                        },
-                    }
-                }
-            ]
-        },
+        "load_balancing_policy": _override_host(),
         # Don't let one slow generation hold back others on a shared connection.
         "circuit_breakers": {
             "thresholds": [
@@ -612,25 +580,60 @@ def _replicas_cluster(
             ]
         },
     }
+    return {**cluster, **_replicas_source(name, endpoints)}
+
+
+def _override_host() -> dict[str, Any]:
+    """The first endpoint of the pick's header (or ``envoy.lb`` metadata), the next ones on
+    retries; round robin when neither is set (fail-open, ext_proc down)."""
+    round_robin = {
+        "typed_extension_config": {
+            "name": "envoy.load_balancing_policies.round_robin",
+            "typed_config": {"@type": _T + "envoy.extensions.load_balancing_policies.round_robin.v3.RoundRobin"},
+        }
+    }
+    return {
+        "policies": [
+            {
+                "typed_extension_config": {
+                    "name": "envoy.load_balancing_policies.override_host",
+                    "typed_config": {
+                        "@type": _T + "envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost",
+                        "override_host_sources": [
+                            {"header": DESTINATION},
+                            {"metadata": {"key": "envoy.lb", "path": [{"key": DESTINATION}]}},
+                        ],
+                        "fallback_policy": {"policies": [round_robin]},
+                    },
+                }
+            }
+        ]
+    }
+
+
+def _replicas_source(name: str, endpoints: Endpoints) -> dict[str, Any]:
+    """Where the cluster ``name`` finds the replicas: the endpoints file (EDS) or one address (DNS)."""
     if isinstance(endpoints, EndpointsFile):
         directory = str(Path(endpoints.path).parent)
-        cluster["type"] = "EDS"
-        cluster["eds_cluster_config"] = {
-            "service_name": CLUSTER,  # both clusters read the one ClusterLoadAssignment in the file
-            "eds_config": {
-                "resource_api_version": "V3",
-                "path_config_source": {"path": endpoints.path, "watched_directory": {"path": directory}},
-            }
+        return {
+            "type": "EDS",
+            "eds_cluster_config": {
+                "service_name": CLUSTER,  # both clusters read the one ClusterLoadAssignment in the file
+                "eds_config": {
+                    "resource_api_version": "V3",
+                    "path_config_source": {"path": endpoints.path, "watched_directory": {"path": directory}},
+                },
+            },
         }
-    else:
-        host, port = split_host_port(endpoints.address)
-        cluster["type"] = "STRICT_DNS"
-        cluster["dns_refresh_rate"] = "2s"
-        cluster["load_assignment"] = {
+    host, port = split_host_port(endpoints.address)
+    return {
+        "type": "STRICT_DNS",
+        "dns_refresh_rate": "2s",
+        "load_assignment": {
             "cluster_name": name,
             "endpoints": [{"lb_endpoints": [{"endpoint": {"address": socket_address(host, port)}}]}],
-        }
-    return cluster
+        },
+    }
 
 
 def _ext_proc_cluster(address: str, connect_timeout_ms: int) -> dict[str, Any]:
@@ -681,14 +684,6 @@ def render_front_config(*, listen: str, admin: str, gateways: Sequence[tuple[str
     """
     listen_host, listen_port = split_host_port(listen)
     admin_host, admin_port = split_host_port(admin)
-    interval = f"{FRONT_HEALTH_INTERVAL_MS / 1000:g}s"
-    endpoints = []
-    for gateway_listen, gateway_admin in gateways:
-        host, port = split_host_port(gateway_listen)
-        endpoints.append({"endpoint": {
-            "address": socket_address(host, port),
-            "health_check_config": {"port_value": split_host_port(gateway_admin)[1]},
-        }})
     config = {
         "node": {"id": "llm-ring-front", "cluster": "llm-ring"},
         "admin": {"address": socket_address(admin_host, admin_port)},
@@ -708,30 +703,43 @@ def render_front_config(*, listen: str, admin: str, gateways: Sequence[tuple[str
                     },
                 }]}],
             }],
-            "clusters": [{
-                "name": FRONT_CLUSTER,
-                "type": "STATIC",
-                "connect_timeout": f"{connect_timeout_ms / 1000:g}s",
-                "lb_policy": "RANDOM",
-                "common_lb_config": {"healthy_panic_threshold": {"value": 0}},
-                "load_assignment": {"cluster_name": FRONT_CLUSTER, "endpoints": [{"lb_endpoints": endpoints}]},
-                "health_checks": [{
-                    "timeout": "1s", "interval": interval, "no_traffic_interval": interval,
-                    "unhealthy_threshold": 1, "healthy_threshold": 1,
-                    "http_health_check": {"path": "/ready"},
-                }],
-                "outlier_detection": {
-                    "split_external_local_origin_errors": True,
-                    "consecutive_local_origin_failure": 1,
-                    "enforcing_consecutive_local_origin_failure": 100,
-                    "interval": interval,
-                    "base_ejection_time": "5s",
-                    "max_ejection_percent": 100,
-                },
-            }],
+            "clusters": [_front_cluster(gateways, connect_timeout_ms)],
         },
     }
     return json.dumps(config, indent=2) + "\n"
+
+
+def _front_cluster(gateways: Sequence[tuple[str, str]], connect_timeout_ms: int) -> dict[str, Any]:
+    """The gateways, drawn at random, health-checked on their admin /ready and ejected on a refusal."""
+    interval = f"{FRONT_HEALTH_INTERVAL_MS / 1000:g}s"
+    endpoints = []
+    for gateway_listen, gateway_admin in gateways:
+        host, port = split_host_port(gateway_listen)
+        endpoints.append({"endpoint": {
+            "address": socket_address(host, port),
+            "health_check_config": {"port_value": split_host_port(gateway_admin)[1]},
+        }})
+    return {
+        "name": FRONT_CLUSTER,
+        "type": "STATIC",
+        "connect_timeout": f"{connect_timeout_ms / 1000:g}s",
+        "lb_policy": "RANDOM",
+        "common_lb_config": {"healthy_panic_threshold": {"value": 0}},
+        "load_assignment": {"cluster_name": FRONT_CLUSTER, "endpoints": [{"lb_endpoints": endpoints}]},
+        "health_checks": [{
+            "timeout": "1s", "interval": interval, "no_traffic_interval": interval,
+            "unhealthy_threshold": 1, "healthy_threshold": 1,
+            "http_health_check": {"path": "/ready"},
+        }],
+        "outlier_detection": {
+            "split_external_local_origin_errors": True,
+            "consecutive_local_origin_failure": 1,
+            "enforcing_consecutive_local_origin_failure": 100,
+            "interval": interval,
+            "base_ejection_time": "5s",
+            "max_ejection_percent": 100,
+        },
+    }
 
 
 EXAMPLE_ARGUMENTS: dict[str, Any] = {

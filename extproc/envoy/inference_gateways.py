@@ -186,20 +186,7 @@ def render_inference_gateway_config(
     listen_host, listen_port = split_host_port(listen)
     admin_host, admin_port = split_host_port(admin)
     hints = dict(subset_hints or {})
-    forwarding = sorted(
-        set(gateway.forwarding)
-        | ({SUBSET_NAMESPACE} if hints else set())
-        | ({LB_NAMESPACE} if report_served else set())
-    )
-    http_filters = [
-        _strip_client_destination(),
-        *(_subset_hint_filter(name, endpoints) for name, endpoints in hints.items()),
-        _picker_filter(gateway, mode, allow_mode_override, forwarding),
-        *([_destination_to_metadata()] if gateway.destination_to_metadata else []),
-        *([_served_to_metadata()] if report_served else []),
-        {"name": "envoy.filters.http.router",
-         "typed_config": {"@type": _T + "envoy.extensions.filters.http.router.v3.Router"}},
-    ]
+    http_filters = _http_filters(gateway, mode, allow_mode_override, hints, report_served)
     config = {
         "node": {"id": f"{gateway.name}-inference-pool", "cluster": "llm-ring"},
         "admin": {"address": socket_address(admin_host, admin_port)},
@@ -223,6 +210,25 @@ def render_inference_gateway_config(
         },
     }
     return json.dumps(config, indent=2) + "\n"
+
+
+def _http_filters(gateway: InferenceGateway, mode: BodyMode, allow_mode_override: bool,
+                  hints: Mapping[str, Sequence[str]], report_served: bool) -> list[dict[str, Any]]:
+    """The gateway's filters, with the tests' extras (subset hints, the served endpoint reported)."""
+    forwarding = sorted(
+        set(gateway.forwarding)
+        | ({SUBSET_NAMESPACE} if hints else set())
+        | ({LB_NAMESPACE} if report_served else set())
+    )
+    return [
+        _strip_client_destination(),
+        *(_subset_hint_filter(name, endpoints) for name, endpoints in hints.items()),
+        _picker_filter(gateway, mode, allow_mode_override, forwarding),
+        *([_destination_to_metadata()] if gateway.destination_to_metadata else []),
+        *([_served_to_metadata()] if report_served else []),
+        {"name": "envoy.filters.http.router",
+         "typed_config": {"@type": _T + "envoy.extensions.filters.http.router.v3.Router"}},
+    ]
 
 
 def _strip_client_destination() -> dict[str, Any]:

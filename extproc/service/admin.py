@@ -50,7 +50,7 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         self, request: admin_pb2.MigratedRequest, context: grpc.aio.ServicerContext
     ) -> admin_pb2.MigratedReply:
         gateway = self.gateway
-        router, migrations, memory = gateway.router, gateway.migrations, gateway.block_memory
+        router, migrations, memory = gateway.router, gateway.migrations, gateway.reader.block_memory
         applied = 0
         for move in request.moves:  # the prefix index learns the last prompt's blocks, which the body cache kept
             blocks = memory.last(migrations.blocks_key(move.key)) if memory is not None else ()
@@ -69,7 +69,7 @@ class AdminService(admin_pb2_grpc.AdminServicer):
     async def Leaving(self, request: admin_pb2.LeavingRequest,
                       context: grpc.aio.ServicerContext) -> admin_pb2.LeavingReply:
         gateway = self.gateway
-        if request.replica not in gateway.endpoints or request.seconds <= 0:
+        if request.replica not in gateway.fleet.endpoints or request.seconds <= 0:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"Leaving: no replica {request.replica!r}, or seconds {request.seconds:g} <= 0")
         idle, in_flight = gateway.begin_leaving(request.replica, request.seconds, request.near_seconds)

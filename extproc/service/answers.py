@@ -1,44 +1,36 @@
 """The service's answers to Envoy, as serialized ProcessingResponses (the wire encoding).
 
 The hot path builds few protobufs: a pick's answer is cached per (replica, reason, streamed,
-phase) and the per-request headers (the predicted cached tokens, the request id) are appended
+shape) and the per-request headers (the predicted cached tokens, the request id) are appended
 as bytes. Protobuf merges repeated fields of concatenated messages, so cached answer + a
-headers-only message of the same phase = the answer with those headers added.
+headers-only message answering the same message = the answer with those headers added.
 
-Two shapes of pick (``Phase``): "own", for the Envoy llm-ring renders (the endpoint list
-"pick,fallback,..." in header and metadata, which its cluster reads with Override Host; the
-streamed-answer mark; our request id), and the Endpoint Picker protocol's, answering the
-request headers ("headers") or, in BUFFERED body mode, the request body ("body"): ONE endpoint
-in the header and in ``envoy.lb`` (an ORIGINAL_DST cluster reading the header answers 503 to
-a list), the next one as ``x-gateway-destination-endpoint-fallback`` in ``envoy.lb``.
+Each data plane tells its Envoy a pick in its own shape (``AnswerShape``), defined with its
+mode in service/dataplanes/.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from functools import lru_cache
-from typing import Any, Literal
+from typing import Any, Protocol
 
 import orjson
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.type.v3 import http_status_pb2
-from google.protobuf import duration_pb2, struct_pb2
+from google.protobuf import duration_pb2
 
 from extproc.envoy.contract import (
-    DESTINATION,
-    DESTINATION_FALLBACK,
-    LB_NAMESPACE,
-    OBSERVE,
     PREDICTED_CACHED,
     QUEUE_WAIT,
     REPLICA_KEY_HEADER,
-    REQUEST_ID,
     ROUTE_REASON,
     ROUTED_TO,
 )
 from extproc.envoy.cors import REPLICA_CORS_HEADERS
 from extproc.envoy.surface import error_document
+from extproc.routing import Decision
+from extproc.routing.flow_control import Wait
 
 NUMBER_HEADERS_KEPT = 1 << 16  # serialized x-route-predicted-cached-tokens and queue-wait values kept
 
@@ -46,40 +38,40 @@ NUMBER_HEADERS_KEPT = 1 << 16  # serialized x-route-predicted-cached-tokens and 
 BODY_CONTINUE = pb.ProcessingResponse(request_body=pb.BodyResponse()).SerializeToString()
 
 
-Phase = Literal["own", "headers", "body"]
+class AnswerShape(Protocol):
+    """How a data plane is told a pick (service/dataplanes/: one shape per mode, hashable: the
+    answers are kept per shape) and how the request's end is learnt there."""
+
+    @property
+    def access_logged(self) -> bool:
+        """Envoy's access log entry ends the request (else the stream's own end: lifecycle.py)."""
+
+    @property
+    def waits_announced(self) -> bool:
+        """Envoy is asked to wait longer while flow control holds the request (``wait_longer``)."""
+
+    def pick(self, destination: str, replica: str, reason: str, streamed: bool, routing_headers: bool,
+             replica_key: str) -> bytes:
+        """Envoy's answer for a pick. ``destination``: the endpoint, then its fallbacks,
+        comma-separated. routing_headers (service.routing_headers): the replica and the reason
+        too, which reach the response (a header left unset is not added: docs/security.md).
+        replica_key: the replicas' API key, set as ``authorization: Bearer <key>`` over whatever
+        the client sent ("": none)."""
+
+    def headers(self, headers: list[base_pb2.HeaderValueOption]) -> bytes:
+        """A message that only sets ``headers``, appended to the pick (its oneof unchanged)."""
+
+    def named(self, request_id: str) -> bytes:
+        """What the answer adds to name the request by our id (b"": the data plane keeps its own)."""
 
 
-def route_answer(
-    destination: str, replica: str, reason: str, streamed: bool, phase: Phase = "own", routing_headers: bool = True,
-    replica_key: str = "",
-) -> bytes:
-    """Envoy's answer for a pick. ``destination``: the endpoint, then its fallbacks,
-    comma-separated. Our own Envoy gets the whole list in header and metadata, and a streamed
-    answer is marked to be observed (its config routes on that header); an Endpoint Picker's
-    gateway gets the shape of the protocol (module docstring). routing_headers
-    (service.routing_headers): the replica and the reason too, which reach the response (a header
-    left unset is not added: docs/security.md). replica_key: the replicas' API key, set as
-    ``authorization: Bearer <key>`` over whatever the client sent ("": none)."""
-    endpoint, _, fallbacks = destination.partition(",")
-    metadata = struct_pb2.Struct()
-    lb = metadata.get_or_create_struct(LB_NAMESPACE)
+def pick_headers(replica: str, reason: str, routing_headers: bool, replica_key: str,
+                 *own: base_pb2.HeaderValueOption) -> list[base_pb2.HeaderValueOption]:
+    """A pick's headers: the routing headers (when on), the data plane's ``own``, the replica key (when set)."""
     headers = [header_option(ROUTED_TO, replica), header_option(ROUTE_REASON, reason)] if routing_headers else []
-    if phase == "own":
-        headers.append(header_option(DESTINATION, destination))
-        headers += [header_option(OBSERVE, "1")] if streamed else []
-        lb[DESTINATION] = destination
-    else:
-        headers.append(header_option(DESTINATION, endpoint))
-        # llama.cpp closes a connection right after a streamed answer, unannounced: a gateway's
-        # pool cluster (keep-alive) would send the next turn on it and get a 503. Asked to close,
-        # it says so, and Envoy opens a fresh connection (docs/inference-gateway.md)
-        headers += [header_option("connection", "close")] if streamed else []
-        lb[DESTINATION] = endpoint
-        if fallbacks:
-            lb[DESTINATION_FALLBACK] = fallbacks.partition(",")[0]
+    headers += own
     headers += [header_option(REPLICA_KEY_HEADER, f"Bearer {replica_key}")] if replica_key else []
-    common = pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=headers), clear_route_cache=True)
-    return _answer(common, phase, dynamic_metadata=metadata)
+    return headers
 
 
 RESPONSE_HEADERS_CONTINUE = pb.ProcessingResponse(response_headers=pb.HeadersResponse()).SerializeToString()
@@ -117,27 +109,9 @@ def wait_longer(seconds: int) -> bytes:
     return pb.ProcessingResponse(override_message_timeout=duration_pb2.Duration(seconds=seconds)).SerializeToString()
 
 
-def request_id_header(request_id: str) -> bytes:
-    """The answer's x-request-id header (a more_headers message): the id spliced into the
-    serialized message of an id of its length, the same bytes without building five protobufs
-    per request (protobuf's encoding of the rest depends only on the value's length)."""
-    value = request_id.encode()
-    head, tail = _request_id_around(len(value))
-    return head + value + tail
-
-
-@lru_cache(maxsize=64)  # our ids: a fixed prefix and a hex sequence, a few lengths
-def _request_id_around(length: int) -> tuple[bytes, bytes]:
-    marker = "~" * length
-    serialized = more_headers([header_option(REQUEST_ID, marker)])
-    assert serialized.count(marker.encode()) == 1, "the marker is found in the message's framing"
-    head, _, tail = serialized.partition(marker.encode())
-    return head, tail
-
-
-def _answer(common: pb.CommonResponse, phase: Phase, **extra: Any) -> bytes:
+def answer_to(common: pb.CommonResponse, to_body: bool, **extra: Any) -> bytes:
     """A ProcessingResponse carrying ``common`` as the answer to the request headers or body."""
-    if phase == "body":
+    if to_body:
         return pb.ProcessingResponse(request_body=pb.BodyResponse(response=common), **extra).SerializeToString()
     return pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common), **extra).SerializeToString()
 
@@ -169,36 +143,53 @@ def header_option(name: str, value: str) -> base_pb2.HeaderValueOption:
     )
 
 
-def more_headers(headers: list[base_pb2.HeaderValueOption], phase: Phase = "own") -> bytes:
-    """A serialized ProcessingResponse that only sets headers (appended to a cached answer of
-    the same phase: the answer's oneof must not change)."""
-    return _answer(pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=headers)), phase)
+def more_headers(headers: list[base_pb2.HeaderValueOption], to_body: bool = False) -> bytes:
+    """A serialized ProcessingResponse that only sets headers (appended to a cached answer to the
+    same message: the answer's oneof must not change)."""
+    return answer_to(pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=headers)), to_body)
 
 
 class AnswerCache:
-    """Serialized answers kept for reuse: a pick's answer per (replica, reason, streamed, phase),
+    """Serialized answers kept for reuse: a pick's answer per (replica, reason, streamed, shape),
     valid until the replica set or its health changes (``forget_routes``), and the
-    predicted-cached-tokens and queue-wait headers per (value, phase) seen (at most
+    predicted-cached-tokens and queue-wait headers per (value, shape) seen (at most
     NUMBER_HEADERS_KEPT)."""
 
     def __init__(self, routing_headers: bool = True, replica_key: str = "") -> None:
         self.routing_headers = routing_headers
         self.replica_key = replica_key
-        self._routes: dict[tuple[str, str, bool, Phase], bytes] = {}
-        self._numbers: dict[tuple[str, int, Phase], bytes] = {}
+        self._routes: dict[tuple[str, str, bool, AnswerShape], bytes] = {}
+        self._numbers: dict[tuple[str, int, AnswerShape], bytes] = {}
         self._responses: dict[tuple[str, str], bytes] = {}
 
     def route(
-        self, replica: str, reason: str, streamed: bool, destination: Callable[[str], str], phase: Phase = "own"
+        self, replica: str, reason: str, streamed: bool, destination: Callable[[str], str], shape: AnswerShape
     ) -> bytes:
         """The answer for a pick; ``destination(replica)`` gives its endpoints when not cached."""
-        key = (replica, reason, streamed, phase)
+        key = (replica, reason, streamed, shape)
         answer = self._routes.get(key)
         if answer is None:
-            answer = self._routes[key] = route_answer(
-                destination(replica), replica, reason, streamed, phase, self.routing_headers, self.replica_key
-            )
+            answer = self._routes[key] = self.pick(destination(replica), replica, reason, streamed, shape)
         return answer
+
+    def pick(self, destination: str, replica: str, reason: str, streamed: bool, shape: AnswerShape) -> bytes:
+        """The answer for a pick, built (not kept): with this service's routing headers and replica key."""
+        return shape.pick(destination, replica, reason, streamed, self.routing_headers, self.replica_key)
+
+    def for_pick(self, shape: AnswerShape, decision: Decision, streamed: bool, destination: Callable[[str], str],
+                 keep: bool, predicted_cached: int, wait: Wait | None, request_id: str) -> bytes:
+        """A routed request's whole answer: the pick (kept for reuse when ``keep``), with the routing
+        headers the predicted cached tokens and the queue wait, and the id naming it."""
+        replica, reason = decision.replica, decision.reason
+        if keep:
+            answer = self.route(replica, reason, streamed, destination, shape)
+        else:
+            answer = self.pick(destination(replica), replica, reason, streamed, shape)
+        if self.routing_headers:
+            answer += self.predicted_cached(predicted_cached, shape)
+            if wait is not None:
+                answer += self.queue_wait(wait.waited, shape)
+        return answer + shape.named(request_id)
 
     def response(self, replica: str, reason: str) -> bytes:
         """response_route_headers, kept per (replica, reason); a plain continue without routing headers."""
@@ -213,18 +204,18 @@ class AnswerCache:
         self._routes.clear()
         self._responses.clear()
 
-    def predicted_cached(self, tokens: int, phase: Phase = "own") -> bytes:
-        return self._number_header(PREDICTED_CACHED, tokens, phase)
+    def predicted_cached(self, tokens: int, shape: AnswerShape) -> bytes:
+        return self._number_header(PREDICTED_CACHED, tokens, shape)
 
-    def queue_wait(self, seconds: float, phase: Phase = "own") -> bytes:
+    def queue_wait(self, seconds: float, shape: AnswerShape) -> bytes:
         """The x-route-queue-wait-ms header: how long flow control held the request."""
-        return self._number_header(QUEUE_WAIT, round(seconds * 1000), phase)
+        return self._number_header(QUEUE_WAIT, round(seconds * 1000), shape)
 
-    def _number_header(self, name: str, value: int, phase: Phase) -> bytes:
-        key = (name, value, phase)
+    def _number_header(self, name: str, value: int, shape: AnswerShape) -> bytes:
+        key = (name, value, shape)
         header = self._numbers.get(key)
         if header is None:
             if len(self._numbers) >= NUMBER_HEADERS_KEPT:
                 self._numbers.clear()
-            header = self._numbers[key] = more_headers([header_option(name, str(value))], phase)
+            header = self._numbers[key] = shape.headers([header_option(name, str(value))])
         return header

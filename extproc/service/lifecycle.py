@@ -1,7 +1,7 @@
 """A routed request from its pick to its end: the gateway (gateway.py) decides it and hands its
 ``Pending`` here; the data plane's events end it.
 
-Its events (see gateway.py for the streams):
+Its events (see dataplanes/ for the streams):
   - Envoy's access log entry, for every request that got a pick (status, the upstream that
     served, reset flags, the timings Envoy copied from a JSON body) -> ``access_logged``:
     the HTTP request is over;
@@ -29,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -42,6 +42,7 @@ from extproc.routing.flow_control import Wait
 from extproc.routing.speeds import AnswerTimings
 from extproc.service.answers import RESPONSE_HEADERS_CONTINUE, AnswerCache
 from extproc.service.bodies import Timings, parse_timings
+from extproc.service.fleet import Fleet
 from extproc.service.metrics import Metrics
 
 log = structlog.get_logger("extproc.service")
@@ -113,8 +114,8 @@ class RequestOwner(Protocol):
     """What the lifecycle needs of the gateway that routed the requests."""
 
     @property
-    def endpoints(self) -> Mapping[str, str]:
-        """The replicas: name -> "host:port"."""
+    def fleet(self) -> Fleet:
+        """The replicas."""
 
     @property
     def lifecycle(self) -> Lifecycle:
@@ -260,7 +261,7 @@ class PendingRequests:
         pending.answered = pending.answered or (pending.event_stream and _stream_done(pending.chunks))
         outcome = _outcome(pending)
         served_replica = self._served_replica(pending)  # a name, or the address when it is no replica of ours
-        fallback = served_replica if _fell_back(pending) and served_replica in self.owner.endpoints else None
+        fallback = served_replica if _fell_back(pending) and served_replica in self.owner.fleet.endpoints else None
         # a no-op release when a later turn released it already
         self.owner.settle(request_id, pending, _succeeded(pending), fallback)
         self.metrics.completed[outcome] += 1
@@ -281,7 +282,7 @@ class PendingRequests:
     def _served_replica(self, pending: Pending) -> str:
         if not pending.served or pending.served == pending.endpoint:
             return pending.decision.replica
-        for name, endpoint in self.owner.endpoints.items():
+        for name, endpoint in self.owner.fleet.endpoints.items():
             if endpoint == pending.served:
                 return name
         return pending.served

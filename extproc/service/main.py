@@ -46,13 +46,14 @@ from extproc.service import admin_pb2_grpc
 from extproc.service.admin import AdminService, MigrationService
 from extproc.service.bearer import BearerCheck
 from extproc.service.catalog import ModelFetcher
+from extproc.service.dataplanes.own_envoy import access_log_handler
 from extproc.service.decision_log import DecisionLog
 from extproc.service.drain import drain
 from extproc.service.gateway import Gateway
 from extproc.service.http_probes import Readiness, start_metrics_server
 from extproc.service.metrics import Metrics
 from extproc.service.offload import BodyParser
-from extproc.service.processor import SERVICE, access_log_handler, handler
+from extproc.service.processor import SERVICE, handler
 from extproc.service.replica_health import ReplicaHealth
 from extproc.service.residency_watch import ResidencyWatcher
 from extproc.service.tls import SELF_SIGNED, TlsError, server_credentials
@@ -118,11 +119,11 @@ async def serve(settings: Settings) -> int:
     askers = _ReplicaAskers.start(gateway, service, replica_key)
     room = WaitingRoom(gateway, settings.flow) if settings.flow.enabled else None
     if settings.store.url:  # several routers agree through it; a fresh id per start (the old one expires)
-        await gateway.share_state(settings.store, secrets.token_hex(6))
+        await gateway.publishing.share_state(settings.store, secrets.token_hex(6))
     metrics_host, metrics_port = split_host_port(service.metrics_listen)
     readiness = Readiness()
     metrics_server = start_metrics_server(metrics_host, metrics_port, gateway.metrics.registry, readiness)
-    parser = BodyParser(gateway.limits, counter)
+    parser = BodyParser(gateway.reader.limits, counter)
     health_service = health_aio.HealthServicer()
     servers, listen = await _start_servers(service, gateway, (parser, room, health_service), credentials,
                                            migration_token)
@@ -183,8 +184,9 @@ class _ReplicaAskers:
     def start(cls, gateway: Gateway, service: ServiceSettings, replica_key: str | None) -> _ReplicaAskers:
         health = ReplicaHealth(gateway, service.health_probe_seconds)
         gateway.on_replica_failed = health.replica_failed
-        models = ModelFetcher(gateway.catalog, lambda: gateway.endpoints, replica_key, service.health_probe_seconds)
-        residency = ResidencyWatcher(lambda: gateway.router.residency, lambda: gateway.endpoints, replica_key,
+        endpoints = lambda: gateway.fleet.endpoints  # noqa: E731  (discovery replaces the fleet's map)
+        models = ModelFetcher(gateway.catalog, endpoints, replica_key, service.health_probe_seconds)
+        residency = ResidencyWatcher(lambda: gateway.router.residency, endpoints, replica_key,
                                      service.model_status_seconds)
         return cls(health, models, residency)
 

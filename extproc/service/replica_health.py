@@ -24,14 +24,14 @@ class ReplicaHealth:
         self._probes: dict[str, asyncio.Task[None]] = {}
 
     def replica_failed(self, name: str) -> None:
-        log.warning("replica_unhealthy", replica=name, endpoint=self.gateway.endpoints.get(name))
+        log.warning("replica_unhealthy", replica=name, endpoint=self.gateway.fleet.endpoints.get(name))
         if name not in self._probes or self._probes[name].done():
             self._probes[name] = asyncio.get_running_loop().create_task(self._probe(name))
 
     async def _probe(self, name: str) -> None:
-        while name in self.gateway.unhealthy:
+        while name in self.gateway.fleet.unhealthy:
             await asyncio.sleep(self.interval)
-            endpoint = self.gateway.endpoints.get(name)
+            endpoint = self.gateway.fleet.endpoints.get(name)
             if endpoint is None:
                 return
             if await self.healthy(endpoint):

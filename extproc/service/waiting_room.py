@@ -40,11 +40,13 @@ from extproc.routing.flow_control import NO_REPLICA, Dispatched, FlowControl, Re
 from extproc.routing.flows import Flow, FlowSettings, flow_of
 from extproc.routing.peers import PeerView
 from extproc.routing.queue import Waiting
-from extproc.service.answers import Phase, immediate, immediate_headers, wait_longer
+from extproc.service.answers import AnswerShape, immediate, immediate_headers, wait_longer
 from extproc.service.bodies import BadRequest, ParsedRequest
+from extproc.service.bounds import BOUNDED_CHARS, bounded
 from extproc.service.flow_metrics import FlowMetrics
-from extproc.service.gateway import BOUNDED_CHARS, Gateway, Prepared, bounded
+from extproc.service.gateway import Gateway
 from extproc.service.lifecycle import Lifecycle
+from extproc.service.reading import Prepared
 
 LEFT = b""  # route()'s answer when the client went away while its request waited: nothing to say
 FLOWS_KEPT = 1024  # flows remembered by their header values (all forgotten when full)
@@ -59,7 +61,7 @@ class _Waiter:
     turn: str
     request_id: str  # the id the data plane gave it
     started: float  # perf_counter when it arrived
-    phase: Phase
+    shape: AnswerShape  # its data plane's
     subset: frozenset[str] | None
     answer: asyncio.Future[tuple[bytes, str | None]]
 
@@ -82,38 +84,38 @@ class WaitingRoom(Lifecycle):
         return len(self._waiters)
 
     async def route(
-        self, stream: HeldReads, *, path: str, content_type: str, session_headers: Mapping[str, str], turn: str,
-        request_id: str, body: bytes, tenant: str = "", objective: str = "",
-        parsed_elsewhere: ParsedRequest | BadRequest | None = None,
-        phase: Phase = "own", subset: frozenset[str] | None = None,
+        self, stream: HeldReads, *, shape: AnswerShape, path: str, content_type: str,
+        session_headers: Mapping[str, str], turn: str, request_id: str, body: bytes, tenant: str = "",
+        objective: str = "", parsed_elsewhere: ParsedRequest | BadRequest | None = None,
+        subset: frozenset[str] | None = None,
     ) -> tuple[bytes, str | None]:
         """Gateway.route_request (route_shared with a store) through flow control: the answer and
         our id of the routed request, as there; LEFT when the client went away while it waited.
         stream: the request's ext_proc stream, read while the request waits."""
         started = time.perf_counter()
         gateway = self.gateway
-        step = gateway.prepare(path, content_type, session_headers, body, parsed_elsewhere)
+        step = gateway.reader.prepare(path, content_type, session_headers, body, parsed_elsewhere)
         if isinstance(step, bytes):
             return step, None
         peers: PeerView | None = None
         if gateway.store is not None:
-            step, peers = await gateway.peers(step)
+            step, peers = await gateway.reader.peers(step, gateway.store)
         step, avoid = gateway.before_route(step, subset, peers)
         flow = self._flow(tenant, objective)
         now = time.monotonic()
         admitted = self.control.admit(step.request, flow, avoid, now, peers)
         if isinstance(admitted, Routed):  # nothing waits, a replica has room: the path without flow control
             self._went(flow, admitted.wait, admitted.ticket.decision.predicted_cached_tokens, step, now)
-            answer = gateway.routed(step, admitted.ticket, turn, request_id, started, phase, subset, admitted.wait)
+            answer = gateway.routed(step, admitted.ticket, turn, request_id, started, shape, subset, admitted.wait)
             return answer, step.request.request_id
         if isinstance(admitted, Refused):
             return self._refused(flow, admitted.reason, subset), None
         future: asyncio.Future[tuple[bytes, str | None]] = asyncio.get_running_loop().create_future()
-        waiter = _Waiter(step, flow, turn, request_id, started, phase, subset, future)
+        waiter = _Waiter(step, flow, turn, request_id, started, shape, subset, future)
         self._waiters[step.request.request_id] = waiter
         self.metrics.fairness.waited(now, flow.tenant)
         self.dispatch()  # it may go at once: a turn it showed answered freed a slot
-        if not waiter.answer.done() and phase == "own":
+        if not waiter.answer.done() and shape.waits_announced:
             await stream.write(wait_longer(math.ceil(self.settings.ttl_seconds) + QUEUE_WAIT_MARGIN_S))
         return await self._wait(step.request.request_id, waiter, stream)
 
@@ -173,7 +175,7 @@ class WaitingRoom(Lifecycle):
         self.metrics.left_queue(flow, sent.wait.waited)
         self._went(flow, sent.wait, sent.ticket.decision.predicted_cached_tokens, waiter.step, now)
         answer = self.gateway.routed(waiter.step, sent.ticket, waiter.turn, waiter.request_id, waiter.started,
-                                     waiter.phase, waiter.subset, sent.wait)
+                                     waiter.shape, waiter.subset, sent.wait)
         waiter.answer.set_result((answer, request_id))
 
     def _went(self, flow: Flow, wait: Wait, predicted_cached: int, step: Prepared, now: float) -> None:
@@ -199,7 +201,7 @@ class WaitingRoom(Lifecycle):
     def _refused(self, flow: Flow, reason: str, subset: frozenset[str] | None) -> bytes:
         self.metrics.outcome(flow, reason)
         if reason == NO_REPLICA:
-            return self.gateway.no_replica(subset) + immediate_headers([(DROPPED_REASON, "no-replica")])
+            return self.gateway.local.no_replica(subset) + immediate_headers([(DROPPED_REASON, "no-replica")])
         return immediate(429, f"{self.settings.band_size} requests already wait in band {flow.priority} "
                          f"(flow.band_size): try again later", "rate_limit_exceeded",
                          headers=[(DROPPED_REASON, "queue-full")])

@@ -63,7 +63,7 @@ def test_the_service_follows_it_into_the_router_s_replica_set(toy: None) -> None
 
     asyncio.run(asyncio.wait_for(scenario(), 10))
     assert askers.seen == [("toy-a",), ("toy-a", "toy-b"), ("toy-b",)]
-    assert gateway.endpoints == {"toy-b": "127.0.0.1:9001"}
+    assert gateway.fleet.endpoints == {"toy-b": "127.0.0.1:9001"}
     assert readiness.replicas_known
     decision = gateway.router.route(RouteRequest("r1", "conversation", 10, 10)).decision
     assert decision is not None and decision.replica == "toy-b"

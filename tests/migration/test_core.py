@@ -20,6 +20,7 @@ from extproc.migration.planner import Candidate, Costs, plan
 from extproc.routing.placement import PlacementMemory
 from extproc.routing.ring import HashRing
 from extproc.service.bodies import _chat
+from extproc.service.dataplanes.own_envoy import OWN_ENVOY
 
 IDENTITY = slotfiles.Identity("ab" * 32, 2048, "f16")
 
@@ -208,7 +209,7 @@ def test_a_reused_conversation_id_is_listed_with_its_own_opening_after_a_reset()
     gateway = make_gateway()
 
     def turn(messages: list[dict[str, str]]) -> str:
-        _, routed = gateway.route_request(path="/v1/chat/completions", content_type="application/json",
+        _, routed = gateway.route_request(shape=OWN_ENVOY, path="/v1/chat/completions", content_type="application/json",
                                           session_headers={"x-conversation-id": "c-1"}, turn="", request_id="envoy-id",
                                           body=orjson.dumps({"messages": messages, "max_tokens": 8}))
         assert routed
@@ -245,7 +246,7 @@ def test_a_migrated_conversation_of_a_named_model_follows_its_cache_to_the_recei
 
     def turn() -> tuple[str, str]:
         body = {"messages": messages, "max_tokens": 8} | ({"model": model} if model else {})
-        gateway.route_request(path="/v1/chat/completions", content_type="application/json",
+        gateway.route_request(shape=OWN_ENVOY, path="/v1/chat/completions", content_type="application/json",
                               session_headers={"x-conversation-id": "c-1"}, turn="", request_id="envoy-id",
                               body=orjson.dumps(body))
         request_id = next(reversed(gateway.requests.pending))
@@ -279,7 +280,8 @@ def test_a_turn_whose_answer_ends_after_its_move_leaves_the_next_turn_to_the_rec
     gateway = make_gateway()
 
     def routed(messages: list[dict[str, str]]) -> str:
-        _, request_id = gateway.route_request(path="/v1/chat/completions", content_type="application/json",
+        _, request_id = gateway.route_request(shape=OWN_ENVOY,
+                                              path="/v1/chat/completions", content_type="application/json",
                                               session_headers={"x-conversation-id": "c-1"}, turn="",
                                               request_id="envoy-id",
                                               body=orjson.dumps({"messages": messages, "max_tokens": 8}))

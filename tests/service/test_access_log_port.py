@@ -23,7 +23,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from google.protobuf import struct_pb2
 
 from extproc.service.admin_client import AdminClient
-from extproc.service.processor import ACCESS_LOG_SERVICE, ATTRIBUTES
+from extproc.service.dataplanes.own_envoy import ACCESS_LOG_SERVICE, ATTRIBUTES
 from extproc.stack.processes import Running, free_port, service_env, start_service, static_discovery
 
 pytestmark = pytest.mark.live

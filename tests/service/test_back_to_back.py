@@ -13,6 +13,7 @@ from structlog.testing import capture_logs
 
 from extproc.routing.tokens import estimate_tokens
 from extproc.service.bodies import parse_request
+from extproc.service.dataplanes.own_envoy import OWN_ENVOY
 from extproc.service.lifecycle import LOST_AFTER_S
 from tests.service.test_gateway_lifecycle import TIMINGS, decisions, in_flight, make_gateway, samples
 
@@ -57,7 +58,7 @@ def test_an_edited_history_does_not_count_as_answered(messages: list[dict[str, s
 def chat(gateway, messages: list[dict[str, str]], conversation: str = "c-1") -> str:  # noqa: ANN001
     """Decide one chat request; the service's own id for it."""
     _, routed = gateway.route_request(
-        path=CHAT,
+        shape=OWN_ENVOY, path=CHAT,
         content_type="application/json",
         session_headers={"x-conversation-id": conversation},
         turn="",

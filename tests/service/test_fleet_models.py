@@ -13,6 +13,7 @@ from extproc.routing.blocks import prefix_blocks
 from extproc.service.answers import error_document
 from extproc.service.bodies import parse_request
 from extproc.service.catalog import ModelEntry
+from extproc.service.dataplanes.own_envoy import OWN_ENVOY
 from extproc.service.gateway import Gateway
 from extproc.service.lifecycle import Pending
 from tests.service.test_gateway_lifecycle import ENDPOINTS, logged, make_gateway
@@ -32,7 +33,7 @@ def turn(gateway: Gateway, messages: list[dict[str, str]], model: str, session: 
     """One chat request, answered whole when routed; the immediate answer when refused."""
     headers = {"x-conversation-id": session} if session else {}
     answer, routed = gateway.route_request(
-        path=CHAT, content_type="application/json", session_headers=headers, turn="", request_id="",
+        shape=OWN_ENVOY, path=CHAT, content_type="application/json", session_headers=headers, turn="", request_id="",
         body=orjson.dumps({"model": model, "messages": messages, "max_tokens": 8}))
     return logged(gateway, answer, routed)
 

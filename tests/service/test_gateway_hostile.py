@@ -23,9 +23,10 @@ from structlog.testing import capture_logs
 from extproc.routing import Router
 from extproc.service.admin import AdminService
 from extproc.service.bodies import BadRequest, BodyLimits, parse_request
-from extproc.service.gateway import Gateway, bounded
+from extproc.service.bounds import bounded
+from extproc.service.dataplanes.own_envoy import ATTRIBUTES, OWN_ENVOY
+from extproc.service.gateway import Gateway
 from extproc.service.metrics import Metrics
-from extproc.service.processor import ATTRIBUTES
 from extproc.service.wire import decode_tolerant
 from extproc.settings import load_settings
 from tests.service.gateway_support import error_message
@@ -46,7 +47,7 @@ def decide(
     gateway: Gateway, body: Any, request_id: str = "client-id", conversation_id: str = "c"
 ) -> tuple[bytes, bool]:
     return gateway.route_request(
-        path=CHAT,
+        shape=OWN_ENVOY, path=CHAT,
         content_type="application/json",
         session_headers={"x-conversation-id": conversation_id},
         turn="1",
@@ -128,7 +129,8 @@ def test_wrong_json_types_are_refused_naming_the_field(body: bytes, says: str) -
     with pytest.raises(BadRequest) as caught:
         parse_request(CHAT, "application/json", body)
     assert caught.value.status == 400 and says in caught.value.message
-    answer, routed = make_gateway().route_request(path=CHAT, content_type="application/json", session_headers={},
+    answer, routed = make_gateway().route_request(shape=OWN_ENVOY,
+                                                  path=CHAT, content_type="application/json", session_headers={},
                                                   turn="", request_id="r", body=body)
     status, document = immediate_status(answer)
     assert not routed and status == 400 and says in error_message(document)  # in OpenAI's shape, the field named
@@ -142,7 +144,7 @@ def test_wrong_json_types_are_refused_naming_the_field(body: bytes, says: str) -
     max_leaves=12).map(lambda value: json.dumps(value).encode()))
 def test_every_refusal_of_a_body_is_an_error_in_openais_shape(body: bytes) -> None:
     for path in ("/v1/chat/completions", "/v1/completions", "/completion"):
-        answer, routed = make_gateway().route_request(path=path, content_type="application/json",
+        answer, routed = make_gateway().route_request(shape=OWN_ENVOY, path=path, content_type="application/json",
                                                       session_headers={}, turn="", request_id="r", body=body)
         if not routed:
             status, document = immediate_status(answer)
@@ -259,7 +261,7 @@ def test_a_pick_envoy_never_applied_is_released_without_blaming_the_replica() ->
         (pending,) = gateway.requests.pending.values()
         other = next(endpoint for endpoint in ENDPOINTS.values() if endpoint != pending.endpoint)
         gateway.requests.access_logged("envoy-id", 200, other, cut_off=False, timings=None)
-    assert not gateway.unhealthy
+    assert not gateway.fleet.unhealthy
     assert not gateway.requests.pending and gateway.router.ledger.total_requests() == 0
     (record,) = [entry for entry in logs if entry["event"] == "route_decision"]
     assert record["outcome"] == "not_applied"
@@ -291,7 +293,8 @@ def test_large_bodies_are_parsed_in_the_worker_with_the_same_result() -> None:
 def test_the_gateway_decides_on_a_result_parsed_elsewhere() -> None:
     gateway = make_gateway()
     refusal = BadRequest(413, "'messages': too many", "request_too_large", "messages")
-    answer, routed = gateway.route_request(path=CHAT, content_type="", session_headers={}, turn="", request_id="r",
+    answer, routed = gateway.route_request(shape=OWN_ENVOY,
+                                    path=CHAT, content_type="", session_headers={}, turn="", request_id="r",
                                     body=b"never parsed here", parsed_elsewhere=refusal)  # fmt: skip
     assert not routed and immediate_status(answer) == (413, {"error": {
         "message": "'messages': too many", "type": "invalid_request_error", "param": "messages",

@@ -23,10 +23,12 @@ from extproc.routing import Router
 from extproc.routing.placement import Placement
 from extproc.routing.settings import with_knobs
 from extproc.service.bodies import Timings
+from extproc.service.dataplanes.own_envoy import OWN_ENVOY
+from extproc.service.dataplanes.picker import FULL_DUPLEX, PickerStream
+from extproc.service.dataplanes.plane import Serving
 from extproc.service.gateway import Gateway
 from extproc.service.lifecycle import LOST_AFTER_S, Pending
 from extproc.service.metrics import Metrics
-from extproc.service.picker import FULL_DUPLEX, PickerStream
 from extproc.settings import load_settings, parse_routing
 
 SETTINGS = load_settings(Path(__file__).parents[2] / "extproc" / "service" / "router.toml")
@@ -49,7 +51,7 @@ def decide(gateway: Gateway, request_id: str, stream: bool = False) -> tuple[str
     """(the service's own id for the request, the pick's endpoint)."""
     body = orjson.dumps({"messages": [{"role": "user", "content": "hello"}], "max_tokens": 8, "stream": stream})
     gateway.route_request(
-        path="/v1/chat/completions",
+        shape=OWN_ENVOY, path="/v1/chat/completions",
         content_type="application/json",
         session_headers={"x-conversation-id": "c-1"},
         turn="1",
@@ -181,7 +183,8 @@ def complete_turn(gateway: Gateway, messages: list[dict[str, str]], conversation
     its pick (or by ``served``, a replica's name: a fallback); ``extra``: more body fields."""
     body = orjson.dumps({"messages": messages, "max_tokens": 8, **extra})
     named = {"x-conversation-id": conversation} if conversation else {}
-    gateway.route_request(path="/v1/chat/completions", content_type="application/json", session_headers=named,
+    gateway.route_request(shape=OWN_ENVOY,
+                          path="/v1/chat/completions", content_type="application/json", session_headers=named,
                           turn="", request_id="", body=body)
     ours = next(reversed(gateway.requests.pending))
     pending = gateway.requests.pending[ours]
@@ -194,7 +197,8 @@ def complete_turn(gateway: Gateway, messages: list[dict[str, str]], conversation
 def send_turn(gateway: Gateway, messages: list[dict[str, str]]) -> str:
     """One chat request decided, not yet answered: the service's own id for it."""
     body = orjson.dumps({"messages": messages, "max_tokens": 8})
-    gateway.route_request(path="/v1/chat/completions", content_type="application/json", session_headers={},
+    gateway.route_request(shape=OWN_ENVOY,
+                          path="/v1/chat/completions", content_type="application/json", session_headers={},
                           turn="", request_id="", body=body)
     return next(reversed(gateway.requests.pending))
 
@@ -392,7 +396,8 @@ def test_metrics_count_what_happened() -> None:
         gateway.requests.access_logged(r1, 200, endpoint, cut_off=False, timings=TIMINGS)
         r2, _ = decide(gateway, "envoy-r2")
         gateway.requests.access_logged(r2, 200, endpoint, cut_off=True, timings=None)
-        gateway.route_request(path="/v1/chat/completions", content_type="application/json", session_headers={}, turn="",
+        gateway.route_request(shape=OWN_ENVOY,
+                       path="/v1/chat/completions", content_type="application/json", session_headers={}, turn="",
                        request_id="r3", body=b"{not json")  # fmt: skip
     first = decisions(logs)[0]
     scraped = samples(gateway)
@@ -472,7 +477,7 @@ def test_a_picker_stream_reset_as_the_answers_end_goes_out_is_whole(stream: bool
         pb.ProcessingRequest(response_body=pb.HttpBody(body=answer[10:], end_of_stream=True)),
     ]
     gateway = make_gateway()
-    picker = PickerStream(gateway, None, None, HangsUpAfterTheAnswer(messages[1:]))  # type: ignore[arg-type]
+    picker = PickerStream(Serving(gateway), HangsUpAfterTheAnswer(messages[1:]))  # type: ignore[arg-type]
     with capture_logs() as logs, pytest.raises(asyncio.CancelledError):
         asyncio.run(picker.serve(messages[0]))
     assert in_flight(gateway) == 0 and not gateway.requests.pending

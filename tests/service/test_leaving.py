@@ -12,6 +12,7 @@ import pytest
 
 from extproc.service import admin_pb2
 from extproc.service.admin import AdminService
+from extproc.service.dataplanes.own_envoy import OWN_ENVOY
 from extproc.service.gateway import Gateway
 from tests.service.test_gateway_lifecycle import ENDPOINTS, make_gateway
 
@@ -30,7 +31,7 @@ class Chats:
             history.append({"role": "assistant", "content": "an answer"})
         history.append({"role": "user", "content": f"{conversation}: question {len(history)}"})
         _, request_id = self.gateway.route_request(
-            path="/v1/chat/completions", content_type="application/json",
+            shape=OWN_ENVOY, path="/v1/chat/completions", content_type="application/json",
             session_headers={"x-conversation-id": conversation}, turn="",
             request_id=f"envoy-{conversation}-{len(history)}",
             body=orjson.dumps({"messages": history, "max_tokens": 8}))
@@ -111,7 +112,7 @@ def test_a_drained_replica_takes_nothing_more_while_it_is_still_listed() -> None
     assert chats.end(chats.send(unmoved)) == "llm-1"
 
     chats.admin("Migrated", admin_pb2.MigratedRequest(drained="llm-1"))
-    assert "llm-1" in chats.gateway.endpoints
+    assert "llm-1" in chats.gateway.fleet.endpoints
     assert chats.end(chats.send(unmoved)) != "llm-1"
     assert chats.end(chats.send(moved)) == "llm-2"
     assert "llm-1" not in {chats.end(chats.send(f"new-{i}")) for i in range(30)}

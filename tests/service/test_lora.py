@@ -10,6 +10,7 @@ import orjson
 import pytest
 
 from extproc.service.bodies import BadRequest, parse_request, request_blocks
+from extproc.service.dataplanes.own_envoy import OWN_ENVOY
 from extproc.service.lifecycle import Pending
 from tests.service.test_fleet_models import CHAT, error, fleet
 from tests.service.test_gateway_lifecycle import ENDPOINTS, TIMINGS, logged
@@ -23,6 +24,7 @@ def ask(gateway: Any, messages: list[dict[str, str]], lora: Any, session: str = 
     if lora is not None:
         body["lora"] = lora
     answer, routed = gateway.route_request(
+        shape=OWN_ENVOY,
         path=CHAT, content_type="application/json", session_headers={"x-conversation-id": session}, turn="",
         request_id="", body=orjson.dumps(body))
     return logged(gateway, answer, routed)
@@ -117,7 +119,7 @@ def test_a_request_knows_the_replicas_running_another_configuration_until_they_e
 
     def send(lora: Any, session: str) -> Pending:
         body = {"model": "tiny", "messages": [{"role": "user", "content": session * 20}], "max_tokens": 8, "lora": lora}
-        _, routed_id = gateway.route_request(path=CHAT, content_type="application/json",
+        _, routed_id = gateway.route_request(shape=OWN_ENVOY, path=CHAT, content_type="application/json",
                                              session_headers={"x-conversation-id": session}, turn="", request_id="",
                                              body=orjson.dumps(body))
         assert routed_id is not None

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from extproc.routing.continuation import of_model
-from extproc.service.gateway import bounded_scope
+from extproc.service.bounds import bounded_scope
 from tests.service.gateway_support import Gateway, LlamaReplicas, data_plane, llama_replicas
 from tests.service.gateway_support import ring_home as shared_ring_home
 

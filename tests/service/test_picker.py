@@ -31,7 +31,7 @@ from google.protobuf import struct_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from extproc.service.admin_client import AdminClient
-from extproc.service.processor import ACCESS_LOG_SERVICE
+from extproc.service.dataplanes.own_envoy import ACCESS_LOG_SERVICE
 from extproc.stack.processes import ROUTER_REFERENCE, Running, free_port, service_env, start_service, static_discovery
 from tests.service.gateway_support import error_message, route_decisions
 

@@ -15,6 +15,7 @@ from extproc.routing.blocks import BLOCK_CHARS, BlockMemory, model_seed, prefix_
 from extproc.routing.policies.llm_aware import INDEX_BLOCK_CHARS
 from extproc.routing.settings import with_knobs
 from extproc.service.bodies import parse_request, request_blocks
+from extproc.service.dataplanes.own_envoy import OWN_ENVOY
 from extproc.service.gateway import Gateway
 from extproc.service.metrics import Metrics
 from extproc.settings import load_settings, parse_routing
@@ -54,7 +55,8 @@ def test_the_gateway_hashes_blocks_only_for_a_policy_that_needs_them_and_as_long
     gateway = Gateway(Router(routing), SETTINGS.service, Metrics())
     gateway.set_replicas({"llm-0": "127.0.0.1:9000", "llm-1": "127.0.0.1:9001"})
     body = chat(("user", "hello there, " * 60))
-    _, routed = gateway.route_request(path=CHAT, content_type="application/json", session_headers={}, turn="1",
+    _, routed = gateway.route_request(shape=OWN_ENVOY,
+                               path=CHAT, content_type="application/json", session_headers={}, turn="1",
                                request_id="r1", body=body)
     assert routed
     (pending,) = gateway.requests.pending.values()
@@ -100,12 +102,12 @@ def test_the_gateway_hashes_a_next_turn_once_per_new_block(monkeypatch: pytest.M
     real = blocks_module.hash_bytes
     monkeypatch.setattr(blocks_module, "hash_bytes", lambda piece, seed: hashed.append(piece) or real(piece, seed))
     first = chat(("system", "tools " * 200), ("user", "hello there, " * 20))
-    gateway.route_request(path=CHAT, content_type="application/json", session_headers={}, turn="1",
+    gateway.route_request(shape=OWN_ENVOY, path=CHAT, content_type="application/json", session_headers={}, turn="1",
                           request_id="r1", body=first)
     whole = len(hashed)
     later = chat(("system", "tools " * 200), ("user", "hello there, " * 20), ("assistant", "hi"),
                  ("user", "more " * 100))
-    gateway.route_request(path=CHAT, content_type="application/json", session_headers={}, turn="2",
+    gateway.route_request(shape=OWN_ENVOY, path=CHAT, content_type="application/json", session_headers={}, turn="2",
                           request_id="r2", body=later)
     second = len(hashed) - whole
     before, now = request_blocks(CHAT, first, INDEX_BLOCK_CHARS), request_blocks(CHAT, later, INDEX_BLOCK_CHARS)

@@ -10,6 +10,7 @@ import orjson
 import pytest
 
 from extproc.service.bodies import parse_request
+from extproc.service.dataplanes.own_envoy import OWN_ENVOY
 from extproc.service.sessions import SessionSources
 from tests.service.test_gateway_lifecycle import SETTINGS, make_gateway
 
@@ -42,7 +43,8 @@ def conversation(headers: dict[str, str], **body: Any) -> str:
     """The conversation the gateway routes a chat under."""
     gateway = make_gateway()
     chat = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 8, **body}
-    gateway.route_request(path="/v1/chat/completions", content_type="application/json", session_headers=headers,
+    gateway.route_request(shape=OWN_ENVOY,
+                          path="/v1/chat/completions", content_type="application/json", session_headers=headers,
                           turn="", request_id="", body=orjson.dumps(chat))
     return next(reversed(gateway.requests.pending.values())).request.conversation
 

@@ -20,6 +20,7 @@ import redis
 from extproc.routing.peers import PeerRequest
 from extproc.routing.placement import Placement
 from extproc.service.bodies import Timings
+from extproc.service.dataplanes.own_envoy import OWN_ENVOY
 from extproc.service.gateway import Gateway
 from extproc.service.metrics import Metrics
 from extproc.service.store import READ_EVERY_S, SharedStore
@@ -76,7 +77,7 @@ async def sharing_at(address: str, password: Path, router_id: str, **store: Any)
     gateway.metrics.watch(gateway.replica_states)
     settings = SETTINGS.store.model_copy(update={"url": address, "password_file": str(password), "timeout_ms": 500,
                                                  "retry_seconds": 0.2, "load_ttl_seconds": 0.6, **store})
-    await gateway.share_state(settings, router_id)
+    await gateway.publishing.share_state(settings, router_id)
     OPEN.append(gateway)
     # registered among the store's routers before the next one connects: a router connecting
     # the same instant would count this one only from its next batch of writes (store.py)
@@ -103,6 +104,7 @@ def run_closing(main: Callable[[], Awaitable[None]]) -> None:
 async def ask(gateway: Gateway, messages: list[dict[str, str]], conversation: str = "c-1") -> str:
     """One chat request decided through the store; the service's own id for it."""
     _, routed = await gateway.route_shared(
+        shape=OWN_ENVOY,
         path=CHAT, content_type="application/json", session_headers={"x-conversation-id": conversation}, turn="",
         request_id="envoy-id", body=orjson.dumps({"messages": messages, "max_tokens": 8}),
     )
@@ -162,7 +164,7 @@ def test_turns_that_alternate_between_routers_stay_on_their_replica(server: Runn
                 answered(gateway, request_id)
                 await gateway.store.flushed()  # type: ignore[union-attr]
             alone = make_gateway()  # the control: a router that shares nothing goes to the ring home
-            _, routed = alone.route_request(path=CHAT, content_type="application/json",
+            _, routed = alone.route_request(shape=OWN_ENVOY, path=CHAT, content_type="application/json",
                                             session_headers={"x-conversation-id": conversation}, turn="",
                                             request_id="x", body=orjson.dumps({"messages": messages}))
             assert routed and next(reversed(alone.requests.pending.values())).decision.replica == home

@@ -105,7 +105,7 @@ async def sharing_index(address: str, password: Path, router_id: str, **store: o
     gateway.metrics.watch(gateway.replica_states)
     settings = SETTINGS.store.model_copy(update={"url": address, "password_file": str(password), "timeout_ms": 500,
                                                  "retry_seconds": 0.2, "load_ttl_seconds": 0.6, **store})
-    await gateway.share_state(settings, router_id)
+    await gateway.publishing.share_state(settings, router_id)
     OPEN.append(gateway)
     return gateway
 

@@ -21,6 +21,7 @@ from extproc.routing import Router
 from extproc.routing.tokens import CharCounter, Message, shared_opening
 from extproc.service import admin_pb2
 from extproc.service.admin import AdminService
+from extproc.service.dataplanes.own_envoy import OWN_ENVOY
 from extproc.service.gateway import Gateway
 from extproc.service.metrics import Metrics
 from extproc.service.tokenizer import CHARS, GgufTokenizer, TokenizerError, _compile_template, make_counter
@@ -128,7 +129,7 @@ def counting_gateway() -> Gateway:
 
 
 def route(gateway: Gateway, messages: list[dict[str, str]], conversation: str) -> tuple[str, Any]:
-    gateway.route_request(path=CHAT, content_type="application/json",
+    gateway.route_request(shape=OWN_ENVOY, path=CHAT, content_type="application/json",
                           session_headers={"x-conversation-id": conversation}, turn="", request_id=conversation,
                           body=orjson.dumps({"messages": messages, "max_tokens": 8}))
     ours = next(reversed(gateway.requests.pending))

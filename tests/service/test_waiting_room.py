@@ -10,7 +10,9 @@ import orjson
 
 from extproc.routing import Router
 from extproc.routing.flows import Flow, flow_of
-from extproc.service.gateway import BOUNDED_CHARS, Gateway, bounded
+from extproc.service.bounds import BOUNDED_CHARS, bounded
+from extproc.service.dataplanes.own_envoy import OWN_ENVOY
+from extproc.service.gateway import Gateway
 from extproc.service.metrics import Metrics
 from extproc.service.waiting_room import FLOWS_KEPT, HeldReads, WaitingRoom
 from extproc.settings import load_settings
@@ -31,7 +33,8 @@ def test_a_request_with_room_is_routed_at_once_charged_to_its_flow_and_released_
     body = orjson.dumps({"messages": [{"role": "user", "content": "hello"}], "max_tokens": 8})
 
     async def route() -> tuple[bytes, str | None]:
-        return await room.route(HeldReads(None), path="/v1/chat/completions", content_type="application/json",
+        return await room.route(HeldReads(None), shape=OWN_ENVOY, path="/v1/chat/completions",
+                                content_type="application/json",
                                 session_headers={}, turn="1", request_id="envoy-1", body=body, tenant="acme",
                                 objective="interactive")
 

@@ -6,7 +6,7 @@ bodies FULL_DUPLEX_STREAMED or BUFFERED. So one stream carries one whole HTTP re
 
   request headers (path, content type, ids and session headers read from the header map; the subset hint from the
   metadata context) -> the body, read whole (chunks in full-duplex mode, one message buffered)
-  -> the pick (answers.py, the protocol's shape), answering the headers, or the body when
+  -> the pick (``PickerAnswers``), answering the headers, or the body when
   Envoy waits for the headers' answer before it sends a buffered body -> the body given back:
   each chunk as a streamed_response in full-duplex mode -> trailers answered -> the response
   headers (status, the endpoint that served it from ``envoy.lb``) and every body chunk,
@@ -16,31 +16,38 @@ bodies FULL_DUPLEX_STREAMED or BUFFERED. So one stream carries one whole HTTP re
 A request that is no generation is answered by the gateway itself (surface.py: the fleet's
 models, its health, CORS preflights, 404/405 for the rest): nothing else reaches a replica.
 The protocol's modes come with the first message (``protocol_config``).
+
+The pick's shape (``PickerAnswers``) answers the request headers or, when Envoy waits for that
+answer before it sends a BUFFERED body, the request body: ONE endpoint in the header and in
+``envoy.lb`` (an ORIGINAL_DST cluster reading the header answers 503 to a list), the next one as
+``x-gateway-destination-endpoint-fallback`` in ``envoy.lb``. No id of ours is set: the gateway's
+own is left alone.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any
+from dataclasses import dataclass
 
 import grpc
+from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from google.protobuf import struct_pb2
 
-from extproc.envoy.contract import LB_NAMESPACE, SERVED, SUBSET, SUBSET_NAMESPACE
+from extproc.envoy.contract import DESTINATION, DESTINATION_FALLBACK, LB_NAMESPACE, SERVED, SUBSET, SUBSET_NAMESPACE
 from extproc.envoy.surface import Generation, Preflight, ReadOnly, Refused, classify
 from extproc.service.answers import (
     REPLICA_CORS_REMOVED,
-    Phase,
+    answer_to,
     header_option,
     immediate,
     immediate_headers,
     more_headers,
+    pick_headers,
     response_headers,
 )
-from extproc.service.gateway import Gateway
-from extproc.service.offload import BodyParser
-from extproc.service.waiting_room import HeldReads, WaitingRoom
+from extproc.service.dataplanes.plane import Serving, header_values
+from extproc.service.waiting_room import HeldReads
 
 Mode = processing_mode_pb2.ProcessingMode
 FULL_DUPLEX = Mode.FULL_DUPLEX_STREAMED
@@ -75,16 +82,6 @@ def _streamed(chunk: bytes, end_of_stream: bool) -> pb.BodyResponse:
     return pb.BodyResponse(response=pb.CommonResponse(body_mutation=mutation))
 
 
-def header_values(headers: pb.HttpHeaders, wanted: Iterable[str]) -> dict[str, str]:
-    """The wanted headers of an ext_proc header map (values in raw_value since Envoy 1.27, else value)."""
-    names = set(wanted)
-    return {
-        header.key: header.raw_value.decode("utf-8", "replace") if header.raw_value else header.value
-        for header in headers.headers.headers
-        if header.key in names
-    }
-
-
 def subset_hint(message: pb.ProcessingRequest) -> frozenset[str] | None:
     """The endpoints the gateway allows (``envoy.lb.subset_hint``), or None when it names none."""
     namespace = message.metadata_context.filter_metadata.get(SUBSET_NAMESPACE)
@@ -103,34 +100,61 @@ def served_endpoint(message: pb.ProcessingRequest) -> str:
     return value.string_value if value is not None else ""
 
 
-async def route_body(gateway: Gateway, parser: BodyParser | None, room: WaitingRoom | None, stream: Any,
-                     tenant: str, objective: str, **request: Any) -> tuple[bytes, str | None]:
-    """Gateway.route_request (or route_shared, with a store) for a whole body, or through flow
-    control's waiting room when it is on (``stream``: the request's ext_proc stream; ``tenant``,
-    ``objective``: its flow headers' values); a large body is parsed off the event loop first
-    (offload.py). Both kinds of stream decide through here. An empty answer (waiting_room.LEFT):
-    the client went away while its request waited, nothing is to be said."""
-    body, path, content_type = request["body"], request["path"], request["content_type"]
-    if parser is not None and parser.takes(body):
-        block_chars = gateway.router.policy.prefix_block_chars
-        request["parsed_elsewhere"] = await parser.parse(path, content_type, body, block_chars,
-                                                         gateway.sessions.fields)
-    if room is not None:
-        return await room.route(stream, tenant=tenant, objective=objective, **request)
-    if gateway.store is None:
-        return gateway.route_request(**request)
-    return await gateway.route_shared(**request)  # one round trip to the shared store first
+@dataclass(frozen=True, slots=True)
+class PickerAnswers:
+    """The pick's shape for an Endpoint Picker's gateway (module docstring)."""
+
+    to_body: bool  # the answer to a BUFFERED body Envoy sent once the headers were answered
+
+    access_logged = False  # the stream's end says when the request is over
+    waits_announced = False  # a gateway keeps its own message timeout (docs/flow-control.md)
+
+    def pick(self, destination: str, replica: str, reason: str, streamed: bool, routing_headers: bool,
+             replica_key: str) -> bytes:
+        endpoint, _, fallbacks = destination.partition(",")
+        # llama.cpp closes a connection right after a streamed answer, unannounced: a gateway's
+        # pool cluster (keep-alive) would send the next turn on it and get a 503. Asked to close,
+        # it says so, and Envoy opens a fresh connection (docs/inference-gateway.md)
+        own = [header_option(DESTINATION, endpoint), *([header_option("connection", "close")] if streamed else [])]
+        metadata = struct_pb2.Struct()
+        lb = metadata.get_or_create_struct(LB_NAMESPACE)
+        lb[DESTINATION] = endpoint
+        if fallbacks:
+            lb[DESTINATION_FALLBACK] = fallbacks.partition(",")[0]
+        headers = pick_headers(replica, reason, routing_headers, replica_key, *own)
+        common = pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=headers), clear_route_cache=True)
+        return answer_to(common, self.to_body, dynamic_metadata=metadata)
+
+    def headers(self, headers: list[base_pb2.HeaderValueOption]) -> bytes:
+        return more_headers(headers, self.to_body)
+
+    def named(self, request_id: str) -> bytes:
+        return b""
+
+
+TO_HEADERS = PickerAnswers(to_body=False)
+TO_BODY = PickerAnswers(to_body=True)
+
+
+class EndpointPicker:
+    """The Endpoint Picker protocol: any stream opened by request headers that no other mode claims."""
+
+    name = "endpoint-picker"
+
+    def claims(self, first: pb.ProcessingRequest, own_envoy: bool) -> str:
+        return "picker" if first.WhichOneof("request") == "request_headers" else ""
+
+    async def serve(self, first: pb.ProcessingRequest, stream: HeldReads, serving: Serving) -> None:
+        await PickerStream(serving, stream).serve(first)
 
 
 class PickerStream:
     """One HTTP request's ext_proc stream from an Endpoint Picker's gateway (module docstring)."""
 
-    def __init__(self, gateway: Gateway, parser: BodyParser | None, room: WaitingRoom | None,
-                 context: HeldReads) -> None:
-        self.gateway = gateway
-        self.parser = parser
-        self.room = room  # flow control's, when on
-        self.wanted = WANTED + (room.headers if room is not None else ())
+    def __init__(self, serving: Serving, context: HeldReads) -> None:
+        self.serving = serving
+        self.gateway = serving.gateway
+        self.wanted = WANTED + serving.headers_read()
         self.context = context
         self.request_mode = NO_BODY
         self.response_mode = NO_BODY
@@ -149,13 +173,12 @@ class PickerStream:
 
     async def _request(self, first: pb.ProcessingRequest) -> bool:
         """Answer the request's headers and body; False when the answer ended the request."""
-        values = header_values(first.request_headers, (*self.wanted, *self.gateway.sessions.headers))
+        values = header_values(first.request_headers, self.wanted)
         asked = classify(values.get(":method", ""), values.get(":path", ""))
         self.cors = self.gateway.cors.answer_headers(values.get("origin", ""))
         if not isinstance(asked, Generation):
             await self.context.write(self._answer_locally(asked, values))
             return False
-        subset = subset_hint(first)
         # BUFFERED: Envoy sends the body only once the headers are answered (unless told not to wait);
         # a request without a body is decided on its headers (it is refused: a generation has a body)
         config, headers_end = first.protocol_config, first.request_headers.end_of_stream
@@ -166,15 +189,19 @@ class PickerStream:
         chunks, trailers = await self._read_body(headers_end)
         if chunks is None:
             return False
-        phase: Phase = "body" if waits else "headers"
-        answer, self.request_id = await self._route(values, asked.path, b"".join(chunks), phase, subset)
+        shape = TO_BODY if waits else TO_HEADERS
+        answer, self.request_id = await self.serving.route(
+            self.context, shape, values, path=asked.path, content_type=values.get("content-type", ""),
+            session_headers=values, turn=values.get("x-turn", ""), request_id=values.get("x-request-id", ""),
+            body=b"".join(chunks), subset=subset_hint(first),
+        )  # fmt: skip
         if not answer:  # the client went away while its request waited
             return False
         if self.request_id is None:  # refused: Envoy answers the client itself
             await self.context.write(answer + immediate_headers(self.cors) if self.cors else answer)
             return False
         if asked.rewritten:  # the replica gets the path it serves (no trailing slash)
-            answer += more_headers([header_option(":path", asked.path)], phase)
+            answer += shape.headers([header_option(":path", asked.path)])
         await self.context.write(answer)
         if not waits and self.request_mode != NO_BODY:
             for index, chunk in enumerate(chunks):
@@ -185,12 +212,12 @@ class PickerStream:
         return True
 
     def _answer_locally(self, asked: ReadOnly | Preflight | Refused, values: dict[str, str]) -> bytes:
-        cors = self.cors
+        cors, local = self.cors, self.gateway.local
         if isinstance(asked, ReadOnly):
-            return self.gateway.answer_locally(asked, cors)
+            return local.answer(asked, cors)
         if isinstance(asked, Preflight) and cors:
-            return self.gateway.preflight(cors, values.get("access-control-request-headers", ""))
-        return self.gateway.refuse(asked if isinstance(asked, Refused) else NO_PREFLIGHT, cors)
+            return local.preflight(cors, values.get("access-control-request-headers", ""))
+        return local.refuse(asked if isinstance(asked, Refused) else NO_PREFLIGHT, cors)
 
     def _cors_answer(self) -> bytes:
         """The answer's CORS headers, the replica's own removed (response_headers: merged into the answer)."""
@@ -223,18 +250,6 @@ class PickerStream:
             chunks.append(chunk)
             if message.request_body.end_of_stream:
                 return chunks, False
-
-    async def _route(
-        self, values: dict[str, str], path: str, body: bytes, phase: Phase, subset: frozenset[str] | None
-    ) -> tuple[bytes, str | None]:
-        room = self.room
-        tenant, objective = (values.get(room.headers[0], ""), values.get(room.headers[1], "")) \
-            if room is not None else ("", "")
-        return await route_body(
-            self.gateway, self.parser, room, self.context, tenant, objective, path=path,
-            content_type=values.get("content-type", ""), session_headers=values, turn=values.get("x-turn", ""),
-            request_id=values.get("x-request-id", ""), body=body, phase=phase, subset=subset,
-        )  # fmt: skip
 
     async def _rest(self) -> None:
         """Every later phase, answered as it comes; the response watched for its end. A response
@@ -270,3 +285,6 @@ class PickerStream:
                 if tracked is not None:
                     requests.observe_body(tracked, b"", True)
                 await context.write(RESPONSE_TRAILERS_CONTINUE)
+
+
+PLANE = EndpointPicker()
