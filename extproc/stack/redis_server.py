@@ -5,9 +5,9 @@ its log in the caller's directory. Never the machine's system-wide service.
 Credentials: the ``default`` user is off; the routers connect as ``llm-ring`` (USER), allowed
 only the commands the store modules (service/store*.py) send on keys ``<key_prefix>:*``
 (``router_rule``, which k8s/35-store.yaml repeats: a test checks they agree), no script nor
-function; ``admin`` may do anything (inspection, drills). Both passwords are generated into 0600 files in the
-server's folder (reused when it restarts there) and written into its 0600 config file, so no
-password is on a command line. Eviction: ``volatile-ttl``, the key nearest its expiry first:
+function; ``admin`` may do anything (inspection, drills). Both passwords are generated into
+0600 files in the server's folder (reused when it restarts there) and written into its 0600
+config file, so no password is on a command line. Eviction: ``volatile-ttl``, the key nearest its expiry first:
 every key the routers write has a TTL, so a write is never refused for memory, and one-shot
 placements (short TTL) go before returning conversations (docs/several-gateways.md)."""
 
