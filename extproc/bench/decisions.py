@@ -181,7 +181,6 @@ def bytes_per_block(replicas: int = 8, prompts: int = 400) -> float:
 def main(args: argparse.Namespace) -> int:
     decisions = getattr(args, "decisions", 20_000)
     fleets = getattr(args, "fleets", list(FLEETS))
-    results: list[dict[str, Any]] = []
     other = against.checkout(args.against) if getattr(args, "against", None) else None  # checked before any output
     if other is not None and args.rounds < 1:
         raise UsageError(f"--rounds: {args.rounds} is not a positive number of pairs")
@@ -189,15 +188,32 @@ def main(args: argparse.Namespace) -> int:
         print(f"  routing core: {compiled.describe(extproc.CORE)}", flush=True)
     if other is not None:
         return compare(args, other, decisions, fleets)
+    summary = summarize(time_cells(fleets, decisions, show=not args.json), decisions)
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        print_summary(summary)
+    return 0
+
+
+def time_cells(fleets: Sequence[int], decisions: int, show: bool) -> list[dict[str, Any]]:
+    """Each cell's decision times, and its median against round-robin's on the same fleet."""
+    results: list[dict[str, Any]] = []
     floor: dict[int, float] = {}  # round-robin's median per fleet: what this machine charges for any decision
     for policy, replicas in bench_cells(fleets):
         cell = time_decisions(policy, replicas, decisions)
         floor.setdefault(replicas, cell["median_us"])
         cell["x_round_robin"] = cell["median_us"] / floor[replicas]
         results.append({"policy": policy, "replicas": replicas, **cell})
-        if not args.json:
+        if show:
             print(f"  {policy:<15} {replicas:>5} replicas  median {cell['median_us']:6.1f} µs"
                   f"  p99 {cell['p99_us']:7.1f} µs  {cell['x_round_robin']:5.2f}× round-robin", flush=True)
+    return results
+
+
+def summarize(results: list[dict[str, Any]], decisions: int) -> dict[str, Any]:
+    """The cells with the figures around them: hashing, memory per conversation and per block,
+    the targets (and compiled against Python when the core is compiled)."""
     hashed_tokens, peer_blocks, peer_hashing_us = block_hashing_us(BLOCK_CHARS)
     _, index_blocks, hashing_us = block_hashing_us(INDEX_BLOCK_CHARS)
     next_turn_us = next_turn_hashing_us(INDEX_BLOCK_CHARS)
@@ -205,10 +221,9 @@ def main(args: argparse.Namespace) -> int:
     block_bytes = bytes_per_block()
     target = next((r for r in results if r["policy"] == "llm-aware" and r["replicas"] == 64), None)
     indexed = next(r for r in results if r["policy"] == PREFIX_INDEX)
-    versus = compiled_against_python(decisions) if extproc.CORE == "compiled" else None
-    summary = {
+    return {
         "core": extproc.CORE,
-        "compiled_against_python": versus,
+        "compiled_against_python": compiled_against_python(decisions) if extproc.CORE == "compiled" else None,
         "decisions": results,
         "bytes_per_remembered_conversation": memory_bytes,
         "block_hashing": {"prompt_tokens": hashed_tokens,
@@ -221,27 +236,30 @@ def main(args: argparse.Namespace) -> int:
         "targets": {"llm_aware_64_median_us": TARGET_MEDIAN_US,
                     "bytes_per_remembered_conversation": TARGET_BYTES_PER_CONVERSATION},
     }
-    if args.json:
-        print(json.dumps(summary))
-        return 0
-    print(f"\n  prefix blocks of a {hashed_tokens}-token prompt: {hashing_us:.1f} µs to hash for the index "
-          f"({index_blocks} blocks of {INDEX_BLOCK_CHARS} characters), {peer_hashing_us:.1f} µs for the peers "
-          f"({peer_blocks} of {BLOCK_CHARS}); {next_turn_us:.1f} µs for the index when the turn before was "
+
+
+def print_summary(summary: dict[str, Any]) -> None:
+    hashing = summary["block_hashing"]
+    index, peers = hashing["prefix_index"], hashing["peers"]
+    hashing_us, next_turn_us = index["median_us"], index["next_turn_median_us"]
+    print(f"\n  prefix blocks of a {hashing['prompt_tokens']}-token prompt: {hashing_us:.1f} µs to hash for the index "
+          f"({index['blocks']} blocks of {INDEX_BLOCK_CHARS} characters), {peers['median_us']:.1f} µs for the peers "
+          f"({peers['blocks']} of {BLOCK_CHARS}); {next_turn_us:.1f} µs for the index when the turn before was "
           f"hashed (only its new blocks)")
-    decided = indexed["median_us"]
+    decided = summary["prefix_index_64_median_us"]
     print(f"  {PREFIX_INDEX} at {PEER_FLEET} replicas: median {decided:.1f} µs + hashing {hashing_us:.1f} µs = "
           f"{decided + hashing_us:.1f} µs, a next turn {decided + next_turn_us:.1f} µs (target ≤ "
           f"{TARGET_MEDIAN_US:.0f} µs, ratio {(decided + hashing_us) / TARGET_MEDIAN_US:.2f}); "
-          f"{block_bytes:.0f} bytes per indexed block")
-    if versus is not None:
+          f"{summary['bytes_per_prefix_index_block']:.0f} bytes per indexed block")
+    if (versus := summary["compiled_against_python"]) is not None:
         print(f"  the same, compiled against Python (3 pairs alternated): decision {_versus(versus['median_us'])}, "
               f"hashing {_versus(versus['hashing_us'])}, a next turn's {_versus(versus['next_turn_us'])}")
+    memory_bytes = summary["bytes_per_remembered_conversation"]
     print(f"  placement memory: {memory_bytes:.0f} bytes per remembered conversation "
           f"(target ≤ {TARGET_BYTES_PER_CONVERSATION:.0f}, ratio {memory_bytes / TARGET_BYTES_PER_CONVERSATION:.2f})")
-    if target:
-        print(f"  llm-aware at 64 replicas: median {target['median_us']:.1f} µs "
-              f"(target ≤ {TARGET_MEDIAN_US:.0f} µs, ratio {target['median_us'] / TARGET_MEDIAN_US:.2f})")
-    return 0
+    if (target_us := summary["llm_aware_64_median_us"]) is not None:
+        print(f"  llm-aware at 64 replicas: median {target_us:.1f} µs "
+              f"(target ≤ {TARGET_MEDIAN_US:.0f} µs, ratio {target_us / TARGET_MEDIAN_US:.2f})")
 
 
 def bench_cells(fleets: Sequence[int]) -> list[tuple[str, int]]:

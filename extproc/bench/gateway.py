@@ -134,51 +134,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     try:
         stubbed = start_service_on_stubs(workdir, 3, "stub", ROOM_ENV if with_flow else None)
         started += stubbed.processes
-        service, replicas, endpoints = stubbed.service, stubbed.replicas, stubbed.endpoints
-        ports = [split_host_port(address)[1] for address in replicas.values()]
-        stub_processor = start_stub_processor(free_port(), replicas["stub-0"], workdir / "stub_processor")
-        started.append(stub_processor)
-        targets = {"direct": ports}
-        processes: dict[str, dict[str, Running]] = {
-            "direct": {},
-            "envoy+stub_ext_proc": {"ext_proc": stub_processor},
-            "envoy+ext_proc": {"ext_proc": service},
-        }
-        ext_procs: list[tuple[str, str | None]] = [
-            ("envoy", None), ("envoy+stub_ext_proc", stub_processor.ext_proc), ("envoy+ext_proc", service.ext_proc),
-        ]
-        if with_store:
-            redis_server = start_redis(workdir / "redis")
-            started.append(redis_server)
-            sharing = start_sharing_service(workdir, stubbed, user_url(redis_server.address),
-                                            password_file(workdir / "redis"))
-            started.append(sharing)
-            processes[STORE_MODE] = {"ext_proc": sharing}
-            ext_procs.append((STORE_MODE, sharing.ext_proc))
-        for mode, settings in ((TOKENIZER_MODE, counting_env), (FLOW_MODE, lambda: FLOW_ENV)):
-            if mode in modes:  # the same service with ``settings`` changed
-                variant = start_variant_service(workdir, stubbed, mode, settings())
-                started.append(variant)
-                processes[mode] = {"ext_proc": variant}
-                ext_procs.append((mode, variant.ext_proc))
-        for mode, ext_proc in ext_procs:
-            flow = flow_options(load_settings(ROUTER_REFERENCE, environ=FLOW_ENV).flow) if mode == FLOW_MODE else None
-            envoy = start_gateway_envoy(workdir / mode, ext_proc, endpoints, False, args_envoy_concurrency(args),
-                                        flow=flow)
+        targets = {"direct": [split_host_port(address)[1] for address in stubbed.replicas.values()]}
+        processes: dict[str, dict[str, Running]] = {"direct": {}}
+        ext_procs = start_ext_procs(workdir, stubbed, modes, started)
+        for mode, ext_proc in ext_procs.items():
+            processes[mode] = {} if ext_proc is None else {"ext_proc": ext_proc}
+            envoy = start_envoy(workdir, mode, ext_proc, stubbed.endpoints, args)
             started.append(envoy)
             targets[mode] = [split_host_port(envoy.listen)[1]]
-            processes.setdefault(mode, {})["envoy"] = envoy
+            processes[mode]["envoy"] = envoy
         if with_pool:
-            stub_picker = start_stub_picker(free_port(), replicas["stub-0"], workdir / "stub_picker")
-            started.append(stub_picker)
-            picker = start_picker_service(workdir / "picker", replicas)
-            started.append(picker)
-            for mode, running in ((POOL_FLOOR, stub_picker), (POOL_MODE, picker)):
-                envoy = start_inference_gateway_envoy(workdir / mode, AI_GATEWAY, running.ext_proc,
-                                                      sorted(replicas.values()), args_envoy_concurrency(args))
-                started.append(envoy)
-                targets[mode] = [split_host_port(envoy.listen)[1]]
-                processes[mode] = {"envoy": envoy, "ext_proc": running}
+            for mode, pair in start_pool(workdir, stubbed.replicas, args, started).items():
+                targets[mode] = [split_host_port(pair["envoy"].listen)[1]]
+                processes[mode] = pair
         cells = measure_rounds(modes, targets, processes, concurrency, rounds, seconds, conversations)
         result = summarize(cells, seconds, rounds, str(workdir) if getattr(args, "keep", False) else None,
                            load_at_start)
@@ -192,6 +160,57 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             running.stop()
         if not getattr(args, "keep", False):
             shutil.rmtree(workdir, ignore_errors=True)
+
+
+def start_ext_procs(
+    workdir: Path, stubbed: ServiceOnStubs, modes: tuple[str, ...], started: list[Running]
+) -> dict[str, Running | None]:
+    """The ext_proc behind each Envoy mode (None: Envoy alone), in the order their Envoys start:
+    the stub processor, the service, and the service's variants ``modes`` ask for."""
+    stub_processor = start_stub_processor(free_port(), stubbed.replicas["stub-0"], workdir / "stub_processor")
+    started.append(stub_processor)
+    ext_procs: dict[str, Running | None] = {
+        "envoy": None, "envoy+stub_ext_proc": stub_processor, "envoy+ext_proc": stubbed.service,
+    }
+    if STORE_MODE in modes:
+        redis_server = start_redis(workdir / "redis")
+        started.append(redis_server)
+        sharing = start_sharing_service(workdir, stubbed, user_url(redis_server.address),
+                                        password_file(workdir / "redis"))
+        started.append(sharing)
+        ext_procs[STORE_MODE] = sharing
+    for mode, settings in ((TOKENIZER_MODE, counting_env), (FLOW_MODE, lambda: FLOW_ENV)):
+        if mode in modes:  # the same service with ``settings`` changed
+            variant = start_variant_service(workdir, stubbed, mode, settings())
+            started.append(variant)
+            ext_procs[mode] = variant
+    return ext_procs
+
+
+def start_envoy(
+    workdir: Path, mode: str, ext_proc: Running | None, endpoints: Path, args: argparse.Namespace
+) -> Running:
+    """The Envoy of one mode, in front of ``ext_proc`` (None: routing by itself)."""
+    flow = flow_options(load_settings(ROUTER_REFERENCE, environ=FLOW_ENV).flow) if mode == FLOW_MODE else None
+    return start_gateway_envoy(workdir / mode, ext_proc.ext_proc if ext_proc else None, endpoints, False,
+                               args_envoy_concurrency(args), flow=flow)
+
+
+def start_pool(
+    workdir: Path, replicas: dict[str, str], args: argparse.Namespace, started: list[Running]
+) -> dict[str, dict[str, Running]]:
+    """The inference-pool modes: an AI gateway's Envoy in front of the stub picker, and of ours."""
+    stub_picker = start_stub_picker(free_port(), replicas["stub-0"], workdir / "stub_picker")
+    started.append(stub_picker)
+    picker = start_picker_service(workdir / "picker", replicas)
+    started.append(picker)
+    processes: dict[str, dict[str, Running]] = {}
+    for mode, running in ((POOL_FLOOR, stub_picker), (POOL_MODE, picker)):
+        envoy = start_inference_gateway_envoy(workdir / mode, AI_GATEWAY, running.ext_proc,
+                                              sorted(replicas.values()), args_envoy_concurrency(args))
+        started.append(envoy)
+        processes[mode] = {"envoy": envoy, "ext_proc": running}
+    return processes
 
 
 def measure_rounds(modes: tuple[str, ...], targets: dict[str, list[int]], processes: dict[str, dict[str, Running]],

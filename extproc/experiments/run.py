@@ -259,24 +259,8 @@ def _run_one(
         versions=versions(), extra={"gateway": lab.gateway_url, "new_connections": new_connections},
     )  # fmt: skip
     write_run_metadata(meta, run_dir)
-    command = [
-        sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless",
-        "-u", str(profile.concurrency), "-r", str(profile.spawn_rate),
-        "--host", lab.gateway_url, "-t", f"{int(profile.max_duration_s)}s",
-        "--exit-code-on-error", "0", "--only-summary", "--loglevel", "WARNING",
-        "--traffic-profile", str(profile_path), "--conversation-seed", str(seed),
-        "--policy-label", spec.label, "--run-id", run_id, "--records-dir", str(run_dir),
-        "--session", session_tag(run_id, time.time()),
-        "--model", served_model(lab.gateway_url),
-        *(["--new-connections"] if new_connections else []),
-    ]  # fmt: skip
-    drills: list[_Drill] = []
-    if scale_at:
-        drills.append(_Scaler(lab, start_replicas + 1, scale_at))
-    if roll is not None:
-        drills.append(_Roller(lab, roll))
-    if kill is not None and isinstance(lab, GatewayTier):
-        drills.append(Killer(lab, STORE if kill.part == "store" else list(lab.routers())[-1], kill))
+    command = _locust_command(lab, profile, profile_path, spec, seed, run_id, run_dir, new_connections)
+    drills = _drills(lab, start_replicas, scale_at, kill, roll)
     started = time.monotonic()
     with (run_dir / "locust.log").open("w") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
@@ -299,6 +283,38 @@ def _run_one(
     if meta.rows == 0:
         raise LabError(f"{run_id}: Locust recorded no request; see {run_dir / 'locust.log'}")
 
+
+
+def _locust_command(
+    lab: Lab, profile: Profile, profile_path: Path, spec: PolicySpec, seed: int, run_id: str, run_dir: Path,
+    new_connections: bool,
+) -> list[str]:
+    """Locust sending the profile's conversations to the gateway, recording each request in run_dir."""
+    return [
+        sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless",
+        "-u", str(profile.concurrency), "-r", str(profile.spawn_rate),
+        "--host", lab.gateway_url, "-t", f"{int(profile.max_duration_s)}s",
+        "--exit-code-on-error", "0", "--only-summary", "--loglevel", "WARNING",
+        "--traffic-profile", str(profile_path), "--conversation-seed", str(seed),
+        "--policy-label", spec.label, "--run-id", run_id, "--records-dir", str(run_dir),
+        "--session", session_tag(run_id, time.time()),
+        "--model", served_model(lab.gateway_url),
+        *(["--new-connections"] if new_connections else []),
+    ]  # fmt: skip
+
+
+def _drills(
+    lab: Lab, start_replicas: int, scale_at: float | None, kill: Kill | None, roll: Roll | None
+) -> list[_Drill]:
+    """What happens to the lab during the run: a scale-up, a rolling restart, a part killed."""
+    drills: list[_Drill] = []
+    if scale_at:
+        drills.append(_Scaler(lab, start_replicas + 1, scale_at))
+    if roll is not None:
+        drills.append(_Roller(lab, roll))
+    if kill is not None and isinstance(lab, GatewayTier):
+        drills.append(Killer(lab, STORE if kill.part == "store" else list(lab.routers())[-1], kill))
+    return drills
 
 def _finished(process: subprocess.Popen, wait_s: float) -> bool:
     try:

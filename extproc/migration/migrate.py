@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from extproc.migration import slotfiles
 from extproc.migration.llama import LlamaServer, Slot, SlotError
@@ -99,51 +99,23 @@ def migrate_out(leaving: tuple[str, str], staying: Mapping[str, str], routers: S
     pass saved: a slot that ran a task since (its conversation came back) is saved again. A
     first pass moves the idle slots while the replica still serves (its routers then send those
     conversations to their receivers), a later one what changed since and what was busy."""
-    from extproc.service.admin_client import AdminClient
-
     name, address = leaving
     outcome = Outcome(name)
     began = time.monotonic()
     try:
         source = LlamaServer(address, key=replica_key)
         framing = Framing.learn(source.render)
-        placed: dict[str, dict[int, int]] = {}  # opening -> {conversation key: prompt tokens}
-        for router in routers:
-            with AdminClient(router, token=router_token) as admin:
-                state = admin.state()["routing"]
-                for key, opening, tokens in admin.placements(name):
-                    if opening:
-                        placed.setdefault(opening, {})[key] = tokens
+        state, placed = _routers_placements(routers, router_token, name)
         candidates, saved = _saved_slots(source, name, folder, identity, framing, placed, outcome, done)
         ring = HashRing(staying, int(state["virtual_nodes"]), int(state["hash_seed"]))
-        with ThreadPoolExecutor(max(1, len(staying))) as pool:  # a busy replica answers after its batch: all at once
-            servers = [LlamaServer(address, key=replica_key) for address in staying.values()]
-            idle = dict(zip(staying, pool.map(_idle_slots, servers), strict=True))
+        idle = _idle_on(staying, replica_key)
         moves = plan(candidates, ring, {r: len(s) for r, s in idle.items()}, costs, limits.min_tokens,
                      limits.max_bytes)
         if moves and time.monotonic() < deadline:
-            # each file first where its receiver can read it: a receiver that may not load it (another
-            # model, context or KV type) is a miss that no router hears of
-            with ThreadPoolExecutor(len(moves)) as pool:
-                files = list(pool.map(lambda m: transport.deliver(m.receiver, m.conversation_key), moves))
-            for move, file in zip(moves, files, strict=True):
-                if file is None:
-                    outcome.attempted += 1
-                    outcome.failed += 1
-                    outcome.problems.append(f"{move.receiver}: no slot file of its identity (a miss)")
-            delivered = {m.conversation_key: file for m, file in zip(moves, files, strict=True) if file is not None}
+            delivered = _deliver(moves, transport, outcome)
             moves = [m for m in moves if m.conversation_key in delivered]
             receivers = {r: LlamaServer(staying[r], max(1.0, deadline - time.monotonic()), replica_key) for r in idle}
-            results = _restore_all(moves, receivers, idle, delivered, {k: t for k, (_, t) in saved.items()})
-            restored = []
-            for move, problem in zip(moves, results, strict=True):
-                outcome.attempted += 1
-                if problem is None:
-                    restored.append((move.conversation_key, move.receiver, move.tokens))
-                    outcome.bytes += saved[move.conversation_key][0]
-                else:
-                    outcome.failed += 1
-                    outcome.problems.append(problem)
+            restored = _restore_moves(moves, receivers, idle, delivered, saved, outcome)
             # the routers only once each copy is in place and checked: a next turn sent before
             # goes to the leaving replica, which still holds it (and the move is made again)
             if restored:
@@ -163,6 +135,60 @@ def migrate_out(leaving: tuple[str, str], staying: Mapping[str, str], routers: S
              f"({outcome.bytes:,} bytes, {outcome.seconds:.2f}s)"
              + (f"; {outcome.problems[0]}" if outcome.problems else ""))
     return outcome
+
+
+def _routers_placements(routers: Sequence[str], router_token: str | None, name: str
+                        ) -> tuple[dict[str, Any], dict[str, dict[int, int]]]:
+    """The routing state (as the last router reports it: its ring's settings) and, by opening, the
+    conversations the routers placed on ``name`` with their prompt tokens."""
+    from extproc.service.admin_client import AdminClient
+
+    placed: dict[str, dict[int, int]] = {}  # opening -> {conversation key: prompt tokens}
+    for router in routers:
+        with AdminClient(router, token=router_token) as admin:
+            state = admin.state()["routing"]
+            for key, opening, tokens in admin.placements(name):
+                if opening:
+                    placed.setdefault(opening, {})[key] = tokens
+    return state, placed
+
+
+def _idle_on(staying: Mapping[str, str], replica_key: str | None) -> dict[str, list[Slot]]:
+    """Each staying replica's idle slots, asked all at once: a busy replica answers after its batch."""
+    with ThreadPoolExecutor(max(1, len(staying))) as pool:
+        servers = [LlamaServer(address, key=replica_key) for address in staying.values()]
+        return dict(zip(staying, pool.map(_idle_slots, servers), strict=True))
+
+
+def _deliver(moves: list[Move], transport: Transport, outcome: Outcome) -> dict[int, tuple[str, int]]:
+    """Each move's file first where its receiver can read it (conversation key -> file): a receiver
+    that may not load it (another model, context or KV type) is a miss that no router hears of."""
+    with ThreadPoolExecutor(len(moves)) as pool:
+        files = list(pool.map(lambda m: transport.deliver(m.receiver, m.conversation_key), moves))
+    for move, file in zip(moves, files, strict=True):
+        if file is None:
+            outcome.attempted += 1
+            outcome.failed += 1
+            outcome.problems.append(f"{move.receiver}: no slot file of its identity (a miss)")
+    return {m.conversation_key: file for m, file in zip(moves, files, strict=True) if file is not None}
+
+
+def _restore_moves(moves: list[Move], receivers: Mapping[str, LlamaServer], idle: Mapping[str, list[Slot]],
+                   delivered: dict[int, tuple[str, int]], saved: dict[int, tuple[int, list[int]]],
+                   outcome: Outcome) -> list[tuple[int, str, int]]:
+    """Restore the delivered moves on their receivers; (conversation key, receiver, tokens) of each
+    that succeeded, counted in ``outcome`` with the failures."""
+    results = _restore_all(moves, receivers, idle, delivered, {k: t for k, (_, t) in saved.items()})
+    restored = []
+    for move, problem in zip(moves, results, strict=True):
+        outcome.attempted += 1
+        if problem is None:
+            restored.append((move.conversation_key, move.receiver, move.tokens))
+            outcome.bytes += saved[move.conversation_key][0]
+        else:
+            outcome.failed += 1
+            outcome.problems.append(problem)
+    return restored
 
 
 def _saved_slots(source: LlamaServer, name: str, folder: Path, identity: slotfiles.Identity, framing: Framing,

@@ -129,97 +129,9 @@ class _Collector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         m = self.metrics
-        yield _counter("llm_ring_decisions", "routing decisions", ["policy", "reason"], m.decisions)
-        yield m.decision_seconds.family(
-            "llm_ring_decision_seconds", "time to parse the body and decide (router.route included)"
-        )
-        yield _counter("llm_ring_requests_completed", "requests released from the ledger", ["outcome"], m.completed)
-        yield _counter("llm_ring_errors", "requests refused or failed", ["kind"], m.errors)
-        released = CounterMetricFamily(
-            "llm_ring_released_by_next_turn",
-            "requests released when a later turn of their conversation arrived carrying their answer",
-        )
-        released.add_metric([], m.released_by_next_turn)
-        yield released
-        branches = CounterMetricFamily(
-            "llm_ring_branches", "chats that continue no known conversation but resend a completed request's "
-            "history (an edited or regenerated turn), started where that history was served")
-        branches.add_metric([], m.branches)
-        yield branches
-        yield _counter("llm_ring_answered_locally", "read-only requests the gateway answered itself (no replica)",
-                       ["kind"], m.answered_locally)
-        yield _counter(
-            "llm_ring_stream_failures",
-            "gRPC streams (or access log entries) the service failed on: a bug; Envoy fails open",
-            ["stream"],
-            m.stream_failures,
-        )
-        yield _counter(
-            "llm_ring_store_errors",
-            "calls to the shared store that failed or timed out (a read: that decision on local state; "
-            "a write: sent again)",
-            ["call"],
-            m.store_errors,
-        )
-        yield _counter(
-            "llm_ring_store_invalid_entries",
-            "entries read from the store that did not parse or were out of bounds: skipped",
-            ["entry"],
-            m.store_invalid,
-        )
-        dropped = CounterMetricFamily(
-            "llm_ring_store_writes_dropped", "queued store writes given up during a long outage (queue full)"
-        )
-        dropped.add_metric([], m.store_writes_dropped)
-        yield dropped
-        republished = CounterMetricFamily(
-            "llm_ring_store_republished", "times this router published its load, pending requests and placements "
-            "again (reconnected, or the store found emptied)"
-        )
-        republished.add_metric([], m.store_republished)
-        yield republished
-        answers = CounterMetricFamily(
-            "llm_ring_store_answers_learnt", "other routers' answers this router learnt replica speeds from "
-            "(read from the store)"
-        )
-        answers.add_metric([], m.store_answers_learnt)
-        yield answers
-        applied = CounterMetricFamily(
-            "llm_ring_store_index_changes_applied", "other routers' changes to llm-aware's prefix index (a prompt "
-            "sent, used or failed, a capacity moved) this router made in its own (read from the store)")
-        applied.add_metric([], m.store_index_applied)
-        yield applied
-        missed = CounterMetricFamily(
-            "llm_ring_store_index_entries_missed", "entries of other routers' changes to the prefix index trimmed "
-            "from the store before this router read them (its index lacks them)")
-        missed.add_metric([], m.store_index_missed)
-        yield missed
-        in_use = GaugeMetricFamily(
-            "llm_ring_store_in_use", "1 while decisions use the shared store, 0 on local state alone"
-        )
-        in_use.add_metric([], 1 if m.store_in_use else 0)
-        yield in_use
-        yield _counter(
-            "llm_ring_predicted_cached_tokens",
-            "cached prompt tokens the router predicted (requests with timings)",
-            ["replica"],
-            m.predicted_cached,
-        )
-        yield _counter(
-            "llm_ring_actual_cached_tokens",
-            "cached prompt tokens the replica reported (timings.cache_n)",
-            ["replica"],
-            m.actual_cached,
-        )
-        yield _counter(
-            "llm_ring_actual_prompt_tokens",
-            "prompt tokens the replica reported (cache_n + prompt_n)",
-            ["replica"],
-            m.actual_prompt,
-        )
-        yield m.prediction_error.family(
-            "llm_ring_cached_tokens_prediction_error", "actual cache_n minus predicted cached tokens, per request"
-        )
+        yield from _decisions(m)
+        yield from _store(m)
+        yield from _cache_tokens(m)
         if m.tokenizer_name:
             tokenizer = GaugeMetricFamily("llm_ring_tokenizer", "1, labelled with how prompt tokens are counted "
                                           "(service.tokenizer: chars/N or gguf:FILE)", labels=["tokenizer"])
@@ -227,6 +139,105 @@ class _Collector(Collector):
             yield tokenizer
         yield from _live_state(m.live_state())
         yield from _speeds(m.learnt_speeds())
+
+
+def _decisions(m: Metrics) -> Iterator[Metric]:
+    """What the router decided and how each request ended."""
+    yield _counter("llm_ring_decisions", "routing decisions", ["policy", "reason"], m.decisions)
+    yield m.decision_seconds.family(
+        "llm_ring_decision_seconds", "time to parse the body and decide (router.route included)"
+    )
+    yield _counter("llm_ring_requests_completed", "requests released from the ledger", ["outcome"], m.completed)
+    yield _counter("llm_ring_errors", "requests refused or failed", ["kind"], m.errors)
+    yield _total(
+        "llm_ring_released_by_next_turn",
+        "requests released when a later turn of their conversation arrived carrying their answer",
+        m.released_by_next_turn,
+    )
+    yield _total(
+        "llm_ring_branches", "chats that continue no known conversation but resend a completed request's "
+        "history (an edited or regenerated turn), started where that history was served", m.branches)
+    yield _counter("llm_ring_answered_locally", "read-only requests the gateway answered itself (no replica)",
+                   ["kind"], m.answered_locally)
+    yield _counter(
+        "llm_ring_stream_failures",
+        "gRPC streams (or access log entries) the service failed on: a bug; Envoy fails open",
+        ["stream"],
+        m.stream_failures,
+    )
+
+
+def _store(m: Metrics) -> Iterator[Metric]:
+    """The shared store's health (store.py)."""
+    yield _counter(
+        "llm_ring_store_errors",
+        "calls to the shared store that failed or timed out (a read: that decision on local state; "
+        "a write: sent again)",
+        ["call"],
+        m.store_errors,
+    )
+    yield _counter(
+        "llm_ring_store_invalid_entries",
+        "entries read from the store that did not parse or were out of bounds: skipped",
+        ["entry"],
+        m.store_invalid,
+    )
+    yield _total(
+        "llm_ring_store_writes_dropped", "queued store writes given up during a long outage (queue full)",
+        m.store_writes_dropped,
+    )
+    yield _total(
+        "llm_ring_store_republished", "times this router published its load, pending requests and placements "
+        "again (reconnected, or the store found emptied)", m.store_republished
+    )
+    yield _total(
+        "llm_ring_store_answers_learnt", "other routers' answers this router learnt replica speeds from "
+        "(read from the store)", m.store_answers_learnt
+    )
+    yield _total(
+        "llm_ring_store_index_changes_applied", "other routers' changes to llm-aware's prefix index (a prompt "
+        "sent, used or failed, a capacity moved) this router made in its own (read from the store)",
+        m.store_index_applied)
+    yield _total(
+        "llm_ring_store_index_entries_missed", "entries of other routers' changes to the prefix index trimmed "
+        "from the store before this router read them (its index lacks them)", m.store_index_missed)
+    in_use = GaugeMetricFamily(
+        "llm_ring_store_in_use", "1 while decisions use the shared store, 0 on local state alone"
+    )
+    in_use.add_metric([], 1 if m.store_in_use else 0)
+    yield in_use
+
+
+def _cache_tokens(m: Metrics) -> Iterator[Metric]:
+    """The cached prompt tokens predicted against those the replicas reported."""
+    yield _counter(
+        "llm_ring_predicted_cached_tokens",
+        "cached prompt tokens the router predicted (requests with timings)",
+        ["replica"],
+        m.predicted_cached,
+    )
+    yield _counter(
+        "llm_ring_actual_cached_tokens",
+        "cached prompt tokens the replica reported (timings.cache_n)",
+        ["replica"],
+        m.actual_cached,
+    )
+    yield _counter(
+        "llm_ring_actual_prompt_tokens",
+        "prompt tokens the replica reported (cache_n + prompt_n)",
+        ["replica"],
+        m.actual_prompt,
+    )
+    yield m.prediction_error.family(
+        "llm_ring_cached_tokens_prediction_error", "actual cache_n minus predicted cached tokens, per request"
+    )
+
+
+def _total(name: str, documentation: str, value: float) -> Metric:
+    """A counter without labels."""
+    family = CounterMetricFamily(name, documentation)
+    family.add_metric([], value)
+    return family
 
 
 def _counter(

@@ -86,9 +86,11 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-def calibrate(client: httpx.Client, args: argparse.Namespace) -> dict[str, Any]:
-    rng = random.Random(0)
-    log = _log
+def _prefill_points(
+    client: httpx.Client, rng: random.Random, args: argparse.Namespace
+) -> tuple[list[tuple[float, float, float]], list[float]]:
+    """A cold and a cached prompt of each length: (new, cached, prompt seconds) of each, and the
+    time each answer took beyond its prompt and generation (the HTTP overhead)."""
     rows = []  # (new, cached, prompt_s)
     overheads = []
     for length in args.lengths:
@@ -103,18 +105,30 @@ def calibrate(client: httpx.Client, args: argparse.Namespace) -> dict[str, Any]:
         for t in (cold, warm):
             rows.append((t["prompt_n"], t["cache_n"], t["prompt_ms"] / 1000))
             overheads.append(t["wall_s"] - (t["prompt_ms"] + t["predicted_ms"]) / 1000)
-        log(f"prefill ~{length} tok: cold {cold['prompt_n']} tok {cold['prompt_ms']:.0f} ms, "
-            f"cached {warm['cache_n']}+{warm['prompt_n']} tok {warm['prompt_ms']:.0f} ms")
-    x = np.array([[1.0, n, n * (c + n / 2)] for n, c, _ in rows])
-    y = np.array([s for _, _, s in rows])
-    intercept, per_token, per_ctx = (max(0.0, float(v)) for v in np.linalg.lstsq(x, y, rcond=None)[0])
-    http = max(0.0, float(np.median(overheads)))
+        _log(f"prefill ~{length} tok: cold {cold['prompt_n']} tok {cold['prompt_ms']:.0f} ms, "
+             f"cached {warm['cache_n']}+{warm['prompt_n']} tok {warm['prompt_ms']:.0f} ms")
+    return rows, overheads
 
+
+def _decode_points(client: httpx.Client, rng: random.Random, args: argparse.Namespace) -> list[tuple[float, float]]:
+    """Seconds per generated token after a short and after a long context: (context, s/token) of each."""
     decode = []
     for length in (16, max(args.lengths) // 2):
         t = _fastest([_complete(client, _prompt(rng, length), args.decode_tokens) for _ in range(args.repeats)])
         decode.append((t["prompt_n"] + t["cache_n"], t["predicted_ms"] / 1000 / max(1, t["predicted_n"])))
-        log(f"decode after {decode[-1][0]} tok: {1 / decode[-1][1]:.1f} tok/s")
+        _log(f"decode after {decode[-1][0]} tok: {1 / decode[-1][1]:.1f} tok/s")
+    return decode
+
+
+def calibrate(client: httpx.Client, args: argparse.Namespace) -> dict[str, Any]:
+    rng = random.Random(0)
+    log = _log
+    rows, overheads = _prefill_points(client, rng, args)
+    x = np.array([[1.0, n, n * (c + n / 2)] for n, c, _ in rows])
+    y = np.array([s for _, _, s in rows])
+    intercept, per_token, per_ctx = (max(0.0, float(v)) for v in np.linalg.lstsq(x, y, rcond=None)[0])
+    http = max(0.0, float(np.median(overheads)))
+    decode = _decode_points(client, rng, args)
     (ctx_a, per_a), (ctx_b, per_b) = decode
     per_tok_ctx = max(0.0, (per_b - per_a) / (ctx_b - ctx_a)) if ctx_b > ctx_a else 0.0
     per_tok = per_a - ctx_a * per_tok_ctx

@@ -104,53 +104,48 @@ def load_cost_model(name_or_path: str | Path) -> CostModel:
     return parse_cost_model(raw, source=str(path))
 
 
-def parse_cost_model(raw: Any, source: str = "cost model") -> CostModel:
-    def get(*keys: str) -> Any:
-        node = raw
+class _Fields:
+    """The cost model's fields read from ``raw``, each checked: a missing or wrong one is a
+    CostModelError naming it."""
+
+    def __init__(self, raw: Any, source: str) -> None:
+        self.raw, self.source = raw, source
+
+    def get(self, *keys: str) -> Any:
+        node = self.raw
         for depth, key in enumerate(keys):
             if not isinstance(node, dict) or key not in node:
-                raise CostModelError(f"{source}: {'.'.join(keys[: depth + 1])}: missing")
+                raise CostModelError(f"{self.source}: {'.'.join(keys[: depth + 1])}: missing")
             node = node[key]
         return node
 
-    def number(*keys: str) -> float:
-        value = get(*keys)
+    def number(self, *keys: str) -> float:
+        value = self.get(*keys)
         if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
-            raise CostModelError(f"{source}: {'.'.join(keys)}: must be a number >= 0 (got {value!r})")
+            raise CostModelError(f"{self.source}: {'.'.join(keys)}: must be a number >= 0 (got {value!r})")
         return float(value)
 
-    def table(*keys: str) -> tuple[float, ...]:
-        value = get(*keys)
+    def table(self, *keys: str) -> tuple[float, ...]:
+        value = self.get(*keys)
         ok = isinstance(value, list) and value and all(
             isinstance(v, int | float) and not isinstance(v, bool) and v >= 1 for v in value
         )
         if not ok:
-            raise CostModelError(f"{source}: {'.'.join(keys)}: must be a non-empty list of numbers >= 1 "
+            raise CostModelError(f"{self.source}: {'.'.join(keys)}: must be a non-empty list of numbers >= 1 "
                                  f"(slowdown with 1, 2, ... busy slots; got {value!r})")
         return tuple(float(v) for v in value)
 
-    def integer(*keys: str) -> int:
-        value = get(*keys)
+    def integer(self, *keys: str) -> int:
+        value = self.get(*keys)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise CostModelError(f"{source}: {'.'.join(keys)}: must be an integer >= 1 (got {value!r})")
+            raise CostModelError(f"{self.source}: {'.'.join(keys)}: must be an integer >= 1 (got {value!r})")
         return value
 
-    server = None
-    if isinstance(raw, dict) and "server" in raw:
-        kind = get("server", "kv_cache")
-        if kind == "slots":
-            server = Server("slots", integer("server", "context_tokens"))
-        elif kind == "paged":
-            server = Server("paged", integer("server", "context_tokens"), integer("server", "kv_capacity_tokens"),
-                            integer("server", "block_tokens"), integer("server", "max_running"))
-            # the longest request, its 512-token blocks and its private tail each rounded up to block_tokens
-            longest = server.context_tokens + (-(-server.context_tokens // 512) + 1) * server.block_tokens
-            if longest > server.kv_capacity_tokens:
-                raise CostModelError(f"{source}: server.kv_capacity_tokens: must hold the longest request "
-                                     f"(context_tokens {server.context_tokens} + block rounding = {longest} tokens; "
-                                     f"got {server.kv_capacity_tokens})")
-        else:
-            raise CostModelError(f"{source}: server.kv_cache: must be \"slots\" or \"paged\" (got {kind!r})")
+
+def parse_cost_model(raw: Any, source: str = "cost model") -> CostModel:
+    fields = _Fields(raw, source)
+    get, number, table = fields.get, fields.number, fields.table
+    server = _server(fields) if isinstance(raw, dict) and "server" in raw else None
     measured = get("measured")
     if not isinstance(measured, dict):
         raise CostModelError(f"{source}: measured: must be an object describing the measurement")
@@ -170,3 +165,22 @@ def parse_cost_model(raw: Any, source: str = "cost model") -> CostModel:
         measured=measured,
         server=server,
     )
+
+
+def _server(fields: _Fields) -> Server:
+    """The server section: how the replica keeps its KV cache."""
+    source, integer = fields.source, fields.integer
+    kind = fields.get("server", "kv_cache")
+    if kind == "slots":
+        return Server("slots", integer("server", "context_tokens"))
+    if kind != "paged":
+        raise CostModelError(f"{source}: server.kv_cache: must be \"slots\" or \"paged\" (got {kind!r})")
+    server = Server("paged", integer("server", "context_tokens"), integer("server", "kv_capacity_tokens"),
+                    integer("server", "block_tokens"), integer("server", "max_running"))
+    # the longest request, its 512-token blocks and its private tail each rounded up to block_tokens
+    longest = server.context_tokens + (-(-server.context_tokens // 512) + 1) * server.block_tokens
+    if longest > server.kv_capacity_tokens:
+        raise CostModelError(f"{source}: server.kv_capacity_tokens: must hold the longest request "
+                             f"(context_tokens {server.context_tokens} + block rounding = {longest} tokens; "
+                             f"got {server.kv_capacity_tokens})")
+    return server

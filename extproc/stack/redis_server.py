@@ -3,11 +3,11 @@ and the local stack's gateways: on 127.0.0.1 only, nothing written to disk, boun
 its log in the caller's directory. Never the machine's system-wide service.
 
 Credentials: the ``default`` user is off; the routers connect as ``llm-ring`` (USER), allowed
-only the commands store.py sends on keys ``<key_prefix>:*`` (``router_rule``, which
-k8s/35-store.yaml repeats: a test checks they agree), no script nor function; ``admin`` may do
-anything (inspection, drills). Both passwords are generated into 0600 files in the
-server's folder (reused when it restarts there) and written into its 0600 config file, so no
-password is on a command line. Eviction: ``volatile-ttl``, the key nearest its expiry first:
+only the commands the store modules (service/store*.py) send on keys ``<key_prefix>:*``
+(``router_rule``, which k8s/35-store.yaml repeats: a test checks they agree), no script nor
+function; ``admin`` may do anything (inspection, drills). Both passwords are generated into
+0600 files in the server's folder (reused when it restarts there) and written into its 0600
+config file, so no password is on a command line. Eviction: ``volatile-ttl``, the key nearest its expiry first:
 every key the routers write has a TTL, so a write is never refused for memory, and one-shot
 placements (short TTL) go before returning conversations (docs/several-gateways.md)."""
 
@@ -24,9 +24,9 @@ from extproc.stack.processes import Running, StartError, accepts, free_port, spa
 MAX_MEMORY = "256mb"
 USER = "llm-ring"
 ADMIN = "admin"
-# every command store.py sends, and no other: no EVAL, EVALSHA, SCRIPT, FCALL nor FUNCTION (a script's
-# memory escapes maxmemory and a long one blocks the store: BUSY); MULTI/EXEC and WATCH make its
-# reads one instant and its check-and-set exact
+# every command the store modules (service/store*.py) send, and no other: no EVAL, EVALSHA, SCRIPT,
+# FCALL nor FUNCTION (a script's memory escapes maxmemory and a long one blocks the store: BUSY);
+# MULTI/EXEC and WATCH make its reads one instant and its check-and-set exact
 ROUTER_COMMANDS = (
     "get", "set", "del", "exists", "hgetall", "hset", "hsetnx", "hdel", "pexpire", "sadd", "srem", "srandmember",
     "zadd", "zrange", "zremrangebyrank", "xadd", "xread", "multi", "exec", "watch", "unwatch",
