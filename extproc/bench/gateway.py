@@ -32,14 +32,25 @@ import shutil
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from extproc.bench.stubs import ServiceOnStubs, start_service_on_stubs, start_stub_picker, start_stub_processor
+from extproc.bench.gateway_load import WARMUP_SECONDS, cpu_seconds, load
+from extproc.bench.side_by_side import render_side_by_side, run_side_by_side
+from extproc.bench.stubs import (
+    FLOW_ENV,
+    ROOM_ENV,
+    ServiceOnStubs,
+    flow_outcomes,
+    room_of,
+    start_service_on_stubs,
+    start_stub_picker,
+    start_stub_processor,
+    start_variant_service,
+)
 from extproc.envoy.config import flow_options
 from extproc.envoy.contract import split_host_port
 from extproc.envoy.inference_gateways import AI_GATEWAY
@@ -66,12 +77,6 @@ FULL = MODES[3]  # the service, which the variants below are measured against
 STORE_MODE = "envoy+ext_proc+store"
 TOKENIZER_MODE = "envoy+ext_proc+tokenizer"
 FLOW_MODE = "envoy+ext_proc+flow"
-# flow control on, no slot reserved; with --flow on every service is told the stubs have room
-# enough that every request is routed at once: a request's load is released when Envoy's access
-# log entry comes, in batches, so far more requests than the clients' are counted in flight
-FLOW_ENV = {"LLM_RING__FLOW__ENABLED": "true", "LLM_RING__FLOW__RESERVED_SLOTS": "0"}
-ROOM_KEY = "LLM_RING__ROUTING__REPLICA_SLOTS"
-ROOM_ENV = {ROOM_KEY: "1024"}
 # --mode pool: the same through an InferencePool gateway's data plane (Envoy AI Gateway's,
 # full duplex, the picker over TLS; extproc.envoy.inference_gateways), with its own floor:
 # a do-nothing TLS picker answering every phase (extproc.bench.stub_picker)
@@ -79,7 +84,6 @@ POOL_FLOOR = "pool+stub_picker"
 POOL_MODE = "pool+ext_proc"
 POOL_MODES = (POOL_FLOOR, POOL_MODE)
 VARIANT_MODES = (STORE_MODE, TOKENIZER_MODE, FLOW_MODE)  # the service with one thing changed
-WARMUP_SECONDS = 0.5
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -102,6 +106,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--flow", nargs="+", choices=["off", "on"], default=["off"],
                         help="ext_proc without (off) and/or with (on) flow control, nothing waiting; "
                              "`--flow off on` measures both in one run")
+    parser.add_argument("--paced", type=float, metavar="RATE",
+                        help="with --flow off on: measure the two side by side instead (side_by_side.py), each "
+                             "service sent RATE requests a second, with an identical service as the noise; "
+                             "--rounds sets of fresh services, --seconds per window")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -109,11 +117,15 @@ def main(args: argparse.Namespace) -> int:
         print("llm-ring bench gateway: --store on needs redis-server (`make setup` installs Debian's package)",
               file=sys.stderr)
         return 2
-    result = run(args)
+    paced = getattr(args, "paced", None)
+    if paced is not None and (paced <= 0 or set(getattr(args, "flow", ())) != {"off", "on"}):
+        print("llm-ring bench gateway: --paced RATE takes a positive rate, with --flow off on", file=sys.stderr)
+        return 2
+    result = run(args) if paced is None else run_side_by_side(args)
     if getattr(args, "json", False):
         print(json.dumps(result))
     else:
-        print(render_table(result))
+        print(render_table(result) if paced is None else render_side_by_side(result))
     return 0
 
 
@@ -267,20 +279,6 @@ def counting_env() -> dict[str, str]:
     return {"LLM_RING__SERVICE__TOKENIZER": json.dumps(str(smollm2_gguf()))}
 
 
-def room_of(stubbed: ServiceOnStubs) -> dict[str, str]:
-    """The stubs' slots as the first service was told them (ROOM_ENV), for another service."""
-    return {ROOM_KEY: stubbed.env[ROOM_KEY]} if ROOM_KEY in stubbed.env else {}
-
-
-def start_variant_service(workdir: Path, stubbed: ServiceOnStubs, name: str, settings: dict[str, str]) -> Running:
-    """Another `llm-ring serve` over the same stubs, with ``settings`` (LLM_RING__ variables) changed."""
-    listen = f"127.0.0.1:{free_port()}"
-    env = service_env(listen, workdir / f"eds-{name}" / "replicas.json", static_discovery(stubbed.replicas))
-    running = start_service(workdir / f"service-{name}", env | room_of(stubbed) | settings)
-    running.listen = env["LLM_RING__SERVICE__METRICS_LISTEN"].strip('"')  # its /metrics, read at the end
-    return running
-
-
 def store_health(service: Running) -> dict[str, Any]:
     """Whether the sharing service used its store throughout: its store metrics after the run."""
     text = httpx.get(f"http://{service.listen}/metrics", timeout=5.0).text
@@ -288,15 +286,6 @@ def store_health(service: Running) -> dict[str, Any]:
               for family in text_string_to_metric_families(text) for sample in family.samples}
     errors = sum(value for (name, _), value in values.items() if name == "llm_ring_store_errors_total")
     return {"errors": int(errors), "in_use_at_end": values.get(("llm_ring_store_in_use", ""), 0) == 1}
-
-
-def flow_outcomes(service: Running) -> dict[str, int]:
-    """How the requests went through the flow-controlled service: at_once, else queued."""
-    text = httpx.get(f"http://{service.listen}/metrics", timeout=5.0).text
-    outcomes = [(sample.labels["outcome"], sample.value) for family in text_string_to_metric_families(text)
-                for sample in family.samples if sample.name == "llm_ring_flow_requests_total"]
-    at_once = sum(value for outcome, value in outcomes if outcome == "at_once")
-    return {"at_once": int(at_once), "other": int(sum(value for _, value in outcomes) - at_once)}
 
 
 def measure(
@@ -321,12 +310,6 @@ def median_cell(runs: list[dict[str, Any]]) -> dict[str, Any]:
     cell["errors"] = sum(run["errors"] for run in runs)
     cell["first_error"] = next((run["first_error"] for run in runs if run.get("first_error")), "")
     return cell
-
-
-def cpu_seconds(running: Running) -> float:
-    """User + system CPU time of a process so far (Linux /proc)."""
-    fields = Path(f"/proc/{running.process.pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def args_envoy_concurrency(args: argparse.Namespace) -> int:
@@ -500,84 +483,6 @@ def render_table(result: dict[str, Any]) -> str:
 
 
 # ----------------------------------------------------------------------------- the client
-
-
-def _requests(conversations: int) -> list[bytes]:
-    out = []
-    for i in range(conversations):
-        body = json.dumps(
-            {
-                "messages": [
-                    {"role": "system", "content": "You are terse."},
-                    {"role": "user", "content": f"Question {i}: hello?"},
-                ],
-                "max_tokens": 16,
-            }
-        ).encode()
-        out.append(
-            b"POST /v1/chat/completions HTTP/1.1\r\nhost: bench\r\ncontent-type: application/json\r\n"
-            + f"x-conversation-id: bench-{i}\r\nx-turn: 1\r\ncontent-length: {len(body)}\r\n\r\n".encode()
-            + body
-        )
-    return out
-
-
-async def load(ports: list[int], connections: int, seconds: float, conversations: int) -> dict[str, Any]:
-    """Closed loop: each connection sends its next request as soon as the previous answer is read."""
-    requests = _requests(conversations)
-    warmup_end = time.perf_counter() + WARMUP_SECONDS
-    end = warmup_end + seconds
-    latencies: list[int] = []
-    errors = [0]
-    first_error: list[str] = []
-
-    async def client(index: int) -> None:
-        reader, writer = await asyncio.open_connection("127.0.0.1", ports[index % len(ports)])
-        i = index
-        try:
-            while True:
-                request = requests[i % len(requests)]
-                i += connections
-                started = time.perf_counter_ns()
-                writer.write(request)
-                head = await reader.readuntil(b"\r\n\r\n")
-                await _read_body(reader, head)
-                now = time.perf_counter()
-                if now > end:
-                    return
-                if now > warmup_end:
-                    latencies.append(time.perf_counter_ns() - started)
-                    if not head.startswith(b"HTTP/1.1 200"):
-                        errors[0] += 1
-                        if not first_error:
-                            first_error.append(head.split(b"\r\n", 1)[0].decode(errors="replace"))
-        finally:
-            writer.close()
-
-    await asyncio.gather(*(client(i) for i in range(connections)))
-    latencies.sort()
-    count = len(latencies)
-    return {
-        "requests": count,
-        "errors": errors[0],
-        "first_error": first_error[0] if first_error else "",
-        "rps": round(count / seconds, 1),
-        "p50_ms": round(latencies[count // 2] / 1e6, 3) if count else float("nan"),
-        "p99_ms": round(latencies[min(count - 1, int(count * 0.99))] / 1e6, 3) if count else float("nan"),
-    }
-
-
-async def _read_body(reader: asyncio.StreamReader, head: bytes) -> None:
-    lower = head.lower()
-    if b"transfer-encoding: chunked" in lower:
-        while True:
-            size = int((await reader.readuntil(b"\r\n")).split(b";")[0], 16)
-            await reader.readexactly(size + 2)
-            if size == 0:
-                return
-    index = lower.find(b"content-length:")
-    if index >= 0:
-        await reader.readexactly(int(lower[index + 15 : lower.find(b"\r\n", index)].strip()))
 
 
 def _progress(text: str) -> None:

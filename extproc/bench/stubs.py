@@ -8,6 +8,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
 from extproc.envoy.contract import ext_proc_address, write_endpoints_file
 from extproc.stack.processes import (
     Running,
@@ -88,3 +91,34 @@ def start_stub_picker(port: int, endpoint: str, workdir: Path) -> Running:
     wait_until_ready(running, lambda: tls_grpc_serving(address, "readiness"), 10.0)
     running.address = running.ext_proc = address
     return running
+
+
+# flow control on, no slot reserved; with flow control measured every service is told the stubs have room
+# enough that every request is routed at once: a request's load is released when Envoy's access
+# log entry comes, in batches, so far more requests than the clients' are counted in flight
+FLOW_ENV = {"LLM_RING__FLOW__ENABLED": "true", "LLM_RING__FLOW__RESERVED_SLOTS": "0"}
+ROOM_KEY = "LLM_RING__ROUTING__REPLICA_SLOTS"
+ROOM_ENV = {ROOM_KEY: "1024"}
+
+
+def room_of(stubbed: ServiceOnStubs) -> dict[str, str]:
+    """The stubs' slots as the first service was told them (ROOM_ENV), for another service."""
+    return {ROOM_KEY: stubbed.env[ROOM_KEY]} if ROOM_KEY in stubbed.env else {}
+
+
+def start_variant_service(workdir: Path, stubbed: ServiceOnStubs, name: str, settings: dict[str, str]) -> Running:
+    """Another `llm-ring serve` over the same stubs, with ``settings`` (LLM_RING__ variables) changed."""
+    listen = f"127.0.0.1:{free_port()}"
+    env = service_env(listen, workdir / f"eds-{name}" / "replicas.json", static_discovery(stubbed.replicas))
+    running = start_service(workdir / f"service-{name}", env | room_of(stubbed) | settings)
+    running.listen = env["LLM_RING__SERVICE__METRICS_LISTEN"].strip('"')  # its /metrics, read at the end
+    return running
+
+
+def flow_outcomes(service: Running) -> dict[str, int]:
+    """How the requests went through the flow-controlled service: at_once, else queued."""
+    text = httpx.get(f"http://{service.listen}/metrics", timeout=5.0).text
+    outcomes = [(sample.labels["outcome"], sample.value) for family in text_string_to_metric_families(text)
+                for sample in family.samples if sample.name == "llm_ring_flow_requests_total"]
+    at_once = sum(value for outcome, value in outcomes if outcome == "at_once")
+    return {"at_once": int(at_once), "other": int(sum(value for _, value in outcomes) - at_once)}

@@ -6,7 +6,18 @@ import argparse
 
 import pytest
 
-from extproc.bench.gateway import FLOW_MODE, MODES, POOL_MODES, STORE_MODE, median_cell, render_table, run
+from extproc.bench.gateway import (
+    FLOW_MODE,
+    MODES,
+    POOL_MODES,
+    STORE_MODE,
+    configure,
+    main,
+    median_cell,
+    render_table,
+    run,
+)
+from extproc.bench.side_by_side import WINDOWS, render_side_by_side, run_side_by_side
 from extproc.stack.redis_server import redis_server_binary
 
 pytestmark = pytest.mark.live
@@ -77,3 +88,25 @@ def test_with_flow_on_the_service_with_flow_control_routes_every_request_at_once
     assert len(cells[FLOW_MODE]["cpu_ratios"]) == 1 and cells[FLOW_MODE]["rps_ratio"] > 0
     assert "flow control on (envoy+ext_proc+flow: nothing waits" in render_table(result)
     assert "round by round, over ext_proc without it: req/s" in render_table(result)
+
+
+def test_with_paced_flow_control_is_measured_side_by_side_against_an_identical_service() -> None:
+    args = argparse.Namespace(flow=["off", "on"], paced=60.0, rounds=1, seconds=0.5)
+    result = run_side_by_side(args)
+    (one_set,) = result["sets"]
+    assert sorted(one_set["started"]) == ["off", "on", "same"]
+    # every window's requests went through flow control at once (its warm-up's too)
+    assert one_set["flow"]["other"] == 0 and one_set["flow"]["at_once"] >= WINDOWS * 60 * 0.5 * 0.9
+    for median, low, high in result["ratios"].values():
+        assert 0 < low <= median <= high
+    text = render_side_by_side(result)
+    assert "ext_proc CPU per request, on / off" in text and "ext_proc CPU per request, same / off" in text
+
+
+@pytest.mark.parametrize("flags", [["--paced", "50"], ["--flow", "off", "on", "--paced", "-1"]])
+def test_paced_without_both_flow_modes_or_with_no_rate_is_refused(flags: list[str],
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    parser = argparse.ArgumentParser()
+    configure(parser)
+    assert main(parser.parse_args(flags)) == 2
+    assert capsys.readouterr().err.count("\n") == 1
