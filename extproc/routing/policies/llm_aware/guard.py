@@ -7,10 +7,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import NamedTuple
 
-from extproc.routing.policies.situation import Situation, new
-
 
 class GuardRail(NamedTuple):
+    """ttft_guard_factor × the average load in tokens, this request included (``tokens_limit``)."""
+
     tokens: Mapping[str, int]  # the ledger's loads in tokens ...
     requests: Mapping[str, int]  # ... and in requests, which the predictions read too
     tokens_limit: float
@@ -20,9 +20,3 @@ class GuardRail(NamedTuple):
         never while it runs fewer than ``running_floor`` requests."""
         load = self.tokens[replica]
         return load > 0 and load + cost > self.tokens_limit and self.requests[replica] >= running_floor
-
-
-def guard_rail(situation: Situation, loads: Mapping[str, int], average: float, factor: float) -> GuardRail:
-    """``factor`` × the average load in tokens (``average``: this request included); ``loads``: the
-    ledger's in tokens."""
-    return new(GuardRail, (loads, situation.ledger.loads("requests"), factor * average))

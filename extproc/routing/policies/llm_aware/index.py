@@ -11,7 +11,7 @@ from itertools import repeat
 
 from extproc.routing.blocks import covered_tokens
 from extproc.routing.decision import Candidate
-from extproc.routing.policies.llm_aware.where import WhereCached, remembered
+from extproc.routing.policies.llm_aware.where import PlacementMemoryCache, WhereCached
 from extproc.routing.policies.situation import Situation, new
 from extproc.routing.prefix_index import PrefixIndex
 
@@ -29,6 +29,7 @@ class IndexedCache:
     def __init__(self, index: PrefixIndex, placement_memory: bool) -> None:
         self.index = index
         self.placement_memory = placement_memory
+        self.memory = PlacementMemoryCache()  # for requests without blocks, and prompts the index never saw
 
     def where_cached(self, situation: Situation, home: str) -> WhereCached:
         """The index's lookup. Entered at once: the holders a trace lists (deepest first), the
@@ -40,7 +41,7 @@ class IndexedCache:
         request = situation.request
         blocks = request.prefix_blocks
         if not blocks:
-            return remembered(situation)
+            return self.memory.where_cached(situation, home)
         prompt, count = request.prompt_tokens, len(blocks)
         index = self.index
         expected: dict[str, int] = {}  # replica -> cached tokens there, deepest first
@@ -72,7 +73,7 @@ class IndexedCache:
             # its changes have not come, or it was shorter than a block): placement memory decides. A prompt the
             # index forgot is one no replica holds any more.
             if placement is not None and (not index.forgot(blocks[0]) or placement.prompt_tokens * count < prompt):
-                return remembered(situation)
+                return self.memory.where_cached(situation, home)
             return None, {}, {}, seen, None
         depth, tied = groups[0]  # the replicas holding the longest prefix
         if not tied & (tied - 1):  # one replica

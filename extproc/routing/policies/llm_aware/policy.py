@@ -15,7 +15,7 @@ from extproc.routing.policies.llm_aware.prediction import Predicted, TtftPredict
 from extproc.routing.policies.llm_aware.trace import LlmAwareTrace
 from extproc.routing.policies.llm_aware.view import IndexView
 from extproc.routing.policies.llm_aware.warm import warm_first, warm_only
-from extproc.routing.policies.llm_aware.where import WhereCache, WhereCached
+from extproc.routing.policies.llm_aware.where import WhereCache
 from extproc.routing.policies.situation import Situation, new
 
 
@@ -41,7 +41,11 @@ class LlmAware:
         home = situation.home()
         assert home is not None  # eligible is not empty
         # expected: replica -> cached tokens there; costs: replica -> the request's new tokens there
-        cached_on, expected, costs, seen, holders = self.where_cached(situation, home)
+        cached_on, expected, costs, seen, holders = self.where.where_cached(situation, home)
+        if residency.tracked:  # where the request's model is cold its cache is gone
+            cached_on, expected, costs = warm_only(situation, cached_on, expected, costs)
+        if not self.cache_aware:
+            costs = {}
         by_memory = self.placement_memory and cached_on is not None
         preferred = cached_on if by_memory and cached_on is not None else home
         preferred_cost = costs.get(preferred, work)
@@ -63,11 +67,8 @@ class LlmAware:
             situation, preferred, preferred_cost, costs, work, average, cached is not None,
             cached_on == preferred and expected.get(preferred, 0) > 0)
         checks: tuple[Check, ...] = ()
-        predicted: Predicted = ()
-        walked: str | None
-        if timed is not None:
-            walked, predicted = timed
-        else:
+        walked, predicted = timed if timed is not None else (None, ())
+        if timed is None:
             walked, checks = first_fit(situation, preferred, loads, work, cap, discount)
         if asked:
             seen = (*seen[:2], (*seen[2], *asked))
@@ -79,30 +80,25 @@ class LlmAware:
         elif walked == preferred:
             chosen = preferred
             reason = ("home" if preferred == home else "warm" if warmed else "least-recent" if least_recent
-                      else "prefix" if seen else "sticky") + _over_cap(checks, loads[chosen], preferred_cost, cap,
-                                                                      discount)
+                      else "prefix" if seen else "sticky")
+            if checks:
+                reason += _over_cap(checks, loads[chosen], preferred_cost, cap, discount)
         else:
             chosen, reason = walked, "overflow"
-        by = ("prefix" if seen else "memory") if by_memory else ("lru" if least_recent else "ring")
-        return self.decision(situation, chosen, reason, (home, preferred, by), expected, costs, preferred_cost,
-                             (total, average, cap, discount.long_cap), checks, seen, predicted)
+        return self.decision(situation, chosen, reason, (home, preferred, by_memory, least_recent is not None),
+                             expected, costs, preferred_cost, (total, average, cap, discount.long_cap), checks, seen,
+                             predicted)
 
-    def where_cached(self, situation: Situation, home: str) -> WhereCached:
-        """``where``'s answer, without the replicas where the request's model is cold, and no
-        cheaper anywhere unless cache_aware."""
-        cached_on, expected, costs, seen, holders = self.where.where_cached(situation, home)
-        if situation.residency.tracked:
-            cached_on, expected, costs = warm_only(situation, cached_on, expected, costs)
-        return cached_on, expected, costs if self.cache_aware else {}, seen, holders
-
-    def decision(self, situation: Situation, chosen: str, reason: str, preference: tuple[str, str, str],
+    def decision(self, situation: Situation, chosen: str, reason: str, preference: tuple[str, str, bool, bool],
                  expected: Mapping[str, int], costs: Mapping[str, int], preferred_cost: int,
                  bounds: tuple[int, float, float, float | None], checks: tuple[Check, ...], seen: tuple[Any, ...],
                  predicted: Predicted) -> Decision:
-        """The decision and its trace. ``preference``: (the ring home, the preferred replica, what
-        preferred it); ``bounds``: (the total load with this request, the average, the cap, the long cap)."""
+        """The decision and its trace. ``preference``: (the ring home, the preferred replica, whether
+        where the cache is preferred it, whether the least recent rule did); ``bounds``: (the total
+        load with this request, the average, the cap, the long cap)."""
         request, placement = situation.request, situation.placement
-        home, preferred, by = preference
+        home, preferred, by_memory, least_recent = preference
+        by = ("prefix" if seen else "memory") if by_memory else ("lru" if least_recent else "ring")
         total, average, cap, long_cap = bounds
         details = new(LlmAwareTrace, (
             "tokens", home, preferred, by,
@@ -123,7 +119,7 @@ class LlmAware:
 def _over_cap(checks: tuple[Check, ...], load: int, cost: int, cap: float, discount: Discount) -> str:
     """"-long" or "-requests" when only the long cap, or only the cap in requests, let the
     preferred replica take the request (``load``: its load, ``cost``: the request's there)."""
-    if not (checks and load and load + cost > cap and not (discount.cached and load < cap)):
+    if not (load and load + cost > cap and not (discount.cached and load < cap)):
         return ""
     first = checks[0]
     return "-long" if first.load + first.cost <= first.limit or first.load < first.limit else "-requests"

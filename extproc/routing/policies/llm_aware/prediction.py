@@ -10,10 +10,10 @@ from collections.abc import Iterable, Mapping
 import extproc
 from extproc.routing.adapters import seen_running
 from extproc.routing.policies.llm_aware.bounds import FOLLOW_UP_REQUESTS_FLOOR
-from extproc.routing.policies.llm_aware.guard import GuardRail, guard_rail
+from extproc.routing.policies.llm_aware.guard import GuardRail
 from extproc.routing.policies.llm_aware.params import LlmAwareParams
 from extproc.routing.policies.llm_aware.warm import model_wait, warm_floor, warm_slots
-from extproc.routing.policies.situation import Situation
+from extproc.routing.policies.situation import Situation, new
 from extproc.routing.speeds import Speed
 
 # Up to this many replicas llm-aware predicts the first token on each; beyond, on a few candidates.
@@ -33,7 +33,8 @@ class TtftPrediction:
         """(the pick, the predictions weighed); None when ``preferred`` is past the guard rail (the
         bounded walk decides). ``cached``: the preferred replica holds the cache and is charged
         for it; ``holds_cache``: it holds some of the prompt."""
-        guard = guard_rail(situation, situation.ledger.loads("tokens"), average, self.guard_factor)
+        ledger = situation.ledger
+        guard = new(GuardRail, (ledger.loads("tokens"), ledger.loads("requests"), self.guard_factor * average))
         # one long prefill on the cached replica of a light fleet is no imbalance
         floor = max(FOLLOW_UP_REQUESTS_FLOOR if cached else 1,
                     warm_floor(situation, preferred, warm_slots(situation, self.slots)))

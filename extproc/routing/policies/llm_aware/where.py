@@ -26,22 +26,18 @@ class WhereCache(Protocol):
         ...
 
 
-def remembered(situation: Situation) -> WhereCached:
-    """Placement memory's one entry: the conversation's last replica holds its last prompt."""
-    placement = situation.placement
-    if placement is None:
-        return None, {}, {}, (), None
-    request = situation.request
-    replica, cached = placement.replica, min(placement.prompt_tokens, request.prompt_tokens)
-    cost = max(1, request.prompt_tokens - cached) + request.max_tokens
-    return replica, {replica: cached}, {replica: cost}, (), None
-
-
 class PlacementMemoryCache:
     """Where placement memory says the cache is; it knows nothing of what the replicas forget."""
 
     def where_cached(self, situation: Situation, home: str) -> WhereCached:
-        return remembered(situation)
+        """The conversation's last replica holds its last prompt."""
+        placement = situation.placement
+        if placement is None:
+            return None, {}, {}, (), None
+        request = situation.request
+        replica, cached = placement.replica, min(placement.prompt_tokens, request.prompt_tokens)
+        cost = max(1, request.prompt_tokens - cached) + request.max_tokens
+        return replica, {replica: cached}, {replica: cost}, (), None
 
     def least_recent_fit(self, situation: Situation, loads: Mapping[str, int], work: int,
                          cap: float) -> tuple[str, int] | None:
