@@ -35,22 +35,22 @@ class TtftPrediction:
         for it; ``holds_cache``: it holds some of the prompt."""
         ledger = situation.ledger
         guard = new(GuardRail, (ledger.loads("tokens"), ledger.loads("requests"), self.guard_factor * average))
+        slots_floor = warm_slots(situation, self.slots)
         # one long prefill on the cached replica of a light fleet is no imbalance
-        floor = max(FOLLOW_UP_REQUESTS_FLOOR if cached else 1,
-                    warm_floor(situation, preferred, warm_slots(situation, self.slots)))
+        floor = max(FOLLOW_UP_REQUESTS_FLOOR if cached else 1, warm_floor(situation, preferred, slots_floor))
         if guard.past(preferred, preferred_cost, floor):
             return None
-        return self.soonest(situation, preferred, costs, work, guard, holds_cache)
+        return self.soonest(situation, preferred, costs, work, guard, holds_cache, slots_floor)
 
     def soonest(self, situation: Situation, preferred: str, costs: dict[str, int], work: int, guard: GuardRail,
-                cached: bool) -> tuple[str, Predicted]:
+                cached: bool, slots_floor: int) -> tuple[str, Predicted]:
         """The replica whose first token is predicted soonest, and the predictions weighed
         (the preferred replica's, then the best other's). The other must be predicted
         ttft_margin sooner (a move is also charged the cached tokens it computes again when the
         preferred replica holds the cache: ``cached``); replicas past the guard rail are
         not candidates. Of the prefix index's holders only those the lookup entered count as
         cached (entering every holder of a shared system prompt changed no figure on the
-        Mooncake trace and cost a p99 of 1.2 ms at 64 replicas)."""
+        Mooncake trace and cost a p99 of 1.2 ms at 64 replicas). ``slots_floor``: ``warm_slots``."""
         loads, running = guard.tokens, seen_running(guard.requests, self.slots, situation.request.unbatched)
         wait = model_wait(situation, preferred)
         here = predicted_ttft(self.slots, situation.speeds.speed(preferred), loads[preferred], running[preferred],
@@ -60,24 +60,24 @@ class TtftPrediction:
         # model's load is no noise: the margin is not taken of it)
         needed = (here - wait) / (1 + self.margin) + wait
         kept = costs.get(preferred, work) if cached and self.recompute_cost else None
-        best, soonest = self.soonest_other(situation, preferred, costs, work, guard, kept)
+        best, soonest = self.soonest_other(situation, preferred, costs, work, guard, running, kept, slots_floor)
         if best is None:
             return preferred, ((preferred, here),)
         return (best if soonest < needed else preferred), ((preferred, here), (best, soonest))
 
     def soonest_other(self, situation: Situation, preferred: str, costs: dict[str, int], work: int,
-                      guard: GuardRail, kept: int | None) -> tuple[str | None, float]:
+                      guard: GuardRail, running: Mapping[str, int], kept: int | None,
+                      slots_floor: int) -> tuple[str | None, float]:
         """(the eligible replica but ``preferred`` predicted soonest within the guard rail, its
         prediction); (None, inf) when there is none. ``kept``: the request's cost on the cached
         preferred replica; a move is charged the tokens it computes again once more, the delay
-        they bring the requests behind it (None: not charged)."""
-        loads, running = guard.tokens, seen_running(guard.requests, self.slots, situation.request.unbatched)
-        speed, slots = situation.speeds.speed, self.slots
+        they bring the requests behind it (None: not charged). ``running``: the requests in flight
+        as the predictions see them (adapters.seen_running)."""
+        loads, speed, slots = guard.tokens, situation.speeds.speed, self.slots
         best, soonest = None, math.inf
-        floor = warm_slots(situation, slots)
         for name in candidates(situation, costs):
             load, cost = loads[name], costs.get(name, work)
-            if name == preferred or guard.past(name, cost, warm_floor(situation, name, floor)):
+            if name == preferred or guard.past(name, cost, warm_floor(situation, name, slots_floor)):
                 continue
             here = speed(name)
             seconds = predicted_ttft(slots, here, load, running[name], cost) + model_wait(situation, name)
