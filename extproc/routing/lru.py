@@ -1,5 +1,6 @@
 """A bounded map from ints that forgets the least recently used entries first, to within one
-generation: the router's memories of conversations (placement memory, history digests).
+generation: the router's memories of conversations (placement memory, history digests), and the
+prefix index's memory of the prompts it forgot.
 
 An exact LRU needs a linked list per entry (OrderedDict costs ~230 bytes an entry); instead
 two plain dicts act as generations. Entries go into the young one; when it holds half the
@@ -27,6 +28,10 @@ class TwoGenerationLru(Generic[V]):
 
     def __len__(self) -> int:
         return len(self._young) + len(self._old)
+
+    def __contains__(self, key: int) -> bool:
+        """Whether ``key`` is held (it does not become the most recently used)."""
+        return key in self._young or key in self._old
 
     def get(self, key: int) -> V | None:
         """The value of ``key`` (None: not held), now the most recently used."""

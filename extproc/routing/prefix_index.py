@@ -33,6 +33,8 @@ from collections.abc import Iterable, Sequence
 from itertools import compress
 from typing import Any, NamedTuple
 
+from extproc.routing.lru import TwoGenerationLru
+
 # A held block's node is a list [the block before it (None: the first), its tokens, how many
 # held blocks continue it]: one dict entry a block, built fast.
 CHILDREN = 2
@@ -67,10 +69,10 @@ class PrefixIndex:
     """Per replica, the blocks sent there, at most ``capacity`` tokens each (``resize`` moves it below)."""
 
     __slots__ = ("capacity", "journal", "_replicas", "_holders", "_bits", "_known", "_by_name", "_named", "_uses",
-                 "_forgotten", "_forgotten_before")
+                 "_forgotten")
 
     NAMED_SETS = 4_096  # sets of replicas whose names are remembered (a fleet meets few), then afresh
-    FORGOTTEN_OPENINGS = 65_536  # first blocks remembered as forgotten (two generations of half), ~4 MB
+    FORGOTTEN_OPENINGS = 65_536  # first blocks remembered as forgotten (lru.py), ~3 MB
 
     def __init__(self, capacity: int) -> None:
         if capacity < 1:
@@ -84,9 +86,8 @@ class PrefixIndex:
         self._by_name: tuple[tuple[str, ...], tuple[int, ...]] = ((), ())  # names sorted, their bits
         self._named: dict[int, tuple[str, ...]] = {}  # bits -> those replicas' names, sorted
         self._uses = 0  # prompts sent or refreshed so far, on every replica: a tip's recency (a count, not a clock)
-        # first blocks of prompts the index held and forgot (on some replica): the latest, in two generations
-        self._forgotten: set[int] = set()
-        self._forgotten_before: set[int] = set()
+        # first blocks of prompts the index held and forgot (on some replica): the latest
+        self._forgotten: TwoGenerationLru[bool] = TwoGenerationLru(self.FORGOTTEN_OPENINGS)
 
     def add_prompt(self, replica: str, blocks: Sequence[int], weight: int, held: int | None = None) -> None:
         """``replica`` was sent a prompt of ``blocks``, each new one weighing ``weight`` tokens:
@@ -216,7 +217,7 @@ class PrefixIndex:
     def forgot(self, block: int) -> bool:
         """Whether a replica held a prompt opening with ``block`` and the index forgot it (evicted,
         or its request failed), recently: not a prompt it never saw."""
-        return block in self._forgotten or block in self._forgotten_before
+        return block in self._forgotten
 
     def held_prefix(self, replica: str, blocks: Sequence[int]) -> int:
         """How many leading ``blocks`` ``replica`` holds."""
@@ -327,10 +328,7 @@ class PrefixIndex:
 
     def _forgot_opening(self, block: int) -> None:
         """A prompt's first block left a replica (``forgot``)."""
-        forgotten = self._forgotten
-        forgotten.add(block)
-        if len(forgotten) >= self.FORGOTTEN_OPENINGS // 2:
-            self._forgotten_before, self._forgotten = forgotten, set()
+        self._forgotten.put(block, True)
 
     @staticmethod
     def _end_least_recent(view: _Replica, block: int | None, use: int) -> None:

@@ -281,17 +281,27 @@ def _speeds(settings: RoutingSettings) -> ReplicaSpeeds:
     return ReplicaSpeeds(_prior(settings), settings.speed_ewma_weight, settings.speed_learning)
 
 
+def _hooks(policy: Policy) -> object:
+    """Where the policy's view of the caches is fed: the part it composes as ``view``, else itself."""
+    view = getattr(policy, "view", None)
+    return policy if view is None else view
+
+
 def _view_of(policy: Policy) -> SentView | None:
-    return policy if isinstance(policy, SentView) else None
+    hooks = _hooks(policy)
+    return hooks if isinstance(hooks, SentView) else None
 
 
 def _learner_of(policy: Policy) -> CacheReports | None:
-    return policy if isinstance(policy, CacheReports) else None
+    hooks = _hooks(policy)
+    return hooks if isinstance(hooks, CacheReports) else None
 
 
 def _mover_of(policy: Policy) -> CacheMoves | None:
-    return policy if isinstance(policy, CacheMoves) else None
+    hooks = _hooks(policy)
+    return hooks if isinstance(hooks, CacheMoves) else None
 
 
 def _shared_of(policy: Policy) -> SharedView | None:
-    return policy if isinstance(policy, SharedView) else None
+    hooks = _hooks(policy)
+    return hooks if isinstance(hooks, SharedView) else None

@@ -1,4 +1,5 @@
-"""The two-generation LRU under placement memory and the gateway's history digests."""
+"""The two-generation LRU under placement memory, the gateway's history digests and the prefix
+index's forgotten openings."""
 
 from __future__ import annotations
 
@@ -46,6 +47,16 @@ def test_a_hit_in_the_old_generation_makes_the_key_young_again() -> None:
     lru.put(3, 30)  # young full again: {1, 3} old, 2 dropped
     assert [key for key, _ in lru.items()] == [1, 3]
     assert lru.get(2) is None
+
+
+def test_in_asks_without_making_the_key_young_again() -> None:
+    lru = TwoGenerationLru(4)  # generations of 2
+    lru.put(1, 10)
+    lru.put(2, 20)  # {1, 2} old
+    assert 1 in lru and 5 not in lru  # asked, not used: 1 stays old
+    lru.put(3, 30)
+    lru.put(4, 40)  # young full again: {3, 4} old, 1 and 2 dropped
+    assert 1 not in lru and 3 in lru
 
 
 def test_reset_forgets_and_takes_the_new_capacity() -> None:

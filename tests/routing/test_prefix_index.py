@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from extproc.routing import Router, RouteRequest, reasons, render_trace
 from extproc.routing.blocks import covered_tokens, prefix_blocks
-from extproc.routing.policies.llm_aware import LlmAwarePrefix, LlmAwareTrace
+from extproc.routing.policies.llm_aware import IndexView, LlmAware, LlmAwareTrace
 from extproc.routing.prefix_index import PrefixIndex
 from extproc.routing.prefix_views import BlockIndex
 from tests.routing.conftest import key_with_walk, routing
@@ -30,7 +30,7 @@ def holders_by_depth(index: PrefixIndex, chain: tuple[int, ...]) -> list[tuple[i
 
 
 def index_of(router: Router) -> PrefixIndex:
-    assert isinstance(router.policy, LlmAwarePrefix)
+    assert isinstance(router.policy, LlmAware) and router.policy.index is not None
     return router.policy.index
 
 
@@ -384,8 +384,9 @@ def test_requests_in_flight_on_a_replica_that_left_are_not_remembered() -> None:
     """The router drops the requests of a replica that left without completing them: the policy
     forgets what it kept for them (their replica's blocks before them), and only for them."""
     router = Router(routing(prefix_index=True), NAMES)
-    policy = router.policy
-    assert isinstance(policy, LlmAwarePrefix)
+    assert isinstance(router.policy, LlmAware)
+    policy = router.policy.view
+    assert isinstance(policy, IndexView)
     picks = {}
     for number in range(12):
         decision = router.route(RouteRequest(str(number), f"c{number}", 200, 10, blocks(f"c{number}", "x"))).decision

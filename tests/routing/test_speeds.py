@@ -7,7 +7,7 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from extproc.routing.policies.llm_aware import least_loaded_both, least_loaded_by_min
+from extproc.routing.policies.llm_aware.prediction import least_loaded_both, least_loaded_by_min
 from extproc.routing.speeds import AnswerTimings, ReplicaSpeeds, Speed
 
 PRIOR = Speed(1 / 167, 1 / 55, 0.019)

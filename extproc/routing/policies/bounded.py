@@ -18,6 +18,7 @@ from extproc.routing.ledger import LoadUnit
 from extproc.routing.policies.bounded_walk import WALK_REASONS, average_and_cap, first_fit, least_loaded
 from extproc.routing.policies.plugin import PolicyPlugin
 from extproc.routing.policies.situation import HOME_REASON, Situation, new
+from extproc.routing.render import check_line, headline, load_line
 
 # [routing.bounded] (plugin.py: the functional form keeps the constraints under mypyc)
 BoundedParams = NamedTuple("BoundedParams", [
@@ -37,6 +38,11 @@ class BoundedTrace(NamedTuple):
     average: float  # total / eligible replicas
     cap: float  # (1 + epsilon) x average (in requests, rounded up to a whole request)
     checks: tuple[Check, ...]  # each replica the walk looked at, in order
+
+    def render(self, decision: Decision) -> list[str]:
+        return [headline(decision, f"bounded ({self.unit.removesuffix('s')} mode)"),
+                load_line(self.unit, self.loads, self.total, self.cap),
+                *(check_line(check, decision.reason) for check in self.checks)]
 
 
 class Bounded:

@@ -40,8 +40,15 @@ class RoutingKeys(Protocol):
 
 
 class Policy(Protocol):
+    """A policy. Its view of the caches (SentView, SharedView, CacheMoves, CacheReports) is the
+    policy itself, or a part it composes as ``view`` (the Router feeds whichever has the hooks)."""
+
     name: ClassVar[str]  # its registry name
-    prefix_block_chars: ClassVar[int]  # > 0: requests must carry prefix_blocks of blocks this long (hashed only then)
+
+    @property
+    def prefix_block_chars(self) -> int:
+        """> 0: requests must carry prefix_blocks of blocks this long (hashed only then)."""
+        ...
 
     def decide(self, situation: Situation) -> Decision | None:
         """Pick a replica (None when none is eligible). Must not change the ledger."""

@@ -9,6 +9,7 @@ from extproc.routing.blocks import covered_tokens
 from extproc.routing.decision import Candidate, Check, Decision, RouteRequest, Trace
 from extproc.routing.ledger import LoadLedger, LoadUnit
 from extproc.routing.placement import Placement
+from extproc.routing.render import check_line, headline, load_line, peer_lines
 from extproc.routing.residency import Residency
 from extproc.routing.ring import HashRing
 from extproc.routing.speeds import ReplicaSpeeds
@@ -18,6 +19,7 @@ from extproc.routing.speeds import ReplicaSpeeds
 # in field order, with tuple.__new__(Cls, (...)) (~0.1 µs); the tests pin every field.
 new = tuple.__new__
 HOME_REASON = {"home": "the conversation's ring home (or, without a cap, the ring's pick)"}  # a reason of several
+LOWEST_WINS = frozenset({"kv-cost"})  # peer policies whose candidate score is a cost
 
 
 class PeerTrace(NamedTuple):
@@ -34,6 +36,15 @@ class PeerTrace(NamedTuple):
     total: int | None = None  # ... the requests in flight with this one ...
     cap: float | None = None  # ... its bound on a replica's load ...
     checks: tuple[Check, ...] = ()  # ... and the replicas it looked at
+
+    def render(self, decision: Decision) -> list[str]:
+        lines = [headline(decision)]
+        if self.total is not None and self.cap is not None:  # chwbl's walk
+            lines.append(load_line(self.unit, self.loads, self.total, self.cap))
+            lines.extend(check_line(check, decision.reason) for check in self.checks)
+        lines.extend(peer_lines(decision, self.prompt_blocks, self.loads, self.cap, self.figures, self.candidates,
+                                decision.trace.policy in LOWEST_WINS))
+        return lines
 
 
 class Situation(NamedTuple):
