@@ -18,17 +18,15 @@ it the simulated replicas' room (flow_runs.replica_room).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 from extproc.routing import Router, Ticket
 from extproc.routing.flow_control import QUEUE_FULL, FlowControl, Queued, Refused
 from extproc.routing.flows import FlowSettings, flow_of
 from extproc.routing.speeds import AnswerTimings
+from extproc.sim.driven import Simulation
 from extproc.sim.request import Request
 from extproc.sim.routers import RouterTier
-
-if TYPE_CHECKING:
-    from extproc.sim.engine import _Simulation
 
 
 class FlowSpec(NamedTuple):
@@ -38,7 +36,7 @@ class FlowSpec(NamedTuple):
 
 
 class SimFlow:
-    def __init__(self, sim: _Simulation, spec: FlowSpec) -> None:
+    def __init__(self, sim: Simulation, spec: FlowSpec) -> None:
         self.sim = sim
         self.settings = spec.settings
         self.control = FlowControl(_one_router(sim.router), spec.settings, spec.order, spec.patience)

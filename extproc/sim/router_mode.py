@@ -24,16 +24,13 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from extproc.routing import Router
 from extproc.routing.blocks import model_seed
 from extproc.routing.residency import Status
+from extproc.sim.driven import Simulation
 from extproc.sim.replica import Replica
 from extproc.sim.request import Request
-
-if TYPE_CHECKING:
-    from extproc.sim.engine import _Simulation
 
 
 @dataclass(frozen=True)
@@ -111,7 +108,7 @@ class ModelServer:
 class SimRouterMode:
     """The engine's side: holds requests for their model's load, unloads, and reports to the routers."""
 
-    def __init__(self, sim: _Simulation, spec: RouterMode) -> None:
+    def __init__(self, sim: Simulation, spec: RouterMode) -> None:
         self.sim = sim
         self.spec = spec
         self.servers: dict[str, ModelServer] = {}
