@@ -23,11 +23,14 @@ from extproc.cli_input import UsageError
 from extproc.discovery.settings import DiscoverySettings
 from extproc.routing.flows import FlowSettings
 from extproc.routing.settings import RoutingSettings
-from extproc.service.sessions import SOURCE_PATTERN as SESSION_SOURCE
 from extproc.strict import Strict
 
 ENV_PREFIX = "LLM_RING__"
 SectionsT = TypeVar("SectionsT", bound=BaseModel)
+
+# where a session id is read ([service] session_ids, service/sessions.py): an HTTP header name as
+# HTTP/2 and Envoy carry it (lowercase token characters), or a top-level JSON field
+SESSION_SOURCE = r"^(header:[a-z0-9!#$%&'*+.^_`|~-]{1,64}|body:[A-Za-z_][A-Za-z0-9_]{0,63})$"
 
 
 class ServiceSettings(Strict):

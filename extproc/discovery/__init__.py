@@ -7,7 +7,7 @@ current set {replica name: "ip:port"} each time it changes (the first yield is t
 set, possibly empty). The service feeds each snapshot to ``Gateway.set_replicas``. The
 Kubernetes sources yield a ``Snapshot``, which also names the replicas on their way out: a
 terminating pod that still serves, kept in the list for the order of leaving
-(extproc/migration/leaving.py) until it stops serving.
+(extproc/routing/leaving.py) until it stops serving.
 """
 
 from __future__ import annotations

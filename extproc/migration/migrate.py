@@ -1,6 +1,6 @@
 """A replica's conversations moved out before it stops: find, plan, save, restore, tell the routers.
 
-The routers have been told the replica is leaving (extproc/migration/leaving.py): it gets no new
+The routers have been told the replica is leaving (extproc/routing/leaving.py): it gets no new
 conversation, only follow-ups of the ones whose cache has not moved. Within `deadline`
 (monotonic seconds, `migrate_while_draining`), pass after pass as its slots turn idle: each busy-free slot of the
 leaving replica is saved into the shared slot folder, its text traced back to a conversation

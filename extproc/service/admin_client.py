@@ -62,7 +62,7 @@ class AdminClient:
         return int(self._stub.Migrated(request, timeout=self.timeout, metadata=self._metadata).applied)
 
     def leaving(self, replica: str, seconds: float, near_seconds: float) -> tuple[int, int]:
-        """The replica starts leaving (extproc/migration/leaving.py); (idle, in flight) conversations
+        """The replica starts leaving (extproc/routing/leaving.py); (idle, in flight) conversations
         the router placed there."""
         request = admin_pb2.LeavingRequest(replica=replica, seconds=seconds, near_seconds=near_seconds)
         reply = self._stub.Leaving(request, timeout=self.timeout, metadata=self._metadata)

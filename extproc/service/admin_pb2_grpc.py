@@ -106,7 +106,7 @@ class AdminServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Leaving(self, request, context):
-        """A replica starts leaving (extproc/migration/leaving.py): it takes no new conversation, its
+        """A replica starts leaving (extproc/routing/leaving.py): it takes no new conversation, its
         unmoved conversations' follow-ups still go there until their caches have moved (Migrated)
         or the deadline is near; it leaves the lists when the replica list drops it.
         """

@@ -117,7 +117,7 @@ class Gateway:
         self.lifecycle.replicas_changed()
 
     def begin_leaving(self, replica: str, seconds: float, near_seconds: float) -> tuple[int, int]:
-        """``replica`` starts leaving (extproc/migration/leaving.py); (idle, in flight) conversations placed there."""
+        """``replica`` starts leaving (extproc/routing/leaving.py); (idle, in flight) conversations placed there."""
         key, ongoing = self.router.conversation_key, self.requests.pending.values()
         in_flight = {key(p.request.conversation) for p in ongoing if p.decision.replica == replica}
         idle = {k for k, _ in self.router.placed_on(replica)} - in_flight

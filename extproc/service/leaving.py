@@ -1,4 +1,4 @@
-"""The routing service's side of a replica's leaving (extproc/migration/leaving.py).
+"""The routing service's side of a replica's leaving (extproc/routing/leaving.py).
 
 Admin ``Leaving(replica)`` begins the order: the replica stays in the router's list, but a
 request may go there only when it continues a conversation whose cache is there and not yet
@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Collection, Iterable
 from typing import Any
 
-from extproc.migration.leaving import Leaving
+from extproc.routing.leaving import Leaving
 
 
 class LeavingReplicas:

@@ -17,8 +17,6 @@ from typing import Literal
 
 HEADER = "header:"
 BODY = "body:"
-# an HTTP header name as HTTP/2 and Envoy carry it (lowercase token characters), or a top-level JSON field
-SOURCE_PATTERN = r"^(header:[a-z0-9!#$%&'*+.^_`|~-]{1,64}|body:[A-Za-z_][A-Za-z0-9_]{0,63})$"
 
 Kind = Literal["header", "body"]
 

@@ -1,4 +1,4 @@
-"""A leaving replica's drain window in the simulator, in the order of extproc/migration/leaving.py.
+"""A leaving replica's drain window in the simulator, in the order of extproc/routing/leaving.py.
 
 From the moment the replica starts leaving it takes no new conversation but stays in the
 router's list: every request is routed through ``DrainWindow.route``, which asks the order
@@ -20,10 +20,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from extproc.migration.leaving import Leaving, State
 from extproc.migration.planner import Candidate, Costs, plan
 from extproc.routing.decision import RouteRequest
 from extproc.routing.hashing import stable_hash
+from extproc.routing.leaving import Leaving, State
 from extproc.routing.ring import HashRing
 from extproc.routing.ticket import Ticket
 from extproc.sim.costmodel import CostModel

@@ -3,7 +3,7 @@
 From ``at_s`` the replicas leave one at a time, in name order, and come back ``restart_s`` after
 they went down as a fresh server with empty caches, and then the next one. Without migration a
 leaving replica is out of the router's list at once and goes down once drained (its running and
-queued requests finish). With migration it leaves in the order of extproc/migration/leaving.py
+queued requests finish). With migration it leaves in the order of extproc/routing/leaving.py
 (drain.py): it still serves the follow-ups of the conversations it holds until their caches have
 moved (a llama.cpp replica: only its slots, not its host-RAM cache; a paged one: every
 conversation whose blocks its pool still holds), within ``drain_s``. Follow-ups are counted from

@@ -108,7 +108,7 @@ def _leave(stack: StackRun, leaving: list[Replica], staying: list[Replica], prog
            drain_timeout: float) -> list[dict[str, object]]:
     """Each of `leaving` leaves, drains and stops; per replica {"replica", "out" (began leaving),
     "drained", "down" (ISO times), "migration"}. With migration, in the order of
-    extproc/migration/leaving.py: every routing service is told it is leaving (no new
+    extproc/routing/leaving.py: every routing service is told it is leaving (no new
     conversation goes there; its conversations' follow-ups still do until their caches have
     moved), its idle slots move at once, each busy one when its request ends; it leaves the
     lists once drained or at the deadline. Without, it leaves the lists first, then drains."""

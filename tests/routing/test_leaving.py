@@ -1,11 +1,11 @@
-"""The order of a replica's leaving (extproc/migration/leaving.py): its invariants, on random histories."""
+"""The order of a replica's leaving (extproc/routing/leaving.py): its invariants, on random histories."""
 
 from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from extproc.migration.leaving import Leaving, Phase, State
+from extproc.routing.leaving import Leaving, Phase, State
 
 LEAVING, RECEIVERS = "llm-1", ("llm-0", "llm-2")
 KEYS = st.integers(0, 7)
