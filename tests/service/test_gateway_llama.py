@@ -45,7 +45,7 @@ def gw(llama: LlamaReplicas, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     workdir = tmp_path_factory.mktemp("gw")
     replica_file = workdir / "replicas.json"
     replica_file.write_text(json.dumps(llama.addresses))
-    discovery = {"SOURCE": '"file"', "FILE": f'"{replica_file}"', "FILE_POLL_SECONDS": "0.1"}
+    discovery = {"SOURCE": '"file"', "FILE__PATH": f'"{replica_file}"', "FILE__POLL_SECONDS": "0.1"}
     with gateway(workdir, discovery, replica_key_file=llama.key_file) as running:
         yield running
 
