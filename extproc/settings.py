@@ -138,7 +138,8 @@ class StoreSettings(Strict):
                      description="Redis URL of the shared store; empty: this router's own state only")
     password_file: str = Field(description="file holding the store's password; empty: none")
     key_prefix: str = Field(pattern=r"^[A-Za-z0-9._-]{1,64}$", description="prefix of every key this router writes")
-    # well under Envoy's ext_proc message timeout (extproc/envoy/config.py, 2 s), which fails open
+    # well under Envoy's ext_proc message timeout (extproc/service/dataplanes/own_envoy_config.py, 2 s),
+    # which fails open
     timeout_ms: int = Field(gt=0, le=500, description="a store read taking longer costs that decision the shared view")
     retry_seconds: float = Field(gt=0, le=3600, description="a lost connection is tried again this often")
     load_ttl_seconds: float = Field(gt=0, le=600, description="a router's published load expires after this "

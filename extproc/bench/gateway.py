@@ -51,9 +51,9 @@ from extproc.bench.stubs import (
     start_stub_processor,
     start_variant_service,
 )
-from extproc.envoy.config import flow_options
 from extproc.envoy.contract import split_host_port
-from extproc.envoy.inference_gateways import AI_GATEWAY
+from extproc.service.dataplanes.own_envoy_config import flow_options
+from extproc.service.dataplanes.picker_gateways import AI_GATEWAY
 from extproc.settings import load_settings
 from extproc.stack.processes import (
     ROUTER_REFERENCE,
@@ -78,7 +78,7 @@ STORE_MODE = "envoy+ext_proc+store"
 TOKENIZER_MODE = "envoy+ext_proc+tokenizer"
 FLOW_MODE = "envoy+ext_proc+flow"
 # --mode pool: the same through an InferencePool gateway's data plane (Envoy AI Gateway's,
-# full duplex, the picker over TLS; extproc.envoy.inference_gateways), with its own floor:
+# full duplex, the picker over TLS; extproc.service.dataplanes.picker_gateways), with its own floor:
 # a do-nothing TLS picker answering every phase (extproc.bench.stub_picker)
 POOL_FLOOR = "pool+stub_picker"
 POOL_MODE = "pool+ext_proc"

@@ -36,10 +36,10 @@ import httpx
 import psutil
 
 from extproc.bench.stubs import start_service_on_stubs
-from extproc.envoy.config import flow_options
 from extproc.envoy.contract import split_host_port
-from extproc.envoy.inference_gateways import AI_GATEWAY, UPSTREAM_HEADER
 from extproc.service.admin_client import AdminClient
+from extproc.service.dataplanes.own_envoy_config import flow_options
+from extproc.service.dataplanes.picker_gateways import AI_GATEWAY, UPSTREAM_HEADER
 from extproc.settings import load_settings
 from extproc.stack.processes import (
     ROUTER_REFERENCE,

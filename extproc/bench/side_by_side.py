@@ -39,8 +39,8 @@ from extproc.bench.stubs import (
     start_service_on_stubs,
     start_variant_service,
 )
-from extproc.envoy.config import flow_options
 from extproc.envoy.contract import split_host_port
+from extproc.service.dataplanes.own_envoy_config import flow_options
 from extproc.settings import load_settings
 from extproc.stack.processes import ROUTER_REFERENCE, Running, start_gateway_envoy
 

@@ -1,4 +1,5 @@
-"""A do-nothing Endpoint Picker for the InferencePool data planes (extproc.envoy.inference_gateways),
+"""A do-nothing Endpoint Picker for the InferencePool data planes
+(extproc.service.dataplanes.picker_gateways),
 for the benchmark's floor there: gRPC over TLS (a self-signed certificate made at start),
 every phase answered as such a gateway expects, one fixed endpoint picked, nothing routed,
 logged or counted. Envoy + this = what Envoy + a Python grpc.aio picker cost in that mode.

@@ -1,3 +1,4 @@
-"""Envoy's side of the gateway: the contract the routing service shares with Envoy
-(contract.py: header names, metadata keys, timeouts, the endpoints file) and the one Envoy
-configuration rendered from it (config.py)."""
+"""What every Envoy we render and the routing service share: the contract (contract.py: header
+names, metadata keys, timeouts, the endpoints file), the HTTP surface (surface.py) and the CORS
+policy (cors.py). Each data plane's Envoy is rendered beside its mode, in
+extproc/service/dataplanes/."""

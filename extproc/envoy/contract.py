@@ -1,8 +1,8 @@
 """What the routing service and Envoy agree on: header names, metadata keys, the CEL
 attributes sent, timeouts, and the replica endpoints (a file Envoy watches, or DNS).
 
-The service (extproc.service) reads and sets these; the renderer (config.py) wires Envoy to
-them. Changing one here changes both sides.
+The service (extproc.service) reads and sets these; the renderers (extproc/service/dataplanes/)
+wire Envoy to them. Changing one here changes both sides.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """CORS: which browser origins may call the gateway (service.cors_origins), as response headers.
 
-Pure. Our own Envoy gets the same policy rendered into its CORS filter (config.py); an Endpoint
-Picker's gateway gets these headers in the service's answers (service/dataplanes/picker.py). Either way the
-replica's own CORS headers are removed from its answers first (REPLICA_CORS_HEADERS).
+Pure. Our own Envoy gets the same policy rendered into its CORS filter
+(service/dataplanes/own_envoy_config.py); an Endpoint Picker's gateway gets these headers in the
+service's answers (service/dataplanes/picker.py). Either way the replica's own CORS headers are
+removed from its answers first (REPLICA_CORS_HEADERS).
 """
 
 from __future__ import annotations

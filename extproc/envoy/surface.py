@@ -10,7 +10,7 @@ A request is exactly one of:
 So llama.cpp's slot, adapter, tokenizer, embedding, props and metrics endpoints are never
 reachable through the gateway, whatever the spelling: the match is exact, on the path as the
 replica would receive it (its query string aside).
-Pure data and functions: the Envoy renderer (config.py) and the service's data planes
+Pure data and functions: our own Envoy's renderer and the service's data planes
 (extproc/service/dataplanes/) both read it.
 """
 

@@ -18,8 +18,8 @@ if TYPE_CHECKING:
 
 
 def start_envoy(stack: StackRun, gw: GatewayState, progress: Progress) -> None:
-    from extproc.envoy.config import flow_options, render_envoy_config
     from extproc.envoy.contract import EndpointsFile, ext_proc_address
+    from extproc.service.dataplanes.own_envoy_config import flow_options, render_envoy_config
     from extproc.settings import load_settings
     from extproc.stack.replicas import api_key_file
 
@@ -50,7 +50,7 @@ def front_config(state: StackState) -> Path:
 
 
 def start_front(stack: StackRun, progress: Progress) -> None:
-    from extproc.envoy.config import render_front_config
+    from extproc.service.dataplanes.own_envoy_config import render_front_config
 
     state = stack.state
     config = front_config(state)

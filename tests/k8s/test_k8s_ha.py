@@ -21,8 +21,8 @@ import httpx
 import pytest
 from k8s_support import REPO, all_docs, find, router_settings
 
-from extproc.envoy.config import render_envoy_config
 from extproc.envoy.contract import EndpointsFile, write_endpoints_file
+from extproc.service.dataplanes.own_envoy_config import render_envoy_config
 from extproc.stack.processes import envoy_binary, free_port, spawn_child, wait_until_ready
 
 SERVER_STOP_GRACE_S = 2  # extproc/service/main.py: server.stop(grace=2) after the drain

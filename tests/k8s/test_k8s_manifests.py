@@ -5,7 +5,7 @@
   or semantic rules: those need `kubectl apply --dry-run=server`, see test_k8s_cluster.py);
 - the Pod Security "restricted" rules the namespace enforces, requests/limits, pinned images;
 - the router ConfigMap against the router's settings schema; the Envoy ConfigMap equals
-  the rendering of extproc.envoy.config and passes `envoy --mode validate`;
+  the rendering of extproc.service.dataplanes.own_envoy_config and passes `envoy --mode validate`;
 - the names that must agree across files (Service, port name, ConfigMaps, ports);
 - the router's ServiceAccount is refused everything but reading EndpointSlices
   (enforced by the fake API server from the committed Role/RoleBinding);

@@ -14,11 +14,11 @@ from typing import Any
 import httpx
 import openai
 
-from extproc.envoy.config import flow_options
-from extproc.envoy.inference_gateways import AI_GATEWAY, UPSTREAM_HEADER
 from extproc.migration.llama import key_headers
 from extproc.routing import Router, RouteRequest
 from extproc.service.admin_client import AdminClient
+from extproc.service.dataplanes.own_envoy_config import flow_options
+from extproc.service.dataplanes.picker_gateways import AI_GATEWAY, UPSTREAM_HEADER
 from extproc.settings import load_settings
 from extproc.stack import models
 from extproc.stack import replicas as stack_replicas

@@ -10,7 +10,6 @@ from types import SimpleNamespace
 
 import pytest
 
-from extproc.envoy.config import PREFLIGHT_CLUSTER, FlowOptions, flow_options, render_envoy_config
 from extproc.envoy.contract import (
     CLUSTER,
     DESTINATION,
@@ -25,6 +24,12 @@ from extproc.envoy.cors import REPLICA_CORS_HEADERS
 from extproc.envoy.surface import GENERATION_PATHS, HEALTH_PATHS, MODEL_PREFIX, MODELS_PATHS
 from extproc.routing import POLICIES
 from extproc.routing.policies.plugin import param_names
+from extproc.service.dataplanes.own_envoy_config import (
+    PREFLIGHT_CLUSTER,
+    FlowOptions,
+    flow_options,
+    render_envoy_config,
+)
 from extproc.service.sessions import SessionSources
 from extproc.settings import DiscoverySettings, Settings, load_settings
 from extproc.stack.processes import ROUTER_REFERENCE, envoy_binary
@@ -170,10 +175,11 @@ def test_split_host_port() -> None:
 
 
 def test_the_example_in_envoy_dir_is_the_current_rendering() -> None:
-    from extproc.envoy.config import example
+    from extproc.service.dataplanes.own_envoy_config import example
 
     committed = Path(__file__).parents[2] / "envoy" / "envoy.example.yaml"
-    assert committed.read_text() == example(), "regenerate: python -m extproc.envoy.config"
+    assert committed.read_text() == example(), (
+        "regenerate: python -m extproc.service.dataplanes.own_envoy_config")
 
 
 def test_admin_stubs_match_the_proto(tmp_path: Path) -> None:

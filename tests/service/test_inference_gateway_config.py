@@ -1,6 +1,6 @@
-"""The InferencePool data planes (extproc.envoy.inference_gateways): Envoy accepts each one,
-each says what its gateway's sources say, and through real Envoy (with the stub picker and
-stub upstreams) the ORIGINAL_DST pool connects to the address the picker put in the header."""
+"""The InferencePool data planes (extproc.service.dataplanes.picker_gateways): Envoy accepts
+each one, each says what its gateway's sources say, and through real Envoy (with the stub picker
+and stub upstreams) the ORIGINAL_DST pool connects to the address the picker put in the header."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 
 from extproc.bench.stubs import start_stub_picker, start_stub_upstream
 from extproc.envoy.contract import DESTINATION, SERVED
-from extproc.envoy.inference_gateways import (
+from extproc.service.dataplanes.picker_gateways import (
     AI_GATEWAY,
     GATEWAYS,
     ISTIO,

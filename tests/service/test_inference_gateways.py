@@ -1,5 +1,5 @@
 """`llm-ring serve` as the Endpoint Picker of InferencePool gateways: real Envoy with each
-gateway's data plane (extproc.envoy.inference_gateways: Envoy AI Gateway full-duplex and
+gateway's data plane (extproc.service.dataplanes.picker_gateways: Envoy AI Gateway full-duplex and
 buffered, kgateway and Istio full-duplex; the picker over TLS), real llama.cpp replicas
 (xllamacpp + SmolLM2-135M, 2 replicas, which want an API key). The picker is configured as a
 gateway user would (start_picker_service: static replicas, self-signed TLS, the replicas' key
@@ -32,7 +32,8 @@ from typing import Any
 import httpx
 import pytest
 
-from extproc.envoy.inference_gateways import (
+from extproc.service.admin_client import AdminClient
+from extproc.service.dataplanes.picker_gateways import (
     AI_GATEWAY,
     ISTIO,
     KGATEWAY,
@@ -41,7 +42,6 @@ from extproc.envoy.inference_gateways import (
     BodyMode,
     InferenceGateway,
 )
-from extproc.service.admin_client import AdminClient
 from extproc.stack.processes import (
     Running,
     start_inference_gateway_envoy,

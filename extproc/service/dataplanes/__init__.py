@@ -1,10 +1,10 @@
 """The data planes: the ways Envoy reaches the service over ext_proc, one module per mode.
 
-- own_envoy.py: the Envoy llm-ring renders (extproc/envoy/config.py): route and observe
-  streams with CEL attributes, and the access log that ends each request;
+- own_envoy.py: the Envoy llm-ring renders (own_envoy_config.py): route and observe streams
+  with CEL attributes, and the access log that ends each request;
 - picker.py: a Gateway API Inference Extension gateway's Endpoint Picker stream, which
-  carries a whole request and whose end ends it (extproc/envoy/inference_gateways.py renders
-  the gateways the tests and the bench run).
+  carries a whole request and whose end ends it (picker_gateways.py renders the gateways the
+  tests and the bench run).
 
 Each mode is a ``DataPlane`` (plane.py): it recognises its streams' first message, reads the
 request, answers it in its own ``AnswerShape`` and learns its end. A stream goes to the first

@@ -1,4 +1,4 @@
-"""Our own Envoy (extproc/envoy/config.py renders it): a route stream per request, an observe
+"""Our own Envoy (own_envoy_config.py renders it): a route stream per request, an observe
 stream per streamed answer, and the access log that ends each request. Served only where that
 Envoy alone connects, the abstract socket (``own_envoy``), so nothing else that reaches the
 service can release, time or pin another's load.
@@ -47,7 +47,7 @@ class OwnEnvoyAnswers:
     """The pick's shape for our own Envoy (module docstring)."""
 
     access_logged = True
-    waits_announced = True  # its max_message_timeout allows the override (config.py)
+    waits_announced = True  # its max_message_timeout allows the override (own_envoy_config.py)
 
     def pick(self, destination: str, replica: str, reason: str, streamed: bool, routing_headers: bool,
              replica_key: str) -> bytes:
@@ -106,7 +106,7 @@ class OwnEnvoy:
 
 
 async def _route(message: pb.ProcessingRequest, stream: HeldReads, serving: Serving) -> None:
-    """The headers get the pick, the body passes unchanged. Envoy's routes (config.py, from
+    """The headers get the pick, the body passes unchanged. Envoy's routes (own_envoy_config.py, from
     surface.py) send here only a POST on a generation path or a GET on a read-only one, which
     the gateway answers itself."""
     attributes = message.attributes[ATTRIBUTES].fields
