@@ -149,3 +149,19 @@ def split_host_port(address: str) -> tuple[str, int]:
 
 def socket_address(host: str, port: int) -> dict[str, Any]:
     return {"socket_address": {"address": host, "port_value": port}}
+
+
+def connection_limit() -> dict[str, Any]:
+    """The overload manager of every Envoy we render: MAX_DOWNSTREAM_CONNECTIONS at most."""
+    return {
+        "resource_monitors": [
+            {
+                "name": "envoy.resource_monitors.global_downstream_max_connections",
+                "typed_config": {
+                    "@type": "type.googleapis.com/"
+                    + "envoy.extensions.resource_monitors.downstream_connections.v3.DownstreamConnectionsConfig",
+                    "max_active_downstream_connections": MAX_DOWNSTREAM_CONNECTIONS,
+                },
+            }
+        ]
+    }

@@ -50,7 +50,7 @@ def front_config(state: StackState) -> Path:
 
 
 def start_front(stack: StackRun, progress: Progress) -> None:
-    from extproc.service.dataplanes.own_envoy_config import render_front_config
+    from extproc.envoy.front import render_front_config
 
     state = stack.state
     config = front_config(state)

@@ -5,7 +5,7 @@ With one gateway the stack is as it always was: its Envoy listens on [ports] gat
 routing service on [ports] router. With N > 1 there are N gateway pairs (Envoy + routing
 service), gateway i on [ports] gateway_base + 4i .. + 4i + 3, behind one front Envoy on
 [ports] gateway that hands each new connection to a gateway at random (connection level,
-as a Kubernetes Service does; extproc.service.dataplanes.own_envoy_config.render_front_config), plus one
+as a Kubernetes Service does; extproc.envoy.front.render_front_config), plus one
 redis-server on [ports] store whose URL every routing service gets as [store] url.
 """
 

@@ -24,12 +24,8 @@ from extproc.envoy.cors import REPLICA_CORS_HEADERS
 from extproc.envoy.surface import GENERATION_PATHS, HEALTH_PATHS, MODEL_PREFIX, MODELS_PATHS
 from extproc.routing import POLICIES
 from extproc.routing.policies.plugin import param_names
-from extproc.service.dataplanes.own_envoy_config import (
-    PREFLIGHT_CLUSTER,
-    FlowOptions,
-    flow_options,
-    render_envoy_config,
-)
+from extproc.service.dataplanes.own_envoy_config import FlowOptions, flow_options, render_envoy_config
+from extproc.service.dataplanes.own_envoy_routes import PREFLIGHT_CLUSTER
 from extproc.service.sessions import SessionSources
 from extproc.settings import DiscoverySettings, Settings, load_settings
 from extproc.stack.processes import ROUTER_REFERENCE, envoy_binary

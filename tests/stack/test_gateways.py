@@ -17,9 +17,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from extproc.cli import main as cli
+from extproc.envoy.front import render_front_config
 from extproc.experiments.run import Kill, Killer, failures
 from extproc.records import RunMeta, write_records
-from extproc.service.dataplanes.own_envoy_config import render_front_config
 from extproc.stack import supervisor
 from extproc.stack.daemons import Daemon
 from extproc.stack.errors import StackError

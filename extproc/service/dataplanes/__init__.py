@@ -1,7 +1,8 @@
 """The data planes: the ways Envoy reaches the service over ext_proc, one module per mode.
 
-- own_envoy.py: the Envoy llm-ring renders (own_envoy_config.py): route and observe streams
-  with CEL attributes, and the access log that ends each request;
+- own_envoy.py: the Envoy llm-ring renders (own_envoy_config.py, with its routes and clusters in
+  own_envoy_routes.py and own_envoy_clusters.py): route and observe streams with CEL
+  attributes, and the access log that ends each request;
 - picker.py: a Gateway API Inference Extension gateway's Endpoint Picker stream, which
   carries a whole request and whose end ends it (picker_gateways.py renders the gateways the
   tests and the bench run).
@@ -9,7 +10,8 @@
 Each mode is a ``DataPlane`` (plane.py): it recognises its streams' first message, reads the
 request, answers it in its own ``AnswerShape`` and learns its end. A stream goes to the first
 mode that claims it, the last registered asked first: the Endpoint Picker's, which takes any
-request, is registered first. A new mode is a module and one ``register`` line.
+request, is registered first. A new mode is a module (its Envoy's renderer beside it) and one
+``register`` line.
 """
 
 from __future__ import annotations

@@ -27,13 +27,15 @@ reaches the service through Envoy's gRPC access log, batched on one long-lived s
 service's abstract socket: the only place the service accepts it, so Envoy runs beside it.
 The route adds ``x-routed-to``/``x-route-reason`` to the response from the request headers the
 service set (``%REQ(..)%``), so the response needs no round trip to the service at all.
+
+Here: the listener and its filter chain; the routes in own_envoy_routes.py, the clusters in
+own_envoy_clusters.py.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,7 +48,6 @@ from extproc.envoy.contract import (
     DOWNSTREAM_IDLE_TIMEOUT_S,
     EXT_PROC_CLUSTER,
     EXT_PROC_MESSAGE_TIMEOUT_MS,
-    MAX_DOWNSTREAM_CONNECTIONS,
     METADATA_NAMESPACE,
     OBSERVE,
     PREDICTED_CACHED,
@@ -55,33 +56,23 @@ from extproc.envoy.contract import (
     REPLICA_KEY_HEADER,
     REQUEST_ATTRIBUTES,
     REQUEST_HEADERS_TIMEOUT_S,
-    REQUEST_ID,
     REQUEST_TIMEOUT_S,
     RESPONSE_ATTRIBUTES,
     RESPONSE_METADATA,
     ROUTE_REASON,
     ROUTED_TO,
-    SERVED,
     STREAM_IDLE_TIMEOUT_S,
     STREAMED_CLUSTER,
-    UPSTREAM_IDLE_TIMEOUT_S,
     Endpoints,
     EndpointsFile,
+    connection_limit,
     socket_address,
     split_host_port,
 )
-from extproc.envoy.cors import ALLOWED_HEADERS, EXPOSED_HEADERS, MAX_AGE_S, REPLICA_CORS_HEADERS
-from extproc.envoy.surface import (
-    CORS_METHODS,
-    GENERATION_PATHS,
-    HEALTH_PATHS,
-    MODEL_PREFIX,
-    MODELS_PATHS,
-    SERVED_PATHS,
-    error_document,
-    error_type,
-)
+from extproc.envoy.surface import SERVED_PATHS, error_document, error_type
 from extproc.routing.flows import FlowSettings
+from extproc.service.dataplanes.own_envoy_clusters import ext_proc_cluster, replicas_cluster
+from extproc.service.dataplanes.own_envoy_routes import preflight_cluster, route_config
 
 _T = "type.googleapis.com/"
 
@@ -129,15 +120,15 @@ def render_envoy_config(
         # File-based EDS needs a node identity.
         "node": {"id": "llm-ring-gateway", "cluster": "llm-ring"},
         "admin": {"address": socket_address(admin_host, admin_port)},
-        "overload_manager": _connection_limit(),
+        "overload_manager": connection_limit(),
         "static_resources": {
             "listeners": [_gateway_listener(listen, max_request_bytes, manager)],
             "clusters": [
-                _replicas_cluster(name, endpoints, connect_timeout_ms, max_request_bytes)
+                replicas_cluster(name, endpoints, connect_timeout_ms, max_request_bytes)
                 for name in (CLUSTER, STREAMED_CLUSTER)
             ]
-            + ([_ext_proc_cluster(ext_proc, connect_timeout_ms)] if ext_proc is not None else [])
-            + ([_preflight_cluster()] if cors_origins else []),
+            + ([ext_proc_cluster(ext_proc, connect_timeout_ms)] if ext_proc is not None else [])
+            + ([preflight_cluster()] if cors_origins else []),
             **({"secrets": [_replica_key_secret(replica_key_file)]} if replica_key_file is not None else {}),
         },
     }
@@ -173,21 +164,6 @@ def flow_options(flow: FlowSettings) -> FlowOptions | None:
     return FlowOptions(flow.ttl_seconds) if flow.enabled else None
 
 
-def _connection_limit() -> dict[str, Any]:
-    return {
-        "resource_monitors": [
-            {
-                "name": "envoy.resource_monitors.global_downstream_max_connections",
-                "typed_config": {
-                    "@type": _T
-                    + "envoy.extensions.resource_monitors.downstream_connections.v3.DownstreamConnectionsConfig",
-                    "max_active_downstream_connections": MAX_DOWNSTREAM_CONNECTIONS,
-                },
-            }
-        ]
-    }
-
-
 def _http_connection_manager(
     with_ext_proc: bool, fail_open: bool, timeout_ms: int, retries: int, max_request_bytes: int,
     stream_idle_timeout_s: int, cors_origins: Sequence[str], with_replica_key: bool, flow: FlowOptions | None,
@@ -211,7 +187,7 @@ def _http_connection_manager(
             # ... and silence while it waits is no idle stream
             "stream_idle_timeout": f"{max(stream_idle_timeout_s, flow.max_wait_s if flow is not None else 0)}s",
             "common_http_protocol_options": {"idle_timeout": f"{DOWNSTREAM_IDLE_TIMEOUT_S}s"},
-            "route_config": _route_config(retries, with_replica_key, cors_origins),
+            "route_config": route_config(retries, _WITH_REPLICA_KEY if with_replica_key else {}, cors_origins),
             **({"access_log": [_access_log()]} if with_ext_proc else {}),
             "local_reply_config": _local_replies(max_request_bytes),
             "http_filters": [
@@ -406,338 +382,6 @@ def _access_log() -> dict[str, Any]:
                 "buffer_flush_interval": "0.02s",
                 "buffer_size_bytes": 16384,
             },
-        },
-    }
-
-
-def _route_config(retries: int, with_replica_key: bool, cors_origins: Sequence[str] = ()) -> dict[str, Any]:
-    """The gateway's surface (surface.py), nothing more: POST on a generation path -> the replicas
-    (the service's pick; round robin when the service is down and fail_open is set; a trailing
-    slash dropped on the way; the replicas' key added when with_replica_key), the answer observed
-    only when the service asked for it; GET on a read-only path -> the service, which answers it
-    itself; another method there -> 405; any other path -> 404. A CORS policy on the virtual
-    host when cors_origins is set; the replicas' own CORS headers never reach the client."""
-    post = {"name": ":method", "string_match": {"exact": "POST"}}
-    get = {"name": ":method", "string_match": {"exact": "GET"}}
-    observe = {"name": OBSERVE, "present_match": True}
-    no_observer = {"ext_proc.observe": {"@type": _EXT_PROC_PER_ROUTE, "disabled": True}}
-    key = _WITH_REPLICA_KEY if with_replica_key else {}
-    # CONNECT (a tunnel; its body never ends) is refused at once: without this route the
-    # buffer filter would wait for the end of that body (measured: no answer in 10 s).
-    routes: list[dict[str, Any]] = [_local_reply({"connect_matcher": {}}, 405, "method CONNECT not allowed",
-                                                 "method_not_allowed")]
-    for path in GENERATION_PATHS:
-        # the path, or with one trailing slash, which the replica does not serve: dropped on the way
-        match = {"safe_regex": {"regex": f"^{re.escape(path)}/?$"}}
-        for headers, per_filter, cluster in (([post, observe], {}, STREAMED_CLUSTER), ([post], no_observer, CLUSTER)):
-            routes.append(
-                {
-                    "match": {**match, "headers": headers},
-                    "route": {**_to_replicas(cluster, retries), "regex_rewrite": TRAILING_SLASH},
-                    "request_headers_to_remove": [OBSERVE],
-                    "response_headers_to_add": _response_headers(),
-                    "response_headers_to_remove": list(REPLICA_CORS_HEADERS),  # the replica's: cors_origins decides
-                    **({"typed_per_filter_config": per_filter | key} if per_filter | key else {}),
-                }
-            )
-        routes += _preflight(match, cors_origins)
-        routes.append(_not_allowed(path, "POST", match))
-    read_only = [("path", path) for path in (*MODELS_PATHS, *HEALTH_PATHS)] + [("prefix", MODEL_PREFIX)]
-    for kind, path in read_only:
-        routes.append({"match": {kind: path, "headers": [get]}, "route": _to_replicas(CLUSTER, retries),
-                       "response_headers_to_remove": list(REPLICA_CORS_HEADERS),
-                       "typed_per_filter_config": no_observer | key})
-        routes += _preflight({kind: path}, cors_origins)
-        routes.append(_not_allowed(path, "GET", {kind: path}))
-    unknown = f"unknown path: the gateway serves {SERVED_PATHS}"
-    routes.append(_local_reply({"prefix": "/"}, 404, unknown, "unknown_path"))
-    host: dict[str, Any] = {"name": "llm", "domains": ["*"], "routes": routes}
-    if cors_origins:
-        host["typed_per_filter_config"] = {"envoy.filters.http.cors": _cors_policy(cors_origins)}
-    return {"name": "llm", "virtual_hosts": [host]}
-
-
-def _not_allowed(path: str, method: str, match: dict[str, Any]) -> dict[str, Any]:
-    reply = _local_reply(match, 405, f"method not allowed on {path}: it takes {method}",
-                         "method_not_allowed")
-    reply["response_headers_to_add"].append({"header": {"key": "allow", "value": f"{method}, OPTIONS"}})
-    return reply
-
-
-def _preflight(match: dict[str, Any], origins: Sequence[str]) -> list[dict[str, Any]]:
-    """A CORS preflight from an allowed origin on a served path, which the CORS filter answers
-    itself: a route with a route action (the filter skips direct responses), to a cluster with no
-    endpoint, so that nothing could ever reach a replica. Other preflights get the 405."""
-    if not origins:
-        return []
-    allowed = ".*" if "*" in origins else "|".join(re.escape(origin) for origin in origins)
-    headers = [{"name": ":method", "string_match": {"exact": "OPTIONS"}},
-               {"name": "origin", "string_match": {"safe_regex": {"regex": f"^({allowed})$"}}},
-               {"name": "access-control-request-method", "present_match": True}]
-    return [{"match": {**match, "headers": headers}, "route": {"cluster": PREFLIGHT_CLUSTER},
-             "typed_per_filter_config": _UNREAD}]
-
-
-def _preflight_cluster() -> dict[str, Any]:
-    return {"name": PREFLIGHT_CLUSTER, "type": "STATIC", "connect_timeout": "1s",
-            "load_assignment": {"cluster_name": PREFLIGHT_CLUSTER, "endpoints": []}}
-
-
-def _cors_policy(origins: Sequence[str]) -> dict[str, Any]:
-    """Envoy's CORS filter answers preflights and adds the headers, as CorsPolicy (cors.py) does."""
-    allowed = [{"safe_regex": {"regex": ".*"}} if origin == "*" else {"exact": origin} for origin in origins]
-    return {
-        "@type": _T + "envoy.extensions.filters.http.cors.v3.CorsPolicy",
-        "allow_origin_string_match": allowed,
-        "allow_methods": CORS_METHODS,
-        "allow_headers": ALLOWED_HEADERS,
-        "expose_headers": EXPOSED_HEADERS,
-        "max_age": str(MAX_AGE_S),
-        "forward_not_matching_preflights": False,  # answered here, never by a replica (_preflight)
-    }
-
-
-def _to_replicas(cluster: str, retries: int) -> dict[str, Any]:
-    return {
-        "cluster": cluster,
-        "timeout": "0s",
-        "retry_policy": {
-            # Only where the replica never answered: the connection failed or was refused, or was
-            # reset before any response byte (e.g. a keep-alive connection the replica closed
-            # as the request went out, or a replica that died before answering). A started
-            # answer is never retried, so a client never gets two generations.
-            "retry_on": "connect-failure,refused-stream,reset-before-request,reset,retriable-status-codes",
-            "retriable_status_codes": [503],
-            "num_retries": retries,
-            "per_try_timeout": "0s",
-        },
-    }
-
-
-def _response_headers() -> list[dict[str, Any]]:
-    def add(name: str, value: str) -> dict[str, Any]:
-        return {"header": {"key": name, "value": value}, "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}
-
-    return [
-        add(ROUTED_TO, f"%REQ({ROUTED_TO})%"),
-        add(ROUTE_REASON, f"%REQ({ROUTE_REASON})%"),
-        add(PREDICTED_CACHED, f"%REQ({PREDICTED_CACHED})%"),
-        add(QUEUE_WAIT, f"%REQ({QUEUE_WAIT})%"),
-        add(SERVED, "%UPSTREAM_HOST%"),
-        add(REQUEST_ID, f"%REQ({REQUEST_ID})%"),
-    ]
-
-
-TRAILING_SLASH = {"pattern": {"regex": "/$"}, "substitution": ""}
-_EXT_PROC_PER_ROUTE = _T + "envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute"
-PREFLIGHT_CLUSTER = "cors-preflights"  # no endpoint: the CORS filter answers the preflights routed there
-# a route answered by Envoy itself: the body is not buffered, the service not asked
-_UNREAD = {"ext_proc.route": {"@type": _EXT_PROC_PER_ROUTE, "disabled": True},
-           "ext_proc.observe": {"@type": _EXT_PROC_PER_ROUTE, "disabled": True},
-           "whole-body": {"@type": _T + "envoy.extensions.filters.http.buffer.v3.BufferPerRoute", "disabled": True}}
-
-
-def _local_reply(match: dict[str, Any], status: int, message: str, code: str) -> dict[str, Any]:
-    """Answered by Envoy without reading the body (no buffering) nor asking the service, as an
-    error in OpenAI's shape."""
-    return {
-        "match": match,
-        "direct_response": {"status": status,
-                            "body": {"inline_string": json.dumps(error_document(status, message, code))}},
-        "response_headers_to_add": [{"header": {"key": "content-type", "value": "application/json"}}],
-        "typed_per_filter_config": _UNREAD,
-    }
-
-
-def _replicas_cluster(
-    name: str, endpoints: Endpoints, connect_timeout_ms: int, max_request_bytes: int
-) -> dict[str, Any]:
-    """The replicas, for JSON answers (CLUSTER) or streamed ones (STREAMED_CLUSTER). Streamed
-    answers get a fresh connection each: llama.cpp's server closes the connection right after a
-    streamed answer (without "connection: close"), so a turn sent the instant the last one
-    ended would go out on a connection being closed, get a 503 ("connection termination"),
-    and a retry would take it to a fallback replica, away from its cache. JSON answers keep
-    their connections alive (closed by Envoy before llama.cpp's idle limit)."""
-    reuse = (
-        {"idle_timeout": f"{UPSTREAM_IDLE_TIMEOUT_S}s"} if name == CLUSTER else {"max_requests_per_connection": 1}
-    )
-    cluster: dict[str, Any] = {
-        "name": name,
-        "connect_timeout": f"{connect_timeout_ms / 1000:g}s",
-        "per_connection_buffer_limit_bytes": max_request_bytes,
-        "typed_extension_protocol_options": {
-            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
-                "@type": _T + "envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
-                "common_http_protocol_options": reuse,
-                "explicit_http_config": {"http_protocol_options": {}},
-            }
-        },
-        "load_balancing_policy": _override_host(),
-        # Don't let one slow generation hold back others on a shared connection.
-        "circuit_breakers": {
-            "thresholds": [
-                {"max_connections": 100000, "max_pending_requests": 100000, "max_requests": 100000, "max_retries": 1000}
-            ]
-        },
-    }
-    return {**cluster, **_replicas_source(name, endpoints)}
-
-
-def _override_host() -> dict[str, Any]:
-    """The first endpoint of the pick's header (or ``envoy.lb`` metadata), the next ones on
-    retries; round robin when neither is set (fail-open, ext_proc down)."""
-    round_robin = {
-        "typed_extension_config": {
-            "name": "envoy.load_balancing_policies.round_robin",
-            "typed_config": {"@type": _T + "envoy.extensions.load_balancing_policies.round_robin.v3.RoundRobin"},
-        }
-    }
-    return {
-        "policies": [
-            {
-                "typed_extension_config": {
-                    "name": "envoy.load_balancing_policies.override_host",
-                    "typed_config": {
-                        "@type": _T + "envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost",
-                        "override_host_sources": [
-                            {"header": DESTINATION},
-                            {"metadata": {"key": "envoy.lb", "path": [{"key": DESTINATION}]}},
-                        ],
-                        "fallback_policy": {"policies": [round_robin]},
-                    },
-                }
-            }
-        ]
-    }
-
-
-def _replicas_source(name: str, endpoints: Endpoints) -> dict[str, Any]:
-    """Where the cluster ``name`` finds the replicas: the endpoints file (EDS) or one address (DNS)."""
-    if isinstance(endpoints, EndpointsFile):
-        directory = str(Path(endpoints.path).parent)
-        return {
-            "type": "EDS",
-            "eds_cluster_config": {
-                "service_name": CLUSTER,  # both clusters read the one ClusterLoadAssignment in the file
-                "eds_config": {
-                    "resource_api_version": "V3",
-                    "path_config_source": {"path": endpoints.path, "watched_directory": {"path": directory}},
-                },
-            },
-        }
-    host, port = split_host_port(endpoints.address)
-    return {
-        "type": "STRICT_DNS",
-        "dns_refresh_rate": "2s",
-        "load_assignment": {
-            "cluster_name": name,
-            "endpoints": [{"lb_endpoints": [{"endpoint": {"address": socket_address(host, port)}}]}],
-        },
-    }
-
-
-def _ext_proc_cluster(address: str, connect_timeout_ms: int) -> dict[str, Any]:
-    """The routing service over HTTP/2 on its abstract unix socket ("@name"; at c=16 the stub
-    floor measured 7 % more req/s and 7 % less CPU on both sides than over TCP loopback, the
-    real service 2 %)."""
-    return {
-        "name": EXT_PROC_CLUSTER,
-        "type": "STATIC",
-        "connect_timeout": f"{connect_timeout_ms / 1000:g}s",
-        "typed_extension_protocol_options": {
-            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
-                "@type": _T + "envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
-                "explicit_http_config": {"http2_protocol_options": {}},
-            }
-        },
-        "load_assignment": {
-            "cluster_name": EXT_PROC_CLUSTER,
-            "endpoints": [{"lb_endpoints": [{"endpoint": {"address": {"pipe": {"path": address}}}}]}],
-        },
-    }
-
-
-FRONT_CLUSTER = "gateways"
-FRONT_HEALTH_INTERVAL_MS = 500  # a dead gateway is marked unhealthy within about this long
-# A refused connection is tried again this many times in all, after a pause growing from 20 ms to
-# 200 ms: each try draws a gateway at random again (a TCP proxy cannot exclude the one that refused),
-# and the refusing gateway's ejection reaches the draws only later. Measured with one of two
-# gateways killed, 12 new connections at once, 40 times: 3 tries without pauses lost 62 of 480
-# connections (reset), 10 tries with the pauses none (scripts/measure-front-retries).
-FRONT_CONNECT_ATTEMPTS = 10
-FRONT_RETRY_PAUSE = {"base_interval": "0.02s", "max_interval": "0.2s"}
-
-
-def render_front_config(*, listen: str, admin: str, gateways: Sequence[tuple[str, str]],
-                        connect_timeout_ms: int = 1000) -> str:
-    """The front of several gateways (the local stack's stand-in for a Kubernetes Service):
-    one TCP listener that hands each new connection to a gateway Envoy drawn at random,
-    without reading the HTTP inside (connection-level, as kube-proxy does).
-
-    gateways: (listener "host:port", admin "host:port") of each gateway Envoy. A connection
-    that cannot be made is tried again on a gateway drawn anew, after a growing pause
-    (FRONT_CONNECT_ATTEMPTS), and ejects the one that refused it (outlier detection,
-    local-origin failures); an active health
-    check of each gateway's admin /ready keeps a dead one out and lets it back within one
-    interval of its return. Panic routing is off: with one gateway of two down, every
-    connection goes to the live one (Envoy's default would spread over all below 50 %).
-    """
-    listen_host, listen_port = split_host_port(listen)
-    admin_host, admin_port = split_host_port(admin)
-    config = {
-        "node": {"id": "llm-ring-front", "cluster": "llm-ring"},
-        "admin": {"address": socket_address(admin_host, admin_port)},
-        "overload_manager": _connection_limit(),
-        "static_resources": {
-            "listeners": [{
-                "name": "front",
-                "address": socket_address(listen_host, listen_port),
-                "filter_chains": [{"filters": [{
-                    "name": "envoy.filters.network.tcp_proxy",
-                    "typed_config": {
-                        "@type": _T + "envoy.extensions.filters.network.tcp_proxy.v3.TcpProxy",
-                        "stat_prefix": "front",
-                        "cluster": FRONT_CLUSTER,
-                        "max_connect_attempts": max(FRONT_CONNECT_ATTEMPTS, len(gateways) + 1),
-                        "backoff_options": FRONT_RETRY_PAUSE,
-                    },
-                }]}],
-            }],
-            "clusters": [_front_cluster(gateways, connect_timeout_ms)],
-        },
-    }
-    return json.dumps(config, indent=2) + "\n"
-
-
-def _front_cluster(gateways: Sequence[tuple[str, str]], connect_timeout_ms: int) -> dict[str, Any]:
-    """The gateways, drawn at random, health-checked on their admin /ready and ejected on a refusal."""
-    interval = f"{FRONT_HEALTH_INTERVAL_MS / 1000:g}s"
-    endpoints = []
-    for gateway_listen, gateway_admin in gateways:
-        host, port = split_host_port(gateway_listen)
-        endpoints.append({"endpoint": {
-            "address": socket_address(host, port),
-            "health_check_config": {"port_value": split_host_port(gateway_admin)[1]},
-        }})
-    return {
-        "name": FRONT_CLUSTER,
-        "type": "STATIC",
-        "connect_timeout": f"{connect_timeout_ms / 1000:g}s",
-        "lb_policy": "RANDOM",
-        "common_lb_config": {"healthy_panic_threshold": {"value": 0}},
-        "load_assignment": {"cluster_name": FRONT_CLUSTER, "endpoints": [{"lb_endpoints": endpoints}]},
-        "health_checks": [{
-            "timeout": "1s", "interval": interval, "no_traffic_interval": interval,
-            "unhealthy_threshold": 1, "healthy_threshold": 1,
-            "http_health_check": {"path": "/ready"},
-        }],
-        "outlier_detection": {
-            "split_external_local_origin_errors": True,
-            "consecutive_local_origin_failure": 1,
-            "enforcing_consecutive_local_origin_failure": 100,
-            "interval": interval,
-            "base_ejection_time": "5s",
-            "max_ejection_percent": 100,
         },
     }
 
