@@ -88,12 +88,13 @@ def time_decisions(spec: str, replicas: int, decisions: int) -> dict[str, float]
     clock = time.perf_counter_ns
     route, complete = router.route, router.complete
     for request_id, slot, conversation, turn, prompt in requests:
-        key = f"conversation-{slot}-{conversation}"
-        if block_chars:  # built outside the timed call: the blocks arrive with the request
+        name = f"conversation-{slot}-{conversation}"
+        key = router.conversation_key(name)
+        if block_chars:  # built outside the timed call: the blocks and the key arrive with the request
             text = prompt_text(slot, conversation, turn)
-            request = RouteRequest(request_id, key, len(text) // 4, 64, prefix_blocks(text, block_chars))
+            request = RouteRequest(request_id, name, len(text) // 4, 64, prefix_blocks(text, block_chars), key=key)
         else:
-            request = RouteRequest(request_id, key, prompt, 64)
+            request = RouteRequest(request_id, name, prompt, 64, key=key)
         start = clock()
         route(request)
         samples.append(clock() - start)

@@ -28,6 +28,9 @@ class RouteRequest(NamedTuple):
     # replicas running a request of its model under another LoRA adapter configuration, which llama.cpp
     # does not batch with it (routing/adapters.py)
     unbatched: frozenset[str] = frozenset()
+    # its conversation's key (Router.conversation_key: 64-bit unsigned), computed where the request is
+    # read and carried from there; -1: built without it (tests, the simulator), computed when routed
+    key: int = -1
 
 
 class Check(NamedTuple):

@@ -123,6 +123,7 @@ class FlowControl:
         its patience is nil); else queue it (the caller then calls ``dispatch``: it may leave at
         once). Refused when its band is full, or when no replica of the fleet is one it may go to."""
         avoided = frozenset(avoid)
+        request = self.router.keyed(request)  # its key serves its wait and its route
         replicas = self.router.replicas
         if not replicas or avoided and all(name in avoided for name in replicas):
             return Refused(NO_REPLICA)
@@ -140,8 +141,7 @@ class FlowControl:
         return Queued(waiting) if self.queue.push(waiting) else Refused(QUEUE_FULL)
 
     def _waiting(self, request: RouteRequest, flow: Flow, avoided: frozenset[str], now: float) -> Waiting:
-        key = self.router.conversation_key(request.conversation)
-        return Waiting(request, flow, key, avoided, now, now + self.settings.ttl_seconds)
+        return Waiting(request, flow, avoided, now, now + self.settings.ttl_seconds)
 
     def _at_once(self, request: RouteRequest, flow: Flow, rooms: tuple[str, ...],
                  peers: PeerView | None) -> Routed | None:
@@ -268,7 +268,7 @@ class FlowControl:
 
     def _placement(self, waiting: Waiting) -> Placement | None:
         """Where the waiting request's conversation was last served (None: nowhere it may go)."""
-        placement = self.router.memory.get(waiting.key)
+        placement = self.router.memory.get(waiting.request.key)
         if placement is None or placement.replica in waiting.avoid or placement.replica not in self.router.replicas:
             return None
         return placement

@@ -52,9 +52,8 @@ KINDS = ("local", "new", "fair")
 
 
 class Waiting(NamedTuple):
-    request: RouteRequest
+    request: RouteRequest  # keyed (Router.keyed): its conversation's key says where its cache is
     flow: Flow
-    key: int  # the conversation's key in placement memory: where its cache is
     avoid: frozenset[str]  # replicas it must not go to (as decided when it arrived)
     arrived: float
     deadline: float  # it expires at this time

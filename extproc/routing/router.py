@@ -79,6 +79,16 @@ class Router:
         """The conversation's ring position, also its key in placement memory (hashed once)."""
         return stable_hash(conversation, self._seed)
 
+    def keyed(self, request: RouteRequest) -> RouteRequest:
+        """``request`` carrying its conversation's key: itself when it carries it already."""
+        if request.key >= 0:
+            return request
+        return request._replace(key=self.conversation_key(request.conversation))
+
+    def readdressed(self, request: RouteRequest, conversation: str) -> RouteRequest:
+        """``request`` as one of ``conversation``, with that conversation's key."""
+        return request._replace(conversation=conversation, key=self.conversation_key(conversation))
+
     def set_replicas(self, replicas: Iterable[str]) -> None:
         names = tuple(sorted(set(replicas)))
         if names == self._ring.replicas:
@@ -112,7 +122,9 @@ class Router:
             eligible = tuple(name for name in ring.replicas if name not in avoided)
         else:
             avoided, eligible = _NOTHING, ring.replicas
-        key = hash_bytes(request.conversation.encode(), self._seed)  # = conversation_key()
+        key = request.key
+        if key < 0:  # built without it: computed here, and the ticket carries it
+            key = hash_bytes(request.conversation.encode(), self._seed)
         placement = self.memory.get(key)
         if peers is not None:
             self.ledger.set_elsewhere(peers.elsewhere)

@@ -96,7 +96,7 @@ class Gateway:
         self.adapters_in_flight = InFlight()  # the LoRA configurations running on each replica (adapters.py)
         self.decision_log: Callable[[dict[str, Any]], None] = through_structlog  # main.py: DecisionLog
         self.lifecycle = Lifecycle()  # flow control's ears (waiting_room.py sets its own)
-        self.leaving = LeavingReplicas(router.conversation_key, lambda fields: self.decision_log(fields))
+        self.leaving = LeavingReplicas(lambda fields: self.decision_log(fields))
 
     @property
     def store(self) -> SharedStore | None:
@@ -118,8 +118,7 @@ class Gateway:
 
     def begin_leaving(self, replica: str, seconds: float, near_seconds: float) -> tuple[int, int]:
         """``replica`` starts leaving (extproc/routing/leaving.py); (idle, in flight) conversations placed there."""
-        key, ongoing = self.router.conversation_key, self.requests.pending.values()
-        in_flight = {key(p.request.conversation) for p in ongoing if p.decision.replica == replica}
+        in_flight = {p.ticket.key for p in self.requests.pending.values() if p.decision.replica == replica}
         idle = {k for k, _ in self.router.placed_on(replica)} - in_flight
         self.leaving.begin(replica, idle, in_flight, seconds, near_seconds)
         return len(idle), len(in_flight)
@@ -144,7 +143,7 @@ class Gateway:
             self.lifecycle.released(pending.request.request_id)
             request, decision = pending.request, pending.decision
             self.adapters_in_flight.ended(pending.model, pending.lora, decision.replica)
-            key = self.router.conversation_key(request.conversation)
+            key = pending.ticket.key
             self.leaving.ended(key, decision.replica)
             if ok:
                 chat = GENERATION_PATHS.get(pending.path) == "chat"
@@ -223,7 +222,7 @@ class Gateway:
         if parsed.answered_tokens:
             conversations.holds_answer(conversation, request.prompt_tokens, parsed.answered_tokens)
         avoid = self.fleet.avoid(subset, self.catalog.eligible(parsed.model))
-        avoid, leaving_phase = self.leaving.avoid(conversation, avoid, endpoints)
+        avoid, leaving_phase = self.leaving.avoid(request.key, avoid, endpoints)
         unbatched = self.adapters_in_flight.unbatched(bounded(parsed.model), bounded(parsed.lora))
         if unbatched:  # llama.cpp batches none of those replicas' running requests with this one
             step = replace(step, request=request._replace(unbatched=unbatched))
@@ -238,7 +237,7 @@ class Gateway:
         request, parsed = step.request, step.parsed
         conversation, unique_id = request.conversation, request.request_id
         decision = ticket.decision
-        self.leaving.sent(conversation, decision.replica)
+        self.leaving.sent(ticket.key, decision.replica)
         self.adapters_in_flight.sent(bounded(parsed.model), bounded(parsed.lora), decision.replica)
         predicted = decision.predicted_cached_tokens
         if parsed.opening:

@@ -20,9 +20,8 @@ from extproc.routing.leaving import Leaving
 
 
 class LeavingReplicas:
-    def __init__(self, conversation_key: Callable[[str], int], log: Callable[[dict[str, Any]], None],
-                 clock: Callable[[], float] = time.time) -> None:
-        self.conversation_key, self.log, self.clock = conversation_key, log, clock
+    def __init__(self, log: Callable[[dict[str, Any]], None], clock: Callable[[], float] = time.time) -> None:
+        self.log, self.clock = log, clock
         self.orders: dict[str, Leaving] = {}
 
     def begin(self, replica: str, idle: Iterable[int], in_flight: Iterable[int], bound_s: float,
@@ -30,12 +29,12 @@ class LeavingReplicas:
         order = self.orders[replica] = Leaving.begin(replica, self.clock(), bound_s, near_s, idle, in_flight)
         return order
 
-    def avoid(self, conversation: str, avoid: Collection[str],
-              endpoints: Collection[str]) -> tuple[Collection[str], str]:
-        """What the request must avoid, with the leaving replicas' orders applied; its phase ("" if none)."""
+    def avoid(self, key: int, avoid: Collection[str], endpoints: Collection[str]) -> tuple[Collection[str], str]:
+        """What a request of the conversation ``key`` must avoid, with the leaving replicas' orders
+        applied; its phase ("" if none)."""
         if not self.orders:
             return avoid, ""
-        key, now = self.conversation_key(conversation), self.clock()
+        now = self.clock()
         avoided, phase = set(avoid), ""
         for order in self.orders.values():
             route = order.route(key, now)
@@ -47,9 +46,9 @@ class LeavingReplicas:
                 phase = route.phase.value
         return frozenset(avoided), phase
 
-    def sent(self, conversation: str, replica: str) -> None:
+    def sent(self, key: int, replica: str) -> None:
         if self.orders:
-            key, now = self.conversation_key(conversation), self.clock()
+            now = self.clock()
             for order in self.orders.values():
                 order.sent(key, replica, now)
 

@@ -66,7 +66,7 @@ class Publishing:
         pending = self.pending(request_id)
         request, decision = pending.request, pending.decision
         self.store.routed(
-            self.router.conversation_key(request.conversation), request_id,
+            pending.ticket.key, request_id,
             PeerRequest(self.store.router_id, decision.replica, decision.charged_tokens, request.prompt_tokens,
                         history),
         )  # fmt: skip

@@ -82,12 +82,13 @@ class RequestReader:
         digests, claimed, named = self.conversations.claim_request(
             bounded(session), bounded_scope(parsed.model, parsed.lora), parsed.opening_key, parsed.history,
             parsed.answered)
-        # under the key the router places it by (a reused id that does not continue its chat has its own)
-        self.migrations.opened(self.router.conversation_key(claimed.conversation), parsed.opening_key, parsed.scope)
         prompt_tokens = parsed.prompt_token_ids + parsed.prompt_tokens
         max_tokens = (parsed.max_tokens or self.settings.default_max_tokens) * parsed.prompts
+        # its conversation's key, computed here once and carried by the request from here on
         request = RouteRequest(unique_id, claimed.conversation, prompt_tokens, max_tokens, parsed.prefix_blocks,
-                               bounded(parsed.model))
+                               bounded(parsed.model), key=self.router.conversation_key(claimed.conversation))
+        # under the key the router places it by (a reused id that does not continue its chat has its own)
+        self.migrations.opened(request.key, parsed.opening_key, parsed.scope)
         return Prepared(request, parsed, path, digests, claimed, named)
 
     async def peers(self, step: Prepared, store: SharedStore) -> tuple[Prepared, PeerView]:
@@ -95,16 +96,16 @@ class RequestReader:
         use). A request that does not continue the conversation the store knows under its key is
         routed under the next key (continuation.py): it gets the others' load, nothing of the conversation."""
         request = step.request
-        snapshot = await store.read(self.router.conversation_key(request.conversation))
+        snapshot = await store.read(request.key)
         if snapshot is None:
             return step, NO_PEERS
         if snapshot.placement is not None:  # the store's digest is known too, for the key it was read for
             claimed = self.conversations.claim(step.named, step.parsed.opening_key, step.shown, request.conversation,
                                                snapshot.digest)
             if claimed.conversation != request.conversation:
-                step = replace(step, request=request._replace(conversation=claimed.conversation), claim=claimed)
-                self.migrations.opened(self.router.conversation_key(claimed.conversation), step.parsed.opening_key,
-                                       step.parsed.scope)
+                request = self.router.readdressed(request, claimed.conversation)
+                step = replace(step, request=request, claim=claimed)
+                self.migrations.opened(request.key, step.parsed.opening_key, step.parsed.scope)
                 return step, peer_view(snapshot.loads, (), frozenset(), None)
             step = replace(step, claim=claimed)
         return step, peer_view(snapshot.loads, snapshot.pending, step.parsed.answered, snapshot.placement)

@@ -219,7 +219,7 @@ def test_a_request_waits_for_its_full_cache_holder_as_long_as_its_cache_takes_to
     release(flow_control, elsewhere)  # a slot frees on the other replica
     follow_up = flow_control.admit(request("follow-up", f"conv-{ids[0]}", prompt=150), FILLER, (), 1.0)
     assert isinstance(follow_up, Queued)  # nothing waits, a replica has room, but not its holder
-    placement = router.memory.get(follow_up.waiting.key)
+    placement = router.memory.get(follow_up.waiting.request.key)
     assert placement is not None and placement.replica == holder.replica
     patience = flow_control.patience(placement)
     assert patience == pytest.approx(0.019 + 100 / 167)  # the prior's overhead + 100 tokens at 167 tokens/s

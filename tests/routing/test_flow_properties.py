@@ -46,7 +46,7 @@ def kind(holder: str | None, rooms: tuple[str, ...], patient: bool = False) -> i
 
 
 def waiting(rid: str, flow: Flow, arrived: float = 0.0) -> Waiting:
-    return Waiting(RouteRequest(rid, rid, 10, 1), flow, 0, frozenset(), arrived, arrived + 100.0)
+    return Waiting(RouteRequest(rid, rid, 10, 1), flow, frozenset(), arrived, arrived + 100.0)
 
 
 @settings(max_examples=200)
@@ -237,7 +237,7 @@ class FlowControlMachine(RuleBasedStateMachine):
             if all(loads[name] >= limit for name in REPLICAS if name not in item.avoid):
                 continue
             # a replica it may take has room: it must be waiting for its full cache holder, within its patience
-            placement = router.memory.get(item.key)
+            placement = router.memory.get(item.request.key)
             assert placement is not None and placement.replica not in item.avoid, (item, dict(loads))
             assert loads[placement.replica] >= limit, (item, dict(loads))
             speed = router.speeds.speed(placement.replica)

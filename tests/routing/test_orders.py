@@ -29,7 +29,7 @@ def queued(order: str, arrivals: list[tuple[str, int]]) -> FairQueue:
     queue = FairQueue(band_size=1000, locality_deficit=0.0, order=make_order(order))
     for number, (tenant, prompt) in enumerate(arrivals):
         rid = f"r{number}"
-        assert queue.push(Waiting(RouteRequest(rid, rid, prompt, 0), Flow(0, tenant), 0, frozenset(), float(number),
+        assert queue.push(Waiting(RouteRequest(rid, rid, prompt, 0), Flow(0, tenant), frozenset(), float(number),
                                   1e9))
     return queue
 

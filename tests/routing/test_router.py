@@ -124,3 +124,24 @@ def test_placement_memory_is_keyed_by_the_ring_hash_and_a_new_seed_starts_it_afr
     assert router.memory.get(router.conversation_key("c")) is not None
     router.reconfigure(routing(hash_seed=7))
     assert len(router.memory) == 0
+
+
+def test_a_request_is_routed_under_the_key_it_carries() -> None:
+    """The key is computed where the request is read and carried: the router does not hash again."""
+    router = Router(routing(), REPLICAS)
+    unkeyed = RouteRequest("r", "c", 10, 1)
+    keyed = router.keyed(unkeyed)
+    assert keyed.key == router.conversation_key("c") and router.keyed(keyed) is keyed
+    carried = unkeyed._replace(key=router.conversation_key("other"))
+    ticket = router.route(carried)
+    assert ticket is not None and ticket.key == router.conversation_key("other")
+    ticket.release()
+    assert router.memory.get(router.conversation_key("other")) is not None
+    assert router.memory.get(router.conversation_key("c")) is None
+    assert router.route(RouteRequest("r2", "c", 10, 1)).key == keyed.key  # type: ignore[union-attr]  # unkeyed
+
+
+def test_a_request_readdressed_to_another_conversation_takes_its_key() -> None:
+    router = Router(routing(), REPLICAS)
+    moved = router.readdressed(router.keyed(RouteRequest("r", "c", 10, 1)), "c-2")
+    assert (moved.conversation, moved.key) == ("c-2", router.conversation_key("c-2"))
