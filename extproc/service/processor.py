@@ -13,8 +13,8 @@ from typing import Any
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-from extproc.service.dataplanes import choose
 from extproc.service.dataplanes.plane import Serving, as_bytes, stream_failed, tolerant
+from extproc.service.dataplanes.registry import choose
 from extproc.service.gateway import Gateway
 from extproc.service.offload import BodyParser
 from extproc.service.waiting_room import HeldReads, WaitingRoom

@@ -19,20 +19,18 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, Any
 
 import grpc
 from cryptography import x509
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from extproc.envoy.contract import STREAM_IDLE_TIMEOUT_S, EndpointsFile, ext_proc_address, split_host_port
+from extproc.service.dataplanes.own_envoy_config import FlowOptions, render_envoy_config
+from extproc.service.dataplanes.picker_gateways import InferenceGateway, render_inference_gateway_config
 from extproc.settings import load_settings
 from extproc.stack.daemons import http_ok
 from extproc.stack.ports import free_port
-
-if TYPE_CHECKING:  # the renderers are imported where used: their package loads the service
-    from extproc.service.dataplanes.own_envoy_config import FlowOptions
-    from extproc.service.dataplanes.picker_gateways import InferenceGateway
 
 ROUTER_REFERENCE = Path(__file__).parents[1] / "service" / "router.toml"  # the reference settings
 
@@ -110,8 +108,6 @@ def start_gateway_envoy(
     replica_key_file: the replicas' API key, added to every generation (None: upstreams that want none);
     flow: the service's flow control (flow_options), None: off;
     cors_origins: service.cors_origins of the service behind it."""
-    from extproc.service.dataplanes.own_envoy_config import render_envoy_config
-
     listen, admin = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
     config = render_envoy_config(
         listen=listen,
@@ -137,8 +133,6 @@ def start_inference_gateway_envoy(
 ) -> Running:
     """Envoy with ``gateway``'s InferencePool data plane (render_inference_gateway_config, its
     keyword options) on free loopback ports, the picker at ``picker`` (host:port, TLS)."""
-    from extproc.service.dataplanes.picker_gateways import render_inference_gateway_config
-
     listen, admin = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
     config = render_inference_gateway_config(
         gateway, listen=listen, admin=admin, picker=picker, pool_endpoints=pool_endpoints, **options

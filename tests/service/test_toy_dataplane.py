@@ -14,7 +14,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from grpc.aio import EOF
 from structlog.testing import capture_logs
 
-from extproc.service.dataplanes import choose, register, unregister
+from extproc.service.dataplanes.registry import choose, register, unregister
 from extproc.service.processor import Processor
 from tests.service import toy_dataplane
 from tests.service.test_gateway_lifecycle import ENDPOINTS, decisions, in_flight, make_gateway
