@@ -184,7 +184,10 @@ class _ReplicaAskers:
     def start(cls, gateway: Gateway, service: ServiceSettings, replica_key: str | None) -> _ReplicaAskers:
         health = ReplicaHealth(gateway, service.health_probe_seconds)
         gateway.on_replica_failed = health.replica_failed
-        endpoints = lambda: gateway.fleet.endpoints  # noqa: E731  (discovery replaces the fleet's map)
+
+        def endpoints() -> dict[str, str]:  # read at each use: discovery replaces the fleet's map
+            return gateway.fleet.endpoints
+
         models = ModelFetcher(gateway.catalog, endpoints, replica_key, service.health_probe_seconds)
         residency = ResidencyWatcher(lambda: gateway.router.residency, endpoints, replica_key,
                                      service.model_status_seconds)
