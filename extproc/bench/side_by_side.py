@@ -12,8 +12,8 @@ scheduler favours), window after window:
   clock speed) hits all three alike, which cells measured one after another cannot give.
 - The three are started afresh ``--rounds`` times (sets), in shuffled order: two identical
   services differ by a few percent from one start to the next. Within a set, which service's
-  requests go out first at each tick is rotated window by window: the last of three sent at
-  the same instant is served a few percent cheaper, whichever it is.
+  requests go out first at each tick is rotated window by window: sent in a fixed order, the
+  service sent last was served a few percent cheaper.
 """
 
 from __future__ import annotations
@@ -84,8 +84,7 @@ async def paced(port: int, connections: int, rate: float, seconds: float) -> tup
 async def window(ports: dict[str, int], connections: int, rate: float, seconds: float,
                  first: int = 0) -> dict[str, tuple[int, float]]:
     """The three services sent the same paced requests at once for ``seconds``. The service whose
-    requests go out first at each tick is rotated by ``first``: the last of three sent at the same
-    instant is served a few percent cheaper, whichever it is."""
+    requests go out first at each tick is rotated by ``first`` (module docstring)."""
     order = NAMES[first % 3:] + NAMES[:first % 3]
     cells = await asyncio.gather(*(paced(ports[name], connections, rate, seconds) for name in order))
     return dict(zip(order, cells, strict=True))
