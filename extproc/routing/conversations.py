@@ -51,6 +51,14 @@ class Conversations:
         # replica -> the openings of the last prompts sent to it, one per slot (routing.replica_slots)
         self.openings: dict[str, deque[tuple[int, ...]]] = {}
 
+    def forget(self) -> None:
+        """Forget every conversation (a reset between experiment runs, which empties the replicas'
+        caches): a conversation sent again under its id is then new, routed under its own key."""
+        self.digests.clear()
+        self.branch_points.clear()
+        self.unanswered.clear()
+        self.openings.clear()
+
     # ------------------------------------------------------------------ before a request is routed
 
     def claim_request(

@@ -29,7 +29,7 @@ class AdminService(admin_pb2_grpc.AdminServicer):
 
     async def Reset(self, request: admin_pb2.ResetRequest, context: grpc.aio.ServicerContext) -> admin_pb2.State:
         self.gateway.router.reset()
-        self.gateway.conversations.openings.clear()  # what was sent to each replica: a reset begins on emptied caches
+        self.gateway.conversations.forget()  # a reset begins on emptied caches: what was sent there is gone
         if self.gateway.store is not None:  # the others must stop counting what was forgotten here
             self.gateway.store.load_changed()
         return self.state()

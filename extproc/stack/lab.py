@@ -10,13 +10,17 @@ gateway, every router's in-flight load and decisions).
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
-from extproc.stack import models
+from extproc.stack import models, store
 from extproc.stack.errors import Progress
 from extproc.stack.settings import StackSettings, run_dir
 from extproc.stack.stack import Stack
+
+IDLE_WAIT_S = 30.0  # a reset waits this long at most for the last run's requests to end
+WRITES_LAND_S = 0.2  # a router's writer sends what it queued every 10 ms (service/store_writer.py)
 
 
 class LocalLab:
@@ -50,11 +54,19 @@ class LocalLab:
             self.stack.save()
 
     def reset(self) -> None:
-        """Fresh replica caches (see Stack.reset_caches), then fresh router state."""
+        """Fresh replica caches (see Stack.reset_caches), then fresh router state: each router's once
+        none holds a request in flight (a request's end is written to the store), then, with
+        several gateways, what their store holds of conversations, after the routers' last writes."""
         seconds = self.stack.reset_caches(self.progress)
+        deadline = time.monotonic() + IDLE_WAIT_S
+        while any(s["in_flight_requests"] for s in self.router_states().values()) and time.monotonic() < deadline:
+            time.sleep(0.05)
         for address in self.routers().values():
             with _admin(address) as admin:
                 admin.reset()
+        if self.stack.state.store_url:
+            time.sleep(WRITES_LAND_S)
+            store.forget_conversations(self.stack.state)
         self.progress(f"caches and router state reset in {seconds:.1f}s")
 
     def scale(self, n: int) -> None:

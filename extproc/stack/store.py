@@ -10,8 +10,15 @@ from typing import TYPE_CHECKING
 from extproc.stack.daemons import Daemon, daemon_of, spawn, wait_for
 from extproc.stack.errors import Progress, StackError
 from extproc.stack.gateways import STORE, store_url
-from extproc.stack.ports import port_of
-from extproc.stack.redis_server import redis_answers, redis_command, redis_server_binary, write_config
+from extproc.stack.ports import HOST, port_of
+from extproc.stack.redis_server import (
+    ADMIN,
+    password_file,
+    redis_answers,
+    redis_command,
+    redis_server_binary,
+    write_config,
+)
 from extproc.stack.state import StackRun
 
 if TYPE_CHECKING:
@@ -60,3 +67,23 @@ def spawn_store(state: StackState) -> Daemon:
     config = write_config(port_of(state.store_url), run / STORE)  # passwords generated once, kept
     command = redis_command(state.store_binary, config)
     return spawn(command, run / "logs" / f"{STORE}.log", die_with_parent=state.die_with_parent)
+
+
+# what the gateways keep of conversations in the store (service/store_layout.py): placements,
+# pending requests and the shared prefix index; their registrations and loads stay
+CONVERSATION_KEYS = ("*:place:*", "*:pending:*", "*:index:*")
+
+
+def forget_conversations(state: StackState) -> int:
+    """Delete what the store holds of conversations (a reset between experiment runs, on emptied
+    caches); returns how many keys went. As the stack's admin user: the routers' user may not scan."""
+    import redis
+
+    folder = Path(state.run_dir) / STORE
+    client = redis.Redis(host=HOST, port=port_of(state.store_url), username=ADMIN,
+                         password=password_file(folder, ADMIN).read_text().strip(), socket_timeout=5.0)
+    with client:
+        keys = [key for pattern in CONVERSATION_KEYS for key in client.scan_iter(match=pattern, count=1000)]
+        if keys:
+            client.delete(*keys)
+        return len(keys)

@@ -181,3 +181,20 @@ def test_the_templates_loop_object_is_read_as_the_plain_sandbox_reads_it() -> No
     rendered = _compile_template("test", source).render(messages=[1, 2, 3])
     assert rendered == plain.render(messages=[1, 2, 3])
     assert rendered.startswith("[True False 0 a 3   ][False")  # missing and private: empty, as in the sandbox
+
+
+def test_a_conversation_sent_again_after_a_reset_is_routed_under_its_own_key() -> None:
+    """An experiment's runs send the same conversations one after another; after the reset
+    between them a conversation's first turn is new again, on its ring home, not a branch of
+    the last run's history under another key."""
+    gateway = counting_gateway()
+    first = [{"role": "user", "content": "Name a planet."}]
+    request_id, opening = route(gateway, first, "c-1")
+    gateway.requests.access_logged(request_id, 200, opening.endpoint, cut_off=False, timings=TIMINGS)
+    follow_up = [*first, {"role": "assistant", "content": "Venus."}, {"role": "user", "content": "Another?"}]
+    request_id, pending = route(gateway, follow_up, "c-1")
+    gateway.requests.access_logged(request_id, 200, pending.endpoint, cut_off=False, timings=TIMINGS)
+    asyncio.run(AdminService(gateway).Reset(admin_pb2.ResetRequest(), None))  # type: ignore[arg-type]
+    _, again = route(gateway, first, "c-1")
+    assert again.request.conversation == opening.request.conversation
+    assert again.request.key == gateway.router.conversation_key(opening.request.conversation)

@@ -14,12 +14,16 @@ from pathlib import Path
 
 import httpx
 import pytest
+import redis
 
 from extproc.experiments.run import settled
 from extproc.stack import models
+from extproc.stack.gateways import STORE
 from extproc.stack.lab import LocalLab
-from extproc.stack.redis_server import redis_answers
+from extproc.stack.ports import HOST, port_of
+from extproc.stack.redis_server import ADMIN, password_file, redis_answers
 from extproc.stack.settings import load_stack_settings
+from extproc.stack.store import CONVERSATION_KEYS
 from tests.service.gateway_support import assert_each_turn_reused_the_whole_previous_prompt, back_to_back
 
 pytestmark = pytest.mark.live
@@ -121,6 +125,24 @@ def _ask(lab: LocalLab, conversation: str) -> int:
         reply = client.post(lab.gateway_url + "/v1/chat/completions", headers={"x-conversation-id": conversation},
                             json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
     return reply.status_code
+
+
+def test_a_reset_forgets_the_conversations_in_the_store_and_keeps_the_routers_registered(lab: LocalLab) -> None:
+    """Between experiment runs: the next run's conversations, sent under the same ids, are new."""
+    assert _ask(lab, "before-the-reset") == 200
+    with _store_admin(lab) as admin:
+        _wait_until(lambda: bool(list(admin.scan_iter(match="*:place:*"))), "no placement was published")
+        registered = sorted(admin.scan_iter(match="*:routers"))
+        lab.reset()
+        assert [key for pattern in CONVERSATION_KEYS for key in admin.scan_iter(match=pattern)] == []
+        assert sorted(admin.scan_iter(match="*:routers")) == registered
+    assert _ask(lab, "before-the-reset") == 200
+
+
+def _store_admin(lab: LocalLab) -> redis.Redis:
+    state = lab.stack.state
+    password = password_file(Path(state.run_dir) / STORE, ADMIN).read_text().strip()
+    return redis.Redis(host=HOST, port=port_of(state.store_url), username=ADMIN, password=password)
 
 
 def test_down_stops_every_gateway_the_front_and_the_store(lab: LocalLab) -> None:
