@@ -13,6 +13,7 @@ stack stops also on Ctrl-C or an error. The folders stay for `llm-ring report DI
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -79,7 +80,8 @@ def main(args: argparse.Namespace) -> int:
     _step(4, f"simulated: the same conversations over {len(sim_seeds)} seeds ({args.replicas} replicas sharing "
              f"{cores} cores), and profile {BUSY_PROFILE} on {BUSY_REPLICAS} replicas")
     same, busy = out / "sim", out / f"sim-{BUSY_PROFILE}"  # the live conversations; the busy profile
-    paired_same = simulate(str(live / "profile.json"), args.policies, sim_seeds, args.replicas, cores, same)
+    named = json.loads((live / "experiment.json").read_text())["model"]  # keyed as the live requests were
+    paired_same = simulate(str(live / "profile.json"), args.policies, sim_seeds, args.replicas, cores, same, named)
     paired_busy = simulate(BUSY_PROFILE, args.policies, sim_seeds, BUSY_REPLICAS, cores, busy)
     _step(5, "report")
     live_report = build_report(live)
@@ -111,8 +113,9 @@ def pictures(live: Path, same: Path, both: dict[str, Any], out: Path) -> tuple[P
 
 
 def simulate(profile: str, policies: list[str], seeds: list[int], replicas: int, host_cores: int,
-             out: Path) -> dict[str, dict[str, dict[str, Any]]]:
-    """One simulated experiment folder like the stack's (shared cores); its paired differences."""
+             out: Path, model: str = "") -> dict[str, dict[str, dict[str, Any]]]:
+    """One simulated experiment folder like the stack's (shared cores), its requests naming
+    ``model`` as the live ones did; its paired differences."""
     from extproc.analysis.metrics import paired_differences
     from extproc.analysis.report import SUMMARY_FILE, build_report, render_markdown
     from extproc.sim.costmodel import load_cost_model
@@ -121,7 +124,7 @@ def simulate(profile: str, policies: list[str], seeds: list[int], replicas: int,
     config = load_sim_config()
     cost = load_cost_model(config.cost_model)
     fleet = config.fleet(replicas, cost, host_cores=float(host_cores))
-    run_experiment(profile_source(profile), policies, seeds, config, fleet, out)
+    run_experiment(profile_source(profile), policies, seeds, config, fleet, out, model=model)
     report = build_report(out)
     (out / SUMMARY_FILE).write_text(render_markdown(report, with_runs=True))
     return paired_differences(report["runs"], policies)

@@ -130,6 +130,7 @@ def run_experiment(
                 "roll": dataclasses.asdict(roll) if roll else None,
                 "new_connections": new_connections,
                 "replicas": start_replicas,
+                "model": served_model(lab.gateway_url),  # what the requests name (the simulator keys by it too)
                 "started_at": utc_now(),
                 "versions": versions(),
             },

@@ -117,6 +117,10 @@ def _scenario_options(parser: argparse.ArgumentParser) -> None:
                         help="llama.cpp router mode: every replica serves these models, each conversation names one "
                              "in proportion to its share (smollm2:0.5,tiny:0.5; default: [router_mode] models); "
                              "prints model loads, cached share and p95 TTFT per policy")
+    parser.add_argument("--model", default="",
+                        help="the model every request names, as a live run's clients named it (its experiment.json's "
+                             "model): conversations are keyed under it as the service keys them, so a profile's "
+                             "simulation places them on the ring where that run did (not with router mode)")
     parser.add_argument("--models-max", type=at_least(1),
                         help="router mode: models a replica keeps loaded at once (default: [router_mode] models_max)")
 
@@ -228,7 +232,7 @@ def main_runs(args: argparse.Namespace, inputs: Inputs) -> int:
         fleet = config.fleet(replicas, cost, tuple(sorted(events)), models=tuple(inputs.models), slow=inputs.slow)
         out_dir = args.out_dir / f"replicas-{replicas}" if len(inputs.fleet_sizes) > 1 else args.out_dir
         run_experiment(source, args.policies, seeds, config, fleet, out_dir,
-                       progress=lambda line: print(line, file=sys.stderr))
+                       progress=lambda line: print(line, file=sys.stderr), model=args.model)
         report = build_report(out_dir)
         (out_dir / SUMMARY_FILE).write_text(render_markdown(report, with_runs=True))
         key = str(replicas)
@@ -306,6 +310,8 @@ def parse_shares(text: str) -> dict[str, float]:
 
 
 def check_router_mode(args: argparse.Namespace, config: SimConfig, costs: list[CostModel]) -> None:
+    if args.model and config.models() is not None:
+        raise ValueError("--model: router mode names each conversation's model (--models); one or the other")
     if config.models() is None:
         if args.models_max is not None:
             raise ValueError("--models-max: only with models in router mode (--models or [router_mode] models)")

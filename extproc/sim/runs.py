@@ -274,9 +274,12 @@ def run_once(workload: ClosedLoop | OpenLoop | Mixed, settings: RoutingSettings,
 
 def run_experiment(
     source: Source, policies: Iterable[str], seeds: Iterable[int], config: SimConfig, fleet: Fleet,
-    out_dir: Path, progress: Callable[[str], None] = lambda _: None,
+    out_dir: Path, progress: Callable[[str], None] = lambda _: None, model: str = "",
 ) -> int:
-    """Every policy x seed into ``out_dir/<run_id>/`` (requests.parquet + run.json). Returns rows."""
+    """Every policy x seed into ``out_dir/<run_id>/`` (requests.parquet + run.json). Returns rows.
+    ``model``: the model every request names, as a live run's client names it (without router
+    mode): its conversations are then keyed as the service keys them (under the model), so a
+    simulated run places them on the ring where the live one did."""
     cost = load_cost_model(config.cost_model)
     total = 0
     for seed in seeds:
@@ -286,6 +289,8 @@ def run_experiment(
             workload = source.make(seed, make_policy(settings).prefix_block_chars)
             if fleet.router_mode is not None:
                 with_models(workload, fleet.router_mode.shares, seed)
+            elif model:
+                with_models(workload, {model: 1.0}, seed)
             outcome = run_once(workload, settings, cost, fleet,
                                config.routers, config.router_state, seed, config.store_lag_ms,
                                config.store_handoff, config.store_outage)

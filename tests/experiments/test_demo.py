@@ -57,3 +57,25 @@ def test_the_demo_writes_the_charts_and_html_report_of_its_live_and_simulated_fo
     charts, page = pictures(live, same, combine([live, same], [build_report(live), build_report(same)]), tmp_path)
     assert (charts / "summary.png").exists() and (charts / "hit_rate_over_time.svg").exists()
     assert f"llm-ring report {live} {same} --charts {charts} --html {page}" in page.read_text()
+
+
+@pytest.mark.parametrize("model", ["smollm2", ""])
+def test_the_simulated_first_turns_go_to_the_ring_home_the_service_gives_the_named_model(tmp_path, model):
+    """The service keys a conversation under the model its requests name (continuation.of_model);
+    simulated with that model, each unhurried first turn lands on the same ring home, as the
+    live run placed it."""
+    import duckdb
+
+    from extproc.routing import Router
+    from extproc.routing.continuation import of_model
+    from extproc.sim.runs import load_sim_config, parse_policy
+
+    simulate("quick", ["bounded"], [1], 2, 2, tmp_path / "sim", model)
+    router = Router(parse_policy("bounded", load_sim_config().routing))
+    router.set_replicas(["llm-0", "llm-1"])
+    served = duckdb.sql(f"SELECT conversation, replica FROM read_parquet('{tmp_path}/sim/*/requests.parquet') "
+                        "WHERE turn = 1 AND route_reason = 'home'").fetchall()
+    assert len(served) >= 6
+    homes = {name: router.ring.home(router.conversation_key(of_model("smollm2", name))) for name, _ in served}
+    agree = sum(homes[name] == replica for name, replica in served)
+    assert (agree == len(served)) == (model == "smollm2"), (agree, len(served))

@@ -48,6 +48,8 @@ def test_trace_json_output(tmp_path, capsys):
     (["--policies", "bounded", "--seeds", "1", "--cost-model", "nope"], "cost model not found: nope"),
     (["--policies", "nope", "--seeds", "1"], "unknown policy 'nope'"),
     (["--policies", "bounded", "--seeds", "1", "--scale-at", "0"], "--scale-at must be > 0"),
+    (["--policies", "bounded", "--seeds", "1", "--model", "smollm2", "--models", "smollm2:1"],
+     "--model: router mode names each conversation's model"),
 ])
 def test_bad_inputs_are_named(tmp_path, capsys, options, message):
     assert main(["sim", "--profile", "quick", *options, "--out-dir", str(tmp_path / "out")]) == 2
