@@ -38,7 +38,7 @@ class AdminClient:
         return self._call(self._stub.SetRouting, admin_pb2.SetRoutingRequest(routing=message))
 
     def reset(self) -> dict[str, Any]:
-        """Forget in-flight load, placement memory and policy state; returns the new state."""
+        """Forget in-flight load, placement memory, policy state and conversations; returns the new state."""
         return self._call(self._stub.Reset, admin_pb2.ResetRequest())
 
     def state(self) -> dict[str, Any]:
