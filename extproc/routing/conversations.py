@@ -11,17 +11,20 @@ The gateway (extproc/service/gateway.py) asks it, around each request it routes:
   - and at its end: its tips and branch point (``completed``), no longer waiting for a next
     turn (``settled``).
 Its memories are bounded like placement memory. Placement memory itself stays the router's
-(``memory``): a branch and an answer held write there, keyed as the router keys conversations.
+(``memory``): a branch and an answer held write there, under the key the request carries. A claim
+weighs conversations no request carries yet: it keys them as the router does (``stable_hash``
+under the router's ``hash_seed``, given with the claim).
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Collection, Iterator
 from typing import NamedTuple
 
 from extproc.routing.continuation import Claim, Shown, claim, model_point, of_model, shown, tips_after
 from extproc.routing.decision import Decision
+from extproc.routing.hashing import stable_hash
 from extproc.routing.lru import TwoGenerationLru
 from extproc.routing.placement import PlacementMemory
 from extproc.routing.tokens import shared_opening
@@ -36,10 +39,9 @@ class Claimed(NamedTuple):
 
 
 class Conversations:
-    def __init__(self, capacity: int, key: Callable[[str], int], memory: PlacementMemory) -> None:
-        """capacity: how many conversations are remembered (routing.memory_capacity); key: the
-        router's conversation key; memory: the router's placement memory."""
-        self.key = key
+    def __init__(self, capacity: int, memory: PlacementMemory) -> None:
+        """capacity: how many conversations are remembered (routing.memory_capacity); memory: the
+        router's placement memory."""
         self.memory = memory
         # conversation key -> the digests of its tips (continuation.py): who may use its placement
         self.digests: TwoGenerationLru[tuple[int, ...]] = TwoGenerationLru(capacity)
@@ -62,27 +64,30 @@ class Conversations:
     # ------------------------------------------------------------------ before a request is routed
 
     def claim_request(
-        self, name: str, scope: str, opening_key: str, history: int, answered: frozenset[int],
+        self, name: str, scope: str, opening_key: str, history: int, answered: frozenset[int], seed: int,
     ) -> Claimed:
         """The conversation a body is routed under. name: the id it names ("" for none: its
-        opening's key names it); scope: its cache scope (adapters.scope)."""
+        opening's key names it); scope: its cache scope (adapters.scope); seed: the router's hash_seed."""
         digests = shown(history, answered, opening_key)
         named = of_model(scope, name or opening_key)
-        return Claimed(digests, claim(named, opening_key, self.known, digests), named)
+        return Claimed(digests, claim(named, opening_key, lambda key: self.known(key, seed), digests), named)
 
-    def claim(self, named: str, opening_key: str, body: Shown, read: str, store_digest: int) -> Claim:
+    def claim(
+        self, named: str, opening_key: str, body: Shown, read: str, store_digest: int, seed: int,
+    ) -> Claim:
         """A body's claim again, with the store's last digest of the conversation ``read`` known too."""
 
         def known(key: str) -> tuple[int, ...]:
-            return (store_digest, *self.known(key)) if key == read else self.known(key)
+            held = self.known(key, seed)
+            return (store_digest, *held) if key == read else held
 
         return claim(named, opening_key, known, body)
 
-    def known(self, conversation: str) -> tuple[int, ...]:
-        """The tips held for ``conversation`` (continuation.py), with the histories of its
-        requests still waiting for their end: a next turn may come before Envoy's access log says
-        its last request is over (after an agent's fan-out, its other requests ended)."""
-        tips = self.digests.get(self.key(conversation)) or ()
+    def known(self, conversation: str, seed: int) -> tuple[int, ...]:
+        """The tips held for ``conversation`` (continuation.py; keyed under ``seed``), with the
+        histories of its requests still waiting for their end: a next turn may come before Envoy's
+        access log says its last request is over (after an agent's fan-out, its other requests ended)."""
+        tips = self.digests.get(stable_hash(conversation, seed)) or ()
         waiting = self.unanswered.get(conversation)
         return (*tips, *waiting.values()) if waiting else tips
 
@@ -94,13 +99,13 @@ class Conversations:
         with others is routed on its own key, as any new one."""
         return bool(history) and not claimed.continues and (claimed.foreign or bool(answered))
 
-    def branch(self, conversation: str, prefixes: frozenset[int], scope: str, live: Collection[str]) -> bool:
+    def branch(self, key: int, prefixes: frozenset[int], scope: str, live: Collection[str]) -> bool:
         """Whether a chat that continues no conversation known here but resends a completed request's
         whole history (an edited or regenerated turn, a retry of an earlier message, a new id on an
         old chat) starts where that history was served (one of ``live``), under its own key: placed
         with the proven prefix's tokens, it finds that cache, and its own completion never moves the
-        conversation it branched from (docs/security.md#edited-histories)."""
-        key = self.key(conversation)
+        conversation it branched from (docs/security.md#edited-histories). key: the chat's
+        conversation key."""
         if self.memory.get(key) is not None:
             return False
         found = [point for digest in prefixes
@@ -124,12 +129,11 @@ class Conversations:
             del self.unanswered[conversation]
         return done
 
-    def holds_answer(self, conversation: str, prompt_tokens: int, answered_tokens: int) -> None:
-        """The replica that served the conversation's last turn holds its prompt and the answer it
+    def holds_answer(self, key: int, prompt_tokens: int, answered_tokens: int) -> None:
+        """The replica that served conversation ``key``'s last turn holds its prompt and the answer it
         wrote, all of this body's tokens up to that answer's end but its last token (sampled, never
         decoded: measured, cache_n = that count - 1): placement memory learns the longer figure,
         which is what the prediction and the cost count as cached there."""
-        key = self.key(conversation)
         placement = self.memory.get(key)
         held = answered_tokens - 1
         if placement is not None and placement.prompt_tokens < held <= prompt_tokens:

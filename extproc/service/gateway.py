@@ -85,7 +85,7 @@ class Gateway:
         self.cors = CorsPolicy(frozenset(settings.cors_origins))
         self.local = LocalAnswers(self.fleet, self.catalog, self.cors, metrics)
         # what each request means for its conversation: claims, tips, branch points, unanswered requests
-        self.conversations = Conversations(router.settings.memory_capacity, router.conversation_key, router.memory)
+        self.conversations = Conversations(router.settings.memory_capacity, router.memory)
         # several routers' shared state (main.py shares it when [store] is set)
         self.publishing = Publishing(router, settings, metrics, self.conversations.waiting,
                                      self.requests.pending.__getitem__)
@@ -214,13 +214,13 @@ class Gateway:
         elsewhere = peers is not None and peers.placement is not None
         conversations = self.conversations
         branching = conversations.branches(step.claim, parsed.history, parsed.answered) and not elsewhere
-        if branching and conversations.branch(conversation, step.shown.prefixes,
+        if branching and conversations.branch(request.key, step.shown.prefixes,
                                               bounded_scope(parsed.model, parsed.lora), endpoints):
             self.metrics.branches += 1
         if parsed.answered:
             self._release_answered(conversation, parsed.answered)
         if parsed.answered_tokens:
-            conversations.holds_answer(conversation, request.prompt_tokens, parsed.answered_tokens)
+            conversations.holds_answer(request.key, request.prompt_tokens, parsed.answered_tokens)
         avoid = self.fleet.avoid(subset, self.catalog.eligible(parsed.model))
         avoid, leaving_phase = self.leaving.avoid(request.key, avoid, endpoints)
         unbatched = self.adapters_in_flight.unbatched(bounded(parsed.model), bounded(parsed.lora))

@@ -81,7 +81,7 @@ class RequestReader:
         session = self.sessions.pick(session_headers, dict(parsed.sessions))
         digests, claimed, named = self.conversations.claim_request(
             bounded(session), bounded_scope(parsed.model, parsed.lora), parsed.opening_key, parsed.history,
-            parsed.answered)
+            parsed.answered, self.router.settings.hash_seed)
         prompt_tokens = parsed.prompt_token_ids + parsed.prompt_tokens
         max_tokens = (parsed.max_tokens or self.settings.default_max_tokens) * parsed.prompts
         # its conversation's key, computed here once and carried by the request from here on
@@ -101,7 +101,7 @@ class RequestReader:
             return step, NO_PEERS
         if snapshot.placement is not None:  # the store's digest is known too, for the key it was read for
             claimed = self.conversations.claim(step.named, step.parsed.opening_key, step.shown, request.conversation,
-                                               snapshot.digest)
+                                               snapshot.digest, self.router.settings.hash_seed)
             if claimed.conversation != request.conversation:
                 request = self.router.readdressed(request, claimed.conversation)
                 step = replace(step, request=request, claim=claimed)

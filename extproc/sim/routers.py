@@ -89,8 +89,8 @@ class RouterTier:
         self.routers = list(routers) or _routers(settings, count, state)
         self.store = Store(self.routers, store_lag_s, store_outage) if state == "store" else None
         # each router's conversations (one for a router behind several places), as the gateway holds them
-        self.held = {id(router): Conversations(router.settings.memory_capacity, router.conversation_key,
-                                               router.memory) for router in self.routers}
+        self.held = {id(router): Conversations(router.settings.memory_capacity, router.memory)
+                     for router in self.routers}
         self._firsts = [(index, router) for index, router in enumerate(self.routers)
                         if self.routers.index(router) == index]  # each router once, at its first place
         self.handoff = store_handoff and self.store is not None
