@@ -29,7 +29,8 @@ class RouteRequest(NamedTuple):
     # does not batch with it (routing/adapters.py)
     unbatched: frozenset[str] = frozenset()
     # its conversation's key (Router.conversation_key: 64-bit unsigned), computed where the request is
-    # read and carried from there; -1: built without it (tests, the simulator), computed when routed
+    # read (the service) or sent (the simulator) and carried from there; -1: built without it (tests),
+    # computed when routed
     key: int = -1
 
 

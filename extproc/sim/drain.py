@@ -73,7 +73,7 @@ class DrainWindow:
 
     def route(self, request: RouteRequest) -> Ticket | None:
         """The engine's routing during the window: where the order lets the request go."""
-        now, key = self.sim.now, self._key(request.conversation)
+        now, key = self.sim.now, request.key
         where = self.order.route(key, now)
         ticket = None
         if where.only is not None and where.only in self.sim.replicas:  # the warm copy, no third replica

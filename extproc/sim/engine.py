@@ -204,6 +204,8 @@ class _Simulation:
 
     def _send(self, request: Request, now: float) -> None:
         request.arrived_at = now
+        # keyed once, as it arrives (as the gateway keys a request it reads): routed with its key
+        request.route = self.router.keyed(request.route)
         previous = request.head.previous
         if previous is not None:  # its body shows the last turn's answer (a side's too)
             self.release_answered(request.route.conversation, frozenset((previous.history,)))

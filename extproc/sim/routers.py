@@ -105,6 +105,10 @@ class RouterTier:
         """One given router, as a tier of one."""
         return cls(router.settings, 1, "separate", 0, routers=[router])
 
+    def keyed(self, request: RouteRequest) -> RouteRequest:
+        """``request`` carrying its conversation's key: the tier's routers share one hash_seed."""
+        return self.routers[0].keyed(request)
+
     def pick(self, request: RouteRequest) -> int:
         """The router this request's connection lands on."""
         if self.state.startswith("affinity"):

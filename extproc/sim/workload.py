@@ -95,7 +95,7 @@ def _add_blocks(request: Request, block_tokens: int) -> None:
 def _side(turn: Request, recorded_as: str, prompt_tokens: int, block_tokens: int) -> Request:
     side = Request(f"{turn.request_id}-{recorded_as.rpartition('/')[2]}", recorded_as, turn.turn, turn.key, None,
                    prompt_tokens, turn.max_tokens)  # fmt: skip
-    # routed as its turn's conversation (unkeyed: the router computes that conversation's key)
+    # routed as its turn's conversation (keyed under it when sent: engine.py)
     side.route = side.route._replace(conversation=turn.conversation)
     if block_tokens:
         _add_blocks(side, block_tokens)

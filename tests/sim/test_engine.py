@@ -40,6 +40,13 @@ def test_two_replicas_shared_cpu_and_slot_cache():
     assert outcome.end_s == pytest.approx(7.3)
 
 
+def test_a_request_is_keyed_as_it_arrives_so_the_router_routes_it_under_the_key_it_carries():
+    done, _ = run([request("x", "a", 1, 100, 10, 0.0), request("y", "b", 1, 100, 10, 0.1)])
+    router = Router(settings("round-robin"))  # the same hash_seed
+    assert {r.route.key for r in done.values()} == {router.conversation_key("a"), router.conversation_key("b")}
+    assert all(r.ticket is not None and r.ticket.key == r.route.key for r in done.values())
+
+
 def test_fifo_queue_when_slots_are_busy():
     done, _ = run([request("x", "a", 1, 100, 10, 0.0), request("y", "b", 1, 100, 10, 0.1)], replicas=1, slots=1)
     assert done["x"].finished_at == pytest.approx(2.0)
