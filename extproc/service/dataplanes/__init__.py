@@ -1,8 +1,8 @@
 """The data planes: the ways Envoy reaches the service over ext_proc, one module per mode.
 
-- own_envoy.py: the Envoy llm-ring renders (own_envoy_config.py, with its routes and clusters in
-  own_envoy_routes.py and own_envoy_clusters.py): route and observe streams with CEL
-  attributes, and the access log that ends each request;
+- own_envoy.py: the Envoy llm-ring renders (own_envoy_config.py, with its filters, routes and
+  clusters in own_envoy_filters.py, own_envoy_routes.py and own_envoy_clusters.py): route and
+  observe streams with CEL attributes, and the access log that ends each request;
 - picker.py: a Gateway API Inference Extension gateway's Endpoint Picker stream, which
   carries a whole request and whose end ends it (picker_gateways.py renders the gateways the
   tests and the bench run).

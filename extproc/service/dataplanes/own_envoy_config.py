@@ -28,8 +28,9 @@ service's abstract socket: the only place the service accepts it, so Envoy runs 
 The route adds ``x-routed-to``/``x-route-reason`` to the response from the request headers the
 service set (``%REQ(..)%``), so the response needs no round trip to the service at all.
 
-Here: the listener and its filter chain; the routes in own_envoy_routes.py, the clusters in
-own_envoy_clusters.py.
+Here: the bootstrap, the listener and its connection manager (the filters in that order, Envoy's
+own error answers, the access log); the filters in own_envoy_filters.py, the routes in
+own_envoy_routes.py, the clusters in own_envoy_clusters.py.
 """
 
 from __future__ import annotations
@@ -42,25 +43,13 @@ from pathlib import Path
 from typing import Any
 
 from extproc.envoy.contract import (
-    CLIENT_KEY_HEADERS,
     CLUSTER,
-    DESTINATION,
     DOWNSTREAM_IDLE_TIMEOUT_S,
     EXT_PROC_CLUSTER,
     EXT_PROC_MESSAGE_TIMEOUT_MS,
-    METADATA_NAMESPACE,
-    OBSERVE,
-    PREDICTED_CACHED,
-    QUEUE_WAIT,
     QUEUE_WAIT_MARGIN_S,
-    REPLICA_KEY_HEADER,
-    REQUEST_ATTRIBUTES,
     REQUEST_HEADERS_TIMEOUT_S,
     REQUEST_TIMEOUT_S,
-    RESPONSE_ATTRIBUTES,
-    RESPONSE_METADATA,
-    ROUTE_REASON,
-    ROUTED_TO,
     STREAM_IDLE_TIMEOUT_S,
     STREAMED_CLUSTER,
     Endpoints,
@@ -72,6 +61,16 @@ from extproc.envoy.contract import (
 from extproc.envoy.surface import SERVED_PATHS, error_document, error_type
 from extproc.routing.flows import FlowSettings
 from extproc.service.dataplanes.own_envoy_clusters import ext_proc_cluster, replicas_cluster
+from extproc.service.dataplanes.own_envoy_filters import (
+    WITH_REPLICA_KEY,
+    cors_filter,
+    ext_proc_filter,
+    inject_replica_key,
+    replica_key_secret,
+    strip_client_routing_headers,
+    timings_to_metadata,
+    whole_body,
+)
 from extproc.service.dataplanes.own_envoy_routes import preflight_cluster, route_config
 
 _T = "type.googleapis.com/"
@@ -129,7 +128,7 @@ def render_envoy_config(
             ]
             + ([ext_proc_cluster(ext_proc, connect_timeout_ms)] if ext_proc is not None else [])
             + ([preflight_cluster()] if cors_origins else []),
-            **({"secrets": [_replica_key_secret(replica_key_file)]} if replica_key_file is not None else {}),
+            **({"secrets": [replica_key_secret(replica_key_file)]} if replica_key_file is not None else {}),
         },
     }
     return json.dumps(config, indent=2) + "\n"
@@ -169,8 +168,9 @@ def _http_connection_manager(
     stream_idle_timeout_s: int, cors_origins: Sequence[str], with_replica_key: bool, flow: FlowOptions | None,
 ) -> dict[str, Any]:
     ext_proc = [
-        _ext_proc_filter("route", fail_open, timeout_ms, observe=False, flow=flow),
-        _ext_proc_filter("observe", True, timeout_ms, observe=True),
+        ext_proc_filter("route", fail_open, timeout_ms, observe=False,
+                        max_wait_s=flow.max_wait_s if flow is not None else None),
+        ext_proc_filter("observe", True, timeout_ms, observe=True),
     ]
     return {
         "name": "envoy.filters.network.http_connection_manager",
@@ -187,15 +187,15 @@ def _http_connection_manager(
             # ... and silence while it waits is no idle stream
             "stream_idle_timeout": f"{max(stream_idle_timeout_s, flow.max_wait_s if flow is not None else 0)}s",
             "common_http_protocol_options": {"idle_timeout": f"{DOWNSTREAM_IDLE_TIMEOUT_S}s"},
-            "route_config": route_config(retries, _WITH_REPLICA_KEY if with_replica_key else {}, cors_origins),
+            "route_config": route_config(retries, WITH_REPLICA_KEY if with_replica_key else {}, cors_origins),
             **({"access_log": [_access_log()]} if with_ext_proc else {}),
             "local_reply_config": _local_replies(max_request_bytes),
             "http_filters": [
-                *([_cors_filter()] if cors_origins else []),
-                _strip_client_routing_headers(),
-                *([_whole_body(max_request_bytes), *ext_proc] if with_ext_proc else []),
-                *([_timings_to_metadata()] if with_ext_proc else []),
-                *([_inject_replica_key()] if with_replica_key else []),
+                *([cors_filter()] if cors_origins else []),
+                strip_client_routing_headers(),
+                *([whole_body(max_request_bytes), *ext_proc] if with_ext_proc else []),
+                *([timings_to_metadata()] if with_ext_proc else []),
+                *([inject_replica_key()] if with_replica_key else []),
                 {
                     "name": "envoy.filters.http.router",
                     "typed_config": {"@type": _T + "envoy.extensions.filters.http.router.v3.Router"},
@@ -233,139 +233,6 @@ def _local_replies(max_request_bytes: int) -> dict[str, Any]:
                             "code": "%RESPONSE_CODE_DETAILS%"}})
           for bounds, status in ((">= 500", 500), (">= 400 && response.code < 500", 400))),
     ]}
-
-
-def _cors_filter() -> dict[str, Any]:
-    return {"name": "envoy.filters.http.cors",
-            "typed_config": {"@type": _T + "envoy.extensions.filters.http.cors.v3.Cors"}}
-
-
-def _strip_client_routing_headers() -> dict[str, Any]:
-    removed = (DESTINATION, ROUTED_TO, ROUTE_REASON, PREDICTED_CACHED, QUEUE_WAIT, OBSERVE, *CLIENT_KEY_HEADERS)
-    return {
-        "name": "strip-client-routing-headers",
-        "typed_config": {
-            "@type": _T + "envoy.extensions.filters.http.header_mutation.v3.HeaderMutation",
-            "mutations": {"request_mutations": [{"remove": name} for name in removed]},
-        },
-    }
-
-
-REPLICA_KEY_SECRET = "replica-api-key"
-INJECT_REPLICA_KEY = "inject-replica-key"
-# A route's typed_per_filter_config entry that turns the injector (off by default) on: only a
-# route that sends a generation to the replicas carries the key, so a route added by mistake
-# reaches a replica without it and llama.cpp refuses it (401)
-_WITH_REPLICA_KEY = {INJECT_REPLICA_KEY: {"@type": _T + "envoy.config.route.v3.FilterConfig", "config": {}}}
-
-
-def _replica_key_secret(path: str) -> dict[str, Any]:
-    """The replicas' key as a secret of the bootstrap: only the file's path is in the config
-    (and Envoy's admin /config_dump shows even that as "[redacted]"). Read once at start-up."""
-    return {"name": REPLICA_KEY_SECRET, "generic_secret": {"secret": {"filename": path}}}
-
-
-def _inject_replica_key() -> dict[str, Any]:
-    """authorization: Bearer <key>, replacing any value (the client's was removed already)."""
-    return {
-        "name": INJECT_REPLICA_KEY,
-        "disabled": True,
-        "typed_config": {
-            "@type": _T + "envoy.extensions.filters.http.credential_injector.v3.CredentialInjector",
-            "overwrite": True,
-            "credential": {
-                "name": "envoy.http.injected_credentials.generic",
-                "typed_config": {
-                    "@type": _T + "envoy.extensions.http.injected_credentials.generic.v3.Generic",
-                    "credential": {"name": REPLICA_KEY_SECRET},
-                    "header": REPLICA_KEY_HEADER,
-                    "header_value_prefix": "Bearer ",
-                },
-            },
-        },
-    }
-
-
-def _ext_proc_filter(name: str, fail_open: bool, timeout_ms: int, observe: bool,
-                     flow: FlowOptions | None = None) -> dict[str, Any]:
-    """route: the headers, then the body sent without waiting for the headers' answer (STREAMED;
-    the buffer filter before makes it one chunk): one round trip. The service answers the
-    headers with the pick, lets the body pass, and closes the stream; the access log says when
-    the request ends. Envoy then sends the body upstream chunked (STREAMED mode drops
-    content-length; llama.cpp's server reads chunked bodies). Measured against the BUFFERED
-    body (headers answered first, then the body: two round trips), with the stub floor: at c=1
-    p50 1.49 against 1.67 ms and 11 % less CPU in both processes; at c=16 5 % fewer req/s.
-    The headers cannot be skipped: with request_header_mode SKIP, Envoy 1.40 lets the headers
-    go on to the router before the body is read, so the pick is ignored, and a POST without a
-    body reaches the service not at all (both checked).
-    observe: the response body, never waited for. flow: a request the service holds in its
-    queue may be waited for up to the TTL and a margin (the service asks for it with
-    override_message_timeout; any other answer keeps message_timeout, so a hung service still
-    fails open as soon)."""
-    mode = {
-        "request_header_mode": "SKIP" if observe else "SEND",
-        "response_header_mode": "SKIP",
-        "request_body_mode": "NONE" if observe else "STREAMED",
-        "response_body_mode": "STREAMED" if observe else "NONE",
-        "request_trailer_mode": "SKIP",
-        "response_trailer_mode": "SKIP",
-    }
-    config: dict[str, Any] = {
-        "@type": _T + "envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
-        "grpc_service": {
-            "envoy_grpc": {"cluster_name": EXT_PROC_CLUSTER},
-            "timeout": f"{timeout_ms / 1000:g}s",
-        },
-        "failure_mode_allow": fail_open,
-        "message_timeout": f"{timeout_ms / 1000:g}s",
-        "processing_mode": mode,
-        "stat_prefix": name,
-    }
-    if observe:
-        config["observability_mode"] = True
-        config["response_attributes"] = list(RESPONSE_ATTRIBUTES)
-    else:
-        config["send_body_without_waiting_for_header_response"] = True
-        config["request_attributes"] = list(REQUEST_ATTRIBUTES)
-        if flow is not None:
-            config["max_message_timeout"] = f"{flow.max_wait_s}s"
-        # Envoy drops the dynamic metadata an ext_proc answer carries unless its namespace is
-        # listed (checked on 1.40): without this the envoy.lb copy of the pick never lands.
-        config["metadata_options"] = {"receiving_namespaces": {"untyped": ["envoy.lb"]}}
-    return {"name": f"ext_proc.{name}", "typed_config": config}
-
-
-def _whole_body(max_request_bytes: int) -> dict[str, Any]:
-    return {
-        "name": "whole-body",
-        "typed_config": {
-            "@type": _T + "envoy.extensions.filters.http.buffer.v3.Buffer",
-            "max_request_bytes": max_request_bytes,
-        },
-    }
-
-
-def _timings_to_metadata() -> dict[str, Any]:
-    """A JSON answer's timings (RESPONSE_METADATA) -> dynamic metadata, for the access log.
-    Only application/json answers are read (SSE passes through untouched)."""
-    rules = [
-        {
-            "selectors": [{"key": step} for step in path],
-            "on_present": {"metadata_namespace": METADATA_NAMESPACE, "key": key},
-        }
-        for key, path in RESPONSE_METADATA.items()
-    ]
-    return {
-        "name": "timings",
-        "typed_config": {
-            "@type": _T + "envoy.extensions.filters.http.json_to_metadata.v3.JsonToMetadata",
-            # llama.cpp's server adds a charset; the filter compares the whole header value
-            "response_rules": {
-                "rules": rules,
-                "allow_content_types": ["application/json", "application/json; charset=utf-8"],
-            },
-        },
-    }
 
 
 def _access_log() -> dict[str, Any]:
