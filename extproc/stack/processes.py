@@ -27,7 +27,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from extproc.envoy.contract import STREAM_IDLE_TIMEOUT_S, EndpointsFile, ext_proc_address, split_host_port
 from extproc.service.dataplanes.own_envoy_config import FlowOptions, render_envoy_config
-from extproc.service.dataplanes.picker_gateways import InferenceGateway, render_inference_gateway_config
+from extproc.service.dataplanes.picker_gateway_config import render_inference_gateway_config
+from extproc.service.dataplanes.picker_gateways import InferenceGateway
 from extproc.settings import load_settings
 from extproc.stack.daemons import http_ok
 from extproc.stack.ports import free_port

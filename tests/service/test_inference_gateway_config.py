@@ -15,6 +15,7 @@ import pytest
 
 from extproc.bench.stubs import start_stub_picker, start_stub_upstream
 from extproc.envoy.contract import DESTINATION, SERVED
+from extproc.service.dataplanes.picker_gateway_config import render_inference_gateway_config
 from extproc.service.dataplanes.picker_gateways import (
     AI_GATEWAY,
     GATEWAYS,
@@ -26,7 +27,6 @@ from extproc.service.dataplanes.picker_gateways import (
     SUBSET_NAMESPACE,
     UPSTREAM_HEADER,
     InferenceGateway,
-    render_inference_gateway_config,
 )
 from extproc.stack.processes import envoy_binary, free_port, start_inference_gateway_envoy
 
