@@ -106,11 +106,12 @@ class _Charge(NamedTuple):
 
 class FlowControl:
     def __init__(self, router: Router, settings: FlowSettings, order: str = DEFAULT_ORDER,
-                 patience: bool = True) -> None:
+                 patience: bool = True, patience_scale: float = 1.0, turn_waits: bool = False) -> None:
         self.router = router
         self.settings = settings
-        self.queue = FairQueue(settings.band_size, settings.locality_deficit, make_order(order))
+        self.queue = FairQueue(settings.band_size, settings.locality_deficit, make_order(order), turn_waits)
         self.waits_for_holder = patience  # False: a request whose holder is full goes wherever there is room
+        self.patience_scale = patience_scale  # times the recompute a request waits for its holder (ablations)
         self._charges: dict[str, _Charge] = {}  # request id -> what its flow was charged, until settled
         self._running: dict[str, Flow] = {}  # request id -> its flow, until its load is released
         self._room_cache: dict[tuple[Flow, frozenset[str]], tuple[str, ...]] = {}  # during one choice
@@ -264,7 +265,7 @@ class FlowControl:
         """How long a request waits for the replica holding its conversation's ``placement``."""
         speed = self.router.speeds.speed(placement.replica)
         recompute = speed.overhead_s + placement.prompt_tokens * speed.prefill_s_per_token
-        return min(recompute, self.settings.ttl_seconds / 2)
+        return min(self.patience_scale * recompute, self.settings.ttl_seconds / 2)
 
     def _placement(self, waiting: Waiting) -> Placement | None:
         """Where the waiting request's conversation was last served (None: nowhere it may go)."""

@@ -83,9 +83,14 @@ class _Band:
 
 
 class FairQueue:
-    def __init__(self, band_size: int, locality_deficit: float, order: Order | None = None) -> None:
+    def __init__(self, band_size: int, locality_deficit: float, order: Order | None = None,
+                 turn_waits: bool = False) -> None:
         self.band_size = band_size
         self.locality_deficit = locality_deficit
+        # the least served flow's turn while its request waits for its holder: False, it goes elsewhere
+        # now; True, nothing of its band (or a lower one) leaves until its holder frees or its patience
+        # ends (not work-conserving)
+        self.turn_waits = turn_waits
         self.order: Order = LocalVtc() if order is None else order
         self._bands: dict[int, _Band] = {}
         self._order: list[int] = []  # the bands' priorities, highest first
@@ -145,13 +150,15 @@ class FairQueue:
         for priority in self._order:
             band = self._bands[priority]
             if band.size:
-                choice = self._choose_in(priority, band, rooms_of, kind_of, now)
-                if choice is not None:
+                choice, turn_waits = self._choose_in(priority, band, rooms_of, kind_of, now)
+                if choice is not None or turn_waits:  # a band whose turn waits holds the lower ones too
                     return choice
         return None
 
     def _choose_in(self, priority: int, band: _Band, rooms_of: RoomsOf, kind_of: KindOf,
-                   now: float) -> Choice | None:
+                   now: float) -> tuple[Choice | None, bool]:
+        """The band's request to dispatch next (None: none can go), and whether the band waits for
+        its least served flow's holder (``turn_waits``)."""
         candidates: list[Candidate] = []
         offered: list[tuple[int, Waiting, tuple[str, ...]]] = []
         held: tuple[float, Waiting, tuple[str, ...]] | None = None  # the least served flow held back
@@ -168,14 +175,14 @@ class FairQueue:
         if held is not None and held[0] < least:
             least = held[0]
             within = [candidate for candidate in candidates if candidate.counter <= least + self.locality_deficit]
-            if candidates and not within:  # the others are past the deficit: the held-back flow's turn, elsewhere
-                return Choice(held[1], held[2], FAIR, least, least)
+            if candidates and not within:  # the others are past the deficit: the held-back flow's turn
+                return (None, True) if self.turn_waits else (Choice(held[1], held[2], FAIR, least, least), False)
             candidates = within
         if not candidates:
-            return None
+            return None, False
         chosen = self.order.pick(candidates, self.locality_deficit, now)
         kind, waiting, rooms = offered[chosen.position]
-        return Choice(waiting, rooms, kind, chosen.counter, least)
+        return Choice(waiting, rooms, kind, chosen.counter, least), False
 
     def take(self, waiting: Waiting, work: float) -> None:
         """``waiting`` was routed: out of the queue, its flow charged ``work`` and one more in flight."""

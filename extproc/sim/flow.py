@@ -33,13 +33,16 @@ class FlowSpec(NamedTuple):
     settings: FlowSettings
     order: str  # extproc/routing/orders: vtc-local, vtc, fifo, round-robin, las
     patience: bool  # a request whose cache holder is full waits for it a while
+    patience_scale: float = 1.0  # that while, in times its recompute (FlowControl)
+    turn_waits: bool = False  # its flow's turn waits for its holder too (FairQueue)
 
 
 class SimFlow:
     def __init__(self, sim: Simulation, spec: FlowSpec) -> None:
         self.sim = sim
         self.settings = spec.settings
-        self.control = FlowControl(_one_router(sim.router), spec.settings, spec.order, spec.patience)
+        self.control = FlowControl(_one_router(sim.router), spec.settings, spec.order, spec.patience,
+                                   spec.patience_scale, spec.turn_waits)
         self.waiting: dict[str, Request] = {}
         self.dispatch_planned = False
         self.timer_at = float("inf")

@@ -7,7 +7,10 @@ A variant is a queue order with its switches, ``NAME[:knob=value,...]``:
   run without reserved slots and without patience;
 - ``ours``: VTC with the locality deficit, [flow] reserved_slots and patience (sim.toml).
 
-Knobs (ablations): ``reserved_slots=N``, ``patience=true|false``, ``locality_deficit=TOKENS``.
+Knobs (ablations): ``reserved_slots=N``, ``patience=true|false``, ``locality_deficit=TOKENS``,
+``patience_scale=X`` (a request waits X times its recompute for its full holder, at most half
+the TTL) and ``turn_waits=true|false`` (its flow's turn past the deficit waits for the holder
+too instead of sending it elsewhere: not work-conserving).
 Each run's figures, per tenant: p95 time to first token of the answered requests, requests
 answered and refused (429, 503); for the run: Jain's index (the service's definition,
 extproc/routing/fairness.py, sampled every 5 simulated s), cached share of prompt tokens and
@@ -16,7 +19,7 @@ generated tokens per simulated second.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NamedTuple
 
 from extproc.analysis.metrics import spread
@@ -24,14 +27,14 @@ from extproc.routing import make_policy
 from extproc.routing.fairness import FairnessWindow
 from extproc.routing.flows import FlowSettings
 from extproc.sim.costmodel import CostModel
-from extproc.sim.engine import Fleet
+from extproc.sim.engine import Fleet, Outcome
 from extproc.sim.flow import FlowSpec
 from extproc.sim.request import Request
 from extproc.sim.runs import SimConfig, SimFlowSection, Source, parse_policy, run_once
 
 ORDER_OF = {"none": None, "fifo": "fifo", "round-robin": "round-robin", "las": "las", "vtc": "vtc",
             "ours": "vtc-local"}
-KNOBS = ("reserved_slots", "patience", "locality_deficit")
+KNOBS = ("reserved_slots", "patience", "locality_deficit", "patience_scale", "turn_waits")
 JAIN_WINDOW_S = 60.0  # the service's gauge's window (llm_ring_flow_jain_index)
 JAIN_EVERY_S = 5.0
 
@@ -42,6 +45,8 @@ class Variant(NamedTuple):
     reserved_slots: int
     patience: bool
     locality_deficit: float
+    patience_scale: float = 1.0
+    turn_waits: bool = False
 
 
 def parse_variant(spec: str, section: SimFlowSection) -> Variant:
@@ -52,14 +57,15 @@ def parse_variant(spec: str, section: SimFlowSection) -> Variant:
     ours = name == "ours"
     values: dict[str, Any] = {"reserved_slots": section.reserved_slots if ours else 0,
                               "patience": section.patience if ours else False,
-                              "locality_deficit": section.locality_deficit}
+                              "locality_deficit": section.locality_deficit, "patience_scale": 1.0,
+                              "turn_waits": False}
     for knob in filter(None, knobs.split(",")):
         key, _, value = knob.partition("=")
         if key not in KNOBS or not value or name == "none":
             raise ValueError(f"--flow {spec!r}: {knob!r} is no knob of it (knobs: {', '.join(KNOBS)}; none for none)")
-        values[key] = value.lower() == "true" if key == "patience" else type(values[key])(value)
+        values[key] = value.lower() == "true" if isinstance(values[key], bool) else type(values[key])(value)
     return Variant(spec, ORDER_OF[name], int(values["reserved_slots"]), bool(values["patience"]),
-                   float(values["locality_deficit"]))
+                   float(values["locality_deficit"]), float(values["patience_scale"]), bool(values["turn_waits"]))
 
 
 def flow_spec(variant: Variant, section: SimFlowSection) -> FlowSpec | None:
@@ -73,7 +79,7 @@ def flow_spec(variant: Variant, section: SimFlowSection) -> FlowSpec | None:
         anonymous_max_priority=section.default_priority, reserved_slots=variant.reserved_slots,
         input_weight=section.input_weight, output_weight=section.output_weight,
         locality_deficit=variant.locality_deficit, band_size=section.band_size, ttl_seconds=section.ttl_seconds)
-    return FlowSpec(settings, variant.order, variant.patience)
+    return FlowSpec(settings, variant.order, variant.patience, variant.patience_scale, variant.turn_waits)
 
 
 def replica_room(fleet: Fleet, cost: CostModel) -> int:
@@ -88,6 +94,18 @@ def flow_runs(source: Source, policies: Iterable[str], variants: list[Variant], 
     """Every policy × variant × seed: its figures (tenant_figures) with its labels."""
     assert config.flow is not None  # load_sim_config reads [flow]
     runs = []
+    for policy, variant, seed, outcome in flow_outcomes(source, policies, variants, seeds, config, cost, fleet):
+        figures = tenant_figures(outcome.requests, config.flow)
+        runs.append({"policy": policy, "variant": variant.label, "seed": seed, **figures})
+        progress(f"{policy} {variant.label} seed {seed}: {len(outcome.requests)} requests, "
+                 f"{outcome.end_s:.0f} simulated s")
+    return runs
+
+
+def flow_outcomes(source: Source, policies: Iterable[str], variants: list[Variant], seeds: Iterable[int],
+                  config: SimConfig, cost: CostModel, fleet: Fleet) -> Iterator[tuple[str, Variant, int, Outcome]]:
+    """Every seed × policy × variant, in that order: the run's outcome with its labels."""
+    assert config.flow is not None  # load_sim_config reads [flow]
     for seed in seeds:
         for policy in policies:
             # the router is told the simulated replicas' room, as the stack tells it their --parallel
@@ -95,13 +113,8 @@ def flow_runs(source: Source, policies: Iterable[str], variants: list[Variant], 
             settings = parse_policy(policy, {**base, "hash_seed": seed} if source.seeds_hash else base)
             for variant in variants:
                 spec = flow_spec(variant, config.flow)
-                outcome = run_once(source.make(seed, make_policy(settings).prefix_block_chars), settings, cost,
-                                   fleet, seed=seed, flow=spec)
-                figures = tenant_figures(outcome.requests, config.flow)
-                runs.append({"policy": policy, "variant": variant.label, "seed": seed, **figures})
-                progress(f"{policy} {variant.label} seed {seed}: {len(outcome.requests)} requests, "
-                         f"{outcome.end_s:.0f} simulated s")
-    return runs
+                yield policy, variant, seed, run_once(source.make(seed, make_policy(settings).prefix_block_chars),
+                                                      settings, cost, fleet, seed=seed, flow=spec)
 
 
 def tenant_figures(requests: list[Request], section: SimFlowSection) -> dict[str, Any]:

@@ -8,6 +8,7 @@ from extproc.routing import Router, RouteRequest
 from extproc.routing.fairness import SWEEP_TENANTS, FairnessWindow
 from extproc.routing.flow_control import NO_REPLICA, QUEUE_FULL, FlowControl, Queued, Refused, Routed
 from extproc.routing.flows import Flow, flow_of
+from extproc.routing.queue import FAIR, NEW, FairQueue, Waiting
 from tests.routing.conftest import routing
 from tests.routing.flow_support import flow_settings
 
@@ -226,3 +227,33 @@ def test_a_request_waits_for_its_full_cache_holder_as_long_as_its_cache_takes_to
     assert flow_control.dispatch(1.0 + patience / 2) == [] and flow_control.wake == pytest.approx(1.0 + patience)
     [sent] = flow_control.dispatch(1.0 + patience)
     assert sent.wait.kind == "fair" and sent.ticket is not None and sent.ticket.decision.replica != holder.replica
+
+
+def test_patience_scale_stretches_the_wait_for_the_holder_up_to_half_the_ttl() -> None:
+    router = Router(routing(replica_slots=2), REPLICAS)
+    plain, stretched = FlowControl(router, flow_settings()), FlowControl(router, flow_settings(), patience_scale=3.0)
+    [first, *_] = fill(plain)
+    assert router.complete(first) is not None  # its conversation is cached there (100 tokens)
+    placement = router.memory.get(router.keyed(request("x", f"conv-{first}")).key)
+    assert placement is not None
+    assert stretched.patience(placement) == pytest.approx(3 * plain.patience(placement))
+    capped = FlowControl(router, flow_settings(), patience_scale=1e6)
+    assert capped.patience(placement) == pytest.approx(flow_settings().ttl_seconds / 2)
+
+
+def test_with_turn_waits_the_least_served_flow_s_turn_waits_for_its_holder_instead_of_going_away() -> None:
+    held, ahead = Flow(0, "held"), Flow(0, "ahead")
+    for turn_waits in (False, True):
+        queue = FairQueue(band_size=10, locality_deficit=100.0, turn_waits=turn_waits)
+        queue.push(Waiting(request("h"), held, frozenset(), 0.0, 60.0))
+        queue.push(Waiting(request("a"), ahead, frozenset(), 0.0, 60.0))
+        queue.counters[ahead] = 1_000.0  # past the deficit over the held flow
+
+        def kind(waiting: Waiting, rooms: tuple[str, ...]) -> int | None:
+            return None if waiting.flow == held else NEW  # the held flow's holder is full, within its patience
+
+        choice = queue.choose(lambda _: ("llm-1",), kind)
+        if turn_waits:
+            assert choice is None  # nothing leaves: the others are past the deficit, the held flow waits
+        else:
+            assert choice is not None and choice.waiting.flow == held and choice.kind == FAIR

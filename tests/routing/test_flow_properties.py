@@ -53,7 +53,8 @@ def waiting(rid: str, flow: Flow, arrived: float = 0.0) -> Waiting:
 @given(st.data(), st.floats(min_value=0, max_value=2000), st.integers(min_value=2, max_value=5))
 def test_every_take_respects_the_deficit_bound_and_strict_priority(data: st.DataObject, deficit: float,
                                                                    tenants: int) -> None:
-    queue = FairQueue(band_size=1000, locality_deficit=deficit)
+    turn_waits = data.draw(st.booleans())  # the bound holds with the least served flow's turn waiting too
+    queue = FairQueue(band_size=1000, locality_deficit=deficit, turn_waits=turn_waits)
     holders: dict[str, str | None] = {}
     patient: dict[str, bool] = {}
     works: dict[str, int] = {}
@@ -89,6 +90,14 @@ def test_every_take_respects_the_deficit_bound_and_strict_priority(data: st.Data
             choice = queue.choose(lambda _, rooms=rooms: rooms, lambda item, rooms: kind_of(item.request.request_id))
             if not could_go:  # every request is held back for its holder
                 assert choice is None
+                continue
+            if choice is None and turn_waits:  # the least served flow's turn waits for its holder
+                queue.turn_waits = False  # without the knob, that flow's held request would go now, elsewhere
+                forced = queue.choose(lambda _, rooms=rooms: rooms,
+                                      lambda item, rooms: kind_of(item.request.request_id))
+                queue.turn_waits = True
+                assert forced is not None and forced.kind == FAIR
+                assert kind_of(forced.waiting.request.request_id) is None  # it was held back for its holder
                 continue
             top = max(could_go)
             band = {flow: queue.counters[flow] for flow, _ in queue.depths() if flow.priority == top}

@@ -98,6 +98,9 @@ def test_a_variant_s_knobs_switch_each_part_and_a_wrong_one_is_named() -> None:
     ours = parse_variant("ours:patience=false,reserved_slots=0", config.flow)
     assert (ours.order, ours.patience, ours.reserved_slots) == ("vtc-local", False, 0)
     assert parse_variant("vtc", config.flow).reserved_slots == 0
+    stretched = parse_variant("ours:patience_scale=4,turn_waits=true", config.flow)
+    assert (stretched.patience_scale, stretched.turn_waits, stretched.patience) == (4.0, True, True)
+    assert (ours.patience_scale, ours.turn_waits) == (1.0, False)
     with pytest.raises(ValueError, match="knob"):
         parse_variant("fifo:speed=2", config.flow)
     with pytest.raises(ValueError, match="unknown variant"):
