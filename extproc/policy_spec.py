@@ -10,7 +10,7 @@ from typing import Any
 
 from extproc.cli_input import UsageError
 from extproc.routing.policies.plugin import REGISTRY, param_names
-from extproc.routing.settings import SHARED_ROUTING_KEYS
+from extproc.routing.settings import SHARED_KNOBS
 from extproc.settings import toml_value
 
 POLICIES = REGISTRY  # the registered names (a test's own policy among them once registered)
@@ -29,8 +29,9 @@ class PolicySpec:
 
 
 def knobs(policy: str) -> tuple[str, ...]:
-    """What a spec of ``policy`` may set: its parameters, then the shared keys."""
-    return (*param_names(policy), *(key for key in SHARED_ROUTING_KEYS if key != "policy"))
+    """What a spec of ``policy`` may set: its parameters, then the shared keys (the replicas'
+    facts by their dotted names, ``replicas.slots``)."""
+    return (*param_names(policy), *(key for key in SHARED_KNOBS if key != "policy"))
 
 
 def parse_policy(spec: str) -> PolicySpec:

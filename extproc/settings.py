@@ -22,7 +22,7 @@ from pydantic import BaseModel, Field, ValidationError, ValidationInfo, field_va
 from extproc.cli_input import UsageError
 from extproc.discovery.settings import DiscoverySettings
 from extproc.routing.flows import FlowSettings
-from extproc.routing.settings import RoutingSettings
+from extproc.routing.settings import MOVED_KEYS, RoutingSettings
 from extproc.strict import Strict
 
 ENV_PREFIX = "LLM_RING__"
@@ -181,9 +181,9 @@ class Settings(Strict):
             raise ValueError("enabled: service.shed_requests_per_replica must be 0 with flow control (the queue "
                              "replaces shedding)")
         routing = info.data.get("routing")
-        if routing is not None and flow.reserved_slots >= routing.replica_slots:
-            raise ValueError(f"reserved_slots ({flow.reserved_slots}) must be below routing.replica_slots "
-                             f"({routing.replica_slots}): a replica would take nothing")
+        if routing is not None and flow.reserved_slots >= routing.replicas.slots:
+            raise ValueError(f"reserved_slots ({flow.reserved_slots}) must be below routing.replicas.slots "
+                             f"({routing.replicas.slots}): a replica would take nothing")
         return flow
 
 
@@ -258,6 +258,8 @@ def describe_errors(exc: ValidationError, source: str, from_env: Mapping[tuple[s
         origin = f"{variable} (environment)" if variable else source
         if error["type"] == "missing":
             problem = "missing (every setting must be given; there are no defaults)"
+        elif error["type"] == "extra_forbidden" and key in MOVED_KEYS:
+            problem = f"moved to {MOVED_KEYS[key]}"
         elif error["type"] == "extra_forbidden":
             valid = _valid_keys(model, error["loc"][:-1]) if model else []
             problem = "unknown setting" + (f" (valid: {', '.join(valid)})" if valid else "")

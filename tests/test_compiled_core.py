@@ -27,8 +27,8 @@ from extproc.routing.blocks import prefix_blocks
 import extproc.routing.prefix_index as index_module
 
 out = {"core": extproc.CORE, "index_module": index_module.__file__, "decisions": []}
-specs = [{"policy": "llm-aware", "prefix_index": True, "prefix_feedback": True, "prefix_capacity_tokens": 30_000},
-         {"policy": "llm-aware", "prefix_index": True, "placement_memory": False, "prefix_capacity_tokens": 30_000},
+specs = [{"policy": "llm-aware", "prefix_index": True, "prefix_feedback": True, "replicas.cache_tokens": 30_000},
+         {"policy": "llm-aware", "prefix_index": True, "placement_memory": False, "replicas.cache_tokens": 30_000},
          {"policy": "llm-aware"}, {"policy": "bounded"}, {"policy": "bounded", "load_unit": "requests"},
          {"policy": "consistent"}]
 for spec in specs:

@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from extproc.routing.replica_facts import ReplicaFacts
 from extproc.routing.settings import with_knobs
 from extproc.settings import SettingsError, load_settings, parse_routing, parse_settings
 from tests.routing.conftest import BASE
@@ -158,7 +159,7 @@ def test_a_missing_flow_key_stops_start_up_naming_it() -> None:
 @pytest.mark.parametrize(
     ("changes", "complaint"),
     [
-        ({"reserved_slots": 4}, "reserved_slots (4) must be below routing.replica_slots (4)"),
+        ({"reserved_slots": 4}, "reserved_slots (4) must be below routing.replicas.slots (4)"),
         ({"tenant_header": "X-Tenant"}, "tenant_header: String should match pattern"),
         ({"ttl_seconds": 601.0}, "flow.ttl_seconds: Input should be less than or equal to 600"),
         ({"objectives": {"fast": "high"}}, "flow.objectives.fast: Input should be a valid integer"),
@@ -178,8 +179,8 @@ def test_flow_control_and_shedding_are_not_both_on() -> None:
     assert parse_settings(raw).service.shed_requests_per_replica == 4
 
 
-# What describes the replicas, not a routing choice: each file holds its own replicas' figure
-REPLICA_FACTS = ("prefix_capacity_tokens", "replica_slots")
+# What describes the replicas, not a routing choice: each file holds its own replicas' figures
+REPLICA_FACTS = ("replicas",)
 
 
 def routing_files() -> dict[str, dict[str, Any]]:
@@ -196,8 +197,8 @@ def routing_files() -> dict[str, dict[str, Any]]:
         files[name] = tomllib.loads(yaml.safe_load((root / name).read_text())["data"]["router.toml"])
     files["llm-ring up"] = tomllib.loads(render_router_settings(
         reference, policy="llm-aware", admin_listen="127.0.0.1:1", metrics_listen="127.0.0.1:2",
-        replicas_file=Path("r.json"), envoy_endpoints_file=Path("e.json"), prefix_capacity_tokens=39685,
-        replica_slots=4))
+        replicas_file=Path("r.json"), envoy_endpoints_file=Path("e.json"),
+        replicas=ReplicaFacts(slots=4, cache_tokens=39685)))
     return {name: raw["routing"] for name, raw in files.items()}
 
 
@@ -232,11 +233,11 @@ def test_each_file_gives_the_prefix_index_the_capacity_of_its_own_replicas() -> 
     assert stack["model"] == "smollm2" and k8s["MODEL_FILE"].startswith("qwen2.5-0.5b")
     local = stack["ctx_size"] + stack["cache_ram_mib"] * 2**20 // kv_bytes("smollm2-135m")
     pods = int(k8s["LLAMA_ARG_CTX_SIZE"]) + int(k8s["LLAMA_ARG_CACHE_RAM"]) * 2**20 // kv_bytes("qwen05b-shape")
-    assert files["extproc/service/router.toml"]["llm-aware"]["prefix_capacity_tokens"] == local
+    assert files["extproc/service/router.toml"]["replicas"]["cache_tokens"] == local
     for name in ("k8s/41-router-config.yaml", "k8s/inference-pool/20-picker-config.yaml"):
-        assert files[name]["llm-aware"]["prefix_capacity_tokens"] == pods, name
-        assert files[name]["replica_slots"] == int(k8s["LLAMA_ARG_N_PARALLEL"]), name
-    assert files["extproc/sim/sim.toml"]["llm-aware"]["prefix_capacity_tokens"] == h100["kv_capacity_tokens"]
+        assert files[name]["replicas"]["cache_tokens"] == pods, name
+        assert files[name]["replicas"]["slots"] == int(k8s["LLAMA_ARG_N_PARALLEL"]), name
+    assert files["extproc/sim/sim.toml"]["replicas"]["cache_tokens"] == h100["kv_capacity_tokens"]
 
 
 @pytest.mark.parametrize(
@@ -256,3 +257,50 @@ def test_a_session_source_is_a_header_or_a_body_field_named_once(sources: list[s
         parse_settings(raw)
     raw["service"]["session_ids"] = []  # none: every conversation keyed by its opening
     assert parse_settings(raw).service.session_ids == []
+
+
+def test_the_replicas_facts_are_one_section_each_key_named() -> None:
+    facts = parse_routing(with_knobs(BASE, {"replicas.slots": 2, "replicas.cache_tokens": 5000})).replicas
+    assert facts == ReplicaFacts(slots=2, cache_tokens=5000)
+    without = {**BASE, "replicas": {"cache_tokens": 5000}}
+    with pytest.raises(SettingsError, match=r"routing settings: routing\.replicas\.slots: missing"):
+        parse_routing(without)
+    with pytest.raises(SettingsError, match=r"routing\.replicas\.cache_tokens: Input should be greater than 0"):
+        parse_routing(with_knobs(BASE, {"replicas.cache_tokens": 0}))
+    with pytest.raises(SettingsError, match=r"routing\.replicas\.ctx_size: unknown setting \(valid: slots, "
+                                            r"cache_tokens\)"):
+        parse_routing(with_knobs(BASE, {"replicas.ctx_size": 4096}))
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        ({"replica_slots": 4}, "routing.replica_slots: moved to routing.replicas.slots"),
+        ({"llm-aware": {**BASE["llm-aware"], "prefix_capacity_tokens": 4096}},
+         "routing.llm-aware.prefix_capacity_tokens: moved to routing.replicas.cache_tokens"),
+    ],
+)
+def test_a_replica_fact_under_its_old_key_is_refused_naming_its_place(old: dict[str, Any], new: str) -> None:
+    with pytest.raises(SettingsError) as refused:
+        parse_routing({**BASE, **old})
+    assert str(refused.value) == f"routing settings: {new}"  # one problem, one line
+
+
+def test_llm_ring_serve_refuses_an_old_key_with_exit_code_2_naming_its_place(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from extproc.cli import main
+
+    reference = Path(__file__).parents[1] / "extproc" / "service" / "router.toml"
+    config = tmp_path / "router.toml"
+    wake = "prior_model_wake_ms = 1500.0"
+    config.write_text(reference.read_text().replace(wake, f"{wake}\nreplica_slots = 4"))  # where it was
+    assert main(["serve", "--config", str(config)]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line == f"llm-ring serve: {config}: routing.replica_slots: moved to routing.replicas.slots", line
+
+
+def test_the_replicas_facts_are_knobs_and_environment_overrides_by_their_dotted_names() -> None:
+    reference = Path(__file__).parents[1] / "extproc" / "service" / "router.toml"
+    settings = load_settings(reference, environ={"LLM_RING__ROUTING__REPLICAS__SLOTS": "2"}).routing
+    assert settings.replicas.slots == 2 and settings.knobs()["replicas.slots"] == 2
+    assert parse_routing(with_knobs(settings.table(), settings.knobs())) == settings  # the Admin API's round trip

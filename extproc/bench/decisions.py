@@ -295,4 +295,5 @@ def _versus(figures: dict[str, float]) -> str:
 
 
 def _peer(policy: str) -> bool:
-    return make_policy(bench_settings(policy=policy)).prefix_block_chars > 0
+    settings = bench_settings(policy=policy)
+    return make_policy(settings, settings.replicas).prefix_block_chars > 0

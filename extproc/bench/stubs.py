@@ -97,7 +97,7 @@ def start_stub_picker(port: int, endpoint: str, workdir: Path) -> Running:
 # enough that every request is routed at once: a request's load is released when Envoy's access
 # log entry comes, in batches, so far more requests than the clients' are counted in flight
 FLOW_ENV = {"LLM_RING__FLOW__ENABLED": "true", "LLM_RING__FLOW__RESERVED_SLOTS": "0"}
-ROOM_KEY = "LLM_RING__ROUTING__REPLICA_SLOTS"
+ROOM_KEY = "LLM_RING__ROUTING__REPLICAS__SLOTS"
 ROOM_ENV = {ROOM_KEY: "1024"}
 
 

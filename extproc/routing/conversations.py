@@ -50,7 +50,7 @@ class Conversations:
         self.branch_points = PlacementMemory(capacity)
         # conversation -> {request id: history} of pending requests not yet shown answered
         self.unanswered: dict[str, dict[str, int]] = {}
-        # replica -> the openings of the last prompts sent to it, one per slot (routing.replica_slots)
+        # replica -> the openings of the last prompts sent to it, one per slot (Router.facts)
         self.openings: dict[str, deque[tuple[int, ...]]] = {}
 
     def forget(self) -> None:

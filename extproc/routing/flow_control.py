@@ -1,9 +1,9 @@
 """Flow control: a request goes to a replica while one has room, else it waits in the router
 (queue.py) and is dispatched, by priority and fair share, when room frees.
 
-**Room is a free slot.** A llama.cpp replica runs ``routing.replica_slots`` requests at once
-(``--parallel``) and queues the rest itself, first come first served, blind to tenants: a
-request sent to a full replica waits there in an order the router no longer controls. So a
+**Room is a free slot.** A llama.cpp replica runs as many requests at once as it has slots
+(``--parallel``, ``Router.facts``) and queues the rest itself, first come first served, blind to
+tenants: a request sent to a full replica waits there in an order the router no longer controls. So a
 replica has room while fewer than its slots are in flight (the ledger's requests, this
 router's and, with a store, the others'), and nothing more is sent to it: the router's queue
 replaces the replica's. A budget of predicted seconds would keep a queue inside the replica
@@ -231,12 +231,12 @@ class FlowControl:
         """The replicas with room for a request of ``flow`` (module docstring: headroom)."""
         reserved = self.settings.reserved_slots
         loads = self.router.ledger.loads("requests")
-        limit = self.router.settings.replica_slots  # the router's: a change of routing reaches it at once
-        if reserved and self.queue.demand(flow) >= self.queue.busiest_demand():
-            # the busiest flow (or one alone) keeps out of the reserved slots; at least one stays
-            # open should Admin.SetRouting lower replica_slots to reserved_slots or below
-            limit = max(1, limit - reserved)
-        return tuple(name for name in self.router.replicas if name not in avoid and loads.get(name, 0) < limit)
+        # the busiest flow (or one alone) keeps out of the reserved slots
+        kept_out = reserved if reserved and self.queue.demand(flow) >= self.queue.busiest_demand() else 0
+        router = self.router  # its facts: a change of routing reaches them at once
+        # at least one slot stays open should Admin.SetRouting lower the slots to reserved_slots or below
+        return tuple(name for name in router.replicas
+                     if name not in avoid and loads.get(name, 0) < max(1, router.facts(name).slots - kept_out))
 
     def _without(self, rooms: tuple[str, ...]) -> tuple[str, ...]:
         """The replicas a pick must avoid so that it lands in ``rooms`` (none when all have room,

@@ -42,7 +42,7 @@ class FlowSettings(Strict):
     default_priority: int = Field(description="the band of a request naming no objective, or an unknown one")
     anonymous_max_priority: int = Field(description="the highest band a request without the tenant header may "
                                                     "claim through its objective")
-    reserved_slots: int = Field(ge=0, description="of each replica's slots (routing.replica_slots), this many go "
+    reserved_slots: int = Field(ge=0, description="of each replica's slots (routing.replicas.slots), this many go "
                                                   "only to a flow holding fewer requests in flight or waiting "
                                                   "than the busiest flow")
     input_weight: float = Field(gt=0, description="work of a prompt token the replica computes (fair share)")

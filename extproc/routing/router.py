@@ -29,6 +29,7 @@ from extproc.routing.placement import PlacementMemory
 from extproc.routing.policies import CacheMoves, CacheReports, Policy, SentView, SharedView, make_policy
 from extproc.routing.policies.situation import Situation, new
 from extproc.routing.prefix_index import IndexChange
+from extproc.routing.replica_facts import ReplicaFacts
 from extproc.routing.residency import Residency
 from extproc.routing.ring import HashRing
 from extproc.routing.settings import RoutingSettings
@@ -50,7 +51,7 @@ class Router:
         self.speeds = _speeds(settings)
         # facts the replicas report, kept across reset() (their models stay loaded)
         self.residency = Residency(settings.prior_model_load_ms / 1000, settings.prior_model_wake_ms / 1000)
-        self.policy: Policy = make_policy(settings)
+        self.policy: Policy = make_policy(settings, settings.replicas)
         self._decide: Callable[[Situation], Decision | None] = self.policy.decide  # bound once, not per route
         self._view = _view_of(self.policy)
         self._learner = _learner_of(self.policy)
@@ -74,6 +75,11 @@ class Router:
     @property
     def ring(self) -> HashRing:
         return self._ring
+
+    def facts(self, replica: str) -> ReplicaFacts:
+        """What ``replica`` is (its slots, its cache): the fleet's [routing.replicas], which its
+        policy is built with, for every replica; where a replica's own facts would be answered."""
+        return self.settings.replicas
 
     def conversation_key(self, conversation: str) -> int:
         """The conversation's ring position, also its key in placement memory (hashed once)."""
@@ -243,7 +249,7 @@ class Router:
     def reconfigure(self, settings: RoutingSettings) -> None:
         """Switch policy or knobs at run time; in-flight load is kept."""
         old, self.settings, self._seed = self.settings, settings, settings.hash_seed
-        self._set_policy(make_policy(settings))
+        self._set_policy(make_policy(settings, settings.replicas))
         if (old.virtual_nodes, old.hash_seed) != (settings.virtual_nodes, settings.hash_seed):
             self._ring = HashRing(self._ring.replicas, settings.virtual_nodes, settings.hash_seed)
         # memory is keyed by the ring hash: a new seed re-places every conversation anyway
@@ -265,7 +271,7 @@ class Router:
         self.speeds.set_replicas(self._ring.replicas)
         self._migrated.clear()
         self._left_serving.clear()
-        self._set_policy(make_policy(self.settings))
+        self._set_policy(make_policy(self.settings, self.settings.replicas))
 
     def in_flight(self) -> int:
         return len(self._in_flight)

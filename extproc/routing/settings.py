@@ -1,5 +1,6 @@
-"""The [routing] settings: the policy, the keys every policy shares, and each policy's own
-section ``[routing.<name>]`` validated by the registry (extproc/routing/policies/plugin.py).
+"""The [routing] settings: the policy, the keys every policy shares, the replicas' description
+``[routing.replicas]`` (replica_facts.py), and each policy's own section ``[routing.<name>]``
+validated by the registry (extproc/routing/policies/plugin.py).
 
 The service's other sections, the file and the environment overrides are in extproc/settings.py.
 """
@@ -12,6 +13,7 @@ from typing import Any
 from pydantic import Field, model_validator
 
 from extproc.routing.policies import plugin
+from extproc.routing.replica_facts import ReplicaFacts
 from extproc.strict import Strict, validated_sections
 
 
@@ -33,9 +35,7 @@ class RoutingSettings(Strict):
     prior_model_load_ms: float = Field(ge=0, description="router mode: a model's load before one is seen "
                                                          "(docs/fleets.md)")
     prior_model_wake_ms: float = Field(ge=0, description="a sleeping model's wake before one is seen")
-    # a fact of the replicas (llama.cpp --parallel), read by llm-aware's prediction, flow control's
-    # room and the gateway's openings per replica
-    replica_slots: int = Field(gt=0, le=4096, description="requests a replica runs at once (llama.cpp --parallel)")
+    replicas: ReplicaFacts = Field(description="what every replica is (read through the Router)")
     params: dict[str, Any] = Field(description="policy name -> its validated section (built from the sections)")
 
     @model_validator(mode="before")
@@ -52,8 +52,10 @@ class RoutingSettings(Strict):
         return {**shared, "params": params}
 
     def knobs(self) -> dict[str, Any]:
-        """The shared keys and the chosen policy's parameters, in one flat mapping (the Admin API's view)."""
-        return {**self.model_dump(exclude={"params"}), **self.params[self.policy]._asdict()}
+        """The shared keys, the replicas' facts (``replicas.slots``) and the chosen policy's
+        parameters, in one flat mapping (the Admin API's view)."""
+        facts = {f"replicas.{key}": value for key, value in self.replicas.model_dump().items()}
+        return {**self.model_dump(exclude={"params", "replicas"}), **facts, **self.params[self.policy]._asdict()}
 
     def table(self) -> dict[str, Any]:
         """As the settings file's [routing] table: the shared keys and a section per policy given."""
@@ -62,15 +64,25 @@ class RoutingSettings(Strict):
 
 
 SHARED_ROUTING_KEYS = tuple(key for key in RoutingSettings.model_fields if key != "params")
+# the knobs that set the shared keys: the replicas' facts by their dotted names
+SHARED_KNOBS = (*(key for key in SHARED_ROUTING_KEYS if key != "replicas"),
+                *(f"replicas.{key}" for key in ReplicaFacts.model_fields))
+# keys an older settings file holds, refused naming where each one is (extproc/settings.py)
+MOVED_KEYS = {"routing.replica_slots": "routing.replicas.slots",
+              "routing.llm-aware.prefix_capacity_tokens": "routing.replicas.cache_tokens"}
 
 
 def with_knobs(table: Mapping[str, Any], knobs: Mapping[str, Any]) -> dict[str, Any]:
     """A [routing] table with flat ``knobs`` set (``policy`` among them, or not): a shared key in
-    [routing], any other in the chosen policy's section, where a key it does not have is refused."""
+    [routing], a dotted one (``replicas.slots``) in its section, any other in the chosen policy's
+    section, where a key it does not have is refused."""
     out = {key: dict(value) if isinstance(value, Mapping) else value for key, value in table.items()}
     policy = knobs.get("policy", out.get("policy"))
     for key, value in knobs.items():
-        if key in SHARED_ROUTING_KEYS:
+        section, dotted, name = key.partition(".")
+        if dotted:
+            out.setdefault(section, {})[name] = value
+        elif key in SHARED_ROUTING_KEYS:
             out[key] = value
         else:
             out.setdefault(str(policy), {})[key] = value

@@ -243,7 +243,7 @@ class Gateway:
         if parsed.opening:
             predicted = self.conversations.with_opening(decision, parsed.opening, request.prompt_tokens,
                                                         self.router.ledger.requests(decision.replica),
-                                                        self.router.settings.replica_slots)
+                                                        self.router.facts(decision.replica).slots)
         # Without an access log the stream itself says when the request is over (stream_ended),
         # as if logged at once.
         self.requests.track(Pending(

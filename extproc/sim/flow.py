@@ -12,7 +12,7 @@ flow_control.py), driven as the service's waiting room drives it (extproc/servic
   (429 ttl-expired) and dispatch.
 
 A dispatched request keeps its ``Wait`` (the service puts it in the decision trace as
-``queue``). Room is the router's ``routing.replica_slots`` requests a replica: the caller makes
+``queue``). Room is a replica's slots as the router knows them (``Router.facts``): the caller makes
 it the simulated replicas' room (flow_runs.replica_room).
 """
 

@@ -26,6 +26,7 @@ from extproc.analysis.metrics import spread
 from extproc.routing import make_policy
 from extproc.routing.fairness import FairnessWindow
 from extproc.routing.flows import FlowSettings
+from extproc.routing.settings import with_knobs
 from extproc.sim.costmodel import CostModel
 from extproc.sim.engine import Fleet, Outcome
 from extproc.sim.flow import FlowSpec
@@ -109,12 +110,13 @@ def flow_outcomes(source: Source, policies: Iterable[str], variants: list[Varian
     for seed in seeds:
         for policy in policies:
             # the router is told the simulated replicas' room, as the stack tells it their --parallel
-            base = {**config.routing, "replica_slots": replica_room(fleet, cost)}
+            base = with_knobs(config.routing, {"replicas.slots": replica_room(fleet, cost)})
             settings = parse_policy(policy, {**base, "hash_seed": seed} if source.seeds_hash else base)
+            block_chars = make_policy(settings, settings.replicas).prefix_block_chars
             for variant in variants:
                 spec = flow_spec(variant, config.flow)
-                yield policy, variant, seed, run_once(source.make(seed, make_policy(settings).prefix_block_chars),
-                                                      settings, cost, fleet, seed=seed, flow=spec)
+                yield policy, variant, seed, run_once(source.make(seed, block_chars), settings, cost, fleet,
+                                                      seed=seed, flow=spec)
 
 
 def tenant_figures(requests: list[Request], section: SimFlowSection) -> dict[str, Any]:

@@ -175,7 +175,7 @@ def roll_runs(source: Any, policies: list[str], seeds: list[int], config: Any, c
             base = {**config.routing, "hash_seed": seed} if source.seeds_hash else config.routing
             routing = parse_policy(policy, base)
             for migrate in (False, True):
-                workload = source.make(seed, make_policy(routing).prefix_block_chars)
+                workload = source.make(seed, make_policy(routing, routing.replicas).prefix_block_chars)
                 figures = simulate_roll(workload, routing, cost, fleet, replace(settings, migrate=migrate),
                                         config.routers, config.router_state, seed)
                 runs.append({"policy": policy, "seed": seed, **figures})

@@ -16,7 +16,7 @@ from extproc.policy_spec import ExperimentError
 from extproc.policy_spec import parse_policy as experiment_policy
 from extproc.records import REQUESTS_FILE, SPEEDS_FILE, RunMeta, write_records, write_run_metadata
 from extproc.routing import POLICIES, make_policy
-from extproc.routing.settings import SHARED_ROUTING_KEYS, RoutingSettings, with_knobs
+from extproc.routing.settings import MOVED_KEYS, SHARED_ROUTING_KEYS, RoutingSettings, with_knobs
 from extproc.routing.speeds import Speed
 from extproc.settings import SettingsError, parse_routing, read_toml, validate_settings
 from extproc.sim.costmodel import CostModel, load_cost_model
@@ -192,6 +192,8 @@ def _check_routing(routing: dict[str, Any], path: str | Path) -> None:
     shared = [key for key in SHARED_ROUTING_KEYS if key != "policy"]
     valid = (*shared, *POLICIES)
     for key in routing:
+        if f"routing.{key}" in MOVED_KEYS:
+            raise SettingsError(f"{path}: routing.{key}: moved to {MOVED_KEYS[f'routing.{key}']}")
         if key not in valid:
             raise SettingsError(f"{path}: routing.{key}: unknown setting (valid: {', '.join(valid)})")
     for key in shared:
@@ -286,7 +288,7 @@ def run_experiment(
         for spec in policies:
             base = {**config.routing, "hash_seed": seed} if source.seeds_hash else config.routing
             settings = parse_policy(spec, base)
-            workload = source.make(seed, make_policy(settings).prefix_block_chars)
+            workload = source.make(seed, make_policy(settings, settings.replicas).prefix_block_chars)
             if fleet.router_mode is not None:
                 with_models(workload, fleet.router_mode.shares, seed)
             elif model:

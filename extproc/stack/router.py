@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 import tomli_w
 
+from extproc.routing.replica_facts import ReplicaFacts
 from extproc.settings import read_toml
 from extproc.stack.daemons import Daemon, spawn, wait_for, wait_until
 from extproc.stack.errors import Progress, StackError
@@ -38,8 +39,7 @@ def start_router(stack: StackRun, gw: GatewayState, base_settings: str, progress
         envoy_endpoints_file=gw.envoy_dir / "endpoints.json",
         store_url=state.store_url if several else None,
         store_password_file=password_file(run / STORE) if several else None,
-        prefix_capacity_tokens=state.prefix_capacity_tokens or None,
-        replica_slots=state.replica_settings["parallel"],
+        replicas=ReplicaFacts(slots=state.replica_settings["parallel"], cache_tokens=state.prefix_capacity_tokens),
         tokenizer=_tokenizer(stack),
         replica_key_file=api_key_file(run),
     ))
@@ -89,19 +89,18 @@ def wait_router_forgets(names: set[str], router: str) -> None:
 def render_router_settings(base: Path, *, policy: str, admin_listen: str, metrics_listen: str, replicas_file: Path,
                            envoy_endpoints_file: Path, store_url: str | None = None,
                            store_password_file: Path | None = None,
-                           prefix_capacity_tokens: int | None = None, replica_slots: int | None = None,
+                           replicas: ReplicaFacts | None = None,
                            tokenizer: str | None = None, replica_key_file: Path | None = None) -> str:
     """The routing service's settings: `base` with this stack's addresses, files and policy.
     store_url, store_password_file (several gateways): their shared store, as [store] url and
-    password_file; prefix_capacity_tokens: what this stack's replicas hold; replica_slots: their
-    --parallel; tokenizer: their GGUF model file (service.tokenizer: counted as they count);
-    replica_key_file: the key they want (service.replica_api_key_file: their /v1/models)."""
+    password_file; replicas: what this stack's replicas are (their --parallel, the prompt tokens
+    they hold), as [routing.replicas]; tokenizer: their GGUF model file (service.tokenizer: counted
+    as they count); replica_key_file: the key they want (service.replica_api_key_file: their
+    /v1/models)."""
     raw = read_toml(base)
     raw["routing"]["policy"] = policy
-    if prefix_capacity_tokens is not None:  # llm-aware's own settings ([routing.llm-aware])
-        raw["routing"]["llm-aware"]["prefix_capacity_tokens"] = prefix_capacity_tokens
-    if replica_slots is not None:  # what llm-aware's prediction and flow control count on
-        raw["routing"]["replica_slots"] = replica_slots
+    if replicas is not None:
+        raw["routing"]["replicas"] = replicas.model_dump()
     raw["service"].update(  # no picker port: Envoy reaches ext_proc and the access log on the socket
         listen="",
         admin_listen=admin_listen,

@@ -71,7 +71,7 @@ class Stack(StackRun):
         progress(f"starting {rs.count} {rs.backend} replica(s) of {served} (ctx {rs.ctx_size}, "
                  f"{rs.parallel} slots, {rs.threads} thread(s), cache-ram {rs.cache_ram_mib} MiB: "
                  f"{capacity:,} tokens a replica at bytes a token {kv_bytes}, the routers' "
-                 f"prefix_capacity_tokens)")
+                 f"routing.replicas.cache_tokens)")
         fleet.start_replicas(self, [replicas.replica_name(i) for i in range(rs.count)], taken["replicas"], progress)
         fleet.write_replica_list(self)
         if several:

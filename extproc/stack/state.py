@@ -51,7 +51,8 @@ class StackState:
     store: dict[str, Any] = field(default_factory=dict)  # several gateways: the redis-server
     store_url: str = ""  # its URL, as written into each routing service's [store] url
     store_binary: str = ""
-    prefix_capacity_tokens: int = 0  # tokens a replica holds (ctx_size + cache-ram), written into each router
+    # tokens a replica holds (ctx_size + cache-ram): each router's routing.replicas.cache_tokens
+    prefix_capacity_tokens: int = 0
     supervisor: dict[str, Any] = field(default_factory=dict)
     restarts: dict[str, dict[str, float]] = field(default_factory=dict)  # process name -> supervisor.Restarts
     held_down: list[str] = field(default_factory=list)  # killed on purpose: the supervisor leaves them

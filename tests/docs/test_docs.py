@@ -19,6 +19,7 @@ import pytest
 from extproc.cli import COMMANDS, build_parser, main
 from extproc.routing import POLICIES
 from extproc.routing.policies.plugin import param_names
+from extproc.routing.replica_facts import ReplicaFacts
 from extproc.settings import DiscoverySettings, Settings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -127,7 +128,7 @@ def test_every_inline_command_names_real_options(page, span, tokens):
 
 
 SECTIONS = "|".join(Settings.model_fields)
-# routing.<policy>.<key> and discovery.<source>.<key> too; the rest: "unknown setting" examples
+# routing.<policy>.<key> and discovery.<source>.<key> too; the rest: "unknown setting" and "moved to" examples
 SETTING = re.compile(rf"`({SECTIONS})\.((?:[a-z-]+\.)?[a-z_]+)([^`]*)`")
 VARIABLE = re.compile(r"LLM_RING__([A-Z]+)__([A-Z_]+)")
 
@@ -137,9 +138,11 @@ def test_every_setting_named_exists(page):
     text = page.read_text()
     sections = {name: set(field.annotation.model_fields) for name, field in Settings.model_fields.items()}
     sections["routing"] |= {f"{policy}.{key}" for policy in POLICIES for key in param_names(policy)}
+    sections["routing"] |= {f"replicas.{key}" for key in ReplicaFacts.model_fields}
     sections["discovery"] |= {f"{source}.{key}" for source, model in DiscoverySettings.named_sections().items()
                               for key in model.model_fields}
-    named = [(section, key) for section, key, rest in SETTING.findall(text) if "unknown setting" not in rest]
+    named = [(section, key) for section, key, rest in SETTING.findall(text)
+             if "unknown setting" not in rest and "moved to" not in rest]
     named += [(section.lower(), _variable_key(key)) for section, key in VARIABLE.findall(text) if section != "SECTION"]
     unknown = sorted(f"{section}.{key}" for section, key in named if key not in sections[section])
     assert not unknown, f"{page.name} names settings that do not exist: {unknown}"

@@ -12,13 +12,14 @@ BASE: dict[str, Any] = {
     "hash_seed": 0,
     "memory_capacity": 10_000,
     "speed_learning": True, "speed_ewma_weight": 0.05, "prior_prefill_tokens_per_s": 167.0,
-    "prior_decode_tokens_per_s": 55.0, "prior_request_overhead_ms": 19.0, "replica_slots": 4,
+    "prior_decode_tokens_per_s": 55.0, "prior_request_overhead_ms": 19.0,
     "prior_model_load_ms": 1500.0, "prior_model_wake_ms": 1500.0,
+    "replicas": {"slots": 4, "cache_tokens": 100_000},
     "bounded": {"epsilon": 0.25, "load_unit": "requests"},
     "llm-aware": {
         "epsilon": 0.25, "cache_aware": True, "placement_memory": True, "long_stickiness": True,
         "long_prompt_tokens": 800, "long_load_factor": 2.0,
-        "prefix_index": False, "prefix_feedback": False, "prefix_capacity_tokens": 100_000,
+        "prefix_index": False, "prefix_feedback": False,
         # the walk's tests: llm-aware decides as before predicted times (tests/routing/test_ttft.py: on)
         "ttft_decisions": False, "ttft_margin": 1.0, "ttft_recompute_cost": True, "ttft_guard_factor": 2.0,
     },
@@ -33,8 +34,10 @@ BASE: dict[str, Any] = {
 
 
 def routing(**knobs: Any) -> RoutingSettings:
-    """BASE with ``knobs`` as a policy spec gives them: shared keys, or the chosen policy's."""
-    return parse_routing(with_knobs(BASE, knobs))
+    """BASE with ``knobs`` as a policy spec gives them: shared keys, or the chosen policy's;
+    ``slots`` and ``cache_tokens``: the replicas' ([routing.replicas])."""
+    facts = {f"replicas.{key}": knobs.pop(key) for key in ("slots", "cache_tokens") if key in knobs}
+    return parse_routing(with_knobs(BASE, {**knobs, **facts}))
 
 
 def key_with_walk(router: Router, *prefix: str) -> str:

@@ -1,5 +1,5 @@
 """Flow settings for the flow-control tests (tests/routing, tests/service); a replica's slots
-are the router's (routing.replica_slots: tests/routing/conftest.py's routing(replica_slots=N))."""
+are the router's (routing.replicas.slots: tests/routing/conftest.py's routing(slots=N))."""
 
 from __future__ import annotations
 

@@ -9,6 +9,7 @@ from extproc.routing.fairness import SWEEP_TENANTS, FairnessWindow
 from extproc.routing.flow_control import NO_REPLICA, QUEUE_FULL, FlowControl, Queued, Refused, Routed
 from extproc.routing.flows import Flow, flow_of
 from extproc.routing.queue import FAIR, NEW, FairQueue, Waiting
+from extproc.routing.replica_facts import ReplicaFacts
 from tests.routing.conftest import routing
 from tests.routing.flow_support import flow_settings
 
@@ -18,8 +19,8 @@ FILLER = Flow(0, "filler")
 
 
 def control(slots: int = 2, **changes: object) -> FlowControl:
-    """Flow control over two replicas of ``slots`` slots (routing.replica_slots)."""
-    return FlowControl(Router(routing(replica_slots=slots), REPLICAS), flow_settings(**changes))
+    """Flow control over two replicas of ``slots`` slots (routing.replicas.slots)."""
+    return FlowControl(Router(routing(slots=slots), REPLICAS), flow_settings(**changes))
 
 
 def request(rid: str, conversation: str | None = None, prompt: int = 100, max_tokens: int = 10) -> RouteRequest:
@@ -46,6 +47,18 @@ def test_with_room_and_nothing_waiting_a_request_is_routed_at_once_as_without_fl
         admitted = flow_control.admit(request(str(index)), LOW, (), 0.0)
         assert isinstance(admitted, Routed)
         assert admitted.ticket.decision == plain.route(request(str(index))).decision  # type: ignore[union-attr]
+
+
+def test_each_replica_s_room_is_its_slots_as_the_router_answers_them() -> None:
+    class OneSlotOnLlm0(Router):  # a replica whose own facts differ from the fleet's
+        def facts(self, replica: str) -> ReplicaFacts:
+            facts = super().facts(replica)
+            return facts.model_copy(update={"slots": 1}) if replica == "llm-0" else facts
+
+    flow_control = FlowControl(OneSlotOnLlm0(routing(slots=2), REPLICAS), flow_settings())
+    fill(flow_control, count=3)  # llm-0 one, llm-1 two
+    assert flow_control.router.ledger.loads("requests") == {"llm-0": 1, "llm-1": 2}
+    assert isinstance(flow_control.admit(request("late"), LOW, (), 1.0), Queued)
 
 
 def test_a_full_fleet_holds_the_request_until_a_slot_frees_then_it_goes_there() -> None:
@@ -230,7 +243,7 @@ def test_a_request_waits_for_its_full_cache_holder_as_long_as_its_cache_takes_to
 
 
 def test_patience_scale_stretches_the_wait_for_the_holder_up_to_half_the_ttl() -> None:
-    router = Router(routing(replica_slots=2), REPLICAS)
+    router = Router(routing(slots=2), REPLICAS)
     plain, stretched = FlowControl(router, flow_settings()), FlowControl(router, flow_settings(), patience_scale=3.0)
     [first, *_] = fill(plain)
     assert router.complete(first) is not None  # its conversation is cached there (100 tokens)

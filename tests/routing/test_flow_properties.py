@@ -158,7 +158,7 @@ class FlowControlMachine(RuleBasedStateMachine):
     def start(self, reserved: int, deficit: float) -> None:
         self.slots = 2
         self.settings = flow_settings(reserved_slots=reserved, locality_deficit=deficit, band_size=5, ttl_seconds=3.0)
-        self.control = FlowControl(Router(routing(replica_slots=self.slots), REPLICAS), self.settings)
+        self.control = FlowControl(Router(routing(slots=self.slots), REPLICAS), self.settings)
         self.now = 0.0
         self.sequence = 0
         self.in_flight: dict[str, Flow] = {}

@@ -110,7 +110,7 @@ def test_an_unknown_order_is_refused_with_the_known_ones() -> None:
 
 
 def test_without_patience_a_request_whose_holder_is_full_goes_elsewhere_at_once() -> None:
-    router = Router(routing(replica_slots=2), ["llm-0", "llm-1"])
+    router = Router(routing(slots=2), ["llm-0", "llm-1"])
     flow_control = FlowControl(router, flow_settings(), "fifo", patience=False)
     for rid in ("f0", "f1", "f2", "f3"):
         assert isinstance(flow_control.admit(RouteRequest(rid, rid, 100, 10), Flow(0, "x"), (), 0.0), Routed)

@@ -117,7 +117,7 @@ def test_a_turn_after_one_too_short_for_a_block_keeps_to_placement_memory() -> N
 
 def test_an_evicted_prefix_is_not_predicted_while_placement_memory_still_claims_it() -> None:
     capacity = 1000
-    router = Router(routing(prefix_index=True, prefix_capacity_tokens=capacity), ["llm-0"])
+    router = Router(routing(prefix_index=True, cache_tokens=capacity), ["llm-0"])
     alice = blocks("alice", "a1", "a2", "a3")
     router.route(RouteRequest("a1", "alice", 400, 10, alice))
     router.complete("a1")
@@ -202,7 +202,7 @@ def test_a_replica_reporting_whole_blocks_missing_gets_a_smaller_capacity_and_ke
     them again: the replica's capacity drops by their tokens and its oldest blocks go."""
     old, prompt = blocks("bob", "b1", "b2"), blocks("alice", "a1", "a2", "a3", "a4")  # 100 tokens a block
     for feedback in (True, False):
-        router = Router(routing(prefix_index=True, prefix_feedback=feedback, prefix_capacity_tokens=1000), ["llm-0"])
+        router = Router(routing(prefix_index=True, prefix_feedback=feedback, cache_tokens=1000), ["llm-0"])
         for number, (conversation, sent) in enumerate((("bob", old), ("alice", prompt))):
             router.route(RouteRequest(str(number), conversation, 100 * len(sent), 10, sent))
             router.complete(str(number))
@@ -222,7 +222,7 @@ def test_a_paged_servers_partial_last_block_is_not_taken_for_a_missing_block() -
     """Blocks covering less than the prompt (whole 512-token blocks of a 1,300-token prompt):
     a report of every block cached, short of the prediction by the tail, shrinks nothing."""
     prompt = blocks("a", "b")  # 2 whole blocks of 512 tokens, a 276-token tail the router has no block for
-    router = Router(routing(prefix_index=True, prefix_feedback=True, prefix_capacity_tokens=5000), ["llm-0"])
+    router = Router(routing(prefix_index=True, prefix_feedback=True, cache_tokens=5000), ["llm-0"])
     router.route(RouteRequest("1", "alice", 1300, 10, prompt))
     router.complete("1")
     second = RouteRequest("2", "alice", 1300, 10, prompt)
@@ -402,7 +402,7 @@ def test_requests_in_flight_on_a_replica_that_left_are_not_remembered() -> None:
 def test_a_prompt_no_replica_holds_goes_where_the_fleet_forgets_its_least_recent_prompt() -> None:
     """While replicas have room, a new prompt goes to the first of them clockwise (it evicts
     nothing); once all are full, to the one under the cap whose least recent prompt is oldest."""
-    router = Router(routing(prefix_index=True, prefix_capacity_tokens=400), NAMES)
+    router = Router(routing(prefix_index=True, cache_tokens=400), NAMES)
     placed = []
     for name in ("a", "b", "c"):
         decision = router.route(RouteRequest(name, name, 400, 10, blocks(name, "1", "2", "3"))).decision
@@ -458,7 +458,7 @@ def test_a_prompt_still_held_is_refreshed_when_its_request_ends_not_when_it_was_
     before another outlives it in the cache; one the index already forgot is not brought back."""
     first, second, third = blocks("a", "a1"), blocks("b", "b1"), blocks("c", "c1")  # 100 tokens a block
     for capacity in (400, 300):
-        router = Router(routing(prefix_index=True, prefix_capacity_tokens=capacity), ["llm-0"])
+        router = Router(routing(prefix_index=True, cache_tokens=capacity), ["llm-0"])
         router.route(RouteRequest("a", "a", 200, 10, first))
         router.route(RouteRequest("b", "b", 200, 10, second))  # at 300, the first one's tail goes
         router.complete("a")

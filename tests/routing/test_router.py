@@ -1,8 +1,12 @@
 from __future__ import annotations
 
+import typing
+
 import pytest
 
 from extproc.routing import Router, RouteRequest, reasons
+from extproc.routing.policies.llm_aware import LlmAware
+from extproc.routing.replica_facts import ReplicaFacts
 from tests.routing.conftest import routing
 
 REPLICAS = ["llm-0", "llm-1", "llm-2"]
@@ -145,3 +149,15 @@ def test_a_request_readdressed_to_another_conversation_takes_its_key() -> None:
     router = Router(routing(), REPLICAS)
     moved = router.readdressed(router.keyed(RouteRequest("r", "c", 10, 1)), "c-2")
     assert (moved.conversation, moved.key) == ("c-2", router.conversation_key("c-2"))
+
+
+def test_the_replicas_facts_are_the_router_s_and_its_policy_is_built_with_them() -> None:
+    router = Router(routing(prefix_index=True, ttft_decisions=True, slots=3, cache_tokens=5000), REPLICAS)
+    assert router.facts("llm-1") == ReplicaFacts(slots=3, cache_tokens=5000)
+    policy = typing.cast(LlmAware, router.policy)
+    assert policy.index is not None and policy.ttft is not None
+    assert (policy.ttft.slots, policy.index.capacity) == (3, 5000)
+    router.reconfigure(routing(prefix_index=True, ttft_decisions=True, slots=2, cache_tokens=700))  # Admin.SetRouting
+    policy = typing.cast(LlmAware, router.policy)
+    assert router.facts("llm-1").slots == 2 and policy.ttft is not None and policy.ttft.slots == 2
+    assert policy.index is not None and policy.index.capacity == 700

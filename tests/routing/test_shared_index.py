@@ -89,7 +89,7 @@ def test_a_router_whose_index_never_saw_a_conversation_follows_placement_memory(
 def test_a_router_whose_index_forgot_a_conversation_does_not_follow_placement_memory() -> None:
     """Its replica forgot it (evicted there, as the index knows): the cache placement memory
     claims is gone, and the prompt goes where no replica holds it (test_prefix_index's eviction)."""
-    router = Router(routing(prefix_index=True, prefix_capacity_tokens=1000), ["llm-0", "llm-1"])
+    router = Router(routing(prefix_index=True, cache_tokens=1000), ["llm-0", "llm-1"])
     alice = blocks("alice", "a1", "a2", "a3")
     served = router.route(RouteRequest("a1", "alice", 400, 10, alice)).decision.replica
     router.complete("a1")

@@ -40,7 +40,7 @@ def test_a_follow_up_stays_with_its_cache_beside_a_long_prefill_on_an_idle_fleet
 
 def test_it_moves_only_when_predicted_faster_by_the_margin() -> None:
     def pick(margin: float, queued: int) -> tuple[str, str]:
-        router = timed(ttft_margin=margin, replica_slots=4, ttft_guard_factor=100.0, ttft_recompute_cost=False)
+        router = timed(ttft_margin=margin, slots=4, ttft_guard_factor=100.0, ttft_recompute_cost=False)
         conversation = key_with_walk(router, "llm-0", "llm-1")
         router.memory.remember(router.conversation_key(conversation), "llm-0", 400)
         busy(router, "llm-0", 4, queued)  # all slots taken: it waits behind all of it
@@ -56,7 +56,7 @@ def test_it_moves_only_when_predicted_faster_by_the_margin() -> None:
 
 def test_a_move_pays_the_tokens_it_computes_again() -> None:
     def reason(recompute: bool) -> str:
-        router = timed(ttft_margin=0.0, replica_slots=4, ttft_guard_factor=100.0, ttft_recompute_cost=recompute)
+        router = timed(ttft_margin=0.0, slots=4, ttft_guard_factor=100.0, ttft_recompute_cost=recompute)
         conversation = key_with_walk(router, "llm-0", "llm-1")
         router.memory.remember(router.conversation_key(conversation), "llm-0", 400)
         busy(router, "llm-0", 4, 600)
@@ -87,7 +87,7 @@ def test_past_the_guard_rail_the_bounded_walk_decides() -> None:
 
 def test_a_full_replica_makes_a_request_wait_behind_all_its_work() -> None:
     def predicted(slots: int) -> float:
-        router = timed(replica_slots=slots)
+        router = timed(slots=slots)
         conversation = key_with_walk(router, "llm-0")
         busy(router, "llm-0", 2, 2000)
         busy(router, "llm-1", 2, 2000)

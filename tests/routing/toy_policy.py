@@ -49,4 +49,4 @@ class Toy:
                         situation.cached_tokens_on(replica), trace)
 
 
-PLUGIN = PolicyPlugin("toy", ToyParams, lambda params, routing: Toy(params), REASONS)
+PLUGIN = PolicyPlugin("toy", ToyParams, lambda params, routing, facts: Toy(params), REASONS)

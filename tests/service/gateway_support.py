@@ -127,11 +127,11 @@ class Gateway:
             time.sleep(0.05)
 
 
-def flow_env(replica_slots: str | None = None, **flow: str) -> dict[str, str]:
-    """[flow] settings as LLM_RING__FLOW__ variables (TOML values), flow control on; replica_slots:
-    the room a replica has (routing.replica_slots)."""
+def flow_env(slots: str | None = None, **flow: str) -> dict[str, str]:
+    """[flow] settings as LLM_RING__FLOW__ variables (TOML values), flow control on; slots: the
+    room a replica has (routing.replicas.slots)."""
     env = {f"LLM_RING__FLOW__{key.upper()}": value for key, value in {"enabled": "true", **flow}.items()}
-    return env | ({"LLM_RING__ROUTING__REPLICA_SLOTS": replica_slots} if replica_slots is not None else {})
+    return env | ({"LLM_RING__ROUTING__REPLICAS__SLOTS": slots} if slots is not None else {})
 
 
 @contextmanager

@@ -29,7 +29,7 @@ from tests.k8s.k8s_support import load_docs, schema_version
 from tests.service.gateway_support import back_to_back, gateway, llama_replicas
 
 GRAFANA = Path(__file__).parents[2] / "grafana"
-ONE_SLOT = {"replica_slots": "1", "reserved_slots": "0"}  # flow control on: a third request waits
+ONE_SLOT = {"slots": "1", "reserved_slots": "0"}  # flow control on: a third request waits
 MONITORING = Path(__file__).parents[2] / "k8s" / "monitoring"
 SCRAPE = GRAFANA / "prometheus-scrape.yml"
 # what Grafana puts in place of its variables: every router, a one-minute rate window

@@ -30,7 +30,7 @@ pytestmark = pytest.mark.live
 URL = "/v1/chat/completions"
 TTL_S = 6.0
 # one slot a replica (the replicas have 2: the second is never used), no headroom
-FLOW = {"replica_slots": "1", "reserved_slots": "0", "ttl_seconds": str(TTL_S)}
+FLOW = {"slots": "1", "reserved_slots": "0", "ttl_seconds": str(TTL_S)}
 TENANT = "x-gateway-inference-fairness-id"
 
 

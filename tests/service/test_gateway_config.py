@@ -24,6 +24,7 @@ from extproc.envoy.cors import REPLICA_CORS_HEADERS
 from extproc.envoy.surface import GENERATION_PATHS, HEALTH_PATHS, MODEL_PREFIX, MODELS_PATHS
 from extproc.routing import POLICIES
 from extproc.routing.policies.plugin import param_names
+from extproc.routing.replica_facts import ReplicaFacts
 from extproc.service.dataplanes.own_envoy_config import FlowOptions, flow_options, render_envoy_config
 from extproc.service.dataplanes.own_envoy_routes import PREFLIGHT_CLUSTER
 from extproc.service.sessions import SessionSources
@@ -208,8 +209,8 @@ def test_envoy_reaches_the_service_on_its_abstract_socket_alone(tmp_path: Path) 
 
 def test_every_router_setting_is_documented() -> None:
     """Each key has its row in a table of docs/configuration.md (`service.listen`, or `hash_seed` in
-    the routing table, `llm-aware.ttft_margin` in the policies' one, `discovery.file.path` for a
-    discovery source's own)."""
+    the routing table, `llm-aware.ttft_margin` in the policies' one, `replicas.slots` in the
+    replicas' one, `discovery.file.path` for a discovery source's own)."""
     readme = (Path(__file__).parents[2] / "docs" / "configuration.md").read_text()
     for policy in POLICIES:
         for key in param_names(policy):
@@ -217,10 +218,12 @@ def test_every_router_setting_is_documented() -> None:
     for source, model in DiscoverySettings.named_sections().items():
         for key in model.model_fields:
             assert f"| `discovery.{source}.{key}` |" in readme, f"discovery.{source}.{key} has no row"
+    for key in ReplicaFacts.model_fields:
+        assert f"| `replicas.{key}` |" in readme, f"routing.replicas.{key} has no row"
     for section, field in Settings.model_fields.items():
         for key in field.annotation.model_fields:  # type: ignore[union-attr]
-            if (section, key) in (("routing", "params"), ("discovery", "sections")):  # the sections above
-                continue
+            if (section, key) in (("routing", "params"), ("routing", "replicas"), ("discovery", "sections")):
+                continue  # the sections above
             documented = f"| `{section}.{key}` |" in readme or f"| `{key}` |" in readme
             assert documented, f"{section}.{key} has no row in docs/configuration.md"
 

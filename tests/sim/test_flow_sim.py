@@ -9,6 +9,7 @@ from collections import Counter
 import pytest
 
 from extproc.routing.flow_control import FlowControl
+from extproc.routing.settings import with_knobs
 from extproc.sim.costmodel import load_cost_model
 from extproc.sim.flow_runs import flow_spec, parse_variant, replica_room, tenant_figures
 from extproc.sim.request import Request
@@ -25,7 +26,7 @@ def noisy_neighbour(variant: str, replicas: int = 2) -> list[Request]:
     cost = load_cost_model(GPU)
     fleet = config.fleet(replicas, cost)
     spec = flow_spec(parse_variant(variant, config.flow), config.flow)
-    routing = parse_policy("llm-aware", {**config.routing, "replica_slots": replica_room(fleet, cost)})
+    routing = parse_policy("llm-aware", with_knobs(config.routing, {"replicas.slots": replica_room(fleet, cost)}))
     return run_once(mixed_workload(MIXES["noisy-neighbour"], 1), routing, cost, fleet, flow=spec).requests
 
 

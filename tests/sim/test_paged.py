@@ -210,4 +210,4 @@ def test_the_simulated_index_believes_the_arena_pool_holds_what_it_does():
     seed 1, both track within a block: about 435,700 of 436,000 tokens used on every replica)."""
     pool = load_cost_model("llama31-8b-h100-vllm").server
     assert pool is not None
-    assert load_sim_config().routing["llm-aware"]["prefix_capacity_tokens"] == pool.kv_capacity_tokens
+    assert load_sim_config().routing["replicas"]["cache_tokens"] == pool.kv_capacity_tokens

@@ -15,7 +15,7 @@ def rolled(migrate: bool, transfer: float = 1e9, profile: str = "quick", at_s: f
     routing = parse_policy("llm-aware", config.routing)
     source = profile_source(profile)
     fleet = config.fleet(3, cost)
-    workload = source.make(1, make_policy(routing).prefix_block_chars)
+    workload = source.make(1, make_policy(routing, routing.replicas).prefix_block_chars)
     return simulate_roll(workload, routing, cost, fleet, RollSettings(at_s, 2.0, migrate, transfer, 16))
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from extproc.cli import main as cli
+from extproc.routing.replica_facts import ReplicaFacts
 from extproc.settings import SettingsError, load_settings
 from extproc.stack.errors import StackError
 from extproc.stack.ports import PortInUse
@@ -82,11 +83,10 @@ def test_router_settings_are_the_reference_with_this_stacks_addresses(tmp_path: 
     sized.write_text(render_router_settings(
         ROUTER_REFERENCE, policy="llm-aware", admin_listen="127.0.0.1:1234", metrics_listen="127.0.0.1:1235",
         replicas_file=tmp_path / "replicas.json", envoy_endpoints_file=tmp_path / "eds.json",
-        prefix_capacity_tokens=4096, replica_slots=2))
+        replicas=ReplicaFacts(slots=2, cache_tokens=4096)))
     sized_all = load_settings(sized, environ={})
-    sized_settings = sized_all.routing.params["llm-aware"]
-    assert sized_settings.prefix_capacity_tokens == 4096  # what the replicas hold
-    assert sized_all.routing.replica_slots == 2  # their --parallel, one key for every reader
+    assert sized_all.routing.replicas.cache_tokens == 4096  # what the replicas hold
+    assert sized_all.routing.replicas.slots == 2  # their --parallel, one key for every reader
 
 
 @pytest.mark.parametrize("port_key", ["gateway", "replica_base"])
@@ -120,11 +120,10 @@ def test_the_written_router_settings_read_back_as_the_base_with_only_the_stacks_
         ROUTER_REFERENCE, policy="kv-cost", admin_listen="127.0.0.1:1234", metrics_listen="127.0.0.1:1235",
         replicas_file=tmp_path / "replicas.json", envoy_endpoints_file=endpoints,
         store_url="redis://llm-ring@127.0.0.1:9/0", store_password_file=tmp_path / "store" / "pw",
-        prefix_capacity_tokens=4096, replica_slots=2)
+        replicas=ReplicaFacts(slots=2, cache_tokens=4096))
     expected = tomllib.loads(ROUTER_REFERENCE.read_text())
     expected["routing"]["policy"] = "kv-cost"
-    expected["routing"]["llm-aware"]["prefix_capacity_tokens"] = 4096
-    expected["routing"]["replica_slots"] = 2
+    expected["routing"]["replicas"] = {"slots": 2, "cache_tokens": 4096}
     expected["service"] |= {"listen": "", "admin_listen": "127.0.0.1:1234", "ext_proc_socket": "llm-ring-1234",
                             "metrics_listen": "127.0.0.1:1235", "envoy_endpoints_file": str(endpoints),
                             "routing_headers": True}

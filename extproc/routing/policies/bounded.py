@@ -76,4 +76,4 @@ class Bounded:
         return new(Decision, (chosen, reason, cost, work, situation.cached_tokens_on(chosen), trace))
 
 
-PLUGIN: PolicyPlugin = PolicyPlugin("bounded", BoundedParams, lambda params, routing: Bounded(params), REASONS)
+PLUGIN: PolicyPlugin = PolicyPlugin("bounded", BoundedParams, lambda params, routing, facts: Bounded(params), REASONS)

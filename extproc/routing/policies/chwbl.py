@@ -68,5 +68,6 @@ class Chwbl:
                              figures=(("load_factor", self.load_factor),), walk=(home, total + 1, cap, tuple(checks)))
 
 
-PLUGIN: PolicyPlugin = PolicyPlugin("chwbl", ChwblParams, lambda params, routing: Chwbl(params, routing.hash_seed), {
+PLUGIN: PolicyPlugin = PolicyPlugin("chwbl", ChwblParams,
+                                    lambda params, routing, facts: Chwbl(params, routing.hash_seed), {
     **HOME_REASON, "overflow": WALK_REASONS["overflow"]})

@@ -21,5 +21,5 @@ class Consistent:
         return unbounded_decision(self.name, situation, replica, "home")
 
 
-PLUGIN: PolicyPlugin = PolicyPlugin("consistent", NoParams, lambda params, routing: Consistent(),
+PLUGIN: PolicyPlugin = PolicyPlugin("consistent", NoParams, lambda params, routing, facts: Consistent(),
                       HOME_REASON)

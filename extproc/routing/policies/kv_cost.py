@@ -92,5 +92,5 @@ class KvCost:
         self.active.set_replicas(replicas)
 
 
-PLUGIN: PolicyPlugin = PolicyPlugin("kv-cost", KvCostParams, lambda params, routing: KvCost(params), {
+PLUGIN: PolicyPlugin = PolicyPlugin("kv-cost", KvCostParams, lambda params, routing, facts: KvCost(params), {
     "min-cost": "kv-cost: lowest Dynamo cost (prefill blocks after overlap + active decode blocks)"})

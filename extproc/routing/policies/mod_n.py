@@ -22,5 +22,5 @@ class ModN:
         return unbounded_decision(self.name, situation, replica, "hash")
 
 
-PLUGIN: PolicyPlugin = PolicyPlugin("mod-n", NoParams, lambda params, routing: ModN(),
+PLUGIN: PolicyPlugin = PolicyPlugin("mod-n", NoParams, lambda params, routing, facts: ModN(),
                       {"hash": "mod-n: hash(conversation) mod the number of replicas"})

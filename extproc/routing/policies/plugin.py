@@ -20,6 +20,7 @@ from pydantic import TypeAdapter
 from extproc.routing.decision import Decision, RouteRequest
 from extproc.routing.policies.situation import Situation
 from extproc.routing.prefix_index import IndexChange
+from extproc.routing.replica_facts import ReplicaFacts
 
 
 class RoutingKeys(Protocol):
@@ -34,9 +35,6 @@ class RoutingKeys(Protocol):
 
     @property
     def hash_seed(self) -> int: ...
-
-    @property
-    def replica_slots(self) -> int: ...
 
 
 class Policy(Protocol):
@@ -106,7 +104,8 @@ class CacheReports(Protocol):
 class PolicyPlugin(NamedTuple):
     name: str  # [routing] policy, and its section [routing.<name>]
     params: type[tuple[Any, ...]]  # a NamedTuple of Annotated fields: the section's keys
-    factory: Callable[[Any, RoutingKeys], Policy]  # (its validated params, the shared [routing] keys)
+    # (its validated params, the shared [routing] keys, what every replica is: the Router's facts)
+    factory: Callable[[Any, RoutingKeys, ReplicaFacts], Policy]
     reasons: Mapping[str, str]  # reason code -> meaning, every code its decisions give
 
 
@@ -152,6 +151,7 @@ def reasons() -> dict[str, str]:
     return merged
 
 
-def make_policy(settings: RoutingKeys) -> Policy:
+def make_policy(settings: RoutingKeys, facts: ReplicaFacts) -> Policy:
+    """The chosen policy, built for replicas that are as ``facts`` says."""
     plugin = REGISTRY[settings.policy]
-    return plugin.factory(settings.params[settings.policy], settings)
+    return plugin.factory(settings.params[settings.policy], settings, facts)

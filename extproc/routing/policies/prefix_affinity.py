@@ -88,6 +88,6 @@ class PrefixAffinity:
 
 
 PLUGIN: PolicyPlugin = PolicyPlugin("prefix-affinity", PrefixAffinityParams,
-                                    lambda params, routing: PrefixAffinity(params),
+                                    lambda params, routing, facts: PrefixAffinity(params),
                       {"best-score": "prefix-affinity: highest llm-d score (prefix_weight x prefix match + "
                                      "queue_weight x queue + kv_weight x KV free)"})

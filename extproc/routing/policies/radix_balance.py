@@ -86,7 +86,8 @@ class RadixBalance:
         self.tree.set_replicas(replicas)  # SGLang: remove_tenant
 
 
-PLUGIN: PolicyPlugin = PolicyPlugin("radix-balance", RadixBalanceParams, lambda params, routing: RadixBalance(params), {
+PLUGIN: PolicyPlugin = PolicyPlugin("radix-balance", RadixBalanceParams,
+                                    lambda params, routing, facts: RadixBalance(params), {
     "cache-match": "radix-balance: loads balanced and the longest prefix match is above cache_threshold",
     "min-load": "radix-balance: loads balanced but no match above cache_threshold; fewest in flight",
     "imbalanced": "radix-balance: loads imbalanced (both thresholds exceeded); fewest in flight",

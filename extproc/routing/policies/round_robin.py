@@ -25,5 +25,5 @@ class RoundRobin:
         return unbounded_decision(self.name, situation, replica, "rotate")
 
 
-PLUGIN: PolicyPlugin = PolicyPlugin("round-robin", NoParams, lambda params, routing: RoundRobin(),
+PLUGIN: PolicyPlugin = PolicyPlugin("round-robin", NoParams, lambda params, routing, facts: RoundRobin(),
                       {"rotate": "round-robin: the next replica in turn"})

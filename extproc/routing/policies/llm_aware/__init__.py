@@ -9,7 +9,7 @@
 - long_stickiness: a cached conversation of at least long_prompt_tokens may load its
   replica up to long_load_factor × average before being moved: moving it costs most.
 - prefix_index (docs/prefix-index.md): where the cache is comes from a bounded index of
-  the prompt blocks sent to each replica (at most prefix_capacity_tokens each, least
+  the prompt blocks sent to each replica (at most its cache_tokens each, least
   recently sent forgotten first), not from placement memory (index.py). Over the cap the
   cached replica keeps the request unless another replica fits under the cap or would land
   (1 + ε) times lower: a redirect pays the whole prefill again. It also takes it while within
@@ -37,19 +37,21 @@ from extproc.routing.policies.llm_aware.view import IndexView
 from extproc.routing.policies.llm_aware.where import PlacementMemoryCache
 from extproc.routing.policies.plugin import PolicyPlugin
 from extproc.routing.prefix_index import PrefixIndex
+from extproc.routing.replica_facts import ReplicaFacts
 
 
-def make_llm_aware(params: LlmAwareParams, slots: int) -> LlmAware:
-    """llm-aware with the cache found by placement memory, or by a prefix index it keeps up to date."""
+def make_llm_aware(params: LlmAwareParams, facts: ReplicaFacts) -> LlmAware:
+    """llm-aware with the cache found by placement memory, or by a prefix index it keeps up to
+    date, holding each replica's cache_tokens."""
     if not params.prefix_index:
-        return LlmAware(params, slots, PlacementMemoryCache(), None)
-    index = PrefixIndex(params.prefix_capacity_tokens)
-    return LlmAware(params, slots, IndexedCache(index, params.placement_memory),
+        return LlmAware(params, facts.slots, PlacementMemoryCache(), None)
+    index = PrefixIndex(facts.cache_tokens)
+    return LlmAware(params, facts.slots, IndexedCache(index, params.placement_memory),
                     IndexView(index, params.prefix_feedback))
 
 
 PLUGIN: PolicyPlugin = PolicyPlugin("llm-aware", LlmAwareParams,
-                                    lambda params, routing: make_llm_aware(params, routing.replica_slots), REASONS)
+                                    lambda params, routing, facts: make_llm_aware(params, facts), REASONS)
 
 __all__ = ["INDEX_BLOCK_CHARS", "PLUGIN", "IndexView", "LlmAware", "LlmAwareParams", "LlmAwareTrace",
            "make_llm_aware"]

@@ -19,15 +19,14 @@ LlmAwareParams = NamedTuple("LlmAwareParams", [
     ("long_prompt_tokens", Annotated[int, Field(gt=0, description="a conversation is long from this many prompt "
                                                                   "tokens")]),
     ("long_load_factor", Annotated[float, Field(gt=1, le=100, description="long cap = factor x average")]),
-    # the prefix index (docs/prefix-index.md): two more switchable additions and its capacity
+    # the prefix index (docs/prefix-index.md; its capacity: routing.replicas.cache_tokens): two more
+    # switchable additions
     ("prefix_index", Annotated[bool, Field(description="expected cache on each replica = its longest held prefix "
                                                        "of the prompt; over the cap a redirect must land "
                                                        "(1 + epsilon) times lower")]),
     ("prefix_feedback", Annotated[bool, Field(description="prefix index: a replica reporting whole blocks fewer "
                                                           "(more) than predicted has its capacity lowered (raised) "
                                                           "by as many tokens")]),
-    ("prefix_capacity_tokens", Annotated[int, Field(gt=0, description="prefix index: tokens each replica holds "
-                                                                      "(LRU beyond)")]),
     # on predicted time to first token (docs/policies.md)
     ("ttft_decisions", Annotated[bool, Field(description="pick by predicted time to first token; the bounded walk "
                                                          "decides only past ttft_guard_factor x average")]),

@@ -26,7 +26,7 @@ class TtftPrediction:
         self.margin = params.ttft_margin
         self.recompute_cost = params.ttft_recompute_cost
         self.guard_factor = params.ttft_guard_factor
-        self.slots = slots  # routing.replica_slots: below, a new request shares the replica; at it, it waits
+        self.slots = slots  # a replica's (ReplicaFacts): below, a new request shares the replica; at it, it waits
 
     def decide(self, situation: Situation, preferred: str, preferred_cost: int, costs: dict[str, int], work: int,
                average: float, cached: bool, holds_cache: bool) -> tuple[str, Predicted] | None:
