@@ -75,14 +75,15 @@ MOVED_KEYS = {"routing.replica_slots": "routing.replicas.slots",
 def with_knobs(table: Mapping[str, Any], knobs: Mapping[str, Any]) -> dict[str, Any]:
     """A [routing] table with flat ``knobs`` set (``policy`` among them, or not): a shared key in
     [routing], a dotted one (``replicas.slots``) in its section, any other in the chosen policy's
-    section, where a key it does not have is refused."""
+    section, where a key it does not have is refused; a moved key stays where it was, so that its
+    refusal names the new place."""
     out = {key: dict(value) if isinstance(value, Mapping) else value for key, value in table.items()}
     policy = knobs.get("policy", out.get("policy"))
     for key, value in knobs.items():
         section, dotted, name = key.partition(".")
         if dotted:
             out.setdefault(section, {})[name] = value
-        elif key in SHARED_ROUTING_KEYS:
+        elif key in SHARED_ROUTING_KEYS or f"routing.{key}" in MOVED_KEYS:
             out[key] = value
         else:
             out.setdefault(str(policy), {})[key] = value

@@ -128,6 +128,16 @@ def test_set_routing_changes_only_the_knobs_given_and_refuses_bad_values_by_name
     assert gateway.router.settings.knobs()["epsilon"] == 0.5  # nothing changed
 
 
+@pytest.mark.parametrize(("knob", "place"), [("replica_slots", "routing.replicas.slots"),
+                                             ("prefix_capacity_tokens", "routing.replicas.cache_tokens")])
+def test_set_routing_refuses_a_moved_knob_naming_its_new_place(knob: str, place: str) -> None:
+    gateway = make_gateway()
+    context = AbortingContext()
+    with pytest.raises(grpc.RpcError):
+        set_routing(AdminService(gateway), {"policy": '"llm-aware"', knob: "4"}, context)
+    assert context.code == grpc.StatusCode.INVALID_ARGUMENT and f"{knob}: moved to {place}" in context.details
+
+
 def test_set_routing_sets_any_registered_policys_own_parameters() -> None:
     """A peer policy's parameter, which no field of the Admin message names, is set by its key."""
     gateway = make_gateway()
