@@ -129,7 +129,8 @@ def _leave(stack: StackRun, leaving: list[Replica], staying: list[Replica], prog
         out = _iso(time.time())
         steps = []
         for replica in leaving:
-            outcome = migrate_draining(stack, replica, staying, deadline, progress, Outcome(replica.name))
+            outcome = (migrate_draining(stack, replica, staying, deadline, progress, Outcome(replica.name))
+                       if _receivers(stack, replica, staying) else Outcome(replica.name).as_dict())
             steps.append({"replica": replica.name, "out": out, "drained": _iso(time.time()), "migration": outcome})
         _take_out(stack, staying, {r.name for r in leaving})
         # a follow-up routed there just before it left the lists (its cache not moved) finishes
@@ -198,8 +199,8 @@ def _migrate(stack: StackRun, leaving: Replica, staying: list[Replica], deadline
     from extproc.migration.slotfiles import Identity
 
     model = stack.model_of(leaving.name)
-    staying = [r for r in staying if stack.model_of(r.name).path == model.path]  # another model's cache is none
-    if not staying or stack.router_mode:  # router mode: a slot belongs to one of several models (docs/fleets.md)
+    staying = _receivers(stack, leaving, staying)
+    if not staying:
         return Outcome(leaving.name)
     section = stack.state.migration
     identity = Identity(model.sha256, stack.replica_settings(leaving.name).slot_context, "f16")
@@ -213,6 +214,15 @@ def _migrate(stack: StackRun, leaving: Replica, staying: list[Replica], deadline
                           [gw.router_address for gw in stack.gateway_list], folder, identity, transport, costs,
                           limits, deadline, progress, done, replica_key=replica_key(stack))
     return outcome
+
+
+def _receivers(stack: StackRun, leaving: Replica, staying: list[Replica]) -> list[Replica]:
+    """The staying replicas that can take `leaving`'s caches: those of its model (another model's
+    cache is none); none in router mode, where a slot belongs to one of several models (docs/fleets.md)."""
+    if stack.router_mode:
+        return []
+    model = stack.model_of(leaving.name).path
+    return [r for r in staying if stack.model_of(r.name).path == model]
 
 
 def reset_caches(stack: StackRun, progress: Progress) -> None:

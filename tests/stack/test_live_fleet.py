@@ -7,6 +7,7 @@ OpenAI's shape, and the openai SDK lists both models."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from datetime import datetime
 from typing import Any
 
 import httpx
@@ -79,7 +80,11 @@ def test_an_unknown_model_gets_404_and_a_model_whose_replicas_left_503(lab: Loca
                          timeout=30)
     assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
     assert "smollm2" in error_message(unknown.json()) and "tiny" in error_message(unknown.json())
-    lab.scale(2)  # llm-2, the only tiny replica, leaves
+    # llm-2, the only tiny replica, leaves: no replica can take its caches, so it does not wait
+    # for their move until the drain's deadline (stack.toml's drain_seconds, 60) but drains at once
+    [step] = lab.scale_in(2, migrate=None)
+    took = datetime.fromisoformat(str(step["drained"])) - datetime.fromisoformat(str(step["out"]))
+    assert step["replica"] == "llm-2" and step["migration"]["slots"] == 0 and took.total_seconds() < 30, step
     try:
         gone = httpx.post(lab.gateway_url + "/v1/chat/completions", json={**body, "model": "tiny"}, timeout=30)
         assert gone.status_code == 503 and error_message(gone.json()).startswith("the model 'tiny' has no ready")
