@@ -129,8 +129,9 @@ def _leave(stack: StackRun, leaving: list[Replica], staying: list[Replica], prog
         out = _iso(time.time())
         steps = []
         for replica in leaving:
-            outcome = (migrate_draining(stack, replica, staying, deadline, progress, Outcome(replica.name))
-                       if _receivers(stack, replica, staying) else Outcome(replica.name).as_dict())
+            receivers = _receivers(stack, replica, staying)
+            outcome = (migrate_draining(stack, replica, receivers, deadline, progress, Outcome(replica.name))
+                       if receivers else Outcome(replica.name).as_dict())
             steps.append({"replica": replica.name, "out": out, "drained": _iso(time.time()), "migration": outcome})
         _take_out(stack, staying, {r.name for r in leaving})
         # a follow-up routed there just before it left the lists (its cache not moved) finishes
@@ -175,33 +176,31 @@ def drain_seconds(stack: StackRun, fallback: float) -> float:
     return float(stack.state.migration.get("drain_seconds", fallback))
 
 
-def migrate_draining(stack: StackRun, leaving: Replica, staying: list[Replica], deadline: float, progress: Progress,
+def migrate_draining(stack: StackRun, leaving: Replica, receivers: list[Replica], deadline: float, progress: Progress,
                      early: Outcome) -> dict[str, object]:
-    """Move `leaving`'s caches as its slots turn idle (early: what was moved already), until
-    none is busy or the deadline (migrate.py's migrate_while_draining)."""
+    """Move `leaving`'s caches to `receivers` (the staying replicas of its model) as its slots
+    turn idle (early: what was moved already), until none is busy or the deadline (migrate.py's
+    migrate_while_draining)."""
     from extproc.migration.llama import LlamaServer
     from extproc.migration.migrate import migrate_while_draining
 
     source = LlamaServer(leaving.address, max(1.0, deadline - time.monotonic()), replica_key(stack))
     total = migrate_while_draining(
-        source, deadline, lambda saved: _migrate(stack, leaving, staying, deadline, lambda _: None, saved), early)
+        source, deadline, lambda saved: _migrate(stack, leaving, receivers, deadline, lambda _: None, saved), early)
     problem = f"; {total.problems[0]}" if total.problems else ""
     progress(f"drained {leaving.name}; migration: {len(total.moved)} of {total.slots} slot(s) moved "
              f"({total.bytes:,} bytes, {total.seconds:.2f}s){problem}")
     return total.as_dict()
 
 
-def _migrate(stack: StackRun, leaving: Replica, staying: list[Replica], deadline: float, progress: Progress,
+def _migrate(stack: StackRun, leaving: Replica, receivers: list[Replica], deadline: float, progress: Progress,
              done: frozenset[tuple[int, int]]) -> Outcome:
-    """Move what is worth moving from `leaving` to the staying replicas of its model."""
-    from extproc.migration.migrate import Limits, Outcome, SharedFolder, migrate_out
+    """Move what is worth moving from `leaving` to `receivers` (the staying replicas of its model)."""
+    from extproc.migration.migrate import Limits, SharedFolder, migrate_out
     from extproc.migration.planner import Costs
     from extproc.migration.slotfiles import Identity
 
     model = stack.model_of(leaving.name)
-    staying = _receivers(stack, leaving, staying)
-    if not staying:
-        return Outcome(leaving.name)
     section = stack.state.migration
     identity = Identity(model.sha256, stack.replica_settings(leaving.name).slot_context, "f16")
     costs = Costs(model.kv_bytes_per_token, section["prefill_ms_per_token"] / 1000,
@@ -209,8 +208,8 @@ def _migrate(stack: StackRun, leaving: Replica, staying: list[Replica], deadline
     limit = int(section["max_disk_mib"]) * 2**20
     limits = Limits(int(section["min_tokens"]), limit, float(section["max_age_seconds"]), limit)
     folder = replicas.slot_folder(Path(stack.state.run_dir))
-    transport = SharedFolder(folder, {r.name: identity for r in staying})
-    outcome = migrate_out((leaving.name, leaving.address), {r.name: r.address for r in staying},
+    transport = SharedFolder(folder, {r.name: identity for r in receivers})
+    outcome = migrate_out((leaving.name, leaving.address), {r.name: r.address for r in receivers},
                           [gw.router_address for gw in stack.gateway_list], folder, identity, transport, costs,
                           limits, deadline, progress, done, replica_key=replica_key(stack))
     return outcome
