@@ -130,8 +130,11 @@ def _leave(stack: StackRun, leaving: list[Replica], staying: list[Replica], prog
         steps = []
         for replica in leaving:
             receivers = _receivers(stack, replica, staying)
-            outcome = (migrate_draining(stack, replica, receivers, deadline, progress, Outcome(replica.name))
-                       if receivers else Outcome(replica.name).as_dict())
+            if receivers:
+                outcome = migrate_draining(stack, replica, receivers, deadline, progress, Outcome(replica.name))
+            else:
+                progress(f"{replica.name}: no staying replica of its model takes its caches; draining only")
+                outcome = Outcome(replica.name).as_dict()
             steps.append({"replica": replica.name, "out": out, "drained": _iso(time.time()), "migration": outcome})
         _take_out(stack, staying, {r.name for r in leaving})
         # a follow-up routed there just before it left the lists (its cache not moved) finishes
